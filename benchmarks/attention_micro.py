@@ -1,0 +1,151 @@
+"""Micro-benchmark: ReferenceAttention vs TorchSDPAAttention on the default model's head shape.
+
+Cases (9 query heads, 3 KV heads, head_dim 64, block_size 16, shuffled blocks):
+  decode64x256  -- 64 decode rows, each with seq_len 256 (255 cached + 1 new token)
+  prefill512    -- one fresh 512-token prefill (no cached context)
+  chunk256+256  -- a 256-token prefill chunk on top of 256 cached tokens
+
+For torch_sdpa, "warm" reuses the per-step plan (what layers 2..N of a model see) and
+"cold" rebuilds it every call (what layer 1 sees). Times are per layer call, in ms.
+
+    python benchmarks/attention_micro.py [--dtype float32|bfloat16|both] [--iters N] [--threads N] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pagellm.attention import AttentionMetadata, ReferenceAttention, TorchSDPAAttention  # noqa: E402
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+
+
+def build(reqs: list[tuple[int, int]], dtype: torch.dtype, seed: int = 0):
+    """reqs: (cached context, new tokens) per request -> (args for forward, metadata)."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in reqs]
+    nblk = [-(-s // BLOCK_SIZE) for s in seq_lens]
+    num_blocks = sum(nblk) + 8
+    perm = torch.randperm(num_blocks, generator=g)
+    block_tables = torch.zeros(len(reqs), max(nblk), dtype=torch.long)
+    off = 0
+    for r, n in enumerate(nblk):
+        block_tables[r, :n] = perm[off : off + n]
+        off += n
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    key_cache = torch.randn(shape, generator=g).to(dtype)
+    value_cache = torch.randn(shape, generator=g).to(dtype)
+    slots = []
+    for r, (c, q) in enumerate(reqs):
+        pos = torch.arange(c, c + q)
+        slots.append(block_tables[r, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+    query_lens = [q for _, q in reqs]
+    t = sum(query_lens)
+    qsl = torch.tensor([0] + query_lens).cumsum(0)
+    md = AttentionMetadata(
+        slot_mapping=torch.cat(slots),
+        block_tables=block_tables,
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+        query_start_loc=qsl,
+        seq_lens_tensor=torch.tensor(seq_lens),
+        block_size=BLOCK_SIZE,
+    )
+    q = torch.randn(t, NUM_HEADS, HEAD_DIM, generator=g).to(dtype)
+    k = torch.randn(t, NUM_KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    v = torch.randn(t, NUM_KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    return (q, k, v, key_cache, value_cache, md, HEAD_DIM**-0.5)
+
+
+def time_ms(fn, iters: int) -> tuple[float, float]:
+    for _ in range(max(2, iters // 10)):
+        fn()
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return min(ts), statistics.median(ts)
+
+
+CASES = {
+    "decode64x256": [(255, 1)] * 64,
+    "prefill512": [(0, 512)],
+    "chunk256+256": [(256, 256)],
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--json", action="store_true", help="print JSON to stdout instead of a table")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
+
+    ref, sdpa = ReferenceAttention(), TorchSDPAAttention()
+    rows = []
+    for dname in dtypes:
+        dtype = getattr(torch, dname)
+        for case, reqs in CASES.items():
+            fargs = build(reqs, dtype)
+            out_ref = ref.forward(*fargs)
+            out_sdpa = sdpa.forward(*fargs)
+            err = (out_ref.float() - out_sdpa.float()).abs().max().item()
+            ref_min, ref_med = time_ms(lambda: ref.forward(*fargs), args.iters)
+            warm_min, warm_med = time_ms(lambda: sdpa.forward(*fargs), args.iters)
+
+            def cold():
+                TorchSDPAAttention.clear_plan_cache()
+                sdpa.forward(*fargs)
+
+            cold_min, cold_med = time_ms(cold, args.iters)
+            rows.append(
+                dict(
+                    case=case,
+                    dtype=dname,
+                    tokens=sum(q for _, q in reqs),
+                    ref_ms=round(ref_med, 3),
+                    sdpa_warm_ms=round(warm_med, 3),
+                    sdpa_cold_ms=round(cold_med, 3),
+                    ref_min_ms=round(ref_min, 3),
+                    sdpa_warm_min_ms=round(warm_min, 3),
+                    sdpa_cold_min_ms=round(cold_min, 3),
+                    speedup_warm=round(ref_med / warm_med, 2),
+                    max_abs_diff=err,
+                )
+            )
+    meta = dict(
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        iters=args.iters,
+        shape=dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE),
+    )
+    if args.json:
+        print(json.dumps(dict(meta=meta, results=rows), indent=2))
+        return
+    print(f"torch {meta['torch']}, {meta['threads']} threads, median of {args.iters} (ms per layer call)")
+    hdr = f"{'case':14s} {'dtype':9s} {'tokens':>6s} {'ref':>9s} {'sdpa warm':>10s} {'sdpa cold':>10s} {'speedup':>8s} {'max|diff|':>10s}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        print(
+            f"{r['case']:14s} {r['dtype']:9s} {r['tokens']:6d} {r['ref_ms']:9.3f} {r['sdpa_warm_ms']:10.3f} "
+            f"{r['sdpa_cold_ms']:10.3f} {r['speedup_warm']:7.1f}x {r['max_abs_diff']:10.2e}"
+        )
+
+
+if __name__ == "__main__":
+    main()

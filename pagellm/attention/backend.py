@@ -1,0 +1,72 @@
+"""The attention seam: per-step metadata and the interface every backend implements.
+
+KV cache layout (one pair of tensors per layer):
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+A token at flat *slot* ``s`` lives at ``cache.view(-1, num_kv_heads, head_dim)[s]``;
+slot = block_id * block_size + offset_in_block.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs about one step's flat batch of tokens.
+
+    The batch holds ``num_reqs`` requests back to back; request ``r`` contributes
+    ``query_lens[r]`` new tokens whose positions are the last ``query_lens[r]`` of
+    its ``seq_lens[r]``-token context.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V is written
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int64, padded with 0
+    query_lens: list[int]  # new tokens per request (host)
+    seq_lens: list[int]  # context length per request after this step (host)
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int64, cumulative query_lens
+    seq_lens_tensor: torch.Tensor  # [num_reqs] int64
+    block_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens, default=0)
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store the new tokens' K/V ([T, H_kv, D]) into the paged cache at their slots."""
+    num_kv_heads, head_dim = key_cache.shape[-2:]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+class AttentionBackend(ABC):
+    """Writes the step's new K/V into the cache, then attends over each request's context."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, H, D]
+        key: torch.Tensor,  # [T, H_kv, D]
+        value: torch.Tensor,  # [T, H_kv, D]
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        ...

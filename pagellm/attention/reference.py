@@ -1,0 +1,50 @@
+"""Dense-gather reference attention: the test oracle for every faster path.
+
+For each request: gather its whole context from the paged cache through its block
+table into dense tensors, then run plain softmax attention with a causal offset.
+Slow (a Python loop over requests) but obviously right.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata, write_kv
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` tokens of one request's K or V: [seq_len, H_kv, D]."""
+    block_size = cache.shape[1]
+    positions = torch.arange(seq_len, device=cache.device)
+    slots = block_table[positions // block_size] * block_size + positions % block_size
+    return cache.view(-1, *cache.shape[2:])[slots]
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of q ([Q, H, D], the last Q positions) over k, v ([S, H_kv, D])."""
+    q_len, num_heads, _ = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+    k_pos = torch.arange(seq_len, device=q.device)[None, :]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
+
+
+class ReferenceAttention(AttentionBackend):
+    name = "reference"
+
+    def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale):
+        write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
+        out = torch.empty_like(query)
+        start = 0
+        for r, (q_len, seq_len) in enumerate(zip(metadata.query_lens, metadata.seq_lens)):
+            k = gather_context(key_cache, metadata.block_tables[r], seq_len)
+            v = gather_context(value_cache, metadata.block_tables[r], seq_len)
+            out[start : start + q_len] = dense_attention(query[start : start + q_len], k, v, scale)
+            start += q_len
+        return out

@@ -1,0 +1,279 @@
+"""Paged attention in plain PyTorch on top of ``scaled_dot_product_attention``.
+
+One step's flat batch is split into
+
+* **decode rows** (``query_len == 1``): all of them are served by ONE gather of their
+  contexts out of the paged cache (``[R, H_kv, S_max, D]``, head-major so SDPA reads it
+  contiguously) and ONE SDPA call with a key-padding mask. GQA is handled by folding the
+  ``group = H // H_kv`` query heads that share a KV head into SDPA's query-length
+  dimension (``q.view(R, H_kv, group, D)``), so K/V are never copied per query head.
+* **prefill rows** (``query_len > 1``): one SDPA call per request. Without cached
+  context (``seq_len == query_len``) K/V come straight from this step's ``key``/``value``
+  and SDPA runs with ``is_causal=True``; with context (chunked prefill, prefix-cache hit)
+  the whole context is gathered from the cache and a causal mask with an offset of
+  ``seq_len - query_len`` is applied.
+
+Everything that depends only on the step's metadata (decode row indices, the gather
+index, masks) is built once per :class:`AttentionMetadata` object and reused by every
+layer of the model in that step (all layers share block tables); see :class:`_StepPlan`.
+Treat a metadata object as immutable once it has been passed to ``forward``.
+
+Padding positions of the gather point at the request's own last valid slot (never at
+unwritten cache memory), so masked keys/values are always finite even if the cache was
+allocated with ``torch.empty`` (``0 * NaN`` would otherwise poison the output).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata, write_kv
+
+
+def _sdpa_supports_gqa() -> bool:
+    """``enable_gqa`` appeared in torch 2.5; older versions get K/V repeated for prefill instead."""
+    try:
+        t = torch.zeros(1, 2, 1, 1)
+        F.scaled_dot_product_attention(t, t[:, :1], t[:, :1], enable_gqa=True)
+        return True
+    except (TypeError, RuntimeError):
+        return False
+
+
+_SDPA_GQA = _sdpa_supports_gqa()
+
+@dataclass
+class _DecodePlan:
+    num_rows: int
+    max_seq_len: int
+    # Token rows of the decode queries: a contiguous range (fast path, a view) or an index tensor.
+    token_range: tuple[int, int] | None
+    token_index: torch.Tensor | None
+    # [R, S_max] flat slot of every (row, position); padding positions repeat the last valid slot.
+    slots: torch.Tensor
+    # [R, 1, 1, S_max] bool (True = attend), or None when every row has seq_len == S_max.
+    mask: torch.Tensor | None
+    # num_kv_heads -> flat [R * H_kv * S_max] index into cache.view(-1, head_dim).
+    head_index: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def gather_index(self, num_kv_heads: int) -> torch.Tensor:
+        idx = self.head_index.get(num_kv_heads)
+        if idx is None:
+            heads = torch.arange(num_kv_heads, device=self.slots.device, dtype=self.slots.dtype)
+            idx = (self.slots[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
+            self.head_index[num_kv_heads] = idx
+        return idx
+
+
+@dataclass
+class _PrefillPlan:
+    start: int  # first token row in the flat batch
+    query_len: int
+    seq_len: int
+    slots: torch.Tensor | None  # [seq_len] context slots; None when there is no cached context
+    mask: torch.Tensor | None  # [query_len, seq_len] bool causal-with-offset; None -> is_causal
+
+
+@dataclass
+class _StepPlan:
+    metadata: AttentionMetadata  # strong ref: keeps the id alive, so identity checks are sound
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: torch.Tensor
+    device: torch.device
+    num_tokens: int
+    decode: _DecodePlan | None
+    prefills: list[_PrefillPlan]
+
+    def matches(self, metadata: AttentionMetadata, device: torch.device) -> bool:
+        return (
+            self.metadata is metadata
+            and self.device == device
+            and self.block_tables is metadata.block_tables
+            and self.query_lens == metadata.query_lens
+            and self.seq_lens == metadata.seq_lens
+        )
+
+
+def _build_plan(metadata: AttentionMetadata, device: torch.device) -> _StepPlan:
+    query_lens = list(metadata.query_lens)
+    seq_lens = list(metadata.seq_lens)
+    block_size = metadata.block_size
+    block_tables = metadata.block_tables
+    if block_tables.device != device:
+        block_tables = block_tables.to(device)
+    for r, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
+        if q_len < 0 or q_len > s_len:
+            raise ValueError(f"request {r}: query_len {q_len} must be in [0, seq_len={s_len}]")
+
+    starts = []
+    t = 0
+    for q_len in query_lens:
+        starts.append(t)
+        t += q_len
+    num_tokens = t
+
+    decode_reqs = [r for r, q_len in enumerate(query_lens) if q_len == 1]
+    decode = None
+    if decode_reqs:
+        num_rows = len(decode_reqs)
+        dec_seq = [seq_lens[r] for r in decode_reqs]
+        s_max = max(dec_seq)
+        tok = [starts[r] for r in decode_reqs]
+        if tok[-1] - tok[0] == num_rows - 1:  # decode rows are contiguous in the batch
+            token_range, token_index = (tok[0], tok[0] + num_rows), None
+        else:
+            token_range, token_index = None, torch.tensor(tok, dtype=torch.long, device=device)
+        if num_rows == len(query_lens):
+            tables = block_tables
+        else:
+            tables = block_tables.index_select(0, torch.tensor(decode_reqs, dtype=torch.long, device=device))
+        seq_t = torch.tensor(dec_seq, dtype=torch.long, device=device)
+        pos = torch.arange(s_max, dtype=torch.long, device=device)
+        pos_c = torch.minimum(pos[None, :], (seq_t - 1)[:, None])  # padding -> last valid position
+        blocks = tables.long().gather(1, pos_c // block_size)
+        slots = blocks * block_size + pos_c % block_size
+        mask = None
+        if min(dec_seq) != s_max:
+            mask = (pos[None, :] < seq_t[:, None])[:, None, None, :]
+        decode = _DecodePlan(num_rows, s_max, token_range, token_index, slots, mask)
+
+    prefills = []
+    for r, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
+        if q_len <= 1:
+            continue
+        slots = mask = None
+        if s_len > q_len:
+            pos = torch.arange(s_len, dtype=torch.long, device=device)
+            slots = block_tables[r].long()[pos // block_size] * block_size + pos % block_size
+            q_pos = torch.arange(s_len - q_len, s_len, dtype=torch.long, device=device)
+            mask = pos[None, :] <= q_pos[:, None]
+        prefills.append(_PrefillPlan(starts[r], q_len, s_len, slots, mask))
+
+    return _StepPlan(metadata, query_lens, seq_lens, metadata.block_tables, device, num_tokens, decode, prefills)
+
+
+class TorchSDPAAttention(AttentionBackend):
+    """Fast paged attention for any device using ``torch.nn.functional.scaled_dot_product_attention``.
+
+    State (class-level, shared by all instances, so every layer of a model reuses it whether
+    or not the layers share an instance): a one-entry cache of the current step's plan, keyed
+    on the metadata object's identity, and grow-only K/V gather workspaces per (device, dtype).
+    Not safe for concurrent ``forward`` calls from several threads.
+    """
+
+    name = "torch_sdpa"
+
+    _plan: _StepPlan | None = None  # class-level: one plan per step for all layers/instances
+
+    @classmethod
+    def _get_plan(cls, metadata: AttentionMetadata, device: torch.device) -> _StepPlan:
+        plan = TorchSDPAAttention._plan
+        if plan is None or not plan.matches(metadata, device):
+            plan = _build_plan(metadata, device)
+            TorchSDPAAttention._plan = plan
+        return plan
+
+    @classmethod
+    def clear_plan_cache(cls) -> None:
+        """Drop the cached step plan (and the metadata it keeps alive)."""
+        TorchSDPAAttention._plan = None
+
+    @classmethod
+    def release_memory(cls) -> None:
+        """Drop the cached step plan and free the K/V gather workspaces."""
+        TorchSDPAAttention._plan = None
+        TorchSDPAAttention._workspaces = {}
+
+    # (device, dtype) -> flat buffer that the gathered K/V of a layer call are written into.
+    # Reusing it avoids allocating (and, for big CPU buffers, page-faulting in) tens of MB per
+    # layer call. Grow-only; only valid within one forward (not safe for concurrent forwards).
+    _workspaces: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    @staticmethod
+    def _gather_pair(
+        key_cache: torch.Tensor, value_cache: torch.Tensor, index: torch.Tensor, row_shape: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cache.view(-1, *row_shape).index_select(0, index)`` for K and V, into the shared workspace."""
+        n = index.numel()
+        row = 1
+        for d in row_shape:
+            row *= d
+        wkey = (key_cache.device, key_cache.dtype)
+        ws = TorchSDPAAttention._workspaces.get(wkey)
+        if ws is None or ws.numel() < 2 * n * row:
+            ws = torch.empty(2 * n * row, dtype=key_cache.dtype, device=key_cache.device)
+            TorchSDPAAttention._workspaces[wkey] = ws
+        k = ws[: n * row].view(n, *row_shape)
+        v = ws[n * row : 2 * n * row].view(n, *row_shape)
+        torch.index_select(key_cache.view(-1, *row_shape), 0, index, out=k)
+        torch.index_select(value_cache.view(-1, *row_shape), 0, index, out=v)
+        return k, v
+
+    def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale):
+        num_tokens, num_heads, head_dim = query.shape
+        num_kv_heads = key_cache.shape[-2]
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        group = num_heads // num_kv_heads
+        plan = self._get_plan(metadata, query.device)
+        if plan.num_tokens != num_tokens:
+            raise ValueError(f"query has {num_tokens} tokens but metadata.query_lens sum to {plan.num_tokens}")
+        write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
+        cdtype = key_cache.dtype
+        q = query if query.dtype == cdtype else query.to(cdtype)
+
+        dec = plan.decode
+        dec_out = None
+        if dec is not None:
+            rows = dec.num_rows
+            if dec.token_range is not None:
+                q_dec = q[dec.token_range[0] : dec.token_range[1]]
+            else:
+                q_dec = q.index_select(0, dec.token_index)
+            idx = dec.gather_index(num_kv_heads)
+            shape = (rows, num_kv_heads, dec.max_seq_len, head_dim)
+            k, v = self._gather_pair(key_cache, value_cache, idx, (head_dim,))
+            k, v = k.view(shape), v.view(shape)
+            # Query heads h = kv * group + g share KV head kv: fold the group into SDPA's L dim.
+            o = F.scaled_dot_product_attention(
+                q_dec.reshape(rows, num_kv_heads, group, head_dim), k, v, attn_mask=dec.mask, scale=scale
+            )
+            dec_out = o.reshape(rows, num_heads, head_dim)
+            if not plan.prefills and rows == num_tokens:
+                return dec_out if dec_out.dtype == query.dtype else dec_out.to(query.dtype)
+
+        out = torch.empty_like(query)
+        if dec_out is not None:
+            if dec.token_range is not None:
+                out[dec.token_range[0] : dec.token_range[1]] = dec_out
+            else:
+                out.index_copy_(0, dec.token_index, dec_out.to(out.dtype))
+
+        for p in plan.prefills:
+            sl = slice(p.start, p.start + p.query_len)
+            q_p = q[sl].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
+            if p.slots is None:
+                k_p = key[sl] if key.dtype == cdtype else key[sl].to(cdtype)
+                v_p = value[sl] if value.dtype == cdtype else value[sl].to(cdtype)
+            else:
+                k_p, v_p = self._gather_pair(key_cache, value_cache, p.slots, (num_kv_heads, head_dim))
+            if group > 1 and not _SDPA_GQA:
+                k_p = k_p.repeat_interleave(group, dim=1)
+                v_p = v_p.repeat_interleave(group, dim=1)
+            k_p = k_p.transpose(0, 1).unsqueeze(0)  # [1, H_kv, S, D]
+            v_p = v_p.transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                q_p,
+                k_p,
+                v_p,
+                attn_mask=p.mask,
+                is_causal=p.mask is None,
+                scale=scale,
+                **({"enable_gqa": True} if group > 1 and _SDPA_GQA else {}),
+            )
+            out[sl] = o[0].transpose(0, 1)
+        return out

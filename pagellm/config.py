@@ -1,0 +1,95 @@
+"""Engine configuration: a few dataclasses, validated once at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagellm.utils import parse_memory_size
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map the user's dtype choice to a torch dtype ("auto" is float32 for now)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; choose float32 or bfloat16")
+        return dtype
+    if dtype == "auto":
+        return torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class ModelConfig:
+    """What to load: weights, tokenizer and numeric type."""
+
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
+    dtype: str | torch.dtype = "auto"
+    max_model_len: int | None = None  # None: the model's own limit, capped by the KV pool
+    seed: int = 0
+    chat_template: str | None = None  # path of a Jinja file overriding the model's template
+    torch_dtype: torch.dtype = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.torch_dtype = resolve_dtype(self.dtype)
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass
+class CacheConfig:
+    """How big the paged KV cache is and how it is cut into blocks."""
+
+    block_size: int = 16
+    kv_cache_memory: int | str = "1GiB"
+    num_blocks: int | None = None  # overrides kv_cache_memory (tests, benchmarks)
+    kv_cache_bytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        self.kv_cache_bytes = parse_memory_size(self.kv_cache_memory)
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+
+@dataclass
+class SchedulerConfig:
+    """How much work one step may take."""
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass
+class DeviceConfig:
+    device: str = "cpu"
+    attention_backend: str = "auto"
+    num_threads: int | None = None  # None: torch's default
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs, in one validated bundle."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)

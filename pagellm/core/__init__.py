@@ -1,0 +1,1 @@
+"""Bookkeeping without tensors: requests, KV blocks and the schedule."""

@@ -1,0 +1,203 @@
+"""Continuous batching: decide, every step, which tokens of which requests to compute.
+
+There are no prefill and decode phases. Each request closes the gap between
+``num_computed_tokens`` and ``num_tokens`` under a per-step token budget, so one
+step mixes decode tokens, whole prompts and chunks of long prompts. When the KV
+pool runs dry, the newest running request is preempted: its blocks are freed and
+it is recomputed later from its prompt and the tokens it already produced.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.request import Request, RequestStatus
+from pagellm.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0  # cumulative
+    num_prompt_tokens_computed: int = 0  # cumulative, recompute included
+    num_generated_tokens: int = 0  # cumulative
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_since_last_step: list[str] = []
+        self.stats = SchedulerStats()
+
+    # ---- queue management -------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside the step (abort, stop string); frees their blocks at once."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            finished.append(request)
+        return finished
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_since_last_step.append(request.request_id)
+
+    # ---- one step ------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        num_preemptions_before = self.stats.num_preemptions
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            if not self._allocate_or_preempt(request, num_new):
+                break  # the request itself was preempted: nothing newer is left to run
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            i += 1
+        # Admitting new work right after preempting would only preempt again.
+        preempted = self.stats.num_preemptions > num_preemptions_before
+
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv_cache_manager.allocate_slots(request, num_new):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+        finished = self._finished_since_last_step
+        self._finished_since_last_step = []
+        self._update_gauges()
+        return SchedulerOutput(scheduled=scheduled, finished_request_ids=finished)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int) -> bool:
+        """Allocate blocks for ``request``, preempting the newest running requests as needed.
+
+        Returns False if ``request`` itself had to be preempted.
+        """
+        while not self.kv_cache_manager.allocate_slots(request, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        end = start + num_new
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:end],
+            start_position=start,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            sample=end == request.num_tokens,
+            sampling_params=request.sampling_params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> tuple[list[Request], list[Request]]:
+        """Advance every scheduled request; returns (requests with a new token, newly finished)."""
+        updated: list[Request] = []
+        finished: list[Request] = []
+        for item in scheduler_output.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted after scheduling
+            start = request.num_computed_tokens
+            request.num_computed_tokens += item.num_tokens
+            prompt_len = request.num_prompt_tokens
+            self.stats.num_prompt_tokens_computed += min(request.num_computed_tokens, prompt_len) - min(
+                start, prompt_len
+            )
+            token_id = runner_output.sampled.get(item.request_id)
+            if token_id is None:
+                continue
+            request.append_output_token(token_id)
+            self.stats.num_generated_tokens += 1
+            updated.append(request)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+                finished.append(request)
+        self._update_gauges()
+        return updated, finished
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _update_gauges(self) -> None:
+        self.stats.num_running = len(self.running)
+        self.stats.num_waiting = len(self.waiting)
+        self.stats.kv_cache_usage = self.kv_cache_manager.usage()

@@ -1,0 +1,1 @@
+"""Text in, text out: tokenizing, driving steps, detokenizing and stop strings."""

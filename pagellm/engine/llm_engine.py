@@ -1,0 +1,225 @@
+"""The synchronous engine: add requests, then call ``step()`` until everything is done.
+
+One step = schedule -> run the model -> update requests -> make outputs. The offline
+``LLM`` and the async server engine both drive this class.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from pagellm.attention import get_attention_backend
+from pagellm.config import EngineConfig
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.request import Request, RequestStatus
+from pagellm.core.scheduler import Scheduler
+from pagellm.engine.input_processor import InputProcessor, PromptType
+from pagellm.engine.output_processor import OutputProcessor
+from pagellm.model.arch_config import ModelArchConfig
+from pagellm.model.loader import load_model
+from pagellm.model.tokenizer import load_tokenizer
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+from pagellm.worker.device import configure_threads, resolve_device
+from pagellm.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_budget
+from pagellm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# The most top-N alternatives a request may ask for per position (vLLM's default cap).
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class EngineStats:
+    """Counters for logs and metrics (cumulative unless said otherwise)."""
+
+    num_steps: int = 0
+    num_finished_requests: int = 0
+    num_prompt_tokens: int = 0  # computed prompt tokens, recompute included
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    num_running: int = 0  # gauge
+    num_waiting: int = 0  # gauge
+    kv_cache_usage: float = 0.0  # gauge: fraction of blocks in use
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        start = time.monotonic()
+        self.config = config
+        self.device = resolve_device(config.device.device)
+        configure_threads(self.device, config.device.num_threads)
+        torch.manual_seed(config.model.seed)
+        dtype = config.model.torch_dtype
+
+        self.model, self.arch = load_model(
+            config.model.model, dtype, get_attention_backend(config.device.attention_backend), self.device
+        )
+        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(config.model.model, config.model.chat_template)
+        self.num_blocks = self._num_blocks(self.arch, dtype)
+        self.max_model_len = self._max_model_len(self.arch)
+        block_size = config.cache.block_size
+        kv_cache = allocate_kv_cache(
+            self.arch.num_hidden_layers,
+            self.num_blocks,
+            block_size,
+            self.arch.num_key_value_heads,
+            self.arch.head_dim,
+            dtype,
+            self.device,
+        )
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, block_size)
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            config.scheduler.max_num_seqs,
+            config.scheduler.max_num_batched_tokens,
+            self.max_model_len,
+        )
+        self.eos_token_ids = self._eos_token_ids()
+        self.model_runner = ModelRunner(self.model, kv_cache, block_size, self.device, sorted(self.eos_token_ids))
+        self.input_processor = InputProcessor(self.tokenizer, self.arch.vocab_size, self.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats = EngineStats()
+        self._request_counter = itertools.count()
+        logger.info(
+            "engine ready in %.1fs: %s, %d KV blocks of %d tokens, max_model_len %d",
+            time.monotonic() - start,
+            self.arch.architecture,
+            self.num_blocks,
+            block_size,
+            self.max_model_len,
+        )
+
+    # ---- start-up helpers ------------------------------------------------------
+
+    def _num_blocks(self, arch: ModelArchConfig, dtype: torch.dtype) -> int:
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        block_bytes = bytes_per_block(
+            arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, cache.block_size, dtype
+        )
+        return num_blocks_for_budget(cache.kv_cache_bytes, block_bytes)
+
+    def _max_model_len(self, arch: ModelArchConfig) -> int:
+        """The model's limit, never more than the KV pool can hold for one request."""
+        pool_tokens = self.num_blocks * self.config.cache.block_size
+        requested = self.config.model.max_model_len
+        if requested is None:
+            return min(arch.max_position_embeddings, pool_tokens)
+        if requested > pool_tokens:
+            raise ValueError(
+                f"max_model_len={requested} does not fit in the KV cache ({self.num_blocks} blocks of "
+                f"{self.config.cache.block_size} tokens = {pool_tokens} tokens); raise kv_cache_memory "
+                "or lower max_model_len"
+            )
+        if requested > arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={requested} is longer than the model's context "
+                f"({arch.max_position_embeddings} positions)"
+            )
+        return requested
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids = set(self.arch.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    # ---- requests ------------------------------------------------------------------
+
+    def new_request_id(self) -> str:
+        return str(next(self._request_counter))
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        stream: bool = False,
+    ) -> None:
+        """Validate and queue a request; raises ValueError on bad input (nothing is queued then)."""
+        processed = self.input_processor.process_prompt(prompt)
+        self.add_tokenized_request(request_id, processed.prompt, processed.prompt_token_ids, params, stream)
+
+    def add_tokenized_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        stream: bool = False,
+    ) -> None:
+        if self.output_processor.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > MAX_LOGPROBS:
+                raise ValueError(f"{name}={value} is more than the allowed maximum of {MAX_LOGPROBS}")
+        max_tokens = self.input_processor.resolve_max_tokens(params, len(prompt_token_ids))
+        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, seq_ids, stream)
+        for i, seq_id in enumerate(seq_ids):
+            seq_params = params
+            if params.n > 1 and params.seed is not None:
+                seq_params = params.clone()
+                seq_params.seed = params.seed + i
+            self.scheduler.add_request(
+                Request(
+                    request_id=seq_id,
+                    prompt_token_ids=prompt_token_ids,
+                    sampling_params=seq_params,
+                    max_tokens=max_tokens,
+                    eos_token_ids=self.eos_token_ids,
+                )
+            )
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Stop requests now and free their KV blocks; returns their final outputs."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        outputs = []
+        for request_id in request_ids:
+            self.scheduler.finish_requests(self.output_processor.seq_ids(request_id), RequestStatus.FINISHED_ABORTED)
+            output = self.output_processor.abort(request_id)
+            if output is not None:
+                outputs.append(output)
+        self._refresh_stats()
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    # ---- one step --------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.model_runner.execute(scheduler_output)
+        updated, finished = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs, stopped = self.output_processor.process(runner_output, updated, finished)
+        if stopped:
+            # Stop strings are found in text, so the scheduler learns of them only now.
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self.stats.num_steps += 1
+        self.stats.num_finished_requests += sum(o.finished for o in outputs)
+        self._refresh_stats()
+        return outputs
+
+    def _refresh_stats(self) -> None:
+        s = self.scheduler.stats
+        self.stats.num_prompt_tokens = s.num_prompt_tokens_computed
+        self.stats.num_generated_tokens = s.num_generated_tokens
+        self.stats.num_preemptions = s.num_preemptions
+        self.stats.num_running = len(self.scheduler.running)
+        self.stats.num_waiting = len(self.scheduler.waiting)
+        self.stats.kv_cache_usage = self.kv_cache_manager.usage()

@@ -1,0 +1,222 @@
+"""Turns each step's new token ids into user-facing ``RequestOutput``s.
+
+Owns per-request text state (incremental detokenizer, stop strings, logprobs) and
+merges the samples of an ``n > 1`` request into one output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from pagellm.core.request import Request
+from pagellm.engine.detokenizer import IncrementalDetokenizer, decode_token
+from pagellm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from pagellm.sampling_params import SamplingParams
+from pagellm.step import ModelRunnerOutput, TokenLogprobs
+
+
+@dataclass
+class SampleState:
+    """Text state of one sequence (one of a request's n samples)."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[PositionLogprobs] | None
+    cumulative_logprob: float | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # For delta outputs: how much text / how many tokens were already sent.
+    sent_text_len: int = 0
+    sent_tokens: int = 0
+
+
+@dataclass
+class RequestState:
+    """A user request: its prompt and its samples (engine sequences ``{id}`` or ``{id}#{i}``)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: dict[str, SampleState]
+    prompt_logprobs: list[PositionLogprobs | None] | None
+    stream: bool = False  # True: an output every step with only what is new; False: one final output
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self.seq_to_request: dict[str, str] = {}
+        self._token_text: dict[int, str] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seq_ids: list[str],
+        stream: bool = False,
+    ) -> None:
+        want_logprobs = params.logprobs is not None
+        samples = {
+            seq_id: SampleState(
+                index=i,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+                logprobs=[] if want_logprobs else None,
+                cumulative_logprob=0.0 if want_logprobs else None,
+            )
+            for i, seq_id in enumerate(seq_ids)
+        }
+        prompt_logprobs: list[PositionLogprobs | None] | None = None
+        if params.prompt_logprobs is not None:
+            prompt_logprobs = [None]
+        self.requests[request_id] = RequestState(
+            request_id, prompt, prompt_token_ids, params, samples, prompt_logprobs, stream
+        )
+        for seq_id in seq_ids:
+            self.seq_to_request[seq_id] = request_id
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def seq_ids(self, request_id: str) -> list[str]:
+        state = self.requests.get(request_id)
+        return list(state.samples) if state else []
+
+    def process(
+        self,
+        runner_output: ModelRunnerOutput,
+        updated: list[Request],
+        finished: list[Request],
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step; returns (outputs of touched requests, sequences stopped by a stop string)."""
+        touched: dict[str, RequestState] = {}
+        stopped: list[str] = []
+        for seq_id, prompt_lp in runner_output.prompt_logprobs.items():
+            state = self._state_of(seq_id)
+            if state is not None and state.prompt_logprobs is not None and seq_id == next(iter(state.samples)):
+                self._add_prompt_logprobs(state.prompt_logprobs, prompt_lp.start, prompt_lp.rows)
+        for request in updated:
+            state = self._state_of(request.request_id)
+            if state is None:
+                continue
+            sample = state.samples[request.request_id]
+            token_id = request.output_token_ids[-1]
+            self._add_logprobs(sample, runner_output.logprobs.get(request.request_id))
+            stop = sample.detokenizer.update([token_id])
+            if stop is not None and sample.finish_reason is None:
+                sample.finish_reason, sample.stop_reason = "stop", stop
+                stopped.append(request.request_id)
+            touched[state.request_id] = state
+        for request in finished:
+            self.finish_sequence(request.request_id, request.finish_reason, request.stop_reason, touched)
+        outputs = [self._make_output(s) for s in touched.values() if s.stream or s.finished]
+        for state in touched.values():
+            if state.finished:
+                self._drop(state)
+        return outputs, stopped
+
+    def finish_sequence(
+        self,
+        seq_id: str,
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+        touched: dict[str, RequestState],
+    ) -> None:
+        state = self._state_of(seq_id)
+        if state is None:
+            return
+        sample = state.samples[seq_id]
+        if sample.finish_reason is None:
+            sample.finish_reason, sample.stop_reason = finish_reason, stop_reason
+        touched[state.request_id] = state
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Mark every unfinished sample of a request aborted and drop the request."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return None
+        for sample in state.samples.values():
+            if sample.finish_reason is None:
+                sample.finish_reason = "abort"
+        output = self._make_output(state)
+        self._drop(state)
+        return output
+
+    def _state_of(self, seq_id: str) -> RequestState | None:
+        request_id = self.seq_to_request.get(seq_id)
+        return None if request_id is None else self.requests.get(request_id)
+
+    def _drop(self, state: RequestState) -> None:
+        self.requests.pop(state.request_id, None)
+        for seq_id in state.samples:
+            self.seq_to_request.pop(seq_id, None)
+
+    def _add_logprobs(self, sample: SampleState, row: TokenLogprobs | None) -> None:
+        if sample.logprobs is None or row is None:
+            return
+        sample.logprobs.append(self._position_logprobs(row))
+        assert sample.cumulative_logprob is not None
+        sample.cumulative_logprob += row[0][1]
+
+    def _add_prompt_logprobs(
+        self, acc: list[PositionLogprobs | None], start: int, rows: list[TokenLogprobs]
+    ) -> None:
+        """Append rows for positions not seen yet (a recompute after preemption repeats them)."""
+        for offset, row in enumerate(rows):
+            if start + offset == len(acc):
+                acc.append(self._position_logprobs(row))
+
+    def _position_logprobs(self, row: TokenLogprobs) -> PositionLogprobs:
+        result: PositionLogprobs = {}
+        for token_id, logprob, rank in row:
+            if token_id not in result:
+                result[token_id] = Logprob(logprob=logprob, rank=rank, decoded_token=self._text(token_id))
+        return result
+
+    def _text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = decode_token(self.tokenizer, token_id)
+        return text
+
+    def _make_output(self, state: RequestState) -> RequestOutput:
+        """Whole outputs for final results; only what is new since the last output when streaming."""
+        outputs = [self._sample_output(sample, state.stream) for sample in state.samples.values()]
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=outputs,
+            finished=state.finished,
+            prompt_logprobs=list(state.prompt_logprobs) if state.prompt_logprobs is not None else None,
+            num_cached_tokens=state.num_cached_tokens,
+        )
+
+    @staticmethod
+    def _sample_output(sample: SampleState, delta: bool) -> CompletionOutput:
+        detok = sample.detokenizer
+        text = detok.output_text(finished=sample.finish_reason is not None)
+        token_ids = detok.token_ids
+        text_from, tokens_from = (sample.sent_text_len, sample.sent_tokens) if delta else (0, 0)
+        sample.sent_text_len, sample.sent_tokens = len(text), len(token_ids)
+        logprobs = sample.logprobs[tokens_from:] if sample.logprobs is not None else None
+        return CompletionOutput(
+            index=sample.index,
+            text=text[text_from:],
+            token_ids=token_ids[tokens_from:],
+            cumulative_logprob=sample.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=sample.finish_reason,
+            stop_reason=sample.stop_reason,
+        )

@@ -1,0 +1,141 @@
+"""The ``pagellm`` command: ``pagellm serve [MODEL]`` and ``pagellm generate --prompt TEXT``.
+
+Both subcommands take the same engine options, mapped once (``engine_kwargs``) onto the
+offline ``LLM`` constructor, so the server and offline runs are configured identically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from pagellm.model.default_model import DEFAULT_MODEL_NAME
+
+logger = logging.getLogger("pagellm")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Options of the engine itself, shared by every subcommand."""
+    parser.add_argument(
+        "model", nargs="?", default=None,
+        help=f"HF folder (config.json + safetensors) or .gguf file; default: {DEFAULT_MODEL_NAME}",
+    )
+    group = parser.add_argument_group("engine")
+    group.add_argument("--dtype", default="auto", help="auto (float32), float32 or bfloat16")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    group.add_argument("--kv-cache-memory", default="1GiB", help="KV-cache budget, e.g. 512MiB or 2GiB")
+    group.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides memory)")
+    group.add_argument("--max-num-seqs", type=int, default=128, help="most sequences in one step")
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="most tokens computed in one step")
+    group.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    group.add_argument("--seed", type=int, default=0, help="seed for sampling without a per-request seed")
+    group.add_argument("--chat-template", default=None, help="Jinja file that replaces the model's chat template")
+    group.add_argument("--device", default="cpu", help="cpu (or cuda / mps where available)")
+    group.add_argument("--attention-backend", default="auto", help="auto, torch_sdpa or reference")
+    group.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options as ``pagellm.LLM`` keyword arguments."""
+    return dict(
+        model=args.model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        chat_template=args.chat_template,
+        num_threads=args.num_threads,
+    )
+
+
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_engine_args(parser)
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument(
+        "--served-model-name", nargs="+", default=None,
+        help="name(s) clients use for the model; the first one is reported in responses",
+    )
+    group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API routes")
+    group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.set_defaults(handler=_serve)
+
+
+def _add_generate(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("generate", help="generate answers offline and print them")
+    add_engine_args(parser)
+    group = parser.add_argument_group("generation")
+    group.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
+    group.add_argument("--chat", action="store_true", help="send each prompt as a user message via the chat template")
+    group.add_argument("--max-tokens", type=int, default=64)
+    group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    parser.set_defaults(handler=_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagellm", description="pagellm: a paged-KV-cache LLM serving engine")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
+    _add_serve(subparsers)
+    _add_generate(subparsers)
+    return parser
+
+
+def _load_engine(args: argparse.Namespace) -> Any:
+    from pagellm.entrypoints.llm import LLM
+
+    return LLM(**engine_kwargs(args))
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pagellm.entrypoints.openai.api_server import ServerSettings, run_server
+
+    llm = _load_engine(args)
+    settings = ServerSettings(
+        served_model_names=args.served_model_name or [args.model or DEFAULT_MODEL_NAME],
+        model_path=args.model or DEFAULT_MODEL_NAME,
+        api_key=args.api_key,
+    )
+    run_server(llm.llm_engine, settings, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pagellm.sampling_params import SamplingParams
+
+    llm = _load_engine(args)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+    if args.chat:
+        conversations = [[{"role": "user", "content": prompt}] for prompt in args.prompt]
+        outputs = llm.chat(conversations, params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    for prompt, output in zip(args.prompt, outputs):
+        print(f"Prompt: {prompt}\nAnswer: {output.outputs[0].text}\n", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.handler(args)
+    except (ValueError, FileNotFoundError) as exc:
+        # Bad options or a missing model: one clear line, not a traceback.
+        logger.error("%s", exc)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server (``pagellm serve``): protocol models, serving logic, routes."""

@@ -1,0 +1,209 @@
+"""POST /v1/chat/completions: a conversation rendered by the chat template, ``n`` answers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import jinja2
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagellm.engine.async_engine import EngineDeadError
+from pagellm.engine.input_processor import ProcessedPrompt
+from pagellm.engine.llm_engine import MAX_LOGPROBS
+from pagellm.entrypoints.openai.errors import BadRequestError
+from pagellm.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatLogProb,
+    ChatLogProbs,
+    ChatLogProbsContent,
+    ChatMessage,
+    ChatMessageParam,
+    ChatStreamChoice,
+    DeltaMessage,
+)
+from pagellm.entrypoints.openai.serving_engine import (
+    CLIENT_CLOSED_REQUEST,
+    ChoiceDelta,
+    ChoiceTracker,
+    ClientDisconnected,
+    OpenAIServing,
+    accumulate,
+    collect_until_disconnect,
+    guard_sse,
+    merge_async_iterators,
+    new_request_id,
+    sse_event,
+    to_openai_error,
+)
+from pagellm.outputs import Logprob, PositionLogprobs, RequestOutput
+
+
+def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], top_n: int) -> ChatLogProbs:
+    """Chat-format logprobs: each token with its bytes and its ``top_n`` most likely alternatives."""
+    content = []
+    for token_id, position in zip(token_ids, positions):
+        chosen = position.get(token_id) or next(iter(position.values()))
+        ranked = sorted(
+            (lp for lp in position.values() if lp.rank is not None and lp.rank <= top_n), key=lambda lp: lp.rank or 0
+        )
+        content.append(
+            ChatLogProbsContent(**_chat_logprob(chosen).model_dump(), top_logprobs=[_chat_logprob(lp) for lp in ranked])
+        )
+    return ChatLogProbs(content=content)
+
+
+def _chat_logprob(logprob: Logprob) -> ChatLogProb:
+    token = logprob.decoded_token or ""
+    return ChatLogProb(token=token, logprob=logprob.logprob, bytes=list(token.encode("utf-8")))
+
+
+def render_messages(
+    serving: OpenAIServing,
+    messages: list[ChatMessageParam],
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    template_kwargs: dict | None,
+) -> list[int]:
+    """The conversation through the model's chat template; template failures are the client's 400."""
+    if not messages:
+        raise BadRequestError("messages must be a non-empty list", param="messages")
+    if continue_final_message and messages[-1].role != "assistant":
+        raise BadRequestError("continue_final_message needs the last message to be from the assistant",
+                              param="continue_final_message")
+    try:
+        return serving.engine.input_processor.apply_chat_template(
+            [m.to_template_dict() for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **(template_kwargs or {}),
+        )
+    except (ValueError, TypeError, jinja2.TemplateError) as exc:
+        raise BadRequestError(f"cannot apply the chat template to these messages: {exc}", param="messages") from exc
+
+
+@dataclass
+class _Context:
+    request: ChatCompletionRequest
+    request_id: str
+    model: str
+    created: int
+
+    @property
+    def top_n(self) -> int | None:
+        """None: no logprobs; otherwise how many alternatives per token."""
+        return (self.request.top_logprobs or 0) if self.request.logprobs else None
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        self.check_alive()
+        model = self.resolve_model(request.model)
+        _check_chat_options(request)
+        ctx = _Context(request, new_request_id("chatcmpl"), model, int(time.time()))
+        max_tokens = request.effective_max_tokens
+        params = self.sampling_params(request, max_tokens, ctx.top_n)
+        prompt = self._prompt(request)
+        self.check_length(len(prompt.prompt_token_ids), max_tokens, "messages")
+
+        tracker = ChoiceTracker(n=request.n, prompt_tokens=len(prompt.prompt_token_ids))
+        merged = merge_async_iterators(self.generators([prompt], params, ctx.request_id))
+        if request.stream:
+            return StreamingResponse(guard_sse(self._stream(ctx, merged, tracker)), media_type="text/event-stream")
+        try:
+            items = await collect_until_disconnect(merged, raw_request)
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except (ValueError, EngineDeadError) as exc:
+            raise to_openai_error(exc) from exc
+        return JSONResponse(self._response(ctx, tracker, items).model_dump())
+
+    def _prompt(self, request: ChatCompletionRequest) -> ProcessedPrompt:
+        ids = render_messages(
+            self, request.messages, request.add_generation_prompt, request.continue_final_message,
+            request.chat_template_kwargs,
+        )
+        return self.process_prompt({"prompt_token_ids": ids}, "messages")
+
+    @staticmethod
+    def _logprobs(ctx: _Context, token_ids: list[int], positions: list[PositionLogprobs] | None) -> ChatLogProbs | None:
+        if ctx.top_n is None:
+            return None
+        return chat_logprobs(token_ids, positions or [], ctx.top_n)
+
+    def _response(
+        self, ctx: _Context, tracker: ChoiceTracker, items: list[tuple[int, RequestOutput]]
+    ) -> ChatCompletionResponse:
+        results, _ = accumulate(tracker, items, 1)
+        choices = [
+            ChatChoice(
+                index=r.index,
+                message=ChatMessage(role="assistant", content=r.text),
+                logprobs=self._logprobs(ctx, r.token_ids, r.logprobs),
+                finish_reason=r.finish_reason,
+                stop_reason=r.stop_reason,
+            )
+            for r in results
+        ]
+        return ChatCompletionResponse(
+            id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices, usage=tracker.usage()
+        )
+
+    async def _stream(
+        self, ctx: _Context, merged: AsyncIterator[tuple[int, RequestOutput]], tracker: ChoiceTracker
+    ) -> AsyncIterator[str]:
+        exclude = None if ctx.request.include_usage else {"usage"}
+        # As OpenAI: every choice opens with the assistant role, before any content.
+        for index in range(ctx.request.n):
+            role_choice = ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
+            yield sse_event(self._chunk(ctx, [role_choice]), exclude)
+        async for _, output in merged:
+            for delta in tracker.deltas(0, output):
+                choice = self._stream_choice(ctx, delta)
+                if choice is not None:
+                    yield sse_event(self._chunk(ctx, [choice]), exclude)
+        if ctx.request.include_usage:
+            yield sse_event(self._chunk(ctx, [], tracker))
+
+    @staticmethod
+    def _chunk(
+        ctx: _Context, choices: list[ChatStreamChoice], tracker: ChoiceTracker | None = None
+    ) -> ChatCompletionStreamResponse:
+        return ChatCompletionStreamResponse(
+            id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices,
+            usage=tracker.usage() if tracker is not None else None,
+        )
+
+    def _stream_choice(self, ctx: _Context, delta: ChoiceDelta) -> ChatStreamChoice | None:
+        """One chunk's choice, or None when there is nothing to send (no text, no logprobs, not final)."""
+        logprobs = self._logprobs(ctx, delta.token_ids, delta.logprobs)
+        has_logprobs = logprobs is not None and bool(logprobs.content)
+        if not delta.text and not has_logprobs and delta.finish_reason is None:
+            return None
+        return ChatStreamChoice(
+            index=delta.index,
+            delta=DeltaMessage(content=delta.text if delta.text or has_logprobs else None),
+            logprobs=logprobs,
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
+        )
+
+
+def _check_chat_options(request: ChatCompletionRequest) -> None:
+    """Options OpenAI defines that this server does not implement, or that contradict each other."""
+    if request.top_logprobs is not None:
+        if not 0 <= request.top_logprobs <= MAX_LOGPROBS:
+            raise BadRequestError(
+                f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {request.top_logprobs}.", param="top_logprobs"
+            )
+        if request.top_logprobs > 0 and not request.logprobs:
+            raise BadRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+    if request.tools:
+        raise BadRequestError("tools are not supported", param="tools")
+    if request.response_format and request.response_format.get("type", "text") != "text":
+        raise BadRequestError("only response_format {'type': 'text'} is supported", param="response_format")

@@ -1,0 +1,367 @@
+"""What /v1/completions and /v1/chat/completions share.
+
+Model-name checks, request -> ``SamplingParams``, prompt and length checks, merging the
+streams of several prompts, turning engine deltas into per-choice deltas, usage, SSE framing
+and client-disconnect handling all live here once; the two endpoints only differ in how a
+choice's text and logprobs are shaped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagellm.engine.input_processor import ProcessedPrompt, PromptType
+from pagellm.engine.llm_engine import MAX_LOGPROBS
+from pagellm.entrypoints.openai.errors import (
+    BadRequestError,
+    NotFoundError,
+    OpenAIError,
+    ServiceUnavailableError,
+    bad_request_from,
+)
+from pagellm.entrypoints.openai.protocol import SamplingRequest, UsageInfo
+from pagellm.outputs import PositionLogprobs, RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+SSE_DONE = "data: [DONE]\n\n"
+# Status nginx uses for "client closed the request"; nobody reads it, it only shows in logs.
+CLIENT_CLOSED_REQUEST = 499
+
+
+# ---- SSE framing ------------------------------------------------------------------------------
+
+
+def sse_event(payload: BaseModel, exclude: set[str] | None = None) -> str:
+    """One server-sent event exactly as OpenAI frames them."""
+    return f"data: {payload.model_dump_json(exclude=exclude)}\n\n"
+
+
+def sse_error(error: BaseException) -> str:
+    """An error after the stream has started: the status is already 200, so it goes in-band."""
+    if not isinstance(error, OpenAIError):
+        error = to_openai_error(error)
+    return f"data: {json.dumps(error.to_dict())}\n\n"
+
+
+def to_openai_error(error: BaseException) -> OpenAIError:
+    """How engine-side failures reach HTTP clients."""
+    if isinstance(error, OpenAIError):
+        return error
+    if isinstance(error, ValueError):
+        return bad_request_from(error)
+    if isinstance(error, EngineDeadError):
+        return ServiceUnavailableError(str(error))
+    return OpenAIError(f"internal error: {error!r}")
+
+
+async def guard_sse(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Close every stream with ``[DONE]``; a failure mid-stream becomes an in-band error event."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:  # noqa: BLE001 - any failure must end the stream cleanly
+        if not isinstance(exc, (OpenAIError, ValueError, EngineDeadError)):
+            logger.exception("stream failed")
+        yield sse_error(exc)
+    yield SSE_DONE
+
+
+# ---- streams of several prompts ------------------------------------------------------------
+
+
+async def merge_async_iterators(iterators: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several async iterators as their items arrive, tagging each with its source.
+
+    Leaving early (or being cancelled) cancels every source, so each request is aborted.
+    """
+    if len(iterators) == 1:
+        async for item in iterators[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, T] | tuple[int, BaseException] | None] = asyncio.Queue()
+
+    async def pump(i: int, iterator: AsyncIterator[T]) -> None:
+        try:
+            async for item in iterator:
+                queue.put_nowait((i, item))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer below
+            queue.put_nowait((i, exc))
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            entry = await queue.get()
+            if entry is None:
+                remaining -= 1
+                continue
+            index, item = entry
+            if isinstance(item, BaseException):
+                raise item
+            yield index, item  # type: ignore[misc]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# ---- client disconnects ---------------------------------------------------------------------
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body was already read, so nothing else arrives)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+async def collect_until_disconnect(stream: AsyncIterator[T], request: Request) -> list[T]:
+    """Drain ``stream``, but abort it as soon as the client disconnects (non-streaming requests)."""
+
+    async def drain() -> list[T]:
+        return [item async for item in stream]
+
+    drain_task = asyncio.ensure_future(drain())
+    watch_task = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({drain_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        drain_task.cancel()
+        raise
+    finally:
+        watch_task.cancel()
+    if drain_task.done():
+        return drain_task.result()
+    drain_task.cancel()  # cancelling the drain closes the engine streams: their requests abort
+    with contextlib.suppress(asyncio.CancelledError):
+        await drain_task
+    raise ClientDisconnected()
+
+
+# ---- per-choice deltas, accumulation and usage -------------------------------------------------
+
+
+@dataclass
+class ChoiceDelta:
+    """What is new for one choice in one engine step."""
+
+    index: int  # prompt_index * n + sample index, as OpenAI numbers choices
+    prompt_index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None  # set on the choice's last delta only
+    stop_reason: int | str | None
+    first: bool
+
+
+@dataclass
+class ChoiceTracker:
+    """Turns engine deltas into per-choice deltas and counts usage as they go by.
+
+    The engine repeats a finished sample (empty, finish reason set) in its request's later
+    outputs while other samples still run; each choice is reported finished only once.
+    """
+
+    n: int
+    prompt_tokens: int
+    completion_tokens: int = 0
+    started: set[int] = field(default_factory=set)
+    finished: set[int] = field(default_factory=set)
+
+    def deltas(self, prompt_index: int, output: RequestOutput) -> list[ChoiceDelta]:
+        result = []
+        for sample in output.outputs:
+            index = prompt_index * self.n + sample.index
+            if index in self.finished:
+                continue
+            self.completion_tokens += len(sample.token_ids)
+            if sample.finish_reason is not None:
+                self.finished.add(index)
+            first = index not in self.started
+            self.started.add(index)
+            result.append(
+                ChoiceDelta(
+                    index=index,
+                    prompt_index=prompt_index,
+                    text=sample.text,
+                    token_ids=list(sample.token_ids),
+                    logprobs=sample.logprobs,
+                    finish_reason=sample.finish_reason,
+                    stop_reason=sample.stop_reason,
+                    first=first,
+                )
+            )
+        return result
+
+    def usage(self) -> UsageInfo:
+        return UsageInfo(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+        )
+
+
+@dataclass
+class ChoiceResult:
+    """A whole choice, for non-streaming answers: its deltas concatenated."""
+
+    index: int
+    prompt_index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, delta: ChoiceDelta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + list(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+def accumulate(
+    tracker: ChoiceTracker, items: list[tuple[int, RequestOutput]], num_prompts: int
+) -> tuple[list[ChoiceResult], dict[int, RequestOutput]]:
+    """Whole choices in index order, plus each prompt's first output (it carries prompt logprobs)."""
+    results = {
+        i: ChoiceResult(index=i, prompt_index=i // tracker.n) for i in range(num_prompts * tracker.n)
+    }
+    first_outputs: dict[int, RequestOutput] = {}
+    for prompt_index, output in items:
+        first_outputs.setdefault(prompt_index, output)
+        for delta in tracker.deltas(prompt_index, output):
+            results[delta.index].add(delta)
+    return [results[i] for i in sorted(results)], first_outputs
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# ---- the shared serving base -------------------------------------------------------------------
+
+
+class OpenAIServing:
+    """Checks and conversions every generation endpoint makes before calling the engine."""
+
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+
+    def resolve_model(self, requested: str | None) -> str:
+        """The model name to answer with; 404 for a name this server does not serve."""
+        if requested is None:
+            return self.served_model_names[0]
+        if requested not in self.served_model_names:
+            raise NotFoundError(f"The model `{requested}` does not exist.", param="model", code="model_not_found")
+        return requested
+
+    def check_alive(self) -> None:
+        if not self.engine.is_running:
+            raise ServiceUnavailableError(
+                f"the engine is not running: {self.engine.error!r}" if self.engine.error else "the server is shutting down"
+            )
+
+    def process_prompt(self, prompt: PromptType, param: str) -> ProcessedPrompt:
+        """Tokenize / check one prompt with the engine's own rules (read-only, safe here)."""
+        try:
+            return self.engine.input_processor.process_prompt(prompt)
+        except ValueError as exc:
+            raise BadRequestError(str(exc), param=param) from exc
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None, prompt_noun: str) -> None:
+        """Prompt plus requested output must fit in max_model_len (as vLLM words it)."""
+        limit = self.engine.max_model_len
+        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+            raise BadRequestError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {prompt_noun}, "
+                f"{max_tokens} in the completion). Please reduce the length of the {prompt_noun} or max_tokens.",
+                param="max_tokens",
+            )
+
+    @staticmethod
+    def sampling_params(
+        request: SamplingRequest,
+        max_tokens: int | None,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
+        """The one conversion both endpoints use; bad values become 400s naming the field."""
+        check_unsupported(request)
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None and value > MAX_LOGPROBS:
+                raise BadRequestError(f"{name} must be <= {MAX_LOGPROBS}, got {value}.", param=name)
+        kwargs: dict[str, Any] = dict(
+            n=request.n,
+            temperature=_default(request.temperature, 1.0),
+            top_p=_default(request.top_p, 1.0),
+            top_k=_default(request.top_k, 0),
+            min_p=_default(request.min_p, 0.0),
+            presence_penalty=_default(request.presence_penalty, 0.0),
+            frequency_penalty=_default(request.frequency_penalty, 0.0),
+            repetition_penalty=_default(request.repetition_penalty, 1.0),
+            seed=request.seed,
+            stop=request.stop,
+            stop_token_ids=request.stop_token_ids,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            ignore_eos=request.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
+        )
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as exc:
+            raise bad_request_from(exc) from exc
+
+    def generators(
+        self, prompts: list[ProcessedPrompt], params: SamplingParams, request_id: str
+    ) -> list[AsyncIterator[RequestOutput]]:
+        """One engine stream per prompt (ids ``{request_id}`` or ``{request_id}-{i}``)."""
+        if len(prompts) == 1:
+            ids = [request_id]
+        else:
+            ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        return [
+            self.engine.generate(p.prompt_token_ids, params, rid, p.prompt) for p, rid in zip(prompts, ids)
+        ]
+
+
+def _default(value: T | None, default: T) -> T:
+    return default if value is None else value
+
+
+def check_unsupported(request: SamplingRequest) -> None:
+    """Reject options we would otherwise silently ignore."""
+    if request.logit_bias:
+        raise BadRequestError("logit_bias is not supported", param="logit_bias")

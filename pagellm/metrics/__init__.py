@@ -1,0 +1,1 @@
+"""Serving metrics: Prometheus exposition of engine gauges and per-request latencies."""

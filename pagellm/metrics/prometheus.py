@@ -1,0 +1,105 @@
+"""Prometheus metrics for the server, named like vLLM's (``pagellm:`` instead of ``vllm:``).
+
+Gauges and cumulative counters are read from the engine's stats object at scrape time, so
+the engine never pushes them; per-request latencies (TTFT, time per output token, end to
+end) and finish reasons are observed by the async engine as requests progress. Each
+instance owns its registry, so several servers (or tests) in one process never collide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0, 1920.0)
+
+
+class EngineStatsView(Protocol):
+    """What the metrics read from the engine (``pagellm.engine.llm_engine.EngineStats``)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_generated_tokens: int
+
+
+class _EngineStatsCollector(Collector):
+    """Reads the engine's gauges and counters when Prometheus scrapes, never in between."""
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStatsView]) -> None:
+        self._model_name = model_name
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        gauges = [
+            ("pagellm:num_requests_running", "Sequences being computed (running in the batch).", s.num_running),
+            ("pagellm:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting),
+            ("pagellm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", s.kv_cache_usage),
+        ]
+        counters = [
+            ("pagellm:num_preemptions", "Preemptions (a sequence's KV blocks freed for recompute).",
+             s.num_preemptions),
+            ("pagellm:prompt_tokens", "Prompt tokens computed (recompute included).", s.num_prompt_tokens),
+            ("pagellm:generation_tokens", "Tokens generated.", s.num_generated_tokens),
+        ]
+        for name, doc, value in gauges:
+            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge.add_metric([self._model_name], float(value))
+            yield gauge
+        for name, doc, value in counters:
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric([self._model_name], float(value))
+            yield counter
+
+
+class PrometheusMetrics:
+    """The server's metrics registry; the ``observe_*``/``count_*`` methods are thread-safe."""
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStatsView]) -> None:
+        self.registry = CollectorRegistry()
+        self._model_name = model_name
+        self._ttft = Histogram(
+            "pagellm:time_to_first_token_seconds", "Time from arrival to the first generated token.",
+            ["model_name"], buckets=_TTFT_BUCKETS, registry=self.registry,
+        ).labels(model_name)
+        self._tpot = Histogram(
+            "pagellm:time_per_output_token_seconds", "Mean time between output tokens of a request (after the first).",
+            ["model_name"], buckets=_TPOT_BUCKETS, registry=self.registry,
+        ).labels(model_name)
+        self._e2e = Histogram(
+            "pagellm:e2e_request_latency_seconds", "Time from arrival to the last token of a request.",
+            ["model_name"], buckets=_E2E_BUCKETS, registry=self.registry,
+        ).labels(model_name)
+        self._finished = Counter(
+            "pagellm:request_success", "Finished sequences, by finish reason (stop, length, abort).",
+            ["model_name", "finished_reason"], registry=self.registry,
+        )
+        self.registry.register(_EngineStatsCollector(model_name, stats))
+
+    def observe_time_to_first_token(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def observe_time_per_output_token(self, seconds: float) -> None:
+        self._tpot.observe(seconds)
+
+    def observe_e2e_latency(self, seconds: float) -> None:
+        self._e2e.observe(seconds)
+
+    def count_finished(self, finish_reason: str) -> None:
+        self._finished.labels(self._model_name, finish_reason).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

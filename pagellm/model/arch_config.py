@@ -1,0 +1,151 @@
+"""The model shape, in one small dataclass the engine can read without loading weights.
+
+The engine sizes the KV cache from this before any weight is touched, so it is built
+from ``config.json`` (+ ``generation_config.json``) or from GGUF metadata alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# HF `model_type` -> architecture class name, for config.json files without "architectures".
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+# Architectures whose q/k/v projections always carry a bias (no config flag for it).
+_ALWAYS_QKV_BIAS = {"Qwen2ForCausalLM"}
+# Architectures whose `attention_bias` flag also puts a bias on o_proj.
+_O_PROJ_FOLLOWS_ATTENTION_BIAS = {"LlamaForCausalLM"}
+
+
+@dataclass
+class ModelArchConfig:
+    """Everything about a decoder-only model's shape that the engine and model need."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v projections
+    bos_token_id: int | None
+    eos_token_ids: list[int] = field(default_factory=list)
+    o_proj_bias: bool = False  # Llama's `attention_bias` also covers o_proj; Qwen2's bias does not
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    sliding_window: int | None = None  # effective window (None when the model attends to everything)
+
+    @property
+    def q_size(self) -> int:
+        """Width of the query projection output."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Width of each of the key and value projection outputs."""
+        return self.num_key_value_heads * self.head_dim
+
+    def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K+V bytes one token occupies across all layers (for sizing the paged cache)."""
+        element_size = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_hidden_layers * self.kv_size * element_size
+
+    @classmethod
+    def from_hf_config(
+        cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None
+    ) -> ModelArchConfig:
+        """Build from a parsed Hugging Face ``config.json`` (old and transformers-5 rope formats)."""
+        architecture = _architecture_name(config)
+        hidden_size = int(config["hidden_size"])
+        num_heads = int(config["num_attention_heads"])
+        rope_theta, rope_scaling = _rope_from_hf(config)
+        attention_bias = bool(config.get("attention_bias", False)) or architecture in _ALWAYS_QKV_BIAS
+        return cls(
+            architecture=architecture,
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden_size,
+            intermediate_size=int(config["intermediate_size"]),
+            num_hidden_layers=int(config["num_hidden_layers"]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(config.get("num_key_value_heads") or num_heads),
+            head_dim=int(config.get("head_dim") or hidden_size // num_heads),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            o_proj_bias=bool(config.get("attention_bias", False))
+            and architecture in _O_PROJ_FOLLOWS_ATTENTION_BIAS,
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            hidden_act=str(config.get("hidden_act", "silu")),
+            bos_token_id=_optional_int(config.get("bos_token_id")),
+            eos_token_ids=_merge_eos(config, generation_config),
+            sliding_window=_effective_sliding_window(config),
+        )
+
+
+def _architecture_name(config: dict[str, Any]) -> str:
+    """First entry of ``architectures``, else derived from ``model_type``."""
+    architectures = config.get("architectures") or []
+    if architectures:
+        return str(architectures[0])
+    model_type = str(config.get("model_type", ""))
+    return _MODEL_TYPE_TO_ARCH.get(model_type, model_type or "<missing architectures>")
+
+
+def _rope_from_hf(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from either ``rope_theta``/``rope_scaling`` or ``rope_parameters``."""
+    params = dict(config.get("rope_parameters") or {})
+    scaling = dict(config.get("rope_scaling") or params)
+    theta = float(config.get("rope_theta") or params.get("rope_theta") or scaling.get("rope_theta") or 10000.0)
+    scaling.pop("rope_theta", None)
+    if "type" in scaling and "rope_type" not in scaling:  # pre-4.45 spelling
+        scaling["rope_type"] = scaling.pop("type")
+    if scaling.get("rope_type", "default") == "default":
+        return theta, None
+    return theta, scaling
+
+
+def _optional_int(value: Any) -> int | None:
+    """``int(value)``, with None (and a one-element list) handled."""
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return None if value is None else int(value)
+
+
+def _as_id_list(value: Any) -> list[int]:
+    """Normalize an eos entry (int, list of ints or None) to a list."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def _merge_eos(config: dict[str, Any], generation_config: dict[str, Any] | None) -> list[int]:
+    """Union of config.json's and generation_config.json's eos ids, order kept, no duplicates."""
+    ids = _as_id_list(config.get("eos_token_id"))
+    ids += _as_id_list((generation_config or {}).get("eos_token_id"))
+    return list(dict.fromkeys(ids))
+
+
+def _effective_sliding_window(config: dict[str, Any]) -> int | None:
+    """The sliding window that actually applies (Qwen2 only uses it with ``use_sliding_window``)."""
+    if not config.get("use_sliding_window", True):
+        return None
+    window = config.get("sliding_window")
+    return None if window is None else int(window)

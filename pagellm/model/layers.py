@@ -1,0 +1,119 @@
+"""Building blocks shared by the decoder models: RMSNorm, rotary embedding, SiLU-and-mul.
+
+Each one mirrors Hugging Face's arithmetic (same dtype casts, same order of operations)
+so that float32 outputs match the reference implementation to rounding noise.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 and cast back like HF's LlamaRMSNorm."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(input_dtype)
+
+
+class SiluAndMul(nn.Module):
+    """``silu(gate) * up`` on a fused ``[..., 2 * d]`` gate_up projection output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def check_rope_scaling(rope_scaling: dict[str, Any] | None) -> None:
+    """Fail early (before weights load) on rope scaling variants we do not implement."""
+    rope_type = (rope_scaling or {}).get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise NotImplementedError(
+            f"rope_scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+
+
+def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """Plain RoPE inverse frequencies, computed exactly as HF does (float32)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    return 1.0 / (theta**exponents)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama-3.1 frequency rescaling: slow down low frequencies, blend the middle band."""
+    factor = float(rope_scaling["factor"])
+    low_freq_factor = float(rope_scaling["low_freq_factor"])
+    high_freq_factor = float(rope_scaling["high_freq_factor"])
+    old_context_len = float(rope_scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def compute_inv_freq(head_dim: int, theta: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies for the configured rope variant."""
+    check_rope_scaling(rope_scaling)
+    inv_freq = default_inv_freq(head_dim, theta)
+    if rope_scaling is not None and rope_scaling.get("rope_type") == "llama3":
+        inv_freq = llama3_inv_freq(inv_freq, rope_scaling)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Produces per-token cos/sin tables from absolute positions (any position, no cache limit).
+
+    The inverse frequencies are a plain attribute, not a buffer, so a model built on the
+    meta device and materialized with ``to_empty`` still gets correct values.
+    """
+
+    def __init__(self, head_dim: int, theta: float, rope_scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self.rope_scaling = rope_scaling
+        check_rope_scaling(rope_scaling)
+        self._inv_freq: torch.Tensor | None = None
+
+    def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        if self._inv_freq is None or self._inv_freq.device != device:
+            self._inv_freq = compute_inv_freq(self.head_dim, self.theta, self.rope_scaling).to(device)
+        return self._inv_freq
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape ``[T, head_dim]`` (halves duplicated, HF layout) in ``dtype``."""
+        freqs = positions.to(torch.float32)[:, None] * self._inv_freq_on(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[x1, x2] -> [-x2, x1]`` on the last dim (the HF "rotate half" convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ([T, heads, D]) by per-token ``cos``/``sin`` ([T, D])."""
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    return (x * cos) + (rotate_half(x) * sin)

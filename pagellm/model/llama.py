@@ -1,0 +1,227 @@
+"""Llama-family decoder (Llama, Mistral without sliding window, Qwen2) over a paged KV cache.
+
+The forward takes ONE flat batch of tokens from many sequences (prefill chunks and decode
+tokens mixed). Every layer runs its projections over all tokens at once; only attention
+needs per-request structure, and that lives behind the ``AttentionBackend`` seam.
+
+Weights arrive under Hugging Face parameter names and are fused at load time
+(q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj``) so each layer runs four matmuls.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.model.arch_config import ModelArchConfig
+from pagellm.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+# HF sub-module name -> (our fused sub-module name, shard id) for the fused linears.
+_FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+_FUSED_NAME = re.compile(r"^(?P<prefix>.*\.)(?P<sub>q_proj|k_proj|v_proj|gate_proj|up_proj)\.(?P<kind>weight|bias)$")
+# Checkpoint entries that are derived state, not parameters.
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+class LlamaAttention(nn.Module):
+    """Fused qkv projection, rotary, paged attention through the backend, output projection."""
+
+    def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = arch.num_attention_heads
+        self.num_kv_heads = arch.num_key_value_heads
+        self.head_dim = arch.head_dim
+        self.q_size = arch.q_size
+        self.kv_size = arch.kv_size
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias)
+        self.attn_backend = attn_backend
+
+    def shard_slices(self) -> dict[str, slice]:
+        """Rows of ``qkv_proj`` holding each of q, k, v."""
+        q, kv = self.q_size, self.kv_size
+        return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        key_cache, value_cache = kv_cache
+        out = self.attn_backend.forward(q, k, v, key_cache, value_cache, attn_metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward with gate and up fused into one matmul."""
+
+    def __init__(self, arch: ModelArchConfig) -> None:
+        super().__init__()
+        if arch.hidden_act != "silu":
+            raise NotImplementedError(f"hidden_act {arch.hidden_act!r} is not supported; only 'silu'")
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
+        self.act = SiluAndMul()
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+
+    def shard_slices(self) -> dict[str, slice]:
+        """Rows of ``gate_up_proj`` holding each of gate, up."""
+        size = self.intermediate_size
+        return {"gate": slice(0, size), "up": slice(size, 2 * size)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention block then pre-norm MLP block, each with a residual add."""
+
+    def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = LlamaAttention(arch, attn_backend)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = LlamaMLP(arch)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder stack and final norm (HF's ``model.`` prefix)."""
+
+    def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, attn_backend) for _ in range(arch.num_hidden_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over a paged KV cache; also serves Mistral and Qwen2 (q/k/v bias)."""
+
+    def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch, attn_backend)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with lm_head when the config says so (re-run after ``to_empty``)."""
+        if self.arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final-normed hidden states ``[T, hidden]`` for a flat batch of ``T`` tokens."""
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"expected {len(self.model.layers)} KV cache pairs, got {len(kv_caches)}")
+        hidden = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits ``[N, vocab]`` in float32 for the rows the sampler needs."""
+        return self.lm_head(hidden).float()
+
+    def expected_weight_names(self) -> set[str]:
+        """Every HF parameter name a complete checkpoint must provide for this config."""
+        arch = self.arch
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if not arch.tie_word_embeddings:
+            names.add("lm_head.weight")
+        for i in range(arch.num_hidden_layers):
+            prefix = f"model.layers.{i}."
+            names |= {prefix + "input_layernorm.weight", prefix + "post_attention_layernorm.weight"}
+            names |= {f"{prefix}self_attn.{p}_proj.weight" for p in "qkvo"}
+            names |= {f"{prefix}mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+            if arch.attention_bias:
+                names |= {f"{prefix}self_attn.{p}_proj.bias" for p in "qkv"}
+            if arch.o_proj_bias:
+                names.add(prefix + "self_attn.o_proj.bias")
+            if arch.mlp_bias:
+                names |= {f"{prefix}mlp.{p}_proj.bias" for p in ("gate", "up", "down")}
+        return names
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in (casting to the model dtype), fusing q/k/v and gate/up.
+
+        Raises ValueError on unknown names, shape mismatches, or a checkpoint missing any weight,
+        so a partly-loaded model (garbage from ``to_empty``) can never be served.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if _IGNORED.search(name):
+                continue
+            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+                continue  # some tied checkpoints still store it; the embedding is the source of truth
+            self._load_one(params, name, tensor)
+            loaded.add(name)
+        missing = self.expected_weight_names() - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {sorted(missing)[:5]}")
+
+    def _load_one(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
+        """Copy one HF tensor into its (possibly fused) destination rows."""
+        target_name, rows = self._destination(name)
+        if target_name not in params:
+            raise ValueError(f"unexpected weight {name!r} for {self.arch.architecture}")
+        target = params[target_name].data
+        target = target[rows] if rows is not None else target
+        if target.shape != tensor.shape:
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+        target.copy_(tensor)
+
+    def _destination(self, name: str) -> tuple[str, slice | None]:
+        """Our parameter name for an HF name, plus the row slice inside a fused parameter."""
+        match = _FUSED_NAME.match(name)
+        if match is None:
+            return name, None
+        fused, shard = _FUSED_SHARDS[match["sub"]]
+        try:
+            module = self.get_submodule(match["prefix"].rstrip("."))
+        except AttributeError:
+            module = None
+        if not isinstance(module, (LlamaAttention, LlamaMLP)):
+            raise ValueError(f"unexpected weight {name!r} for {self.arch.architecture}")
+        return f"{match['prefix']}{fused}.{match['kind']}", module.shard_slices()[shard]

@@ -1,0 +1,154 @@
+"""Find a model on disk, read its shape, and build it with its weights.
+
+A model is (a) a local Hugging Face folder (``config.json`` + ``*.safetensors``, sharded or
+not), (b) a ``.gguf`` file, or (c) a folder holding exactly one ``.gguf``. ``None`` means
+the default model. Pickle checkpoints (``*.bin``/``*.pt``/``*.pth``) are refused: loading
+them can execute arbitrary code.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from pagellm.attention.backend import AttentionBackend
+from pagellm.model.arch_config import ModelArchConfig
+from pagellm.model.default_model import default_model_path
+from pagellm.model.gguf_loader import arch_config_from_gguf, iter_gguf_weights, open_gguf
+from pagellm.model.llama import LlamaForCausalLM
+from pagellm.model.registry import validate_arch_config
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def resolve_model_path(model: str | None) -> str:
+    """The concrete path to load: an HF folder, or a ``.gguf`` file (default model for None)."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path does not exist: {path}")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {path} is not a .gguf file; pass a .gguf file or a model folder")
+        return str(path)
+    if (path / "config.json").is_file():
+        return str(path)
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return str(ggufs[0])
+    if len(ggufs) > 1:
+        raise ValueError(f"{path} holds several .gguf files ({', '.join(g.name for g in ggufs)}); pass one of them")
+    _refuse_pickle_only(path)
+    raise FileNotFoundError(f"{path} has no config.json (and no .gguf file); not a model folder")
+
+
+def is_gguf(path: str) -> bool:
+    """Whether a resolved model path is a GGUF file."""
+    return path.endswith(".gguf") and Path(path).is_file()
+
+
+def _refuse_pickle_only(folder: Path) -> None:
+    """ValueError when the folder's only weights are pickle files."""
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    if pickles and not any(folder.glob("*.safetensors")):
+        raise ValueError(
+            f"{folder} only has pickle checkpoints ({', '.join(pickles)}); pickle checkpoints are refused "
+            f"for safety (loading them can run arbitrary code). Convert the weights to safetensors."
+        )
+
+
+def safetensors_files(folder: str) -> list[Path]:
+    """The checkpoint's safetensors shards (from the index when present, else by glob)."""
+    root = Path(folder)
+    index = root / _SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [root / name for name in sorted(set(weight_map.values()))]
+    files = sorted(root.glob("*.safetensors"))
+    if files:
+        return files
+    _refuse_pickle_only(root)
+    raise FileNotFoundError(f"no *.safetensors weights found in {root}")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """Parse a JSON file; FileNotFoundError naming it if absent."""
+    if not path.is_file():
+        raise FileNotFoundError(f"missing {path.name} in {path.parent}")
+    return json.loads(path.read_text())
+
+
+def _hf_arch_config(folder: str) -> ModelArchConfig:
+    """ModelArchConfig from ``config.json`` plus ``generation_config.json`` when present."""
+    root = Path(folder)
+    config = _read_json(root / "config.json")
+    generation = root / "generation_config.json"
+    generation_config = _read_json(generation) if generation.is_file() else None
+    return ModelArchConfig.from_hf_config(config, generation_config)
+
+
+def load_arch_config(model: str | None) -> ModelArchConfig:
+    """The model's shape without touching weights (used first, to size the KV cache).
+
+    Validates everything that would make the load fail later (unsupported architecture,
+    sliding window, rope type, pickle-only folder), so the engine fails fast.
+    """
+    path = resolve_model_path(model)
+    if is_gguf(path):
+        arch = arch_config_from_gguf(open_gguf(path))
+    else:
+        arch = _hf_arch_config(path)
+        safetensors_files(path)
+    validate_arch_config(arch)
+    return arch
+
+
+def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream ``(name, tensor)`` from each shard without loading a whole shard at once."""
+    for file in files:
+        with safe_open(str(file), framework="pt") as shard:
+            for name in shard.keys():
+                yield name, shard.get_tensor(name)
+
+
+def _empty_model(
+    arch: ModelArchConfig, attn_backend: AttentionBackend, dtype: torch.dtype, device: torch.device
+) -> LlamaForCausalLM:
+    """Allocate the model in ``dtype`` on ``device`` without paying for random init."""
+    model_class = validate_arch_config(arch)
+    with torch.device("meta"):
+        model = model_class(arch, attn_backend)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()  # to_empty may replace the shared Parameter objects
+    return model
+
+
+def load_model(
+    model: str | None,
+    dtype: torch.dtype,
+    attn_backend: AttentionBackend,
+    device: torch.device = torch.device("cpu"),
+) -> tuple[LlamaForCausalLM, ModelArchConfig]:
+    """Build the model with its weights in ``dtype`` on ``device``, in eval mode, no grads."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported dtype {dtype}; use one of {', '.join(map(str, SUPPORTED_DTYPES))}")
+    path = resolve_model_path(model)
+    if is_gguf(path):
+        reader = open_gguf(path)
+        arch = arch_config_from_gguf(reader)
+        weights = iter_gguf_weights(reader, arch, dtype)
+    else:
+        arch = _hf_arch_config(path)
+        weights = _iter_safetensors(safetensors_files(path))
+    net = _empty_model(arch, attn_backend, dtype, device)
+    net.load_weights(weights)
+    net.requires_grad_(False)
+    return net.eval(), arch

@@ -1,0 +1,47 @@
+"""Architecture name -> model class, plus the config checks that decide "can we serve this"."""
+
+from __future__ import annotations
+
+from pagellm.model.arch_config import ModelArchConfig
+from pagellm.model.layers import check_rope_scaling
+from pagellm.model.llama import LlamaForCausalLM
+
+# Mistral is Llama without sliding window; Qwen2 is Llama with q/k/v bias (set in the arch config).
+_MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    """Architecture names (HF ``architectures[0]``) this engine can run."""
+    return sorted(_MODEL_CLASSES)
+
+
+def get_model_class(arch_name: str) -> type[LlamaForCausalLM]:
+    """The class implementing ``arch_name``; ValueError naming it and the supported ones otherwise."""
+    try:
+        return _MODEL_CLASSES[arch_name]
+    except KeyError:
+        raise ValueError(
+            f"unsupported model architecture {arch_name!r}; supported: {', '.join(supported_architectures())}"
+        ) from None
+
+
+def validate_arch_config(arch: ModelArchConfig) -> type[LlamaForCausalLM]:
+    """Reject configs we would run incorrectly (sliding window, unknown rope); return the class."""
+    model_class = get_model_class(arch.architecture)
+    window = arch.sliding_window
+    if window is not None and window < arch.max_position_embeddings:
+        raise ValueError(
+            f"{arch.architecture} with sliding_window={window} (< max_position_embeddings="
+            f"{arch.max_position_embeddings}) is not supported: sliding-window attention is not implemented"
+        )
+    check_rope_scaling(arch.rope_scaling)
+    if arch.num_attention_heads % arch.num_key_value_heads:
+        raise ValueError(
+            f"num_attention_heads={arch.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads={arch.num_key_value_heads}"
+        )
+    return model_class

@@ -1,0 +1,42 @@
+"""Small helpers with no better home."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+
+
+def parse_memory_size(value: int | float | str) -> int:
+    """Turn 2147483648, "2GiB", "512MiB" or "1.5GB" into a number of bytes."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value <= 0:
+            raise ValueError(f"memory size must be positive, got {value!r}")
+        return int(value)
+    if not isinstance(value, str):
+        raise ValueError(f"memory size must be a number of bytes or a string like '2GiB', got {value!r}")
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot parse memory size {value!r}; use bytes or e.g. '2GiB', '512MiB'")
+    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise ValueError(f"memory size must be positive, got {value!r}")
+    return size
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division."""
+    return -(-a // b)

@@ -1,0 +1,1 @@
+"""Tensors and the device: KV cache tensors, input building, forward and sampling."""

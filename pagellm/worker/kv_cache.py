@@ -1,0 +1,53 @@
+"""The KV cache tensors: sizing from a memory budget, allocation, block copies."""
+
+from __future__ import annotations
+
+import torch
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (key_cache, value_cache)
+
+
+def bytes_per_block(
+    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+) -> int:
+    """Memory one block takes across all layers, keys and values."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
+
+
+def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
+    num_blocks = budget_bytes // block_bytes
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory of {budget_bytes} bytes holds no block; one block needs {block_bytes} bytes"
+        )
+    return num_blocks
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> KVCache:
+    """Zero-filled, so slots never written hold no NaNs that masked attention could touch."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(num_layers)
+    ]
+
+
+def copy_blocks(kv_cache: KVCache, copies: list[tuple[int, int]]) -> None:
+    """Copy whole blocks src -> dst in every layer (copy-on-write), one indexed copy per tensor."""
+    if not copies:
+        return
+    device = kv_cache[0][0].device
+    src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=device)
+    dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=device)
+    for key_cache, value_cache in kv_cache:
+        key_cache.index_copy_(0, dst, key_cache.index_select(0, src))
+        value_cache.index_copy_(0, dst, value_cache.index_select(0, src))

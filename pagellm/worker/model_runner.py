@@ -1,0 +1,193 @@
+"""One step on the device: scheduler output -> input tensors -> forward -> sampled tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from pagellm.attention.backend import AttentionMetadata
+from pagellm.sample.sampler import Sampler, SamplerOutput, SamplingBatch, gather_logprobs
+from pagellm.step import (
+    ModelRunnerOutput,
+    PromptLogprobs,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+from pagellm.worker.kv_cache import KVCache, copy_blocks
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn_metadata: AttentionMetadata
+    sample_indices: torch.Tensor  # [S] rows of the flat batch whose logits are sampled
+    sample_requests: list[ScheduledRequest]
+    prompt_logprob_plan: list[tuple[ScheduledRequest, int, int]]  # (request, first position, count)
+    prompt_logprob_indices: torch.Tensor  # [P] rows whose logits score the next prompt token
+    prompt_logprob_targets: torch.Tensor  # [P] those next prompt tokens
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors and per-request random generators."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        block_size: int,
+        device: torch.device,
+        eos_token_ids: list[int],
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in scheduler_output.finished_request_ids:
+            self.generators.pop(request_id, None)
+        copy_blocks(self.kv_cache, scheduler_output.block_copies)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput()
+        inputs = self.prepare_inputs(scheduler_output.scheduled)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata)
+        output = ModelRunnerOutput()
+        if inputs.sample_requests:
+            logits = self.model.compute_logits(hidden[inputs.sample_indices])
+            self._sample(logits, inputs.sample_requests, output)
+        if inputs.prompt_logprob_plan:
+            logits = self.model.compute_logits(hidden[inputs.prompt_logprob_indices])
+            self._prompt_logprobs(logits, inputs, output)
+        return output
+
+    # ---- inputs ------------------------------------------------------------------
+
+    def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
+        """Flatten the step into one token batch; positions and slots come from tensor ops."""
+        num_reqs = len(scheduled)
+        query_lens = [r.num_tokens for r in scheduled]
+        starts = [r.start_position for r in scheduled]
+        seq_lens = [s + q for s, q in zip(starts, query_lens)]
+        input_ids = torch.tensor(list(chain.from_iterable(r.token_ids for r in scheduled)), dtype=torch.long)
+        query_lens_t = torch.tensor(query_lens, dtype=torch.long)
+        query_start_loc = torch.zeros(num_reqs + 1, dtype=torch.long)
+        torch.cumsum(query_lens_t, 0, out=query_start_loc[1:])
+        req_index = torch.repeat_interleave(torch.arange(num_reqs), query_lens_t)
+        offset = torch.tensor(starts, dtype=torch.long) - query_start_loc[:-1]
+        positions = torch.arange(input_ids.numel()) + offset[req_index]
+        max_blocks = max(len(r.block_ids) for r in scheduled)
+        block_tables = torch.tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in scheduled])
+        slot_mapping = (
+            block_tables[req_index, positions // self.block_size] * self.block_size + positions % self.block_size
+        )
+
+        sample_requests = [r for r in scheduled if r.sample]
+        sample_indices = (query_start_loc[1:] - 1)[torch.tensor([r.sample for r in scheduled])]
+        plan, pl_indices, pl_targets = self._plan_prompt_logprobs(scheduled, query_start_loc.tolist())
+
+        dev = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=slot_mapping.to(dev),
+            block_tables=block_tables.to(dev),
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc.to(dev),
+            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.long).to(dev),
+            block_size=self.block_size,
+        )
+        return StepInputs(
+            input_ids=input_ids.to(dev),
+            positions=positions.to(dev),
+            attn_metadata=metadata,
+            sample_indices=sample_indices.to(dev),
+            sample_requests=sample_requests,
+            prompt_logprob_plan=plan,
+            prompt_logprob_indices=torch.tensor(pl_indices, dtype=torch.long).to(dev),
+            prompt_logprob_targets=torch.tensor(pl_targets, dtype=torch.long).to(dev),
+        )
+
+    @staticmethod
+    def _plan_prompt_logprobs(
+        scheduled: list[ScheduledRequest], query_start_loc: list[int]
+    ) -> tuple[list[tuple[ScheduledRequest, int, int]], list[int], list[int]]:
+        """Which rows score prompt tokens: logits at position p give the logprob of prompt token p+1."""
+        plan: list[tuple[ScheduledRequest, int, int]] = []
+        indices: list[int] = []
+        targets: list[int] = []
+        for r, request in enumerate(scheduled):
+            if request.sampling_params.prompt_logprobs is None:
+                continue
+            first = request.start_position
+            last = min(first + request.num_tokens, request.num_prompt_tokens - 1)
+            if last <= first:
+                continue
+            plan.append((request, first + 1, last - first))
+            indices.extend(range(query_start_loc[r], query_start_loc[r] + last - first))
+            targets.extend(request.prompt_token_ids[first + 1 : last + 1])
+        return plan, indices, targets
+
+    # ---- outputs -----------------------------------------------------------------
+
+    def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest], output: ModelRunnerOutput) -> None:
+        batch = SamplingBatch(
+            params=[r.sampling_params for r in requests],
+            prompt_token_ids=[r.prompt_token_ids for r in requests],
+            output_token_ids=[r.output_token_ids for r in requests],
+            generators=[self._generator(r) for r in requests],
+            eos_token_ids=self.eos_token_ids,
+        )
+        result = self.sampler(logits, batch)
+        sampled = result.sampled_token_ids.tolist()
+        output.sampled.update((r.request_id, t) for r, t in zip(requests, sampled))
+        if result.logprobs is not None:
+            self._collect_logprobs(result, requests, output)
+
+    @staticmethod
+    def _collect_logprobs(result: SamplerOutput, requests: list[ScheduledRequest], output: ModelRunnerOutput) -> None:
+        assert result.logprob_token_ids is not None and result.logprobs is not None
+        assert result.sampled_ranks is not None
+        ids = result.logprob_token_ids.tolist()
+        values = result.logprobs.tolist()
+        ranks = result.sampled_ranks.tolist()
+        for row, request in enumerate(requests):
+            num_top = request.sampling_params.logprobs
+            if num_top is None:
+                continue
+            output.logprobs[request.request_id] = _token_logprobs(ids[row], values[row], ranks[row], num_top)
+
+    def _prompt_logprobs(self, logits: torch.Tensor, inputs: StepInputs, output: ModelRunnerOutput) -> None:
+        num_top = max(r.sampling_params.prompt_logprobs or 0 for r, _, _ in inputs.prompt_logprob_plan)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        ids_t, values_t, ranks_t = gather_logprobs(logprobs, inputs.prompt_logprob_targets, num_top)
+        ids, values, ranks = ids_t.tolist(), values_t.tolist(), ranks_t.tolist()
+        row = 0
+        for request, first, count in inputs.prompt_logprob_plan:
+            k = request.sampling_params.prompt_logprobs or 0
+            rows = [_token_logprobs(ids[i], values[i], ranks[i], k) for i in range(row, row + count)]
+            output.prompt_logprobs[request.request_id] = PromptLogprobs(start=first, rows=rows)
+            row += count
+
+    def _generator(self, request: ScheduledRequest) -> torch.Generator | None:
+        seed = request.sampling_params.seed
+        if seed is None:
+            return None
+        generator = self.generators.get(request.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+            self.generators[request.request_id] = generator
+        return generator
+
+
+def _token_logprobs(ids: list[int], values: list[float], rank: int, num_top: int) -> TokenLogprobs:
+    """The chosen token (with its true rank) followed by the top ``num_top`` tokens."""
+    result = [(ids[0], values[0], rank)]
+    result.extend((ids[j], values[j], j) for j in range(1, num_top + 1))
+    return result

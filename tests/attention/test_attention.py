@@ -1,0 +1,279 @@
+"""TorchSDPAAttention vs ReferenceAttention vs dense (unpaged) causal attention."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from pagellm.attention import (
+    ATTENTION_BACKEND_CHOICES,
+    AttentionMetadata,
+    ReferenceAttention,
+    TorchSDPAAttention,
+    get_attention_backend,
+    write_kv,
+)
+
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+}
+HEADS = {"mha": (4, 4), "gqa": (4, 2)}
+
+
+@dataclass
+class Step:
+    query: torch.Tensor  # [T, H, D]
+    key: torch.Tensor  # [T, H_kv, D] (new tokens only)
+    value: torch.Tensor
+    key_cache: torch.Tensor  # context already written, everything else NaN
+    value_cache: torch.Tensor
+    metadata: AttentionMetadata
+    k_hist: list[torch.Tensor]  # per request: full [seq_len, H_kv, D] history (cache dtype)
+    v_hist: list[torch.Tensor]
+    scale: float
+
+
+def make_step(
+    reqs: list[tuple[int, int]],  # (cached context length, new tokens) per request
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int = 16,
+    dtype: torch.dtype = torch.float32,
+    query_dtype: torch.dtype | None = None,
+    seed: int = 0,
+    spare_blocks: int = 7,
+) -> Step:
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in reqs]
+    query_lens = [q for _, q in reqs]
+    blocks_per_req = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_req) + spare_blocks
+    # Shuffled, non-contiguous block ids (block 0 may be used by a request, too).
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    max_blocks = max(blocks_per_req) + 2  # wider than needed: padded with 0
+    block_tables = torch.zeros(len(reqs), max_blocks, dtype=torch.long)
+    tables = []
+    for r, n in enumerate(blocks_per_req):
+        ids, perm = perm[:n], perm[n:]
+        block_tables[r, :n] = torch.tensor(ids, dtype=torch.long)
+        tables.append(ids)
+
+    def slot(r: int, pos: int) -> int:
+        return tables[r][pos // block_size] * block_size + pos % block_size
+
+    # Never-written cache memory is NaN: no backend may let it leak into the output.
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.full(shape, float("nan"), dtype=dtype)
+    value_cache = torch.full(shape, float("nan"), dtype=dtype)
+
+    k_hist = [torch.randn(s, num_kv_heads, head_dim, generator=g).to(dtype) for s in seq_lens]
+    v_hist = [torch.randn(s, num_kv_heads, head_dim, generator=g).to(dtype) for s in seq_lens]
+    # Earlier steps wrote the cached context.
+    for r, (ctx, _) in enumerate(reqs):
+        if ctx:
+            slots = torch.tensor([slot(r, p) for p in range(ctx)], dtype=torch.long)
+            write_kv(k_hist[r][:ctx], v_hist[r][:ctx], key_cache, value_cache, slots)
+
+    new_slots = [slot(r, p) for r, (ctx, q) in enumerate(reqs) for p in range(ctx, ctx + q)]
+    key = torch.cat([k_hist[r][ctx:] for r, (ctx, _) in enumerate(reqs)])
+    value = torch.cat([v_hist[r][ctx:] for r, (ctx, _) in enumerate(reqs)])
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=g).to(query_dtype or dtype)
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(new_slots, dtype=torch.long),
+        block_tables=block_tables,
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+        query_start_loc=torch.tensor(qsl, dtype=torch.long),
+        seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.long),
+        block_size=block_size,
+    )
+    return Step(query, key, value, key_cache, value_cache, metadata, k_hist, v_hist, head_dim**-0.5)
+
+
+def dense_expected(step: Step) -> torch.Tensor:
+    """Causal softmax attention over each request's unpaged history, in float64."""
+    md = step.metadata
+    num_heads = step.query.shape[1]
+    group = num_heads // step.k_hist[0].shape[1]
+    outs = []
+    start = 0
+    for r, (q_len, s_len) in enumerate(zip(md.query_lens, md.seq_lens)):
+        q = step.query[start : start + q_len].double()  # [Q, H, D]
+        start += q_len
+        k = step.k_hist[r].double()  # [S, H_kv, D]
+        v = step.v_hist[r].double()
+        out = torch.empty(q_len, num_heads, q.shape[-1], dtype=torch.float64)
+        for h in range(num_heads):
+            kv = h // group
+            scores = (q[:, h] @ k[:, kv].T) * step.scale  # [Q, S]
+            q_pos = torch.arange(s_len - q_len, s_len)[:, None]
+            scores[torch.arange(s_len)[None, :] > q_pos] = float("-inf")
+            out[:, h] = torch.softmax(scores, dim=-1) @ v[:, kv]
+        outs.append(out)
+    return torch.cat(outs)
+
+
+def run_backend(backend, step: Step):
+    kc, vc = step.key_cache.clone(), step.value_cache.clone()
+    out = backend.forward(step.query, step.key, step.value, kc, vc, step.metadata, step.scale)
+    return out, kc, vc
+
+
+def check_step(step: Step) -> None:
+    tol = TOL[step.key_cache.dtype]
+    out_ref, kc_ref, vc_ref = run_backend(ReferenceAttention(), step)
+    out, kc, vc = run_backend(TorchSDPAAttention(), step)
+
+    assert out.shape == step.query.shape and out.dtype == step.query.dtype
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, out_ref, **tol)
+    torch.testing.assert_close(out.double(), dense_expected(step), **tol)
+
+    # The new K/V landed at their slots, in the cache dtype, and nothing else changed.
+    num_kv_heads, head_dim = kc.shape[-2:]
+    slots = step.metadata.slot_mapping
+    assert torch.equal(kc.view(-1, num_kv_heads, head_dim)[slots], step.key.to(kc.dtype))
+    assert torch.equal(vc.view(-1, num_kv_heads, head_dim)[slots], step.value.to(vc.dtype))
+    torch.testing.assert_close(kc, kc_ref, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0, equal_nan=True)
+
+
+def random_reqs(kind: str, n: int, seed: int) -> list[tuple[int, int]]:
+    g = torch.Generator().manual_seed(seed)
+
+    def ri(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+    if kind == "decode":
+        return [(ri(0, 70), 1) for _ in range(n)]
+    if kind == "prefill":
+        return [(0, ri(2, 40)) for _ in range(n)]
+    if kind == "mixed":  # decode rows interleaved with chunked/prefix-hit and fresh prefills
+        reqs = []
+        for i in range(n):
+            kind_i = i % 4
+            if kind_i in (0, 2):
+                reqs.append((ri(0, 60), 1))
+            elif kind_i == 1:
+                reqs.append((ri(1, 50), ri(2, 30)))
+            else:
+                reqs.append((0, ri(2, 30)))
+        return reqs
+    if kind == "mixed_decode_first":  # the scheduler's usual order
+        return [(ri(0, 60), 1) for _ in range(n)] + [(ri(1, 40), ri(2, 20)), (0, ri(2, 20)), (ri(5, 40), ri(2, 20))]
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed", "mixed_decode_first"])
+def test_matches_reference_and_dense(kind, block_size, heads, dtype):
+    num_heads, num_kv_heads = HEADS[heads]
+    reqs = random_reqs(kind, n=9, seed=hash((kind, block_size, heads)) % 1000)
+    step = make_step(reqs, block_size, num_heads, num_kv_heads, dtype=dtype, seed=block_size)
+    check_step(step)
+
+
+def test_many_decode_rows_equal_lengths():
+    # All rows the same length: the no-mask decode fast path.
+    step = make_step([(31, 1)] * 64, block_size=16, num_heads=9, num_kv_heads=3, head_dim=64)
+    check_step(step)
+
+
+def test_single_token_requests_and_empty_context():
+    # A 1-token prompt is a decode row with seq_len 1; a 2-token prompt is a tiny prefill.
+    step = make_step([(0, 1), (0, 2), (3, 1), (0, 1)], block_size=4, num_heads=4, num_kv_heads=2)
+    check_step(step)
+
+
+def test_prefill_with_context_only_block_size_1():
+    step = make_step([(17, 9), (1, 30), (40, 2)], block_size=1, num_heads=6, num_kv_heads=2, seed=3)
+    check_step(step)
+
+
+def test_query_dtype_differs_from_cache_dtype():
+    step = make_step(random_reqs("mixed", 8, 5), 16, 4, 2, dtype=torch.bfloat16, query_dtype=torch.float32)
+    out, _, _ = run_backend(TorchSDPAAttention(), step)
+    out_ref, _, _ = run_backend(ReferenceAttention(), step)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, out_ref, **TOL[torch.bfloat16])
+
+
+def test_zero_length_query_request_is_skipped():
+    step = make_step([(5, 1), (7, 0), (0, 4), (9, 1)], block_size=4, num_heads=4, num_kv_heads=2)
+    out, _, _ = run_backend(TorchSDPAAttention(), step)
+    torch.testing.assert_close(out.double(), dense_expected(step), **TOL[torch.float32])
+
+
+def test_plan_is_reused_across_layers_and_rebuilt_for_new_metadata():
+    TorchSDPAAttention.clear_plan_cache()
+    reqs = random_reqs("mixed", 8, 11)
+    layer0 = make_step(reqs, 16, 4, 2, seed=1)
+    layer1 = make_step(reqs, 16, 4, 2, seed=1)
+    # Same step (metadata object), different layer data.
+    layer1.query = torch.randn_like(layer1.query)
+    layer1.key, layer1.value = torch.randn_like(layer1.key), torch.randn_like(layer1.value)
+    layer1.metadata = layer0.metadata
+    ctx = [c for c, _ in reqs]
+    layer1.k_hist = [torch.cat([h[:c], layer1.key[s : s + q]]) for h, c, s, q in zip(
+        layer1.k_hist, ctx, layer0.metadata.query_start_loc.tolist(), layer0.metadata.query_lens)]
+    layer1.v_hist = [torch.cat([h[:c], layer1.value[s : s + q]]) for h, c, s, q in zip(
+        layer1.v_hist, ctx, layer0.metadata.query_start_loc.tolist(), layer0.metadata.query_lens)]
+
+    backends = [TorchSDPAAttention(), TorchSDPAAttention()]  # one per layer: the plan is still shared
+    out0, _, _ = run_backend(backends[0], layer0)
+    plan = TorchSDPAAttention._plan
+    assert plan is not None and plan.metadata is layer0.metadata
+    out1, _, _ = run_backend(backends[1], layer1)
+    assert TorchSDPAAttention._plan is plan
+    torch.testing.assert_close(out0.double(), dense_expected(layer0), **TOL[torch.float32])
+    torch.testing.assert_close(out1.double(), dense_expected(layer1), **TOL[torch.float32])
+
+    # A new step with different shapes gets a fresh plan and is still right.
+    nxt = make_step(random_reqs("decode", 5, 12), 16, 4, 2, seed=2)
+    check_step(nxt)
+    assert TorchSDPAAttention._plan is not plan
+
+
+def test_get_attention_backend():
+    assert isinstance(get_attention_backend(), TorchSDPAAttention)
+    assert isinstance(get_attention_backend("auto"), TorchSDPAAttention)
+    assert isinstance(get_attention_backend("torch_sdpa"), TorchSDPAAttention)
+    assert isinstance(get_attention_backend("reference"), ReferenceAttention)
+    assert get_attention_backend().name == "torch_sdpa"
+    assert set(ATTENTION_BACKEND_CHOICES) == {"auto", "reference", "torch_sdpa"}
+    with pytest.raises(ValueError) as err:
+        get_attention_backend("flash")
+    for choice in ("auto", "reference", "torch_sdpa"):
+        assert choice in str(err.value)
+
+
+def test_mismatched_token_count_raises():
+    step = make_step([(3, 1), (0, 4)], 4, 4, 2)
+    with pytest.raises(ValueError):
+        TorchSDPAAttention().forward(
+            step.query[:-1], step.key[:-1], step.value[:-1], step.key_cache.clone(), step.value_cache.clone(),
+            step.metadata, step.scale,
+        )
+
+
+def test_non_contiguous_qkv_from_fused_projection():
+    # Models often split one fused qkv projection: q/k/v are strided views, not contiguous tensors.
+    step = make_step(random_reqs("mixed", 8, 21), 16, 6, 2, seed=4)
+    t, h, d = step.query.shape
+    h_kv = step.key.shape[1]
+    fused = torch.cat([step.query.reshape(t, -1), step.key.reshape(t, -1), step.value.reshape(t, -1)], dim=1)
+    q, k, v = fused.split([h * d, h_kv * d, h_kv * d], dim=1)
+    step.query, step.key, step.value = q.view(t, h, d), k.view(t, h_kv, d), v.view(t, h_kv, d)
+    assert not step.query.is_contiguous()
+    check_step(step)

@@ -1,0 +1,176 @@
+"""Scheduler invariants with exact block ids: continuous batching, chunking, preemption."""
+
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.request import Request, RequestStatus
+from pagellm.core.scheduler import Scheduler
+from pagellm.sampling_params import SamplingParams
+from pagellm.step import ModelRunnerOutput, SchedulerOutput
+
+EOS = 99
+
+
+def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, budget=64, max_model_len=64):
+    manager = KVCacheManager(num_blocks, block_size)
+    return Scheduler(manager, max_num_seqs, budget, max_model_len)
+
+
+def make_request(rid, num_prompt, max_tokens=8, **params):
+    return Request(
+        rid,
+        [10 + i for i in range(num_prompt)],
+        SamplingParams(max_tokens=max_tokens, **params),
+        max_tokens=max_tokens,
+        eos_token_ids=frozenset({EOS}),
+    )
+
+
+def fake_run(out: SchedulerOutput, token=7, tokens=None) -> ModelRunnerOutput:
+    """A model that samples ``token`` (or tokens[request_id]) for every request that samples."""
+    tokens = tokens or {}
+    return ModelRunnerOutput(sampled={r.request_id: tokens.get(r.request_id, token) for r in out.scheduled if r.sample})
+
+
+def step(scheduler, **kwargs):
+    out = scheduler.schedule()
+    updated, finished = scheduler.update_from_output(out, fake_run(out, **kwargs))
+    return out, updated, finished
+
+
+def test_prefills_then_decodes_with_exact_blocks():
+    s = make_scheduler()
+    s.add_request(make_request("a", 5))
+    s.add_request(make_request("b", 3))
+    out, updated, _ = step(s)
+    assert [(r.request_id, r.num_tokens, r.start_position, r.block_ids, r.sample) for r in out.scheduled] == [
+        ("a", 5, 0, [0, 1], True),
+        ("b", 3, 0, [2], True),
+    ]
+    assert [r.request_id for r in updated] == ["a", "b"]
+    out, _, _ = step(s)
+    # Decodes: one token each; "a" has 6 tokens -> still 2 blocks, "b" 4 tokens -> 1 block.
+    assert [(r.request_id, r.token_ids, r.start_position, r.block_ids) for r in out.scheduled] == [
+        ("a", [7], 5, [0, 1]),
+        ("b", [7], 3, [2]),
+    ]
+    out, _, _ = step(s)
+    # "b" now writes its 5th token: a new block, only now.
+    assert [r.block_ids for r in out.scheduled] == [[0, 1], [2, 3]]
+
+
+def test_chunked_prefill_samples_only_on_last_chunk():
+    s = make_scheduler(budget=4)
+    s.add_request(make_request("a", 10))
+    chunks = []
+    for _ in range(3):
+        out, updated, _ = step(s)
+        (r,) = out.scheduled
+        chunks.append((r.start_position, r.num_tokens, r.sample))
+    assert chunks == [(0, 4, False), (4, 4, False), (8, 2, True)]
+    assert s.requests["a"].output_token_ids == [7]
+    assert s.kv_cache_manager.get_block_ids("a") == [0, 1, 2]
+
+
+def test_decode_and_prefill_share_a_step_under_the_budget():
+    s = make_scheduler(budget=6)
+    s.add_request(make_request("a", 4))
+    step(s)
+    s.add_request(make_request("b", 8))
+    out, _, _ = step(s)
+    # One decode token for "a", then 5 of b's 8 prompt tokens fill the budget.
+    assert [(r.request_id, r.num_tokens, r.sample) for r in out.scheduled] == [("a", 1, True), ("b", 5, False)]
+    assert out.num_scheduled_tokens == 6
+
+
+def test_max_num_seqs_limits_running():
+    s = make_scheduler(max_num_seqs=2)
+    for rid in "abc":
+        s.add_request(make_request(rid, 2))
+    out, _, _ = step(s)
+    assert [r.request_id for r in out.scheduled] == ["a", "b"]
+    assert [r.request_id for r in s.waiting] == ["c"]
+
+
+def test_finish_on_max_tokens_frees_blocks_and_reports_ids():
+    s = make_scheduler()
+    s.add_request(make_request("a", 3, max_tokens=2))
+    step(s)
+    _, _, finished = step(s)
+    assert [r.request_id for r in finished] == ["a"]
+    assert finished[0].status == RequestStatus.FINISHED_LENGTH
+    assert finished[0].output_token_ids == [7, 7]
+    assert s.kv_cache_manager.num_free_blocks == 16
+    out = s.schedule()
+    assert out.finished_request_ids == ["a"] and out.is_empty
+    assert not s.has_unfinished_requests()
+
+
+def test_eos_stop_token_and_min_tokens():
+    s = make_scheduler()
+    s.add_request(make_request("eos", 2))
+    s.add_request(make_request("stoptok", 2, stop_token_ids=[5]))
+    s.add_request(make_request("min", 2, min_tokens=2))
+    s.add_request(make_request("ignore", 2, max_tokens=2, ignore_eos=True))
+    _, _, finished = step(s, tokens={"eos": EOS, "stoptok": 5, "min": EOS, "ignore": EOS})
+    assert {r.request_id: r.finish_reason for r in finished} == {"eos": "stop", "stoptok": "stop"}
+    assert [r for r in finished if r.request_id == "stoptok"][0].stop_reason == 5
+    _, _, finished = step(s, tokens={"min": EOS, "ignore": EOS})
+    assert {r.request_id: r.finish_reason for r in finished} == {"min": "stop", "ignore": "length"}
+    assert s.kv_cache_manager.num_free_blocks == 16
+
+
+def test_abort_frees_blocks_immediately_from_running_and_waiting():
+    s = make_scheduler(max_num_seqs=1)
+    s.add_request(make_request("a", 6))
+    s.add_request(make_request("b", 6))
+    step(s)
+    assert s.kv_cache_manager.num_free_blocks == 14
+    aborted = s.finish_requests(["a", "b", "unknown"], RequestStatus.FINISHED_ABORTED)
+    assert [r.request_id for r in aborted] == ["a", "b"]
+    assert all(r.finish_reason == "abort" for r in aborted)
+    assert s.kv_cache_manager.num_free_blocks == 16
+    assert not s.has_unfinished_requests()
+
+
+def test_preempt_newest_then_resume_and_finish_with_all_blocks_free():
+    # 4 blocks of 2 tokens: two requests of 3 prompt tokens fill them after one decode each.
+    s = make_scheduler(num_blocks=4, block_size=2, max_model_len=8)
+    s.add_request(make_request("old", 3, max_tokens=4))
+    s.add_request(make_request("new", 3, max_tokens=4))
+    out, _, _ = step(s)  # prefill: old [0,1], new [2,3]
+    assert [r.block_ids for r in out.scheduled] == [[0, 1], [2, 3]]
+    out, _, _ = step(s)  # decode: position 3 fits in each second block
+    assert s.kv_cache_manager.num_free_blocks == 0
+    out = s.schedule()  # position 4 needs a new block each: "new" is preempted for "old"
+    assert [r.request_id for r in out.scheduled] == ["old"]
+    new = s.requests["new"]
+    assert new.status == RequestStatus.PREEMPTED and new.num_computed_tokens == 0
+    assert new.num_preemptions == 1 and s.stats.num_preemptions == 1
+    assert [r.request_id for r in s.waiting] == ["new"]
+    assert out.scheduled[0].block_ids == [0, 1, 3]  # "new"'s tail block was freed first, reused first
+    s.update_from_output(out, fake_run(out))
+    # Run until both finish; "new" is recomputed from prompt + its 2 outputs.
+    resumed = None
+    for _ in range(20):
+        out = s.schedule()
+        for r in out.scheduled:
+            if r.request_id == "new" and resumed is None:
+                resumed = (r.start_position, r.token_ids)
+        s.update_from_output(out, fake_run(out))
+        if not s.has_unfinished_requests():
+            break
+    assert resumed == (0, [10, 11, 12, 7, 7])
+    assert not s.has_unfinished_requests()
+    assert s.kv_cache_manager.num_free_blocks == 4
+    assert all(b.ref_cnt == 0 for b in s.kv_cache_manager.block_pool.blocks)
+
+
+def test_single_request_never_preempts_itself_forever():
+    # The request alone fits max_model_len in the pool: it must finish by length.
+    s = make_scheduler(num_blocks=2, block_size=2, max_model_len=4)
+    s.add_request(make_request("a", 2, max_tokens=10))
+    for _ in range(10):
+        step(s)
+        if not s.has_unfinished_requests():
+            break
+    assert not s.has_unfinished_requests()
+    assert s.stats.num_preemptions == 0

@@ -1,0 +1,51 @@
+"""Greedy outputs equal Hugging Face transformers token for token, whatever the batching."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagellm import LLM, SamplingParams
+from tests.hf_reference import hf_greedy, load_hf_model
+
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "In a hole in the ground there lived a hobbit. Not a nasty, dirty, wet hole, filled with the ends of worms",
+    "1 2 3",
+    "Paged attention splits the KV cache into blocks so that",
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module", params=["tiny_llama_path", "tiny_qwen2_path"])
+def model_and_reference(request, default_tokenizer):
+    """A tiny model's path and HF's greedy tokens for every prompt (computed once)."""
+    path = request.getfixturevalue(request.param)
+    hf_model = load_hf_model(path)
+    expected = [hf_greedy(hf_model, default_tokenizer(p).input_ids, MAX_TOKENS) for p in PROMPTS]
+    return path, expected
+
+
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [
+        dict(block_size=16),
+        dict(block_size=1),
+        # Small step budget: long prompts are prefilled in chunks, mixed with decodes.
+        dict(block_size=4, max_num_batched_tokens=7),
+        # A pool so small that requests are preempted and recomputed.
+        dict(block_size=4, num_kv_blocks=24, max_model_len=96),
+    ],
+    ids=["bs16", "bs1", "chunked", "preempt"],
+)
+def test_greedy_matches_hf(model_and_reference, engine_kwargs):
+    path, expected = model_and_reference
+    llm = LLM(path, dtype="float32", **engine_kwargs)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert [o.prompt for o in outputs] == PROMPTS
+    engine = llm.llm_engine
+    if engine_kwargs.get("num_kv_blocks"):
+        assert engine.stats.num_preemptions > 0, "the small pool was meant to force preemption"
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks

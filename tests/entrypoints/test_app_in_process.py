@@ -1,0 +1,55 @@
+"""The FastAPI app in-process over a fake engine: what happens when the engine loop dies."""
+
+from __future__ import annotations
+
+from fastapi.testclient import TestClient
+
+from pagellm.engine.async_engine import AsyncLLMEngine
+from pagellm.engine.input_processor import InputProcessor
+from pagellm.entrypoints.openai.api_server import ServerSettings, build_app
+from pagellm.metrics.prometheus import PrometheusMetrics
+from tests.entrypoints.test_async_engine import FakeEngine
+
+
+class _TinyTokenizer:
+    """Just enough tokenizer for token-id prompts."""
+
+    eos_token_id = None
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(map(str, ids))
+
+
+def make_client() -> tuple[TestClient, FakeEngine]:
+    fake = FakeEngine()
+    fake.tokenizer = _TinyTokenizer()  # type: ignore[attr-defined]
+    fake.input_processor = InputProcessor(fake.tokenizer, vocab_size=100, max_model_len=128)  # type: ignore[attr-defined]
+    metrics = PrometheusMetrics("fake", stats=lambda: fake.stats)
+    engine = AsyncLLMEngine(fake, metrics)  # type: ignore[arg-type]
+    app = build_app(engine, ServerSettings(served_model_names=["fake"], model_path="fake"), metrics)
+    return TestClient(app), fake
+
+
+def test_health_turns_503_when_the_loop_dies() -> None:
+    client, fake = make_client()
+    with client:
+        assert client.get("/health").status_code == 200
+        ok = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "t1 t2 t3 "
+        fake.fail_on_step = True
+        dead = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
+        assert dead.status_code == 503 and "boom" in dead.json()["error"]["message"]
+        health = client.get("/health")
+        assert health.status_code == 503 and "boom" in health.json()["error"]["message"]
+        again = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3, "stream": True})
+        assert again.status_code == 503
+
+
+def test_streaming_request_gets_an_in_band_error_when_the_loop_dies() -> None:
+    client, fake = make_client()
+    with client:
+        fake.fail_on_step = True
+        response = client.post("/v1/completions", json={"prompt": [1], "max_tokens": 3, "stream": True})
+        assert response.status_code == 200
+        assert '"error"' in response.text and "boom" in response.text
+        assert response.text.endswith("data: [DONE]\n\n")

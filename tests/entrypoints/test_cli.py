@@ -1,0 +1,58 @@
+"""The ``pagellm`` command line: parsing, engine options, and ``generate`` run in-process."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagellm.entrypoints.cli import build_parser, engine_kwargs, main
+
+
+def test_serve_defaults() -> None:
+    args = build_parser().parse_args(["serve"])
+    assert args.model is None and args.host == "127.0.0.1" and args.port == 8000
+    assert args.api_key is None and args.served_model_name is None
+    assert engine_kwargs(args)["model"] is None  # LLM(model=None): the default model
+
+
+def test_serve_options_map_to_the_engine() -> None:
+    args = build_parser().parse_args([
+        "serve", "/models/x", "--port", "9001", "--served-model-name", "a", "b", "--api-key", "k",
+        "--block-size", "32", "--kv-cache-memory", "2GiB", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+        "--max-model-len", "1024", "--dtype", "bfloat16", "--seed", "3", "--chat-template", "t.jinja",
+    ])
+    assert args.port == 9001 and args.served_model_name == ["a", "b"] and args.api_key == "k"
+    assert engine_kwargs(args) | {} == {
+        "model": "/models/x", "dtype": "bfloat16", "block_size": 32, "kv_cache_memory": "2GiB",
+        "num_kv_blocks": None, "max_num_seqs": 8, "max_num_batched_tokens": 512, "max_model_len": 1024,
+        "seed": 3, "device": "cpu", "attention_backend": "auto", "chat_template": "t.jinja", "num_threads": None,
+    }
+
+
+def test_a_subcommand_is_required() -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([])
+
+
+@pytest.mark.slow
+def test_generate_prints_prompts_and_answers(tiny_llama_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main([
+        "generate", tiny_llama_path, "--prompt", "Hello", "--prompt", "Good morning", "--max-tokens", "4",
+        "--num-kv-blocks", "32",
+    ])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert out.count("Prompt: ") == 2 and out.count("Answer: ") == 2
+    assert "Prompt: Hello\n" in out and "Prompt: Good morning\n" in out
+
+
+@pytest.mark.slow
+def test_generate_chat(tiny_llama_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", tiny_llama_path, "--chat", "--prompt", "Hi", "--max-tokens", "2",
+                 "--num-kv-blocks", "32"]) == 0
+    assert "Prompt: Hi\nAnswer: " in capsys.readouterr().out
+
+
+def test_bad_engine_option_is_one_line_error(tiny_llama_path: str, caplog: pytest.LogCaptureFixture) -> None:
+    assert main(["generate", tiny_llama_path, "--prompt", "x", "--max-model-len", "100000",
+                 "--num-kv-blocks", "4"]) == 1
+    assert "max_model_len" in caplog.text

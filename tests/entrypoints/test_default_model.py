@@ -1,0 +1,51 @@
+"""``pagellm serve`` with no MODEL: the default model answers coherently, streamed and whole."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from pagellm.model.default_model import DEFAULT_MODEL_NAME
+from tests.entrypoints.utils import RemoteServer
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def default_server(default_model_path_fixture: str) -> Iterator[RemoteServer]:
+    # default_model_path_fixture only makes sure the model package is installed (clear error if not).
+    with RemoteServer(None, ["--kv-cache-memory", "64MiB"]) as remote:
+        yield remote
+
+
+@pytest.fixture(scope="module")
+def default_client(default_server: RemoteServer) -> Iterator[openai.OpenAI]:
+    with default_server.client(timeout=120.0) as client:
+        yield client
+
+
+def test_default_model_name(default_client: openai.OpenAI) -> None:
+    assert [m.id for m in default_client.models.list().data] == [DEFAULT_MODEL_NAME]
+
+
+def test_chat_answer_is_coherent(default_client: openai.OpenAI) -> None:
+    result = default_client.chat.completions.create(
+        model=DEFAULT_MODEL_NAME,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24,
+        temperature=0.0,
+    )
+    answer = result.choices[0].message.content
+    assert "Paris" in answer, answer
+    assert result.choices[0].finish_reason in ("stop", "length")
+
+
+def test_streamed_completion_matches(default_client: openai.OpenAI) -> None:
+    kwargs = dict(model=DEFAULT_MODEL_NAME, prompt="The three primary colors are", max_tokens=20, temperature=0.0)
+    whole = default_client.completions.create(**kwargs).choices[0].text
+    streamed = "".join(
+        choice.text for chunk in default_client.completions.create(stream=True, **kwargs) for choice in chunk.choices
+    )
+    assert streamed == whole and len(whole.split()) >= 3

@@ -1,0 +1,51 @@
+"""GET /health, /version, /v1/models and vLLM's /tokenize and /detokenize."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+import pagellm
+from tests.entrypoints.conftest import MAX_MODEL_LEN, MODEL_ALIAS, MODEL_NAME
+
+pytestmark = pytest.mark.slow
+
+
+def test_health_and_version(http: httpx.Client) -> None:
+    assert http.get("/health").status_code == 200
+    assert http.get("/version").json() == {"version": pagellm.__version__}
+
+
+def test_models_list(client: openai.OpenAI, http: httpx.Client) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL_NAME, MODEL_ALIAS]
+    raw = http.get("/v1/models").json()
+    assert raw["object"] == "list"
+    for card in raw["data"]:
+        assert card["object"] == "model" and card["max_model_len"] == MAX_MODEL_LEN and card["owned_by"]
+
+
+def test_tokenize_detokenize_round_trip(http: httpx.Client) -> None:
+    text = "Hello world, héllo wörld!"
+    body = http.post("/tokenize", json={"model": MODEL_NAME, "prompt": text}).json()
+    assert body["count"] == len(body["tokens"]) > 0 and body["max_model_len"] == MAX_MODEL_LEN
+    back = http.post("/detokenize", json={"model": MODEL_NAME, "tokens": body["tokens"]}).json()
+    assert back == {"prompt": text}
+    with_strs = http.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert len(with_strs["token_strs"]) == with_strs["count"]
+
+
+def test_tokenize_special_tokens_flag(http: httpx.Client) -> None:
+    plain = http.post("/tokenize", json={"prompt": "Hi", "add_special_tokens": False}).json()
+    default = http.post("/tokenize", json={"prompt": "Hi"}).json()
+    assert default["tokens"][-len(plain["tokens"]):] == plain["tokens"]
+
+
+def test_tokenize_messages_uses_chat_template(http: httpx.Client) -> None:
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    body = http.post("/tokenize", json={"model": MODEL_NAME, "messages": messages}).json()
+    text = http.post("/detokenize", json={"tokens": body["tokens"]}).json()["prompt"]
+    assert "What is 2+2?" in text and len(text) > len("What is 2+2?")  # the template adds role markup
+    no_gen = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    assert no_gen["count"] < body["count"]

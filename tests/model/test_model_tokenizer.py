@@ -1,0 +1,37 @@
+"""Tokenizers load offline, carry a chat template, and round-trip text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pagellm.model import load_tokenizer
+
+TEXT = "Hello, world! Paged attention: 42 tokens/s. Ünïcödé too."
+
+
+def test_gguf_tokenizer_has_chat_template_and_round_trips(default_tokenizer) -> None:
+    assert (default_tokenizer.bos_token_id, default_tokenizer.eos_token_id) == (1, 2)
+    assert default_tokenizer.eos_token == "<|im_end|>"
+    assert len(default_tokenizer) == 49152
+    ids = default_tokenizer.encode(TEXT)
+    assert ids[0] != default_tokenizer.bos_token_id  # the GGUF says add_bos_token=False
+    assert default_tokenizer.decode(ids) == TEXT
+    assert "<|im_start|>" in default_tokenizer.chat_template
+    prompt = default_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_hf_folder_tokenizer(tiny_llama_path: str) -> None:
+    tokenizer = load_tokenizer(tiny_llama_path)
+    assert tokenizer.decode(tokenizer.encode(TEXT)) == TEXT
+    assert tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
+
+
+def test_chat_template_override(tmp_path: Path, tiny_qwen2_path: str) -> None:
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    tokenizer = load_tokenizer(tiny_qwen2_path, chat_template_path=str(template))
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "yo"}], tokenize=False)
+    assert text == "[user] yo\n"
