@@ -54,6 +54,7 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int | str = "1GiB"
     num_blocks: int | None = None  # overrides kv_cache_memory (tests, benchmarks)
+    enable_prefix_caching: bool = True
     kv_cache_bytes: int = field(init=False)
 
     def __post_init__(self) -> None:

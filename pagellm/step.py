@@ -11,6 +11,14 @@ from pagellm.sampling_params import SamplingParams
 
 
 @dataclass
+class SampleFork:
+    """A new sequence born from its parent at this step: it samples from the parent's logits."""
+
+    request_id: str
+    sampling_params: SamplingParams
+
+
+@dataclass
 class ScheduledRequest:
     """One request's share of a step: which tokens to compute and where their K/V go."""
 
@@ -22,10 +30,26 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     prompt_token_ids: list[int]  # references, read only
     output_token_ids: list[int]
+    # Sequences forked from this one once its prompt is done (n > 1): each samples its
+    # own first token from this request's logits, so the prompt is computed once.
+    forks: list[SampleFork] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    def fork_sequence(self, fork: SampleFork) -> ScheduledRequest:
+        """The view of a fork that samples from this request's logits: same prompt, no output yet."""
+        return ScheduledRequest(
+            request_id=fork.request_id,
+            token_ids=[],
+            start_position=self.start_position,
+            block_ids=[],
+            sample=True,
+            sampling_params=fork.sampling_params,
+            prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=[],
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

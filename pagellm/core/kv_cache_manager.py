@@ -1,26 +1,53 @@
-"""Maps requests to their KV blocks: the scheduler-facing API of the block pool."""
+"""Maps requests to their KV blocks: the scheduler-facing API of the block pool.
+
+A request holding ``k`` tokens owns ``ceil(k / block_size)`` blocks: a new block is
+taken only when the last one is full, so at most one block per request is partly empty.
+
+Sharing comes in two kinds, both by reference count:
+- prefix caching: every full block is keyed by a hash chain of its tokens; a new
+  request starts with all leading blocks whose keys are already in the pool;
+- forks: a child sequence points at its parent's blocks. Before a sequence writes
+  into a block someone else also holds, it gets a private copy (copy-on-write); the
+  (src, dst) pairs are handed to the worker, which copies K/V before the forward pass.
+
+Block table of one request, and what ``allocate_slots`` does to it::
+
+    | cached/computed (read only) | partial last block | new blocks ...
+                                  ^ num_computed_tokens: writes start here;
+                                    if this block is shared, it is copied first
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 from pagellm.core.block_pool import BlockPool
-from pagellm.core.kv_cache_utils import KVCacheBlock
+from pagellm.core.kv_cache_utils import KVCacheBlock, hash_block_tokens
 from pagellm.core.request import Request
 from pagellm.utils import cdiv
 
 
+@dataclass
+class PrefixCacheStats:
+    """Cumulative counters, in tokens and blocks."""
+
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens served from cached blocks
+    cow_copies: int = 0  # blocks copied because a sequence wrote into a shared block
+    forks: int = 0
+
+
 class KVCacheManager:
-    """Gives each request the blocks its tokens need, on demand, and takes them back.
-
-    A request holding ``k`` tokens owns ``ceil(k / block_size)`` blocks: a new block is
-    taken only when the last one is full, so at most one block per request is partly empty.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.stats = PrefixCacheStats()
+        self._pending_copies: list[tuple[int, int]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -33,28 +60,130 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.usage()
 
-    def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
-        """How many more blocks ``request`` needs to also hold ``num_new_tokens`` tokens."""
-        held = len(self.req_to_blocks.get(request.request_id, ()))
-        return max(0, cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - held)
+    def num_shared_blocks(self) -> int:
+        """Blocks held by more than one sequence right now (for metrics; O(num_blocks))."""
+        return sum(1 for block in self.block_pool.blocks if block.ref_cnt > 1)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
+    # ---- prefix cache ---------------------------------------------------------------
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Extend the request's hash chain over every full block of its known tokens."""
+        hashes = request.block_hashes
+        size = self.block_size
+        for i in range(len(hashes), request.num_tokens // size):
+            parent = hashes[-1] if hashes else None
+            salt = request.cache_salt if i == 0 else None
+            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * size : (i + 1) * size], salt))
+
+    def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
+        """Leading blocks of ``request`` already in the pool (not yet referenced).
+
+        At least the last token is always left to compute: its logits are needed.
+        Requests asking for prompt logprobs compute everything.
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return []
+        self.update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.stats.queries += request.num_tokens
+        self.stats.hits += len(hits) * self.block_size
+        return hits
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks that are full once its first ``num_tokens`` are computed.
+
+        Called when the step that computes them is scheduled, so a request admitted later
+        in the same step can share them: every backend writes the step's K/V before any
+        attention reads it.
+        """
+        if not self.enable_caching:
+            return
+        self.update_block_hashes(request)
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        for block, block_hash in zip(blocks[:num_full], request.block_hashes[:num_full]):
+            self.block_pool.cache_full_block(block, block_hash)
+
+    # ---- allocation -------------------------------------------------------------------
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVCacheBlock] = ()
+    ) -> bool:
         """Make room for ``num_new_tokens`` more tokens of ``request``; all or nothing.
 
-        Returns False (and changes nothing) when the pool has too few free blocks.
+        ``computed_blocks`` (a prefix hit, only for a request holding no block) are
+        taken first and advance ``request.num_computed_tokens``. Returns False and
+        changes nothing when the pool has too few free blocks.
         """
-        needed = self.num_blocks_needed(request, num_new_tokens)
-        if needed > self.block_pool.num_free_blocks:
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_held = len(blocks) + len(computed_blocks)
+        num_new_blocks = max(0, cdiv(num_computed + num_new_tokens, self.block_size) - num_held)
+        cow_index = self._cow_index(blocks, num_computed, num_new_tokens)
+        # Reviving a cached block takes it out of the free queue too.
+        num_revived = sum(1 for block in computed_blocks if block.ref_cnt == 0)
+        if num_new_blocks + (cow_index is not None) + num_revived > self.block_pool.num_free_blocks:
             return False
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        if needed:
-            blocks.extend(self.block_pool.get_new_blocks(needed))
+
+        if computed_blocks:
+            self.block_pool.touch(computed_blocks)
+            request.num_computed_tokens = num_computed
+        blocks = self.req_to_blocks.setdefault(request.request_id, blocks)
+        blocks.extend(computed_blocks)
+        if cow_index is not None:
+            self._copy_on_write(blocks, cow_index)
+        if num_new_blocks:
+            blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
+        self.cache_blocks(request, num_computed + num_new_tokens)
         return True
 
+    def _cow_index(self, blocks: list[KVCacheBlock], num_computed: int, num_new_tokens: int) -> int | None:
+        """Index of the partly written block this step writes into, if another sequence shares it."""
+        index = num_computed // self.block_size
+        if num_new_tokens > 0 and index < len(blocks) and blocks[index].ref_cnt > 1:
+            return index
+        return None
+
+    def _copy_on_write(self, blocks: list[KVCacheBlock], index: int) -> None:
+        shared = blocks[index]
+        (private,) = self.block_pool.get_new_blocks(1)
+        self.block_pool.free_blocks([shared])
+        blocks[index] = private
+        self._pending_copies.append((shared.block_id, private.block_id))
+        self.stats.cow_copies += 1
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) copies the worker must make before this step's forward pass."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Let ``child`` share every block of ``parent`` (its computed tokens included)."""
+        if child.request_id in self.req_to_blocks:
+            raise ValueError(f"request {child.request_id!r} already holds blocks; only a new sequence can fork")
+        blocks = list(self.req_to_blocks.get(parent.request_id, ()))
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[child.request_id] = blocks
+        child.num_computed_tokens = parent.num_computed_tokens
+        # Only blocks inside the shared (computed) prefix have keys valid for both.
+        child.block_hashes = parent.block_hashes[: parent.num_computed_tokens // self.block_size]
+        self.stats.forks += 1
+
     def free(self, request: Request) -> None:
-        """Return all of a request's blocks, last block first so tails are reused first."""
+        """Drop all of a request's blocks, last block first so tails are reused first."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        """How many more blocks ``request`` needs to also hold ``num_new_tokens`` tokens."""
+        held = len(self.req_to_blocks.get(request.request_id, ()))
+        return max(0, cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - held)

@@ -8,6 +8,8 @@ again is unlinked from the middle in O(1).
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -82,6 +84,17 @@ class FreeKVCacheBlockQueue:
         return ids
 
 
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Iterable[int], extra_key: object = None) -> BlockHash:
-    """Key of a full block: equal keys imply equal whole prefixes (parent chain + tokens)."""
-    return hash((parent_hash, tuple(token_ids), extra_key))
+_NO_PARENT = b"\x00" * 16
+
+
+def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Iterable[int], extra_key: str | None = None) -> BlockHash:
+    """Key of a full block: a 128-bit digest of (parent key, token ids, extra key).
+
+    Chaining the parent's key makes equal keys mean equal whole prefixes; a
+    cryptographic digest makes a collision (two prefixes sharing KV) practically impossible.
+    """
+    digest = hashlib.sha256(_NO_PARENT if parent_hash is None else parent_hash.to_bytes(16, "little"))
+    digest.update(array("q", token_ids).tobytes())
+    if extra_key is not None:
+        digest.update(b"\x01" + extra_key.encode())
+    return int.from_bytes(digest.digest()[:16], "little")

@@ -10,6 +10,7 @@ from pagellm.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
+    WAITING_FOR_FORK = enum.auto()  # a sample of an n > 1 request, born when its parent's prompt is done
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
@@ -51,6 +52,12 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # Prefix caching: keys of the request's full blocks (kept across preemption), a
+    # per-tenant salt mixed into the first key, and the tokens served from the cache
+    # at the first admission (-1 until then).
+    cache_salt: str | None = None
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_tokens: int = -1
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

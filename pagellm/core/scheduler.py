@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
-from pagellm.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagellm.step import ModelRunnerOutput, SampleFork, ScheduledRequest, SchedulerOutput
 
 
 @dataclass
@@ -26,6 +26,7 @@ class SchedulerStats:
     num_preemptions: int = 0  # cumulative
     num_prompt_tokens_computed: int = 0  # cumulative, recompute included
     num_generated_tokens: int = 0  # cumulative
+    peak_blocks_in_use: int = 0  # most KV blocks held at once (measured after each schedule)
 
 
 class Scheduler:
@@ -43,19 +44,28 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Samples 2..n of a request, waiting for their parent's first sampling step.
+        self.pending_forks: dict[str, list[Request]] = {}
         self._finished_since_last_step: list[str] = []
         self.stats = SchedulerStats()
 
     # ---- queue management -------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+    def add_request(self, request: Request, fork_children: list[Request] | None = None) -> None:
+        """Queue a request; ``fork_children`` will share its prompt's KV instead of computing it."""
+        for r in [request, *(fork_children or [])]:
+            if r.request_id in self.requests:
+                raise ValueError(f"request id {r.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if fork_children:
+            for child in fork_children:
+                child.status = RequestStatus.WAITING_FOR_FORK
+                self.requests[child.request_id] = child
+            self.pending_forks[request.request_id] = list(fork_children)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.pending_forks)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests from outside the step (abort, stop string); frees their blocks at once."""
@@ -66,11 +76,21 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_FORK:
+                self._drop_pending_fork(request)
             else:
                 self.waiting.remove(request)
             self._finish(request, status)
             finished.append(request)
         return finished
+
+    def _drop_pending_fork(self, child: Request) -> None:
+        for parent_id, children in list(self.pending_forks.items()):
+            if child in children:
+                children.remove(child)
+                if not children:
+                    del self.pending_forks[parent_id]
+                return
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
@@ -107,9 +127,13 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv_cache_manager.allocate_slots(request, num_new):
+            cached = self.kv_cache_manager.get_computed_blocks(request)
+            num_cached = len(cached) * self.kv_cache_manager.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.kv_cache_manager.allocate_slots(request, num_new, cached):
                 break
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -119,7 +143,13 @@ class Scheduler:
         finished = self._finished_since_last_step
         self._finished_since_last_step = []
         self._update_gauges()
-        return SchedulerOutput(scheduled=scheduled, finished_request_ids=finished)
+        in_use = self.kv_cache_manager.num_blocks - self.kv_cache_manager.num_free_blocks
+        self.stats.peak_blocks_in_use = max(self.stats.peak_blocks_in_use, in_use)
+        return SchedulerOutput(
+            scheduled=scheduled,
+            finished_request_ids=finished,
+            block_copies=self.kv_cache_manager.take_block_copies(),
+        )
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> bool:
         """Allocate blocks for ``request``, preempting the newest running requests as needed.
@@ -144,15 +174,18 @@ class Scheduler:
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
+        sample = end == request.num_tokens
+        forks = [SampleFork(c.request_id, c.sampling_params) for c in self.pending_forks.get(request.request_id, ())]
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:end],
             start_position=start,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-            sample=end == request.num_tokens,
+            sample=sample,
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
+            forks=forks if sample else [],
         )
 
     def update_from_output(
@@ -174,16 +207,30 @@ class Scheduler:
             token_id = runner_output.sampled.get(item.request_id)
             if token_id is None:
                 continue
-            request.append_output_token(token_id)
-            self.stats.num_generated_tokens += 1
-            updated.append(request)
-            status = self._check_stop(request, token_id)
-            if status is not None:
-                self.running.remove(request)
-                self._finish(request, status)
-                finished.append(request)
+            children = self._fork_children(request, item) if item.forks else []
+            for seq in [request, *children]:
+                self._append_token(seq, runner_output.sampled[seq.request_id], updated, finished)
         self._update_gauges()
         return updated, finished
+
+    def _fork_children(self, parent: Request, item: ScheduledRequest) -> list[Request]:
+        """Turn the parent's pending samples into running sequences sharing its blocks."""
+        children = self.pending_forks.pop(parent.request_id, [])
+        for child in children:
+            self.kv_cache_manager.fork(parent, child)
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        return children
+
+    def _append_token(self, request: Request, token_id: int, updated: list[Request], finished: list[Request]) -> None:
+        request.append_output_token(token_id)
+        self.stats.num_generated_tokens += 1
+        updated.append(request)
+        status = self._check_stop(request, token_id)
+        if status is not None:
+            self.running.remove(request)
+            self._finish(request, status)
+            finished.append(request)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

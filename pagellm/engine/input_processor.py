@@ -18,6 +18,7 @@ PromptType = Union[str, Mapping[str, Any]]
 class ProcessedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]
+    cache_salt: str | None = None  # isolates this prompt's prefix-cache entries (per tenant)
 
 
 class InputProcessor:
@@ -32,18 +33,27 @@ class InputProcessor:
             token_ids = self.tokenizer(prompt).input_ids
             return self._checked(ProcessedPrompt(prompt=prompt, prompt_token_ids=list(token_ids)))
         if isinstance(prompt, Mapping):
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, Sequence) or isinstance(ids, str) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in ids
-                ):
-                    raise ValueError("prompt_token_ids must be a list of integers")
-                return self._checked(ProcessedPrompt(prompt=prompt.get("prompt"), prompt_token_ids=list(ids)))
-            if "prompt" in prompt and isinstance(prompt["prompt"], str):
-                return self.process_prompt(prompt["prompt"])
+            salt = prompt.get("cache_salt")
+            if salt is not None and not isinstance(salt, str):
+                raise ValueError("cache_salt must be a string")
+            processed = self._process_mapping(prompt)
+            processed.cache_salt = salt
+            return processed
         raise ValueError(
             f"a prompt must be a string or a dict with 'prompt_token_ids'; got {type(prompt).__name__}"
         )
+
+    def _process_mapping(self, prompt: Mapping[str, Any]) -> ProcessedPrompt:
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, Sequence) or isinstance(ids, str) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids
+            ):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            return self._checked(ProcessedPrompt(prompt=prompt.get("prompt"), prompt_token_ids=list(ids)))
+        if isinstance(prompt.get("prompt"), str):
+            return self.process_prompt(prompt["prompt"])
+        raise ValueError("a prompt dict needs 'prompt_token_ids' (a list of integers) or 'prompt' (a string)")
 
     def _checked(self, processed: ProcessedPrompt) -> ProcessedPrompt:
         ids = processed.prompt_token_ids

@@ -45,6 +45,10 @@ class EngineStats:
     num_prompt_tokens: int = 0  # computed prompt tokens, recompute included
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens whose KV was reused
+    num_cow_copies: int = 0  # blocks copied on write
+    peak_blocks_in_use: int = 0  # most KV blocks held at once
     num_running: int = 0  # gauge
     num_waiting: int = 0  # gauge
     kv_cache_usage: float = 0.0  # gauge: fraction of blocks in use
@@ -75,7 +79,9 @@ class LLMEngine:
             dtype,
             self.device,
         )
-        self.kv_cache_manager = KVCacheManager(self.num_blocks, block_size)
+        self.kv_cache_manager = KVCacheManager(
+            self.num_blocks, block_size, enable_caching=config.cache.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             config.scheduler.max_num_seqs,
@@ -147,7 +153,9 @@ class LLMEngine:
     ) -> None:
         """Validate and queue a request; raises ValueError on bad input (nothing is queued then)."""
         processed = self.input_processor.process_prompt(prompt)
-        self.add_tokenized_request(request_id, processed.prompt, processed.prompt_token_ids, params, stream)
+        self.add_tokenized_request(
+            request_id, processed.prompt, processed.prompt_token_ids, params, stream, processed.cache_salt
+        )
 
     def add_tokenized_request(
         self,
@@ -156,30 +164,46 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         stream: bool = False,
+        cache_salt: str | None = None,
     ) -> None:
+        """Queue an already tokenized prompt (the path the server and ``LLM`` use)."""
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > MAX_LOGPROBS:
                 raise ValueError(f"{name}={value} is more than the allowed maximum of {MAX_LOGPROBS}")
+        if stream and params.best_of is not None and params.best_of > params.n:
+            raise ValueError("best_of > n cannot be streamed: the best samples are known only at the end")
         max_tokens = self.input_processor.resolve_max_tokens(params, len(prompt_token_ids))
-        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        num_seqs = max(params.n, params.best_of or 0)
+        seq_ids = [request_id] if num_seqs == 1 else [f"{request_id}#{i}" for i in range(num_seqs)]
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, seq_ids, stream)
-        for i, seq_id in enumerate(seq_ids):
-            seq_params = params
-            if params.n > 1 and params.seed is not None:
-                seq_params = params.clone()
-                seq_params.seed = params.seed + i
-            self.scheduler.add_request(
-                Request(
-                    request_id=seq_id,
-                    prompt_token_ids=prompt_token_ids,
-                    sampling_params=seq_params,
-                    max_tokens=max_tokens,
-                    eos_token_ids=self.eos_token_ids,
-                )
+        sequences = [
+            Request(
+                request_id=seq_id,
+                prompt_token_ids=prompt_token_ids,
+                sampling_params=self._sequence_params(params, i, num_seqs),
+                max_tokens=max_tokens,
+                eos_token_ids=self.eos_token_ids,
+                cache_salt=cache_salt,
             )
+            for i, seq_id in enumerate(seq_ids)
+        ]
+        # One prefill: samples 2..n fork from the first once its prompt is computed.
+        self.scheduler.add_request(sequences[0], sequences[1:])
+
+    @staticmethod
+    def _sequence_params(params: SamplingParams, index: int, num_seqs: int) -> SamplingParams:
+        """Each sample gets its own seed; best_of needs every sample's logprob to rank them."""
+        if num_seqs == 1:
+            return params
+        seq_params = params.clone()
+        if params.seed is not None:
+            seq_params.seed = params.seed + index
+        if num_seqs > params.n and seq_params.logprobs is None:
+            seq_params.logprobs = 0
+        return seq_params
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Stop requests now and free their KV blocks; returns their final outputs."""
@@ -220,6 +244,11 @@ class LLMEngine:
         self.stats.num_prompt_tokens = s.num_prompt_tokens_computed
         self.stats.num_generated_tokens = s.num_generated_tokens
         self.stats.num_preemptions = s.num_preemptions
+        self.stats.peak_blocks_in_use = s.peak_blocks_in_use
         self.stats.num_running = len(self.scheduler.running)
         self.stats.num_waiting = len(self.scheduler.waiting)
         self.stats.kv_cache_usage = self.kv_cache_manager.usage()
+        cache_stats = self.kv_cache_manager.stats
+        self.stats.prefix_cache_queries = cache_stats.queries
+        self.stats.prefix_cache_hits = cache_stats.hits
+        self.stats.num_cow_copies = cache_stats.cow_copies

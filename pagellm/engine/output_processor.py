@@ -67,7 +67,8 @@ class OutputProcessor:
         seq_ids: list[str],
         stream: bool = False,
     ) -> None:
-        want_logprobs = params.logprobs is not None
+        # best_of ranks samples by cumulative logprob, so it tracks them even if not asked.
+        want_logprobs = params.logprobs is not None or len(seq_ids) > params.n
         samples = {
             seq_id: SampleState(
                 index=i,
@@ -111,6 +112,8 @@ class OutputProcessor:
             if state is None:
                 continue
             sample = state.samples[request.request_id]
+            if sample.index == 0 and request.num_cached_tokens > 0:
+                state.num_cached_tokens = request.num_cached_tokens
             token_id = request.output_token_ids[-1]
             self._add_logprobs(sample, runner_output.logprobs.get(request.request_id))
             stop = sample.detokenizer.update([token_id])
@@ -193,6 +196,8 @@ class OutputProcessor:
     def _make_output(self, state: RequestState) -> RequestOutput:
         """Whole outputs for final results; only what is new since the last output when streaming."""
         outputs = [self._sample_output(sample, state.stream) for sample in state.samples.values()]
+        if len(outputs) > state.params.n and state.finished:
+            outputs = self._best_of(outputs, state.params)
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
@@ -202,6 +207,16 @@ class OutputProcessor:
             prompt_logprobs=list(state.prompt_logprobs) if state.prompt_logprobs is not None else None,
             num_cached_tokens=state.num_cached_tokens,
         )
+
+    @staticmethod
+    def _best_of(outputs: list[CompletionOutput], params: SamplingParams) -> list[CompletionOutput]:
+        """The n samples with the highest cumulative logprob, best first."""
+        best = sorted(outputs, key=lambda o: o.cumulative_logprob or 0.0, reverse=True)[: params.n]
+        for index, output in enumerate(best):
+            output.index = index
+            if params.logprobs is None:
+                output.logprobs = None
+        return best
 
     @staticmethod
     def _sample_output(sample: SampleState, delta: bool) -> CompletionOutput:

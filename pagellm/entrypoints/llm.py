@@ -31,6 +31,7 @@ class LLM:
         block_size: int = 16,
         kv_cache_memory: int | str = "1GiB",
         num_kv_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
@@ -44,7 +45,12 @@ class LLM:
             model=ModelConfig(
                 model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, chat_template=chat_template
             ),
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks),
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_memory=kv_cache_memory,
+                num_blocks=num_kv_blocks,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
             device=DeviceConfig(device=device, attention_backend=attention_backend, num_threads=num_threads),
         )
@@ -97,7 +103,9 @@ class LLM:
         request_ids = []
         for item, p in zip(processed, params):
             request_id = engine.new_request_id()
-            engine.add_tokenized_request(request_id, item.prompt, item.prompt_token_ids, p)
+            engine.add_tokenized_request(
+                request_id, item.prompt, item.prompt_token_ids, p, cache_salt=item.cache_salt
+            )
             request_ids.append(request_id)
         return request_ids
 

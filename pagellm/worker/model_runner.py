@@ -89,8 +89,8 @@ class ModelRunner:
             block_tables[req_index, positions // self.block_size] * self.block_size + positions % self.block_size
         )
 
-        sample_requests = [r for r in scheduled if r.sample]
-        sample_indices = (query_start_loc[1:] - 1)[torch.tensor([r.sample for r in scheduled])]
+        sample_requests, sample_rows = self._sample_rows(scheduled)
+        sample_indices = (query_start_loc[1:] - 1)[torch.tensor(sample_rows, dtype=torch.long)]
         plan, pl_indices, pl_targets = self._plan_prompt_logprobs(scheduled, query_start_loc.tolist())
 
         dev = self.device
@@ -113,6 +113,19 @@ class ModelRunner:
             prompt_logprob_indices=torch.tensor(pl_indices, dtype=torch.long).to(dev),
             prompt_logprob_targets=torch.tensor(pl_targets, dtype=torch.long).to(dev),
         )
+
+    @staticmethod
+    def _sample_rows(scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], list[int]]:
+        """Sequences that sample this step and the batch row of each; forks reuse their parent's row."""
+        requests: list[ScheduledRequest] = []
+        rows: list[int] = []
+        for row, request in enumerate(scheduled):
+            if not request.sample:
+                continue
+            for seq in [request, *(request.fork_sequence(fork) for fork in request.forks)]:
+                requests.append(seq)
+                rows.append(row)
+        return requests, rows
 
     @staticmethod
     def _plan_prompt_logprobs(

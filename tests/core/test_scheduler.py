@@ -9,8 +9,8 @@ from pagellm.step import ModelRunnerOutput, SchedulerOutput
 EOS = 99
 
 
-def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, budget=64, max_model_len=64):
-    manager = KVCacheManager(num_blocks, block_size)
+def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, budget=64, max_model_len=64, caching=False):
+    manager = KVCacheManager(num_blocks, block_size, enable_caching=caching)
     return Scheduler(manager, max_num_seqs, budget, max_model_len)
 
 
@@ -27,7 +27,8 @@ def make_request(rid, num_prompt, max_tokens=8, **params):
 def fake_run(out: SchedulerOutput, token=7, tokens=None) -> ModelRunnerOutput:
     """A model that samples ``token`` (or tokens[request_id]) for every request that samples."""
     tokens = tokens or {}
-    return ModelRunnerOutput(sampled={r.request_id: tokens.get(r.request_id, token) for r in out.scheduled if r.sample})
+    ids = [seq for r in out.scheduled if r.sample for seq in [r.request_id, *(f.request_id for f in r.forks)]]
+    return ModelRunnerOutput(sampled={rid: tokens.get(rid, token) for rid in ids})
 
 
 def step(scheduler, **kwargs):
@@ -174,3 +175,63 @@ def test_single_request_never_preempts_itself_forever():
             break
     assert not s.has_unfinished_requests()
     assert s.stats.num_preemptions == 0
+
+
+def test_n_samples_prefill_once_then_fork_with_copy_on_write():
+    s = make_scheduler(caching=True)
+    parent = make_request("p#0", 6)
+    children = [make_request(f"p#{i}", 6) for i in (1, 2)]
+    s.add_request(parent, children)
+    out = s.schedule()
+    (item,) = out.scheduled  # only the parent computes the prompt
+    assert item.num_tokens == 6 and [f.request_id for f in item.forks] == ["p#1", "p#2"]
+    updated, _ = s.update_from_output(out, fake_run(out, tokens={"p#0": 1, "p#1": 2, "p#2": 3}))
+    assert [(r.request_id, r.output_token_ids) for r in updated] == [("p#0", [1]), ("p#1", [2]), ("p#2", [3])]
+    assert s.stats.num_prompt_tokens_computed == 6
+    manager = s.kv_cache_manager
+    assert [manager.get_block_ids(r) for r in ("p#0", "p#1", "p#2")] == [[0, 1]] * 3
+    assert [b.ref_cnt for b in manager.block_pool.blocks[:2]] == [3, 3]
+    # Each writes position 6 into the shared partial block 1: two copies, the last owner keeps it.
+    out = s.schedule()
+    assert [(r.request_id, r.token_ids, r.start_position) for r in out.scheduled] == [
+        ("p#0", [1], 6),
+        ("p#1", [2], 6),
+        ("p#2", [3], 6),
+    ]
+    assert out.block_copies == [(1, 2), (1, 3)]
+    assert [r.block_ids for r in out.scheduled] == [[0, 2], [0, 3], [0, 1]]
+    s.update_from_output(out, fake_run(out))
+    for _ in range(10):
+        out = s.schedule()
+        s.update_from_output(out, fake_run(out))
+    assert not s.has_unfinished_requests()
+    assert manager.num_free_blocks == 16 and all(b.ref_cnt == 0 for b in manager.block_pool.blocks)
+
+
+def test_abort_of_pending_forks():
+    s = make_scheduler()
+    s.add_request(make_request("p#0", 4), [make_request("p#1", 4)])
+    s.finish_requests(["p#0", "p#1"], RequestStatus.FINISHED_ABORTED)
+    assert not s.has_unfinished_requests() and s.requests == {}
+
+
+def test_prefix_hit_after_preemption_resumes_from_cached_blocks():
+    s = make_scheduler(num_blocks=6, block_size=2, max_model_len=12, caching=True)
+    s.add_request(make_request("old", 5, max_tokens=6))
+    s.add_request(Request("new", [50, 51, 52, 53, 54], SamplingParams(max_tokens=6), max_tokens=6))
+    step(s)  # old: blocks 0,1,2 ; new: blocks 3,4,5
+    out = s.schedule()  # both write position 5 into their third block: fits
+    s.update_from_output(out, fake_run(out))
+    out = s.schedule()  # position 6 needs a 4th block each: "new" is preempted
+    assert s.requests["new"].status == RequestStatus.PREEMPTED
+    s.update_from_output(out, fake_run(out))
+    hits_before = s.kv_cache_manager.stats.hits
+    # "old" finishes; "new" comes back and finds its own full blocks still cached.
+    for _ in range(10):
+        out = s.schedule()
+        resumed = [r for r in out.scheduled if r.request_id == "new"]
+        if resumed:
+            assert resumed[0].start_position > 0
+            break
+        s.update_from_output(out, fake_run(out))
+    assert s.kv_cache_manager.stats.hits > hits_before
