@@ -4,13 +4,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pagellm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagellm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagellm.entrypoints.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+]
 __version__ = "0.1.0"
 
 

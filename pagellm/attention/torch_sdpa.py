@@ -58,6 +58,16 @@ class _DecodePlan:
     mask: torch.Tensor | None
     # num_kv_heads -> flat [R * H_kv * S_max] index into cache.view(-1, head_dim).
     head_index: dict[int, torch.Tensor] = field(default_factory=dict)
+    _additive_mask: torch.Tensor | None = None
+
+    def additive_mask(self) -> torch.Tensor | None:
+        """``mask`` as float32 0 / -inf ([R, 1, 1, S_max]), built once per step."""
+        if self.mask is None:
+            return None
+        if self._additive_mask is None:
+            self._additive_mask = torch.zeros(self.mask.shape, dtype=torch.float32, device=self.mask.device)
+            self._additive_mask.masked_fill_(~self.mask, float("-inf"))
+        return self._additive_mask
 
     def gather_index(self, num_kv_heads: int) -> torch.Tensor:
         idx = self.head_index.get(num_kv_heads)
@@ -85,7 +95,7 @@ class _StepPlan:
     block_tables: torch.Tensor
     device: torch.device
     num_tokens: int
-    decode: _DecodePlan | None
+    decodes: list[_DecodePlan]  # decode rows, in groups of similar context length
     prefills: list[_PrefillPlan]
 
     def matches(self, metadata: AttentionMetadata, device: torch.device) -> bool:
@@ -96,6 +106,67 @@ class _StepPlan:
             and self.query_lens == metadata.query_lens
             and self.seq_lens == metadata.seq_lens
         )
+
+
+# A new decode group costs a handful of extra op launches, worth this many padded key positions.
+_GROUP_OVERHEAD_POSITIONS = 512
+_MAX_DECODE_GROUPS = 8
+
+
+def group_decode_rows(rows: list[int], seq_lens: list[int]) -> list[list[int]]:
+    """Split decode rows into groups of similar context length (each group is padded to its max).
+
+    Rows are taken longest first; a new group starts at row ``i`` when the padding it saves for
+    the rows still to come, ``(group max - len_i) * rows left``, outweighs the fixed cost of one
+    more group. Equal lengths give one group; one long outlier gets a group of its own. Within a
+    group rows keep batch order.
+    """
+    if not rows:
+        return []
+    order = sorted(rows, key=lambda r: -seq_lens[r])
+    groups: list[list[int]] = [[order[0]]]
+    group_max = seq_lens[order[0]]
+    for i in range(1, len(order)):
+        r = order[i]
+        saved = (group_max - seq_lens[r]) * (len(order) - i)
+        if saved > _GROUP_OVERHEAD_POSITIONS and len(groups) < _MAX_DECODE_GROUPS:
+            groups.append([r])
+            group_max = seq_lens[r]
+        else:
+            groups[-1].append(r)
+    return [sorted(g) for g in groups]
+
+
+def _decode_group(
+    reqs: list[int],
+    starts: list[int],
+    seq_lens: list[int],
+    block_tables: torch.Tensor,
+    block_size: int,
+    num_reqs: int,
+    device: torch.device,
+) -> _DecodePlan:
+    num_rows = len(reqs)
+    dec_seq = [seq_lens[r] for r in reqs]
+    s_max = max(dec_seq)
+    tok = [starts[r] for r in reqs]
+    if tok[-1] - tok[0] == num_rows - 1:  # the group's rows are contiguous in the batch
+        token_range, token_index = (tok[0], tok[0] + num_rows), None
+    else:
+        token_range, token_index = None, torch.tensor(tok, dtype=torch.long, device=device)
+    if num_rows == num_reqs:
+        tables = block_tables
+    else:
+        tables = block_tables.index_select(0, torch.tensor(reqs, dtype=torch.long, device=device))
+    seq_t = torch.tensor(dec_seq, dtype=torch.long, device=device)
+    pos = torch.arange(s_max, dtype=torch.long, device=device)
+    pos_c = torch.minimum(pos[None, :], (seq_t - 1)[:, None])  # padding -> last valid position
+    blocks = tables.long().gather(1, pos_c // block_size)
+    slots = blocks * block_size + pos_c % block_size
+    mask = None
+    if min(dec_seq) != s_max:
+        mask = (pos[None, :] < seq_t[:, None])[:, None, None, :]
+    return _DecodePlan(num_rows, s_max, token_range, token_index, slots, mask)
 
 
 def _build_plan(metadata: AttentionMetadata, device: torch.device) -> _StepPlan:
@@ -117,29 +188,10 @@ def _build_plan(metadata: AttentionMetadata, device: torch.device) -> _StepPlan:
     num_tokens = t
 
     decode_reqs = [r for r, q_len in enumerate(query_lens) if q_len == 1]
-    decode = None
-    if decode_reqs:
-        num_rows = len(decode_reqs)
-        dec_seq = [seq_lens[r] for r in decode_reqs]
-        s_max = max(dec_seq)
-        tok = [starts[r] for r in decode_reqs]
-        if tok[-1] - tok[0] == num_rows - 1:  # decode rows are contiguous in the batch
-            token_range, token_index = (tok[0], tok[0] + num_rows), None
-        else:
-            token_range, token_index = None, torch.tensor(tok, dtype=torch.long, device=device)
-        if num_rows == len(query_lens):
-            tables = block_tables
-        else:
-            tables = block_tables.index_select(0, torch.tensor(decode_reqs, dtype=torch.long, device=device))
-        seq_t = torch.tensor(dec_seq, dtype=torch.long, device=device)
-        pos = torch.arange(s_max, dtype=torch.long, device=device)
-        pos_c = torch.minimum(pos[None, :], (seq_t - 1)[:, None])  # padding -> last valid position
-        blocks = tables.long().gather(1, pos_c // block_size)
-        slots = blocks * block_size + pos_c % block_size
-        mask = None
-        if min(dec_seq) != s_max:
-            mask = (pos[None, :] < seq_t[:, None])[:, None, None, :]
-        decode = _DecodePlan(num_rows, s_max, token_range, token_index, slots, mask)
+    decodes = [
+        _decode_group(group, starts, seq_lens, block_tables, block_size, len(query_lens), device)
+        for group in group_decode_rows(decode_reqs, seq_lens)
+    ]
 
     prefills = []
     for r, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
@@ -153,7 +205,31 @@ def _build_plan(metadata: AttentionMetadata, device: torch.device) -> _StepPlan:
             mask = pos[None, :] <= q_pos[:, None]
         prefills.append(_PrefillPlan(starts[r], q_len, s_len, slots, mask))
 
-    return _StepPlan(metadata, query_lens, seq_lens, metadata.block_tables, device, num_tokens, decode, prefills)
+    return _StepPlan(metadata, query_lens, seq_lens, metadata.block_tables, device, num_tokens, decodes, prefills)
+
+
+def decode_attention_bmm(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive_mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Single-query attention for ``R`` decode rows as two batched matmuls and a softmax.
+
+    q: [R, H_kv, G, D] (the G query heads sharing a KV head folded into the row), k, v:
+    [R, H_kv, S, D] contiguous, additive_mask: float32 [R, 1, 1, S] (0 / -inf) or None.
+    Returns [R, H_kv, G, D] in v's dtype.
+
+    Faster than SDPA's CPU flash kernel here: with only G (e.g. 3) query rows per (request,
+    KV head) the flash kernel pays its per-block GEMM set-up hundreds of times per layer,
+    while ``matmul`` runs one batched GEMM over all of them. Scores come out of the GEMM in
+    the cache dtype (float32 accumulation inside, one rounding, as HF's eager attention), the
+    softmax runs in float32.
+    """
+    scores = torch.matmul(q, k.transpose(-1, -2))
+    scores = scores.float() if scores.dtype != torch.float32 else scores
+    scores.mul_(scale)
+    if additive_mask is not None:
+        scores.add_(additive_mask)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 class TorchSDPAAttention(AttentionBackend):
@@ -166,6 +242,9 @@ class TorchSDPAAttention(AttentionBackend):
     """
 
     name = "torch_sdpa"
+
+    # How decode rows are computed: "bmm" (``decode_attention_bmm``) or "sdpa" (one masked SDPA call).
+    decode_impl: str = "bmm"
 
     _plan: _StepPlan | None = None  # class-level: one plan per step for all layers/instances
 
@@ -213,6 +292,28 @@ class TorchSDPAAttention(AttentionBackend):
         torch.index_select(value_cache.view(-1, *row_shape), 0, index, out=v)
         return k, v
 
+    # Below this many rows one SDPA call beats the matmul path (fewer op launches).
+    _BMM_MIN_ROWS = 4
+
+    def _decode(self, q, key_cache, value_cache, dec: _DecodePlan, num_kv_heads, group, head_dim, scale):
+        """Attention of one decode group: [rows, H, D] in the cache dtype."""
+        rows = dec.num_rows
+        if dec.token_range is not None:
+            q_dec = q[dec.token_range[0] : dec.token_range[1]]
+        else:
+            q_dec = q.index_select(0, dec.token_index)
+        idx = dec.gather_index(num_kv_heads)
+        shape = (rows, num_kv_heads, dec.max_seq_len, head_dim)
+        k, v = self._gather_pair(key_cache, value_cache, idx, (head_dim,))
+        k, v = k.view(shape), v.view(shape)
+        # Query heads h = kv * group + g share KV head kv: fold the group into the query dim.
+        q_dec = q_dec.reshape(rows, num_kv_heads, group, head_dim)
+        if self.decode_impl == "bmm" and rows >= self._BMM_MIN_ROWS:
+            o = decode_attention_bmm(q_dec, k, v, dec.additive_mask(), scale)
+        else:
+            o = F.scaled_dot_product_attention(q_dec, k, v, attn_mask=dec.mask, scale=scale)
+        return o.reshape(rows, num_kv_heads * group, head_dim)
+
     def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale):
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = key_cache.shape[-2]
@@ -226,32 +327,19 @@ class TorchSDPAAttention(AttentionBackend):
         cdtype = key_cache.dtype
         q = query if query.dtype == cdtype else query.to(cdtype)
 
-        dec = plan.decode
-        dec_out = None
-        if dec is not None:
-            rows = dec.num_rows
-            if dec.token_range is not None:
-                q_dec = q[dec.token_range[0] : dec.token_range[1]]
-            else:
-                q_dec = q.index_select(0, dec.token_index)
-            idx = dec.gather_index(num_kv_heads)
-            shape = (rows, num_kv_heads, dec.max_seq_len, head_dim)
-            k, v = self._gather_pair(key_cache, value_cache, idx, (head_dim,))
-            k, v = k.view(shape), v.view(shape)
-            # Query heads h = kv * group + g share KV head kv: fold the group into SDPA's L dim.
-            o = F.scaled_dot_product_attention(
-                q_dec.reshape(rows, num_kv_heads, group, head_dim), k, v, attn_mask=dec.mask, scale=scale
-            )
-            dec_out = o.reshape(rows, num_heads, head_dim)
-            if not plan.prefills and rows == num_tokens:
+        out = None
+        for dec in plan.decodes:
+            dec_out = self._decode(q, key_cache, value_cache, dec, num_kv_heads, group, head_dim, scale)
+            if len(plan.decodes) == 1 and not plan.prefills and dec.num_rows == num_tokens:
                 return dec_out if dec_out.dtype == query.dtype else dec_out.to(query.dtype)
-
-        out = torch.empty_like(query)
-        if dec_out is not None:
+            if out is None:
+                out = torch.empty_like(query)
             if dec.token_range is not None:
                 out[dec.token_range[0] : dec.token_range[1]] = dec_out
             else:
                 out.index_copy_(0, dec.token_index, dec_out.to(out.dtype))
+        if out is None:
+            out = torch.empty_like(query)
 
         for p in plan.prefills:
             sl = slice(p.start, p.start + p.query_len)

@@ -91,9 +91,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.stats.queries += request.num_tokens
-        self.stats.hits += len(hits) * self.block_size
         return hits
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted lookup (a lookup retried while the pool is full counts once)."""
+        if self.enable_caching:
+            self.stats.queries += num_tokens
+            self.stats.hits += num_hit_tokens
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's blocks that are full once its first ``num_tokens`` are computed.

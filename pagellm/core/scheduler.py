@@ -101,6 +101,11 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """Pick this step's work: running requests first (oldest first), then waiting ones.
+
+        Both queues are kept in arrival order, and preemption always takes the youngest
+        running request, so the oldest work makes progress whatever the load.
+        """
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         num_preemptions_before = self.stats.num_preemptions
@@ -113,32 +118,15 @@ class Scheduler:
                 i += 1
                 continue
             if not self._allocate_or_preempt(request, num_new):
-                break  # the request itself was preempted: nothing newer is left to run
+                break  # the request itself was preempted: nothing younger is left to run
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             i += 1
         # Admitting new work right after preempting would only preempt again.
-        preempted = self.stats.num_preemptions > num_preemptions_before
-
-        while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
-        ):
-            request = self.waiting[0]
-            cached = self.kv_cache_manager.get_computed_blocks(request)
-            num_cached = len(cached) * self.kv_cache_manager.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
-            if not self.kv_cache_manager.allocate_slots(request, num_new, cached):
-                break
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_cached
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
+        if self.stats.num_preemptions == num_preemptions_before:
+            budget = self._admit_waiting(budget, scheduled)
+        if not scheduled and self.waiting and self._preempt_idle_younger_than(self.waiting[0]):
+            budget = self._admit_waiting(budget, scheduled)
 
         finished = self._finished_since_last_step
         self._finished_since_last_step = []
@@ -150,6 +138,42 @@ class Scheduler:
             finished_request_ids=finished,
             block_copies=self.kv_cache_manager.take_block_copies(),
         )
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        """Move waiting requests to running while blocks, budget and max_num_seqs allow."""
+        manager = self.kv_cache_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            cached = manager.get_computed_blocks(request)
+            num_cached = len(cached) * manager.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not manager.allocate_slots(request, num_new, cached):
+                break
+            manager.record_prefix_lookup(request.num_tokens, num_cached)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            _insert_by_arrival(self.running, request)
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _preempt_idle_younger_than(self, head: Request) -> bool:
+        """Break a standstill: free idle running requests younger than the waiting head.
+
+        Requests that wait on others (beams of a beam search waiting for their siblings)
+        hold blocks while computing nothing; without this, the siblings could wait forever.
+        """
+        idle = [
+            r for r in self.running if r.num_computed_tokens == r.num_tokens and r.arrival_time > head.arrival_time
+        ]
+        for victim in reversed(idle):
+            self.running.remove(victim)
+            self._preempt(victim)
+            if self.kv_cache_manager.num_free_blocks >= self.kv_cache_manager.num_blocks_needed(head, head.num_tokens):
+                break
+        return bool(idle)
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> bool:
         """Allocate blocks for ``request``, preempting the newest running requests as needed.
@@ -169,7 +193,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(request)
+        _insert_by_arrival(self.waiting, request)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -205,7 +229,7 @@ class Scheduler:
                 start, prompt_len
             )
             token_id = runner_output.sampled.get(item.request_id)
-            if token_id is None:
+            if token_id is None or request.is_beam:
                 continue
             children = self._fork_children(request, item) if item.forks else []
             for seq in [request, *children]:
@@ -213,13 +237,32 @@ class Scheduler:
         self._update_gauges()
         return updated, finished
 
+    def fork_request(self, parent_id: str, child: Request) -> None:
+        """Start ``child`` as a running copy of ``parent_id``, sharing its KV blocks."""
+        parent = self.requests[parent_id]
+        if child.request_id in self.requests:
+            raise ValueError(f"request id {child.request_id!r} is already in use")
+        child.prompt_token_ids = parent.prompt_token_ids
+        child.output_token_ids = list(parent.output_token_ids)
+        child.all_token_ids = list(parent.all_token_ids)
+        self.kv_cache_manager.fork(parent, child)
+        child.status = RequestStatus.RUNNING
+        child.arrival_time = parent.arrival_time
+        self.requests[child.request_id] = child
+        _insert_by_arrival(self.running, child)
+
+    def append_token(self, request_id: str, token_id: int) -> None:
+        """Give a beam its next token (chosen by the beam search, not by stop rules)."""
+        self.requests[request_id].append_output_token(token_id)
+        self.stats.num_generated_tokens += 1
+
     def _fork_children(self, parent: Request, item: ScheduledRequest) -> list[Request]:
         """Turn the parent's pending samples into running sequences sharing its blocks."""
         children = self.pending_forks.pop(parent.request_id, [])
         for child in children:
             self.kv_cache_manager.fork(parent, child)
             child.status = RequestStatus.RUNNING
-            self.running.append(child)
+            _insert_by_arrival(self.running, child)
         return children
 
     def _append_token(self, request: Request, token_id: int, updated: list[Request], finished: list[Request]) -> None:
@@ -248,3 +291,11 @@ class Scheduler:
         self.stats.num_running = len(self.running)
         self.stats.num_waiting = len(self.waiting)
         self.stats.kv_cache_usage = self.kv_cache_manager.usage()
+
+
+def _insert_by_arrival(queue: list[Request] | deque[Request], request: Request) -> None:
+    """Insert after every request that arrived no later (queues stay in FCFS order)."""
+    index = len(queue)
+    while index > 0 and queue[index - 1].arrival_time > request.arrival_time:
+        index -= 1
+    queue.insert(index, request)

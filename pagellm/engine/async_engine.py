@@ -6,9 +6,10 @@ commands, drained at the top of every loop iteration; outputs travel back throug
 ``loop.call_soon_threadsafe`` into one ``asyncio.Queue`` per request. The thread sleeps on a
 condition variable while there is nothing to do, so an idle server burns no CPU.
 
-Requests always run in the engine's delta mode (``stream=True``): each output carries only the
-new text, token ids and logprobs of each sample, and the last one has ``finished`` set.
-Callers that want whole answers concatenate the deltas.
+Requests normally run in the engine's delta mode (``stream=True``): each output carries only
+the new text, token ids and logprobs of each sample, and the last one has ``finished`` set;
+callers that want whole answers concatenate the deltas. ``stream=False`` (needed by
+``best_of``, whose winners are known only at the end) yields one whole, final output.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, Union
+from typing import TYPE_CHECKING, Protocol
 
 from pagellm.config import EngineConfig
 from pagellm.engine.input_processor import InputProcessor
@@ -65,7 +66,7 @@ class _NoMetrics:
         pass
 
 
-StreamItem = Union[RequestOutput, BaseException]
+StreamItem = RequestOutput | BaseException
 
 
 @dataclass
@@ -84,6 +85,8 @@ class _Add:
     params: SamplingParams
     stream: _Stream
     arrival: float
+    deltas: bool
+    cache_salt: str | None
 
 
 @dataclass
@@ -91,7 +94,7 @@ class _Abort:
     request_id: str
 
 
-_Command = Union[_Add, _Abort]
+_Command = _Add | _Abort
 
 
 @dataclass
@@ -191,19 +194,26 @@ class AsyncLLMEngine:
         params: SamplingParams,
         request_id: str,
         prompt: str | None = None,
+        *,
+        stream: bool = True,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its delta outputs until the one with ``finished`` set.
+
+        ``stream=False``: a single output with everything, at the end (as ``LLMEngine``).
 
         Leaving early (break, cancellation, client disconnect) aborts the request in the engine,
         which frees its KV blocks. Raises ValueError if the engine rejects the request and
         EngineDeadError if the loop stops first.
         """
-        stream = _Stream(asyncio.get_running_loop())
-        self._submit(_Add(request_id, prompt, prompt_token_ids, params, stream, time.monotonic()))
+        queue = _Stream(asyncio.get_running_loop())
+        self._submit(
+            _Add(request_id, prompt, prompt_token_ids, params, queue, time.monotonic(), stream, cache_salt)
+        )
         done = False
         try:
             while not done:
-                item = await stream.queue.get()
+                item = await queue.queue.get()
                 if isinstance(item, BaseException):
                     done = True
                     raise item
@@ -244,7 +254,7 @@ class AsyncLLMEngine:
                     self._apply(command)
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step())
-        except BaseException as exc:  # noqa: BLE001 - any failure must reach every waiting request
+        except BaseException as exc:  # any failure must reach every waiting request
             logger.exception("the engine loop died")
             with self._cond:
                 self._error = exc
@@ -273,7 +283,12 @@ class AsyncLLMEngine:
             return
         try:
             self.engine.add_tokenized_request(
-                command.request_id, command.prompt, command.prompt_token_ids, command.params, stream=True
+                command.request_id,
+                command.prompt,
+                command.prompt_token_ids,
+                command.params,
+                stream=command.deltas,
+                cache_salt=command.cache_salt,
             )
         except ValueError as exc:
             self._post({command.stream.loop: [(command.stream.queue, exc)]})
@@ -341,5 +356,5 @@ class AsyncLLMEngine:
         if request_ids:
             try:
                 self.engine.abort_request(request_ids)
-            except Exception:  # noqa: BLE001 - a crashed engine may fail here too; nothing is left to do
+            except Exception:  # a crashed engine may fail here too; nothing is left to do
                 logger.exception("could not abort requests while closing the engine loop")

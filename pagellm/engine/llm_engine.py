@@ -19,12 +19,13 @@ from pagellm.config import EngineConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler
+from pagellm.engine.beam_search import Beam, BeamSearchGroup, BeamSearchParams, Continuation
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.loader import load_model
 from pagellm.model.tokenizer import load_tokenizer
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.worker.device import configure_threads, resolve_device
 from pagellm.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_budget
@@ -94,6 +95,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._request_counter = itertools.count()
+        self.beam_groups: dict[str, BeamSearchGroup] = {}
+        self._beam_of_seq: dict[str, str] = {}  # beam sequence id -> beam search request id
+        self._beam_counter = itertools.count()
         logger.info(
             "engine ready in %.1fs: %s, %d KV blocks of %d tokens, max_model_len %d",
             time.monotonic() - start,
@@ -179,6 +183,7 @@ class LLMEngine:
         num_seqs = max(params.n, params.best_of or 0)
         seq_ids = [request_id] if num_seqs == 1 else [f"{request_id}#{i}" for i in range(num_seqs)]
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, seq_ids, stream)
+        arrival_time = time.monotonic()
         sequences = [
             Request(
                 request_id=seq_id,
@@ -186,6 +191,7 @@ class LLMEngine:
                 sampling_params=self._sequence_params(params, i, num_seqs),
                 max_tokens=max_tokens,
                 eos_token_ids=self.eos_token_ids,
+                arrival_time=arrival_time,
                 cache_salt=cache_salt,
             )
             for i, seq_id in enumerate(seq_ids)
@@ -211,12 +217,114 @@ class LLMEngine:
             request_ids = [request_ids]
         outputs = []
         for request_id in request_ids:
+            group = self.beam_groups.get(request_id)
+            if group is not None:
+                self._end_beam_search(group)
+                continue
             self.scheduler.finish_requests(self.output_processor.seq_ids(request_id), RequestStatus.FINISHED_ABORTED)
             output = self.output_processor.abort(request_id)
             if output is not None:
                 outputs.append(output)
         self._refresh_stats()
         return outputs
+
+    # ---- beam search -------------------------------------------------------------------
+
+    def add_beam_search_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: BeamSearchParams
+    ) -> None:
+        """Queue a beam search; its result is one RequestOutput with the beams best first."""
+        if request_id in self.beam_groups or self.output_processor.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_token_ids))
+        group = BeamSearchGroup(request_id, prompt_token_ids, params, max_tokens, self.eos_token_ids, prompt=prompt)
+        first = self._new_beam_request(group)
+        group.beams = [Beam(first.request_id, 0.0, [])]
+        self.beam_groups[request_id] = group
+        self.scheduler.add_request(first)
+
+    def _new_beam_request(self, group: BeamSearchGroup) -> Request:
+        seq_id = f"{group.request_id}#beam{next(self._beam_counter)}"
+        self._beam_of_seq[seq_id] = group.request_id
+        # Greedy sampling with the top 2W logprobs: the group, not the sampler, picks tokens.
+        params = SamplingParams(temperature=0, max_tokens=group.max_tokens, logprobs=group.params.num_candidates)
+        return Request(
+            seq_id,
+            group.prompt_token_ids,
+            params,
+            max_tokens=group.max_tokens,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=group.arrival_time,
+            is_beam=True,
+        )
+
+    def _advance_beam_searches(self, logprobs: dict[str, list]) -> list[RequestOutput]:
+        ready: dict[str, BeamSearchGroup] = {}
+        for seq_id, row in logprobs.items():
+            group = self.beam_groups.get(self._beam_of_seq.get(seq_id, ""))
+            if group is not None and group.report(seq_id, row):
+                ready[group.request_id] = group
+        outputs = []
+        for group in ready.values():
+            continuations = group.advance()
+            if group.done:
+                outputs.append(self._end_beam_search(group))
+            else:
+                self._continue_beams(group, continuations)
+        return outputs
+
+    def _continue_beams(self, group: BeamSearchGroup, continuations: list[Continuation]) -> None:
+        """Reuse each chosen beam once, fork it for further choices, free beams not chosen."""
+        seq_ids: list[str] = []
+        reused: set[str] = set()
+        for cont in continuations:  # all forks first: a fork copies its parent's tokens
+            parent_id = cont.parent.seq_id
+            if parent_id not in reused:
+                reused.add(parent_id)
+                seq_ids.append(parent_id)
+            else:
+                child = self._new_beam_request(group)
+                self.scheduler.fork_request(parent_id, child)
+                seq_ids.append(child.request_id)
+        for seq_id, cont in zip(seq_ids, continuations):
+            self.scheduler.append_token(seq_id, cont.token_id)
+        pruned = [beam.seq_id for beam in group.beams if beam.seq_id not in reused]
+        self._drop_beams(pruned)
+        group.beams = [
+            Beam(seq_id, cont.cum_logprob, cont.parent.generated + [cont.token_id])
+            for seq_id, cont in zip(seq_ids, continuations)
+        ]
+
+    def _drop_beams(self, seq_ids: list[str]) -> None:
+        self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
+        for seq_id in seq_ids:
+            self._beam_of_seq.pop(seq_id, None)
+
+    def _end_beam_search(self, group: BeamSearchGroup) -> RequestOutput:
+        self._drop_beams([beam.seq_id for beam in group.beams])
+        del self.beam_groups[group.request_id]
+        prompt_len = len(group.prompt_token_ids)
+        outputs = []
+        for index, seq in enumerate(group.finished):
+            generated = seq.tokens[prompt_len:]
+            seq.text = self.tokenizer.decode(generated, skip_special_tokens=True)
+            outputs.append(
+                CompletionOutput(
+                    index=index,
+                    text=seq.text,
+                    token_ids=generated,
+                    cumulative_logprob=seq.cum_logprob,
+                    finish_reason=seq.finish_reason if group.done else "abort",
+                )
+            )
+        self.stats.num_finished_requests += 1
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=outputs,
+            finished=True,
+        )
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -234,6 +342,8 @@ class LLMEngine:
         if stopped:
             # Stop strings are found in text, so the scheduler learns of them only now.
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if self.beam_groups:
+            outputs.extend(self._advance_beam_searches(runner_output.logprobs))
         self.stats.num_steps += 1
         self.stats.num_finished_requests += sum(o.finished for o in outputs)
         self._refresh_stats()

@@ -9,6 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pagellm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagellm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.outputs import RequestOutput
@@ -95,6 +96,39 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = True,
+    ) -> list[BeamSearchOutput]:
+        """Beam search per prompt, in the engine: beams share KV blocks and fork at every split.
+
+        Each output's ``sequences`` are best first; ``tokens`` holds prompt + generated ids.
+        """
+        engine = self.llm_engine
+        processed = [engine.input_processor.process_prompt(p) for p in _as_prompt_list(prompts)]
+        request_ids = []
+        for item in processed:
+            request_id = engine.new_request_id()
+            engine.add_beam_search_request(request_id, item.prompt, item.prompt_token_ids, params)
+            request_ids.append(request_id)
+        results = self._run(request_ids, use_tqdm)
+        return [
+            BeamSearchOutput(
+                sequences=[
+                    BeamSearchSequence(
+                        tokens=out.prompt_token_ids + c.token_ids,
+                        cum_logprob=c.cumulative_logprob or 0.0,
+                        text=c.text,
+                        finish_reason=c.finish_reason,
+                    )
+                    for c in out.outputs
+                ]
+            )
+            for out in results
+        ]
 
     def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
         engine = self.llm_engine

@@ -32,6 +32,8 @@ class EngineStatsView(Protocol):
     num_preemptions: int
     num_prompt_tokens: int
     num_generated_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
 
 
 class _EngineStatsCollector(Collector):
@@ -53,6 +55,8 @@ class _EngineStatsCollector(Collector):
              s.num_preemptions),
             ("pagellm:prompt_tokens", "Prompt tokens computed (recompute included).", s.num_prompt_tokens),
             ("pagellm:generation_tokens", "Tokens generated.", s.num_generated_tokens),
+            ("pagellm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+            ("pagellm:prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache.", s.prefix_cache_hits),
         ]
         for name, doc, value in gauges:
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])

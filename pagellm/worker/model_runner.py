@@ -8,6 +8,7 @@ from itertools import chain
 import torch
 
 from pagellm.attention.backend import AttentionMetadata
+from pagellm.model.layers import pack_linear_layers
 from pagellm.sample.sampler import Sampler, SamplerOutput, SamplingBatch, gather_logprobs
 from pagellm.step import (
     ModelRunnerOutput,
@@ -41,6 +42,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         eos_token_ids: list[int],
+        pack_linears: bool = True,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -49,6 +51,8 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+        # bf16/fp16 on CPU: weights packed once for oneDNN (bit-identical, faster matmuls).
+        self.num_packed_linears = pack_linear_layers(model) if device.type == "cpu" and pack_linears else 0
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

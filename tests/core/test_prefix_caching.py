@@ -19,6 +19,7 @@ def admit(manager, request):
     hits = manager.get_computed_blocks(request)
     num_new = request.num_tokens - len(hits) * B
     assert manager.allocate_slots(request, num_new, hits)
+    manager.record_prefix_lookup(request.num_tokens, len(hits) * B)
     request.num_computed_tokens += num_new
     return [b.block_id for b in hits]
 

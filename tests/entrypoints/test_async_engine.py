@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -88,7 +88,7 @@ def fake() -> FakeEngine:
 
 
 @pytest.fixture
-def engine(fake: FakeEngine) -> AsyncLLMEngine:
+def engine(fake: FakeEngine) -> Iterator[AsyncLLMEngine]:
     async_engine = AsyncLLMEngine(fake, RecordingMetrics())  # type: ignore[arg-type]
     async_engine.start()
     yield async_engine

@@ -52,6 +52,7 @@ def test_generate_chat(tiny_llama_path: str, capsys: pytest.CaptureFixture[str])
     assert "Prompt: Hi\nAnswer: " in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_bad_engine_option_is_one_line_error(tiny_llama_path: str, caplog: pytest.LogCaptureFixture) -> None:
     assert main(["generate", tiny_llama_path, "--prompt", "x", "--max-model-len", "100000",
                  "--num-kv-blocks", "4"]) == 1

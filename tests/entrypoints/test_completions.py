@@ -203,3 +203,23 @@ def test_raw_sse_framing(http: httpx.Client) -> None:
     assert all(c["object"] == "text_completion" and "usage" not in c for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert all(c["choices"][0]["text"] for c in chunks[:-1])  # no empty deltas before the last
+
+
+def test_best_of_returns_the_most_likely_samples(client: openai.OpenAI) -> None:
+    result = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=6, n=2, best_of=4, temperature=1.0, seed=3, logprobs=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.index for c in result.choices] == [0, 1]
+    assert result.usage.completion_tokens == 12  # only the returned samples count
+    totals = [sum(c.logprobs.token_logprobs) for c in result.choices]
+    assert totals[0] >= totals[1]  # best first
+
+
+def test_cache_salt_is_accepted(client: openai.OpenAI) -> None:
+    plain = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5, **GREEDY)
+    salted = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=5, temperature=0.0,
+        extra_body={"ignore_eos": True, "cache_salt": "tenant-a"},
+    )
+    assert salted.choices[0].text == plain.choices[0].text

@@ -30,7 +30,7 @@ def metrics(http: httpx.Client) -> dict[str, float]:
     return values
 
 
-def wait_until_idle(http: httpx.Client, timeout: float = 10.0) -> dict[str, float]:
+def wait_until_idle(http: httpx.Client, timeout: float = 30.0) -> dict[str, float]:
     """KV usage back to 0 and nothing running or waiting."""
     deadline = time.monotonic() + timeout
     while True:
@@ -53,6 +53,7 @@ def test_metrics_exposition(http: httpx.Client, client: openai.OpenAI) -> None:
         "pagellm:num_preemptions_total", "pagellm:prompt_tokens_total", "pagellm:generation_tokens_total",
         "pagellm:time_to_first_token_seconds_count", "pagellm:time_per_output_token_seconds_count",
         "pagellm:e2e_request_latency_seconds_count", "pagellm:request_success_total[length]",
+        "pagellm:prefix_cache_queries_total", "pagellm:prefix_cache_hits_total",
     ):
         assert name in values, name
     assert values["pagellm:prompt_tokens_total"] > 0 and values["pagellm:generation_tokens_total"] >= 3
@@ -113,7 +114,8 @@ def test_non_streaming_disconnect_aborts(server: RemoteServer, http: httpx.Clien
 
 def test_bad_requests_do_not_disturb_running_ones(server: RemoteServer) -> None:
     async def good(client: httpx.AsyncClient, i: int) -> int:
-        body = {**LONG, "prompt": f"Good {i}", "max_tokens": 48, "stream": True, "stream_options": {"include_usage": True}}
+        body = {**LONG, "prompt": f"Good {i}", "max_tokens": 48, "stream": True,
+                "stream_options": {"include_usage": True}}
         usage = 0
         async with client.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200

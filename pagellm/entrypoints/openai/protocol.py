@@ -50,6 +50,7 @@ class SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    cache_salt: str | None = None  # keeps this request's prefix-cache entries apart (per tenant)
 
     @property
     def include_usage(self) -> bool:

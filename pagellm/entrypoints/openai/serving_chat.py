@@ -128,7 +128,7 @@ class OpenAIServingChat(OpenAIServing):
             self, request.messages, request.add_generation_prompt, request.continue_final_message,
             request.chat_template_kwargs,
         )
-        return self.process_prompt({"prompt_token_ids": ids}, "messages")
+        return self.process_prompt({"prompt_token_ids": ids}, "messages", request.cache_salt)
 
     @staticmethod
     def _logprobs(ctx: _Context, token_ids: list[int], positions: list[PositionLogprobs] | None) -> ChatLogProbs | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -37,6 +38,7 @@ from pagellm.entrypoints.openai.serving_engine import (
 )
 from pagellm.outputs import PositionLogprobs, RequestOutput
 
+
 def completion_logprobs(
     token_ids: list[int],
     positions: list[PositionLogprobs | None],
@@ -63,6 +65,15 @@ def completion_logprobs(
 
 
 @dataclass
+class _Piece:
+    """A choice's text, token ids and logprob rows: the whole choice, or one streamed delta."""
+
+    text: str
+    token_ids: list[int]
+    rows: list[PositionLogprobs | None]
+
+
+@dataclass
 class _Context:
     """Everything about one HTTP request the shaping of its choices needs."""
 
@@ -78,9 +89,23 @@ class _Context:
     def want_logprobs(self) -> bool:
         return self.request.logprobs is not None
 
-    def echo_text(self, prompt_index: int) -> str:
+    def with_echo(self, piece: _Piece, prompt_index: int, prompt_output: RequestOutput | None) -> _Piece:
+        """With ``echo``, the prompt goes in front of a choice's first piece (and its logprobs too)."""
+        if not self.request.echo:
+            return piece
         prompt = self.prompts[prompt_index]
-        return prompt.prompt if prompt.prompt is not None else self.decode_all(prompt.prompt_token_ids)
+        prompt_text = prompt.prompt if prompt.prompt is not None else self.decode_all(prompt.prompt_token_ids)
+        if not self.want_logprobs:
+            return _Piece(prompt_text + piece.text, piece.token_ids, piece.rows)
+        ids = prompt.prompt_token_ids
+        rows: list[PositionLogprobs | None] = list((prompt_output.prompt_logprobs if prompt_output else None) or [])
+        rows += [None] * (len(ids) - len(rows))
+        return _Piece(prompt_text + piece.text, ids + piece.token_ids, rows + piece.rows)
+
+    def logprobs(self, piece: _Piece, text_offset: int) -> tuple[CompletionLogProbs | None, int]:
+        if not self.want_logprobs:
+            return None, text_offset
+        return completion_logprobs(piece.token_ids, piece.rows, self.decode, text_offset)
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -89,7 +114,9 @@ class OpenAIServingCompletion(OpenAIServing):
         model = self.resolve_model(request.model)
         _check_completion_options(request)
         echo_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
-        params = self.sampling_params(request, request.max_tokens, request.logprobs, prompt_logprobs=echo_logprobs)
+        params = self.sampling_params(
+            request, request.max_tokens, request.logprobs, prompt_logprobs=echo_logprobs, best_of=request.best_of
+        )
         prompts = self._prompts(request)
         for prompt in prompts:
             self.check_length(len(prompt.prompt_token_ids), request.max_tokens, "prompt")
@@ -102,10 +129,12 @@ class OpenAIServingCompletion(OpenAIServing):
             created=int(time.time()),
             prompts=prompts,
             decode=lambda token_id: decode_token(tokenizer, token_id),
-            decode_all=lambda ids: tokenizer.decode(ids),
+            decode_all=lambda ids: str(tokenizer.decode(ids)),
         )
         tracker = ChoiceTracker(n=request.n, prompt_tokens=sum(len(p.prompt_token_ids) for p in prompts))
-        merged = merge_async_iterators(self.generators(prompts, params, ctx.request_id))
+        # best_of > n: the winners are known only at the end, so ask the engine for whole outputs.
+        deltas = params.best_of is None or params.best_of <= params.n
+        merged = merge_async_iterators(self.generators(prompts, params, ctx.request_id, deltas))
         if request.stream:
             return StreamingResponse(guard_sse(self._stream(ctx, merged, tracker)), media_type="text/event-stream")
         try:
@@ -129,43 +158,17 @@ class OpenAIServingCompletion(OpenAIServing):
             entries = list(prompt)  # type: ignore[arg-type]
         if not entries or any(len(entry) == 0 for entry in entries):
             raise BadRequestError("prompt must not be empty", param="prompt")
-        tokenizer = self.engine.tokenizer
-        processed = []
-        for entry in entries:
-            if isinstance(entry, str):
-                ids = tokenizer(entry, add_special_tokens=request.add_special_tokens).input_ids
-                processed.append(self.process_prompt({"prompt_token_ids": list(ids), "prompt": entry}, "prompt"))
-            else:
-                processed.append(self.process_prompt({"prompt_token_ids": entry}, "prompt"))
-        return processed
+        return [self._process_entry(entry, request) for entry in entries]
+
+    def _process_entry(self, entry: str | list[int], request: CompletionRequest) -> ProcessedPrompt:
+        if isinstance(entry, str):
+            ids = self.engine.tokenizer(entry, add_special_tokens=request.add_special_tokens).input_ids
+            token_prompt: dict[str, Any] = {"prompt_token_ids": list(ids), "prompt": entry}
+        else:
+            token_prompt = {"prompt_token_ids": entry}
+        return self.process_prompt(token_prompt, "prompt", request.cache_salt)
 
     # ---- shaping ------------------------------------------------------------------------------------
-
-    @staticmethod
-    def _choice(
-        ctx: _Context,
-        index: int,
-        prompt_index: int,
-        first: bool,
-        text: str,
-        token_ids: list[int],
-        positions: list[PositionLogprobs] | None,
-        prompt_output: RequestOutput | None,
-        text_offset: int,
-    ) -> tuple[str, CompletionLogProbs | None, int]:
-        """A choice's text and logprobs; the echoed prompt goes in front of its first piece."""
-        logprob_rows: list[PositionLogprobs | None] = list(positions or [])
-        if first and ctx.request.echo:
-            text = ctx.echo_text(prompt_index) + text
-            if ctx.want_logprobs:
-                prompt_rows = (prompt_output.prompt_logprobs if prompt_output else None) or []
-                prompt_ids = ctx.prompts[prompt_index].prompt_token_ids
-                token_ids = prompt_ids + token_ids
-                logprob_rows = list(prompt_rows) + [None] * (len(prompt_ids) - len(prompt_rows)) + logprob_rows
-        if not ctx.want_logprobs:
-            return text, None, text_offset
-        logprobs, text_offset = completion_logprobs(token_ids, logprob_rows, ctx.decode, text_offset)
-        return text, logprobs, text_offset
 
     def _response(
         self, ctx: _Context, tracker: ChoiceTracker, items: list[tuple[int, RequestOutput]]
@@ -176,13 +179,13 @@ class OpenAIServingCompletion(OpenAIServing):
             id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices, usage=tracker.usage()
         )
 
-    def _whole_choice(self, ctx: _Context, result: ChoiceResult, prompt_output: RequestOutput | None) -> CompletionChoice:
-        text, logprobs, _ = self._choice(
-            ctx, result.index, result.prompt_index, True, result.text, result.token_ids, result.logprobs,
-            prompt_output, 0,
-        )
+    @staticmethod
+    def _whole_choice(ctx: _Context, result: ChoiceResult, prompt_output: RequestOutput | None) -> CompletionChoice:
+        piece = ctx.with_echo(_Piece(result.text, result.token_ids, list(result.logprobs or [])),
+                              result.prompt_index, prompt_output)
+        logprobs, _ = ctx.logprobs(piece, 0)
         return CompletionChoice(
-            index=result.index, text=text, logprobs=logprobs,
+            index=result.index, text=piece.text, logprobs=logprobs,
             finish_reason=result.finish_reason, stop_reason=result.stop_reason,
         )
 
@@ -190,7 +193,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self, ctx: _Context, merged: AsyncIterator[tuple[int, RequestOutput]], tracker: ChoiceTracker
     ) -> AsyncIterator[str]:
         exclude = None if ctx.request.include_usage else {"usage"}
-        offsets: dict[int, int] = {}
+        offsets: dict[int, int] = {}  # choice index -> text offset of its next token
         async for prompt_index, output in merged:
             for delta in tracker.deltas(prompt_index, output):
                 choice = self._stream_choice(ctx, delta, output, offsets)
@@ -205,19 +208,19 @@ class OpenAIServingCompletion(OpenAIServing):
             )
             yield sse_event(usage_chunk)
 
+    @staticmethod
     def _stream_choice(
-        self, ctx: _Context, delta: ChoiceDelta, output: RequestOutput, offsets: dict[int, int]
+        ctx: _Context, delta: ChoiceDelta, output: RequestOutput, offsets: dict[int, int]
     ) -> CompletionChoice | None:
         """One chunk's choice, or None when there is nothing to send (no text, no logprobs, not final)."""
-        text, logprobs, offsets[delta.index] = self._choice(
-            ctx, delta.index, delta.prompt_index, delta.first, delta.text, delta.token_ids, delta.logprobs,
-            output, offsets.get(delta.index, 0),
-        )
-        has_logprobs = logprobs is not None and bool(logprobs.tokens)
-        if not text and not has_logprobs and delta.finish_reason is None:
+        piece = _Piece(delta.text, delta.token_ids, list(delta.logprobs or []))
+        if delta.first:
+            piece = ctx.with_echo(piece, delta.prompt_index, output)
+        logprobs, offsets[delta.index] = ctx.logprobs(piece, offsets.get(delta.index, 0))
+        if not piece.text and not (logprobs and logprobs.tokens) and delta.finish_reason is None:
             return None
         return CompletionChoice(
-            index=delta.index, text=text, logprobs=logprobs,
+            index=delta.index, text=piece.text, logprobs=logprobs,
             finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
         )
 
@@ -225,6 +228,6 @@ class OpenAIServingCompletion(OpenAIServing):
 def _check_completion_options(request: CompletionRequest) -> None:
     if request.suffix:
         raise BadRequestError("suffix is not supported", param="suffix")
-    if request.best_of is not None and request.best_of != request.n:
-        raise BadRequestError(f"best_of must equal n ({request.n}) or be left out; got {request.best_of}",
+    if request.stream and request.best_of is not None and request.best_of > request.n:
+        raise BadRequestError("best_of > n cannot be streamed: the best samples are known only at the end",
                               param="best_of")

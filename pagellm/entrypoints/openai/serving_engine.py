@@ -21,7 +21,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from pagellm.engine.input_processor import ProcessedPrompt, PromptType
+from pagellm.engine.input_processor import ProcessedPrompt
 from pagellm.engine.llm_engine import MAX_LOGPROBS
 from pagellm.entrypoints.openai.errors import (
     BadRequestError,
@@ -74,7 +74,7 @@ async def guard_sse(events: AsyncIterator[str]) -> AsyncIterator[str]:
     try:
         async for event in events:
             yield event
-    except Exception as exc:  # noqa: BLE001 - any failure must end the stream cleanly
+    except Exception as exc:  # any failure must end the stream cleanly
         if not isinstance(exc, (OpenAIError, ValueError, EngineDeadError)):
             logger.exception("stream failed")
         yield sse_error(exc)
@@ -93,14 +93,15 @@ async def merge_async_iterators(iterators: Sequence[AsyncIterator[T]]) -> AsyncI
         async for item in iterators[0]:
             yield 0, item
         return
-    queue: asyncio.Queue[tuple[int, T] | tuple[int, BaseException] | None] = asyncio.Queue()
+    # (source, item), a source's exception, or None when a source is exhausted.
+    queue: asyncio.Queue[tuple[int, T] | BaseException | None] = asyncio.Queue()
 
     async def pump(i: int, iterator: AsyncIterator[T]) -> None:
         try:
             async for item in iterator:
                 queue.put_nowait((i, item))
-        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer below
-            queue.put_nowait((i, exc))
+        except Exception as exc:  # re-raised by the consumer below
+            queue.put_nowait(exc)
         finally:
             queue.put_nowait(None)
 
@@ -112,10 +113,9 @@ async def merge_async_iterators(iterators: Sequence[AsyncIterator[T]]) -> AsyncI
             if entry is None:
                 remaining -= 1
                 continue
-            index, item = entry
-            if isinstance(item, BaseException):
-                raise item
-            yield index, item  # type: ignore[misc]
+            if isinstance(entry, BaseException):
+                raise entry
+            yield entry
     finally:
         for task in tasks:
             task.cancel()
@@ -284,12 +284,15 @@ class OpenAIServing:
 
     def check_alive(self) -> None:
         if not self.engine.is_running:
+            error = self.engine.error
             raise ServiceUnavailableError(
-                f"the engine is not running: {self.engine.error!r}" if self.engine.error else "the server is shutting down"
+                f"the engine loop died: {error!r}" if error else "the server is shutting down"
             )
 
-    def process_prompt(self, prompt: PromptType, param: str) -> ProcessedPrompt:
-        """Tokenize / check one prompt with the engine's own rules (read-only, safe here)."""
+    def process_prompt(self, prompt: dict[str, Any], param: str, cache_salt: str | None = None) -> ProcessedPrompt:
+        """Check one tokenized prompt with the engine's own rules (read-only, safe here)."""
+        if cache_salt is not None:
+            prompt = {**prompt, "cache_salt": cache_salt}
         try:
             return self.engine.input_processor.process_prompt(prompt)
         except ValueError as exc:
@@ -312,6 +315,7 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        best_of: int | None = None,
     ) -> SamplingParams:
         """The one conversion both endpoints use; bad values become 400s naming the field."""
         check_unsupported(request)
@@ -328,6 +332,7 @@ class OpenAIServing:
             frequency_penalty=_default(request.frequency_penalty, 0.0),
             repetition_penalty=_default(request.repetition_penalty, 1.0),
             seed=request.seed,
+            best_of=best_of,
             stop=request.stop,
             stop_token_ids=request.stop_token_ids,
             include_stop_str_in_output=request.include_stop_str_in_output,
@@ -345,15 +350,19 @@ class OpenAIServing:
             raise bad_request_from(exc) from exc
 
     def generators(
-        self, prompts: list[ProcessedPrompt], params: SamplingParams, request_id: str
+        self, prompts: list[ProcessedPrompt], params: SamplingParams, request_id: str, deltas: bool = True
     ) -> list[AsyncIterator[RequestOutput]]:
-        """One engine stream per prompt (ids ``{request_id}`` or ``{request_id}-{i}``)."""
+        """One engine stream per prompt (ids ``{request_id}`` or ``{request_id}-{i}``).
+
+        ``deltas=False`` asks the engine for one whole output per prompt (what best_of needs).
+        """
         if len(prompts) == 1:
             ids = [request_id]
         else:
             ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         return [
-            self.engine.generate(p.prompt_token_ids, params, rid, p.prompt) for p, rid in zip(prompts, ids)
+            self.engine.generate(p.prompt_token_ids, params, rid, p.prompt, stream=deltas, cache_salt=p.cache_salt)
+            for p, rid in zip(prompts, ids)
         ]
 
 

@@ -28,7 +28,7 @@ class OpenAIServingTokenization(OpenAIServing):
             ids = render_messages(
                 self, request.messages, request.add_generation_prompt, request.continue_final_message, None
             )
-        token_strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        token_strs = [str(t) for t in tokenizer.convert_ids_to_tokens(ids)] if request.return_token_strs else None
         return TokenizeResponse(
             count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids, token_strs=token_strs
         )
@@ -39,4 +39,4 @@ class OpenAIServingTokenization(OpenAIServing):
         bad = [t for t in request.tokens if not 0 <= t < vocab_size]
         if bad:
             raise BadRequestError(f"token id {bad[0]} is out of the vocabulary range [0, {vocab_size})", param="tokens")
-        return DetokenizeResponse(prompt=self.engine.tokenizer.decode(request.tokens))
+        return DetokenizeResponse(prompt=str(self.engine.tokenizer.decode(request.tokens)))

@@ -1,0 +1,154 @@
+"""Small helpers shared by the benchmarks: peak memory, tables, JSON, percentiles, model facts."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+# Where plots and JSON go by default (gitignored); committed copies of plots live in docs/.
+RESULTS_DIR = Path("benchmarks") / "results"
+
+
+# ---- memory --------------------------------------------------------------------------
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak-RSS counter (Linux ``clear_refs``); False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _status_kib(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process since start (or since ``reset_peak_rss``), MiB."""
+    kib = _status_kib("VmHWM")
+    if kib is None:  # not Linux: lifetime peak (KiB on Linux, bytes on macOS)
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib / 1024
+
+
+def current_rss_mib() -> float:
+    kib = _status_kib("VmRSS")
+    return kib / 1024 if kib is not None else float("nan")
+
+
+# ---- statistics ----------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), q in [0, 100]; NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+# ---- output --------------------------------------------------------------------------
+
+
+def format_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
+    """Plain-text table. ``columns``: (key, header, format spec like '.1f' or '')."""
+    header = [h for _, h, _ in columns]
+    body = []
+    for row in rows:
+        cells = []
+        for key, _, spec in columns:
+            value = row.get(key)
+            if value is None or (isinstance(value, float) and math.isnan(value)):
+                cells.append("-")
+            elif spec:
+                cells.append(format(value, spec))
+            else:
+                cells.append(str(value))
+        body.append(cells)
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(header)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    out = [line(header), "  ".join("-" * w for w in widths)]
+    out.extend(line(r) for r in body)
+    return "\n".join(out)
+
+
+def write_json(path: str | os.PathLike, data: Any) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
+    return path
+
+
+def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "item"):
+        return obj.item()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"not JSON serializable: {type(obj)}")
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on (CPU model, cores, torch threads and version)."""
+    import platform
+
+    import torch
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return dict(
+        cpu=cpu,
+        cpu_count=os.cpu_count(),
+        torch=torch.__version__,
+        torch_threads=torch.get_num_threads(),
+        load_average=load,
+    )
+
+
+# ---- model facts ---------------------------------------------------------------------
+
+
+def model_token_facts(model: str | None) -> tuple[int, frozenset[int]]:
+    """(vocab size, special ids to keep out of prompts) from the model's shape, no weights loaded."""
+    from pagellm.model.loader import load_arch_config
+
+    arch = load_arch_config(model)
+    special = set(arch.eos_token_ids)
+    if arch.bos_token_id is not None:
+        special.add(arch.bos_token_id)
+    return arch.vocab_size, frozenset(special)

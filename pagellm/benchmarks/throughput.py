@@ -1,0 +1,471 @@
+"""Offline throughput: one workload through pagellm, and optionally through HF static batching
+and vLLM, in the same run.
+
+Each system runs in its own child process by default (``isolation="process"``) so that its
+peak memory is its own and one system's threads, allocator state and imports never slow the
+next. Every system is warmed up on a few throw-away requests before the timed run.
+
+Reported per system: requests/s, output tokens/s, total (prompt + output) tokens/s, elapsed
+time, peak RSS of the process and start-up time (``LLM()`` construction; model load for HF).
+Use ``--repeats`` to run everything several times, interleaved (ours, HF, ours, HF, ...), and
+report the median: on a shared machine single runs are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pagellm.benchmarks._common import (
+    format_table,
+    machine_info,
+    model_token_facts,
+    peak_rss_mib,
+    reset_peak_rss,
+    write_json,
+)
+from pagellm.benchmarks.workloads import BenchRequest, Workload, make_workload, workload_from_json, workload_to_json
+
+
+@dataclass
+class ThroughputResult:
+    system: str
+    workload: str
+    num_requests: int
+    elapsed_s: float
+    prompt_tokens: int
+    output_tokens: int
+    start_s: float  # engine construction (ours, vLLM) or model load (HF)
+    peak_rss_mib: float
+    measured_requests: int = 0  # < num_requests when a slow baseline ran a subset (rates extrapolate)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.measured_requests / self.elapsed_s if self.elapsed_s > 0 else float("nan")
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s if self.elapsed_s > 0 else float("nan")
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s if self.elapsed_s > 0 else float("nan")
+
+    def row(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.update(
+            requests_per_s=self.requests_per_s,
+            output_tokens_per_s=self.output_tokens_per_s,
+            total_tokens_per_s=self.total_tokens_per_s,
+        )
+        return data
+
+
+# ---- pagellm -------------------------------------------------------------------------------
+
+
+# Options of the benchmark that are not engine options.
+_NOT_ENGINE = frozenset({"hf_attn", "results_dir"})
+
+
+def llm_kwargs(options: dict[str, Any]) -> dict[str, Any]:
+    """Keep only the options this version of ``LLM`` accepts (``None`` means: engine default)."""
+    from pagellm import LLM
+
+    accepted = inspect.signature(LLM.__init__).parameters
+    kwargs = {}
+    for key, value in options.items():
+        if value is None or key in _NOT_ENGINE:
+            continue
+        if key not in accepted:
+            print(f"note: this LLM has no {key!r} option; ignoring it", file=sys.stderr)
+            continue
+        kwargs[key] = value
+    return kwargs
+
+
+def _warmup_prompts(workload: Workload, count: int = 2) -> list[dict[str, list[int]]]:
+    """A few short prompts that share no prefix with the workload (reversed token order)."""
+    prompts = []
+    for r in workload.requests[:count]:
+        ids = list(reversed(r.prompt_token_ids))[:16] or [r.prompt_token_ids[0]]
+        prompts.append({"prompt_token_ids": ids})
+    return prompts
+
+
+def run_pagellm(workload: Workload, options: dict[str, Any], progress: bool = True) -> ThroughputResult:
+    """Time ``LLM.generate`` over the whole workload (greedy, per-request max_tokens / ignore_eos)."""
+    import torch
+
+    from pagellm import LLM, SamplingParams
+
+    reset_peak_rss()
+    kwargs = llm_kwargs(options)
+    start = time.perf_counter()
+    llm = LLM(**kwargs)
+    start_s = time.perf_counter() - start
+    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate(_warmup_prompts(workload), warm, use_tqdm=False)
+
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos) for r in workload.requests]
+    engine = llm.llm_engine
+    steps_before = engine.stats.num_steps
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=progress)
+    elapsed = time.perf_counter() - t0
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    cached = sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outputs)
+    extra = dict(
+        engine_kwargs={k: str(v) for k, v in kwargs.items()},
+        steps=engine.stats.num_steps - steps_before,
+        preemptions=engine.stats.num_preemptions,
+        cached_prompt_tokens=cached,
+        torch_threads=torch.get_num_threads(),
+    )
+    return ThroughputResult(
+        system="pagellm",
+        workload=workload.name,
+        num_requests=len(workload),
+        measured_requests=len(workload),
+        elapsed_s=elapsed,
+        prompt_tokens=workload.num_prompt_tokens,
+        output_tokens=output_tokens,
+        start_s=start_s,
+        peak_rss_mib=peak_rss_mib(),
+        extra=extra,
+    )
+
+
+# ---- Hugging Face static batching ---------------------------------------------------------
+
+
+def run_hf(
+    workload: Workload,
+    options: dict[str, Any],
+    batch_sizes: list[int],
+    max_requests: int | None,
+    progress: bool = True,
+) -> list[ThroughputResult]:
+    """``transformers.generate`` in static batches, one result per batch size (model loaded once)."""
+    import torch
+
+    from pagellm.benchmarks.hf_baseline import hf_generation_ids, load_hf_model, run_static_batches, subset_indices
+    from pagellm.config import resolve_dtype
+
+    if options.get("num_threads"):
+        torch.set_num_threads(int(options["num_threads"]))
+    reset_peak_rss()
+    dtype = resolve_dtype(options.get("dtype") or "auto")
+    start = time.perf_counter()
+    model = load_hf_model(options.get("model"), dtype, attn_implementation=options.get("hf_attn") or "sdpa")
+    start_s = time.perf_counter() - start
+    _, special = model_token_facts(options.get("model"))
+    eos_ids, pad_id = hf_generation_ids(model, special)
+    warm = Workload("warmup", [BenchRequest(p["prompt_token_ids"], 4, True) for p in _warmup_prompts(workload)])
+    run_static_batches(model, warm, len(warm), eos_ids, pad_id, progress=False)
+
+    results = []
+    for batch_size in batch_sizes:
+        indices = subset_indices(len(workload), batch_size, max_requests)
+        part = workload if indices is None else workload.subset(indices)
+        reset_peak_rss()
+        res = run_static_batches(model, part, batch_size, eos_ids, pad_id, progress=progress)
+        results.append(
+            ThroughputResult(
+                system=f"hf-static-b{batch_size}",
+                workload=workload.name,
+                num_requests=len(workload),
+                measured_requests=res.num_requests,
+                elapsed_s=res.elapsed_s,
+                prompt_tokens=res.prompt_tokens,
+                output_tokens=res.output_tokens,
+                start_s=start_s,
+                peak_rss_mib=peak_rss_mib(),
+                extra=dict(
+                    batch_size=batch_size,
+                    batches=res.batches,
+                    computed_tokens=res.computed_tokens,
+                    extrapolated=indices is not None,
+                    attn_implementation=options.get("hf_attn") or "sdpa",
+                    torch_threads=torch.get_num_threads(),
+                ),
+            )
+        )
+    return results
+
+
+# ---- vLLM (only when installed) ------------------------------------------------------------
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def export_hf_folder(model: str | None, folder: Path) -> Path:
+    """vLLM needs an HF folder: write the (dequantized) model and its tokenizer once."""
+    if (folder / "config.json").is_file():
+        return folder
+    import torch
+
+    from pagellm.benchmarks.hf_baseline import load_hf_model
+    from pagellm.model.tokenizer import load_tokenizer
+
+    net = load_hf_model(model, torch.float32, attn_implementation="sdpa")
+    folder.mkdir(parents=True, exist_ok=True)
+    net.save_pretrained(folder, safe_serialization=True)
+    load_tokenizer(model).save_pretrained(folder)
+    return folder
+
+
+def run_vllm(workload: Workload, options: dict[str, Any], progress: bool = True) -> ThroughputResult:
+    from vllm import LLM as VLLM  # type: ignore[import-not-found]
+    from vllm import SamplingParams as VSamplingParams  # type: ignore[import-not-found]
+
+    from pagellm.model.loader import is_gguf, resolve_model_path
+
+    path = resolve_model_path(options.get("model"))
+    if is_gguf(path):
+        path = str(export_hf_folder(options.get("model"), Path(options["results_dir"]) / "hf_export"))
+    reset_peak_rss()
+    kwargs: dict[str, Any] = dict(model=path, dtype=options.get("dtype") or "bfloat16", seed=0)
+    if options.get("max_num_seqs"):
+        kwargs["max_num_seqs"] = options["max_num_seqs"]
+    if options.get("max_num_batched_tokens"):
+        kwargs["max_num_batched_tokens"] = options["max_num_batched_tokens"]
+    if options.get("enable_prefix_caching") is not None:
+        kwargs["enable_prefix_caching"] = options["enable_prefix_caching"]
+    start = time.perf_counter()
+    llm = VLLM(**kwargs)
+    start_s = time.perf_counter() - start
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
+    params = [
+        VSamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos) for r in workload.requests
+    ]
+    llm.generate(prompts[:2], [VSamplingParams(temperature=0.0, max_tokens=4)] * 2, use_tqdm=False)
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=progress)
+    elapsed = time.perf_counter() - t0
+    return ThroughputResult(
+        system="vllm",
+        workload=workload.name,
+        num_requests=len(workload),
+        measured_requests=len(workload),
+        elapsed_s=elapsed,
+        prompt_tokens=workload.num_prompt_tokens,
+        output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
+        start_s=start_s,
+        peak_rss_mib=peak_rss_mib(),  # this process only: vLLM's engine-core child is not counted
+        extra=dict(note="peak RSS excludes vLLM's engine-core process"),
+    )
+
+
+# ---- jobs: one system, in this process or a child -------------------------------------------
+
+
+def run_job(job: dict[str, Any]) -> list[ThroughputResult]:
+    workload = workload_from_json(job["workload"])
+    system, options, progress = job["system"], job["options"], job.get("progress", True)
+    if system == "pagellm":
+        return [run_pagellm(workload, options, progress)]
+    if system == "hf":
+        return run_hf(workload, options, job["batch_sizes"], job.get("max_requests"), progress)
+    if system == "vllm":
+        return [run_vllm(workload, options, progress)]
+    raise ValueError(f"unknown system {system!r}")
+
+
+def run_job_isolated(job: dict[str, Any]) -> list[ThroughputResult]:
+    """Run a job in a fresh Python process (its own memory peak, threads and allocator)."""
+    with tempfile.TemporaryDirectory(prefix="pagellm-bench-") as tmp:
+        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_path.write_text(json.dumps(job))
+        cmd = [sys.executable, "-m", "pagellm.benchmarks.throughput", "--job", str(job_path), "--result", str(result_path)]
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[2])  # the folder holding the pagellm package
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        proc = subprocess.run(cmd, env=env, check=False)
+        if proc.returncode != 0 or not result_path.is_file():
+            raise RuntimeError(f"benchmark child for {job['system']!r} failed with exit code {proc.returncode}")
+        rows = json.loads(result_path.read_text())
+    return [ThroughputResult(**row) for row in rows]
+
+
+def _job_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description="internal: run one benchmark job")
+    parser.add_argument("--job", required=True)
+    parser.add_argument("--result", required=True)
+    args = parser.parse_args(argv)
+    job = json.loads(Path(args.job).read_text())
+    results = run_job(job)
+    Path(args.result).write_text(json.dumps([asdict(r) for r in results]))
+
+
+# ---- the benchmark ----------------------------------------------------------------------------
+
+
+@dataclass
+class ThroughputConfig:
+    workload: str = "fixed"
+    model: str | None = None
+    num_prompts: int | None = None
+    input_len: int | None = None
+    output_len: int | None = None
+    prefix_len: int | None = None
+    suffix_len: int | None = None
+    seed: int = 0
+    dtype: str = "bfloat16"
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    kv_cache_memory: str | None = None
+    block_size: int | None = None
+    enable_prefix_caching: bool | None = None
+    num_threads: int | None = None
+    attention_backend: str | None = None
+    compare: list[str] = field(default_factory=list)  # "hf", "vllm"
+    hf_batch_sizes: list[int] = field(default_factory=lambda: [64])
+    hf_max_requests: int | None = None
+    hf_attn: str = "sdpa"
+    repeats: int = 1
+    isolation: str = "process"  # or "none"
+    progress: bool = True
+    results_dir: str = "benchmarks/results"
+
+
+def build_workload(cfg: ThroughputConfig) -> Workload:
+    vocab_size, special = model_token_facts(cfg.model)
+    return make_workload(
+        cfg.workload,
+        vocab_size,
+        num_prompts=cfg.num_prompts,
+        seed=cfg.seed,
+        special_ids=special,
+        input_len=cfg.input_len,
+        output_len=cfg.output_len,
+        prefix_len=cfg.prefix_len,
+        suffix_len=cfg.suffix_len,
+    )
+
+
+def _engine_options(cfg: ThroughputConfig) -> dict[str, Any]:
+    return dict(
+        model=cfg.model,
+        dtype=cfg.dtype,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        kv_cache_memory=cfg.kv_cache_memory,
+        block_size=cfg.block_size,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        num_threads=cfg.num_threads,
+        attention_backend=cfg.attention_backend,
+    )
+
+
+def _median_result(runs: list[ThroughputResult]) -> ThroughputResult:
+    """The run with the median elapsed time, annotated with the spread over all runs."""
+    ordered = sorted(runs, key=lambda r: r.elapsed_s)
+    best = ordered[len(ordered) // 2]
+    if len(runs) > 1:
+        rates = [r.output_tokens_per_s for r in runs]
+        best.extra = dict(
+            best.extra,
+            repeats=len(runs),
+            output_tokens_per_s_runs=rates,
+            spread_pct=100 * (max(rates) - min(rates)) / statistics.median(rates),
+        )
+    return best
+
+
+def run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
+    """Run the configured systems (interleaved when repeating); returns the JSON report."""
+    workload = build_workload(cfg)
+    options = dict(_engine_options(cfg), hf_attn=cfg.hf_attn, results_dir=cfg.results_dir)
+    jobs: list[dict[str, Any]] = [dict(system="pagellm")]
+    skipped = []
+    for other in cfg.compare:
+        if other == "hf":
+            jobs.append(dict(system="hf", batch_sizes=cfg.hf_batch_sizes, max_requests=cfg.hf_max_requests))
+        elif other == "vllm":
+            if vllm_available():
+                jobs.append(dict(system="vllm"))
+            else:
+                skipped.append("vllm: `import vllm` is not available here (see shared/design/running-peers.md)")
+        else:
+            raise ValueError(f"unknown --compare system {other!r}; choose hf or vllm")
+    for note in skipped:
+        print(f"skipping {note}", file=sys.stderr)
+
+    runner = run_job_isolated if cfg.isolation == "process" else run_job
+    payload = workload_to_json(workload)
+    by_system: dict[str, list[ThroughputResult]] = {}
+    for _ in range(cfg.repeats):
+        for job in jobs:
+            full = dict(job, workload=payload, options=options, progress=cfg.progress)
+            for result in runner(full):
+                by_system.setdefault(result.system, []).append(result)
+    results = [_median_result(runs) for runs in by_system.values()]
+    ours = next((r for r in results if r.system == "pagellm"), None)
+    rows = []
+    for r in results:
+        row = r.row()
+        if ours is not None and r is not ours and r.output_tokens_per_s > 0:
+            row["ours_vs_this"] = ours.output_tokens_per_s / r.output_tokens_per_s
+        rows.append(row)
+    return dict(
+        benchmark="throughput",
+        workload=workload.describe(),
+        config=asdict(cfg),
+        machine=machine_info(),
+        skipped=skipped,
+        results=rows,
+    )
+
+
+TABLE_COLUMNS = [
+    ("system", "system", ""),
+    ("measured_requests", "reqs", "d"),
+    ("elapsed_s", "time s", ".1f"),
+    ("requests_per_s", "req/s", ".2f"),
+    ("output_tokens_per_s", "out tok/s", ".1f"),
+    ("total_tokens_per_s", "total tok/s", ".1f"),
+    ("peak_rss_mib", "peak RSS MiB", ".0f"),
+    ("start_s", "start s", ".1f"),
+    ("ours_vs_this", "pagellm x", ".2f"),
+]
+
+
+def format_report(report: dict[str, Any]) -> str:
+    w = report["workload"]
+    lines = [
+        f"workload {w['name']}: {w['num_requests']} requests, {w['prompt_tokens']} prompt tokens "
+        f"(mean {w['prompt_len_mean']:.0f}), max_tokens total {w['max_tokens_total']} "
+        f"(mean {w['max_tokens_mean']:.0f}), ignore_eos={w['ignore_eos']}",
+        format_table(report["results"], TABLE_COLUMNS),
+    ]
+    for row in report["results"]:
+        if row.get("extra", {}).get("extrapolated"):
+            lines.append(
+                f"  {row['system']}: ran {row['measured_requests']} of {row['num_requests']} requests; rates extrapolate"
+            )
+        spread = row.get("extra", {}).get("spread_pct")
+        if spread is not None:
+            lines.append(f"  {row['system']}: median of {row['extra']['repeats']} runs, spread {spread:.0f}%")
+    for note in report.get("skipped", []):
+        lines.append(f"  skipped {note}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    _job_main(sys.argv[1:])

@@ -1,0 +1,143 @@
+"""Beam search inside the engine: beams are sequences that share KV blocks by fork.
+
+Every step each live beam reports its top-k next-token logprobs (k = 2 x beam width).
+The group then picks the best continuations over all beams, exactly as Hugging Face
+``generate(num_beams=W, do_sample=False, early_stopping=True)`` does: a beam chosen
+once keeps its sequence, a beam chosen again is forked (its blocks shared, copied
+on write), a beam not chosen is freed at once. Finished hypotheses are scored by
+``cum_logprob / generated_len ** length_penalty``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pagellm.step import TokenLogprobs
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM-compatible options of ``LLM.beam_search``."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= 10:
+            raise ValueError(f"beam_width must be an integer in [1, 10], got {self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature != 0.0:
+            raise ValueError("beam search is deterministic: temperature must be 0")
+
+    @property
+    def num_candidates(self) -> int:
+        """Continuations kept per step: enough that W survive even if W of them end in EOS."""
+        return 2 * self.beam_width
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished beam: ``tokens`` are prompt + generated, as vLLM returns them."""
+
+    tokens: list[int]
+    cum_logprob: float
+    text: str | None = None
+    finish_reason: str | None = None
+    score: float = 0.0
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best first
+
+
+@dataclass
+class Beam:
+    seq_id: str
+    cum_logprob: float
+    generated: list[int]
+
+
+@dataclass
+class Continuation:
+    """The new beams of one step: which parent beam each extends, and with what token."""
+
+    parent: Beam
+    token_id: int
+    cum_logprob: float
+
+
+@dataclass
+class BeamSearchGroup:
+    """The state of one prompt's beam search, independent of scheduling."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: BeamSearchParams
+    max_tokens: int  # params.max_tokens capped by the context length
+    eos_token_ids: frozenset[int]
+    prompt: str | None = None
+    beams: list[Beam] = field(default_factory=list)
+    finished: list[BeamSearchSequence] = field(default_factory=list)
+    reports: dict[str, TokenLogprobs] = field(default_factory=dict)
+    done: bool = False
+    arrival_time: float = field(default_factory=time.monotonic)  # shared by all its beams
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.beams[0].generated) if self.beams else 0
+
+    def report(self, seq_id: str, logprobs: TokenLogprobs) -> bool:
+        """Store a beam's next-token logprobs; True once every live beam has reported."""
+        self.reports[seq_id] = logprobs
+        return all(beam.seq_id in self.reports for beam in self.beams)
+
+    def advance(self) -> list[Continuation]:
+        """One beam-search step over the reports; returns the beams to continue with."""
+        width = self.params.beam_width
+        candidates = self._top_candidates()
+        reaches_max = self.num_generated + 1 >= self.max_tokens
+        running: list[Continuation] = []
+        newly_finished: list[BeamSearchSequence] = []
+        for rank, cand in enumerate(candidates):
+            if reaches_max or self._is_eos(cand.token_id):
+                # Only the top W candidates may finish; the rest exist to keep W beams alive.
+                if rank < width:
+                    newly_finished.append(self._finished(cand))
+            elif len(running) < width:
+                running.append(cand)
+        if len(self.finished) < width:
+            self.finished = sorted(self.finished + newly_finished, key=lambda s: s.score, reverse=True)[:width]
+        self.reports.clear()
+        all_hit = len(running) == 0
+        self.done = all_hit or len(self.finished) >= width
+        return [] if self.done else running
+
+    def _top_candidates(self) -> list[Continuation]:
+        scored = [
+            Continuation(beam, token_id, beam.cum_logprob + logprob)
+            for beam in self.beams
+            for token_id, logprob, _ in self.reports[beam.seq_id][1:]
+        ]
+        scored.sort(key=lambda c: c.cum_logprob, reverse=True)
+        return scored[: self.params.num_candidates]
+
+    def _is_eos(self, token_id: int) -> bool:
+        return not self.params.ignore_eos and token_id in self.eos_token_ids
+
+    def _finished(self, cand: Continuation) -> BeamSearchSequence:
+        generated = cand.parent.generated + [cand.token_id]
+        score = cand.cum_logprob / (len(generated) ** self.params.length_penalty)
+        finish_reason = "stop" if self._is_eos(cand.token_id) else "length"
+        return BeamSearchSequence(
+            tokens=self.prompt_token_ids + generated,
+            cum_logprob=cand.cum_logprob,
+            finish_reason=finish_reason,
+            score=score,
+        )
