@@ -84,6 +84,8 @@ def _fill_bench_parser(bench: argparse.ArgumentParser) -> None:
     group.add_argument("--hf-max-requests", type=int, default=None,
                        help="run at most this many requests per HF batch size and extrapolate rates")
     group.add_argument("--hf-attn", default="sdpa", help="HF attention implementation (sdpa, eager)")
+    group.add_argument("--vllm-python", default=None,
+                       help="python of a venv with vLLM's CPU build, for --compare vllm (default: this one)")
     group.add_argument("--repeats", type=int, default=1, help="run everything N times (interleaved); report medians")
     group.add_argument("--isolation", choices=["process", "none"], default="process",
                        help="one child process per system (default) or everything in this process")
@@ -147,6 +149,7 @@ def bench_main(args: argparse.Namespace) -> int:
             enable_prefix_caching=args.enable_prefix_caching, num_threads=args.num_threads,
             attention_backend=args.attention_backend, compare=list(dict.fromkeys(args.compare)),
             hf_batch_sizes=args.hf_batch_sizes, hf_max_requests=args.hf_max_requests, hf_attn=args.hf_attn,
+            vllm_python=args.vllm_python,
             repeats=args.repeats, isolation=args.isolation, progress=args.progress,
         )
         report = run_throughput(cfg)

@@ -11,7 +11,8 @@ request lengths (by default the ``mixed`` workload's: prompt length P, output le
   frees its memory at the end of that step;
 * before admitting, running requests grow (oldest first); when the pool cannot grow one, the
   newest running request is preempted (memory freed, recomputed later from the front of the
-  queue), exactly as the engine's scheduler does. (Contiguous reservations never need to grow.)
+  queue) and nothing is admitted in that step, as the engine's scheduler does. (Contiguous
+  reservations never need to grow.)
 
 Allocators:
 
@@ -20,8 +21,9 @@ Allocators:
 * ``naive``: contiguous first-fit regions in one arena of ``kv_cache_tokens`` slots; each
   admitted request reserves ``max_model_len`` slots up front (what a server without paging
   must do when it does not know the output length; Orca-"Max" in the vLLM paper).
-* ``naive-oracle`` (optional, ``--naive-oracle``): reserves exactly P + O - 1 slots, contiguous:
-  no reservation waste, only external fragmentation between variable-size regions.
+* ``naive-oracle`` (optional, ``--naive-oracle``): reserves exactly P + O - 1 slots up front,
+  contiguous (it knows each output length in advance): its waste is the slots reserved for
+  tokens not generated yet, and holes between variable-size regions limit admissions.
 
 Measured at the end of every step: requests held, tokens stored, slots reserved. Reported:
 the largest number of requests held at once, the mean over steps, the fraction of reserved
@@ -167,6 +169,7 @@ def simulate(
 
     while waiting or running:
         # 1. running requests compute their last sampled token (one slot each), oldest first.
+        preempted = False
         i = 0
         while i < len(running):
             req = running[i]
@@ -180,9 +183,11 @@ def simulate(
             sampled.pop(victim)
             waiting.appendleft(victim)
             preemptions += 1
+            preempted = True
             # if the victim was `req` itself the loop ends (i == len(running))
-        # 2. admit waiting requests (their whole prompt, or everything recomputed) while they fit.
-        while waiting and (max_num_seqs is None or len(running) < max_num_seqs):
+        # 2. admit waiting requests (their whole prompt, or everything recomputed) while they fit;
+        #    not in a step that preempted (the scheduler's rule: it would only preempt again).
+        while not preempted and waiting and (max_num_seqs is None or len(running) < max_num_seqs):
             req = waiting[0]
             prompt_len = lengths[req][0]
             if not allocator.grow(req, 0, prompt_len):

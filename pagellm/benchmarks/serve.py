@@ -123,6 +123,7 @@ async def run_serve_async(
     seed: int = 0,
     progress: bool = True,
     timeout_s: float = 600.0,
+    transport: Any = None,  # an httpx transport (tests: httpx.ASGITransport(app))
 ) -> dict[str, Any]:
     import httpx
     from tqdm.auto import tqdm
@@ -134,7 +135,10 @@ async def run_serve_async(
     bar = tqdm(total=n, desc="requests", disable=not progress, dynamic_ncols=True)
     pool = httpx.Limits(max_connections=max_concurrency or n, max_keepalive_connections=max_concurrency or n)
 
-    async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=pool, headers=headers) as client:
+    client_kwargs: dict[str, Any] = dict(base_url=base_url, timeout=timeout_s, limits=pool, headers=headers)
+    if transport is not None:
+        client_kwargs["transport"] = transport
+    async with httpx.AsyncClient(**client_kwargs) as client:
         start = time.perf_counter()
 
         async def one(i: int) -> RequestResult:

@@ -77,7 +77,7 @@ class ThroughputResult:
 
 
 # Options of the benchmark that are not engine options.
-_NOT_ENGINE = frozenset({"hf_attn", "results_dir"})
+_NOT_ENGINE = frozenset({"hf_attn", "results_dir", "vllm_model_dir"})
 
 
 def llm_kwargs(options: dict[str, Any]) -> dict[str, Any]:
@@ -210,8 +210,20 @@ def run_hf(
 # ---- vLLM (only when installed) ------------------------------------------------------------
 
 
-def vllm_available() -> bool:
-    return importlib.util.find_spec("vllm") is not None
+def vllm_available(python: str | None = None) -> bool:
+    """Whether ``import vllm`` works here, or in the interpreter ``python`` (another venv)."""
+    if python is None:
+        return importlib.util.find_spec("vllm") is not None
+    try:
+        proc = subprocess.run([python, "-c", "import vllm"], capture_output=True, timeout=600, cwd=tempfile.gettempdir())
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0
+
+
+# vLLM's CPU build: a KV space of its own (GiB) and no core held back for its scheduler
+# (see shared/design/running-peers.md). Only set when the caller has not.
+VLLM_CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 def export_hf_folder(model: str | None, folder: Path) -> Path:
@@ -234,11 +246,13 @@ def run_vllm(workload: Workload, options: dict[str, Any], progress: bool = True)
     from vllm import LLM as VLLM  # type: ignore[import-not-found]
     from vllm import SamplingParams as VSamplingParams  # type: ignore[import-not-found]
 
-    from pagellm.model.loader import is_gguf, resolve_model_path
+    path = options.get("vllm_model_dir")
+    if path is None:
+        from pagellm.model.loader import is_gguf, resolve_model_path
 
-    path = resolve_model_path(options.get("model"))
-    if is_gguf(path):
-        path = str(export_hf_folder(options.get("model"), Path(options["results_dir"]) / "hf_export"))
+        path = resolve_model_path(options.get("model"))
+        if is_gguf(path):
+            path = str(export_hf_folder(options.get("model"), Path(options["results_dir"]) / "hf_export"))
     reset_peak_rss()
     kwargs: dict[str, Any] = dict(model=path, dtype=options.get("dtype") or "bfloat16", seed=0)
     if options.get("max_num_seqs"):
@@ -288,12 +302,17 @@ def run_job(job: dict[str, Any]) -> list[ThroughputResult]:
 
 
 def run_job_isolated(job: dict[str, Any]) -> list[ThroughputResult]:
-    """Run a job in a fresh Python process (its own memory peak, threads and allocator)."""
+    """Run a job in a fresh Python process (its own memory peak, threads and allocator);
+    ``job["python"]`` picks another interpreter (e.g. a venv with vLLM)."""
     with tempfile.TemporaryDirectory(prefix="pagellm-bench-") as tmp:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job))
-        cmd = [sys.executable, "-m", "pagellm.benchmarks.throughput", "--job", str(job_path), "--result", str(result_path)]
+        python = job.get("python") or sys.executable
+        cmd = [python, "-m", "pagellm.benchmarks.throughput", "--job", str(job_path), "--result", str(result_path)]
         env = dict(os.environ)
+        if job["system"] == "vllm":
+            for key, value in VLLM_CPU_ENV.items():
+                env.setdefault(key, value)
         root = str(Path(__file__).resolve().parents[2])  # the folder holding the pagellm package
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         proc = subprocess.run(cmd, env=env, check=False)
@@ -338,6 +357,7 @@ class ThroughputConfig:
     hf_batch_sizes: list[int] = field(default_factory=lambda: [64])
     hf_max_requests: int | None = None
     hf_attn: str = "sdpa"
+    vllm_python: str | None = None  # interpreter of a venv where `import vllm` works
     repeats: int = 1
     isolation: str = "process"  # or "none"
     progress: bool = True
@@ -398,22 +418,48 @@ def run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
         if other == "hf":
             jobs.append(dict(system="hf", batch_sizes=cfg.hf_batch_sizes, max_requests=cfg.hf_max_requests))
         elif other == "vllm":
-            if vllm_available():
-                jobs.append(dict(system="vllm"))
+            if vllm_available(cfg.vllm_python):
+                job: dict[str, Any] = dict(system="vllm")
+                if cfg.vllm_python:
+                    job["python"] = cfg.vllm_python
+                    # The other venv only runs vLLM: convert a GGUF model to an HF folder here.
+                    from pagellm.model.loader import is_gguf, resolve_model_path
+
+                    if is_gguf(resolve_model_path(cfg.model)):
+                        folder = export_hf_folder(cfg.model, Path(cfg.results_dir) / "hf_export")
+                        options["vllm_model_dir"] = str(folder.resolve())
+                jobs.append(job)
             else:
-                skipped.append("vllm: `import vllm` is not available here (see shared/design/running-peers.md)")
+                where = f"with {cfg.vllm_python}" if cfg.vllm_python else "here"
+                skipped.append(f"vllm: `import vllm` does not work {where} (see shared/design/running-peers.md)")
         else:
             raise ValueError(f"unknown --compare system {other!r}; choose hf or vllm")
     for note in skipped:
         print(f"skipping {note}", file=sys.stderr)
 
-    runner = run_job_isolated if cfg.isolation == "process" else run_job
+    def runner(job: dict[str, Any]) -> list[ThroughputResult]:
+        if cfg.isolation == "process" or job.get("python"):
+            return run_job_isolated(job)
+        return run_job(job)
+
     payload = workload_to_json(workload)
     by_system: dict[str, list[ThroughputResult]] = {}
+    failed: set[str] = set()
     for _ in range(cfg.repeats):
         for job in jobs:
+            if job["system"] in failed:
+                continue
             full = dict(job, workload=payload, options=options, progress=cfg.progress)
-            for result in runner(full):
+            try:
+                results = runner(full)
+            except Exception as exc:  # a comparison system that fails must not lose our numbers
+                if job["system"] == "pagellm":
+                    raise
+                failed.add(job["system"])
+                skipped.append(f"{job['system']}: failed ({type(exc).__name__}: {exc})")
+                print(f"{job['system']} failed: {exc}", file=sys.stderr)
+                continue
+            for result in results:
                 by_system.setdefault(result.system, []).append(result)
     results = [_median_result(runs) for runs in by_system.values()]
     ours = next((r for r in results if r.system == "pagellm"), None)

@@ -22,6 +22,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
         self.free_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        self.num_shared_blocks = 0  # blocks with ref_cnt > 1, kept up to date for metrics
 
     @property
     def num_free_blocks(self) -> int:
@@ -49,7 +50,9 @@ class BlockPool:
             if block.ref_cnt <= 0:
                 raise ValueError(f"block {block.block_id} freed more often than it was taken")
             block.ref_cnt -= 1
-            if block.ref_cnt == 0:
+            if block.ref_cnt == 1:
+                self.num_shared_blocks -= 1
+            elif block.ref_cnt == 0:
                 self.free_queue.append(block)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -57,6 +60,8 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+            elif block.ref_cnt == 1:
+                self.num_shared_blocks += 1
             block.ref_cnt += 1
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:

@@ -61,8 +61,8 @@ class KVCacheManager:
         return self.block_pool.usage()
 
     def num_shared_blocks(self) -> int:
-        """Blocks held by more than one sequence right now (for metrics; O(num_blocks))."""
-        return sum(1 for block in self.block_pool.blocks if block.ref_cnt > 1)
+        """Blocks held by more than one sequence right now."""
+        return self.block_pool.num_shared_blocks
 
     # ---- prefix cache ---------------------------------------------------------------
 

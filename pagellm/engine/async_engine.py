@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from pagellm.config import EngineConfig
+from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.engine.input_processor import InputProcessor
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -82,7 +83,7 @@ class _Add:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams
     stream: _Stream
     arrival: float
     deltas: bool
@@ -126,6 +127,7 @@ class AsyncLLMEngine:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         # Touched only by the engine thread.
+        self._batch: list[_Command] = []  # the commands being applied (failed too if the loop dies)
         self._streams: dict[str, _Stream] = {}
         self._timings: dict[str, _Timing] = {}
 
@@ -191,7 +193,7 @@ class AsyncLLMEngine:
     async def generate(
         self,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         request_id: str,
         prompt: str | None = None,
         *,
@@ -201,19 +203,20 @@ class AsyncLLMEngine:
         """Queue a request and yield its delta outputs until the one with ``finished`` set.
 
         ``stream=False``: a single output with everything, at the end (as ``LLMEngine``).
+        A beam search (``BeamSearchParams``) always yields one final output, its beams best first.
 
         Leaving early (break, cancellation, client disconnect) aborts the request in the engine,
         which frees its KV blocks. Raises ValueError if the engine rejects the request and
         EngineDeadError if the loop stops first.
         """
-        queue = _Stream(asyncio.get_running_loop())
+        channel = _Stream(asyncio.get_running_loop())
         self._submit(
-            _Add(request_id, prompt, prompt_token_ids, params, queue, time.monotonic(), stream, cache_salt)
+            _Add(request_id, prompt, prompt_token_ids, params, channel, time.monotonic(), stream, cache_salt)
         )
         done = False
         try:
             while not done:
-                item = await queue.queue.get()
+                item = await channel.queue.get()
                 if isinstance(item, BaseException):
                     done = True
                     raise item
@@ -250,8 +253,10 @@ class AsyncLLMEngine:
                 commands = self._next_commands()
                 if commands is None:
                     break
+                self._batch = commands
                 for command in commands:
                     self._apply(command)
+                self._batch = []
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step())
         except BaseException as exc:  # any failure must reach every waiting request
@@ -282,14 +287,19 @@ class AsyncLLMEngine:
                 self._post({stream.loop: [(stream.queue, o) for o in outputs]})
             return
         try:
-            self.engine.add_tokenized_request(
-                command.request_id,
-                command.prompt,
-                command.prompt_token_ids,
-                command.params,
-                stream=command.deltas,
-                cache_salt=command.cache_salt,
-            )
+            if isinstance(command.params, BeamSearchParams):
+                self.engine.add_beam_search_request(
+                    command.request_id, command.prompt, command.prompt_token_ids, command.params
+                )
+            else:
+                self.engine.add_tokenized_request(
+                    command.request_id,
+                    command.prompt,
+                    command.prompt_token_ids,
+                    command.params,
+                    stream=command.deltas,
+                    cache_salt=command.cache_salt,
+                )
         except ValueError as exc:
             self._post({command.stream.loop: [(command.stream.queue, exc)]})
             return
@@ -346,8 +356,11 @@ class AsyncLLMEngine:
             leftovers, self._inbox = self._inbox, []
         message = self._dead_message()
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[StreamItem], StreamItem]]] = {}
-        streams = list(self._streams.values()) + [c.stream for c in leftovers if isinstance(c, _Add)]
-        for stream in streams:
+        # Running requests, plus any not registered yet: a request that already has its answer
+        # never reads its queue again, so an extra error there is harmless.
+        pending = [c.stream for c in self._batch + leftovers if isinstance(c, _Add)]
+        streams = {id(s): s for s in [*self._streams.values(), *pending]}
+        for stream in streams.values():
             batches.setdefault(stream.loop, []).append((stream.queue, EngineDeadError(message)))
         self._post(batches)
         request_ids = list(self._streams)

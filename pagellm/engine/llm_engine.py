@@ -49,6 +49,7 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens whose KV was reused
     num_cow_copies: int = 0  # blocks copied on write
+    num_shared_blocks: int = 0  # gauge: blocks held by more than one sequence
     peak_blocks_in_use: int = 0  # most KV blocks held at once
     num_running: int = 0  # gauge
     num_waiting: int = 0  # gauge
@@ -362,3 +363,4 @@ class LLMEngine:
         self.stats.prefix_cache_queries = cache_stats.queries
         self.stats.prefix_cache_hits = cache_stats.hits
         self.stats.num_cow_copies = cache_stats.cow_copies
+        self.stats.num_shared_blocks = self.kv_cache_manager.num_shared_blocks()

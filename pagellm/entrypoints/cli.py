@@ -35,6 +35,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="cpu", help="cpu (or cuda / mps where available)")
     group.add_argument("--attention-backend", default="auto", help="auto, torch_sdpa or reference")
     group.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    group.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of prompt prefixes already computed (default: on)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -45,6 +51,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,

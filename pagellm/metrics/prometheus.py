@@ -34,6 +34,8 @@ class EngineStatsView(Protocol):
     num_generated_tokens: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    num_shared_blocks: int
+    num_cow_copies: int
 
 
 class _EngineStatsCollector(Collector):
@@ -49,6 +51,7 @@ class _EngineStatsCollector(Collector):
             ("pagellm:num_requests_running", "Sequences being computed (running in the batch).", s.num_running),
             ("pagellm:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting),
             ("pagellm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", s.kv_cache_usage),
+            ("pagellm:kv_cache_shared_blocks", "KV blocks held by more than one sequence.", s.num_shared_blocks),
         ]
         counters = [
             ("pagellm:num_preemptions", "Preemptions (a sequence's KV blocks freed for recompute).",
@@ -57,6 +60,8 @@ class _EngineStatsCollector(Collector):
             ("pagellm:generation_tokens", "Tokens generated.", s.num_generated_tokens),
             ("pagellm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
             ("pagellm:prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache.", s.prefix_cache_hits),
+            ("pagellm:kv_cache_cow_copies", "KV blocks copied because a sequence wrote into a shared block.",
+             s.num_cow_copies),
         ]
         for name, doc, value in gauges:
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])

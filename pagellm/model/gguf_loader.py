@@ -10,14 +10,17 @@ as HF transformers' GGUF loader does, so our weights equal the HF model's.
 from __future__ import annotations
 
 import re
+import struct
+import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGUFValueType
-from gguf.quants import dequantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.quants import dequantize, quant_shape_to_byte_shape
 
 from pagellm.model.arch_config import ModelArchConfig
 
@@ -46,35 +49,194 @@ _BLOCK_TENSOR = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<name>\w+)\.(?P<kind>weigh
 _MISSING = object()
 
 
-@lru_cache(maxsize=2)
-def open_gguf(path: str) -> GGUFReader:
-    """Memory-map a GGUF file, read-only; cached because parsing the metadata (the whole
-    token list) takes seconds and the engine asks for config, weights and tokenizer in turn."""
-    return GGUFReader(path, "r")
+# ---- a lean GGUF reader --------------------------------------------------------------------
+#
+# gguf-py's GGUFReader turns every array element of the metadata into numpy views: for a
+# 49k-token vocabulary (tokens, merges, types) that is ~500k small objects and 2-4 s per parse.
+# The loader needs a dozen scalars, the vocabulary's length and the tensors, so this reader
+# walks the metadata once with ``struct``, keeps arrays as (type, count, offset) until asked,
+# and memory-maps tensor data exactly as GGUFReader shapes it. Files it cannot read (GGUF v1,
+# big-endian) fall back to GGUFReader.
+
+
+@dataclass
+class GGUFArray:
+    """An array-valued metadata entry, decoded on demand."""
+
+    item_type: int
+    count: int
+    offset: int  # of the first item
+    _file: "GGUFFile"
+
+    def __len__(self) -> int:
+        return self.count
+
+    def values(self) -> list[Any]:
+        return self._file._read_array(self)
+
+
+@dataclass
+class GGUFTensor:
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: list[int]  # GGUF order (reversed w.r.t. torch)
+    data: np.ndarray  # memory-mapped, shaped like GGUFReader's ReaderTensor.data
+
+
+_SCALARS = {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+}
+_NUMPY = {
+    GGUFValueType.UINT8: np.uint8, GGUFValueType.INT8: np.int8, GGUFValueType.UINT16: np.uint16,
+    GGUFValueType.INT16: np.int16, GGUFValueType.UINT32: np.uint32, GGUFValueType.INT32: np.int32,
+    GGUFValueType.FLOAT32: np.float32, GGUFValueType.BOOL: np.bool_, GGUFValueType.UINT64: np.uint64,
+    GGUFValueType.INT64: np.int64, GGUFValueType.FLOAT64: np.float64,
+}
+_GGUF_MAGIC = 0x46554747  # b"GGUF" little-endian
+_PLAIN_TENSOR_TYPES = {
+    GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
+    GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
+    GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32, GGMLQuantizationType.I64: np.int64,
+}
+
+
+class GGUFFile:
+    """Metadata (``fields``: key -> value or :class:`GGUFArray`) and tensors of a GGUF v2/v3 file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._data = np.memmap(path, dtype=np.uint8, mode="r")
+        buf = memoryview(self._data)
+        self._buf = buf
+        magic, version = struct.unpack_from("<II", buf, 0)
+        if magic != _GGUF_MAGIC or version not in (2, 3):
+            raise ValueError(f"{path}: not a little-endian GGUF v2/v3 file (magic {magic:#x}, version {version})")
+        n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
+        off = 24
+        self.fields: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key, off = self._string(off)
+            (value_type,) = struct.unpack_from("<I", buf, off)
+            value, off = self._value(value_type, off + 4)
+            self.fields[key] = value
+        infos = []
+        for _ in range(n_tensors):
+            name, off = self._string(off)
+            (n_dims,) = struct.unpack_from("<I", buf, off)
+            dims = list(struct.unpack_from(f"<{n_dims}Q", buf, off + 4))
+            off += 4 + 8 * n_dims
+            raw_type, rel = struct.unpack_from("<IQ", buf, off)
+            off += 12
+            infos.append((name, dims, GGMLQuantizationType(raw_type), rel))
+        alignment = int(self.fields.get("general.alignment", 32))
+        start = off + (alignment - off % alignment) % alignment
+        self.tensors = [self._tensor(name, dims, qtype, start + rel) for name, dims, qtype, rel in infos]
+
+    def _string(self, off: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", self._buf, off)
+        return bytes(self._buf[off + 8 : off + 8 + n]).decode("utf-8"), off + 8 + n
+
+    def _value(self, value_type: int, off: int) -> tuple[Any, int]:
+        if value_type == GGUFValueType.STRING:
+            return self._string(off)
+        if value_type == GGUFValueType.ARRAY:
+            item_type, count = struct.unpack_from("<IQ", self._buf, off)
+            off += 12
+            array = GGUFArray(item_type, count, off, self)
+            if item_type == GGUFValueType.STRING:
+                for _ in range(count):  # skip: lengths only, no decoding
+                    (n,) = struct.unpack_from("<Q", self._buf, off)
+                    off += 8 + n
+            elif item_type == GGUFValueType.ARRAY:
+                for _ in range(count):
+                    _, off = self._value(GGUFValueType.ARRAY, off)
+            else:
+                off += count * struct.calcsize(_SCALARS[GGUFValueType(item_type)])
+            return array, off
+        fmt = _SCALARS[GGUFValueType(value_type)]
+        return struct.unpack_from(fmt, self._buf, off)[0], off + struct.calcsize(fmt)
+
+    def _read_array(self, array: GGUFArray) -> list[Any]:
+        if array.item_type in _NUMPY:
+            dtype = np.dtype(_NUMPY[GGUFValueType(array.item_type)]).newbyteorder("<")
+            return np.frombuffer(self._buf, dtype=dtype, count=array.count, offset=array.offset).tolist()
+        values, off = [], array.offset
+        for _ in range(array.count):
+            value, off = self._value(array.item_type, off)
+            values.append(value.values() if isinstance(value, GGUFArray) else value)
+        return values
+
+    def _tensor(self, name: str, dims: list[int], qtype: GGMLQuantizationType, offset: int) -> GGUFTensor:
+        np_dims = tuple(reversed(dims))
+        n_elems = int(np.prod(dims)) if dims else 1
+        if qtype in _PLAIN_TENSOR_TYPES:
+            dtype = np.dtype(_PLAIN_TENSOR_TYPES[qtype])
+            data = np.frombuffer(self._buf, dtype=dtype, count=n_elems, offset=offset)
+        else:
+            block_size, type_size = GGML_QUANT_SIZES[qtype]
+            data = np.frombuffer(self._buf, dtype=np.uint8, count=n_elems * type_size // block_size, offset=offset)
+            np_dims = quant_shape_to_byte_shape(np_dims, qtype)
+        return GGUFTensor(name, qtype, dims, data.reshape(np_dims))
+
+
+class _ReaderAdapter:
+    """GGUFReader behind GGUFFile's interface, for files the lean reader refuses."""
+
+    def __init__(self, path: str) -> None:
+        reader = GGUFReader(path, "r")
+        self.path = path
+        self.tensors = reader.tensors
+        self.fields = {}
+        for key, field in reader.fields.items():
+            if field.types and field.types[0] == GGUFValueType.ARRAY:
+                self.fields[key] = _AdaptedArray(field)
+            else:
+                self.fields[key] = _field_value(field)
+
+
+class _AdaptedArray:
+    def __init__(self, field: Any) -> None:
+        self._field = field
+
+    def __len__(self) -> int:
+        return len(self._field.data)
+
+    def values(self) -> list[Any]:
+        return self._field.contents()
 
 
 def _field_value(field: Any) -> Any:
-    """A scalar or string metadata value as a Python object."""
-    value_type = field.types[0] if field.types else None
-    if value_type == GGUFValueType.ARRAY:
-        raise ValueError(f"GGUF metadata {field.name!r} is an array, expected a scalar")
+    """A GGUFReader scalar or string field as a Python object."""
     part = field.parts[field.data[0]]
-    if value_type == GGUFValueType.STRING:
+    if field.types and field.types[0] == GGUFValueType.STRING:
         return bytes(part).decode("utf-8")
     return part[0].item()
 
 
-def read_metadata(reader: GGUFReader, key: str, default: Any = _MISSING) -> Any:
-    """One metadata value; ValueError naming the key when it is required and absent."""
-    field = reader.fields.get(key)
-    if field is None:
+@lru_cache(maxsize=2)
+def open_gguf(path: str) -> GGUFFile | _ReaderAdapter:
+    """Memory-map a GGUF file, read-only, and index its metadata and tensors (cached)."""
+    try:
+        return GGUFFile(path)
+    except (ValueError, struct.error, KeyError):
+        return _ReaderAdapter(path)
+
+
+def read_metadata(reader: GGUFFile | _ReaderAdapter, key: str, default: Any = _MISSING) -> Any:
+    """One scalar or string metadata value; ValueError naming the key when it is required and absent."""
+    if key not in reader.fields:
         if default is _MISSING:
             raise ValueError(f"GGUF metadata is missing {key!r}")
         return default
-    return _field_value(field)
+    value = reader.fields[key]
+    if isinstance(value, (GGUFArray, _AdaptedArray)):
+        raise ValueError(f"GGUF metadata {key!r} is an array, expected a scalar")
+    return value
 
 
-def _gguf_arch(reader: GGUFReader) -> tuple[str, str, bool, bool]:
+def _gguf_arch(reader: GGUFFile | _ReaderAdapter) -> tuple[str, str, bool, bool]:
     """(gguf arch prefix, HF architecture, qkv bias, q/k permuted), rejecting unknown archs."""
     gguf_arch = read_metadata(reader, "general.architecture")
     if gguf_arch not in _GGUF_ARCHS:
@@ -84,7 +246,7 @@ def _gguf_arch(reader: GGUFReader) -> tuple[str, str, bool, bool]:
     return (gguf_arch, *_GGUF_ARCHS[gguf_arch])
 
 
-def _check_rope(reader: GGUFReader, prefix: str, head_dim: int) -> None:
+def _check_rope(reader: GGUFFile | _ReaderAdapter, prefix: str, head_dim: int) -> None:
     """Refuse rope variants whose GGUF encoding we do not translate."""
     scaling = read_metadata(reader, f"{prefix}.rope.scaling.type", "none")
     if scaling not in ("none", ""):
@@ -96,22 +258,22 @@ def _check_rope(reader: GGUFReader, prefix: str, head_dim: int) -> None:
         raise NotImplementedError(f"partial rotary (rope dims {rope_dims} < head_dim {head_dim}) is not supported")
 
 
-def _eos_ids(reader: GGUFReader) -> list[int]:
+def _eos_ids(reader: GGUFFile | _ReaderAdapter) -> list[int]:
     """eos plus end-of-turn / end-of-message ids, when the file names them."""
     keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
     ids = [read_metadata(reader, key, None) for key in keys]
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
-def _vocab_size(reader: GGUFReader, prefix: str) -> int:
+def _vocab_size(reader: GGUFFile | _ReaderAdapter, prefix: str) -> int:
     """Vocabulary size from the token list (authoritative), else ``{arch}.vocab_size``."""
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     if tokens is not None:
-        return len(tokens.data)
+        return len(tokens)
     return int(read_metadata(reader, f"{prefix}.vocab_size"))
 
 
-def arch_config_from_gguf(reader: GGUFReader) -> ModelArchConfig:
+def arch_config_from_gguf(reader: GGUFFile | _ReaderAdapter) -> ModelArchConfig:
     """Build the model shape from GGUF metadata alone (no tensor data read)."""
     prefix, architecture, qkv_bias, _ = _gguf_arch(reader)
     hidden_size = int(read_metadata(reader, f"{prefix}.embedding_length"))
@@ -169,16 +331,51 @@ def unpermute_qk_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
+def _readonly_tensor(array: np.ndarray) -> torch.Tensor:
+    """Zero-copy torch view of a read-only (memory-mapped) array; never written to."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "array is not writable": we only read it
+        return torch.from_numpy(array)
+
+
+def _dequantize_torch(data: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor | None:
+    """float32 values of Q4_0 / Q4_1 / Q8_0 blocks with torch ops (multi-threaded, several times
+    faster than gguf-py's numpy path and bit-identical to it: the same float32 products and sums).
+    None for other types."""
+    if qtype not in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0):
+        return None
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = _readonly_tensor(data).reshape(-1, type_size)
+    d = blocks[:, :2].contiguous().view(torch.float16).float()
+    if qtype == GGMLQuantizationType.Q8_0:
+        q = blocks[:, 2:].contiguous().view(torch.int8).float()
+        return d * q
+    qs = blocks[:, 4:] if qtype == GGMLQuantizationType.Q4_1 else blocks[:, 2:]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=1).float()
+    if qtype == GGMLQuantizationType.Q4_0:
+        return d * (q - 8)
+    m = blocks[:, 2:4].contiguous().view(torch.float16).float()
+    return d * q + m
+
+
 def _dequantized(tensor: Any) -> torch.Tensor:
     """One GGUF tensor as a float32 torch tensor in HF shape (GGUF lists dims reversed)."""
+    shape = tuple(reversed([int(d) for d in tensor.shape]))
+    fast = _dequantize_torch(tensor.data, tensor.tensor_type)
+    if fast is not None:
+        return fast.reshape(shape)
     data = np.require(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32, requirements=["C", "W"])
-    return torch.from_numpy(data).reshape(tuple(reversed([int(d) for d in tensor.shape])))
+    return torch.from_numpy(data).reshape(shape)
 
 
 def iter_gguf_weights(
-    reader: GGUFReader, arch: ModelArchConfig, dtype: torch.dtype = torch.float32
+    reader: GGUFFile | _ReaderAdapter,
+    arch: ModelArchConfig,
+    dtype: torch.dtype = torch.float32,
+    keep_float32: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for every tensor, dequantized into ``dtype``, one at a time."""
+    """Yield ``(hf_name, tensor)`` for every tensor, dequantized into ``dtype`` (float32 with
+    ``keep_float32``: for a caller that casts while copying), one at a time."""
     _, _, _, permuted = _gguf_arch(reader)
     heads_for = {"q_proj": arch.num_attention_heads, "k_proj": arch.num_key_value_heads}
     for tensor in reader.tensors:
@@ -187,4 +384,6 @@ def iter_gguf_weights(
         projection = name.split(".")[-2]
         if permuted and projection in heads_for:
             weight = unpermute_qk_rows(weight, heads_for[projection])
-        yield name, weight.to(dtype)
+        # Float32 as dequantized: the copy into the model's parameter casts to its dtype in the
+        # same pass (``dtype`` only matters to callers that keep the tensors themselves).
+        yield name, weight if dtype == torch.float32 or keep_float32 else weight.to(dtype)

@@ -18,7 +18,7 @@ from torch import nn
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.model.arch_config import ModelArchConfig
-from pagellm.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
+from pagellm.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary, fuse_silu_and_mul, pack_linear_layers
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -64,10 +64,11 @@ class LlamaAttention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)
+        # q and k rotated together (one set of elementwise ops; the same arithmetic per element).
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         out = self.attn_backend.forward(q, k, v, key_cache, value_cache, attn_metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -92,6 +93,14 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
+
+    def fuse_for_cpu(self, verify: bool = True) -> bool:
+        """Swap gate_up + SiluAndMul for one fused packed module (bf16/fp16 on CPU); True if done."""
+        fused = fuse_silu_and_mul(self.gate_up_proj, self.intermediate_size, verify)
+        if fused is None:
+            return False
+        self.gate_up_proj, self.act = fused, nn.Identity()
+        return True
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -158,9 +167,24 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
         return self.model.norm(hidden)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vocabulary logits ``[N, vocab]`` in float32 for the rows the sampler needs."""
-        return self.lm_head(hidden).float()
+    def optimize_for_cpu_inference(self) -> dict[str, int]:
+        """Inference-only CPU fast path for bf16/fp16: fused packed MLPs, packed linears.
+
+        Irreversible (weights are repacked; loading weights afterwards is not supported) and a
+        no-op for float32, which keeps torch's default kernels and HF-exact numerics.
+        """
+        layers = list(self.model.layers)
+        fused = 0
+        if layers and layers[0].mlp.fuse_for_cpu(verify=True):  # one self-check for the model
+            fused = 1 + sum(layer.mlp.fuse_for_cpu(verify=False) for layer in layers[1:])
+        packed = pack_linear_layers(self)
+        return {"fused_mlps": fused, "packed_linears": packed}
+
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """Vocabulary logits ``[N, vocab]`` for the rows the sampler needs: float32, or the model
+        dtype with ``upcast=False`` (enough for an argmax, which the upcast cannot change)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if upcast else logits
 
     def expected_weight_names(self) -> set[str]:
         """Every HF parameter name a complete checkpoint must provide for this config."""

@@ -7,6 +7,11 @@ the chat template comes from the tokenizer, else the GGUF metadata, unless overr
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +20,80 @@ from pagellm.model.loader import is_gguf, resolve_model_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+
+def tokenizer_cache_dir() -> Path | None:
+    """Where tokenizers rebuilt from GGUF files are kept (None: caching disabled).
+
+    ``PAGELLM_CACHE_DIR`` (else ``$XDG_CACHE_HOME/pagellm``, else ``~/.cache/pagellm``) +
+    ``/tokenizers``; ``PAGELLM_TOKENIZER_CACHE=0`` turns the cache off.
+    """
+    if os.environ.get("PAGELLM_TOKENIZER_CACHE", "1").lower() in ("0", "false", "no", "off"):
+        return None
+    root = os.environ.get("PAGELLM_CACHE_DIR")
+    if not root:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagellm")
+    return Path(root) / "tokenizers"
+
+
+def _cache_key(gguf: Path) -> str:
+    """Changes whenever the file or the libraries that build the tokenizer change."""
+    import tokenizers
+    import transformers
+
+    stat = gguf.stat()
+    ident = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{tokenizers.__version__}|1"
+    return hashlib.sha256(ident.encode()).hexdigest()[:24]
+
+
+def _load_cached(folder: Path | None) -> PreTrainedTokenizerBase | None:
+    from transformers import AutoTokenizer
+
+    if folder is None or not (folder / "tokenizer_config.json").is_file():
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:  # a damaged or foreign cache entry: rebuild from the GGUF file
+        logger.warning("ignoring cached tokenizer in %s: %s", folder, exc)
+        return None
+
+
+def _store_cached(tokenizer: PreTrainedTokenizerBase, folder: Path | None) -> None:
+    """Save atomically (temp folder + rename); a read-only or full disk only costs the speed-up."""
+    if folder is None:
+        return
+    tmp = None
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
+        tokenizer.save_pretrained(str(tmp))
+        os.replace(tmp, folder)
+        tmp = None
+    except OSError as exc:
+        logger.debug("could not cache the tokenizer in %s: %s", folder, exc)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer transformers rebuilds from GGUF metadata (seconds: it re-parses the whole
+    vocabulary), cached on disk after the first build and loaded from there (~0.1 s) after."""
+    from transformers import AutoTokenizer
+
+    gguf = Path(path)
+    root = tokenizer_cache_dir()
+    folder = root / _cache_key(gguf) if root is not None else None
+    tokenizer = _load_cached(folder)
+    if tokenizer is not None:
+        return tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = gguf_chat_template(path)
+    _store_cached(tokenizer, folder)
+    return tokenizer
 
 
 def _read_template(chat_template_path: str) -> str:
@@ -31,8 +110,7 @@ def load_tokenizer(model: str | None, chat_template_path: str | None = None) -> 
 
     path = resolve_model_path(model)
     if is_gguf(path):
-        gguf = Path(path)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+        tokenizer = _gguf_tokenizer(path)
         if not tokenizer.chat_template:
             tokenizer.chat_template = gguf_chat_template(path)
     else:

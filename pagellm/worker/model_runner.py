@@ -9,7 +9,15 @@ import torch
 
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.model.layers import pack_linear_layers
-from pagellm.sample.sampler import Sampler, SamplerOutput, SamplingBatch, gather_logprobs
+from pagellm.model.loader import single_threaded
+from pagellm.sample.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingBatch,
+    gather_logprobs,
+    greedy_sample,
+    is_plain_greedy,
+)
 from pagellm.step import (
     ModelRunnerOutput,
     PromptLogprobs,
@@ -51,8 +59,14 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
-        # bf16/fp16 on CPU: weights packed once for oneDNN (bit-identical, faster matmuls).
-        self.num_packed_linears = pack_linear_layers(model) if device.type == "cpu" and pack_linears else 0
+        # bf16/fp16 on CPU: weights packed once for oneDNN, MLP activation fused into its matmuls.
+        self.cpu_optimizations: dict[str, int] = {}
+        if device.type == "cpu" and pack_linears:
+            optimize = getattr(model, "optimize_for_cpu_inference", None)
+            with single_threaded():
+                self.cpu_optimizations = (
+                    optimize() if optimize is not None else {"packed_linears": pack_linear_layers(model)}
+                )
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -65,8 +79,13 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata)
         output = ModelRunnerOutput()
         if inputs.sample_requests:
-            logits = self.model.compute_logits(hidden[inputs.sample_indices])
-            self._sample(logits, inputs.sample_requests, output)
+            rows = hidden[inputs.sample_indices]
+            if all(is_plain_greedy(r.sampling_params, len(r.output_token_ids)) for r in inputs.sample_requests):
+                # Common case: argmax only. No float32 copy of the logits, no SamplingBatch.
+                tokens = greedy_sample(self.model.compute_logits(rows, upcast=False)).tolist()
+                output.sampled.update((r.request_id, t) for r, t in zip(inputs.sample_requests, tokens))
+            else:
+                self._sample(self.model.compute_logits(rows), inputs.sample_requests, output)
         if inputs.prompt_logprob_plan:
             logits = self.model.compute_logits(hidden[inputs.prompt_logprob_indices])
             self._prompt_logprobs(logits, inputs, output)

@@ -84,3 +84,15 @@ def test_hash_chain_depends_on_parent():
     assert hash_block_tokens(h1, [3, 4]) != hash_block_tokens(None, [3, 4])
     assert hash_block_tokens(h1, [3, 4]) == hash_block_tokens(h1, (3, 4))
     assert hash_block_tokens(None, [1, 2], "salt") != h1
+
+
+def test_shared_block_count_follows_ref_counts():
+    pool = BlockPool(4)
+    a, b = pool.get_new_blocks(2)
+    pool.touch([a, b])
+    pool.touch([a])
+    assert pool.num_shared_blocks == 2  # a: 3 owners, b: 2
+    pool.free_blocks([b])
+    assert pool.num_shared_blocks == 1
+    pool.free_blocks([a, a])
+    assert pool.num_shared_blocks == 0 and a.ref_cnt == 1

@@ -30,12 +30,20 @@ class FakeEngine:
         self.thread_ids: set[int] = set()
 
     def add_tokenized_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, stream: bool
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        stream: bool,
+        cache_salt: str | None = None,
     ) -> None:
         self.thread_ids.add(threading.get_ident())
         assert stream
         if params.max_tokens == 13:
             raise ValueError("max_tokens=13 is unlucky")
+        if params.max_tokens == 14:
+            raise RuntimeError("add crashed")
         self.requests[request_id] = params.max_tokens or 1
         self.produced[request_id] = 0
 
@@ -95,8 +103,13 @@ def engine(fake: FakeEngine) -> Iterator[AsyncLLMEngine]:
     async_engine.shutdown(timeout=5)
 
 
-async def collect(stream: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
-    return [item async for item in stream]
+async def collect(stream: AsyncIterator[RequestOutput], timeout: float = 10.0) -> list[RequestOutput]:
+    """All of a stream's outputs; a hang fails the test instead of stalling the suite."""
+
+    async def drain() -> list[RequestOutput]:
+        return [item async for item in stream]
+
+    return await asyncio.wait_for(drain(), timeout)
 
 
 def test_deltas_until_finished(engine: AsyncLLMEngine, fake: FakeEngine) -> None:
@@ -168,6 +181,22 @@ def test_loop_crash_fails_requests_and_health(engine: AsyncLLMEngine, fake: Fake
     assert not engine.is_running and isinstance(engine.error, RuntimeError)
     with pytest.raises(EngineDeadError):
         asyncio.run(collect(engine.generate([1], SamplingParams(max_tokens=1), "after")))
+
+
+def test_crash_while_adding_fails_that_request_and_the_rest_of_its_batch(engine: AsyncLLMEngine) -> None:
+    """Nobody may wait forever: commands taken from the inbox when the loop dies get the error too."""
+
+    async def run() -> list[BaseException]:
+        streams = [
+            collect(engine.generate([1], SamplingParams(max_tokens=14), "crash")),
+            collect(engine.generate([1], SamplingParams(max_tokens=3), "next")),
+        ]
+        results = await asyncio.wait_for(asyncio.gather(*streams, return_exceptions=True), timeout=5)
+        return [r for r in results if isinstance(r, BaseException)]
+
+    errors = asyncio.run(run())
+    assert len(errors) == 2 and all(isinstance(e, EngineDeadError) for e in errors)
+    assert "add crashed" in str(errors[0]) and not engine.is_running
 
 
 def test_shutdown_aborts_in_flight(engine: AsyncLLMEngine, fake: FakeEngine) -> None:

@@ -7,6 +7,7 @@ raise their usual typed exceptions.
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -14,6 +15,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
 
 
 class OpenAIError(Exception):
@@ -102,7 +105,14 @@ async def _on_http_error(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(error.to_dict(), status_code=exc.status_code, headers=exc.headers)
 
 
+async def _on_unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+    """A bug must still answer in the OpenAI error shape (and be logged), never as bare text."""
+    logger.error("unhandled error while serving a request", exc_info=exc)
+    return error_response(OpenAIError(f"internal server error: {type(exc).__name__}"))
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(Exception, _on_unexpected_error)
     app.add_exception_handler(OpenAIError, _on_openai_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)

@@ -21,6 +21,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.engine.input_processor import ProcessedPrompt
 from pagellm.engine.llm_engine import MAX_LOGPROBS
 from pagellm.entrypoints.openai.errors import (
@@ -240,7 +241,9 @@ class ChoiceResult:
         self.text += delta.text
         self.token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + list(delta.logprobs)
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
@@ -309,16 +312,18 @@ class OpenAIServing:
                 param="max_tokens",
             )
 
-    @staticmethod
     def sampling_params(
+        self,
         request: SamplingRequest,
         max_tokens: int | None,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         best_of: int | None = None,
-    ) -> SamplingParams:
+    ) -> SamplingParams | BeamSearchParams:
         """The one conversion both endpoints use; bad values become 400s naming the field."""
         check_unsupported(request)
+        if request.use_beam_search:
+            return self._beam_search_params(request, max_tokens, logprobs, prompt_logprobs, best_of)
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None and value > MAX_LOGPROBS:
                 raise BadRequestError(f"{name} must be <= {MAX_LOGPROBS}, got {value}.", param=name)
@@ -349,8 +354,33 @@ class OpenAIServing:
         except ValueError as exc:
             raise bad_request_from(exc) from exc
 
+    def _beam_search_params(
+        self,
+        request: SamplingRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        best_of: int | None,
+    ) -> BeamSearchParams:
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs), ("best_of", best_of)):
+            if value is not None:
+                raise BadRequestError(f"{name} cannot be combined with use_beam_search.", param=name)
+        try:
+            return BeamSearchParams(
+                beam_width=request.n,
+                max_tokens=max_tokens if max_tokens is not None else self.engine.max_model_len,
+                ignore_eos=request.ignore_eos,
+                length_penalty=request.length_penalty,
+            )
+        except ValueError as exc:
+            raise BadRequestError(str(exc).replace("beam_width", "n (the beam width)"), param="n") from exc
+
     def generators(
-        self, prompts: list[ProcessedPrompt], params: SamplingParams, request_id: str, deltas: bool = True
+        self,
+        prompts: list[ProcessedPrompt],
+        params: SamplingParams | BeamSearchParams,
+        request_id: str,
+        deltas: bool = True,
     ) -> list[AsyncIterator[RequestOutput]]:
         """One engine stream per prompt (ids ``{request_id}`` or ``{request_id}-{i}``).
 

@@ -1,0 +1,212 @@
+"""The benchmark code paths on a tiny model and tiny workloads (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from pagellm.benchmarks import throughput as tp
+from pagellm.benchmarks.cli import main as bench_cli
+from pagellm.benchmarks.hf_baseline import load_hf_model, run_static_batches, subset_indices
+from pagellm.benchmarks.serve import RequestResult, arrival_delays, run_serve, summarize
+from pagellm.benchmarks.workloads import BenchRequest, Workload, fixed_workload, mixed_workload
+
+
+def _tiny_cfg(model: str, **kw) -> tp.ThroughputConfig:
+    base = dict(model=model, workload="fixed", num_prompts=4, input_len=8, output_len=5, isolation="none",
+                progress=False, max_num_seqs=4)
+    base.update(kw)
+    return tp.ThroughputConfig(**base)
+
+
+def test_throughput_ours_and_hf_in_process(tiny_llama_path):
+    cfg = _tiny_cfg(tiny_llama_path, compare=["hf"], hf_batch_sizes=[1, 2], hf_max_requests=2)
+    report = tp.run_throughput(cfg)
+    rows = {r["system"]: r for r in report["results"]}
+    assert set(rows) == {"pagellm", "hf-static-b1", "hf-static-b2"}
+    ours = rows["pagellm"]
+    assert ours["output_tokens"] == 4 * 5 and ours["prompt_tokens"] == 4 * 8
+    assert ours["measured_requests"] == 4 and ours["start_s"] > 0 and ours["peak_rss_mib"] > 0
+    assert ours["output_tokens_per_s"] == pytest.approx(20 / ours["elapsed_s"])
+    b1 = rows["hf-static-b1"]
+    assert b1["measured_requests"] == 2 and b1["extra"]["extrapolated"] and b1["output_tokens"] == 2 * 5
+    b2 = rows["hf-static-b2"]
+    assert b2["measured_requests"] == 2 and b2["output_tokens"] == 10
+    assert b1["ours_vs_this"] == pytest.approx(ours["output_tokens_per_s"] / b1["output_tokens_per_s"])
+    text = tp.format_report(report)
+    assert "hf-static-b1: ran 2 of 4 requests" in text and "pagellm" in text
+    json.dumps(report)  # JSON-able
+
+
+def test_throughput_isolated_child_and_vllm_skip(tiny_llama_path, monkeypatch, capsys):
+    monkeypatch.setattr(tp, "vllm_available", lambda python=None: False)
+    cfg = _tiny_cfg(tiny_llama_path, isolation="process", compare=["vllm"], num_prompts=2, output_len=3,
+                    enable_prefix_caching=False, dtype="float32")
+    report = tp.run_throughput(cfg)
+    assert [r["system"] for r in report["results"]] == ["pagellm"]
+    assert report["results"][0]["output_tokens"] == 6
+    assert report["skipped"] and "vllm" in report["skipped"][0]
+    assert "skipping vllm" in capsys.readouterr().err
+
+
+def test_repeats_report_median_and_spread(tiny_llama_path):
+    report = tp.run_throughput(_tiny_cfg(tiny_llama_path, repeats=2, num_prompts=2, output_len=2))
+    extra = report["results"][0]["extra"]
+    assert extra["repeats"] == 2 and len(extra["output_tokens_per_s_runs"]) == 2 and extra["spread_pct"] >= 0
+
+
+def test_llm_kwargs_drops_unknown_and_none(capsys):
+    kwargs = tp.llm_kwargs(dict(model=None, dtype="bfloat16", no_such_option=3, hf_attn="sdpa"))
+    assert kwargs == {"dtype": "bfloat16"}
+    assert "no_such_option" in capsys.readouterr().err
+
+
+def test_hf_static_batches_match_our_greedy_tokens(tiny_llama_path):
+    from pagellm import LLM, SamplingParams
+
+    model = load_hf_model(tiny_llama_path, torch.float32)
+    w = fixed_workload(1000, num_prompts=3, input_len=6, output_len=4)
+    res = run_static_batches(model, w, 1, frozenset({0}), 0, progress=False, keep_outputs=True)
+    llm = LLM(tiny_llama_path, dtype="float32", enable_prefix_caching=False)
+    ours = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in w.requests],
+                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert res.output_token_ids == [list(o.outputs[0].token_ids) for o in ours]
+    assert res.output_tokens == 12 and res.batches == 3 and res.computed_tokens == 3 * (6 + 3)
+
+
+def test_hf_static_batches_count_only_useful_tokens_with_eos(tiny_llama_path):
+    model = load_hf_model(tiny_llama_path, torch.float32)
+    w = fixed_workload(1000, num_prompts=2, input_len=5, output_len=6)
+    free = run_static_batches(model, w, 2, frozenset(), 0, progress=False, keep_outputs=True)
+    first = free.output_token_ids[0]
+    # Make the first request's 2nd greedy token its EOS, and give the second request a smaller budget.
+    eos = first[1]
+    reqs = [BenchRequest(w.requests[0].prompt_token_ids, 6, False), BenchRequest(w.requests[1].prompt_token_ids, 3, True)]
+    res = run_static_batches(model, Workload("t", reqs), 2, frozenset({eos}), 0, progress=False, keep_outputs=True)
+    assert res.output_token_ids[0] == first[: first.index(eos) + 1]
+    assert len(res.output_token_ids[1]) == 3
+    assert res.output_tokens == first.index(eos) + 1 + 3
+
+
+def test_subset_indices():
+    assert subset_indices(64, 8, None) is None
+    assert subset_indices(64, 8, 100) is None
+    assert subset_indices(64, 1, 4) == [0, 16, 32, 48]
+    assert len(subset_indices(64, 8, 10)) == 16  # rounded up to whole batches
+
+
+def test_cli_memory_and_throughput(tiny_llama_path, tmp_path, capsys):
+    out = tmp_path / "mem.json"
+    assert bench_cli(["memory", "--num-prompts", "30", "--kv-cache-tokens", "4096", "--bytes-per-token", "100",
+                      "--output-json", str(out), "--no-progress"]) == 0
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "memory" and len(report["results"]) == 2
+    assert "max reqs held" in capsys.readouterr().out
+
+    out = tmp_path / "tp.json"
+    assert bench_cli(["throughput", "--model", tiny_llama_path, "--num-prompts", "2", "--input-len", "4",
+                      "--output-len", "2", "--isolation", "none", "--no-enable-prefix-caching",
+                      "--output-json", str(out), "--no-progress"]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["enable_prefix_caching"] is False
+    assert report["results"][0]["extra"]["engine_kwargs"]["enable_prefix_caching"] == "False"
+    assert report["results"][0]["output_tokens"] == 4
+
+
+def test_add_bench_subparser_wires_handler():
+    import argparse
+
+    from pagellm.benchmarks import add_bench_subparser, bench_main
+
+    parser = argparse.ArgumentParser()
+    add_bench_subparser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "memory", "--num-prompts", "5"])
+    assert args.handler is bench_main and args.bench_command == "memory"
+
+
+def test_sweep_and_plot(tiny_llama_path, tmp_path):
+    pytest.importorskip("matplotlib")
+    from pagellm.benchmarks.memory import MemoryConfig, run_memory
+    from pagellm.benchmarks.plot import format_sweep, plot_summary, run_sweep
+
+    sweep = run_sweep([1, 2], model=tiny_llama_path, input_len=4, output_len=2, min_prompts=2, compare_hf=True,
+                      progress=False)
+    assert [p["concurrency"] for p in sweep["points"]] == [1, 2]
+    assert all(p["pagellm_output_tokens_per_s"] > 0 and p["hf_output_tokens_per_s"] > 0 for p in sweep["points"])
+    assert "pagellm out tok/s" in format_sweep(sweep)
+    memory = run_memory(MemoryConfig(num_prompts=20, bytes_per_token=100))
+    path = plot_summary(sweep, memory, str(tmp_path / "s.png"), title="t")
+    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.endswith("s.png")
+    plot_summary(None, memory, str(tmp_path / "m.png"))
+    with pytest.raises(ValueError):
+        plot_summary(None, None, str(tmp_path / "x.png"))
+
+
+# ---- serve -------------------------------------------------------------------------------------
+
+
+def test_arrival_delays():
+    assert arrival_delays(3, float("inf")) == [0.0, 0.0, 0.0]
+    d = arrival_delays(2000, 4.0, seed=1)
+    assert d == arrival_delays(2000, 4.0, seed=1) and d[0] == 0.0 and d == sorted(d)
+    assert d[-1] / 1999 == pytest.approx(0.25, rel=0.1)
+
+
+def test_summarize_statistics():
+    w = Workload("t", [BenchRequest([1, 2], 3, True)] * 3)
+    results = [
+        RequestResult(ok=True, ttft_s=0.1, latency_s=0.5, prompt_tokens=2, completion_tokens=3, itl_s=[0.2, 0.2]),
+        RequestResult(ok=True, ttft_s=0.3, latency_s=0.7, prompt_tokens=2, completion_tokens=5, itl_s=[0.1] * 4),
+        RequestResult(ok=False, error="HTTP 500: boom"),
+    ]
+    s = summarize(results, 2.0, w, dict(base_url="x", request_rate=1.0, max_concurrency=None))["summary"]
+    assert (s["completed"], s["failed"], s["output_tokens"]) == (2, 1, 8)
+    assert s["ttft_mean_ms"] == pytest.approx(200) and s["ttft_median_ms"] == pytest.approx(200)
+    assert s["tpot_mean_ms"] == pytest.approx(1000 * (0.2 + 0.1) / 2)
+    assert s["itl_median_ms"] == pytest.approx(100) and s["itl_p99_ms"] == pytest.approx(200, rel=0.05)
+    assert s["output_throughput"] == pytest.approx(4.0) and s["total_token_throughput"] == pytest.approx(6.0)
+
+
+def _fake_openai_app(tokens_per_request: int = 3):
+    """A minimal streaming /v1/completions endpoint (ASGI), one chunk per token."""
+
+    async def app(scope, receive, send):
+        assert scope["type"] == "http" and scope["path"] == "/v1/completions"
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        request = json.loads(body)
+        n = min(tokens_per_request, request["max_tokens"])
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for i in range(n):
+            chunk = {"choices": [{"index": 0, "text": f"t{i}"}]}
+            await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(), "more_body": True})
+        usage = {"choices": [], "usage": {"prompt_tokens": len(request["prompt"]), "completion_tokens": n}}
+        await send({"type": "http.response.body", "body": f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode()})
+
+    return app
+
+
+def test_run_serve_against_fake_server():
+    httpx = pytest.importorskip("httpx")
+    w = fixed_workload(1000, num_prompts=5, input_len=4, output_len=3)
+    report = run_serve(w, base_url="http://test", request_rate=float("inf"), max_concurrency=2, progress=False,
+                       transport=httpx.ASGITransport(app=_fake_openai_app()))
+    s = report["summary"]
+    assert (s["completed"], s["failed"], s["output_tokens"]) == (5, 0, 15)
+    assert s["total_token_throughput"] > s["output_throughput"] > 0
+    assert not math.isnan(s["itl_median_ms"]) and s["ttft_p99_ms"] >= s["ttft_median_ms"]
+
+
+def test_mixed_workload_through_engine(tiny_llama_path):
+    # EOS allowed, per-request max_tokens: output tokens never exceed the budget.
+    w = mixed_workload(1000, num_prompts=6, max_seq_len=200)
+    cfg = _tiny_cfg(tiny_llama_path, workload="mixed", num_prompts=6)
+    result = tp.run_pagellm(w, tp._engine_options(cfg), progress=False)
+    assert 0 < result.output_tokens <= w.max_output_tokens
