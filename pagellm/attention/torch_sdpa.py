@@ -110,16 +110,19 @@ class _StepPlan:
 
 # A new decode group costs a handful of extra op launches, worth this many padded key positions.
 _GROUP_OVERHEAD_POSITIONS = 512
+# Rows join the current group while their context is at least 1/_GROUP_RATIO of its longest.
+_GROUP_RATIO = 1.5
 _MAX_DECODE_GROUPS = 8
 
 
 def group_decode_rows(rows: list[int], seq_lens: list[int]) -> list[list[int]]:
     """Split decode rows into groups of similar context length (each group is padded to its max).
 
-    Rows are taken longest first; a new group starts at row ``i`` when the padding it saves for
-    the rows still to come, ``(group max - len_i) * rows left``, outweighs the fixed cost of one
-    more group. Equal lengths give one group; one long outlier gets a group of its own. Within a
-    group rows keep batch order.
+    Rows are taken longest first. A row starts a new group when it is shorter than
+    1/_GROUP_RATIO of the current group's longest row (so padding stays under a third of a
+    group's positions) and the padding saved for the rows still to come, ``(group max - len)
+    * rows left``, outweighs the fixed cost of a group. At most ``_MAX_DECODE_GROUPS`` groups:
+    the last one takes all the remaining (shortest) rows. Within a group rows keep batch order.
     """
     if not rows:
         return []
@@ -128,10 +131,14 @@ def group_decode_rows(rows: list[int], seq_lens: list[int]) -> list[list[int]]:
     group_max = seq_lens[order[0]]
     for i in range(1, len(order)):
         r = order[i]
-        saved = (group_max - seq_lens[r]) * (len(order) - i)
-        if saved > _GROUP_OVERHEAD_POSITIONS and len(groups) < _MAX_DECODE_GROUPS:
+        length = seq_lens[r]
+        if (
+            len(groups) < _MAX_DECODE_GROUPS
+            and length * _GROUP_RATIO < group_max
+            and (group_max - length) * (len(order) - i) > _GROUP_OVERHEAD_POSITIONS
+        ):
             groups.append([r])
-            group_max = seq_lens[r]
+            group_max = length
         else:
             groups[-1].append(r)
     return [sorted(g) for g in groups]

@@ -133,6 +133,9 @@ def run_pagellm(workload: Workload, options: dict[str, Any], progress: bool = Tr
         steps=engine.stats.num_steps - steps_before,
         preemptions=engine.stats.num_preemptions,
         cached_prompt_tokens=cached,
+        # Includes the warm-up, which is tiny; what the sharing issue asks to show.
+        peak_kv_blocks=engine.stats.peak_blocks_in_use,
+        prompt_tokens_computed=engine.stats.num_prompt_tokens,
         torch_threads=torch.get_num_threads(),
     )
     return ThroughputResult(
@@ -505,7 +508,16 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(
                 f"  {row['system']}: ran {row['measured_requests']} of {row['num_requests']} requests; rates extrapolate"
             )
-        spread = row.get("extra", {}).get("spread_pct")
+        note = row.get("extra", {}).get("note")
+        if note:
+            lines.append(f"  {row['system']}: {note}")
+        extra = row.get("extra", {})
+        if "peak_kv_blocks" in extra:
+            lines.append(
+                f"  {row['system']}: peak KV blocks {extra['peak_kv_blocks']}, prompt tokens computed "
+                f"{extra['prompt_tokens_computed']}, served from the prefix cache {extra['cached_prompt_tokens']}"
+            )
+        spread = extra.get("spread_pct")
         if spread is not None:
             lines.append(f"  {row['system']}: median of {row['extra']['repeats']} runs, spread {spread:.0f}%")
     for note in report.get("skipped", []):

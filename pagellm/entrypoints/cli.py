@@ -11,6 +11,7 @@ import logging
 import sys
 from typing import Any
 
+from pagellm.benchmarks.cli import add_bench_subparser
 from pagellm.model.default_model import DEFAULT_MODEL_NAME
 
 logger = logging.getLogger("pagellm")
@@ -93,9 +94,10 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagellm", description="pagellm: a paged-KV-cache LLM serving engine")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,bench}")
     _add_serve(subparsers)
     _add_generate(subparsers)
+    add_bench_subparser(subparsers)
     return parser
 
 
@@ -135,7 +137,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_level = getattr(args, "log_level", "warning")
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.handler(args)
     except (ValueError, FileNotFoundError) as exc:
