@@ -38,7 +38,7 @@ def _zeroed_cpu_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
     itemsize = torch.empty((), dtype=dtype).element_size()
     np_dtype = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize]
     # calloc returns page start + 16 bytes: over-allocate and start on a 64-byte boundary,
-    # or every 128-byte K/V row straddles three cache lines (measurably slower gathers).
+    # or every 128-byte K/V row straddles three cache lines instead of two.
     pad = _ALIGN // itemsize
     raw = torch.from_numpy(np.zeros(numel + pad, dtype=np_dtype)).view(dtype)
     skip = (-raw.data_ptr() % _ALIGN) // itemsize
