@@ -17,14 +17,19 @@ _DTYPES = {
 }
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """Map the user's dtype choice to a torch dtype ("auto" is float32 for now)."""
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype | None:
+    """Map the user's dtype choice to a torch dtype; ``None`` for "auto".
+
+    "auto" depends on the checkpoint and the device, so the engine resolves it when it loads
+    the model (:func:`pagellm.model.loader.auto_dtype`): bfloat16 for 16-bit checkpoints
+    (and GGUF) where the hardware computes bf16 natively, float32 otherwise.
+    """
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ValueError(f"unsupported dtype {dtype}; choose float32 or bfloat16")
         return dtype
     if dtype == "auto":
-        return torch.float32
+        return None
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of auto, {', '.join(sorted(_DTYPES))}")
     return _DTYPES[dtype]
@@ -39,7 +44,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own limit, capped by the KV pool
     seed: int = 0
     chat_template: str | None = None  # path of a Jinja file overriding the model's template
-    torch_dtype: torch.dtype = field(init=False)
+    torch_dtype: torch.dtype | None = field(init=False)  # None: "auto", resolved at load time
 
     def __post_init__(self) -> None:
         self.torch_dtype = resolve_dtype(self.dtype)

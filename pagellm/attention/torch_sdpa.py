@@ -321,6 +321,32 @@ class TorchSDPAAttention(AttentionBackend):
             o = F.scaled_dot_product_attention(q_dec, k, v, attn_mask=dec.mask, scale=scale)
         return o.reshape(rows, num_kv_heads * group, head_dim)
 
+    def _prefill(self, q, key, value, key_cache, value_cache, p: _PrefillPlan, out, num_kv_heads, group, head_dim, scale):
+        """One prefill request with SDPA, written into ``out``'s rows of that request."""
+        cdtype = key_cache.dtype
+        sl = slice(p.start, p.start + p.query_len)
+        q_p = q[sl].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
+        if p.slots is None:
+            k_p = key[sl] if key.dtype == cdtype else key[sl].to(cdtype)
+            v_p = value[sl] if value.dtype == cdtype else value[sl].to(cdtype)
+        else:
+            k_p, v_p = self._gather_pair(key_cache, value_cache, p.slots, (num_kv_heads, head_dim))
+        if group > 1 and not _SDPA_GQA:
+            k_p = k_p.repeat_interleave(group, dim=1)
+            v_p = v_p.repeat_interleave(group, dim=1)
+        k_p = k_p.transpose(0, 1).unsqueeze(0)  # [1, H_kv, S, D]
+        v_p = v_p.transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(
+            q_p,
+            k_p,
+            v_p,
+            attn_mask=p.mask,
+            is_causal=p.mask is None,
+            scale=scale,
+            **({"enable_gqa": True} if group > 1 and _SDPA_GQA else {}),
+        )
+        out[sl] = o[0].transpose(0, 1)
+
     def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale):
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = key_cache.shape[-2]
@@ -349,26 +375,5 @@ class TorchSDPAAttention(AttentionBackend):
             out = torch.empty_like(query)
 
         for p in plan.prefills:
-            sl = slice(p.start, p.start + p.query_len)
-            q_p = q[sl].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-            if p.slots is None:
-                k_p = key[sl] if key.dtype == cdtype else key[sl].to(cdtype)
-                v_p = value[sl] if value.dtype == cdtype else value[sl].to(cdtype)
-            else:
-                k_p, v_p = self._gather_pair(key_cache, value_cache, p.slots, (num_kv_heads, head_dim))
-            if group > 1 and not _SDPA_GQA:
-                k_p = k_p.repeat_interleave(group, dim=1)
-                v_p = v_p.repeat_interleave(group, dim=1)
-            k_p = k_p.transpose(0, 1).unsqueeze(0)  # [1, H_kv, S, D]
-            v_p = v_p.transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                q_p,
-                k_p,
-                v_p,
-                attn_mask=p.mask,
-                is_causal=p.mask is None,
-                scale=scale,
-                **({"enable_gqa": True} if group > 1 and _SDPA_GQA else {}),
-            )
-            out[sl] = o[0].transpose(0, 1)
+            self._prefill(q, key, value, key_cache, value_cache, p, out, num_kv_heads, group, head_dim, scale)
         return out

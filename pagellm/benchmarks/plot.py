@@ -50,10 +50,12 @@ def run_sweep(
         )
         if compare_hf:
             from pagellm.benchmarks.hf_baseline import hf_generation_ids, load_hf_model, run_static_batches
-            from pagellm.config import resolve_dtype
+            import torch
+
+            from pagellm.engine.llm_engine import engine_dtype
 
             if hf_model is None:
-                hf_model = load_hf_model(model, resolve_dtype(dtype))
+                hf_model = load_hf_model(model, engine_dtype(dtype, model, torch.device("cpu")))
                 hf_ids = hf_generation_ids(hf_model, special)
                 warm = fixed_workload(vocab_size, 1, 16, 4, seed=1, special_ids=special)
                 run_static_batches(hf_model, warm, 1, *hf_ids, progress=False)

@@ -166,12 +166,12 @@ def run_hf(
     import torch
 
     from pagellm.benchmarks.hf_baseline import hf_generation_ids, load_hf_model, run_static_batches, subset_indices
-    from pagellm.config import resolve_dtype
+    from pagellm.engine.llm_engine import engine_dtype
 
     if options.get("num_threads"):
         torch.set_num_threads(int(options["num_threads"]))
     reset_peak_rss()
-    dtype = resolve_dtype(options.get("dtype") or "auto")
+    dtype = engine_dtype(options.get("dtype") or "auto", options.get("model"), torch.device("cpu"))
     start = time.perf_counter()
     model = load_hf_model(options.get("model"), dtype, attn_implementation=options.get("hf_attn") or "sdpa")
     start_s = time.perf_counter() - start

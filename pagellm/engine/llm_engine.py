@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from pagellm.attention import get_attention_backend
-from pagellm.config import EngineConfig
+from pagellm.config import EngineConfig, resolve_dtype
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler
@@ -23,11 +23,11 @@ from pagellm.engine.beam_search import Beam, BeamSearchGroup, BeamSearchParams, 
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.model.arch_config import ModelArchConfig
-from pagellm.model.loader import load_model
+from pagellm.model.loader import auto_dtype, load_model
 from pagellm.model.tokenizer import load_tokenizer
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
-from pagellm.worker.device import configure_threads, resolve_device
+from pagellm.worker.device import configure_threads, native_bf16, resolve_device
 from pagellm.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_budget
 from pagellm.worker.model_runner import ModelRunner
 
@@ -56,6 +56,11 @@ class EngineStats:
     kv_cache_usage: float = 0.0  # gauge: fraction of blocks in use
 
 
+def engine_dtype(dtype: str | torch.dtype, model: str | None, device: torch.device) -> torch.dtype:
+    """The dtype the engine runs ``model`` in on ``device`` ("auto" resolved as in ``auto_dtype``)."""
+    return resolve_dtype(dtype) or auto_dtype(model, native_bf16(device))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         start = time.monotonic()
@@ -63,10 +68,11 @@ class LLMEngine:
         self.device = resolve_device(config.device.device)
         configure_threads(self.device, config.device.num_threads)
         torch.manual_seed(config.model.seed)
-        dtype = config.model.torch_dtype
+        dtype = engine_dtype(config.model.dtype, config.model.model, self.device)
+        self.dtype = dtype
 
         self.model, self.arch = load_model(
-            config.model.model, dtype, get_attention_backend(config.device.attention_backend), self.device
+            config.model.model, dtype, get_attention_backend(config.device.attention_backend, self.device), self.device
         )
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(config.model.model, config.model.chat_template)
         self.num_blocks = self._num_blocks(self.arch, dtype)

@@ -13,22 +13,42 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm import kernels
+
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 and cast back like HF's LlamaRMSNorm."""
+    """Root-mean-square norm, computed in float32 and cast back like HF's LlamaRMSNorm.
+
+    ``forward(x, residual)`` also does the residual add that precedes every norm of a decoder
+    (vLLM's fused_add_rms_norm): it returns ``(norm(x + residual), x + residual)``. With
+    ``use_kernel`` (bf16 on CPU, set by ``optimize_for_cpu_inference``) both run in one C++
+    pass that updates ``residual`` in place; the sum is rounded exactly as a separate add.
+    """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.use_kernel = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(input_dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.use_kernel and x.dim() == 2 and x.is_contiguous() and x.dtype == self.weight.dtype:
+            out = kernels.add_rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, residual)
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
 
 
 class SiluAndMul(nn.Module):
@@ -110,6 +130,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """``[x1, x2] -> [-x2, x1]`` on the last dim (the HF "rotate half" convention)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_kernel: bool) -> torch.Tensor:
+    """``apply_rotary`` that may work in place (one C++ pass with ``use_kernel``); returns the result."""
+    if use_kernel and x.dtype == cos.dtype and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]:
+        kernels.rotary_(x, cos, sin)
+        return x
+    return apply_rotary(x, cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,8 @@ from torch import nn
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.model.arch_config import ModelArchConfig
-from pagellm.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary, fuse_silu_and_mul, pack_linear_layers
+from pagellm import kernels
+from pagellm.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_, fuse_silu_and_mul, pack_linear_layers
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -49,6 +50,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias)
         self.attn_backend = attn_backend
+        self.use_rotary_kernel = False  # set by optimize_for_cpu_inference
 
     def shard_slices(self) -> dict[str, slice]:
         """Rows of ``qkv_proj`` holding each of q, k, v."""
@@ -67,7 +69,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         # q and k rotated together (one set of elementwise ops; the same arithmetic per element).
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = apply_rotary_(qk, cos, sin, self.use_rotary_kernel).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         out = self.attn_backend.forward(q, k, v, key_cache, value_cache, attn_metadata, self.scale)
@@ -116,13 +118,21 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(block output, residual stream)``; the residual add happens inside the next norm."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -163,9 +173,11 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"expected {len(self.model.layers)} KV cache pairs, got {len(kv_caches)}")
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn_metadata)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
 
     def optimize_for_cpu_inference(self) -> dict[str, int]:
         """Inference-only CPU fast path for bf16/fp16: fused packed MLPs, packed linears.
@@ -178,7 +190,18 @@ class LlamaForCausalLM(nn.Module):
         if layers and layers[0].mlp.fuse_for_cpu(verify=True):  # one self-check for the model
             fused = 1 + sum(layer.mlp.fuse_for_cpu(verify=False) for layer in layers[1:])
         packed = pack_linear_layers(self)
-        return {"fused_mlps": fused, "packed_linears": packed}
+        return {"fused_mlps": fused, "packed_linears": packed, "cpu_kernels": self._use_cpu_kernels()}
+
+    def _use_cpu_kernels(self) -> int:
+        """Route RMSNorm (+ residual add) and rotary through the C++ kernels for bf16 weights."""
+        if self.model.embed_tokens.weight.dtype != torch.bfloat16 or not kernels.available():
+            return 0
+        norms = [m for m in self.modules() if isinstance(m, RMSNorm)]
+        for norm in norms:
+            norm.use_kernel = True
+        for layer in self.model.layers:
+            layer.self_attn.use_rotary_kernel = True
+        return len(norms) + len(self.model.layers)
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """Vocabulary logits ``[N, vocab]`` for the rows the sampler needs: float32, or the model

@@ -96,6 +96,29 @@ def _hf_arch_config(folder: str) -> ModelArchConfig:
     return ModelArchConfig.from_hf_config(config, generation_config)
 
 
+_HALF_DTYPE_NAMES = ("bfloat16", "float16", "bf16", "fp16", "half")
+
+
+def checkpoint_is_16bit(model: str | None) -> bool:
+    """Whether the weights were published in 16 bits or fewer (GGUF files always count).
+
+    HF folders: ``torch_dtype`` (or ``dtype``) in config.json; missing means float32.
+    """
+    path = resolve_model_path(model)
+    if is_gguf(path):
+        return True
+    config = _read_json(Path(path) / "config.json")
+    name = str(config.get("torch_dtype") or config.get("dtype") or "float32").removeprefix("torch.")
+    return name in _HALF_DTYPE_NAMES
+
+
+def auto_dtype(model: str | None, native_bf16: bool) -> torch.dtype:
+    """What ``dtype="auto"`` means, as vLLM's "auto" (the checkpoint's precision) for CPUs:
+    bfloat16 for a 16-bit or quantized checkpoint where the hardware computes bf16 natively,
+    float32 for everything else (no bf16 units: emulated bf16 is slower than float32)."""
+    return torch.bfloat16 if native_bf16 and checkpoint_is_16bit(model) else torch.float32
+
+
 def load_arch_config(model: str | None) -> ModelArchConfig:
     """The model's shape without touching weights (used first, to size the KV cache).
 

@@ -15,6 +15,25 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def cpu_flags() -> set[str]:
+    """The CPU feature flags the kernel reports (empty where /proc/cpuinfo is unavailable)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bfloat16 natively (AVX-512 BF16 or AMX on CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
 def configure_threads(device: torch.device, num_threads: int | None) -> None:
     """Set intra-op threads for CPU inference (one per core is best for GEMMs)."""
     if device.type == "cpu" and num_threads is not None:

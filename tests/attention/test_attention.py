@@ -1,4 +1,4 @@
-"""TorchSDPAAttention vs ReferenceAttention vs dense (unpaged) causal attention."""
+"""Fast backends (TorchSDPAAttention, CPUPagedAttention) vs ReferenceAttention vs dense causal attention."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from pagellm import kernels
 from pagellm.attention import (
     ATTENTION_BACKEND_CHOICES,
     AttentionMetadata,
+    CPUPagedAttention,
     ReferenceAttention,
     TorchSDPAAttention,
     get_attention_backend,
@@ -128,10 +130,19 @@ def run_backend(backend, step: Step):
     return out, kc, vc
 
 
-def check_step(step: Step) -> None:
+def cpu_paged_all_dtypes() -> CPUPagedAttention:
+    """The kernel backend with float32 through the kernel as well (by default float32 uses SDPA)."""
+    return CPUPagedAttention(float32_kernel=True)
+
+
+cpu_paged_all_dtypes.name = "cpu_paged"
+FAST_BACKENDS = [TorchSDPAAttention, cpu_paged_all_dtypes]
+
+
+def check_step(step: Step, backend_cls: type = TorchSDPAAttention) -> None:
     tol = TOL[step.key_cache.dtype]
     out_ref, kc_ref, vc_ref = run_backend(ReferenceAttention(), step)
-    out, kc, vc = run_backend(TorchSDPAAttention(), step)
+    out, kc, vc = run_backend(backend_cls(), step)
 
     assert out.shape == step.query.shape and out.dtype == step.query.dtype
     assert torch.isfinite(out).all()
@@ -177,41 +188,48 @@ def random_reqs(kind: str, n: int, seed: int) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("heads", ["mha", "gqa"])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("kind", ["decode", "prefill", "mixed", "mixed_decode_first"])
-def test_matches_reference_and_dense(kind, block_size, heads, dtype):
+@pytest.mark.parametrize("backend_cls", FAST_BACKENDS, ids=lambda c: c.name)
+def test_matches_reference_and_dense(backend_cls, kind, block_size, heads, dtype):
     num_heads, num_kv_heads = HEADS[heads]
     reqs = random_reqs(kind, n=9, seed=hash((kind, block_size, heads)) % 1000)
     step = make_step(reqs, block_size, num_heads, num_kv_heads, dtype=dtype, seed=block_size)
-    check_step(step)
+    check_step(step, backend_cls)
 
 
-def test_many_decode_rows_equal_lengths():
-    # All rows the same length: the no-mask decode fast path.
-    step = make_step([(31, 1)] * 64, block_size=16, num_heads=9, num_kv_heads=3, head_dim=64)
-    check_step(step)
+@pytest.mark.parametrize("backend_cls", FAST_BACKENDS, ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_many_decode_rows_equal_lengths(backend_cls, dtype):
+    # All rows the same length: the no-mask decode fast path (and the kernel's AVX-512 path in bf16).
+    step = make_step([(31, 1)] * 64, block_size=16, num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype)
+    check_step(step, backend_cls)
 
 
-def test_single_token_requests_and_empty_context():
+@pytest.mark.parametrize("backend_cls", FAST_BACKENDS, ids=lambda c: c.name)
+def test_single_token_requests_and_empty_context(backend_cls):
     # A 1-token prompt is a decode row with seq_len 1; a 2-token prompt is a tiny prefill.
     step = make_step([(0, 1), (0, 2), (3, 1), (0, 1)], block_size=4, num_heads=4, num_kv_heads=2)
-    check_step(step)
+    check_step(step, backend_cls)
 
 
-def test_prefill_with_context_only_block_size_1():
+@pytest.mark.parametrize("backend_cls", FAST_BACKENDS, ids=lambda c: c.name)
+def test_prefill_with_context_only_block_size_1(backend_cls):
     step = make_step([(17, 9), (1, 30), (40, 2)], block_size=1, num_heads=6, num_kv_heads=2, seed=3)
-    check_step(step)
+    check_step(step, backend_cls)
 
 
-def test_query_dtype_differs_from_cache_dtype():
+@pytest.mark.parametrize("backend_cls", FAST_BACKENDS, ids=lambda c: c.name)
+def test_query_dtype_differs_from_cache_dtype(backend_cls):
     step = make_step(random_reqs("mixed", 8, 5), 16, 4, 2, dtype=torch.bfloat16, query_dtype=torch.float32)
-    out, _, _ = run_backend(TorchSDPAAttention(), step)
+    out, _, _ = run_backend(backend_cls(), step)
     out_ref, _, _ = run_backend(ReferenceAttention(), step)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, out_ref, **TOL[torch.bfloat16])
 
 
-def test_zero_length_query_request_is_skipped():
+@pytest.mark.parametrize("backend_cls", FAST_BACKENDS, ids=lambda c: c.name)
+def test_zero_length_query_request_is_skipped(backend_cls):
     step = make_step([(5, 1), (7, 0), (0, 4), (9, 1)], block_size=4, num_heads=4, num_kv_heads=2)
-    out, _, _ = run_backend(TorchSDPAAttention(), step)
+    out, _, _ = run_backend(backend_cls(), step)
     torch.testing.assert_close(out.double(), dense_expected(step), **TOL[torch.float32])
 
 
@@ -246,15 +264,17 @@ def test_plan_is_reused_across_layers_and_rebuilt_for_new_metadata():
 
 
 def test_get_attention_backend():
-    assert isinstance(get_attention_backend(), TorchSDPAAttention)
-    assert isinstance(get_attention_backend("auto"), TorchSDPAAttention)
+    # "auto" is the C++ kernel on CPU wherever it builds (every machine of ours has g++), SDPA elsewhere.
+    auto_cls = CPUPagedAttention if kernels.available() else TorchSDPAAttention
+    assert type(get_attention_backend()) is auto_cls
+    assert type(get_attention_backend("auto", "cpu")) is auto_cls
+    assert type(get_attention_backend("auto", "meta")) is TorchSDPAAttention  # not a CPU: no CPU kernel
     assert isinstance(get_attention_backend("torch_sdpa"), TorchSDPAAttention)
     assert isinstance(get_attention_backend("reference"), ReferenceAttention)
-    assert get_attention_backend().name == "torch_sdpa"
-    assert set(ATTENTION_BACKEND_CHOICES) == {"auto", "reference", "torch_sdpa"}
+    assert set(ATTENTION_BACKEND_CHOICES) == {"auto", "reference", "torch_sdpa", "cpu_paged"}
     with pytest.raises(ValueError) as err:
         get_attention_backend("flash")
-    for choice in ("auto", "reference", "torch_sdpa"):
+    for choice in ("auto", "reference", "torch_sdpa", "cpu_paged"):
         assert choice in str(err.value)
 
 
@@ -267,7 +287,8 @@ def test_mismatched_token_count_raises():
         )
 
 
-def test_non_contiguous_qkv_from_fused_projection():
+@pytest.mark.parametrize("backend_cls", FAST_BACKENDS, ids=lambda c: c.name)
+def test_non_contiguous_qkv_from_fused_projection(backend_cls):
     # Models often split one fused qkv projection: q/k/v are strided views, not contiguous tensors.
     step = make_step(random_reqs("mixed", 8, 21), 16, 6, 2, seed=4)
     t, h, d = step.query.shape
@@ -276,4 +297,4 @@ def test_non_contiguous_qkv_from_fused_projection():
     q, k, v = fused.split([h * d, h_kv * d, h_kv * d], dim=1)
     step.query, step.key, step.value = q.view(t, h, d), k.view(t, h_kv, d), v.view(t, h_kv, d)
     assert not step.query.is_contiguous()
-    check_step(step)
+    check_step(step, backend_cls)

@@ -89,7 +89,7 @@ def test_invalid_beam_params():
 
 @pytest.mark.slow
 def test_default_model_beam_search_equals_hf(default_model_path_fixture):
-    llm = LLM()
+    llm = LLM(dtype="float32")
     hf_model = load_hf_gguf_reference(default_model_path_fixture)
     processor = llm.llm_engine.input_processor
     questions = [

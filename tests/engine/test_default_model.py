@@ -23,7 +23,7 @@ MAX_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM()  # the default model, float32
+    return LLM(dtype="float32")  # the default model; float32 to compare with the float32 reference
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from pagellm import kernels
 from pagellm.attention import ReferenceAttention
 from pagellm.model.layers import PackedLinear, PackedSiluAndMulLinear, SiluAndMul, _packed_ops_available, pack_linear_layers
 from pagellm.model.loader import load_model
@@ -54,6 +55,8 @@ def test_optimized_model_matches_plain_model(tiny_llama_path):
     stats = fast.optimize_for_cpu_inference()
     assert stats["fused_mlps"] == arch.num_hidden_layers
     assert stats["packed_linears"] == 3 * arch.num_hidden_layers + 1  # qkv, o, down per layer + lm_head
+    if kernels.available():  # norms (2 per layer + final) and rotary (1 per layer) through the C++ kernels
+        assert stats["cpu_kernels"] == 3 * arch.num_hidden_layers + 1
     batch = [(0, [5, 9, 2000, 31, 77, 12]), (1, [400, 3, 3, 3])]
     outs = []
     for model in (plain, fast):
@@ -68,4 +71,5 @@ def test_optimized_model_matches_plain_model(tiny_llama_path):
 
 def test_float32_model_is_left_alone(tiny_llama_path):
     model, _ = load_model(tiny_llama_path, torch.float32, ReferenceAttention())
-    assert model.optimize_for_cpu_inference() == {"fused_mlps": 0, "packed_linears": 0}
+    assert model.optimize_for_cpu_inference() == {"fused_mlps": 0, "packed_linears": 0, "cpu_kernels": 0}
+    assert not any(getattr(m, "use_kernel", False) for m in model.modules())

@@ -1,0 +1,167 @@
+"""Hand-written CPU kernels (C++, built on first use) behind small, checked Python wrappers.
+
+:func:`available` says whether the library could be built and loaded on this machine; when it
+cannot, callers use their PyTorch paths. The wrappers check shapes, dtypes and strides, so a
+wrong call raises a Python exception instead of reading stray memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagellm.kernels.build import load_library
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def available() -> bool:
+    """True when the CPU kernels are built and loadable here."""
+    return load_library() is not None
+
+
+def supports_dtype(dtype: torch.dtype) -> bool:
+    return dtype in _DTYPE_CODES
+
+
+def _lib():
+    lib = load_library()
+    if lib is None:
+        raise RuntimeError("pagellm CPU kernels are not available (no compiler, or PAGELLM_CPU_KERNELS=0)")
+    return lib
+
+
+def _check_rows(name: str, t: torch.Tensor, inner: tuple[int, ...], dtype: torch.dtype) -> None:
+    """``t`` is [N, *inner] on CPU with contiguous inner dims (any row stride)."""
+    if t.device.type != "cpu" or t.dtype != dtype:
+        raise ValueError(f"{name} must be a CPU {dtype} tensor, got {t.device} {t.dtype}")
+    if tuple(t.shape[1:]) != inner:
+        raise ValueError(f"{name} must have shape [N, {', '.join(map(str, inner))}], got {list(t.shape)}")
+    expected = 1
+    for dim in range(t.dim() - 1, 0, -1):
+        if t.shape[dim] > 1 and t.stride(dim) != expected:
+            raise ValueError(f"{name} must be contiguous within a row")
+        expected *= t.shape[dim]
+
+
+def _check_int(name: str, t: torch.Tensor, dtype: torch.dtype, n: int | None = None) -> None:
+    if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor")
+    if n is not None and t.numel() != n:
+        raise ValueError(f"{name} must have {n} elements, got {t.numel()}")
+
+
+def paged_attention(
+    query: torch.Tensor,
+    out: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    row_token: torch.Tensor,
+    row_req: torch.Tensor,
+    row_ctx: torch.Tensor,
+    scale: float,
+) -> None:
+    """For each row r: ``out[row_token[r]]`` = attention of ``query[row_token[r]]`` ([H, D])
+    over the first ``row_ctx[r]`` positions of request ``row_req[r]``, read in place from the
+    paged cache ([num_blocks, block_size, H_kv, D]) through ``block_tables[row_req[r]]``.
+
+    Callers guarantee every ``row_ctx[r]`` is covered by that request's block table row and
+    that ``row_token``/``row_req`` are in range (the engine's metadata does).
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    num_heads = query.shape[1]
+    dtype = key_cache.dtype
+    if dtype not in _DTYPE_CODES:
+        raise ValueError(f"CPU paged attention supports float32 and bfloat16, not {dtype}")
+    if not key_cache.is_contiguous() or not value_cache.is_contiguous() or value_cache.shape != key_cache.shape:
+        raise ValueError("key_cache and value_cache must be contiguous and of the same shape")
+    if value_cache.dtype != dtype:
+        raise ValueError("key_cache and value_cache must have the same dtype")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    _check_rows("query", query, (num_heads, head_dim), dtype)
+    _check_rows("out", out, (num_heads, head_dim), dtype)
+    if out.shape[0] != query.shape[0]:
+        raise ValueError("out and query must have the same number of rows")
+    if block_tables.dim() != 2 or block_tables.stride(1) != 1:
+        raise ValueError("block_tables must be a 2-D tensor with contiguous rows")
+    if block_tables.dtype != torch.int64 or block_tables.device.type != "cpu":
+        raise ValueError("block_tables must be a CPU int64 tensor")
+    n = row_token.numel()
+    for name, t in (("row_token", row_token), ("row_req", row_req), ("row_ctx", row_ctx)):
+        _check_int(name, t, torch.int32, n)
+    rc = _lib().pagellm_paged_attention(
+        query.data_ptr(), query.stride(0), out.data_ptr(), out.stride(0),
+        key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+        row_token.data_ptr(), row_req.data_ptr(), row_ctx.data_ptr(),
+        n, num_heads, num_kv_heads, head_dim, block_size, float(scale), _DTYPE_CODES[dtype],
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"pagellm_paged_attention failed with code {rc}")
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store ``key``/``value`` ([T, H_kv, D], any row stride) at ``slot_mapping`` (int64 [T])."""
+    _, _, num_kv_heads, head_dim = key_cache.shape
+    dtype = key_cache.dtype
+    if dtype not in _DTYPE_CODES or not key_cache.is_contiguous() or not value_cache.is_contiguous():
+        raise ValueError("key_cache/value_cache must be contiguous float32 or bfloat16 tensors")
+    _check_rows("key", key, (num_kv_heads, head_dim), dtype)
+    _check_rows("value", value, (num_kv_heads, head_dim), dtype)
+    _check_int("slot_mapping", slot_mapping, torch.int64, key.shape[0])
+    rc = _lib().pagellm_write_kv(
+        key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+        key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
+        key.shape[0], num_kv_heads * head_dim, _DTYPE_CODES[dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"pagellm_write_kv failed with code {rc}")
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """RMSNorm of ``x + residual`` (``residual`` updated in place to that sum) or of ``x``.
+
+    x, residual: contiguous [N, hidden]; weight: [hidden]; all of one dtype. Returns a new tensor.
+    """
+    dtype = x.dtype
+    if dtype not in _DTYPE_CODES or x.dim() != 2 or not x.is_contiguous() or x.device.type != "cpu":
+        raise ValueError("x must be a contiguous 2-D CPU float32/bfloat16 tensor")
+    rows, n = x.shape
+    if residual is not None and (residual.shape != x.shape or residual.dtype != dtype or not residual.is_contiguous()):
+        raise ValueError("residual must be contiguous, with x's shape and dtype")
+    if weight.shape != (n,) or weight.dtype != dtype or not weight.is_contiguous():
+        raise ValueError(f"weight must be a contiguous [{n}] {dtype} tensor")
+    out = torch.empty_like(x)
+    rc = _lib().pagellm_add_rms_norm(
+        x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(), out.data_ptr(),
+        rows, n, float(eps), _DTYPE_CODES[dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"pagellm_add_rms_norm failed with code {rc}")
+    return out
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate ``x`` ([T, heads, D], row-contiguous heads, any row stride) in place by ``cos``/``sin`` ([T, D])."""
+    dtype = x.dtype
+    if dtype not in _DTYPE_CODES:
+        raise ValueError(f"rotary supports float32 and bfloat16, not {dtype}")
+    rows, heads, head_dim = x.shape
+    _check_rows("x", x, (heads, head_dim), dtype)
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (rows, head_dim) or t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous [{rows}, {head_dim}] {dtype} tensor")
+    rc = _lib().pagellm_rotary(
+        x.data_ptr(), x.stride(0), rows, heads, head_dim, cos.data_ptr(), sin.data_ptr(), _DTYPE_CODES[dtype],
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"pagellm_rotary failed with code {rc}")
+
+
+__all__ = ["add_rms_norm", "available", "paged_attention", "rotary_", "supports_dtype", "write_kv"]

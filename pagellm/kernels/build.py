@@ -1,0 +1,113 @@
+"""Build the C++ CPU kernels once per machine and load them with ctypes.
+
+The source (``csrc/cpu_kernels.cpp``) uses no torch headers, so one ``g++ -O3 -march=native
+-fopenmp`` call takes about a second. The shared object is cached under
+``$PAGELLM_CACHE_DIR/kernels`` (default ``~/.cache/pagellm/kernels``), keyed by a hash of the
+source, the compiler, its flags and this CPU's feature flags, and written atomically, so
+concurrent processes never load a half-written file. Anything that goes wrong (no compiler,
+a failed build, ``PAGELLM_CPU_KERNELS=0``) makes :func:`load_library` return ``None`` and the
+caller falls back to pure PyTorch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+ABI_VERSION = 2
+_SOURCE = "cpu_kernels.cpp"
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PAGELLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagellm")
+    return Path(root) / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+
+
+def _compiler_version(cxx: str) -> str:
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _compile(cxx: str, source: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src = Path(tmp) / _SOURCE
+        src.write_text(source, encoding="utf-8")
+        out = Path(tmp) / target.name
+        proc = subprocess.run([cxx, *_FLAGS, str(src), "-o", str(out)], capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cxx} failed:\n{proc.stderr[-4000:]}")
+        os.replace(out, target)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.pagellm_abi_version.restype = i32
+    lib.pagellm_paged_attention.restype = i32
+    lib.pagellm_paged_attention.argtypes = [
+        p, i64, p, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, f32, i32, i32,
+    ]
+    lib.pagellm_write_kv.restype = i32
+    lib.pagellm_write_kv.argtypes = [p, i64, p, i64, p, p, p, i64, i64, i32, i32]
+    lib.pagellm_add_rms_norm.restype = i32
+    lib.pagellm_add_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32, i32]
+    lib.pagellm_rotary.restype = i32
+    lib.pagellm_rotary.argtypes = [p, i64, i64, i64, i64, p, p, i32, i32]
+
+
+@lru_cache(maxsize=1)
+def load_library() -> ctypes.CDLL | None:
+    """The compiled kernel library, building it if needed; ``None`` when unavailable."""
+    if os.environ.get("PAGELLM_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    import torch  # noqa: F401  -- load torch's libgomp first so the kernels share its OpenMP runtime
+
+    cxx = _compiler()
+    if cxx is None:
+        logger.info("no C++ compiler found; CPU kernels disabled, using the PyTorch attention path")
+        return None
+    source = resources.files("pagellm.kernels").joinpath("csrc", _SOURCE).read_text(encoding="utf-8")
+    key = hashlib.sha256(
+        "\0".join([source, cxx, _compiler_version(cxx), " ".join(_FLAGS), _cpu_flags()]).encode()
+    ).hexdigest()[:20]
+    target = cache_dir() / f"cpu_kernels-{key}.so"
+    try:
+        if not target.exists():
+            _compile(cxx, source, target)
+        lib = ctypes.CDLL(str(target))
+        _declare(lib)
+        if lib.pagellm_abi_version() != ABI_VERSION:
+            raise RuntimeError("kernel ABI version mismatch")
+    except Exception as exc:  # noqa: BLE001 -- any failure means: fall back to PyTorch
+        logger.warning("CPU kernels unavailable (%s); using the PyTorch attention path", exc)
+        return None
+    return lib

@@ -1,0 +1,482 @@
+// CPU kernels for pagellm, built on first use by pagellm/kernels/build.py and called via ctypes.
+//
+// Plain C ABI (no torch headers, so the build takes about a second). Tensors arrive as raw
+// pointers with their row strides; Python checks shapes, dtypes and strides before calling.
+// dtype codes: 0 = float32, 1 = bfloat16. Parallel with OpenMP; the process shares torch's
+// libgomp (same SONAME), and the thread count is passed in by the caller.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include <omp.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define PAGELLM_AVX512_BF16 1
+#endif
+
+namespace {
+
+inline float bf16_to_float(uint16_t h) {
+    uint32_t u = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+// Round to nearest even, as torch does when it casts float32 to bfloat16.
+inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the max), written as plain arithmetic so the
+// compiler vectorizes the loop around it (a libm call would not be). Range reduction to
+// 2^n * 2^f with f in [0, 1) and a degree-6 polynomial: relative error < 1e-5 on [-87, 0]
+// (far below the bfloat16 rounding of the attention output).
+inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float t = x * 1.44269504088896341f;
+    const float n = __builtin_floorf(t);
+    const float f = t - n;
+    float p = 1.5353362e-4f;
+    p = p * f + 1.3398874e-3f;
+    p = p * f + 9.6188865e-3f;
+    p = p * f + 5.5503406e-2f;
+    p = p * f + 2.4022657e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+template <typename T> struct Elem;
+template <> struct Elem<float> {
+    static inline float load(const float* p, int64_t i) { return p[i]; }
+    static inline void store(float* p, int64_t i, float v) { p[i] = v; }
+};
+template <> struct Elem<uint16_t> {
+    static inline float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
+    static inline void store(uint16_t* p, int64_t i, float v) { p[i] = float_to_bf16(v); }
+};
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) dst[d] = Elem<T>::load(src, d);
+}
+
+// One (query row, KV head) pair: the G query heads sharing KV head `kvh` attend over the
+// first `ctx` positions of request `req`'s context, read in place through its block table.
+// Three passes over the context (scores, softmax, weighted values) keep K and V reads
+// sequential within each block and need no online-softmax rescaling.
+template <typename T>
+void attend_one(const T* q_row, T* out_row, const T* key_cache, const T* value_cache,
+                const int64_t* block_table, int64_t ctx, int64_t kvh, int64_t group,
+                int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                std::vector<float>& scores, std::vector<float>& work) {
+    const int64_t D = head_dim;
+    const int64_t G = group;
+    work.resize(static_cast<size_t>(G * D * 2 + D));
+    float* qf = work.data();       // [G, D] scaled queries
+    float* acc = qf + G * D;       // [G, D] weighted value sums
+    float* row = acc + G * D;      // [D] one key or value row in float32
+    scores.resize(static_cast<size_t>(G * ctx));
+    float* s = scores.data();      // [G, ctx]
+
+    for (int64_t g = 0; g < G; ++g) {
+        const T* qh = q_row + (kvh * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = Elem<T>::load(qh, d) * scale;
+    }
+    const int64_t row_stride = num_kv_heads * D;  // elements between positions of one block
+
+    for (int64_t p0 = 0; p0 < ctx; p0 += block_size) {
+        const int64_t base = block_table[p0 / block_size] * block_size;
+        const int64_t n = ctx - p0 < block_size ? ctx - p0 : block_size;
+        for (int64_t i = 0; i < n; ++i) {
+            load_row(key_cache + (base + i) * row_stride + kvh * D, row, D);
+            for (int64_t g = 0; g < G; ++g) {
+                const float* qg = qf + g * D;
+                float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < D; ++d) dot += qg[d] * row[d];
+                s[g * ctx + p0 + i] = dot;
+            }
+        }
+    }
+
+    float inv_sum[64];
+    std::vector<float> inv_sum_big;
+    float* inv = inv_sum;
+    if (G > 64) {
+        inv_sum_big.resize(static_cast<size_t>(G));
+        inv = inv_sum_big.data();
+    }
+    for (int64_t g = 0; g < G; ++g) {
+        float* sg = s + g * ctx;
+        float m = -INFINITY;
+        for (int64_t p = 0; p < ctx; ++p) m = sg[p] > m ? sg[p] : m;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t p = 0; p < ctx; ++p) {
+            const float e = exp_nonpositive(sg[p] - m);
+            sg[p] = e;
+            sum += e;
+        }
+        inv[g] = 1.f / sum;
+    }
+
+    std::memset(acc, 0, sizeof(float) * static_cast<size_t>(G * D));
+    for (int64_t p0 = 0; p0 < ctx; p0 += block_size) {
+        const int64_t base = block_table[p0 / block_size] * block_size;
+        const int64_t n = ctx - p0 < block_size ? ctx - p0 : block_size;
+        for (int64_t i = 0; i < n; ++i) {
+            load_row(value_cache + (base + i) * row_stride + kvh * D, row, D);
+            for (int64_t g = 0; g < G; ++g) {
+                const float w = s[g * ctx + p0 + i];
+                float* ag = acc + g * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) ag[d] += w * row[d];
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+        T* oh = out_row + (kvh * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) Elem<T>::store(oh, d, acc[g * D + d] * inv[g]);
+    }
+}
+
+#ifdef PAGELLM_AVX512_BF16
+
+inline __m512 bf16x16_to_float(const uint16_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// exp_nonpositive on 16 lanes (the same polynomial, so results match the scalar version).
+inline __m512 exp_nonpositive_x16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.5353362e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6188865e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503406e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022657e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// In place: sg[0:n] = softmax(sg[0:n]).
+inline void softmax_avx512(float* sg, int64_t n) {
+    __m512 vm = _mm512_set1_ps(-INFINITY);
+    int64_t p = 0;
+    for (; p + 16 <= n; p += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(sg + p));
+    float m = _mm512_reduce_max_ps(vm);
+    for (; p < n; ++p) m = sg[p] > m ? sg[p] : m;
+    const __m512 vmax = _mm512_set1_ps(m);
+    __m512 vsum = _mm512_setzero_ps();
+    for (p = 0; p + 16 <= n; p += 16) {
+        const __m512 e = exp_nonpositive_x16(_mm512_sub_ps(_mm512_loadu_ps(sg + p), vmax));
+        _mm512_storeu_ps(sg + p, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
+    if (p < n) {
+        const __mmask16 mask = static_cast<__mmask16>((1u << (n - p)) - 1u);
+        const __m512 x = _mm512_maskz_loadu_ps(mask, sg + p);
+        const __m512 e = _mm512_maskz_mov_ps(mask, exp_nonpositive_x16(_mm512_sub_ps(x, vmax)));
+        _mm512_mask_storeu_ps(sg + p, mask, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+    for (p = 0; p + 16 <= n; p += 16) _mm512_storeu_ps(sg + p, _mm512_mul_ps(_mm512_loadu_ps(sg + p), inv));
+    for (; p < n; ++p) sg[p] *= _mm512_cvtss_f32(inv);
+}
+
+// attend_one for bfloat16 with head_dim = 32 * C, on AVX-512 BF16: q.k with vdpbf16ps
+// (bf16 products, float32 sums, as a bf16 GEMM), softmax and the value sums in float32.
+template <int C>
+void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const uint16_t* key_cache,
+                       const uint16_t* value_cache, const int64_t* block_table, int64_t ctx, int64_t kvh,
+                       int64_t group, int64_t num_kv_heads, int64_t block_size, float scale,
+                       std::vector<float>& scores, std::vector<float>& work) {
+    constexpr int64_t D = 32 * C;
+    const int64_t G = group;
+    scores.resize(static_cast<size_t>(G * ctx));
+    work.resize(static_cast<size_t>(G * D));
+    float* s = scores.data();
+    float* acc = work.data();
+    const int64_t row_stride = num_kv_heads * D;
+
+    // Scores: each key row is read once for all G query heads (up to 4 at a time in registers).
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int64_t gn = G - g0 < 4 ? G - g0 : 4;
+        __m512bh q[4][C];
+        for (int j = 0; j < gn; ++j)
+            for (int c = 0; c < C; ++c)
+                q[j][c] = (__m512bh)_mm512_loadu_si512(q_row + (kvh * G + g0 + j) * D + 32 * c);
+        for (int64_t p0 = 0; p0 < ctx; p0 += block_size) {
+            const uint16_t* kb = key_cache + block_table[p0 / block_size] * block_size * row_stride + kvh * D;
+            const int64_t n = ctx - p0 < block_size ? ctx - p0 : block_size;
+            for (int64_t i = 0; i < n; ++i) {
+                const uint16_t* kp = kb + i * row_stride;
+                __m512bh k[C];
+                for (int c = 0; c < C; ++c) k[c] = (__m512bh)_mm512_loadu_si512(kp + 32 * c);
+                for (int j = 0; j < gn; ++j) {
+                    __m512 a = _mm512_setzero_ps();
+                    for (int c = 0; c < C; ++c) a = _mm512_dpbf16_ps(a, q[j][c], k[c]);
+                    s[(g0 + j) * ctx + p0 + i] = _mm512_reduce_add_ps(a) * scale;
+                }
+            }
+        }
+    }
+
+    for (int64_t g = 0; g < G; ++g) softmax_avx512(s + g * ctx, ctx);
+
+    // Value sums, up to 3 query heads at a time so the accumulators stay in registers.
+    for (int64_t g0 = 0; g0 < G; g0 += 3) {
+        const int64_t gn = G - g0 < 3 ? G - g0 : 3;
+        __m512 a[3][2 * C];
+        for (int j = 0; j < 3; ++j)
+            for (int c = 0; c < 2 * C; ++c) a[j][c] = _mm512_setzero_ps();
+        for (int64_t p0 = 0; p0 < ctx; p0 += block_size) {
+            const uint16_t* vb = value_cache + block_table[p0 / block_size] * block_size * row_stride + kvh * D;
+            const int64_t n = ctx - p0 < block_size ? ctx - p0 : block_size;
+            for (int64_t i = 0; i < n; ++i) {
+                const uint16_t* vp = vb + i * row_stride;
+                __m512 v[2 * C];
+                for (int c = 0; c < 2 * C; ++c) v[c] = bf16x16_to_float(vp + 16 * c);
+                for (int j = 0; j < gn; ++j) {
+                    const __m512 w = _mm512_set1_ps(s[(g0 + j) * ctx + p0 + i]);
+                    for (int c = 0; c < 2 * C; ++c) a[j][c] = _mm512_fmadd_ps(w, v[c], a[j][c]);
+                }
+            }
+        }
+        for (int j = 0; j < gn; ++j) {
+            float* ag = acc + (g0 + j) * D;
+            for (int c = 0; c < 2 * C; ++c) _mm512_storeu_ps(ag + 16 * c, a[j][c]);
+        }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+        uint16_t* oh = out_row + (kvh * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) oh[d] = float_to_bf16(acc[g * D + d]);
+    }
+}
+
+#endif
+
+template <typename T>
+void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_row_stride,
+                     const T* key_cache, const T* value_cache, const int64_t* block_tables,
+                     int64_t block_table_stride, const int32_t* row_token, const int32_t* row_req,
+                     const int32_t* row_ctx, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_dim, int64_t block_size, float scale, int num_threads) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t items = num_rows * num_kv_heads;
+#pragma omp parallel num_threads(num_threads)
+    {
+        std::vector<float> scores, work;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; ++it) {
+            const int64_t r = it / num_kv_heads;
+            const int64_t kvh = it % num_kv_heads;
+            const int64_t tok = row_token[r];
+            const T* q_row = query + tok * q_row_stride;
+            T* out_row = out + tok * out_row_stride;
+            const int64_t* table = block_tables + static_cast<int64_t>(row_req[r]) * block_table_stride;
+#ifdef PAGELLM_AVX512_BF16
+            if constexpr (std::is_same_v<T, uint16_t>) {
+                if (head_dim == 64) {
+                    attend_one_avx512<2>(q_row, out_row, key_cache, value_cache, table, row_ctx[r], kvh, group,
+                                         num_kv_heads, block_size, scale, scores, work);
+                    continue;
+                }
+                if (head_dim == 128) {
+                    attend_one_avx512<4>(q_row, out_row, key_cache, value_cache, table, row_ctx[r], kvh, group,
+                                         num_kv_heads, block_size, scale, scores, work);
+                    continue;
+                }
+            }
+#endif
+            attend_one<T>(q_row, out_row, key_cache, value_cache, table, row_ctx[r], kvh, group, num_kv_heads,
+                          head_dim, block_size, scale, scores, work);
+        }
+    }
+}
+
+template <typename T>
+void write_kv(const T* key, int64_t key_row_stride, const T* value, int64_t value_row_stride,
+              T* key_cache, T* value_cache, const int64_t* slot_mapping, int64_t num_tokens,
+              int64_t row_elems, int num_threads) {
+    const size_t bytes = sizeof(T) * static_cast<size_t>(row_elems);
+#pragma omp parallel for num_threads(num_threads) if (num_tokens >= 256)
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;  // padding token: nothing to store
+        std::memcpy(key_cache + slot * row_elems, key + t * key_row_stride, bytes);
+        std::memcpy(value_cache + slot * row_elems, value + t * value_row_stride, bytes);
+    }
+}
+
+// Per row: residual += x (rounded to T, as a separate add would be), then
+// out = weight * T(h / sqrt(mean(h^2) + eps)) with the statistics in float32 (HF's LlamaRMSNorm).
+template <typename T>
+void add_rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t n, float eps,
+                  int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (rows >= 32)
+    {
+        std::vector<float> h(static_cast<size_t>(n));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            const T* xr = x + r * n;
+            T* rr = residual != nullptr ? residual + r * n : nullptr;
+            float sumsq = 0.f;
+            for (int64_t i = 0; i < n; ++i) {
+                float v = Elem<T>::load(xr, i);
+                if (rr != nullptr) {
+                    Elem<T>::store(rr, i, v + Elem<T>::load(rr, i));
+                    v = Elem<T>::load(rr, i);
+                }
+                h[i] = v;
+            }
+#pragma omp simd reduction(+ : sumsq)
+            for (int64_t i = 0; i < n; ++i) sumsq += h[i] * h[i];
+            const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(n) + eps);
+            T* o = out + r * n;
+            for (int64_t i = 0; i < n; ++i) {
+                T normed;
+                Elem<T>::store(&normed, 0, h[i] * inv);
+                Elem<T>::store(o, i, Elem<T>::load(weight, i) * Elem<T>::load(&normed, 0));
+            }
+        }
+    }
+}
+
+// In place on the first `num_heads` heads of each row: x * cos + rotate_half(x) * sin, each
+// product and the sum rounded to T like the separate tensor ops (HF's apply_rotary_pos_emb).
+template <typename T>
+void rotary(T* x, int64_t row_stride, int64_t rows, int64_t num_heads, int64_t head_dim, const T* cos,
+            const T* sin, int num_threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 64)
+    for (int64_t r = 0; r < rows; ++r) {
+        const T* c = cos + r * head_dim;
+        const T* s = sin + r * head_dim;
+        for (int64_t h = 0; h < num_heads; ++h) {
+            T* v = x + r * row_stride + h * head_dim;
+            for (int64_t i = 0; i < half; ++i) {
+                const float x1 = Elem<T>::load(v, i);
+                const float x2 = Elem<T>::load(v, i + half);
+                T a1, b1, a2, b2;
+                Elem<T>::store(&a1, 0, x1 * Elem<T>::load(c, i));
+                Elem<T>::store(&b1, 0, -x2 * Elem<T>::load(s, i));
+                Elem<T>::store(&a2, 0, x2 * Elem<T>::load(c, i + half));
+                Elem<T>::store(&b2, 0, x1 * Elem<T>::load(s, i + half));
+                Elem<T>::store(v, i, Elem<T>::load(&a1, 0) + Elem<T>::load(&b1, 0));
+                Elem<T>::store(v, i + half, Elem<T>::load(&a2, 0) + Elem<T>::load(&b2, 0));
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+int pagellm_abi_version() { return 2; }
+
+// out[row_token[r], h, :] = attention of query[row_token[r], h, :] over the first row_ctx[r]
+// positions of request row_req[r] (block_tables row), for every row r and query head h.
+// Returns 0 on success, -1 on an unsupported argument.
+int pagellm_paged_attention(const void* query, int64_t q_row_stride, void* out, int64_t out_row_stride,
+                            const void* key_cache, const void* value_cache, const int64_t* block_tables,
+                            int64_t block_table_stride, const int32_t* row_token, const int32_t* row_req,
+                            const int32_t* row_ctx, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t block_size, float scale, int dtype, int num_threads) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0) return -1;
+    if (num_threads < 1) num_threads = 1;
+    if (dtype == 0) {
+        paged_attention<float>(static_cast<const float*>(query), q_row_stride, static_cast<float*>(out),
+                               out_row_stride, static_cast<const float*>(key_cache),
+                               static_cast<const float*>(value_cache), block_tables, block_table_stride,
+                               row_token, row_req, row_ctx, num_rows, num_heads, num_kv_heads, head_dim,
+                               block_size, scale, num_threads);
+    } else if (dtype == 1) {
+        paged_attention<uint16_t>(static_cast<const uint16_t*>(query), q_row_stride,
+                                  static_cast<uint16_t*>(out), out_row_stride,
+                                  static_cast<const uint16_t*>(key_cache),
+                                  static_cast<const uint16_t*>(value_cache), block_tables,
+                                  block_table_stride, row_token, row_req, row_ctx, num_rows, num_heads,
+                                  num_kv_heads, head_dim, block_size, scale, num_threads);
+    } else {
+        return -1;
+    }
+    return 0;
+}
+
+// key_cache[slot_mapping[t]] = key[t] (row_elems = num_kv_heads * head_dim elements), same for V.
+int pagellm_write_kv(const void* key, int64_t key_row_stride, const void* value, int64_t value_row_stride,
+                     void* key_cache, void* value_cache, const int64_t* slot_mapping, int64_t num_tokens,
+                     int64_t row_elems, int dtype, int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+    if (dtype == 0) {
+        write_kv<float>(static_cast<const float*>(key), key_row_stride, static_cast<const float*>(value),
+                        value_row_stride, static_cast<float*>(key_cache), static_cast<float*>(value_cache),
+                        slot_mapping, num_tokens, row_elems, num_threads);
+    } else if (dtype == 1) {
+        write_kv<uint16_t>(static_cast<const uint16_t*>(key), key_row_stride,
+                           static_cast<const uint16_t*>(value), value_row_stride,
+                           static_cast<uint16_t*>(key_cache), static_cast<uint16_t*>(value_cache),
+                           slot_mapping, num_tokens, row_elems, num_threads);
+    } else {
+        return -1;
+    }
+    return 0;
+}
+
+// residual (if not null) += x; out = rms_norm(residual or x) * weight, per row of n elements.
+int pagellm_add_rms_norm(const void* x, void* residual, const void* weight, void* out, int64_t rows, int64_t n,
+                         float eps, int dtype, int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+    if (dtype == 0) {
+        add_rms_norm<float>(static_cast<const float*>(x), static_cast<float*>(residual),
+                            static_cast<const float*>(weight), static_cast<float*>(out), rows, n, eps, num_threads);
+    } else if (dtype == 1) {
+        add_rms_norm<uint16_t>(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(residual),
+                               static_cast<const uint16_t*>(weight), static_cast<uint16_t*>(out), rows, n, eps,
+                               num_threads);
+    } else {
+        return -1;
+    }
+    return 0;
+}
+
+// Rotary embedding in place on the first num_heads heads of each row (HF rotate-half layout).
+int pagellm_rotary(void* x, int64_t row_stride, int64_t rows, int64_t num_heads, int64_t head_dim, const void* cos,
+                   const void* sin, int dtype, int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+    if (head_dim % 2 != 0) return -1;
+    if (dtype == 0) {
+        rotary<float>(static_cast<float*>(x), row_stride, rows, num_heads, head_dim, static_cast<const float*>(cos),
+                      static_cast<const float*>(sin), num_threads);
+    } else if (dtype == 1) {
+        rotary<uint16_t>(static_cast<uint16_t*>(x), row_stride, rows, num_heads, head_dim,
+                         static_cast<const uint16_t*>(cos), static_cast<const uint16_t*>(sin), num_threads);
+    } else {
+        return -1;
+    }
+    return 0;
+}
+
+}  // extern "C"

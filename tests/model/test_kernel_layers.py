@@ -1,0 +1,69 @@
+"""RMSNorm (+ residual add) and rotary through the C++ kernels against their PyTorch definitions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm import kernels
+from pagellm.model.layers import RMSNorm, apply_rotary, apply_rotary_
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="CPU kernels not built here")
+
+
+def _norm(hidden: int, dtype: torch.dtype, use_kernel: bool) -> RMSNorm:
+    norm = RMSNorm(hidden, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=torch.Generator().manual_seed(1)))
+    norm = norm.to(dtype)
+    norm.use_kernel = use_kernel
+    return norm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_add_rms_norm_matches_torch(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=g) * 3).to(dtype)
+    residual = torch.randn(rows, 576, generator=g).to(dtype)
+    ref_norm, fast_norm = _norm(576, dtype, False), _norm(576, dtype, True)
+
+    expected_out, expected_residual = ref_norm(x, residual.clone())
+    res = residual.clone()
+    out, new_res = fast_norm(x, res)
+    assert new_res is res  # updated in place
+    assert torch.equal(new_res, expected_residual)  # the add is rounded exactly like torch's
+    # The statistics are summed in another order: at most one rounding step apart.
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1.6e-2)
+    torch.testing.assert_close(out, expected_out, **tol)
+    if dtype == torch.bfloat16:
+        assert (out != expected_out).float().mean() < 0.01  # nearly always bit-equal
+
+    torch.testing.assert_close(fast_norm(x), ref_norm(x), **tol)  # without a residual
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rotary_in_place_equals_torch(dtype):
+    g = torch.Generator().manual_seed(0)
+    t, heads, kv_heads, d = 33, 9, 3, 64
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    qk = qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d)  # strided rows, as in the model
+    angles = torch.rand(t, d // 2, generator=g) * 100
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    expected = apply_rotary(qk.clone(), cos, sin)
+    v_before = qkv[:, (heads + kv_heads) * d :].clone()
+    out = apply_rotary_(qk, cos, sin, use_kernel=True)
+    assert out.data_ptr() == qk.data_ptr()  # in place
+    assert torch.equal(out, expected)  # each product and the sum rounded as the separate ops
+    assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before)  # v untouched
+
+
+def test_kernel_wrappers_reject_bad_shapes():
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError):
+        kernels.add_rms_norm(x, None, torch.ones(7, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(ValueError):
+        kernels.add_rms_norm(x, torch.zeros(4, 8), torch.ones(8, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(ValueError):
+        kernels.rotary_(x.view(4, 2, 4), torch.ones(4, 3, dtype=torch.bfloat16), torch.ones(4, 4, dtype=torch.bfloat16))
