@@ -102,7 +102,11 @@ def load_library() -> ctypes.CDLL | None:
     target = cache_dir() / f"cpu_kernels-{key}.so"
     try:
         if not target.exists():
-            _compile(cxx, source, target)
+            try:
+                _compile(cxx, source, target)
+            except OSError:  # cache folder not writable: build into a private temporary folder
+                target = Path(tempfile.mkdtemp(prefix="pagellm-kernels-")) / target.name
+                _compile(cxx, source, target)
         lib = ctypes.CDLL(str(target))
         _declare(lib)
         if lib.pagellm_abi_version() != ABI_VERSION:

@@ -156,6 +156,18 @@ void attend_one(const T* q_row, T* out_row, const T* key_cache, const T* value_c
 
 #ifdef PAGELLM_AVX512_BF16
 
+// Context rows are prefetched this many positions ahead: blocks are scattered, so the hardware
+// prefetchers lose the stream at every block edge. Measured on a 2-core Zen 4 VM, decode
+// attention over 64 x 192 positions: 1.5 -> 1.1 ms per layer on one thread (8 to 32 similar).
+constexpr int64_t kPrefetchDistance = 16;
+
+inline void prefetch_row(const uint16_t* cache, const int64_t* block_table, int64_t pos, int64_t block_size,
+                         int64_t row_stride, int64_t offset, int64_t bytes) {
+    const char* p = reinterpret_cast<const char*>(
+        cache + (block_table[pos / block_size] * block_size + pos % block_size) * row_stride + offset);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
 inline __m512 bf16x16_to_float(const uint16_t* p) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -231,6 +243,8 @@ void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const uint16_t*
             const int64_t n = ctx - p0 < block_size ? ctx - p0 : block_size;
             for (int64_t i = 0; i < n; ++i) {
                 const uint16_t* kp = kb + i * row_stride;
+                if (p0 + i + kPrefetchDistance < ctx)
+                    prefetch_row(key_cache, block_table, p0 + i + kPrefetchDistance, block_size, row_stride, kvh * D, D * 2);
                 __m512bh k[C];
                 for (int c = 0; c < C; ++c) k[c] = (__m512bh)_mm512_loadu_si512(kp + 32 * c);
                 for (int j = 0; j < gn; ++j) {
@@ -255,6 +269,8 @@ void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const uint16_t*
             const int64_t n = ctx - p0 < block_size ? ctx - p0 : block_size;
             for (int64_t i = 0; i < n; ++i) {
                 const uint16_t* vp = vb + i * row_stride;
+                if (p0 + i + kPrefetchDistance < ctx)
+                    prefetch_row(value_cache, block_table, p0 + i + kPrefetchDistance, block_size, row_stride, kvh * D, D * 2);
                 __m512 v[2 * C];
                 for (int c = 0; c < 2 * C; ++c) v[c] = bf16x16_to_float(vp + 16 * c);
                 for (int j = 0; j < gn; ++j) {
