@@ -20,6 +20,11 @@
 
 namespace {
 
+// The elementwise kernels (K/V write, norm, rotary) stay on the calling thread below this many
+// rows: a decode batch's rows take microseconds, less than waking a second thread, and a
+// parallel region stalls whenever another process holds one of the cores (a loaded server).
+constexpr int64_t kMinParallelRows = 256;
+
 inline float bf16_to_float(uint16_t h) {
     uint32_t u = static_cast<uint32_t>(h) << 16;
     float f;
@@ -336,7 +341,7 @@ void write_kv(const T* key, int64_t key_row_stride, const T* value, int64_t valu
               T* key_cache, T* value_cache, const int64_t* slot_mapping, int64_t num_tokens,
               int64_t row_elems, int num_threads) {
     const size_t bytes = sizeof(T) * static_cast<size_t>(row_elems);
-#pragma omp parallel for num_threads(num_threads) if (num_tokens >= 256)
+#pragma omp parallel for num_threads(num_threads) if (num_tokens >= kMinParallelRows)
     for (int64_t t = 0; t < num_tokens; ++t) {
         const int64_t slot = slot_mapping[t];
         if (slot < 0) continue;  // padding token: nothing to store
@@ -350,7 +355,7 @@ void write_kv(const T* key, int64_t key_row_stride, const T* value, int64_t valu
 template <typename T>
 void add_rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t n, float eps,
                   int num_threads) {
-#pragma omp parallel num_threads(num_threads) if (rows >= 32)
+#pragma omp parallel num_threads(num_threads) if (rows >= kMinParallelRows)
     {
         std::vector<float> h(static_cast<size_t>(n));
 #pragma omp for schedule(static)
@@ -385,7 +390,7 @@ template <typename T>
 void rotary(T* x, int64_t row_stride, int64_t rows, int64_t num_heads, int64_t head_dim, const T* cos,
             const T* sin, int num_threads) {
     const int64_t half = head_dim / 2;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 64)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= kMinParallelRows)
     for (int64_t r = 0; r < rows; ++r) {
         const T* c = cos + r * head_dim;
         const T* s = sin + r * head_dim;
