@@ -34,7 +34,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=0, help="seed for sampling without a per-request seed")
     group.add_argument("--chat-template", default=None, help="Jinja file that replaces the model's chat template")
     group.add_argument("--device", default="cpu", help="cpu (or cuda / mps where available)")
-    group.add_argument("--attention-backend", default="auto", help="auto (cpu_paged on CPU where its C++ kernels build, else torch_sdpa), cpu_paged, torch_sdpa or reference")
+    group.add_argument(
+        "--attention-backend", default="auto",
+        help="auto (cpu_paged on CPU where its C++ kernels build, else torch_sdpa), cpu_paged, torch_sdpa or reference",
+    )
     group.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
     group.add_argument(
         "--enable-prefix-caching",

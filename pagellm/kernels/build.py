@@ -1,7 +1,7 @@
 """Build the C++ CPU kernels once per machine and load them with ctypes.
 
 The source (``csrc/cpu_kernels.cpp``) uses no torch headers, so one ``g++ -O3 -march=native
--fopenmp`` call takes about a second. The shared object is cached under
+-fopenmp`` call takes about a second; it has AVX-512 BF16 paths and portable C++ fallbacks. The shared object is cached under
 ``$PAGELLM_CACHE_DIR/kernels`` (default ``~/.cache/pagellm/kernels``), keyed by a hash of the
 source, the compiler, its flags and this CPU's feature flags, and written atomically, so
 concurrent processes never load a half-written file. Anything that goes wrong (no compiler,
@@ -27,7 +27,15 @@ logger = logging.getLogger(__name__)
 
 ABI_VERSION = 2
 _SOURCE = "cpu_kernels.cpp"
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off")
+# -ffp-contract=off: no fused multiply-adds where the source has a product then a sum, so the
+# elementwise kernels round exactly like the separate torch ops they replace.
+_BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off")
+
+
+def _flags() -> tuple[str, ...]:
+    """Compiler flags; ``PAGELLM_KERNEL_MARCH`` overrides ``-march=native`` (e.g. x86-64-v2 to
+    build and test the portable path on an AVX-512 machine)."""
+    return (f"-march={os.environ.get('PAGELLM_KERNEL_MARCH', 'native')}", *_BASE_FLAGS)
 
 
 def cache_dir() -> Path:
@@ -63,7 +71,7 @@ def _compile(cxx: str, source: str, target: Path) -> None:
         src = Path(tmp) / _SOURCE
         src.write_text(source, encoding="utf-8")
         out = Path(tmp) / target.name
-        proc = subprocess.run([cxx, *_FLAGS, str(src), "-o", str(out)], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([cxx, *_flags(), str(src), "-o", str(out)], capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{cxx} failed:\n{proc.stderr[-4000:]}")
         os.replace(out, target)
@@ -97,7 +105,7 @@ def load_library() -> ctypes.CDLL | None:
         return None
     source = resources.files("pagellm.kernels").joinpath("csrc", _SOURCE).read_text(encoding="utf-8")
     key = hashlib.sha256(
-        "\0".join([source, cxx, _compiler_version(cxx), " ".join(_FLAGS), _cpu_flags()]).encode()
+        "\0".join([source, cxx, _compiler_version(cxx), " ".join(_flags()), _cpu_flags()]).encode()
     ).hexdigest()[:20]
     target = cache_dir() / f"cpu_kernels-{key}.so"
     try:
