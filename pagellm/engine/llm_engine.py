@@ -71,9 +71,8 @@ class LLMEngine:
         dtype = engine_dtype(config.model.dtype, config.model.model, self.device)
         self.dtype = dtype
 
-        self.model, self.arch = load_model(
-            config.model.model, dtype, get_attention_backend(config.device.attention_backend, self.device), self.device
-        )
+        attn_backend = get_attention_backend(config.device.attention_backend, self.device)
+        self.model, self.arch = load_model(config.model.model, dtype, attn_backend, self.device)
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(config.model.model, config.model.chat_template)
         self.num_blocks = self._num_blocks(self.arch, dtype)
         self.max_model_len = self._max_model_len(self.arch)
@@ -106,9 +105,11 @@ class LLMEngine:
         self._beam_of_seq: dict[str, str] = {}  # beam sequence id -> beam search request id
         self._beam_counter = itertools.count()
         logger.info(
-            "engine ready in %.1fs: %s, %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready in %.1fs: %s in %s, attention %s, %d KV blocks of %d tokens, max_model_len %d",
             time.monotonic() - start,
             self.arch.architecture,
+            str(dtype).removeprefix("torch."),
+            attn_backend.name,
             self.num_blocks,
             block_size,
             self.max_model_len,
