@@ -37,6 +37,7 @@ class _KernelPlan:
     row_req: torch.Tensor  # int32 [N]: its request (row of block_tables)
     row_ctx: torch.Tensor  # int32 [N]: context positions it attends to (causal limit)
     block_tables: torch.Tensor  # int64 [R, max_blocks], contiguous
+    checked_for: tuple[int, int] | None = None  # (num_blocks, block_size) the indices were checked against
 
 
 def build_kernel_plan(metadata: AttentionMetadata) -> _KernelPlan:
@@ -106,10 +107,18 @@ class CPUPagedAttention(TorchSDPAAttention):
         plan = self._get_kernel_plan(metadata)
         if plan.num_tokens != num_tokens:
             raise ValueError(f"query has {num_tokens} tokens but metadata.query_lens sum to {plan.num_tokens}")
+        # Indices are range-checked once per step (per cache shape), not once per layer.
+        cache_id = (key_cache.shape[0], key_cache.shape[1])
+        if plan.checked_for != cache_id:
+            kernels.check_slots(metadata.slot_mapping, key_cache)
+            kernels.check_paged_attention_rows(
+                num_tokens, key_cache, plan.block_tables, plan.row_token, plan.row_req, plan.row_ctx
+            )
+            plan.checked_for = cache_id
         k = key if key.dtype == cdtype else key.to(cdtype)
         v = value if value.dtype == cdtype else value.to(cdtype)
         if k.stride(-1) == 1 and v.stride(-1) == 1 and k.stride(-2) == head_dim and v.stride(-2) == head_dim:
-            kernels.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
+            kernels.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping, slots_checked=True)
         else:
             write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
         q = query if query.dtype == cdtype else query.to(cdtype)
@@ -118,6 +127,7 @@ class CPUPagedAttention(TorchSDPAAttention):
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=cdtype)
         if num_tokens:
             kernels.paged_attention(
-                q, out, key_cache, value_cache, plan.block_tables, plan.row_token, plan.row_req, plan.row_ctx, scale
+                q, out, key_cache, value_cache, plan.block_tables, plan.row_token, plan.row_req, plan.row_ctx, scale,
+                rows_checked=True,
             )
         return out if out.dtype == query.dtype else out.to(query.dtype)

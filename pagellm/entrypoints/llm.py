@@ -18,6 +18,36 @@ from pagellm.sampling_params import SamplingParams
 Conversation = list[dict[str, Any]]
 
 
+def engine_config(
+    model: str | None = None,
+    dtype: str | torch.dtype = "auto",
+    block_size: int = 16,
+    kv_cache_memory: int | str = "1GiB",
+    num_kv_blocks: int | None = None,
+    enable_prefix_caching: bool = True,
+    max_num_seqs: int = 128,
+    max_num_batched_tokens: int = 2048,
+    max_model_len: int | None = None,
+    seed: int = 0,
+    device: str = "cpu",
+    attention_backend: str = "auto",
+    chat_template: str | None = None,
+    num_threads: int | None = None,
+) -> EngineConfig:
+    """The engine's validated configuration from ``LLM``'s flat keyword options."""
+    return EngineConfig(
+        model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, chat_template=chat_template),
+        cache=CacheConfig(
+            block_size=block_size,
+            kv_cache_memory=kv_cache_memory,
+            num_blocks=num_kv_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+        device=DeviceConfig(device=device, attention_backend=attention_backend, num_threads=num_threads),
+    )
+
+
 class LLM:
     """Generate text for batches of prompts with continuous batching and a paged KV cache.
 
@@ -25,37 +55,9 @@ class LLM:
     Hugging Face folder (config.json + safetensors) or a GGUF file.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        dtype: str | torch.dtype = "auto",
-        block_size: int = 16,
-        kv_cache_memory: int | str = "1GiB",
-        num_kv_blocks: int | None = None,
-        enable_prefix_caching: bool = True,
-        max_num_seqs: int = 128,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        seed: int = 0,
-        device: str = "cpu",
-        attention_backend: str = "auto",
-        chat_template: str | None = None,
-        num_threads: int | None = None,
-    ) -> None:
-        config = EngineConfig(
-            model=ModelConfig(
-                model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, chat_template=chat_template
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                kv_cache_memory=kv_cache_memory,
-                num_blocks=num_kv_blocks,
-                enable_prefix_caching=enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
-            device=DeviceConfig(device=device, attention_backend=attention_backend, num_threads=num_threads),
-        )
-        self.llm_engine = LLMEngine(config)
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        """``engine_options``: those of :func:`engine_config` (dtype, block_size, kv_cache_memory, ...)."""
+        self.llm_engine = LLMEngine(engine_config(model, **engine_options))
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

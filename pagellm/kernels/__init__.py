@@ -50,6 +50,33 @@ def _check_int(name: str, t: torch.Tensor, dtype: torch.dtype, n: int | None = N
         raise ValueError(f"{name} must have {n} elements, got {t.numel()}")
 
 
+def check_paged_attention_rows(
+    num_tokens: int, key_cache: torch.Tensor, block_tables: torch.Tensor,
+    row_token: torch.Tensor, row_req: torch.Tensor, row_ctx: torch.Tensor,
+) -> None:
+    """Every index the kernel will follow is in range (one pass of min/max per tensor)."""
+    num_blocks, block_size = key_cache.shape[:2]
+    n = row_token.numel()
+    for name, t in (("row_token", row_token), ("row_req", row_req), ("row_ctx", row_ctx)):
+        _check_int(name, t, torch.int32, n)
+    if block_tables.dim() != 2 or block_tables.stride(1) != 1:
+        raise ValueError("block_tables must be a 2-D tensor with contiguous rows")
+    if block_tables.dtype != torch.int64 or block_tables.device.type != "cpu":
+        raise ValueError("block_tables must be a CPU int64 tensor")
+    if n == 0:
+        return
+    limits = (
+        ("row_token", row_token, 0, num_tokens - 1),
+        ("row_req", row_req, 0, block_tables.shape[0] - 1),
+        ("row_ctx", row_ctx, 1, block_tables.shape[1] * block_size),
+    )
+    for name, t, lo, hi in limits:
+        if int(t.min()) < lo or int(t.max()) > hi:
+            raise ValueError(f"{name} values must lie in [{lo}, {hi}]")
+    if block_tables.numel() and (int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks):
+        raise ValueError(f"block_tables entries must lie in [0, {num_blocks - 1}]")
+
+
 def paged_attention(
     query: torch.Tensor,
     out: torch.Tensor,
@@ -60,13 +87,15 @@ def paged_attention(
     row_req: torch.Tensor,
     row_ctx: torch.Tensor,
     scale: float,
+    *,
+    rows_checked: bool = False,
 ) -> None:
     """For each row r: ``out[row_token[r]]`` = attention of ``query[row_token[r]]`` ([H, D])
     over the first ``row_ctx[r]`` positions of request ``row_req[r]``, read in place from the
     paged cache ([num_blocks, block_size, H_kv, D]) through ``block_tables[row_req[r]]``.
 
-    Callers guarantee every ``row_ctx[r]`` is covered by that request's block table row and
-    that ``row_token``/``row_req`` are in range (the engine's metadata does).
+    Every index is range-checked (:func:`check_paged_attention_rows`) unless ``rows_checked``
+    says the caller already did so for these exact index tensors (once per engine step).
     """
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     num_heads = query.shape[1]
@@ -83,35 +112,51 @@ def paged_attention(
     _check_rows("out", out, (num_heads, head_dim), dtype)
     if out.shape[0] != query.shape[0]:
         raise ValueError("out and query must have the same number of rows")
-    if block_tables.dim() != 2 or block_tables.stride(1) != 1:
-        raise ValueError("block_tables must be a 2-D tensor with contiguous rows")
-    if block_tables.dtype != torch.int64 or block_tables.device.type != "cpu":
-        raise ValueError("block_tables must be a CPU int64 tensor")
-    n = row_token.numel()
-    for name, t in (("row_token", row_token), ("row_req", row_req), ("row_ctx", row_ctx)):
-        _check_int(name, t, torch.int32, n)
+    if not rows_checked:
+        check_paged_attention_rows(query.shape[0], key_cache, block_tables, row_token, row_req, row_ctx)
     rc = _lib().pagellm_paged_attention(
         query.data_ptr(), query.stride(0), out.data_ptr(), out.stride(0),
         key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         row_token.data_ptr(), row_req.data_ptr(), row_ctx.data_ptr(),
-        n, num_heads, num_kv_heads, head_dim, block_size, float(scale), _DTYPE_CODES[dtype],
+        row_token.numel(), num_heads, num_kv_heads, head_dim, block_size, float(scale), _DTYPE_CODES[dtype],
         torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"pagellm_paged_attention failed with code {rc}")
 
 
+def check_slots(slot_mapping: torch.Tensor, key_cache: torch.Tensor) -> None:
+    """Slots lie in the cache (or are -1: a padding token that stores nothing)."""
+    _check_int("slot_mapping", slot_mapping, torch.int64)
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    if slot_mapping.numel() and (int(slot_mapping.min()) < -1 or int(slot_mapping.max()) >= num_slots):
+        raise ValueError(f"slot_mapping values must lie in [-1, {num_slots - 1}]")
+
+
 def write_kv(
-    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    slots_checked: bool = False,
 ) -> None:
-    """Store ``key``/``value`` ([T, H_kv, D], any row stride) at ``slot_mapping`` (int64 [T])."""
+    """Store ``key``/``value`` ([T, H_kv, D], any row stride) at ``slot_mapping`` (int64 [T]);
+    slots are range-checked (:func:`check_slots`) unless ``slots_checked``."""
     _, _, num_kv_heads, head_dim = key_cache.shape
     dtype = key_cache.dtype
     if dtype not in _DTYPE_CODES or not key_cache.is_contiguous() or not value_cache.is_contiguous():
         raise ValueError("key_cache/value_cache must be contiguous float32 or bfloat16 tensors")
+    if value_cache.shape != key_cache.shape or value_cache.dtype != dtype:
+        raise ValueError("key_cache and value_cache must have the same shape and dtype")
     _check_rows("key", key, (num_kv_heads, head_dim), dtype)
     _check_rows("value", value, (num_kv_heads, head_dim), dtype)
+    if value.shape[0] != key.shape[0]:
+        raise ValueError(f"key has {key.shape[0]} rows but value has {value.shape[0]}")
     _check_int("slot_mapping", slot_mapping, torch.int64, key.shape[0])
+    if not slots_checked:
+        check_slots(slot_mapping, key_cache)
     rc = _lib().pagellm_write_kv(
         key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
         key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
@@ -164,4 +209,13 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         raise RuntimeError(f"pagellm_rotary failed with code {rc}")
 
 
-__all__ = ["add_rms_norm", "available", "paged_attention", "rotary_", "supports_dtype", "write_kv"]
+__all__ = [
+    "add_rms_norm",
+    "available",
+    "check_paged_attention_rows",
+    "check_slots",
+    "paged_attention",
+    "rotary_",
+    "supports_dtype",
+    "write_kv",
+]

@@ -19,6 +19,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -47,7 +48,7 @@ def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("flags"):
+                if line.startswith(("flags", "Features")):  # x86 / aarch64
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
@@ -75,6 +76,20 @@ def _compile(cxx: str, source: str, target: Path) -> None:
         if proc.returncode != 0:
             raise RuntimeError(f"{cxx} failed:\n{proc.stderr[-4000:]}")
         os.replace(out, target)
+
+
+_STALE_AFTER_S = 7 * 24 * 3600
+
+
+def _remove_stale(folder: Path) -> None:
+    """Drop builds of other sources/flags untouched for a week (a loaded one stays mapped)."""
+    now = time.time()
+    for old in folder.glob("cpu_kernels-*.so"):
+        try:
+            if now - old.stat().st_mtime > _STALE_AFTER_S:
+                old.unlink()
+        except OSError:
+            pass
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -110,6 +125,7 @@ def load_library() -> ctypes.CDLL | None:
     target = cache_dir() / f"cpu_kernels-{key}.so"
     try:
         if not target.exists():
+            _remove_stale(target.parent)
             try:
                 _compile(cxx, source, target)
             except OSError:  # cache folder not writable: build into a private temporary folder

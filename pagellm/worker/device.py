@@ -30,7 +30,10 @@ def cpu_flags() -> set[str]:
 def native_bf16(device: torch.device) -> bool:
     """Whether ``device`` multiplies bfloat16 natively (AVX-512 BF16 or AMX on CPU)."""
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+        try:
+            return torch.cuda.is_bf16_supported(including_emulation=False)
+        except TypeError:  # torch < 2.3 has no including_emulation
+            return torch.cuda.is_bf16_supported()
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 

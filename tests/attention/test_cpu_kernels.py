@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -70,8 +71,33 @@ def test_write_kv_kernel_equals_index_copy(dtype):
     assert int((got_k != 0).any(-1).any(-1).sum()) == 10  # exactly the 10 slots were written
 
 
-def _args(dtype=torch.bfloat16):
-    step = make_step([(20, 1), (3, 1)], 16, 4, 2, head_dim=32, dtype=dtype)
+@pytest.mark.parametrize("case", ["rows", "value cache", "slot past the end", "slot below -1"])
+def test_write_kv_rejects_bad_arguments(case):
+    cache = torch.zeros(4, 4, 2, 8, dtype=torch.bfloat16)
+    key = torch.randn(6, 2, 8).to(torch.bfloat16)
+    args = dict(key=key, value=key.clone(), key_cache=cache, value_cache=cache.clone(), slot_mapping=torch.arange(6))
+    change = {
+        "rows": dict(value=key[:2].clone()),
+        "value cache": dict(value_cache=torch.zeros(1, 4, 2, 8, dtype=torch.bfloat16)),
+        "slot past the end": dict(slot_mapping=torch.tensor([0, 1, 2, 3, 4, 16])),
+        "slot below -1": dict(slot_mapping=torch.tensor([0, 1, 2, 3, 4, -2])),
+    }[case]
+    with pytest.raises(ValueError):
+        kernels.write_kv(**{**args, **change})
+    assert not cache.any()  # nothing was written
+
+
+@pytest.mark.parametrize("head_dim", [64, 48], ids=["avx512", "portable"])
+def test_nan_in_a_query_gives_nan_like_torch(head_dim):
+    args = _args(head_dim=head_dim)
+    args["query"][1, 0, 0] = float("nan")
+    kernels.paged_attention(**args)
+    assert torch.isnan(args["out"][1, 0]).all()  # that head's row is NaN, as softmax in torch gives
+    assert torch.isfinite(args["out"][0]).all()  # other rows are untouched by it
+
+
+def _args(dtype=torch.bfloat16, head_dim=32):
+    step = make_step([(20, 1), (3, 1)], 16, 4, 2, head_dim=head_dim, dtype=dtype)
     write_kv(step.key, step.value, step.key_cache, step.value_cache, step.metadata.slot_mapping)
     q = step.query
     rows = torch.tensor([0, 1], dtype=torch.int32)
@@ -88,6 +114,11 @@ BAD_ARGUMENTS = {
     "row count": lambda a: dict(row_ctx=torch.tensor([21], dtype=torch.int32)),
     "block table dtype": lambda a: dict(block_tables=a["block_tables"].int()),
     "head count": lambda a: dict(query=torch.zeros(2, 3, 32, dtype=torch.bfloat16), out=torch.zeros(2, 3, 32, dtype=torch.bfloat16)),
+    "token row out of range": lambda a: dict(row_token=torch.tensor([0, 2], dtype=torch.int32)),
+    "request out of range": lambda a: dict(row_req=torch.tensor([0, 5], dtype=torch.int32)),
+    "context past the block table": lambda a: dict(row_ctx=torch.tensor([21, 16 * a["block_tables"].shape[1] + 1], dtype=torch.int32)),
+    "empty context": lambda a: dict(row_ctx=torch.tensor([21, 0], dtype=torch.int32)),
+    "block id out of range": lambda a: dict(block_tables=a["block_tables"] + a["key_cache"].shape[0]),
 }
 
 
@@ -130,6 +161,7 @@ def test_float32_uses_the_sdpa_path_by_default(monkeypatch):
     assert calls  # bf16 goes through the kernel
 
 
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86-64-v2 is an x86 target")
 def test_portable_build_matches_dense_too():
     # This machine takes the AVX-512 BF16 paths; build the portable C++ (x86-64-v2, no AVX-512)
     # in a fresh process and run the kernel tests against it, so both code paths are checked.

@@ -191,7 +191,7 @@ inline __m512 bf16x16_to_float(const uint16_t* p) {
 
 // exp_nonpositive on 16 lanes (the same polynomial, so results match the scalar version).
 inline __m512 exp_nonpositive_x16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  // max returns its second operand for NaN: kept
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
@@ -209,10 +209,19 @@ inline __m512 exp_nonpositive_x16(__m512 x) {
 // In place: sg[0:n] = softmax(sg[0:n]).
 inline void softmax_avx512(float* sg, int64_t n) {
     __m512 vm = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
     int64_t p = 0;
-    for (; p + 16 <= n; p += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(sg + p));
+    for (; p + 16 <= n; p += 16) {
+        const __m512 x = _mm512_loadu_ps(sg + p);
+        nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        vm = _mm512_max_ps(vm, x);
+    }
     float m = _mm512_reduce_max_ps(vm);
-    for (; p < n; ++p) m = sg[p] > m ? sg[p] : m;
+    for (; p < n; ++p) {
+        if (std::isnan(sg[p])) nan = 1;
+        m = sg[p] > m ? sg[p] : m;
+    }
+    if (nan) m = NAN;  // a NaN score makes the whole row NaN, as in torch
     const __m512 vmax = _mm512_set1_ps(m);
     __m512 vsum = _mm512_setzero_ps();
     for (p = 0; p + 16 <= n; p += 16) {
