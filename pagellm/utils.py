@@ -40,3 +40,5 @@ def parse_memory_size(value: int | float | str) -> int:
 def cdiv(a: int, b: int) -> int:
     """Ceiling division."""
     return -(-a // b)
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # the CLI's and the engine process's

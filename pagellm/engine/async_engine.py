@@ -32,6 +32,7 @@ from pagellm.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from pagellm.engine.engine_process import EngineProcess
     from pagellm.engine.llm_engine import EngineStats, LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ def _put_all(items: list[tuple[asyncio.Queue[StreamItem], StreamItem]]) -> None:
 class AsyncLLMEngine:
     """Serve many concurrent requests from one ``LLMEngine`` without blocking the event loop."""
 
-    def __init__(self, engine: LLMEngine, metrics: RequestMetrics | None = None) -> None:
+    def __init__(self, engine: LLMEngine | EngineProcess, metrics: RequestMetrics | None = None) -> None:
         self.engine = engine
         self._metrics: RequestMetrics = metrics or _NoMetrics()
         # RLock: shutdown may be requested from a signal handler that interrupted _submit.

@@ -28,6 +28,7 @@ from pagellm.engine.input_processor import InputProcessor
 from pagellm.engine.llm_engine import EngineStats, LLMEngine
 from pagellm.model.tokenizer import load_tokenizer
 from pagellm.outputs import RequestOutput
+from pagellm.utils import LOG_FORMAT
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,9 @@ class _Ready:
 _METHODS = frozenset({"step", "add_tokenized_request", "add_beam_search_request", "abort_request"})
 
 
-def _engine_main(config: EngineConfig, conn: Connection) -> None:
+def _engine_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
     """The child: build the engine, then serve calls until the pipe closes or ``None`` arrives."""
+    logging.basicConfig(level=log_level, format=LOG_FORMAT)
     try:
         engine = LLMEngine(config)
     except BaseException as exc:  # start-up failures travel to the parent, which raises them
@@ -82,7 +84,12 @@ class EngineProcess:
     def __init__(self, config: EngineConfig, start_timeout_s: float = 600.0) -> None:
         ctx = mp.get_context("spawn")  # never fork a process that holds OpenMP/torch threads
         self._conn, child_conn = ctx.Pipe()
-        self._proc = ctx.Process(target=_engine_main, args=(config, child_conn), name="pagellm-engine", daemon=True)
+        self._proc = ctx.Process(
+            target=_engine_main,
+            args=(config, child_conn, logging.getLogger().getEffectiveLevel()),
+            name="pagellm-engine",
+            daemon=True,
+        )
         self._proc.start()
         child_conn.close()
         if not self._conn.poll(start_timeout_s):

@@ -13,6 +13,7 @@ from typing import Any
 
 from pagellm.benchmarks.cli import add_bench_subparser
 from pagellm.model.default_model import DEFAULT_MODEL_NAME
+from pagellm.utils import LOG_FORMAT
 
 logger = logging.getLogger("pagellm")
 
@@ -79,6 +80,10 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     )
     group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API routes")
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    group.add_argument(
+        "--engine-process", action=argparse.BooleanOptionalAction, default=True,
+        help="run the engine in its own process, apart from the HTTP event loop (default: on)",
+    )
     parser.set_defaults(handler=_serve)
 
 
@@ -111,15 +116,23 @@ def _load_engine(args: argparse.Namespace) -> Any:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from pagellm.engine.engine_process import EngineProcess
+    from pagellm.engine.llm_engine import LLMEngine
+    from pagellm.entrypoints.llm import engine_config
     from pagellm.entrypoints.openai.api_server import ServerSettings, run_server
 
-    llm = _load_engine(args)
+    config = engine_config(**engine_kwargs(args))
+    engine = EngineProcess(config) if args.engine_process else LLMEngine(config)
     settings = ServerSettings(
         served_model_names=args.served_model_name or [args.model or DEFAULT_MODEL_NAME],
         model_path=args.model or DEFAULT_MODEL_NAME,
         api_key=args.api_key,
     )
-    run_server(llm.llm_engine, settings, host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        run_server(engine, settings, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        if isinstance(engine, EngineProcess):
+            engine.close()
     return 0
 
 
@@ -141,7 +154,7 @@ def _generate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     log_level = getattr(args, "log_level", "warning")
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     try:
         return args.handler(args)
     except (ValueError, FileNotFoundError) as exc:

@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import pagellm
 from pagellm.engine.async_engine import AsyncLLMEngine
+from pagellm.engine.engine_process import EngineProcess
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.entrypoints.openai.errors import (
     AuthenticationError,
@@ -163,7 +164,7 @@ def _ignore_replayed_signals() -> None:
 
 
 def run_server(
-    llm_engine: LLMEngine,
+    llm_engine: LLMEngine | EngineProcess,
     settings: ServerSettings,
     host: str = "127.0.0.1",
     port: int = 8000,

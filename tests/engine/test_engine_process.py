@@ -1,0 +1,72 @@
+"""EngineProcess: the engine in a child process gives what the in-process engine gives."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagellm import LLM, SamplingParams
+from pagellm.engine.engine_process import EngineProcess, EngineProcessError
+from pagellm.entrypoints.llm import engine_config
+
+
+def _drain(engine) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def proc(tiny_llama_path):
+    engine = EngineProcess(engine_config(tiny_llama_path, num_kv_blocks=64, block_size=4))
+    yield engine
+    engine.close()
+
+
+def test_same_tokens_as_in_process(proc, tiny_llama_path):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 9, 200, 31], [400, 3, 3]]
+    for i, ids in enumerate(prompts):
+        proc.add_tokenized_request(f"r{i}", None, ids, params, stream=True)
+    assert proc.has_unfinished_requests()
+    got = _drain(proc)
+    expected = LLM(tiny_llama_path, num_kv_blocks=64, block_size=4).generate(
+        [{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False
+    )
+    assert [got[f"r{i}"] for i in range(2)] == [o.outputs[0].token_ids for o in expected]
+    assert not proc.has_unfinished_requests()
+    assert proc.stats.num_generated_tokens >= 12  # stats come back with every call
+
+
+def test_bad_request_raises_value_error_and_engine_lives_on(proc):
+    with pytest.raises(ValueError, match="logprobs"):
+        proc.add_tokenized_request("bad", None, [1, 2], SamplingParams(max_tokens=4, logprobs=1000), stream=True)
+    proc.add_tokenized_request("ok", None, [7, 8, 9], SamplingParams(temperature=0, max_tokens=3), stream=True)
+    assert len(_drain(proc)["ok"]) == 3
+
+
+def test_abort_returns_outputs_and_frees_blocks(proc):
+    proc.add_tokenized_request("a", None, [1, 2, 3, 4, 5], SamplingParams(max_tokens=50, ignore_eos=True), stream=True)
+    proc.step()
+    outputs = proc.abort_request("a")
+    assert outputs and outputs[0].finished
+    assert not proc.has_unfinished_requests()
+    assert proc.stats.kv_cache_usage == 0.0
+
+
+def test_local_views(proc):
+    assert proc.max_model_len > 0
+    assert proc.input_processor.process_prompt("hello").prompt_token_ids == proc.tokenizer("hello").input_ids
+
+
+def test_start_up_failure_is_raised_in_the_parent(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        EngineProcess(engine_config(str(tmp_path / "missing")))
+
+
+def test_calls_after_close_fail_clearly(tiny_llama_path):
+    engine = EngineProcess(engine_config(tiny_llama_path, num_kv_blocks=16, block_size=4))
+    engine.close()
+    with pytest.raises(EngineProcessError):
+        engine.step()
