@@ -82,9 +82,9 @@ _NOT_ENGINE = frozenset({"hf_attn", "results_dir", "vllm_model_dir"})
 
 def llm_kwargs(options: dict[str, Any]) -> dict[str, Any]:
     """Keep only the options this version of ``LLM`` accepts (``None`` means: engine default)."""
-    from pagellm import LLM
+    from pagellm.entrypoints.llm import engine_config
 
-    accepted = inspect.signature(LLM.__init__).parameters
+    accepted = inspect.signature(engine_config).parameters  # LLM(model, **engine_options)
     kwargs = {}
     for key, value in options.items():
         if value is None or key in _NOT_ENGINE:
