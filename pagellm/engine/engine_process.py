@@ -3,14 +3,14 @@
 Why: in one process the engine's step loop shares the interpreter lock and the two cores
 with the HTTP event loop; every torch op and kernel call releases the lock and must win it
 back, and the event loop's work lands in the middle of the step's parallel regions. Measured
-on the 2-core machine (4 req/s, 128/128 tokens, streaming): TPOT median 78 ms with the engine
-in a thread against 52 ms in its own process (vLLM splits its EngineCore off for the same
-reason).
+on the 2-core machine (4 req/s, 128/128 tokens, streaming, modes alternated): TPOT median
+72-86 ms with the engine in a thread against 50-73 ms in its own process (vLLM splits its
+EngineCore off for the same reason). See benchmarks/NOTES.md, entry 15.
 
 The proxy is synchronous: each call sends ``(method, args, kwargs)`` over a pipe and blocks
 (without the lock) until the child answers ``("ok", (result, stats, has_unfinished))`` or
-``("error", exception)``; exceptions are re-raised here, so ``ValueError`` for a bad request behaves as in
-process. Requests, outputs and ``EngineStats`` cross the pipe pickled between our own two
+``("error", exception)``; exceptions are re-raised here, so ``ValueError`` for a bad request
+behaves as in process. Requests, outputs and ``EngineStats`` cross the pipe pickled between our own two
 processes (no untrusted data is unpickled). The tokenizer and input checks stay in this
 process; the child sends what they need (``max_model_len``, vocabulary size) once it is ready.
 """
