@@ -92,15 +92,18 @@ class EngineProcess:
         )
         self._proc.start()
         child_conn.close()
-        if not self._conn.poll(start_timeout_s):
+        try:
+            self.tokenizer = load_tokenizer(config.model.model, config.model.chat_template)  # while the child loads
+            if not self._conn.poll(start_timeout_s):
+                raise EngineProcessError(f"the engine process did not start within {start_timeout_s:.0f}s")
+            ready: _Ready = self._receive()
+        except BaseException:
             self.close()
-            raise EngineProcessError(f"the engine process did not start within {start_timeout_s:.0f}s")
-        ready: _Ready = self._receive()
+            raise
         self._unfinished = False  # the child's state changes only through this proxy's calls
         self.config = config
         self.max_model_len = ready.max_model_len
         self.stats = ready.stats
-        self.tokenizer = load_tokenizer(config.model.model, config.model.chat_template)
         self.input_processor = InputProcessor(self.tokenizer, ready.vocab_size, ready.max_model_len)
 
     def _receive(self) -> Any:
