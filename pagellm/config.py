@@ -44,10 +44,9 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own limit, capped by the KV pool
     seed: int = 0
     chat_template: str | None = None  # path of a Jinja file overriding the model's template
-    torch_dtype: torch.dtype | None = field(init=False)  # None: "auto", resolved at load time
 
     def __post_init__(self) -> None:
-        self.torch_dtype = resolve_dtype(self.dtype)
+        resolve_dtype(self.dtype)  # fail early on a bad name; "auto" is resolved when the model loads
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

@@ -42,3 +42,16 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # the CLI's and the engine process's
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags the kernel reports ("flags" on x86, "Features" on aarch64); empty
+    where /proc/cpuinfo is unavailable."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()

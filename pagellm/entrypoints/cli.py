@@ -25,7 +25,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help=f"HF folder (config.json + safetensors) or .gguf file; default: {DEFAULT_MODEL_NAME}",
     )
     group = parser.add_argument_group("engine")
-    group.add_argument("--dtype", default="auto", help="auto (bfloat16 for 16-bit/GGUF checkpoints on CPUs with native bf16, else float32), float32 or bfloat16")
+    group.add_argument(
+        "--dtype", default="auto",
+        help="auto (bfloat16 for 16-bit/GGUF checkpoints on CPUs with native bf16, else float32), float32 or bfloat16",
+    )
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     group.add_argument("--kv-cache-memory", default="1GiB", help="KV-cache budget, e.g. 512MiB or 2GiB")
     group.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides memory)")

@@ -24,6 +24,8 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
+from pagellm.utils import cpu_flags
+
 logger = logging.getLogger(__name__)
 
 ABI_VERSION = 2
@@ -44,15 +46,9 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):  # x86 / aarch64
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+def _machine_id() -> str:
+    """What a ``-march=native`` build depends on: the CPU's feature flags."""
+    return " ".join(sorted(cpu_flags())) or platform.processor()
 
 
 def _compiler() -> str | None:
@@ -120,7 +116,7 @@ def load_library() -> ctypes.CDLL | None:
         return None
     source = resources.files("pagellm.kernels").joinpath("csrc", _SOURCE).read_text(encoding="utf-8")
     key = hashlib.sha256(
-        "\0".join([source, cxx, _compiler_version(cxx), " ".join(_flags()), _cpu_flags()]).encode()
+        "\0".join([source, cxx, _compiler_version(cxx), " ".join(_flags()), _machine_id()]).encode()
     ).hexdigest()[:20]
     target = cache_dir() / f"cpu_kernels-{key}.so"
     try:

@@ -16,9 +16,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pagellm import kernels
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.model.arch_config import ModelArchConfig
-from pagellm import kernels
 from pagellm.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_, fuse_silu_and_mul, pack_linear_layers
 
 KVCache = tuple[torch.Tensor, torch.Tensor]

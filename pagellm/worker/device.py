@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from pagellm.utils import cpu_flags
+
 
 def resolve_device(name: str) -> torch.device:
     """Check the requested device exists and return it."""
@@ -13,18 +15,6 @@ def resolve_device(name: str) -> torch.device:
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported device {name!r}; choose 'cpu' or 'cuda'")
     return device
-
-
-def cpu_flags() -> set[str]:
-    """The CPU feature flags the kernel reports (empty where /proc/cpuinfo is unavailable)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def native_bf16(device: torch.device) -> bool:
