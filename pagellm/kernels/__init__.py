@@ -209,8 +209,29 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         raise RuntimeError(f"pagellm_rotary failed with code {rc}")
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Index of each row's first maximum (its first NaN if it holds one), as ``x.max(-1).indices``:
+    one pass over 2-D float32/bfloat16 CPU rows (contiguous within a row) -> int64 [rows]."""
+    dtype = x.dtype
+    if dtype not in _DTYPE_CODES or x.dim() != 2 or x.device.type != "cpu":
+        raise ValueError("argmax_rows takes a 2-D CPU float32 or bfloat16 tensor")
+    rows, n = x.shape
+    if n == 0 or (rows > 1 and x.stride(0) < n) or (n > 1 and x.stride(1) != 1):
+        raise ValueError("argmax_rows needs non-empty rows, each contiguous")
+    out = torch.empty(rows, dtype=torch.int64)
+    if rows == 0:
+        return out
+    rc = _lib().pagellm_argmax_rows(
+        x.data_ptr(), x.stride(0), rows, n, out.data_ptr(), _DTYPE_CODES[dtype], torch.get_num_threads()
+    )
+    if rc != 0:
+        raise RuntimeError(f"pagellm_argmax_rows failed with code {rc}")
+    return out
+
+
 __all__ = [
     "add_rms_norm",
+    "argmax_rows",
     "available",
     "check_paged_attention_rows",
     "check_slots",

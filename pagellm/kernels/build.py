@@ -28,7 +28,7 @@ from pagellm.utils import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 _SOURCE = "cpu_kernels.cpp"
 # -ffp-contract=off: no fused multiply-adds where the source has a product then a sum, so the
 # elementwise kernels round exactly like the separate torch ops they replace.
@@ -101,6 +101,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pagellm_add_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32, i32]
     lib.pagellm_rotary.restype = i32
     lib.pagellm_rotary.argtypes = [p, i64, i64, i64, i64, p, p, i32, i32]
+    lib.pagellm_argmax_rows.restype = i32
+    lib.pagellm_argmax_rows.argtypes = [p, i64, i64, i64, p, i32, i32]
 
 
 @lru_cache(maxsize=1)

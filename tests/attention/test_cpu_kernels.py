@@ -166,8 +166,10 @@ def test_portable_build_matches_dense_too():
     # This machine takes the AVX-512 BF16 paths; build the portable C++ (x86-64-v2, no AVX-512)
     # in a fresh process and run the kernel tests against it, so both code paths are checked.
     env = dict(os.environ, PAGELLM_KERNEL_MARCH="x86-64-v2")
+    argmax_tests = os.path.join(os.path.dirname(__file__), "..", "sample", "test_argmax_kernel.py")
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "match_dense or write_kv or valid_call"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, argmax_tests,
+         "-k", "match_dense or write_kv or valid_call or argmax"],
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
