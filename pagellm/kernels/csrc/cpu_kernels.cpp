@@ -32,14 +32,13 @@ inline float bf16_to_float(uint16_t h) {
     return f;
 }
 
-// Round to nearest even, as torch does when it casts float32 to bfloat16. Branch-free, so
-// loops over it vectorize.
+// Round to nearest even, as torch does when it casts float32 to bfloat16.
 inline uint16_t float_to_bf16(float f) {
     uint32_t u;
     std::memcpy(&u, &f, sizeof u);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const uint32_t quiet_nan = (u >> 16) | 0x40u;  // NaN stays NaN
-    return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
 }
 
 // exp(x) for x <= 0 (softmax after subtracting the max), written as plain arithmetic so the
@@ -191,11 +190,8 @@ inline __m512 bf16x16_to_float(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// 16 bfloat16 values to float32, and float32 rounded to bfloat16 and back (round to nearest
-// even, as torch's casts; what a bf16 tensor op does to its float32 result).
-inline __m512 load_bf16x16(const uint16_t* p) {
-    return _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+// float32 rounded to bfloat16 (round to nearest even, as torch's casts), stored or widened
+// back: what a bf16 tensor op does to its float32 result.
 inline void store_bf16x16(uint16_t* p, __m512 v) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
 }
@@ -383,21 +379,18 @@ void add_rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t rows
             const T* xr = x + r * n;
             T* rr = residual != nullptr ? residual + r * n : nullptr;
             float sumsq = 0.f;
-            if (rr != nullptr) {
-#pragma omp simd
-                for (int64_t i = 0; i < n; ++i) {
-                    Elem<T>::store(rr, i, Elem<T>::load(xr, i) + Elem<T>::load(rr, i));
-                    h[i] = Elem<T>::load(rr, i);
+            for (int64_t i = 0; i < n; ++i) {
+                float v = Elem<T>::load(xr, i);
+                if (rr != nullptr) {
+                    Elem<T>::store(rr, i, v + Elem<T>::load(rr, i));
+                    v = Elem<T>::load(rr, i);
                 }
-            } else {
-#pragma omp simd
-                for (int64_t i = 0; i < n; ++i) h[i] = Elem<T>::load(xr, i);
+                h[i] = v;
             }
 #pragma omp simd reduction(+ : sumsq)
             for (int64_t i = 0; i < n; ++i) sumsq += h[i] * h[i];
             const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(n) + eps);
             T* o = out + r * n;
-#pragma omp simd
             for (int64_t i = 0; i < n; ++i) {
                 T normed;
                 Elem<T>::store(&normed, 0, h[i] * inv);
@@ -423,12 +416,13 @@ void rotary(T* x, int64_t row_stride, int64_t rows, int64_t num_heads, int64_t h
 #ifdef PAGELLM_AVX512_BF16
             if constexpr (std::is_same_v<T, uint16_t>) {
                 for (; i + 16 <= half; i += 16) {
-                    const __m512 x1 = load_bf16x16(v + i);
-                    const __m512 x2 = load_bf16x16(v + i + half);
-                    const __m512 a1 = round_bf16x16(_mm512_mul_ps(x1, load_bf16x16(c + i)));
-                    const __m512 b1 = round_bf16x16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), load_bf16x16(s + i)));
-                    const __m512 a2 = round_bf16x16(_mm512_mul_ps(x2, load_bf16x16(c + i + half)));
-                    const __m512 b2 = round_bf16x16(_mm512_mul_ps(x1, load_bf16x16(s + i + half)));
+                    const __m512 x1 = bf16x16_to_float(v + i);
+                    const __m512 x2 = bf16x16_to_float(v + i + half);
+                    const __m512 a1 = round_bf16x16(_mm512_mul_ps(x1, bf16x16_to_float(c + i)));
+                    const __m512 minus_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
+                    const __m512 b1 = round_bf16x16(_mm512_mul_ps(minus_x2, bf16x16_to_float(s + i)));
+                    const __m512 a2 = round_bf16x16(_mm512_mul_ps(x2, bf16x16_to_float(c + i + half)));
+                    const __m512 b2 = round_bf16x16(_mm512_mul_ps(x1, bf16x16_to_float(s + i + half)));
                     store_bf16x16(v + i, _mm512_add_ps(a1, b1));
                     store_bf16x16(v + i + half, _mm512_add_ps(a2, b2));
                 }
@@ -465,8 +459,7 @@ int64_t argmax_row(const T* x, int64_t n) {
         const __m512i step = _mm512_set1_epi32(16);
         __mmask16 nan = 0;
         for (; i + 16 <= n && i + 16 <= INT32_MAX; i += 16) {
-            const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
-            const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            const __m512 v = bf16x16_to_float(x + i);
             nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
             const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);
             vmax = _mm512_mask_blend_ps(gt, vmax, v);
@@ -492,10 +485,7 @@ int64_t argmax_row(const T* x, int64_t n) {
 #endif
     for (; i < n; ++i) {
         const float v = Elem<T>::load(x, i);
-        if (std::isnan(v)) {
-            for (int64_t j = 0; j <= i; ++j)
-                if (std::isnan(Elem<T>::load(x, j))) return j;
-        }
+        if (std::isnan(v)) return i;  // the first NaN: the vector part above had none
         if (v > best) {
             best = v;
             best_i = i;
