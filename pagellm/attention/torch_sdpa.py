@@ -291,7 +291,9 @@ class TorchSDPAAttention(AttentionBackend):
         wkey = (key_cache.device, key_cache.dtype)
         ws = TorchSDPAAttention._workspaces.get(wkey)
         if ws is None or ws.numel() < 2 * n * row:
-            ws = torch.empty(2 * n * row, dtype=key_cache.dtype, device=key_cache.device)
+            # A normal tensor even under inference_mode, so later calls outside it may write it.
+            with torch.inference_mode(False):
+                ws = torch.empty(2 * n * row, dtype=key_cache.dtype, device=key_cache.device)
             TorchSDPAAttention._workspaces[wkey] = ws
         k = ws[: n * row].view(n, *row_shape)
         v = ws[n * row : 2 * n * row].view(n, *row_shape)

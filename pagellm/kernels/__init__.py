@@ -229,12 +229,94 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# Packed weight layouts of the bf16 GEMM (csrc/gemm_bf16.cpp): column panels of [K / 2][cols][2].
+GEMM_PANEL_COLS = 48
+SILU_MUL_HALF_COLS = 32  # a fused MLP panel: 32 gate columns, then the same 32 up columns
+_EPILOGUES = {"none": (0, GEMM_PANEL_COLS), "silu_mul": (1, 2 * SILU_MUL_HALF_COLS)}
+
+
+def gemm_available() -> bool:
+    """True when the built kernels include the AVX-512 BF16 GEMM (this CPU has the instructions)."""
+    lib = load_library()
+    return lib is not None and bool(lib.pagellm_gemm_bf16_available())
+
+
+def _panels(weight: torch.Tensor, cols: int) -> torch.Tensor:
+    """[N, K] -> [ceil(N / cols), cols, K] with zero rows padding the last panel."""
+    n, k = weight.shape
+    count = -(-n // cols)
+    padded = weight.new_zeros(count * cols, k)
+    padded[:n] = weight
+    return padded.view(count, cols, k)
+
+
+def _interleave_pairs(panels: torch.Tensor) -> torch.Tensor:
+    """[P, cols, K] -> [P, K / 2, cols, 2]: each 64-byte row holds 16 columns' (k, k+1) pairs."""
+    count, cols, k = panels.shape
+    return panels.view(count, cols, k // 2, 2).transpose(1, 2).contiguous()
+
+
+def _check_gemm_weight(name: str, weight: torch.Tensor) -> None:
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        raise ValueError(f"{name} must be a 2-D CPU bfloat16 tensor")
+    if weight.shape[1] % 2 != 0 or weight.shape[0] == 0:
+        raise ValueError(f"{name} must have rows and an even number of columns, got {list(weight.shape)}")
+
+
+def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A linear layer's ``[out, in]`` bf16 weight in the GEMM's plain panel layout."""
+    _check_gemm_weight("weight", weight)
+    return _interleave_pairs(_panels(weight, GEMM_PANEL_COLS))
+
+
+def pack_silu_mul_weight(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Gate and up ``[intermediate, in]`` weights side by side per panel, for ``silu(gate) * up``."""
+    _check_gemm_weight("gate", gate)
+    if up.shape != gate.shape:
+        raise ValueError("gate and up weights must have the same shape")
+    _check_gemm_weight("up", up)
+    both = torch.cat((_panels(gate, SILU_MUL_HALF_COLS), _panels(up, SILU_MUL_HALF_COLS)), dim=1)
+    return _interleave_pairs(both)
+
+
+def gemm_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int, epilogue: str = "none") -> torch.Tensor:
+    """``x [M, K] @ W.T`` for a packed bf16 ``W`` -> new ``[M, out_features]`` bf16 tensor.
+
+    ``epilogue="silu_mul"`` takes a :func:`pack_silu_mul_weight` weight and returns
+    ``silu(x @ gate.T) * (x @ up.T)``, each intermediate rounded to bf16 as the unfused ops do.
+    """
+    if epilogue not in _EPILOGUES:
+        raise ValueError(f"epilogue must be one of {sorted(_EPILOGUES)}, got {epilogue!r}")
+    code, cols = _EPILOGUES[epilogue]
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        raise ValueError("x must be a 2-D CPU bfloat16 tensor")
+    rows, k = x.shape
+    panels = -(-out_features // (cols if code == 0 else SILU_MUL_HALF_COLS))
+    expected = (panels, k // 2, cols, 2)
+    if packed.dtype != torch.bfloat16 or tuple(packed.shape) != expected or not packed.is_contiguous():
+        raise ValueError(f"packed weight must be a contiguous bf16 tensor of shape {list(expected)} for x {list(x.shape)}")
+    if k % 2 != 0 or (rows > 1 and x.stride(0) < k) or (k > 1 and x.stride(1) != 1):
+        raise ValueError("x needs an even number of columns, each row contiguous")
+    out = torch.empty(rows, out_features, dtype=torch.bfloat16)
+    rc = _lib().pagellm_gemm_bf16(
+        x.data_ptr(), x.stride(0) if rows > 1 else k, rows, k, packed.data_ptr(), out_features, out.data_ptr(),
+        out_features, code, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"pagellm_gemm_bf16 failed with code {rc}")
+    return out
+
+
 __all__ = [
     "add_rms_norm",
     "argmax_rows",
     "available",
     "check_paged_attention_rows",
     "check_slots",
+    "gemm_available",
+    "gemm_bf16",
+    "pack_gemm_weight",
+    "pack_silu_mul_weight",
     "paged_attention",
     "rotary_",
     "supports_dtype",

@@ -1,6 +1,6 @@
 """Build the C++ CPU kernels once per machine and load them with ctypes.
 
-The source (``csrc/cpu_kernels.cpp``) uses no torch headers, so one ``g++ -O3 -march=native
+The sources (``csrc/*.cpp`` and the header they share) use no torch headers, so one ``g++ -O3 -march=native
 -fopenmp`` call takes about a second; it has AVX-512 BF16 paths and portable C++ fallbacks. The shared object is cached under
 ``$PAGELLM_CACHE_DIR/kernels`` (default ``~/.cache/pagellm/kernels``), keyed by a hash of the
 source, the compiler, its flags and this CPU's feature flags, and written atomically, so
@@ -28,8 +28,9 @@ from pagellm.utils import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 3
-_SOURCE = "cpu_kernels.cpp"
+ABI_VERSION = 4
+_SOURCES = ("cpu_kernels.cpp", "gemm_bf16.cpp")
+_HEADERS = ("bf16_simd.h",)
 # -ffp-contract=off: no fused multiply-adds where the source has a product then a sum, so the
 # elementwise kernels round exactly like the separate torch ops they replace.
 _BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off")
@@ -62,13 +63,20 @@ def _compiler_version(cxx: str) -> str:
         return ""
 
 
-def _compile(cxx: str, source: str, target: Path) -> None:
+def _read_sources() -> dict[str, str]:
+    """Every file of the build (sources and headers) by name."""
+    folder = resources.files("pagellm.kernels").joinpath("csrc")
+    return {name: folder.joinpath(name).read_text(encoding="utf-8") for name in (*_SOURCES, *_HEADERS)}
+
+
+def _compile(cxx: str, files: dict[str, str], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src = Path(tmp) / _SOURCE
-        src.write_text(source, encoding="utf-8")
+        for name, text in files.items():
+            (Path(tmp) / name).write_text(text, encoding="utf-8")
         out = Path(tmp) / target.name
-        proc = subprocess.run([cxx, *_flags(), str(src), "-o", str(out)], capture_output=True, text=True, timeout=300)
+        sources = [str(Path(tmp) / name) for name in _SOURCES]
+        proc = subprocess.run([cxx, *_flags(), *sources, "-o", str(out)], capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{cxx} failed:\n{proc.stderr[-4000:]}")
         os.replace(out, target)
@@ -103,6 +111,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pagellm_rotary.argtypes = [p, i64, i64, i64, i64, p, p, i32, i32]
     lib.pagellm_argmax_rows.restype = i32
     lib.pagellm_argmax_rows.argtypes = [p, i64, i64, i64, p, i32, i32]
+    lib.pagellm_gemm_bf16_available.restype = i32
+    lib.pagellm_gemm_bf16.restype = i32
+    lib.pagellm_gemm_bf16.argtypes = [p, i64, i64, i64, p, i64, p, i64, i32, i32]
 
 
 @lru_cache(maxsize=1)
@@ -116,19 +127,19 @@ def load_library() -> ctypes.CDLL | None:
     if cxx is None:
         logger.info("no C++ compiler found; CPU kernels disabled, using the PyTorch attention path")
         return None
-    source = resources.files("pagellm.kernels").joinpath("csrc", _SOURCE).read_text(encoding="utf-8")
+    files = _read_sources()
     key = hashlib.sha256(
-        "\0".join([source, cxx, _compiler_version(cxx), " ".join(_flags()), _machine_id()]).encode()
+        "\0".join([*files.values(), cxx, _compiler_version(cxx), " ".join(_flags()), _machine_id()]).encode()
     ).hexdigest()[:20]
     target = cache_dir() / f"cpu_kernels-{key}.so"
     try:
         if not target.exists():
             _remove_stale(target.parent)
             try:
-                _compile(cxx, source, target)
+                _compile(cxx, files, target)
             except OSError:  # cache folder not writable: build into a private temporary folder
                 target = Path(tempfile.mkdtemp(prefix="pagellm-kernels-")) / target.name
-                _compile(cxx, source, target)
+                _compile(cxx, files, target)
         lib = ctypes.CDLL(str(target))
         _declare(lib)
         if lib.pagellm_abi_version() != ABI_VERSION:

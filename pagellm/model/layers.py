@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm import kernels
+from pagellm.utils import cpu_flags
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -148,6 +149,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 # ---- pre-packed linear layers for CPU inference -----------------------------------------------
+# bf16 on CPUs with AVX-512 BF16 and no AMX: pagellm's own GEMM (KernelLinear, ...);
+# otherwise (AMX, fp16, no AVX-512 BF16, a bias) oneDNN with the weight packed once (PackedLinear, ...).
 
 _PACKED_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -219,28 +222,115 @@ class PackedSiluAndMulLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up_weight, self.up_bias, "mul")
 
 
-def fuse_silu_and_mul(gate_up: nn.Module, intermediate_size: int, verify: bool = True) -> nn.Module | None:
-    """The fused replacement for ``SiluAndMul()(gate_up(x))``, or None where it does not apply.
+class KernelLinear(nn.Module):
+    """A bias-free bf16 CPU ``nn.Linear`` on pagellm's own GEMM (:func:`kernels.gemm_bf16`).
+
+    On CPUs with AVX-512 BF16 it beats oneDNN at decode batch sizes and matches it on long
+    prefills (``benchmarks/NOTES.md``); its sums are oneDNN's up to the last bit of about one
+    output in 10,000. The weight is held only in the kernel's packed layout.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.packed_weight = kernels.pack_gemm_weight(linear.weight.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            shape = x.shape
+            return self.forward(x.reshape(-1, shape[-1])).view(*shape[:-1], self.out_features)
+        return kernels.gemm_bf16(x, self.packed_weight, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias=False"
+
+
+class KernelSiluAndMulLinear(nn.Module):
+    """``silu(x @ W_gate.T) * (x @ W_up.T)`` in one pass of pagellm's GEMM, whose epilogue
+    rounds gate, up and silu(gate) to bf16 in turn like the unfused bf16 ops."""
+
+    def __init__(self, gate_up: nn.Linear, intermediate_size: int) -> None:
+        super().__init__()
+        self.in_features = gate_up.in_features
+        self.out_features = intermediate_size
+        weight = gate_up.weight.detach()
+        self.packed_weight = kernels.pack_silu_mul_weight(weight[:intermediate_size], weight[intermediate_size:])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            shape = x.shape
+            return self.forward(x.reshape(-1, shape[-1])).view(*shape[:-1], self.out_features)
+        return kernels.gemm_bf16(x, self.packed_weight, self.out_features, epilogue="silu_mul")
+
+
+GEMM_CHOICES = ("auto", "pagellm", "onednn")
+
+
+def kernel_gemm_preferred(gemm: str = "auto") -> bool:
+    """Whether bf16 linears should run on pagellm's GEMM rather than oneDNN's.
+
+    ``auto``: yes on CPUs with AVX-512 BF16 but no AMX. With AMX tiles oneDNN is 4-10x faster
+    than dot-product instructions from 16 rows up (``benchmarks/NOTES.md``, 19).
+    """
+    if gemm not in GEMM_CHOICES:
+        raise ValueError(f"gemm must be one of {GEMM_CHOICES}, got {gemm!r}")
+    if gemm == "onednn" or not kernels.gemm_available():
+        return False
+    return gemm == "pagellm" or "amx_bf16" not in cpu_flags()
+
+
+def _kernel_gemm_fits(linear: nn.Module, gemm: str = "auto") -> bool:
+    """Whether pagellm's GEMM should replace this layer: a bias-free bf16 CPU ``nn.Linear`` with
+    an even input width, where :func:`kernel_gemm_preferred`."""
+    return (
+        type(linear) is nn.Linear
+        and linear.bias is None
+        and linear.weight.device.type == "cpu"
+        and linear.weight.dtype == torch.bfloat16
+        and linear.in_features % 2 == 0
+        and kernel_gemm_preferred(gemm)
+    )
+
+
+def _close_to(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Equal up to bf16 rounding noise (a broken kernel build is off by far more)."""
+    return bool(torch.allclose(got.float(), expected, rtol=2e-2, atol=2e-2 * float(expected.abs().max()) + 1e-3))
+
+
+def _probe(linear: nn.Linear) -> torch.Tensor:
+    return torch.randn(3, linear.in_features, generator=torch.Generator().manual_seed(0)).to(linear.weight.dtype)
+
+
+def fuse_silu_and_mul(
+    gate_up: nn.Module, intermediate_size: int, verify: bool = True, gemm: str = "auto"
+) -> nn.Module | None:
+    """The fused replacement for ``SiluAndMul()(gate_up(x))``, or None where it does not apply:
+    pagellm's GEMM where it fits (``gemm`` as in :func:`kernel_gemm_preferred`), else two oneDNN
+    matmuls with fused epilogues.
 
     ``verify`` runs a small numerical self-check (once per model is enough)."""
-    if not (
-        _packed_ops_available()
-        and type(gate_up) is nn.Linear
-        and gate_up.weight.device.type == "cpu"
-        and gate_up.weight.dtype in _PACKED_DTYPES
-        and gate_up.out_features == 2 * intermediate_size
-    ):
+    if type(gate_up) is not nn.Linear or gate_up.out_features != 2 * intermediate_size:
         return None
+    fused: nn.Module
     try:
-        fused = PackedSiluAndMulLinear(gate_up, intermediate_size)
+        if _kernel_gemm_fits(gate_up, gemm):
+            fused = KernelSiluAndMulLinear(gate_up, intermediate_size)
+        elif (
+            _packed_ops_available()
+            and gate_up.weight.device.type == "cpu"
+            and gate_up.weight.dtype in _PACKED_DTYPES
+        ):
+            fused = PackedSiluAndMulLinear(gate_up, intermediate_size)
+        else:
+            return None
         if not verify:
             return fused
-        x = torch.randn(3, gate_up.in_features, generator=torch.Generator().manual_seed(0)).to(gate_up.weight.dtype)
+        x = _probe(gate_up)
         with torch.no_grad():
             expected = SiluAndMul()(F.linear(x.float(), gate_up.weight.float(), None if gate_up.bias is None else gate_up.bias.float()))
-            got = fused(x).float()
-        if not torch.allclose(got, expected, rtol=2e-2, atol=2e-2 * float(expected.abs().max()) + 1e-3):
-            return None
+            if not _close_to(fused(x), expected):
+                return None
     except (RuntimeError, TypeError):
         return None
     return fused
@@ -250,31 +340,52 @@ def _packs_exactly(linear: nn.Linear) -> bool:
     """Self-check on a few rows: the packed op must reproduce ``F.linear`` bit for bit."""
     try:
         packed = PackedLinear(linear, batch_size_hint=4)
-        x = torch.randn(3, linear.in_features, generator=torch.Generator().manual_seed(0)).to(linear.weight.dtype)
+        x = _probe(linear)
         with torch.no_grad():
             return bool(torch.equal(packed(x), F.linear(x, linear.weight, linear.bias)))
     except (RuntimeError, TypeError):
         return False
 
 
-def pack_linear_layers(model: nn.Module, batch_size_hint: int = 64) -> int:
-    """Replace every bf16/fp16 CPU ``nn.Linear`` in ``model`` by a :class:`PackedLinear`, in place.
+def _kernel_gemm_works(linear: nn.Linear) -> bool:
+    """Self-check of pagellm's GEMM on a few rows of one layer."""
+    try:
+        x = _probe(linear)
+        with torch.no_grad():
+            return _close_to(KernelLinear(linear)(x), F.linear(x.float(), linear.weight.float()))
+    except (RuntimeError, TypeError):
+        return False
 
-    Returns how many were replaced (0 where oneDNN's packed ops are missing, for float32
-    weights, which keep torch's default path and its exact numerics, or off the CPU).
+
+def pack_linear_layers(model: nn.Module, batch_size_hint: int = 64, gemm: str = "auto") -> int:
+    """Replace every bf16/fp16 CPU ``nn.Linear`` in ``model``, in place, by a :class:`KernelLinear`
+    where pagellm's GEMM fits (``gemm`` as in :func:`kernel_gemm_preferred`), else by a oneDNN
+    :class:`PackedLinear`.
+
+    Returns how many were replaced (0 for float32 weights, which keep torch's default path and
+    its exact numerics, off the CPU, or where neither fast path is available here).
     Tied weights (lm_head sharing the embedding) get their own packed copy.
     """
-    if not _packed_ops_available():
-        return 0
     targets = [
         (name, module)
         for name, module in model.named_modules()
         if type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype in _PACKED_DTYPES
     ]
-    if not targets or not _packs_exactly(targets[0][1]):
+    if not targets:
         return 0
+    first_fit = next((module for _, module in targets if _kernel_gemm_fits(module, gemm)), None)
+    use_kernel = first_fit is not None and _kernel_gemm_works(first_fit)
+    use_packed = _packed_ops_available() and _packs_exactly(targets[0][1])
+    replaced = 0
     for name, module in targets:
+        if use_kernel and _kernel_gemm_fits(module, gemm):
+            new: nn.Module = KernelLinear(module)
+        elif use_packed:
+            new = PackedLinear(module, batch_size_hint)
+        else:
+            continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(module, batch_size_hint))
-    return len(targets)
+        setattr(parent, child, new)
+        replaced += 1
+    return replaced

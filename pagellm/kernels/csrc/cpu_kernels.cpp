@@ -13,10 +13,7 @@
 
 #include <omp.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define PAGELLM_AVX512_BF16 1
-#endif
+#include "bf16_simd.h"
 
 namespace {
 
@@ -184,18 +181,6 @@ void attend_one(const T* q_row, T* out_row, const T* key_cache, const T* value_c
 }
 
 #ifdef PAGELLM_AVX512_BF16
-
-inline __m512 bf16x16_to_float(const uint16_t* p) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// float32 rounded to bfloat16 (round to nearest even, as torch's casts), stored or widened
-// back: what a bf16 tensor op does to its float32 result.
-inline void store_bf16x16(uint16_t* p, __m512 v) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
-}
-inline __m512 round_bf16x16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
 
 // exp_nonpositive on 16 lanes (the same polynomial, so results match the scalar version).
 inline __m512 exp_nonpositive_x16(__m512 x) {
@@ -505,7 +490,7 @@ void argmax_rows(const T* x, int64_t row_stride, int64_t rows, int64_t n, int64_
 
 extern "C" {
 
-int pagellm_abi_version() { return 3; }
+int pagellm_abi_version() { return 4; }
 
 // out[row_token[r], h, :] = attention of query[row_token[r], h, :] over the first row_ctx[r]
 // positions of request row_req[r] (block_tables row), for every row r and query head h.

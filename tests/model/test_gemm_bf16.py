@@ -1,0 +1,158 @@
+"""pagellm's bf16 GEMM (kernels.gemm_bf16) and the linear layers built on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm import kernels
+from pagellm.model.layers import (
+    KernelLinear,
+    KernelSiluAndMulLinear,
+    PackedLinear,
+    PackedSiluAndMulLinear,
+    fuse_silu_and_mul,
+    kernel_gemm_preferred,
+    pack_linear_layers,
+)
+from pagellm.utils import cpu_flags
+
+pytestmark = pytest.mark.skipif(not kernels.gemm_available(), reason="needs the AVX-512 BF16 kernel build")
+
+BF16_ULP = 2.0**-7  # spacing of bfloat16 values relative to their binade
+
+
+def _rand(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(torch.bfloat16)
+
+
+def _assert_rounded_product(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """``got`` is x @ w.T computed in float32 and rounded once: within half a bf16 step of the
+    exact product plus float32 summation error (a lost or doubled term is far outside)."""
+    exact = x.double() @ w.double().T
+    magnitude = x.double().abs() @ w.double().abs().T
+    bound = exact.abs() * BF16_ULP / 2 + magnitude * x.shape[1] * 2.0**-24 + 1e-30
+    excess = ((got.double() - exact).abs() - bound).max()
+    assert excess <= 0, f"error exceeds the rounding bound by {float(excess)}"
+
+
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 64, 131])
+@pytest.mark.parametrize("k,n", [(2, 1), (64, 47), (64, 48), (96, 49), (576, 960), (1536, 100)])
+def test_gemm_matches_the_exact_product(m, k, n):
+    x, w = _rand(m, k, seed=m * 7 + k), _rand(n, k, seed=n)
+    got = kernels.gemm_bf16(x, kernels.pack_gemm_weight(w), n)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    _assert_rounded_product(got, x, w)
+    # oneDNN sums in the same precision: the two agree except where float32 sums in another
+    # order round to the other side of a bf16 step.
+    assert (got == F.linear(x, w)).float().mean() >= 0.99
+
+
+def test_gemm_reads_strided_rows_and_leaves_no_stale_columns():
+    big = _rand(10, 200, seed=3)
+    x = big[:, 10:138]  # row stride 200, 128 columns
+    w = _rand(50, 128, seed=4)  # 50 = one full 48-column panel + 2 columns of a padded one
+    got = kernels.gemm_bf16(x, kernels.pack_gemm_weight(w), 50)
+    _assert_rounded_product(got, x, w)
+    assert torch.equal(kernels.gemm_bf16(x.contiguous(), kernels.pack_gemm_weight(w), 50), got)
+
+
+def test_gemm_with_no_rows():
+    out = kernels.gemm_bf16(torch.empty(0, 64, dtype=torch.bfloat16), kernels.pack_gemm_weight(_rand(8, 64, seed=0)), 8)
+    assert out.shape == (0, 8)
+
+
+def _unfused_silu_mul(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """HF's bf16 chain on the same matmul outputs: silu(x @ gate.T) * (x @ up.T)."""
+    g = kernels.gemm_bf16(x, kernels.pack_gemm_weight(gate), gate.shape[0])
+    u = kernels.gemm_bf16(x, kernels.pack_gemm_weight(up), up.shape[0])
+    return F.silu(g) * u
+
+
+@pytest.mark.parametrize("m,k,inter", [(1, 64, 32), (7, 64, 40), (64, 576, 1536), (13, 128, 33)])
+def test_silu_mul_epilogue_rounds_like_the_unfused_ops(m, k, inter):
+    x = _rand(m, k, seed=m)
+    gate, up = _rand(inter, k, seed=1, scale=0.5), _rand(inter, k, seed=2, scale=0.5)
+    got = kernels.gemm_bf16(x, kernels.pack_silu_mul_weight(gate, up), inter, epilogue="silu_mul")
+    expected = _unfused_silu_mul(x, gate, up)
+    assert got.shape == (m, inter)
+    # Our exp and torch's differ in the last float32 bits, which moves a rare bf16 rounding.
+    assert (got == expected).float().mean() >= 0.999
+    assert ((got.float() - expected.float()).abs() <= expected.float().abs() * BF16_ULP + 1e-30).all()
+
+
+def test_silu_mul_saturates_for_large_gates():
+    k = 64
+    x = torch.ones(2, k, dtype=torch.bfloat16)
+    x[1] = -1
+    gate = torch.full((32, k), 4.0, dtype=torch.bfloat16)  # gate = +-256: exp(-+256) over/underflows
+    up = torch.full((32, k), 0.5, dtype=torch.bfloat16)
+    got = kernels.gemm_bf16(x, kernels.pack_silu_mul_weight(gate, up), 32, epilogue="silu_mul").float()
+    assert torch.equal(got[0], torch.full((32,), 256.0 * 32.0))  # silu(256) = 256, times up = 32
+    assert got[1].abs().max() == 0  # silu(-256) = -0.0 to bf16, times up = -32
+
+
+BAD_CALLS = {
+    "float32 x": lambda x, p: kernels.gemm_bf16(x.float(), p, 48),
+    "odd columns": lambda x, p: kernels.gemm_bf16(x[:, :63], p, 48),
+    "wrong width": lambda x, p: kernels.gemm_bf16(x, p, 100),
+    "unknown epilogue": lambda x, p: kernels.gemm_bf16(x, p, 48, epilogue="gelu"),
+    "silu weight for plain": lambda x, p: kernels.gemm_bf16(x, kernels.pack_silu_mul_weight(_rand(32, 64, seed=0), _rand(32, 64, seed=1)), 48),
+    "3-D x": lambda x, p: kernels.gemm_bf16(x[None], p, 48),
+    "column-strided x": lambda x, p: kernels.gemm_bf16(_rand(64, 3, seed=0).T, p, 48),
+}
+
+
+@pytest.mark.parametrize("call", list(BAD_CALLS), ids=list(BAD_CALLS))
+def test_bad_calls_raise(call):
+    x, packed = _rand(3, 64, seed=0), kernels.pack_gemm_weight(_rand(48, 64, seed=1))
+    with pytest.raises(ValueError):
+        BAD_CALLS[call](x, packed)
+
+
+def test_pack_rejects_odd_inputs_and_mismatched_halves():
+    with pytest.raises(ValueError):
+        kernels.pack_gemm_weight(_rand(8, 7, seed=0))
+    with pytest.raises(ValueError):
+        kernels.pack_silu_mul_weight(_rand(8, 8, seed=0), _rand(9, 8, seed=0))
+
+
+def test_layers_choose_the_kernel_for_bias_free_bf16_linears():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 64, bias=True)).to(torch.bfloat16)
+    plain = [nn.Linear(64, 96, bias=False), nn.Linear(96, 64, bias=True)]
+    for src, dst in zip(model, plain):
+        dst.load_state_dict(src.state_dict())
+    assert pack_linear_layers(model, gemm="pagellm") == 2
+    assert type(model[0]) is KernelLinear and type(model[1]) is PackedLinear  # oneDNN keeps the bias case
+    x = _rand(2, 5, 64, seed=9)  # a 3-D input is flattened and reshaped back
+    with torch.no_grad():
+        got = model[0](x)
+        assert got.shape == (2, 5, 96)
+        _assert_rounded_product(got.reshape(10, 96), x.reshape(10, 64), plain[0].weight.to(torch.bfloat16))
+
+
+def test_fused_mlp_uses_the_kernel_and_matches_the_unfused_chain():
+    gate_up = nn.Linear(64, 2 * 40, bias=False).to(torch.bfloat16)
+    fused = fuse_silu_and_mul(gate_up, 40, gemm="pagellm")
+    assert type(fused) is KernelSiluAndMulLinear
+    x = _rand(6, 64, seed=5)
+    with torch.no_grad():
+        got = fused(x)
+    w = gate_up.weight.detach()
+    expected = _unfused_silu_mul(x, w[:40], w[40:])
+    assert (got == expected).float().mean() >= 0.999
+    assert ((got.float() - expected.float()).abs() <= expected.float().abs() * BF16_ULP + 1e-30).all()
+
+
+def test_gemm_choice_follows_the_cpu_and_the_override():
+    assert kernel_gemm_preferred("pagellm") and not kernel_gemm_preferred("onednn")
+    assert kernel_gemm_preferred("auto") == ("amx_bf16" not in cpu_flags())  # oneDNN's AMX wins there
+    with pytest.raises(ValueError, match="gemm must be one of"):
+        kernel_gemm_preferred("mkl")
+    gate_up = nn.Linear(64, 80, bias=False).to(torch.bfloat16)
+    assert type(fuse_silu_and_mul(gate_up, 40, gemm="onednn")) is PackedSiluAndMulLinear
+    model = nn.Sequential(nn.Linear(64, 96, bias=False)).to(torch.bfloat16)
+    assert pack_linear_layers(model, gemm="onednn") == 1 and type(model[0]) is PackedLinear
