@@ -22,7 +22,8 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype | None:
 
     "auto" depends on the checkpoint and the device, so the engine resolves it when it loads
     the model (:func:`pagellm.model.loader.auto_dtype`): bfloat16 for 16-bit checkpoints
-    (and GGUF) where the hardware computes bf16 natively, float32 otherwise.
+    (and GGUF) where the hardware computes bf16 natively, and on CUDA for float32 checkpoints
+    too; float32 otherwise.
     """
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():

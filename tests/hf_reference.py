@@ -7,15 +7,18 @@ import torch
 
 @torch.inference_mode()
 def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int] = frozenset()) -> list[int]:
-    """Plain greedy decoding with HF's own KV cache; stops after a token in ``stop_ids``."""
-    out = model(torch.tensor([prompt_ids]), use_cache=True)
+    """Plain greedy decoding with HF's own KV cache; stops after a token in ``stop_ids``.
+
+    Runs where the model's weights are (CPU or GPU)."""
+    device = next(model.parameters()).device
+    out = model(torch.tensor([prompt_ids], device=device), use_cache=True)
     tokens: list[int] = []
     for _ in range(max_new_tokens):
         next_token = int(out.logits[0, -1].argmax())
         tokens.append(next_token)
         if next_token in stop_ids:
             break
-        out = model(torch.tensor([[next_token]]), past_key_values=out.past_key_values, use_cache=True)
+        out = model(torch.tensor([[next_token]], device=device), past_key_values=out.past_key_values, use_cache=True)
     return tokens
 
 

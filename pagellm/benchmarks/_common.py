@@ -134,6 +134,7 @@ def machine_info() -> dict[str, Any]:
     return dict(
         cpu=cpu,
         cpu_count=os.cpu_count(),
+        gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         torch=torch.__version__,
         torch_threads=torch.get_num_threads(),
         load_average=load,

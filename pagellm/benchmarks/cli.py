@@ -77,6 +77,8 @@ def _fill_bench_parser(bench: argparse.ArgumentParser) -> None:
     tp = sub.add_parser("throughput", help="offline throughput (optionally against HF / vLLM)")
     _add_workload_args(tp, "fixed")
     _add_engine_args(tp)
+    tp.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                    help="where pagellm (and --compare hf) run (default: cpu)")
     group = tp.add_argument_group("comparison")
     group.add_argument("--compare", action="append", default=[], choices=["hf", "vllm"],
                        help="also run HF static batching / vLLM (repeatable)")
@@ -147,7 +149,7 @@ def bench_main(args: argparse.Namespace) -> int:
             dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
             enable_prefix_caching=args.enable_prefix_caching, num_threads=args.num_threads,
-            attention_backend=args.attention_backend, compare=list(dict.fromkeys(args.compare)),
+            attention_backend=args.attention_backend, device=args.device, compare=list(dict.fromkeys(args.compare)),
             hf_batch_sizes=args.hf_batch_sizes, hf_max_requests=args.hf_max_requests, hf_attn=args.hf_attn,
             vllm_python=args.vllm_python,
             repeats=args.repeats, isolation=args.isolation, progress=args.progress,

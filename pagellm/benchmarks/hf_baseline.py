@@ -109,6 +109,7 @@ def run_static_batches(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     requests = workload.requests
+    device = next(model.parameters()).device
     output_tokens = computed = 0
     outputs: list[list[int]] = []
     bar = tqdm(total=len(requests), desc=f"hf static batch {batch_size}", disable=not progress, dynamic_ncols=True)
@@ -124,8 +125,8 @@ def run_static_batches(
             mask[row, max_prompt - r.prompt_len :] = 1
         ignore_eos = all(r.ignore_eos for r in batch)
         out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
             do_sample=False,
             max_new_tokens=max_new,
             # No EOS: every row runs to max_new_tokens (ignore_eos). Else stop rows at EOS.

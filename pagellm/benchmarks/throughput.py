@@ -171,9 +171,10 @@ def run_hf(
     if options.get("num_threads"):
         torch.set_num_threads(int(options["num_threads"]))
     reset_peak_rss()
-    dtype = engine_dtype(options.get("dtype") or "auto", options.get("model"), torch.device("cpu"))
+    device = torch.device(options.get("device") or "cpu")
+    dtype = engine_dtype(options.get("dtype") or "auto", options.get("model"), device)
     start = time.perf_counter()
-    model = load_hf_model(options.get("model"), dtype, attn_implementation=options.get("hf_attn") or "sdpa")
+    model = load_hf_model(options.get("model"), dtype, attn_implementation=options.get("hf_attn") or "sdpa").to(device)
     start_s = time.perf_counter() - start
     _, special = model_token_facts(options.get("model"))
     eos_ids, pad_id = hf_generation_ids(model, special)
@@ -356,6 +357,7 @@ class ThroughputConfig:
     enable_prefix_caching: bool | None = None
     num_threads: int | None = None
     attention_backend: str | None = None
+    device: str | None = None  # None: the engine's default (cpu); HF runs on the same device
     compare: list[str] = field(default_factory=list)  # "hf", "vllm"
     hf_batch_sizes: list[int] = field(default_factory=lambda: [64])
     hf_max_requests: int | None = None
@@ -393,6 +395,7 @@ def _engine_options(cfg: ThroughputConfig) -> dict[str, Any]:
         enable_prefix_caching=cfg.enable_prefix_caching,
         num_threads=cfg.num_threads,
         attention_backend=cfg.attention_backend,
+        device=cfg.device,
     )
 
 
@@ -503,6 +506,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"(mean {w['max_tokens_mean']:.0f}), ignore_eos={w['ignore_eos']}",
         format_table(report["results"], TABLE_COLUMNS),
     ]
+    if report["config"].get("device") == "cuda":
+        lines.insert(1, f"device cuda ({report['machine'].get('gpu')}), dtype {report['config']['dtype']}")
     for row in report["results"]:
         if row.get("extra", {}).get("extrapolated"):
             lines.append(

@@ -27,7 +27,7 @@ from pagellm.model.loader import auto_dtype, load_model
 from pagellm.model.tokenizer import load_tokenizer
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
-from pagellm.worker.device import configure_threads, native_bf16, resolve_device
+from pagellm.worker.device import auto_dtype_downcasts_float32, configure_threads, native_bf16, resolve_device
 from pagellm.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_budget
 from pagellm.worker.model_runner import ModelRunner
 
@@ -58,7 +58,7 @@ class EngineStats:
 
 def engine_dtype(dtype: str | torch.dtype, model: str | None, device: torch.device) -> torch.dtype:
     """The dtype the engine runs ``model`` in on ``device`` ("auto" resolved as in ``auto_dtype``)."""
-    return resolve_dtype(dtype) or auto_dtype(model, native_bf16(device))
+    return resolve_dtype(dtype) or auto_dtype(model, native_bf16(device), auto_dtype_downcasts_float32(device))
 
 
 class LLMEngine:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from pagellm.utils import cpu_flags
@@ -25,6 +27,34 @@ def native_bf16(device: torch.device) -> bool:
         except TypeError:  # torch < 2.3 has no including_emulation
             return torch.cuda.is_bf16_supported()
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def auto_dtype_downcasts_float32(device: torch.device) -> bool:
+    """Whether ``dtype="auto"`` runs float32 checkpoints in bfloat16 too (where bf16 is native).
+
+    On GPUs, as vLLM does: tensor cores multiply bf16 many times faster than float32. On CPU
+    float32 checkpoints stay in float32, the reference precision.
+    """
+    return device.type == "cuda"
+
+
+def to_device(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host tensors of one dtype (a step's index tensors) on ``device``.
+
+    On CPU they are returned as they are. On CUDA they are packed into one pinned staging
+    buffer and sent with one asynchronous copy (instead of a synchronous copy each); every
+    result is a view of that device buffer, shaped like its source.
+    """
+    if device.type == "cpu" or not tensors:
+        return list(tensors)
+    dtype = tensors[0].dtype
+    if any(t.dtype != dtype for t in tensors):
+        raise ValueError("to_device packs tensors of one dtype only")
+    sizes = [t.numel() for t in tensors]
+    staged = torch.empty(sum(sizes), dtype=dtype, pin_memory=True)
+    torch.cat([t.reshape(-1) for t in tensors], out=staged)
+    flat = staged.to(device, non_blocking=True)
+    return [part.view(t.shape) for part, t in zip(flat.split(sizes), tensors)]
 
 
 def configure_threads(device: torch.device, num_threads: int | None) -> None:

@@ -25,6 +25,7 @@ from pagellm.step import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from pagellm.worker.device import to_device
 from pagellm.worker.kv_cache import KVCache, copy_blocks
 
 
@@ -116,25 +117,36 @@ class ModelRunner:
         sample_indices = (query_start_loc[1:] - 1)[torch.tensor(sample_rows, dtype=torch.long)]
         plan, pl_indices, pl_targets = self._plan_prompt_logprobs(scheduled, query_start_loc.tolist())
 
-        dev = self.device
+        # All int64; on CUDA one pinned buffer and one asynchronous copy, on CPU the same tensors.
+        (
+            input_ids, positions, slot_mapping, block_tables, query_start_loc, seq_lens_t, sample_indices,
+            pl_indices_t, pl_targets_t,
+        ) = to_device(
+            [
+                input_ids, positions, slot_mapping, block_tables, query_start_loc,
+                torch.tensor(seq_lens, dtype=torch.long), sample_indices,
+                torch.tensor(pl_indices, dtype=torch.long), torch.tensor(pl_targets, dtype=torch.long),
+            ],
+            self.device,
+        )
         metadata = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev),
-            block_tables=block_tables.to(dev),
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
             query_lens=query_lens,
             seq_lens=seq_lens,
-            query_start_loc=query_start_loc.to(dev),
-            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.long).to(dev),
+            query_start_loc=query_start_loc,
+            seq_lens_tensor=seq_lens_t,
             block_size=self.block_size,
         )
         return StepInputs(
-            input_ids=input_ids.to(dev),
-            positions=positions.to(dev),
+            input_ids=input_ids,
+            positions=positions,
             attn_metadata=metadata,
-            sample_indices=sample_indices.to(dev),
+            sample_indices=sample_indices,
             sample_requests=sample_requests,
             prompt_logprob_plan=plan,
-            prompt_logprob_indices=torch.tensor(pl_indices, dtype=torch.long).to(dev),
-            prompt_logprob_targets=torch.tensor(pl_targets, dtype=torch.long).to(dev),
+            prompt_logprob_indices=pl_indices_t,
+            prompt_logprob_targets=pl_targets_t,
         )
 
     @staticmethod

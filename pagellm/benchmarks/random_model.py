@@ -1,0 +1,122 @@
+"""Random-weight models of a given shape, as Hugging Face folders, for machines without real weights.
+
+Throughput depends on a model's shapes, not on its weight values: a random model of
+SmolLM2-135M's shape runs the same matmuls and moves the same KV cache bytes (with
+``ignore_eos`` every request runs to its ``max_tokens``). The folder holds ``config.json``,
+safetensors weights and a synthetic word-level tokenizer with one word per id of the
+vocabulary (``w123`` is id 123), so every generated id decodes; nothing is downloaded and
+the default model package is not needed (e.g. on a GPU machine with no network).
+
+    python -m pagellm.benchmarks.random_model OUT_DIR [--shape smollm2-135m] [--dtype bfloat16]
+    python -m pagellm.benchmarks throughput --model OUT_DIR --device cuda --compare hf
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Special tokens take the first ids, as in SmolLM2's vocabulary.
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+BOS_TOKEN_ID = 1
+EOS_TOKEN_ID = 2
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": dict(
+        architecture="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        tie_word_embeddings=True,
+    ),
+    # The tests' tiny shapes: GQA, untied Llama with llama3 rope scaling, tied Qwen2 with q/k/v bias.
+    "tiny-llama": dict(
+        architecture="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, max_position_embeddings=512,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.1,
+        rope_parameters={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+        },
+    ),
+    "tiny-qwen2": dict(
+        architecture="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, max_position_embeddings=512,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, use_sliding_window=False, initializer_range=0.1,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+}
+
+
+def synthetic_tokenizer(vocab_size: int):
+    """A fast word-level tokenizer over ``vocab_size`` ids: special tokens, then ``w<id>``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size <= len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size must exceed {len(SPECIAL_TOKENS)}, got {vocab_size}")
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    vocab.update((f"w{i}", i) for i in range(len(SPECIAL_TOKENS), vocab_size))
+    backend = Tokenizer(models.WordLevel(vocab, unk_token=SPECIAL_TOKENS[0]))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=SPECIAL_TOKENS[BOS_TOKEN_ID],
+        eos_token=SPECIAL_TOKENS[EOS_TOKEN_ID],
+        unk_token=SPECIAL_TOKENS[0],
+        pad_token=SPECIAL_TOKENS[0],
+    )
+
+
+def _hf_config(shape: dict[str, Any]):
+    from transformers import LlamaConfig, Qwen2Config
+
+    options = dict(shape)
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config}[options.pop("architecture")]
+    return config_class(**options, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=0)
+
+
+def write_random_model(
+    folder: str | Path, shape: str | dict[str, Any] = "smollm2-135m", dtype: torch.dtype = torch.bfloat16, seed: int = 0
+) -> str:
+    """Write a random-weight model of ``shape`` (a name in ``SHAPES`` or such a dict) to ``folder``.
+
+    Norm weights and biases are randomized too (HF initializes them to 1 and 0), so that a
+    mis-mapped norm or bias changes the output. Returns the folder as a string.
+    """
+    from transformers import AutoModelForCausalLM
+
+    spec = SHAPES[shape] if isinstance(shape, str) else shape
+    config = _hf_config(spec)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.copy_(0.2 * torch.randn_like(param))
+    model.to(dtype).save_pretrained(folder, safe_serialization=True)
+    synthetic_tokenizer(config.vocab_size).save_pretrained(folder)
+    return str(folder)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pagellm.benchmarks.random_model", description=__doc__.split("\n")[0])
+    parser.add_argument("folder", help="where to write the model (created)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="checkpoint dtype")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    path = write_random_model(args.folder, args.shape, getattr(torch, args.dtype), args.seed)
+    print(f"wrote a random {args.shape} model to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
