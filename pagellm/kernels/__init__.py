@@ -241,6 +241,15 @@ def gemm_available() -> bool:
     return lib is not None and bool(lib.pagellm_gemm_bf16_available())
 
 
+def gemm_amx_available() -> bool:
+    """True when the GEMM can use AMX tiles here (the CPU has them and the OS lets us use them)."""
+    lib = load_library()
+    return lib is not None and bool(lib.pagellm_gemm_bf16_amx_available())
+
+
+GEMM_AMX_K_MULTIPLE = 32  # the AMX path multiplies 32 values of k per tile product
+
+
 def _panels(weight: torch.Tensor, cols: int) -> torch.Tensor:
     """[N, K] -> [ceil(N / cols), cols, K] with zero rows padding the last panel."""
     n, k = weight.shape
@@ -279,11 +288,14 @@ def pack_silu_mul_weight(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _interleave_pairs(both)
 
 
-def gemm_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int, epilogue: str = "none") -> torch.Tensor:
+def gemm_bf16(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, epilogue: str = "none", amx: bool = False
+) -> torch.Tensor:
     """``x [M, K] @ W.T`` for a packed bf16 ``W`` -> new ``[M, out_features]`` bf16 tensor.
 
     ``epilogue="silu_mul"`` takes a :func:`pack_silu_mul_weight` weight and returns
     ``silu(x @ gate.T) * (x @ up.T)``, each intermediate rounded to bf16 as the unfused ops do.
+    ``amx`` runs on AMX tiles (:func:`gemm_amx_available`, K a multiple of 32), same layout.
     """
     if epilogue not in _EPILOGUES:
         raise ValueError(f"epilogue must be one of {sorted(_EPILOGUES)}, got {epilogue!r}")
@@ -297,10 +309,12 @@ def gemm_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int, epilogue
         raise ValueError(f"packed weight must be a contiguous bf16 tensor of shape {list(expected)} for x {list(x.shape)}")
     if k % 2 != 0 or (rows > 1 and x.stride(0) < k) or (k > 1 and x.stride(1) != 1):
         raise ValueError("x needs an even number of columns, each row contiguous")
+    if amx and k % GEMM_AMX_K_MULTIPLE != 0:
+        raise ValueError(f"the AMX path needs K a multiple of {GEMM_AMX_K_MULTIPLE}, got {k}")
     out = torch.empty(rows, out_features, dtype=torch.bfloat16)
     rc = _lib().pagellm_gemm_bf16(
         x.data_ptr(), x.stride(0) if rows > 1 else k, rows, k, packed.data_ptr(), out_features, out.data_ptr(),
-        out_features, code, torch.get_num_threads(),
+        out_features, code, torch.get_num_threads(), int(amx),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"pagellm_gemm_bf16 failed with code {rc}")
@@ -313,6 +327,7 @@ __all__ = [
     "available",
     "check_paged_attention_rows",
     "check_slots",
+    "gemm_amx_available",
     "gemm_available",
     "gemm_bf16",
     "pack_gemm_weight",

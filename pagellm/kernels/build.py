@@ -28,7 +28,7 @@ from pagellm.utils import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 _SOURCES = ("cpu_kernels.cpp", "gemm_bf16.cpp")
 _HEADERS = ("bf16_simd.h",)
 # -ffp-contract=off: no fused multiply-adds where the source has a product then a sum, so the
@@ -113,7 +113,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pagellm_argmax_rows.argtypes = [p, i64, i64, i64, p, i32, i32]
     lib.pagellm_gemm_bf16_available.restype = i32
     lib.pagellm_gemm_bf16.restype = i32
-    lib.pagellm_gemm_bf16.argtypes = [p, i64, i64, i64, p, i64, p, i64, i32, i32]
+    lib.pagellm_gemm_bf16.argtypes = [p, i64, i64, i64, p, i64, p, i64, i32, i32, i32]
+    lib.pagellm_gemm_bf16_amx_available.restype = i32
 
 
 @lru_cache(maxsize=1)

@@ -149,8 +149,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 # ---- pre-packed linear layers for CPU inference -----------------------------------------------
-# bf16 on CPUs with AVX-512 BF16 and no AMX: pagellm's own GEMM (KernelLinear, ...);
-# otherwise (AMX, fp16, no AVX-512 BF16, a bias) oneDNN with the weight packed once (PackedLinear, ...).
+# bf16 on CPUs with AVX-512 BF16: pagellm's own GEMM, on AMX tiles where there are some
+# (KernelLinear, ...); otherwise (fp16, no AVX-512 BF16, a bias) oneDNN with the weight packed once (PackedLinear, ...).
 
 _PACKED_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -222,74 +222,84 @@ class PackedSiluAndMulLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up_weight, self.up_bias, "mul")
 
 
-class KernelLinear(nn.Module):
-    """A bias-free bf16 CPU ``nn.Linear`` on pagellm's own GEMM (:func:`kernels.gemm_bf16`).
+class _KernelGemmLinear(nn.Module):
+    """A linear layer on pagellm's GEMM (:func:`kernels.gemm_bf16`) with a weight packed once."""
 
-    On CPUs with AVX-512 BF16 it beats oneDNN at decode batch sizes and matches it on long
-    prefills (``benchmarks/NOTES.md``); its sums are oneDNN's up to the last bit of about one
-    output in 10,000. The weight is held only in the kernel's packed layout.
-    """
+    epilogue = "none"
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, in_features: int, out_features: int, packed_weight: torch.Tensor, amx: bool) -> None:
         super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.packed_weight = kernels.pack_gemm_weight(linear.weight.detach())
+        self.in_features = in_features
+        self.out_features = out_features
+        self.packed_weight = packed_weight
+        self.amx = amx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             shape = x.shape
             return self.forward(x.reshape(-1, shape[-1])).view(*shape[:-1], self.out_features)
-        return kernels.gemm_bf16(x, self.packed_weight, self.out_features)
+        return kernels.gemm_bf16(x, self.packed_weight, self.out_features, self.epilogue, self.amx)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias=False"
+        isa = "amx" if self.amx else "avx512_bf16"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias=False, {isa}"
 
 
-class KernelSiluAndMulLinear(nn.Module):
+class KernelLinear(_KernelGemmLinear):
+    """A bias-free bf16 CPU ``nn.Linear`` on pagellm's GEMM: AMX tiles where the CPU has them,
+    else AVX-512 BF16 dot products. Faster than oneDNN at decode batch sizes and on par or
+    better on long prefills (``benchmarks/NOTES.md``, 19-20); its sums are oneDNN's up to the
+    last bit of about one output in 5,000. The weight is held only in the packed layout.
+    """
+
+    def __init__(self, linear: nn.Linear, amx: bool = False) -> None:
+        weight = linear.weight.detach()
+        super().__init__(linear.in_features, linear.out_features, kernels.pack_gemm_weight(weight), amx)
+
+
+class KernelSiluAndMulLinear(_KernelGemmLinear):
     """``silu(x @ W_gate.T) * (x @ W_up.T)`` in one pass of pagellm's GEMM, whose epilogue
     rounds gate, up and silu(gate) to bf16 in turn like the unfused bf16 ops."""
 
-    def __init__(self, gate_up: nn.Linear, intermediate_size: int) -> None:
-        super().__init__()
-        self.in_features = gate_up.in_features
-        self.out_features = intermediate_size
-        weight = gate_up.weight.detach()
-        self.packed_weight = kernels.pack_silu_mul_weight(weight[:intermediate_size], weight[intermediate_size:])
+    epilogue = "silu_mul"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2:
-            shape = x.shape
-            return self.forward(x.reshape(-1, shape[-1])).view(*shape[:-1], self.out_features)
-        return kernels.gemm_bf16(x, self.packed_weight, self.out_features, epilogue="silu_mul")
+    def __init__(self, gate_up: nn.Linear, intermediate_size: int, amx: bool = False) -> None:
+        weight = gate_up.weight.detach()
+        packed = kernels.pack_silu_mul_weight(weight[:intermediate_size], weight[intermediate_size:])
+        super().__init__(gate_up.in_features, intermediate_size, packed, amx)
 
 
 GEMM_CHOICES = ("auto", "pagellm", "onednn")
 
 
-def kernel_gemm_preferred(gemm: str = "auto") -> bool:
-    """Whether bf16 linears should run on pagellm's GEMM rather than oneDNN's.
+def kernel_gemm_mode(gemm: str = "auto") -> str | None:
+    """Which of pagellm's GEMM paths bf16 linears take: "amx", "avx512" or None (oneDNN).
 
-    ``auto``: yes on CPUs with AVX-512 BF16 but no AMX. With AMX tiles oneDNN is 4-10x faster
-    than dot-product instructions from 16 rows up (``benchmarks/NOTES.md``, 19).
+    ``auto`` and ``pagellm``: AMX tiles where this process may use them, else AVX-512 BF16 dot
+    products; but ``auto`` leaves a CPU that has AMX which the kernels cannot use to oneDNN,
+    which then is 4-10x faster than dot products (``benchmarks/NOTES.md``, 19).
     """
     if gemm not in GEMM_CHOICES:
         raise ValueError(f"gemm must be one of {GEMM_CHOICES}, got {gemm!r}")
     if gemm == "onednn" or not kernels.gemm_available():
+        return None
+    if kernels.gemm_amx_available():
+        return "amx"
+    return "avx512" if gemm == "pagellm" or "amx_bf16" not in cpu_flags() else None
+
+
+def _kernel_gemm_fits(linear: nn.Module, mode: str | None) -> bool:
+    """Whether pagellm's GEMM (``mode`` from :func:`kernel_gemm_mode`) replaces this layer: a
+    bias-free bf16 CPU ``nn.Linear`` whose input width the path takes (AMX: a multiple of 32)."""
+    if mode is None:
         return False
-    return gemm == "pagellm" or "amx_bf16" not in cpu_flags()
-
-
-def _kernel_gemm_fits(linear: nn.Module, gemm: str = "auto") -> bool:
-    """Whether pagellm's GEMM should replace this layer: a bias-free bf16 CPU ``nn.Linear`` with
-    an even input width, where :func:`kernel_gemm_preferred`."""
+    multiple = kernels.GEMM_AMX_K_MULTIPLE if mode == "amx" else 2
     return (
         type(linear) is nn.Linear
         and linear.bias is None
         and linear.weight.device.type == "cpu"
         and linear.weight.dtype == torch.bfloat16
-        and linear.in_features % 2 == 0
-        and kernel_gemm_preferred(gemm)
+        and linear.in_features % multiple == 0
     )
 
 
@@ -306,7 +316,7 @@ def fuse_silu_and_mul(
     gate_up: nn.Module, intermediate_size: int, verify: bool = True, gemm: str = "auto"
 ) -> nn.Module | None:
     """The fused replacement for ``SiluAndMul()(gate_up(x))``, or None where it does not apply:
-    pagellm's GEMM where it fits (``gemm`` as in :func:`kernel_gemm_preferred`), else two oneDNN
+    pagellm's GEMM where it fits (``gemm`` as in :func:`kernel_gemm_mode`), else two oneDNN
     matmuls with fused epilogues.
 
     ``verify`` runs a small numerical self-check (once per model is enough)."""
@@ -314,8 +324,9 @@ def fuse_silu_and_mul(
         return None
     fused: nn.Module
     try:
-        if _kernel_gemm_fits(gate_up, gemm):
-            fused = KernelSiluAndMulLinear(gate_up, intermediate_size)
+        mode = kernel_gemm_mode(gemm)
+        if _kernel_gemm_fits(gate_up, mode):
+            fused = KernelSiluAndMulLinear(gate_up, intermediate_size, amx=mode == "amx")
         elif (
             _packed_ops_available()
             and gate_up.weight.device.type == "cpu"
@@ -347,19 +358,19 @@ def _packs_exactly(linear: nn.Linear) -> bool:
         return False
 
 
-def _kernel_gemm_works(linear: nn.Linear) -> bool:
+def _kernel_gemm_works(linear: nn.Linear, amx: bool) -> bool:
     """Self-check of pagellm's GEMM on a few rows of one layer."""
     try:
         x = _probe(linear)
         with torch.no_grad():
-            return _close_to(KernelLinear(linear)(x), F.linear(x.float(), linear.weight.float()))
+            return _close_to(KernelLinear(linear, amx)(x), F.linear(x.float(), linear.weight.float()))
     except (RuntimeError, TypeError):
         return False
 
 
 def pack_linear_layers(model: nn.Module, batch_size_hint: int = 64, gemm: str = "auto") -> int:
     """Replace every bf16/fp16 CPU ``nn.Linear`` in ``model``, in place, by a :class:`KernelLinear`
-    where pagellm's GEMM fits (``gemm`` as in :func:`kernel_gemm_preferred`), else by a oneDNN
+    where pagellm's GEMM fits (``gemm`` as in :func:`kernel_gemm_mode`), else by a oneDNN
     :class:`PackedLinear`.
 
     Returns how many were replaced (0 for float32 weights, which keep torch's default path and
@@ -373,13 +384,14 @@ def pack_linear_layers(model: nn.Module, batch_size_hint: int = 64, gemm: str = 
     ]
     if not targets:
         return 0
-    first_fit = next((module for _, module in targets if _kernel_gemm_fits(module, gemm)), None)
-    use_kernel = first_fit is not None and _kernel_gemm_works(first_fit)
+    mode = kernel_gemm_mode(gemm)
+    first_fit = next((module for _, module in targets if _kernel_gemm_fits(module, mode)), None)
+    use_kernel = first_fit is not None and _kernel_gemm_works(first_fit, mode == "amx")
     use_packed = _packed_ops_available() and _packs_exactly(targets[0][1])
     replaced = 0
     for name, module in targets:
-        if use_kernel and _kernel_gemm_fits(module, gemm):
-            new: nn.Module = KernelLinear(module)
+        if use_kernel and _kernel_gemm_fits(module, mode):
+            new: nn.Module = KernelLinear(module, amx=mode == "amx")
         elif use_packed:
             new = PackedLinear(module, batch_size_hint)
         else:

@@ -14,7 +14,7 @@ from pagellm.model.layers import (
     PackedLinear,
     PackedSiluAndMulLinear,
     fuse_silu_and_mul,
-    kernel_gemm_preferred,
+    kernel_gemm_mode,
     pack_linear_layers,
 )
 from pagellm.utils import cpu_flags
@@ -22,6 +22,12 @@ from pagellm.utils import cpu_flags
 pytestmark = pytest.mark.skipif(not kernels.gemm_available(), reason="needs the AVX-512 BF16 kernel build")
 
 BF16_ULP = 2.0**-7  # spacing of bfloat16 values relative to their binade
+
+# Both paths of the kernel: AVX-512 BF16 dot products, and AMX tiles where this CPU has them.
+ISAS = [
+    pytest.param(False, id="avx512"),
+    pytest.param(True, id="amx", marks=pytest.mark.skipif(not kernels.gemm_amx_available(), reason="no AMX here")),
+]
 
 
 def _rand(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -38,11 +44,16 @@ def _assert_rounded_product(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor)
     assert excess <= 0, f"error exceeds the rounding bound by {float(excess)}"
 
 
-@pytest.mark.parametrize("m", [1, 5, 8, 9, 64, 131])
+@pytest.mark.parametrize("amx", ISAS)
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 16, 17, 64, 131])
 @pytest.mark.parametrize("k,n", [(2, 1), (64, 47), (64, 48), (96, 49), (576, 960), (1536, 100)])
-def test_gemm_matches_the_exact_product(m, k, n):
+def test_gemm_matches_the_exact_product(m, k, n, amx):
     x, w = _rand(m, k, seed=m * 7 + k), _rand(n, k, seed=n)
-    got = kernels.gemm_bf16(x, kernels.pack_gemm_weight(w), n)
+    if amx and k % kernels.GEMM_AMX_K_MULTIPLE:
+        with pytest.raises(ValueError, match="multiple of 32"):
+            kernels.gemm_bf16(x, kernels.pack_gemm_weight(w), n, amx=True)
+        return
+    got = kernels.gemm_bf16(x, kernels.pack_gemm_weight(w), n, amx=amx)
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
     _assert_rounded_product(got, x, w)
     # oneDNN sums in the same precision: the two agree except where float32 sums in another
@@ -50,46 +61,63 @@ def test_gemm_matches_the_exact_product(m, k, n):
     assert (got == F.linear(x, w)).float().mean() >= 0.99
 
 
-def test_gemm_reads_strided_rows_and_leaves_no_stale_columns():
-    big = _rand(10, 200, seed=3)
-    x = big[:, 10:138]  # row stride 200, 128 columns
+@pytest.mark.parametrize("amx", ISAS)
+def test_gemm_reads_strided_rows_and_leaves_no_stale_columns(amx):
+    big = _rand(20, 200, seed=3)
+    x = big[:, 10:138]  # row stride 200, 128 columns; 20 rows = one AMX tile of 16 and 4 more
     w = _rand(50, 128, seed=4)  # 50 = one full 48-column panel + 2 columns of a padded one
-    got = kernels.gemm_bf16(x, kernels.pack_gemm_weight(w), 50)
+    got = kernels.gemm_bf16(x, kernels.pack_gemm_weight(w), 50, amx=amx)
     _assert_rounded_product(got, x, w)
-    assert torch.equal(kernels.gemm_bf16(x.contiguous(), kernels.pack_gemm_weight(w), 50), got)
+    assert torch.equal(kernels.gemm_bf16(x.contiguous(), kernels.pack_gemm_weight(w), 50, amx=amx), got)
 
 
-def test_gemm_with_no_rows():
-    out = kernels.gemm_bf16(torch.empty(0, 64, dtype=torch.bfloat16), kernels.pack_gemm_weight(_rand(8, 64, seed=0)), 8)
+@pytest.mark.parametrize("amx", ISAS)
+def test_gemm_with_no_rows(amx):
+    w = kernels.pack_gemm_weight(_rand(8, 64, seed=0))
+    out = kernels.gemm_bf16(torch.empty(0, 64, dtype=torch.bfloat16), w, 8, amx=amx)
     assert out.shape == (0, 8)
 
 
-def _unfused_silu_mul(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+@pytest.mark.parametrize("m,k,n", [(700, 576, 100), (300, 1536, 49)])
+def test_amx_takes_rows_in_chunks_and_agrees_with_dot_products(m, k, n):
+    """Enough rows for several of the AMX path's L2-sized chunks of A, the last one ragged."""
+    if not kernels.gemm_amx_available():
+        pytest.skip("no AMX here")
+    x, w = _rand(m, k, seed=m), _rand(n, k, seed=k)
+    packed = kernels.pack_gemm_weight(w)
+    got = kernels.gemm_bf16(x, packed, n, amx=True)
+    _assert_rounded_product(got, x, w)
+    assert (got == kernels.gemm_bf16(x, packed, n)).float().mean() >= 0.99
+
+
+def _unfused_silu_mul(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, amx: bool = False) -> torch.Tensor:
     """HF's bf16 chain on the same matmul outputs: silu(x @ gate.T) * (x @ up.T)."""
-    g = kernels.gemm_bf16(x, kernels.pack_gemm_weight(gate), gate.shape[0])
-    u = kernels.gemm_bf16(x, kernels.pack_gemm_weight(up), up.shape[0])
+    g = kernels.gemm_bf16(x, kernels.pack_gemm_weight(gate), gate.shape[0], amx=amx)
+    u = kernels.gemm_bf16(x, kernels.pack_gemm_weight(up), up.shape[0], amx=amx)
     return F.silu(g) * u
 
 
-@pytest.mark.parametrize("m,k,inter", [(1, 64, 32), (7, 64, 40), (64, 576, 1536), (13, 128, 33)])
-def test_silu_mul_epilogue_rounds_like_the_unfused_ops(m, k, inter):
+@pytest.mark.parametrize("amx", ISAS)
+@pytest.mark.parametrize("m,k,inter", [(1, 64, 32), (7, 64, 40), (64, 576, 1536), (13, 128, 33), (37, 576, 70)])
+def test_silu_mul_epilogue_rounds_like_the_unfused_ops(m, k, inter, amx):
     x = _rand(m, k, seed=m)
     gate, up = _rand(inter, k, seed=1, scale=0.5), _rand(inter, k, seed=2, scale=0.5)
-    got = kernels.gemm_bf16(x, kernels.pack_silu_mul_weight(gate, up), inter, epilogue="silu_mul")
-    expected = _unfused_silu_mul(x, gate, up)
+    got = kernels.gemm_bf16(x, kernels.pack_silu_mul_weight(gate, up), inter, epilogue="silu_mul", amx=amx)
+    expected = _unfused_silu_mul(x, gate, up, amx)
     assert got.shape == (m, inter)
     # Our exp and torch's differ in the last float32 bits, which moves a rare bf16 rounding.
     assert (got == expected).float().mean() >= 0.999
     assert ((got.float() - expected.float()).abs() <= expected.float().abs() * BF16_ULP + 1e-30).all()
 
 
-def test_silu_mul_saturates_for_large_gates():
+@pytest.mark.parametrize("amx", ISAS)
+def test_silu_mul_saturates_for_large_gates(amx):
     k = 64
     x = torch.ones(2, k, dtype=torch.bfloat16)
     x[1] = -1
     gate = torch.full((32, k), 4.0, dtype=torch.bfloat16)  # gate = +-256: exp(-+256) over/underflows
     up = torch.full((32, k), 0.5, dtype=torch.bfloat16)
-    got = kernels.gemm_bf16(x, kernels.pack_silu_mul_weight(gate, up), 32, epilogue="silu_mul").float()
+    got = kernels.gemm_bf16(x, kernels.pack_silu_mul_weight(gate, up), 32, epilogue="silu_mul", amx=amx).float()
     assert torch.equal(got[0], torch.full((32,), 256.0 * 32.0))  # silu(256) = 256, times up = 32
     assert got[1].abs().max() == 0  # silu(-256) = -0.0 to bf16, times up = -32
 
@@ -102,6 +130,9 @@ BAD_CALLS = {
     "silu weight for plain": lambda x, p: kernels.gemm_bf16(x, kernels.pack_silu_mul_weight(_rand(32, 64, seed=0), _rand(32, 64, seed=1)), 48),
     "3-D x": lambda x, p: kernels.gemm_bf16(x[None], p, 48),
     "column-strided x": lambda x, p: kernels.gemm_bf16(_rand(64, 3, seed=0).T, p, 48),
+    "amx with k not a multiple of 32": lambda x, p: kernels.gemm_bf16(
+        x[:, :48], kernels.pack_gemm_weight(_rand(48, 48, seed=1)), 48, amx=True
+    ),
 }
 
 
@@ -127,6 +158,7 @@ def test_layers_choose_the_kernel_for_bias_free_bf16_linears():
         dst.load_state_dict(src.state_dict())
     assert pack_linear_layers(model, gemm="pagellm") == 2
     assert type(model[0]) is KernelLinear and type(model[1]) is PackedLinear  # oneDNN keeps the bias case
+    assert model[0].amx == kernels.gemm_amx_available()
     x = _rand(2, 5, 64, seed=9)  # a 3-D input is flattened and reshaped back
     with torch.no_grad():
         got = model[0](x)
@@ -137,7 +169,7 @@ def test_layers_choose_the_kernel_for_bias_free_bf16_linears():
 def test_fused_mlp_uses_the_kernel_and_matches_the_unfused_chain():
     gate_up = nn.Linear(64, 2 * 40, bias=False).to(torch.bfloat16)
     fused = fuse_silu_and_mul(gate_up, 40, gemm="pagellm")
-    assert type(fused) is KernelSiluAndMulLinear
+    assert type(fused) is KernelSiluAndMulLinear and fused.amx == kernels.gemm_amx_available()
     x = _rand(6, 64, seed=5)
     with torch.no_grad():
         got = fused(x)
@@ -148,10 +180,13 @@ def test_fused_mlp_uses_the_kernel_and_matches_the_unfused_chain():
 
 
 def test_gemm_choice_follows_the_cpu_and_the_override():
-    assert kernel_gemm_preferred("pagellm") and not kernel_gemm_preferred("onednn")
-    assert kernel_gemm_preferred("auto") == ("amx_bf16" not in cpu_flags())  # oneDNN's AMX wins there
+    amx = kernels.gemm_amx_available()
+    assert kernel_gemm_mode("onednn") is None
+    assert kernel_gemm_mode("pagellm") == ("amx" if amx else "avx512")
+    # A CPU with AMX that the kernels cannot use is left to oneDNN, which can.
+    assert kernel_gemm_mode("auto") == ("amx" if amx else None if "amx_bf16" in cpu_flags() else "avx512")
     with pytest.raises(ValueError, match="gemm must be one of"):
-        kernel_gemm_preferred("mkl")
+        kernel_gemm_mode("mkl")
     gate_up = nn.Linear(64, 80, bias=False).to(torch.bfloat16)
     assert type(fuse_silu_and_mul(gate_up, 40, gemm="onednn")) is PackedSiluAndMulLinear
     model = nn.Sequential(nn.Linear(64, 96, bias=False)).to(torch.bfloat16)

@@ -490,7 +490,7 @@ void argmax_rows(const T* x, int64_t row_stride, int64_t rows, int64_t n, int64_
 
 extern "C" {
 
-int pagellm_abi_version() { return 4; }
+int pagellm_abi_version() { return 5; }
 
 // out[row_token[r], h, :] = attention of query[row_token[r], h, :] over the first row_ctx[r]
 // positions of request row_req[r] (block_tables row), for every row r and query head h.

@@ -15,11 +15,19 @@
 
 #include <array>
 #include <cstdint>
+#include <cstring>
 #include <utility>
+#include <vector>
 
 #include <omp.h>
 
 #include "bf16_simd.h"
+
+#if defined(PAGELLM_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PAGELLM_AMX 1
+#endif
 
 #ifdef PAGELLM_AVX512_BF16
 namespace {
@@ -158,6 +166,144 @@ void gemm(const uint16_t* a, int64_t lda, int64_t m, int64_t k, const uint16_t* 
     }
 }
 
+#ifdef PAGELLM_AMX
+// AMX tiles (Sapphire Rapids and later). Same packed weight: a panel's 16-column group j over
+// 32 consecutive k is one B tile (16 k-pair rows of 64 bytes, row stride NZ * 64 bytes), so
+// TDPBF16PS multiplies a 16 x 32 tile of A into a 16 x 16 float32 tile of C. Tiles 0..NZ-1
+// hold C, 4 holds A, 5..7 B. Blocks of 16 rows of A run over each panel of the thread's range,
+// A taken in chunks of rows that stay in L2 while the thread's panels stream past.
+namespace amx {
+
+constexpr int kRows = 16;
+constexpr int64_t kStep = 32;           // k per tile product
+constexpr int64_t kChunkBytes = 384 << 10;  // rows of A kept in L2 while the panels pass
+
+struct alignas(64) TileConfig {
+    uint8_t palette = 1;
+    uint8_t start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// Linux hands out AMX state only to processes that ask for it (once per process).
+bool permitted() {
+    static const bool ok = [] {
+        constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+        return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+    }();
+    return ok;
+}
+
+void configure() {
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+        cfg.rows[t] = kRows;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+// out[j][r][0:16] = sum over k of A[r, k] * column group j of the panel, r < 16; meanwhile
+// `pf_lines` lines from `pf` on (part of the next panel) are prefetched into L2, spread over
+// the k steps. Without that the tile loads wait on memory: a panel's k step is one 4 KiB page,
+// where the hardware prefetchers stop.
+template <int NZ>
+inline void tile_block(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t ksteps, float* out,
+                       const char* pf, int64_t pf_lines) {
+    static_assert(NZ >= 1 && NZ <= 4, "at most 4 C tiles");
+    const int64_t a_stride = lda * 2, b_stride = int64_t{NZ} * kLine;
+    _tile_zero(0);
+    if constexpr (NZ > 1) _tile_zero(1);
+    if constexpr (NZ > 2) _tile_zero(2);
+    if constexpr (NZ > 3) _tile_zero(3);
+    const char* b = reinterpret_cast<const char*>(panel);
+    const int64_t pf_step = (pf_lines + ksteps - 1) / ksteps;
+    for (int64_t s = 0; s < ksteps; ++s, b += 16 * b_stride) {
+        for (int64_t i = 0; i < pf_step && pf_lines > 0; ++i, --pf_lines, pf += kLine) _mm_prefetch(pf, _MM_HINT_T1);
+        _tile_loadd(4, a + s * kStep, a_stride);
+        _tile_loadd(5, b, b_stride);
+        _tile_dpbf16ps(0, 4, 5);
+        if constexpr (NZ > 1) {
+            _tile_loadd(6, b + kLine, b_stride);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+        if constexpr (NZ > 2) {
+            _tile_loadd(7, b + 2 * kLine, b_stride);
+            _tile_dpbf16ps(2, 4, 7);
+        }
+        if constexpr (NZ > 3) {
+            _tile_loadd(5, b + 3 * kLine, b_stride);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+    }
+    _tile_stored(0, out, kLine);
+    if constexpr (NZ > 1) _tile_stored(1, out + 256, kLine);
+    if constexpr (NZ > 2) _tile_stored(2, out + 512, kLine);
+    if constexpr (NZ > 3) _tile_stored(3, out + 768, kLine);
+}
+
+template <class Epi>
+void gemm(const uint16_t* a, int64_t lda, int64_t m, int64_t k, const uint16_t* packed, int64_t n, uint16_t* c,
+          int64_t ldc, int num_threads) {
+    constexpr int NZ = Epi::NZ;
+    const int64_t ksteps = k / kStep;
+    const int64_t panel_elems = (k / 2) * NZ * 32;
+    const int64_t panels = (n + Epi::out_cols - 1) / Epi::out_cols;
+    int64_t chunk = kChunkBytes / (k * 2) / kRows * kRows;
+    if (chunk < kRows) chunk = kRows;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+        if (p0 < p1) {
+            configure();
+            alignas(64) float out[NZ * 256];
+            std::vector<uint16_t> tail;  // the last rows of A, zero-padded to a whole tile
+            for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+                const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
+                const int64_t blocks = (m1 - m0 + kRows - 1) / kRows;
+                const int64_t panel_lines = panel_elems * 2 / kLine;
+                const int64_t lines_per_block = (panel_lines + blocks - 1) / blocks;
+                for (int64_t p = p0; p < p1; ++p) {
+                    const uint16_t* panel = packed + p * panel_elems;
+                    const int64_t cols = n - p * Epi::out_cols;
+                    const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(panel + panel_elems) : nullptr;
+                    for (int64_t r0 = m0; r0 < m1; r0 += kRows) {
+                        // Block b of the chunk prefetches the b-th share of the next panel.
+                        const int64_t first = (r0 - m0) / kRows * lines_per_block;
+                        int64_t pf_lines = next == nullptr ? 0 : panel_lines - first;
+                        pf_lines = pf_lines < lines_per_block ? pf_lines : lines_per_block;
+                        const int64_t rows = m1 - r0 < kRows ? m1 - r0 : kRows;
+                        const uint16_t* rows_a = a + r0 * lda;
+                        int64_t stride = lda;
+                        if (rows < kRows) {
+                            if (tail.empty()) {
+                                tail.assign(kRows * k, 0);
+                                for (int64_t r = 0; r < rows; ++r)
+                                    std::memcpy(tail.data() + r * k, rows_a + r * lda, k * 2);
+                            }
+                            rows_a = tail.data();
+                            stride = k;
+                        }
+                        tile_block<NZ>(rows_a, stride, panel, ksteps, out, next + first * kLine,
+                                       pf_lines > 0 ? pf_lines : 0);
+                        for (int64_t r = 0; r < rows; ++r) {
+                            __m512 acc[1][NZ];
+                            for (int j = 0; j < NZ; ++j) acc[0][j] = _mm512_load_ps(out + j * 256 + r * 16);
+                            Epi::template store<1>(acc, c + (r0 + r) * ldc + p * Epi::out_cols, ldc, cols);
+                        }
+                    }
+                }
+            }
+            _tile_release();
+        }
+    }
+}
+
+}  // namespace amx
+#endif
+
 }  // namespace
 #endif
 
@@ -172,13 +318,41 @@ int pagellm_gemm_bf16_available() {
 #endif
 }
 
+// 1 when this build has the AMX path and the kernel lets this process use AMX tiles.
+int pagellm_gemm_bf16_amx_available() {
+#ifdef PAGELLM_AMX
+    return amx::permitted() ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
 // c[m, n] = a[m, k] @ W^T on a packed W (layout above). epilogue 0: plain (48-column panels);
-// 1: silu(gate) * up (panels of 32 gate + 32 up columns; n = the up/gate width).
-// Returns 0, -1 on a bad argument, -2 where the build lacks AVX-512 BF16.
+// 1: silu(gate) * up (panels of 32 gate + 32 up columns; n = the up/gate width). use_amx: AMX
+// tiles (needs k % 32 == 0 and pagellm_gemm_bf16_amx_available()) instead of dot products.
+// Returns 0, -1 on a bad argument, -2 where the build lacks AVX-512 BF16 (or AMX, if asked).
 int pagellm_gemm_bf16(const void* a, int64_t lda, int64_t m, int64_t k, const void* packed, int64_t n, void* c,
-                      int64_t ldc, int epilogue, int num_threads) {
+                      int64_t ldc, int epilogue, int num_threads, int use_amx) {
 #ifdef PAGELLM_AVX512_BF16
     if (m < 0 || k <= 0 || k % 2 != 0 || n <= 0 || lda < k || ldc < n) return -1;
+    if (use_amx) {
+#ifdef PAGELLM_AMX
+        if (k % amx::kStep != 0 || (epilogue != 0 && epilogue != 1)) return -1;
+        if (!amx::permitted()) return -2;
+        if (num_threads < 1) num_threads = 1;
+        if (m == 0) return 0;
+        const auto* A = static_cast<const uint16_t*>(a);
+        const auto* W = static_cast<const uint16_t*>(packed);
+        auto* C = static_cast<uint16_t*>(c);
+        if (epilogue == 0)
+            amx::gemm<Plain>(A, lda, m, k, W, n, C, ldc, num_threads);
+        else
+            amx::gemm<SiluMul>(A, lda, m, k, W, n, C, ldc, num_threads);
+        return 0;
+#else
+        return -2;
+#endif
+    }
     if (num_threads < 1) num_threads = 1;
     if (m == 0) return 0;
     const auto* A = static_cast<const uint16_t*>(a);
@@ -193,7 +367,8 @@ int pagellm_gemm_bf16(const void* a, int64_t lda, int64_t m, int64_t k, const vo
     }
     return 0;
 #else
-    (void)a, (void)lda, (void)m, (void)k, (void)packed, (void)n, (void)c, (void)ldc, (void)epilogue, (void)num_threads;
+    (void)a, (void)lda, (void)m, (void)k, (void)packed, (void)n, (void)c, (void)ldc, (void)epilogue, (void)num_threads,
+        (void)use_amx;
     return -2;
 #endif
 }
