@@ -243,10 +243,42 @@ inline void tile_block(const uint16_t* a, int64_t lda, const uint16_t* panel, in
     if constexpr (NZ > 3) _tile_stored(3, out + 768, kLine);
 }
 
+// The SiLU-and-mul panel (gate groups 0, 1, up groups 2, 3) over 32 rows of A: for each half
+// h, C tiles gate_h and up_h for both 16-row blocks, with both A tiles and both B tiles held,
+// so each tile loaded serves two products. out[j][r][0:16], r < 32.
+inline void silu_pair_block(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t ksteps, float* out,
+                            const char* pf, int64_t pf_lines) {
+    const int64_t a_stride = lda * 2, b_stride = 4 * kLine;
+    const int64_t pf_step = (pf_lines + 2 * ksteps - 1) / (2 * ksteps);
+    for (int h = 0; h < 2; ++h) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        const char* b = reinterpret_cast<const char*>(panel) + h * kLine;
+        for (int64_t s = 0; s < ksteps; ++s, b += 16 * b_stride) {
+            for (int64_t i = 0; i < pf_step && pf_lines > 0; ++i, --pf_lines, pf += kLine) _mm_prefetch(pf, _MM_HINT_T1);
+            _tile_loadd(4, a + s * kStep, a_stride);
+            _tile_loadd(5, a + 16 * lda + s * kStep, a_stride);
+            _tile_loadd(6, b, b_stride);
+            _tile_loadd(7, b + 2 * kLine, b_stride);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, out + h * 512, kLine);
+        _tile_stored(2, out + h * 512 + 256, kLine);
+        _tile_stored(1, out + (h + 2) * 512, kLine);
+        _tile_stored(3, out + (h + 2) * 512 + 256, kLine);
+    }
+}
+
 template <class Epi>
 void gemm(const uint16_t* a, int64_t lda, int64_t m, int64_t k, const uint16_t* packed, int64_t n, uint16_t* c,
           int64_t ldc, int num_threads) {
     constexpr int NZ = Epi::NZ;
+    constexpr bool kPairs = NZ == 4;  // the SiLU-and-mul panel goes 32 rows at a time
     const int64_t ksteps = k / kStep;
     const int64_t panel_elems = (k / 2) * NZ * 32;
     const int64_t panels = (n + Epi::out_cols - 1) / Epi::out_cols;
@@ -258,7 +290,7 @@ void gemm(const uint16_t* a, int64_t lda, int64_t m, int64_t k, const uint16_t* 
         const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
         if (p0 < p1) {
             configure();
-            alignas(64) float out[NZ * 256];
+            alignas(64) float out[NZ * 512];
             std::vector<uint16_t> tail;  // the last rows of A, zero-padded to a whole tile
             for (int64_t m0 = 0; m0 < m; m0 += chunk) {
                 const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
@@ -269,9 +301,22 @@ void gemm(const uint16_t* a, int64_t lda, int64_t m, int64_t k, const uint16_t* 
                     const uint16_t* panel = packed + p * panel_elems;
                     const int64_t cols = n - p * Epi::out_cols;
                     const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(panel + panel_elems) : nullptr;
-                    for (int64_t r0 = m0; r0 < m1; r0 += kRows) {
+                    for (int64_t r0 = m0; r0 < m1;) {
                         // Block b of the chunk prefetches the b-th share of the next panel.
                         const int64_t first = (r0 - m0) / kRows * lines_per_block;
+                        if (kPairs && m1 - r0 >= 2 * kRows) {
+                            int64_t pf_lines = next == nullptr ? 0 : panel_lines - first;
+                            pf_lines = pf_lines < 2 * lines_per_block ? pf_lines : 2 * lines_per_block;
+                            silu_pair_block(a + r0 * lda, lda, panel, ksteps, out, next + first * kLine,
+                                            pf_lines > 0 ? pf_lines : 0);
+                            for (int64_t r = 0; r < 2 * kRows; ++r) {
+                                __m512 acc[1][NZ];
+                                for (int j = 0; j < NZ; ++j) acc[0][j] = _mm512_load_ps(out + j * 512 + r * 16);
+                                Epi::template store<1>(acc, c + (r0 + r) * ldc + p * Epi::out_cols, ldc, cols);
+                            }
+                            r0 += 2 * kRows;
+                            continue;
+                        }
                         int64_t pf_lines = next == nullptr ? 0 : panel_lines - first;
                         pf_lines = pf_lines < lines_per_block ? pf_lines : lines_per_block;
                         const int64_t rows = m1 - r0 < kRows ? m1 - r0 : kRows;
@@ -293,6 +338,7 @@ void gemm(const uint16_t* a, int64_t lda, int64_t m, int64_t k, const uint16_t* 
                             for (int j = 0; j < NZ; ++j) acc[0][j] = _mm512_load_ps(out + j * 256 + r * 16);
                             Epi::template store<1>(acc, c + (r0 + r) * ldc + p * Epi::out_cols, ldc, cols);
                         }
+                        r0 += kRows;
                     }
                 }
             }
