@@ -20,3 +20,27 @@ static inline void store_bf16x16(uint16_t* p, __m512 v) {
 static inline __m512 round_bf16x16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
 
 #endif
+
+// AMX tiles (Sapphire Rapids and later), where the compiler targets them.
+#if defined(PAGELLM_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PAGELLM_AMX 1
+
+struct alignas(64) AmxTileConfig {
+    uint8_t palette = 1;
+    uint8_t start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// Linux hands out AMX state only to processes that ask for it (asked once per source file).
+static inline bool amx_permitted() {
+    static const bool ok = [] {
+        constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+        return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+    }();
+    return ok;
+}
+#endif

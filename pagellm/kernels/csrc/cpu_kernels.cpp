@@ -236,11 +236,75 @@ inline void softmax_avx512(float* sg, int64_t n) {
 
 // attend_one for bfloat16 with head_dim = 32 * C, on AVX-512 BF16: q.k with vdpbf16ps
 // (bf16 products, float32 sums, as a bf16 GEMM), softmax and the value sums in float32.
+#ifdef PAGELLM_AMX
+// Scores on AMX tiles, for blocks of kAmxBlock positions: S^T[p, g] = K[p, :] . q_g, with one
+// block's K rows of this head as the A tile (16 positions x 32 dims, straight from the cache:
+// row stride = the cache row) and the G queries as B tiles (dim pairs x G, built per item).
+// Tile 0 holds S^T, tiles 1..C the query, tile 4 the keys. The tail rows of a partial block
+// read stale cache rows; each only makes its own score row, which is dropped.
+constexpr int64_t kAmxBlock = 16;
+
+inline void configure_score_tiles(int64_t group, int c_steps) {
+    AmxTileConfig cfg;
+    cfg.rows[0] = 16;
+    cfg.colsb[0] = static_cast<uint16_t>(group * 4);
+    for (int c = 1; c <= c_steps; ++c) {
+        cfg.rows[c] = 16;
+        cfg.colsb[c] = static_cast<uint16_t>(group * 4);
+    }
+    cfg.rows[4] = 16;
+    cfg.colsb[4] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+template <int C>
+void scores_amx(const uint16_t* q_row, const uint16_t* key_cache, const int64_t* block_table, int64_t ctx,
+                int64_t kvh, int64_t G, int64_t row_stride, float scale, float* s) {
+    constexpr int64_t D = 32 * C;
+    // Query tile c: [dim pair kp][query head g][2], rows G * 4 bytes apart.
+    alignas(64) uint16_t qb[C][16 * 16 * 2];
+    for (int c = 0; c < C; ++c)
+        for (int64_t kp = 0; kp < 16; ++kp)
+            for (int64_t g = 0; g < G; ++g) {
+                const uint16_t* q = q_row + (kvh * G + g) * D + 32 * c + 2 * kp;
+                qb[c][(kp * G + g) * 2] = q[0];
+                qb[c][(kp * G + g) * 2 + 1] = q[1];
+            }
+    const int64_t b_stride = G * 4;
+    _tile_loadd(1, qb[0], b_stride);
+    if constexpr (C > 1) _tile_loadd(2, qb[1], b_stride);
+    if constexpr (C > 2) _tile_loadd(3, qb[2], b_stride);
+    alignas(64) float st[16][16];
+    const int64_t a_stride = row_stride * 2;
+    for (int64_t p0 = 0; p0 < ctx; p0 += kAmxBlock) {
+        const uint16_t* base = key_cache + block_table[p0 / kAmxBlock] * kAmxBlock * row_stride + kvh * D;
+        if (p0 + kPrefetchDistance < ctx)
+            for (int64_t i = 0; i < kAmxBlock; ++i)
+                prefetch_row(key_cache, block_table, p0 + kPrefetchDistance + i, kAmxBlock, row_stride, kvh * D, D * 2);
+        _tile_zero(0);
+        _tile_loadd(4, base, a_stride);
+        _tile_dpbf16ps(0, 4, 1);
+        if constexpr (C > 1) {
+            _tile_loadd(4, base + 32, a_stride);
+            _tile_dpbf16ps(0, 4, 2);
+        }
+        if constexpr (C > 2) {
+            _tile_loadd(4, base + 64, a_stride);
+            _tile_dpbf16ps(0, 4, 3);
+        }
+        _tile_stored(0, st, 64);
+        const int64_t n = ctx - p0 < kAmxBlock ? ctx - p0 : kAmxBlock;
+        for (int64_t i = 0; i < n; ++i)
+            for (int64_t g = 0; g < G; ++g) s[g * ctx + p0 + i] = st[i][g] * scale;
+    }
+}
+#endif
+
 template <int C>
 void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const uint16_t* key_cache,
                        const uint16_t* value_cache, const int64_t* block_table, int64_t ctx, int64_t kvh,
                        int64_t group, int64_t num_kv_heads, int64_t block_size, float scale,
-                       std::vector<float>& scores, std::vector<float>& work) {
+                       std::vector<float>& scores, std::vector<float>& work, bool amx) {
     constexpr int64_t D = 32 * C;
     const int64_t G = group;
     scores.resize(static_cast<size_t>(G * ctx));
@@ -249,8 +313,15 @@ void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const uint16_t*
     float* acc = work.data();
     const int64_t row_stride = num_kv_heads * D;
 
+#ifdef PAGELLM_AMX
+    if constexpr (C <= 3) {
+        if (amx) scores_amx<C>(q_row, key_cache, block_table, ctx, kvh, G, row_stride, scale, s);
+    }
+#else
+    (void)amx;
+#endif
     // Scores: each key row is read once for all G query heads (up to 4 at a time in registers).
-    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    for (int64_t g0 = 0; g0 < G && !amx; g0 += 4) {
         const int64_t gn = G - g0 < 4 ? G - g0 : 4;
         __m512bh q[4][C];
         for (int j = 0; j < gn; ++j)
@@ -306,9 +377,17 @@ void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_r
                      int64_t head_dim, int64_t block_size, float scale, int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t items = num_rows * num_kv_heads;
+    bool amx = false;
+#ifdef PAGELLM_AMX
+    amx = std::is_same_v<T, uint16_t> && block_size == kAmxBlock && group <= 16 && head_dim == 64 &&
+          amx_permitted();
+#endif
 #pragma omp parallel num_threads(num_threads)
     {
         std::vector<float> scores, work;
+#ifdef PAGELLM_AMX
+        if (amx) configure_score_tiles(group, 2);
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; ++it) {
             const int64_t r = it / num_kv_heads;
@@ -321,12 +400,12 @@ void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_r
             if constexpr (std::is_same_v<T, uint16_t>) {
                 if (head_dim == 64) {
                     attend_one_avx512<2>(q_row, out_row, key_cache, value_cache, table, row_ctx[r], kvh, group,
-                                         num_kv_heads, block_size, scale, scores, work);
+                                         num_kv_heads, block_size, scale, scores, work, amx);
                     continue;
                 }
                 if (head_dim == 128) {
                     attend_one_avx512<4>(q_row, out_row, key_cache, value_cache, table, row_ctx[r], kvh, group,
-                                         num_kv_heads, block_size, scale, scores, work);
+                                         num_kv_heads, block_size, scale, scores, work, false);
                     continue;
                 }
             }
@@ -334,6 +413,9 @@ void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_r
             attend_one<T>(q_row, out_row, key_cache, value_cache, table, row_ctx[r], kvh, group, num_kv_heads,
                           head_dim, block_size, scale, scores, work);
         }
+#ifdef PAGELLM_AMX
+        if (amx) _tile_release();
+#endif
     }
 }
 

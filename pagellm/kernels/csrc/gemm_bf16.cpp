@@ -23,11 +23,6 @@
 
 #include "bf16_simd.h"
 
-#if defined(PAGELLM_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define PAGELLM_AMX 1
-#endif
 
 #ifdef PAGELLM_AVX512_BF16
 namespace {
@@ -178,25 +173,8 @@ constexpr int kRows = 16;
 constexpr int64_t kStep = 32;           // k per tile product
 constexpr int64_t kChunkBytes = 384 << 10;  // rows of A kept in L2 while the panels pass
 
-struct alignas(64) TileConfig {
-    uint8_t palette = 1;
-    uint8_t start_row = 0;
-    uint8_t reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-};
-
-// Linux hands out AMX state only to processes that ask for it (once per process).
-bool permitted() {
-    static const bool ok = [] {
-        constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-        return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-    }();
-    return ok;
-}
-
 void configure() {
-    TileConfig cfg;
+    AmxTileConfig cfg;
     for (int t = 0; t < 8; ++t) {
         cfg.rows[t] = kRows;
         cfg.colsb[t] = 64;
@@ -367,7 +345,7 @@ int pagellm_gemm_bf16_available() {
 // 1 when this build has the AMX path and the kernel lets this process use AMX tiles.
 int pagellm_gemm_bf16_amx_available() {
 #ifdef PAGELLM_AMX
-    return amx::permitted() ? 1 : 0;
+    return amx_permitted() ? 1 : 0;
 #else
     return 0;
 #endif
@@ -384,7 +362,7 @@ int pagellm_gemm_bf16(const void* a, int64_t lda, int64_t m, int64_t k, const vo
     if (use_amx) {
 #ifdef PAGELLM_AMX
         if (k % amx::kStep != 0 || (epilogue != 0 && epilogue != 1)) return -1;
-        if (!amx::permitted()) return -2;
+        if (!amx_permitted()) return -2;
         if (num_threads < 1) num_threads = 1;
         if (m == 0) return 0;
         const auto* A = static_cast<const uint16_t*>(a);
