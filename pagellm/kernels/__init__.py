@@ -231,6 +231,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 # Packed weight layouts of the bf16 GEMM (csrc/gemm_bf16.cpp): column panels of [K / 2][cols][2].
 GEMM_PANEL_COLS = 48
+GEMM_AMX_PANEL_COLS = 32  # the AMX path's plain panels: two 16-column tile groups
 SILU_MUL_HALF_COLS = 32  # a fused MLP panel: 32 gate columns, then the same 32 up columns
 _EPILOGUES = {"none": (0, GEMM_PANEL_COLS), "silu_mul": (1, 2 * SILU_MUL_HALF_COLS)}
 
@@ -272,10 +273,11 @@ def _check_gemm_weight(name: str, weight: torch.Tensor) -> None:
         raise ValueError(f"{name} must have rows and an even number of columns, got {list(weight.shape)}")
 
 
-def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A linear layer's ``[out, in]`` bf16 weight in the GEMM's plain panel layout."""
+def pack_gemm_weight(weight: torch.Tensor, amx: bool = False) -> torch.Tensor:
+    """A linear layer's ``[out, in]`` bf16 weight in the GEMM's plain panel layout (for the
+    AMX path with ``amx``: narrower panels)."""
     _check_gemm_weight("weight", weight)
-    return _interleave_pairs(_panels(weight, GEMM_PANEL_COLS))
+    return _interleave_pairs(_panels(weight, GEMM_AMX_PANEL_COLS if amx else GEMM_PANEL_COLS))
 
 
 def pack_silu_mul_weight(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -300,6 +302,8 @@ def gemm_bf16(
     if epilogue not in _EPILOGUES:
         raise ValueError(f"epilogue must be one of {sorted(_EPILOGUES)}, got {epilogue!r}")
     code, cols = _EPILOGUES[epilogue]
+    if amx and code == 0:
+        cols = GEMM_AMX_PANEL_COLS
     if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
         raise ValueError("x must be a 2-D CPU bfloat16 tensor")
     rows, k = x.shape

@@ -254,7 +254,7 @@ class KernelLinear(_KernelGemmLinear):
 
     def __init__(self, linear: nn.Linear, amx: bool = False) -> None:
         weight = linear.weight.detach()
-        super().__init__(linear.in_features, linear.out_features, kernels.pack_gemm_weight(weight), amx)
+        super().__init__(linear.in_features, linear.out_features, kernels.pack_gemm_weight(weight, amx), amx)
 
 
 class KernelSiluAndMulLinear(_KernelGemmLinear):

@@ -51,9 +51,9 @@ def test_gemm_matches_the_exact_product(m, k, n, amx):
     x, w = _rand(m, k, seed=m * 7 + k), _rand(n, k, seed=n)
     if amx and k % kernels.GEMM_AMX_K_MULTIPLE:
         with pytest.raises(ValueError, match="multiple of 32"):
-            kernels.gemm_bf16(x, kernels.pack_gemm_weight(w), n, amx=True)
+            kernels.gemm_bf16(x, kernels.pack_gemm_weight(w, amx=True), n, amx=True)
         return
-    got = kernels.gemm_bf16(x, kernels.pack_gemm_weight(w), n, amx=amx)
+    got = kernels.gemm_bf16(x, kernels.pack_gemm_weight(w, amx), n, amx=amx)
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
     _assert_rounded_product(got, x, w)
     # oneDNN sums in the same precision: the two agree except where float32 sums in another
@@ -66,14 +66,14 @@ def test_gemm_reads_strided_rows_and_leaves_no_stale_columns(amx):
     big = _rand(20, 200, seed=3)
     x = big[:, 10:138]  # row stride 200, 128 columns; 20 rows = one AMX tile of 16 and 4 more
     w = _rand(50, 128, seed=4)  # 50 = one full 48-column panel + 2 columns of a padded one
-    got = kernels.gemm_bf16(x, kernels.pack_gemm_weight(w), 50, amx=amx)
+    got = kernels.gemm_bf16(x, kernels.pack_gemm_weight(w, amx), 50, amx=amx)
     _assert_rounded_product(got, x, w)
-    assert torch.equal(kernels.gemm_bf16(x.contiguous(), kernels.pack_gemm_weight(w), 50, amx=amx), got)
+    assert torch.equal(kernels.gemm_bf16(x.contiguous(), kernels.pack_gemm_weight(w, amx), 50, amx=amx), got)
 
 
 @pytest.mark.parametrize("amx", ISAS)
 def test_gemm_with_no_rows(amx):
-    w = kernels.pack_gemm_weight(_rand(8, 64, seed=0))
+    w = kernels.pack_gemm_weight(_rand(8, 64, seed=0), amx)
     out = kernels.gemm_bf16(torch.empty(0, 64, dtype=torch.bfloat16), w, 8, amx=amx)
     assert out.shape == (0, 8)
 
@@ -84,16 +84,15 @@ def test_amx_takes_rows_in_chunks_and_agrees_with_dot_products(m, k, n):
     if not kernels.gemm_amx_available():
         pytest.skip("no AMX here")
     x, w = _rand(m, k, seed=m), _rand(n, k, seed=k)
-    packed = kernels.pack_gemm_weight(w)
-    got = kernels.gemm_bf16(x, packed, n, amx=True)
+    got = kernels.gemm_bf16(x, kernels.pack_gemm_weight(w, amx=True), n, amx=True)
     _assert_rounded_product(got, x, w)
-    assert (got == kernels.gemm_bf16(x, packed, n)).float().mean() >= 0.99
+    assert (got == kernels.gemm_bf16(x, kernels.pack_gemm_weight(w), n)).float().mean() >= 0.99
 
 
 def _unfused_silu_mul(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, amx: bool = False) -> torch.Tensor:
     """HF's bf16 chain on the same matmul outputs: silu(x @ gate.T) * (x @ up.T)."""
-    g = kernels.gemm_bf16(x, kernels.pack_gemm_weight(gate), gate.shape[0], amx=amx)
-    u = kernels.gemm_bf16(x, kernels.pack_gemm_weight(up), up.shape[0], amx=amx)
+    g = kernels.gemm_bf16(x, kernels.pack_gemm_weight(gate, amx), gate.shape[0], amx=amx)
+    u = kernels.gemm_bf16(x, kernels.pack_gemm_weight(up, amx), up.shape[0], amx=amx)
     return F.silu(g) * u
 
 
@@ -130,8 +129,9 @@ BAD_CALLS = {
     "silu weight for plain": lambda x, p: kernels.gemm_bf16(x, kernels.pack_silu_mul_weight(_rand(32, 64, seed=0), _rand(32, 64, seed=1)), 48),
     "3-D x": lambda x, p: kernels.gemm_bf16(x[None], p, 48),
     "column-strided x": lambda x, p: kernels.gemm_bf16(_rand(64, 3, seed=0).T, p, 48),
+    "dot-product panels on the amx path": lambda x, p: kernels.gemm_bf16(x, p, 48, amx=True),
     "amx with k not a multiple of 32": lambda x, p: kernels.gemm_bf16(
-        x[:, :48], kernels.pack_gemm_weight(_rand(48, 48, seed=1)), 48, amx=True
+        x[:, :48], kernels.pack_gemm_weight(_rand(48, 48, seed=1), amx=True), 48, amx=True
     ),
 }
 

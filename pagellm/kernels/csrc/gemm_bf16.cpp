@@ -81,9 +81,10 @@ inline void accumulate(const uint16_t* a, int64_t lda, const uint16_t* panel, in
 }
 
 // Plain epilogue: 16 * NZ output columns (the first `cols` of them exist) rounded to bf16.
-struct Plain {
-    static constexpr int NZ = 3;
-    static constexpr int MR = 8;  // 24 accumulators + 3 weight registers + 1 broadcast
+template <int NZ_, int MR_>
+struct PlainN {
+    static constexpr int NZ = NZ_;
+    static constexpr int MR = MR_;
     static constexpr int64_t out_cols = 16 * NZ;
     template <int R>
     static void store(const __m512 (&acc)[R][NZ], uint16_t* c, int64_t ldc, int64_t cols) {
@@ -94,6 +95,8 @@ struct Plain {
             }
     }
 };
+using Plain = PlainN<3, 8>;     // dot products: 24 accumulators + 3 weight registers + 1 broadcast
+using PlainAmx = PlainN<2, 32>;  // AMX: 32-column panels, 2 x 2 tiles of 16 rows x 16 columns
 
 // MLP epilogue: the panel holds 32 gate columns then the same 32 up columns; out =
 // silu(gate) * up with each intermediate rounded to bf16, the order of HF's unfused bf16 ops.
@@ -221,34 +224,39 @@ inline void tile_block(const uint16_t* a, int64_t lda, const uint16_t* panel, in
     if constexpr (NZ > 3) _tile_stored(3, out + 768, kLine);
 }
 
-// The SiLU-and-mul panel (gate groups 0, 1, up groups 2, 3) over 32 rows of A: for each half
-// h, C tiles gate_h and up_h for both 16-row blocks, with both A tiles and both B tiles held,
-// so each tile loaded serves two products. out[j][r][0:16], r < 32.
-inline void silu_pair_block(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t ksteps, float* out,
-                            const char* pf, int64_t pf_lines) {
-    const int64_t a_stride = lda * 2, b_stride = 4 * kLine;
-    const int64_t pf_step = (pf_lines + 2 * ksteps - 1) / (2 * ksteps);
-    for (int h = 0; h < 2; ++h) {
+// 32 rows of A over a panel of NZ = 2 column groups (plain) or 4 (gate 0, 1, up 2, 3), two
+// groups at a time (0 and 1; or gate_h and up_h): C tiles for both 16-row blocks and both
+// groups, with both A tiles and both B tiles held, so each tile loaded serves two products.
+// out[j][r][0:16], r < 32.
+template <int NZ>
+inline void pair_block(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t ksteps, float* out,
+                       const char* pf, int64_t pf_lines) {
+    static_assert(NZ == 2 || NZ == 4, "column groups go in pairs");
+    constexpr int kPasses = NZ / 2;
+    const int64_t a_stride = lda * 2, b_stride = NZ * kLine;
+    const int64_t pf_step = (pf_lines + kPasses * ksteps - 1) / (kPasses * ksteps);
+    for (int h = 0; h < kPasses; ++h) {
+        const int j0 = h, j1 = h + kPasses;
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        const char* b = reinterpret_cast<const char*>(panel) + h * kLine;
+        const char* b = reinterpret_cast<const char*>(panel) + j0 * kLine;
         for (int64_t s = 0; s < ksteps; ++s, b += 16 * b_stride) {
             for (int64_t i = 0; i < pf_step && pf_lines > 0; ++i, --pf_lines, pf += kLine) _mm_prefetch(pf, _MM_HINT_T1);
             _tile_loadd(4, a + s * kStep, a_stride);
             _tile_loadd(5, a + 16 * lda + s * kStep, a_stride);
             _tile_loadd(6, b, b_stride);
-            _tile_loadd(7, b + 2 * kLine, b_stride);
+            _tile_loadd(7, b + (j1 - j0) * kLine, b_stride);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 4, 7);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
-        _tile_stored(0, out + h * 512, kLine);
-        _tile_stored(2, out + h * 512 + 256, kLine);
-        _tile_stored(1, out + (h + 2) * 512, kLine);
-        _tile_stored(3, out + (h + 2) * 512 + 256, kLine);
+        _tile_stored(0, out + j0 * 512, kLine);
+        _tile_stored(2, out + j0 * 512 + 256, kLine);
+        _tile_stored(1, out + j1 * 512, kLine);
+        _tile_stored(3, out + j1 * 512 + 256, kLine);
     }
 }
 
@@ -256,7 +264,7 @@ template <class Epi>
 void gemm(const uint16_t* a, int64_t lda, int64_t m, int64_t k, const uint16_t* packed, int64_t n, uint16_t* c,
           int64_t ldc, int num_threads) {
     constexpr int NZ = Epi::NZ;
-    constexpr bool kPairs = NZ == 4;  // the SiLU-and-mul panel goes 32 rows at a time
+    constexpr bool kPairs = NZ % 2 == 0;  // even column groups: 32 rows at a time
     const int64_t ksteps = k / kStep;
     const int64_t panel_elems = (k / 2) * NZ * 32;
     const int64_t panels = (n + Epi::out_cols - 1) / Epi::out_cols;
@@ -285,8 +293,9 @@ void gemm(const uint16_t* a, int64_t lda, int64_t m, int64_t k, const uint16_t* 
                         if (kPairs && m1 - r0 >= 2 * kRows) {
                             int64_t pf_lines = next == nullptr ? 0 : panel_lines - first;
                             pf_lines = pf_lines < 2 * lines_per_block ? pf_lines : 2 * lines_per_block;
-                            silu_pair_block(a + r0 * lda, lda, panel, ksteps, out, next + first * kLine,
-                                            pf_lines > 0 ? pf_lines : 0);
+                            if constexpr (kPairs)
+                                pair_block<NZ>(a + r0 * lda, lda, panel, ksteps, out, next + first * kLine,
+                                               pf_lines > 0 ? pf_lines : 0);
                             for (int64_t r = 0; r < 2 * kRows; ++r) {
                                 __m512 acc[1][NZ];
                                 for (int j = 0; j < NZ; ++j) acc[0][j] = _mm512_load_ps(out + j * 512 + r * 16);
@@ -351,7 +360,8 @@ int pagellm_gemm_bf16_amx_available() {
 #endif
 }
 
-// c[m, n] = a[m, k] @ W^T on a packed W (layout above). epilogue 0: plain (48-column panels);
+// c[m, n] = a[m, k] @ W^T on a packed W (layout above). epilogue 0: plain (48-column panels,
+// 32-column ones with use_amx);
 // 1: silu(gate) * up (panels of 32 gate + 32 up columns; n = the up/gate width). use_amx: AMX
 // tiles (needs k % 32 == 0 and pagellm_gemm_bf16_amx_available()) instead of dot products.
 // Returns 0, -1 on a bad argument, -2 where the build lacks AVX-512 BF16 (or AMX, if asked).
@@ -369,7 +379,7 @@ int pagellm_gemm_bf16(const void* a, int64_t lda, int64_t m, int64_t k, const vo
         const auto* W = static_cast<const uint16_t*>(packed);
         auto* C = static_cast<uint16_t*>(c);
         if (epilogue == 0)
-            amx::gemm<Plain>(A, lda, m, k, W, n, C, ldc, num_threads);
+            amx::gemm<PlainAmx>(A, lda, m, k, W, n, C, ldc, num_threads);
         else
             amx::gemm<SiluMul>(A, lda, m, k, W, n, C, ldc, num_threads);
         return 0;
