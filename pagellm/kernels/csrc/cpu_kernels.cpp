@@ -240,26 +240,26 @@ inline void softmax_avx512(float* sg, int64_t n) {
 // Scores on AMX tiles, for blocks of kAmxBlock positions: S^T[p, g] = K[p, :] . q_g, with one
 // block's K rows of this head as the A tile (16 positions x 32 dims, straight from the cache:
 // row stride = the cache row) and the G queries as B tiles (dim pairs x G, built per item).
-// Tile 0 holds S^T, tiles 1..C the query, tile 4 the keys. The tail rows of a partial block
-// read stale cache rows; each only makes its own score row, which is dropped.
+// Tile 0 holds S^T, tiles 1..C (C = head_dim / 32, at most 4) the query, tile 7 the keys. The
+// tail rows of a partial block read stale cache rows; each only makes its own score row, which
+// is dropped.
 constexpr int64_t kAmxBlock = 16;
 
 inline void configure_score_tiles(int64_t group, int c_steps) {
     AmxTileConfig cfg;
-    cfg.rows[0] = 16;
-    cfg.colsb[0] = static_cast<uint16_t>(group * 4);
-    for (int c = 1; c <= c_steps; ++c) {
-        cfg.rows[c] = 16;
-        cfg.colsb[c] = static_cast<uint16_t>(group * 4);
+    for (int t = 0; t <= c_steps; ++t) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = static_cast<uint16_t>(group * 4);
     }
-    cfg.rows[4] = 16;
-    cfg.colsb[4] = 64;
+    cfg.rows[7] = 16;
+    cfg.colsb[7] = 64;
     _tile_loadconfig(&cfg);
 }
 
 template <int C>
 void scores_amx(const uint16_t* q_row, const uint16_t* key_cache, const int64_t* block_table, int64_t ctx,
                 int64_t kvh, int64_t G, int64_t row_stride, float scale, float* s) {
+    static_assert(C >= 1 && C <= 4, "head_dim up to 128");
     constexpr int64_t D = 32 * C;
     // Query tile c: [dim pair kp][query head g][2], rows G * 4 bytes apart.
     alignas(64) uint16_t qb[C][16 * 16 * 2];
@@ -274,6 +274,7 @@ void scores_amx(const uint16_t* q_row, const uint16_t* key_cache, const int64_t*
     _tile_loadd(1, qb[0], b_stride);
     if constexpr (C > 1) _tile_loadd(2, qb[1], b_stride);
     if constexpr (C > 2) _tile_loadd(3, qb[2], b_stride);
+    if constexpr (C > 3) _tile_loadd(4, qb[3], b_stride);
     alignas(64) float st[16][16];
     const int64_t a_stride = row_stride * 2;
     for (int64_t p0 = 0; p0 < ctx; p0 += kAmxBlock) {
@@ -282,15 +283,19 @@ void scores_amx(const uint16_t* q_row, const uint16_t* key_cache, const int64_t*
             for (int64_t i = 0; i < kAmxBlock; ++i)
                 prefetch_row(key_cache, block_table, p0 + kPrefetchDistance + i, kAmxBlock, row_stride, kvh * D, D * 2);
         _tile_zero(0);
-        _tile_loadd(4, base, a_stride);
-        _tile_dpbf16ps(0, 4, 1);
+        _tile_loadd(7, base, a_stride);
+        _tile_dpbf16ps(0, 7, 1);
         if constexpr (C > 1) {
-            _tile_loadd(4, base + 32, a_stride);
-            _tile_dpbf16ps(0, 4, 2);
+            _tile_loadd(7, base + 32, a_stride);
+            _tile_dpbf16ps(0, 7, 2);
         }
         if constexpr (C > 2) {
-            _tile_loadd(4, base + 64, a_stride);
-            _tile_dpbf16ps(0, 4, 3);
+            _tile_loadd(7, base + 64, a_stride);
+            _tile_dpbf16ps(0, 7, 3);
+        }
+        if constexpr (C > 3) {
+            _tile_loadd(7, base + 96, a_stride);
+            _tile_dpbf16ps(0, 7, 4);
         }
         _tile_stored(0, st, 64);
         const int64_t n = ctx - p0 < kAmxBlock ? ctx - p0 : kAmxBlock;
@@ -314,9 +319,7 @@ void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const uint16_t*
     const int64_t row_stride = num_kv_heads * D;
 
 #ifdef PAGELLM_AMX
-    if constexpr (C <= 3) {
-        if (amx) scores_amx<C>(q_row, key_cache, block_table, ctx, kvh, G, row_stride, scale, s);
-    }
+    if (amx) scores_amx<C>(q_row, key_cache, block_table, ctx, kvh, G, row_stride, scale, s);
 #else
     (void)amx;
 #endif
@@ -379,14 +382,16 @@ void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_r
     const int64_t items = num_rows * num_kv_heads;
     bool amx = false;
 #ifdef PAGELLM_AMX
-    amx = std::is_same_v<T, uint16_t> && block_size == kAmxBlock && group <= 16 && head_dim == 64 &&
-          amx_permitted();
+    // The same condition as attend_one_avx512's (head_dim 64 or 128), so `amx` is never set
+    // for a row the scalar attend_one takes.
+    amx = std::is_same_v<T, uint16_t> && block_size == kAmxBlock && group >= 1 && group <= 16 &&
+          (head_dim == 64 || head_dim == 128) && amx_permitted();
 #endif
 #pragma omp parallel num_threads(num_threads)
     {
         std::vector<float> scores, work;
 #ifdef PAGELLM_AMX
-        if (amx) configure_score_tiles(group, 2);
+        if (amx) configure_score_tiles(group, static_cast<int>(head_dim / 32));
 #endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; ++it) {
@@ -405,7 +410,7 @@ void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_r
                 }
                 if (head_dim == 128) {
                     attend_one_avx512<4>(q_row, out_row, key_cache, value_cache, table, row_ctx[r], kvh, group,
-                                         num_kv_heads, block_size, scale, scores, work, false);
+                                         num_kv_heads, block_size, scale, scores, work, amx);
                     continue;
                 }
             }

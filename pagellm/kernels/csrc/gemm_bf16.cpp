@@ -277,7 +277,8 @@ void gemm(const uint16_t* a, int64_t lda, int64_t m, int64_t k, const uint16_t* 
         if (p0 < p1) {
             configure();
             alignas(64) float out[NZ * 512];
-            std::vector<uint16_t> tail;  // the last rows of A, zero-padded to a whole tile
+            std::vector<uint16_t> tail;  // a last partial block of A, zero-padded to a whole tile
+            int64_t tail_row = -1;       // the row of A it was copied from
             for (int64_t m0 = 0; m0 < m; m0 += chunk) {
                 const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
                 const int64_t blocks = (m1 - m0 + kRows - 1) / kRows;
@@ -290,12 +291,12 @@ void gemm(const uint16_t* a, int64_t lda, int64_t m, int64_t k, const uint16_t* 
                     for (int64_t r0 = m0; r0 < m1;) {
                         // Block b of the chunk prefetches the b-th share of the next panel.
                         const int64_t first = (r0 - m0) / kRows * lines_per_block;
+                        const char* pf = next != nullptr && first < panel_lines ? next + first * kLine : nullptr;
                         if (kPairs && m1 - r0 >= 2 * kRows) {
                             int64_t pf_lines = next == nullptr ? 0 : panel_lines - first;
                             pf_lines = pf_lines < 2 * lines_per_block ? pf_lines : 2 * lines_per_block;
                             if constexpr (kPairs)
-                                pair_block<NZ>(a + r0 * lda, lda, panel, ksteps, out, next + first * kLine,
-                                               pf_lines > 0 ? pf_lines : 0);
+                                pair_block<NZ>(a + r0 * lda, lda, panel, ksteps, out, pf, pf_lines > 0 ? pf_lines : 0);
                             for (int64_t r = 0; r < 2 * kRows; ++r) {
                                 __m512 acc[1][NZ];
                                 for (int j = 0; j < NZ; ++j) acc[0][j] = _mm512_load_ps(out + j * 512 + r * 16);
@@ -310,16 +311,16 @@ void gemm(const uint16_t* a, int64_t lda, int64_t m, int64_t k, const uint16_t* 
                         const uint16_t* rows_a = a + r0 * lda;
                         int64_t stride = lda;
                         if (rows < kRows) {
-                            if (tail.empty()) {
+                            if (tail_row != r0) {
                                 tail.assign(kRows * k, 0);
+                                tail_row = r0;
                                 for (int64_t r = 0; r < rows; ++r)
                                     std::memcpy(tail.data() + r * k, rows_a + r * lda, k * 2);
                             }
                             rows_a = tail.data();
                             stride = k;
                         }
-                        tile_block<NZ>(rows_a, stride, panel, ksteps, out, next + first * kLine,
-                                       pf_lines > 0 ? pf_lines : 0);
+                        tile_block<NZ>(rows_a, stride, panel, ksteps, out, pf, pf_lines > 0 ? pf_lines : 0);
                         for (int64_t r = 0; r < rows; ++r) {
                             __m512 acc[1][NZ];
                             for (int j = 0; j < NZ; ++j) acc[0][j] = _mm512_load_ps(out + j * 256 + r * 16);
