@@ -22,11 +22,12 @@ def _norm(hidden: int, dtype: torch.dtype, use_kernel: bool) -> RMSNorm:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows", [1, 7, 300])
-def test_add_rms_norm_matches_torch(dtype, rows):
+@pytest.mark.parametrize("hidden", [576, 100])  # 100: 16-wide vector loops and a scalar tail
+def test_add_rms_norm_matches_torch(dtype, rows, hidden):
     g = torch.Generator().manual_seed(rows)
-    x = (torch.randn(rows, 576, generator=g) * 3).to(dtype)
-    residual = torch.randn(rows, 576, generator=g).to(dtype)
-    ref_norm, fast_norm = _norm(576, dtype, False), _norm(576, dtype, True)
+    x = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
+    residual = torch.randn(rows, hidden, generator=g).to(dtype)
+    ref_norm, fast_norm = _norm(hidden, dtype, False), _norm(hidden, dtype, True)
 
     expected_out, expected_residual = ref_norm(x, residual.clone())
     res = residual.clone()

@@ -451,7 +451,20 @@ void add_rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t rows
             const T* xr = x + r * n;
             T* rr = residual != nullptr ? residual + r * n : nullptr;
             float sumsq = 0.f;
-            for (int64_t i = 0; i < n; ++i) {
+            int64_t i0 = 0;  // elements done by the vector loops (elementwise: same results)
+#ifdef PAGELLM_AVX512_BF16
+            if constexpr (std::is_same_v<T, uint16_t>) {
+                for (; i0 + 16 <= n; i0 += 16) {
+                    __m512 v = bf16x16_to_float(xr + i0);
+                    if (rr != nullptr) {
+                        v = round_bf16x16(_mm512_add_ps(v, bf16x16_to_float(rr + i0)));
+                        store_bf16x16(rr + i0, v);
+                    }
+                    _mm512_storeu_ps(h.data() + i0, v);
+                }
+            }
+#endif
+            for (int64_t i = i0; i < n; ++i) {
                 float v = Elem<T>::load(xr, i);
                 if (rr != nullptr) {
                     Elem<T>::store(rr, i, v + Elem<T>::load(rr, i));
@@ -459,11 +472,23 @@ void add_rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t rows
                 }
                 h[i] = v;
             }
+            // The sum of squares keeps this one loop (and its order): the model's greedy
+            // outputs in bf16 are sensitive to it (benchmarks/NOTES.md, 18).
 #pragma omp simd reduction(+ : sumsq)
             for (int64_t i = 0; i < n; ++i) sumsq += h[i] * h[i];
             const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(n) + eps);
             T* o = out + r * n;
-            for (int64_t i = 0; i < n; ++i) {
+            i0 = 0;
+#ifdef PAGELLM_AVX512_BF16
+            if constexpr (std::is_same_v<T, uint16_t>) {
+                const __m512 vinv = _mm512_set1_ps(inv);
+                for (; i0 + 16 <= n; i0 += 16) {
+                    const __m512 normed = round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(h.data() + i0), vinv));
+                    store_bf16x16(o + i0, _mm512_mul_ps(bf16x16_to_float(weight + i0), normed));
+                }
+            }
+#endif
+            for (int64_t i = i0; i < n; ++i) {
                 T normed;
                 Elem<T>::store(&normed, 0, h[i] * inv);
                 Elem<T>::store(o, i, Elem<T>::load(weight, i) * Elem<T>::load(&normed, 0));
