@@ -5,6 +5,7 @@
 // dtype codes: 0 = float32, 1 = bfloat16. Parallel with OpenMP; the process shares torch's
 // libgomp (same SONAME), and the thread count is passed in by the caller.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -81,6 +82,8 @@ inline void load_row(const T* src, float* dst, int64_t n) {
 // decode attention over 64 x 192 positions, 30 layers' caches in turn, 2 threads, per step:
 // 16 ahead into L1 18.6 ms; 16 / 32 / 48 / 64 ahead into L2 16.6 / 15.4 / 15.7 / 16.5 ms.
 constexpr int64_t kPrefetchDistance = 32;
+
+constexpr int64_t kAmxTileRows = 16;  // query rows per AMX prefill tile (the score tile's columns)
 
 template <typename T>
 inline void prefetch_row(const T* cache, const int64_t* block_table, int64_t pos, int64_t block_size,
@@ -245,15 +248,53 @@ inline void softmax_avx512(float* sg, int64_t n) {
 // is dropped.
 constexpr int64_t kAmxBlock = 16;
 
-inline void configure_score_tiles(int64_t group, int c_steps) {
+// Every tile 16 rows of 64 bytes: S^T is 16 positions x 16 query columns (G heads of one row
+// in decode, 16 rows of one head in a prefill tile; unused columns are zero queries).
+inline void configure_score_tiles() {
     AmxTileConfig cfg;
-    for (int t = 0; t <= c_steps; ++t) {
+    for (int t = 0; t < 8; ++t) {
         cfg.rows[t] = 16;
-        cfg.colsb[t] = static_cast<uint16_t>(group * 4);
+        cfg.colsb[t] = 64;
     }
-    cfg.rows[7] = 16;
-    cfg.colsb[7] = 64;
     _tile_loadconfig(&cfg);
+}
+
+// Loads query tile c (tiles 1..C) from qb[c] = [dim pair][16 query columns][2].
+template <int C>
+inline void load_query_tiles(const uint16_t (&qb)[C][16 * 16 * 2]) {
+    _tile_loadd(1, qb[0], 64);
+    if constexpr (C > 1) _tile_loadd(2, qb[1], 64);
+    if constexpr (C > 2) _tile_loadd(3, qb[2], 64);
+    if constexpr (C > 3) _tile_loadd(4, qb[3], 64);
+}
+
+// st[i][j] = K[p0 + i] . query column j over all D dims, for the 16 positions of the block
+// holding p0 (the query tiles loaded).
+template <int C>
+inline void block_scores(const uint16_t* key_cache, const int64_t* block_table, int64_t p0, int64_t ctx,
+                         int64_t kvh, int64_t row_stride, float (&st)[16][16]) {
+    constexpr int64_t D = 32 * C;
+    const uint16_t* base = key_cache + block_table[p0 / kAmxBlock] * kAmxBlock * row_stride + kvh * D;
+    if (p0 + kPrefetchDistance < ctx)
+        for (int64_t i = 0; i < kAmxBlock; ++i)
+            prefetch_row(key_cache, block_table, p0 + kPrefetchDistance + i, kAmxBlock, row_stride, kvh * D, D * 2);
+    const int64_t a_stride = row_stride * 2;
+    _tile_zero(0);
+    _tile_loadd(7, base, a_stride);
+    _tile_dpbf16ps(0, 7, 1);
+    if constexpr (C > 1) {
+        _tile_loadd(7, base + 32, a_stride);
+        _tile_dpbf16ps(0, 7, 2);
+    }
+    if constexpr (C > 2) {
+        _tile_loadd(7, base + 64, a_stride);
+        _tile_dpbf16ps(0, 7, 3);
+    }
+    if constexpr (C > 3) {
+        _tile_loadd(7, base + 96, a_stride);
+        _tile_dpbf16ps(0, 7, 4);
+    }
+    _tile_stored(0, st, 64);
 }
 
 template <int C>
@@ -261,46 +302,86 @@ void scores_amx(const uint16_t* q_row, const uint16_t* key_cache, const int64_t*
                 int64_t kvh, int64_t G, int64_t row_stride, float scale, float* s) {
     static_assert(C >= 1 && C <= 4, "head_dim up to 128");
     constexpr int64_t D = 32 * C;
-    // Query tile c: [dim pair kp][query head g][2], rows G * 4 bytes apart.
-    alignas(64) uint16_t qb[C][16 * 16 * 2];
+    alignas(64) uint16_t qb[C][16 * 16 * 2] = {};  // query head g is column g
     for (int c = 0; c < C; ++c)
         for (int64_t kp = 0; kp < 16; ++kp)
             for (int64_t g = 0; g < G; ++g) {
                 const uint16_t* q = q_row + (kvh * G + g) * D + 32 * c + 2 * kp;
-                qb[c][(kp * G + g) * 2] = q[0];
-                qb[c][(kp * G + g) * 2 + 1] = q[1];
+                qb[c][(kp * 16 + g) * 2] = q[0];
+                qb[c][(kp * 16 + g) * 2 + 1] = q[1];
             }
-    const int64_t b_stride = G * 4;
-    _tile_loadd(1, qb[0], b_stride);
-    if constexpr (C > 1) _tile_loadd(2, qb[1], b_stride);
-    if constexpr (C > 2) _tile_loadd(3, qb[2], b_stride);
-    if constexpr (C > 3) _tile_loadd(4, qb[3], b_stride);
+    load_query_tiles<C>(qb);
     alignas(64) float st[16][16];
-    const int64_t a_stride = row_stride * 2;
     for (int64_t p0 = 0; p0 < ctx; p0 += kAmxBlock) {
-        const uint16_t* base = key_cache + block_table[p0 / kAmxBlock] * kAmxBlock * row_stride + kvh * D;
-        if (p0 + kPrefetchDistance < ctx)
-            for (int64_t i = 0; i < kAmxBlock; ++i)
-                prefetch_row(key_cache, block_table, p0 + kPrefetchDistance + i, kAmxBlock, row_stride, kvh * D, D * 2);
-        _tile_zero(0);
-        _tile_loadd(7, base, a_stride);
-        _tile_dpbf16ps(0, 7, 1);
-        if constexpr (C > 1) {
-            _tile_loadd(7, base + 32, a_stride);
-            _tile_dpbf16ps(0, 7, 2);
-        }
-        if constexpr (C > 2) {
-            _tile_loadd(7, base + 64, a_stride);
-            _tile_dpbf16ps(0, 7, 3);
-        }
-        if constexpr (C > 3) {
-            _tile_loadd(7, base + 96, a_stride);
-            _tile_dpbf16ps(0, 7, 4);
-        }
-        _tile_stored(0, st, 64);
+        block_scores<C>(key_cache, block_table, p0, ctx, kvh, row_stride, st);
         const int64_t n = ctx - p0 < kAmxBlock ? ctx - p0 : kAmxBlock;
         for (int64_t i = 0; i < n; ++i)
             for (int64_t g = 0; g < G; ++g) s[g * ctx + p0 + i] = st[i][g] * scale;
+    }
+}
+
+// Up to 16 rows of one request (a prefill chunk, each row with its own causal limit
+// row_ctx[j]) and one KV head, one query head g at a time: the rows are the 16 query columns of
+// the score tiles, so each key block is multiplied once for all of them. Softmax per row, then
+// the value sums four rows at a time (positions a row must not see get weight 0; every
+// position below the largest limit holds a written value row).
+template <int C>
+void attend_tile_amx(const uint16_t* query, int64_t q_row_stride, uint16_t* out, int64_t out_row_stride,
+                     const uint16_t* key_cache, const uint16_t* value_cache, const int64_t* block_table,
+                     const int32_t* row_token, const int32_t* row_ctx, int64_t n, int64_t kvh, int64_t G,
+                     int64_t num_kv_heads, float scale, std::vector<float>& scores) {
+    constexpr int64_t D = 32 * C;
+    const int64_t row_stride = num_kv_heads * D;
+    int64_t ctx_max = 0;
+    for (int64_t j = 0; j < n; ++j) ctx_max = row_ctx[j] > ctx_max ? row_ctx[j] : ctx_max;
+    scores.resize(static_cast<size_t>(n * ctx_max));
+    float* s = scores.data();
+    alignas(64) uint16_t qb[C][16 * 16 * 2];
+    alignas(64) float st[16][16];
+    alignas(64) float acc[D];
+    for (int64_t g = 0; g < G; ++g) {
+        std::memset(qb, 0, sizeof(qb));
+        for (int64_t j = 0; j < n; ++j) {
+            const uint16_t* q = query + row_token[j] * q_row_stride + (kvh * G + g) * D;
+            for (int c = 0; c < C; ++c)
+                for (int64_t kp = 0; kp < 16; ++kp) {
+                    qb[c][(kp * 16 + j) * 2] = q[32 * c + 2 * kp];
+                    qb[c][(kp * 16 + j) * 2 + 1] = q[32 * c + 2 * kp + 1];
+                }
+        }
+        load_query_tiles<C>(qb);
+        for (int64_t p0 = 0; p0 < ctx_max; p0 += kAmxBlock) {
+            block_scores<C>(key_cache, block_table, p0, ctx_max, kvh, row_stride, st);
+            const int64_t np = ctx_max - p0 < kAmxBlock ? ctx_max - p0 : kAmxBlock;
+            for (int64_t i = 0; i < np; ++i)
+                for (int64_t j = 0; j < n; ++j) s[j * ctx_max + p0 + i] = st[i][j] * scale;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            softmax_avx512(s + j * ctx_max, row_ctx[j]);
+            std::fill(s + j * ctx_max + row_ctx[j], s + (j + 1) * ctx_max, 0.0f);
+        }
+        for (int64_t j0 = 0; j0 < n; j0 += 4) {
+            const int64_t jn = n - j0 < 4 ? n - j0 : 4;
+            int64_t hi = 0;
+            for (int64_t j = j0; j < j0 + jn; ++j) hi = row_ctx[j] > hi ? row_ctx[j] : hi;
+            __m512 a[4][2 * C];
+            for (int j = 0; j < 4; ++j)
+                for (int c = 0; c < 2 * C; ++c) a[j][c] = _mm512_setzero_ps();
+            for_each_context_row(value_cache, block_table, hi, kAmxBlock, row_stride, kvh * D, D * 2,
+                                 [&](int64_t p, const uint16_t* vp) {
+                                     __m512 v[2 * C];
+                                     for (int c = 0; c < 2 * C; ++c) v[c] = bf16x16_to_float(vp + 16 * c);
+                                     for (int j = 0; j < jn; ++j) {
+                                         const __m512 w = _mm512_set1_ps(s[(j0 + j) * ctx_max + p]);
+                                         for (int c = 0; c < 2 * C; ++c) a[j][c] = _mm512_fmadd_ps(w, v[c], a[j][c]);
+                                     }
+                                 });
+            for (int j = 0; j < jn; ++j) {
+                for (int c = 0; c < 2 * C; ++c) _mm512_storeu_ps(acc + 16 * c, a[j][c]);
+                uint16_t* o = out + row_token[j0 + j] * out_row_stride + (kvh * G + g) * D;
+                for (int64_t d = 0; d < D; ++d) o[d] = float_to_bf16(acc[d]);
+            }
+        }
     }
 }
 #endif
@@ -379,7 +460,6 @@ void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_r
                      const int32_t* row_ctx, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
                      int64_t head_dim, int64_t block_size, float scale, int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t items = num_rows * num_kv_heads;
     bool amx = false;
 #ifdef PAGELLM_AMX
     // The same condition as attend_one_avx512's (head_dim 64 or 128), so `amx` is never set
@@ -387,16 +467,42 @@ void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_r
     amx = std::is_same_v<T, uint16_t> && block_size == kAmxBlock && group >= 1 && group <= 16 &&
           (head_dim == 64 || head_dim == 128) && amx_permitted();
 #endif
+    // Work units: single rows, or (with AMX) runs of up to 16 rows of one request, a prefill
+    // chunk's rows, which attend_tile_amx takes together. unit_start[u] .. unit_start[u + 1].
+    std::vector<int64_t> unit_start;
+    unit_start.reserve(static_cast<size_t>(num_rows) + 1);
+    for (int64_t r = 0; r < num_rows; ++r)
+        if (!amx || r == 0 || row_req[r] != row_req[r - 1] || r - unit_start.back() == kAmxTileRows)
+            unit_start.push_back(r);
+    unit_start.push_back(num_rows);
+    const int64_t units = static_cast<int64_t>(unit_start.size()) - 1;
+    const int64_t items = units * num_kv_heads;
 #pragma omp parallel num_threads(num_threads)
     {
         std::vector<float> scores, work;
 #ifdef PAGELLM_AMX
-        if (amx) configure_score_tiles(group, static_cast<int>(head_dim / 32));
+        if (amx) configure_score_tiles();
 #endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; ++it) {
-            const int64_t r = it / num_kv_heads;
+            const int64_t u = it / num_kv_heads;
+            const int64_t r = unit_start[u];
             const int64_t kvh = it % num_kv_heads;
+#ifdef PAGELLM_AMX
+            if constexpr (std::is_same_v<T, uint16_t>) {
+                const int64_t n = unit_start[u + 1] - r;
+                if (n > 1) {
+                    const int64_t* table = block_tables + static_cast<int64_t>(row_req[r]) * block_table_stride;
+                    if (head_dim == 64)
+                        attend_tile_amx<2>(query, q_row_stride, out, out_row_stride, key_cache, value_cache, table,
+                                           row_token + r, row_ctx + r, n, kvh, group, num_kv_heads, scale, scores);
+                    else
+                        attend_tile_amx<4>(query, q_row_stride, out, out_row_stride, key_cache, value_cache, table,
+                                           row_token + r, row_ctx + r, n, kvh, group, num_kv_heads, scale, scores);
+                    continue;
+                }
+            }
+#endif
             const int64_t tok = row_token[r];
             const T* q_row = query + tok * q_row_stride;
             T* out_row = out + tok * out_row_stride;
