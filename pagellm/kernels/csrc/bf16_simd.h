@@ -36,6 +36,10 @@ struct alignas(64) AmxTileConfig {
     uint8_t rows[16] = {};
 };
 
+// GCC's tile-load intrinsics are asm without a memory operand: a barrier makes sure a buffer
+// just written in C++ (queries, a padded tail of A) is in memory before a tile load reads it.
+static inline void amx_memory_barrier() { asm volatile("" ::: "memory"); }
+
 // Linux hands out AMX state only to processes that ask for it (asked once per source file).
 // PAGELLM_AMX=0 in the environment turns the AMX paths off (A/B runs, tests of the others).
 static inline bool amx_permitted() {

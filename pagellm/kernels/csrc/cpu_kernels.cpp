@@ -262,6 +262,7 @@ inline void configure_score_tiles() {
 // Loads query tile c (tiles 1..C) from qb[c] = [dim pair][16 query columns][2].
 template <int C>
 inline void load_query_tiles(const uint16_t (&qb)[C][16 * 16 * 2]) {
+    amx_memory_barrier();
     _tile_loadd(1, qb[0], 64);
     if constexpr (C > 1) _tile_loadd(2, qb[1], 64);
     if constexpr (C > 2) _tile_loadd(3, qb[2], 64);

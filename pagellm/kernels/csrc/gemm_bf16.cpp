@@ -317,6 +317,7 @@ void gemm(const uint16_t* a, int64_t lda, int64_t m, int64_t k, const uint16_t* 
                                 for (int64_t r = 0; r < rows; ++r)
                                     std::memcpy(tail.data() + r * k, rows_a + r * lda, k * 2);
                             }
+                            amx_memory_barrier();
                             rows_a = tail.data();
                             stride = k;
                         }
