@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagellm.benchmarks.random_model import randomize_norms_and_biases
+
 TINY_SHAPE = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -47,23 +49,13 @@ def default_tokenizer(default_model_path_fixture: str):
     return load_tokenizer(default_model_path_fixture)
 
 
-def _randomize(model: torch.nn.Module) -> None:
-    """Make norms and biases non-trivial so a mis-mapped norm weight or bias changes the output."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            elif name.endswith(".bias"):
-                param.copy_(0.2 * torch.randn_like(param))
-
-
 def _write_tiny_model(folder: Path, config, tokenizer) -> str:
     """Build a random-weight model from ``config`` (fixed seed) and save it with the tokenizer."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(model)
+    randomize_norms_and_biases(model)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     return str(folder)

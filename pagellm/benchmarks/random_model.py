@@ -79,13 +79,24 @@ def _hf_config(shape: dict[str, Any]):
     return config_class(**options, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=0)
 
 
+def randomize_norms_and_biases(model: torch.nn.Module) -> None:
+    """Norm weights around 1 and biases around 0 instead of HF's exact 1 and 0, so that a
+    mis-mapped norm weight or bias changes the output."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.copy_(0.2 * torch.randn_like(param))
+
+
 def write_random_model(
     folder: str | Path, shape: str | dict[str, Any] = "smollm2-135m", dtype: torch.dtype = torch.bfloat16, seed: int = 0
 ) -> str:
     """Write a random-weight model of ``shape`` (a name in ``SHAPES`` or such a dict) to ``folder``.
 
-    Norm weights and biases are randomized too (HF initializes them to 1 and 0), so that a
-    mis-mapped norm or bias changes the output. Returns the folder as a string.
+    Norm weights and biases are randomized too (:func:`randomize_norms_and_biases`). Returns
+    the folder as a string.
     """
     from transformers import AutoModelForCausalLM
 
@@ -95,12 +106,7 @@ def write_random_model(
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            elif name.endswith(".bias"):
-                param.copy_(0.2 * torch.randn_like(param))
+    randomize_norms_and_biases(model)
     model.to(dtype).save_pretrained(folder, safe_serialization=True)
     synthetic_tokenizer(config.vocab_size).save_pretrained(folder)
     return str(folder)

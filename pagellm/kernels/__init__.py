@@ -232,6 +232,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 # Packed weight layouts of the bf16 GEMM (csrc/gemm_bf16.cpp): column panels of [K / 2][cols][2].
 GEMM_PANEL_COLS = 48
 GEMM_AMX_PANEL_COLS = 32  # the AMX path's plain panels: two 16-column tile groups
+GEMM_AMX_K_MULTIPLE = 32  # the AMX path multiplies 32 values of k per tile product
 SILU_MUL_HALF_COLS = 32  # a fused MLP panel: 32 gate columns, then the same 32 up columns
 _EPILOGUES = {"none": (0, GEMM_PANEL_COLS), "silu_mul": (1, 2 * SILU_MUL_HALF_COLS)}
 
@@ -247,8 +248,6 @@ def gemm_amx_available() -> bool:
     lib = load_library()
     return lib is not None and bool(lib.pagellm_gemm_bf16_amx_available())
 
-
-GEMM_AMX_K_MULTIPLE = 32  # the AMX path multiplies 32 values of k per tile product
 
 
 def _panels(weight: torch.Tensor, cols: int) -> torch.Tensor:

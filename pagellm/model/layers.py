@@ -150,7 +150,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 # ---- pre-packed linear layers for CPU inference -----------------------------------------------
 # bf16 on CPUs with AVX-512 BF16: pagellm's own GEMM, on AMX tiles where there are some
-# (KernelLinear, ...); otherwise (fp16, no AVX-512 BF16, a bias) oneDNN with the weight packed once (PackedLinear, ...).
+# (KernelLinear, ...); otherwise (fp16, no AVX-512 BF16, a bias) oneDNN with the weight packed
+# once (PackedLinear, ...).
 
 _PACKED_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -247,9 +248,10 @@ class _KernelGemmLinear(nn.Module):
 
 class KernelLinear(_KernelGemmLinear):
     """A bias-free bf16 CPU ``nn.Linear`` on pagellm's GEMM: AMX tiles where the CPU has them,
-    else AVX-512 BF16 dot products. Faster than oneDNN at decode batch sizes and on par or
-    better on long prefills (``benchmarks/NOTES.md``, 19-20); its sums are oneDNN's up to the
-    last bit of about one output in 5,000. The weight is held only in the packed layout.
+    else AVX-512 BF16 dot products. Faster than oneDNN up to a few hundred rows; at 2048 rows
+    plain ``F.linear`` is up to 1.5x faster on AMX (``benchmarks/NOTES.md``, 19-20). Its sums
+    are oneDNN's up to the last bit of about one output in 5,000. The weight is held only in
+    the packed layout.
     """
 
     def __init__(self, linear: nn.Linear, amx: bool = False) -> None:
@@ -277,7 +279,7 @@ def kernel_gemm_mode(gemm: str = "auto") -> str | None:
 
     ``auto`` and ``pagellm``: AMX tiles where this process may use them, else AVX-512 BF16 dot
     products; but ``auto`` leaves a CPU that has AMX which the kernels cannot use to oneDNN,
-    which then is 4-10x faster than dot products (``benchmarks/NOTES.md``, 19).
+    which then is 3-4x faster than dot products (``benchmarks/NOTES.md``, 19).
     """
     if gemm not in GEMM_CHOICES:
         raise ValueError(f"gemm must be one of {GEMM_CHOICES}, got {gemm!r}")

@@ -239,6 +239,34 @@ inline void softmax_avx512(float* sg, int64_t n) {
 
 // attend_one for bfloat16 with head_dim = 32 * C, on AVX-512 BF16: q.k with vdpbf16ps
 // (bf16 products, float32 sums, as a bf16 GEMM), softmax and the value sums in float32.
+// Weight rows weighted_values takes at once: rows x 2C accumulators plus 2C value registers
+// within the 32 vector registers (4 rows for head_dim 64, 3 for 128).
+template <int C>
+constexpr int64_t kValueRows = C <= 2 ? 4 : 3;
+
+// acc[j][0:D] = sum over p < ctx of w_j[p] * V[p] (D = 32 * C) for `rows` <= kValueRows<C>
+// weight rows w_j = w + j * w_stride; each value row is read once for all of them.
+template <int C>
+inline void weighted_values(const uint16_t* value_cache, const int64_t* block_table, int64_t ctx, int64_t block_size,
+                            int64_t row_stride, int64_t offset, const float* w, int64_t w_stride, int64_t rows,
+                            float* acc) {
+    constexpr int64_t D = 32 * C;
+    __m512 a[kValueRows<C>][2 * C];
+    for (int j = 0; j < kValueRows<C>; ++j)
+        for (int c = 0; c < 2 * C; ++c) a[j][c] = _mm512_setzero_ps();
+    for_each_context_row(value_cache, block_table, ctx, block_size, row_stride, offset, D * 2,
+                         [&](int64_t p, const uint16_t* vp) {
+                             __m512 v[2 * C];
+                             for (int c = 0; c < 2 * C; ++c) v[c] = bf16x16_to_float(vp + 16 * c);
+                             for (int j = 0; j < rows; ++j) {
+                                 const __m512 wj = _mm512_set1_ps(w[j * w_stride + p]);
+                                 for (int c = 0; c < 2 * C; ++c) a[j][c] = _mm512_fmadd_ps(wj, v[c], a[j][c]);
+                             }
+                         });
+    for (int j = 0; j < rows; ++j)
+        for (int c = 0; c < 2 * C; ++c) _mm512_storeu_ps(acc + j * D + 16 * c, a[j][c]);
+}
+
 #ifdef PAGELLM_AMX
 // Scores on AMX tiles, for blocks of kAmxBlock positions: S^T[p, g] = K[p, :] . q_g, with one
 // block's K rows of this head as the A tile (16 positions x 32 dims, straight from the cache:
@@ -259,7 +287,18 @@ inline void configure_score_tiles() {
     _tile_loadconfig(&cfg);
 }
 
-// Loads query tile c (tiles 1..C) from qb[c] = [dim pair][16 query columns][2].
+// Query vector q (D = 32 * C values) as column `col` of the query tiles' layout qb[c] =
+// [dim pair][16 query columns][2].
+template <int C>
+inline void put_query_column(uint16_t (&qb)[C][16 * 16 * 2], const uint16_t* q, int64_t col) {
+    for (int c = 0; c < C; ++c)
+        for (int64_t kp = 0; kp < 16; ++kp) {
+            qb[c][(kp * 16 + col) * 2] = q[32 * c + 2 * kp];
+            qb[c][(kp * 16 + col) * 2 + 1] = q[32 * c + 2 * kp + 1];
+        }
+}
+
+// Loads query tile c (tiles 1..C) from qb[c].
 template <int C>
 inline void load_query_tiles(const uint16_t (&qb)[C][16 * 16 * 2]) {
     amx_memory_barrier();
@@ -304,13 +343,7 @@ void scores_amx(const uint16_t* q_row, const uint16_t* key_cache, const int64_t*
     static_assert(C >= 1 && C <= 4, "head_dim up to 128");
     constexpr int64_t D = 32 * C;
     alignas(64) uint16_t qb[C][16 * 16 * 2] = {};  // query head g is column g
-    for (int c = 0; c < C; ++c)
-        for (int64_t kp = 0; kp < 16; ++kp)
-            for (int64_t g = 0; g < G; ++g) {
-                const uint16_t* q = q_row + (kvh * G + g) * D + 32 * c + 2 * kp;
-                qb[c][(kp * 16 + g) * 2] = q[0];
-                qb[c][(kp * 16 + g) * 2 + 1] = q[1];
-            }
+    for (int64_t g = 0; g < G; ++g) put_query_column<C>(qb, q_row + (kvh * G + g) * D, g);
     load_query_tiles<C>(qb);
     alignas(64) float st[16][16];
     for (int64_t p0 = 0; p0 < ctx; p0 += kAmxBlock) {
@@ -324,7 +357,7 @@ void scores_amx(const uint16_t* q_row, const uint16_t* key_cache, const int64_t*
 // Up to 16 rows of one request (a prefill chunk, each row with its own causal limit
 // row_ctx[j]) and one KV head, one query head g at a time: the rows are the 16 query columns of
 // the score tiles, so each key block is multiplied once for all of them. Softmax per row, then
-// the value sums four rows at a time (positions a row must not see get weight 0; every
+// the value sums a few rows at a time (positions a row must not see get weight 0; every
 // position below the largest limit holds a written value row).
 template <int C>
 void attend_tile_amx(const uint16_t* query, int64_t q_row_stride, uint16_t* out, int64_t out_row_stride,
@@ -339,17 +372,11 @@ void attend_tile_amx(const uint16_t* query, int64_t q_row_stride, uint16_t* out,
     float* s = scores.data();
     alignas(64) uint16_t qb[C][16 * 16 * 2];
     alignas(64) float st[16][16];
-    alignas(64) float acc[D];
+    alignas(64) float acc[kValueRows<C> * D];
     for (int64_t g = 0; g < G; ++g) {
         std::memset(qb, 0, sizeof(qb));
-        for (int64_t j = 0; j < n; ++j) {
-            const uint16_t* q = query + row_token[j] * q_row_stride + (kvh * G + g) * D;
-            for (int c = 0; c < C; ++c)
-                for (int64_t kp = 0; kp < 16; ++kp) {
-                    qb[c][(kp * 16 + j) * 2] = q[32 * c + 2 * kp];
-                    qb[c][(kp * 16 + j) * 2 + 1] = q[32 * c + 2 * kp + 1];
-                }
-        }
+        for (int64_t j = 0; j < n; ++j)
+            put_query_column<C>(qb, query + row_token[j] * q_row_stride + (kvh * G + g) * D, j);
         load_query_tiles<C>(qb);
         for (int64_t p0 = 0; p0 < ctx_max; p0 += kAmxBlock) {
             block_scores<C>(key_cache, block_table, p0, ctx_max, kvh, row_stride, st);
@@ -361,26 +388,15 @@ void attend_tile_amx(const uint16_t* query, int64_t q_row_stride, uint16_t* out,
             softmax_avx512(s + j * ctx_max, row_ctx[j]);
             std::fill(s + j * ctx_max + row_ctx[j], s + (j + 1) * ctx_max, 0.0f);
         }
-        for (int64_t j0 = 0; j0 < n; j0 += 4) {
-            const int64_t jn = n - j0 < 4 ? n - j0 : 4;
+        for (int64_t j0 = 0; j0 < n; j0 += kValueRows<C>) {
+            const int64_t jn = n - j0 < kValueRows<C> ? n - j0 : kValueRows<C>;
             int64_t hi = 0;
             for (int64_t j = j0; j < j0 + jn; ++j) hi = row_ctx[j] > hi ? row_ctx[j] : hi;
-            __m512 a[4][2 * C];
-            for (int j = 0; j < 4; ++j)
-                for (int c = 0; c < 2 * C; ++c) a[j][c] = _mm512_setzero_ps();
-            for_each_context_row(value_cache, block_table, hi, kAmxBlock, row_stride, kvh * D, D * 2,
-                                 [&](int64_t p, const uint16_t* vp) {
-                                     __m512 v[2 * C];
-                                     for (int c = 0; c < 2 * C; ++c) v[c] = bf16x16_to_float(vp + 16 * c);
-                                     for (int j = 0; j < jn; ++j) {
-                                         const __m512 w = _mm512_set1_ps(s[(j0 + j) * ctx_max + p]);
-                                         for (int c = 0; c < 2 * C; ++c) a[j][c] = _mm512_fmadd_ps(w, v[c], a[j][c]);
-                                     }
-                                 });
-            for (int j = 0; j < jn; ++j) {
-                for (int c = 0; c < 2 * C; ++c) _mm512_storeu_ps(acc + 16 * c, a[j][c]);
+            weighted_values<C>(value_cache, block_table, hi, kAmxBlock, row_stride, kvh * D, s + j0 * ctx_max, ctx_max,
+                               jn, acc);
+            for (int64_t j = 0; j < jn; ++j) {
                 uint16_t* o = out + row_token[j0 + j] * out_row_stride + (kvh * G + g) * D;
-                for (int64_t d = 0; d < D; ++d) o[d] = float_to_bf16(acc[d]);
+                for (int64_t d = 0; d < D; ++d) o[d] = float_to_bf16(acc[j * D + d]);
             }
         }
     }
@@ -426,26 +442,10 @@ void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const uint16_t*
 
     for (int64_t g = 0; g < G; ++g) softmax_avx512(s + g * ctx, ctx);
 
-    // Value sums, up to 3 query heads at a time so the accumulators stay in registers.
-    for (int64_t g0 = 0; g0 < G; g0 += 3) {
-        const int64_t gn = G - g0 < 3 ? G - g0 : 3;
-        __m512 a[3][2 * C];
-        for (int j = 0; j < 3; ++j)
-            for (int c = 0; c < 2 * C; ++c) a[j][c] = _mm512_setzero_ps();
-        for_each_context_row(value_cache, block_table, ctx, block_size, row_stride, kvh * D, D * 2,
-                             [&](int64_t p, const uint16_t* vp) {
-                                 __m512 v[2 * C];
-                                 for (int c = 0; c < 2 * C; ++c) v[c] = bf16x16_to_float(vp + 16 * c);
-                                 for (int j = 0; j < gn; ++j) {
-                                     const __m512 w = _mm512_set1_ps(s[(g0 + j) * ctx + p]);
-                                     for (int c = 0; c < 2 * C; ++c) a[j][c] = _mm512_fmadd_ps(w, v[c], a[j][c]);
-                                 }
-                             });
-        for (int j = 0; j < gn; ++j) {
-            float* ag = acc + (g0 + j) * D;
-            for (int c = 0; c < 2 * C; ++c) _mm512_storeu_ps(ag + 16 * c, a[j][c]);
-        }
-    }
+    // Value sums, a few query heads at a time so the accumulators stay in registers.
+    for (int64_t g0 = 0; g0 < G; g0 += kValueRows<C>)
+        weighted_values<C>(value_cache, block_table, ctx, block_size, row_stride, kvh * D, s + g0 * ctx, ctx,
+                           G - g0 < kValueRows<C> ? G - g0 : kValueRows<C>, acc + g0 * D);
     for (int64_t g = 0; g < G; ++g) {
         uint16_t* oh = out_row + (kvh * G + g) * D;
         for (int64_t d = 0; d < D; ++d) oh[d] = float_to_bf16(acc[g * D + d]);
