@@ -89,6 +89,28 @@ def test_amx_takes_rows_in_chunks_and_agrees_with_dot_products(m, k, n):
     assert (got == kernels.gemm_bf16(x, kernels.pack_gemm_weight(w), n)).float().mean() >= 0.99
 
 
+@pytest.mark.parametrize("amx", ISAS)
+@pytest.mark.parametrize("m,n,epilogue", [(9, 100, "none"), (700, 160, "none"), (40, 70, "silu_mul")])
+def test_any_thread_count_gives_the_same_bits(m, n, epilogue, amx):
+    """Threads take their own items, then steal others': with 1 to 5 threads (more than items,
+    for some) every output is computed exactly once, and the same way."""
+    k = 576
+    x = _rand(m, k, seed=3)
+    if epilogue == "none":
+        packed = kernels.pack_gemm_weight(_rand(n, k, seed=4), amx)
+    else:
+        packed = kernels.pack_silu_mul_weight(_rand(n, k, seed=4), _rand(n, k, seed=5))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        expected = kernels.gemm_bf16(x, packed, n, epilogue, amx)
+        for count in (2, 3, 5):
+            torch.set_num_threads(count)
+            assert torch.equal(kernels.gemm_bf16(x, packed, n, epilogue, amx), expected), count
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _unfused_silu_mul(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, amx: bool = False) -> torch.Tensor:
     """HF's bf16 chain on the same matmul outputs: silu(x @ gate.T) * (x @ up.T)."""
     g = kernels.gemm_bf16(x, kernels.pack_gemm_weight(gate, amx), gate.shape[0], amx=amx)
