@@ -46,7 +46,12 @@ class IncrementalDetokenizer:
         tokenizer: PreTrainedTokenizerBase,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        deferred: bool = False,
     ) -> None:
+        """``deferred``: nobody reads the text before the end (a non-streamed request), so
+        without stop strings the tokens are only recorded and decoded in one pass when the text
+        is first asked for, instead of a window decode per token (2.2 ms of a batch-64 decode
+        step). Same text either way."""
         self._tokenizer = tokenizer
         self._skip_special_tokens = params.skip_special_tokens
         self._spaces_between_special_tokens = params.spaces_between_special_tokens
@@ -61,6 +66,8 @@ class IncrementalDetokenizer:
         self._tail = ""  # last `_lookback` chars of the committed text
         self._pending = ""  # trailing U+FFFD run of a split character, shown only when finished
         self._stop_str: str | None = None
+        self._deferred = deferred and not self._stops
+        self._undecoded: list[int] = []  # deferred tokens not decoded yet
 
         self._window, self._anchor = self._initial_window(prompt_token_ids)
         # Window indices known to fall between two characters (where its text ended cleanly).
@@ -86,8 +93,17 @@ class IncrementalDetokenizer:
         self._token_ids.extend(new_token_ids)
         if self._stop_str is not None or not new_token_ids:
             return None
+        if self._deferred:
+            self._undecoded.extend(new_token_ids)
+            return None
         self._window.extend(new_token_ids)
         return self._commit(self._decode_step())
+
+    def _decode_deferred(self) -> None:
+        if self._undecoded:
+            self._window.extend(self._undecoded)
+            self._undecoded = []
+            self._commit(self._decode_step())
 
     def output_text(self, finished: bool) -> str:
         """Text safe to show so far.
@@ -97,6 +113,7 @@ class IncrementalDetokenizer:
         that could still become the start of a stop string. When finished, everything
         (except a matched stop string, unless include_stop_str_in_output) is released.
         """
+        self._decode_deferred()
         text = self._committed_text()
         if self._stop_str is not None:
             return text

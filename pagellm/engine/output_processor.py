@@ -72,7 +72,7 @@ class OutputProcessor:
         samples = {
             seq_id: SampleState(
                 index=i,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params, deferred=not stream),
                 logprobs=[] if want_logprobs else None,
                 cumulative_logprob=0.0 if want_logprobs else None,
             )

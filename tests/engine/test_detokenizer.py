@@ -160,6 +160,39 @@ def test_random_tokens_match_one_shot_decode(tokenizer: PreTrainedTokenizerBase)
         assert "".join(result.deltas()) == result.final
 
 
+@pytest.mark.parametrize("kind", ["texts", "random", "garbage_bytes"])
+def test_deferred_decoding_gives_the_same_text(tokenizer: PreTrainedTokenizerBase, kind: str) -> None:
+    """A non-streamed request decodes its tokens once, at the end: same text as step by step."""
+    rng = random.Random(1)
+    if kind == "texts":
+        cases = [encode(tokenizer, text) for text in TEXTS.values()]
+    elif kind == "random":
+        cases = [
+            [rng.randint(FIRST_BYTE_ID, LAST_BYTE_ID) if rng.random() < 0.5 else rng.randint(17, len(tokenizer) - 1) for _ in range(300)]
+            for _ in range(3)
+        ]
+    else:
+        cases = [encode(tokenizer, "😀")[:1] * 200 + encode(tokenizer, " done")]
+    prompt = encode(tokenizer, "You said:")
+    for ids in cases:
+        spy = SpyTokenizer(tokenizer)
+        deferred = IncrementalDetokenizer(spy, prompt, SamplingParams(), deferred=True)  # type: ignore[arg-type]
+        calls = len(spy.lengths)  # the prompt context's
+        for token in ids:
+            assert deferred.update([token]) is None
+        assert len(spy.lengths) == calls, "tokens were decoded before the text was asked for"
+        assert deferred.token_ids == ids
+        assert deferred.output_text(True) == run(tokenizer, ids, prompt=prompt).final
+
+
+def test_deferred_decoding_still_finds_stop_strings(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Stop strings need the text as it grows: a request with any decodes step by step."""
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop="world"), deferred=True)
+    stops = [detok.update([token]) for token in encode(tokenizer, "Hello world and more")]
+    assert "world" in stops
+    assert detok.output_text(True) == "Hello "
+
+
 class SpyTokenizer:
     """Wraps a tokenizer and records how many ids each decode() call gets."""
 
