@@ -486,7 +486,12 @@ void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_r
 #ifdef PAGELLM_AMX
         if (amx) configure_score_tiles();
 #endif
-#pragma omp for schedule(dynamic, 1)
+        // All KV heads of a unit on one thread, one after the other: a cache row holds every KV
+        // head of its position, so the lines the hardware prefetchers fetch around one head's
+        // rows hold the next head's, used from this core's L2 instead of fetched again by
+        // another core. 30 layers' decode attention (64 rows x 192 positions): 22.7-24.6 ms,
+        // against 28.4-35.2 with items dealt out one head at a time (alternating builds).
+#pragma omp for schedule(dynamic, num_kv_heads)
         for (int64_t it = 0; it < items; ++it) {
             const int64_t u = it / num_kv_heads;
             const int64_t r = unit_start[u];
