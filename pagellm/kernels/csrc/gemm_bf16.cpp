@@ -126,7 +126,7 @@ struct SiluMul {
 // from the front and, once they run out, another range's from the back. A static split left one
 // thread waiting at the end of every product: this host's vCPUs do not run at equal speed
 // (steal time): 30 layers' linears at 64 rows took 20.9-27.6 ms (medians of two runs) against
-// 22.1-31.5 with the static split, steps alternating in one process (benchmarks/NOTES.md, 25).
+// 22.1-31.5 with the static split, the two alternating in one process (benchmarks/NOTES.md, 26).
 class WorkRanges {
   public:
     struct Item {
