@@ -14,6 +14,7 @@ report the median: on a shared machine single runs are noisy.
 from __future__ import annotations
 
 import argparse
+import ctypes.util
 import importlib.util
 import inspect
 import json
@@ -230,6 +231,23 @@ def vllm_available(python: str | None = None) -> bool:
 VLLM_CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
+def vllm_child_env(python: str | None, env: dict[str, str]) -> dict[str, str]:
+    """The environment of a vLLM child: ``VLLM_CPU_ENV`` where unset and, as vLLM's CPU build
+    recommends, its bundled ``libiomp5.so`` and tcmalloc preloaded when both are found and
+    ``LD_PRELOAD`` is unset, so the comparison meets vLLM as its docs tell users to run it."""
+    env = dict(env)
+    for key, value in VLLM_CPU_ENV.items():
+        env.setdefault(key, value)
+    if env.get("LD_PRELOAD"):
+        return env
+    prefix = Path(python).absolute().parent.parent if python else Path(sys.prefix)  # the venv, not its base
+    iomp = prefix / "lib" / "libiomp5.so"
+    tcmalloc = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+    if iomp.is_file() and tcmalloc:
+        env["LD_PRELOAD"] = f"{tcmalloc}:{iomp}"
+    return env
+
+
 def export_hf_folder(model: str | None, folder: Path) -> Path:
     """vLLM needs an HF folder: write the (dequantized) model and its tokenizer once."""
     if (folder / "config.json").is_file():
@@ -313,10 +331,7 @@ def run_job_isolated(job: dict[str, Any]) -> list[ThroughputResult]:
         job_path.write_text(json.dumps(job))
         python = job.get("python") or sys.executable
         cmd = [python, "-m", "pagellm.benchmarks.throughput", "--job", str(job_path), "--result", str(result_path)]
-        env = dict(os.environ)
-        if job["system"] == "vllm":
-            for key, value in VLLM_CPU_ENV.items():
-                env.setdefault(key, value)
+        env = vllm_child_env(job.get("python"), dict(os.environ)) if job["system"] == "vllm" else dict(os.environ)
         root = str(Path(__file__).resolve().parents[2])  # the folder holding the pagellm package
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         proc = subprocess.run(cmd, env=env, check=False)

@@ -52,6 +52,25 @@ def test_throughput_isolated_child_and_vllm_skip(tiny_llama_path, monkeypatch, c
     assert "skipping vllm" in capsys.readouterr().err
 
 
+def test_vllm_child_env_preloads_what_vllm_recommends(tmp_path, monkeypatch):
+    """vLLM's bundled libiomp5 plus tcmalloc are preloaded into its child when both exist, and
+    never over a caller's own LD_PRELOAD; the CPU settings are defaults, not overrides."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "lib").mkdir()
+    python = venv / "bin" / "python"
+    python.touch()
+    monkeypatch.setattr(tp.ctypes.util, "find_library", lambda name: "libtcmalloc_minimal.so.4" if "tcmalloc" in name else None)
+    assert "LD_PRELOAD" not in tp.vllm_child_env(str(python), {})  # no libiomp5 in this venv
+    (venv / "lib" / "libiomp5.so").touch()
+    env = tp.vllm_child_env(str(python), {"VLLM_CPU_KVCACHE_SPACE": "2"})
+    assert env["LD_PRELOAD"] == f"libtcmalloc_minimal.so.4:{venv / 'lib' / 'libiomp5.so'}"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["VLLM_TARGET_DEVICE"] == "cpu"
+    assert tp.vllm_child_env(str(python), {"LD_PRELOAD": "mine.so"})["LD_PRELOAD"] == "mine.so"
+    monkeypatch.setattr(tp.ctypes.util, "find_library", lambda name: None)
+    assert "LD_PRELOAD" not in tp.vllm_child_env(str(python), {})
+
+
 def test_repeats_report_median_and_spread(tiny_llama_path):
     report = tp.run_throughput(_tiny_cfg(tiny_llama_path, repeats=2, num_prompts=2, output_len=2))
     extra = report["results"][0]["extra"]
