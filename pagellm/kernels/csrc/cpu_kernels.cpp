@@ -96,15 +96,15 @@ inline void prefetch_row(const T* cache, const int64_t* block_table, int64_t pos
 }
 
 // visit(position, row) for the first ctx positions of one KV head's context, walking the block
-// table and prefetching the row kPrefetchDistance positions ahead.
-template <typename T, typename F>
+// table and (kPrefetch) prefetching the row kPrefetchDistance positions ahead.
+template <bool kPrefetch = true, typename T, typename F>
 inline void for_each_context_row(const T* cache, const int64_t* block_table, int64_t ctx, int64_t block_size,
                                  int64_t row_stride, int64_t offset, int64_t row_bytes, F&& visit) {
     for (int64_t p0 = 0; p0 < ctx; p0 += block_size) {
         const T* base = cache + block_table[p0 / block_size] * block_size * row_stride + offset;
         const int64_t n = ctx - p0 < block_size ? ctx - p0 : block_size;
         for (int64_t i = 0; i < n; ++i) {
-            if (p0 + i + kPrefetchDistance < ctx)
+            if (kPrefetch && p0 + i + kPrefetchDistance < ctx)
                 prefetch_row(cache, block_table, p0 + i + kPrefetchDistance, block_size, row_stride, offset, row_bytes);
             visit(p0 + i, base + i * row_stride);
         }
@@ -247,8 +247,9 @@ template <int C>
 constexpr int64_t kValueRows = C <= 2 ? 4 : 3;
 
 // acc[j][0:D] = sum over p < ctx of w_j[p] * V[p] (D = 32 * C) for `rows` <= kValueRows<C>
-// weight rows w_j = w + j * w_stride; each value row is read once for all of them.
-template <int C>
+// weight rows w_j = w + j * w_stride; each value row is read once for all of them. kPrefetch:
+// prefetch the rows ahead (false where the caller already brought them in).
+template <int C, bool kPrefetch = true>
 inline void weighted_values(const uint16_t* value_cache, const int64_t* block_table, int64_t ctx, int64_t block_size,
                             int64_t row_stride, int64_t offset, const float* w, int64_t w_stride, int64_t rows,
                             float* acc) {
@@ -256,15 +257,16 @@ inline void weighted_values(const uint16_t* value_cache, const int64_t* block_ta
     __m512 a[kValueRows<C>][2 * C];
     for (int j = 0; j < kValueRows<C>; ++j)
         for (int c = 0; c < 2 * C; ++c) a[j][c] = _mm512_setzero_ps();
-    for_each_context_row(value_cache, block_table, ctx, block_size, row_stride, offset, D * 2,
-                         [&](int64_t p, const uint16_t* vp) {
-                             __m512 v[2 * C];
-                             for (int c = 0; c < 2 * C; ++c) v[c] = bf16x16_to_float(vp + 16 * c);
-                             for (int j = 0; j < rows; ++j) {
-                                 const __m512 wj = _mm512_set1_ps(w[j * w_stride + p]);
-                                 for (int c = 0; c < 2 * C; ++c) a[j][c] = _mm512_fmadd_ps(wj, v[c], a[j][c]);
-                             }
-                         });
+    for_each_context_row<kPrefetch>(value_cache, block_table, ctx, block_size, row_stride, offset, D * 2,
+                                    [&](int64_t p, const uint16_t* vp) {
+                                        __m512 v[2 * C];
+                                        for (int c = 0; c < 2 * C; ++c) v[c] = bf16x16_to_float(vp + 16 * c);
+                                        for (int j = 0; j < rows; ++j) {
+                                            const __m512 wj = _mm512_set1_ps(w[j * w_stride + p]);
+                                            for (int c = 0; c < 2 * C; ++c)
+                                                a[j][c] = _mm512_fmadd_ps(wj, v[c], a[j][c]);
+                                        }
+                                    });
     for (int j = 0; j < rows; ++j)
         for (int c = 0; c < 2 * C; ++c) _mm512_storeu_ps(acc + j * D + 16 * c, a[j][c]);
 }
@@ -409,7 +411,7 @@ template <int C>
 void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const uint16_t* key_cache,
                        const uint16_t* value_cache, const int64_t* block_table, int64_t ctx, int64_t kvh,
                        int64_t group, int64_t num_kv_heads, int64_t block_size, float scale,
-                       std::vector<float>& scores, std::vector<float>& work, bool amx) {
+                       std::vector<float>& scores, std::vector<float>& work, bool amx, bool lone) {
     constexpr int64_t D = 32 * C;
     const int64_t G = group;
     scores.resize(static_cast<size_t>(G * ctx));
@@ -424,6 +426,16 @@ void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const uint16_t*
     (void)amx;
 #endif
     // Scores: each key row is read once for all G query heads (up to 4 at a time in registers).
+    // For a lone row (a decode), whose context nobody else just read, the first key rows, which
+    // the loop's prefetch never reaches, are fetched up front, and each position's value row
+    // alongside its key row, so the value pass finds them in L2: a batch-64 decode step's
+    // attention 9.6-9.8 -> 8.6 ms in the engine on a Zen 5 VM (benchmarks/NOTES.md 34). A
+    // prefill row's context mostly comes from cache (the rows before it read it), where the
+    // extra prefetches only cost.
+    const bool fetch_values = !amx && lone;
+    if (fetch_values)
+        for (int64_t p = 0; p < ctx && p < kPrefetchDistance; ++p)
+            prefetch_row(key_cache, block_table, p, block_size, row_stride, kvh * D, D * 2);
     for (int64_t g0 = 0; g0 < G && !amx; g0 += 4) {
         const int64_t gn = G - g0 < 4 ? G - g0 : 4;
         __m512bh q[4][C];
@@ -432,6 +444,8 @@ void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const uint16_t*
                 q[j][c] = (__m512bh)_mm512_loadu_si512(q_row + (kvh * G + g0 + j) * D + 32 * c);
         for_each_context_row(key_cache, block_table, ctx, block_size, row_stride, kvh * D, D * 2,
                              [&](int64_t p, const uint16_t* kp) {
+                                 if (fetch_values && g0 == 0)
+                                     prefetch_row(value_cache, block_table, p, block_size, row_stride, kvh * D, D * 2);
                                  __m512bh k[C];
                                  for (int c = 0; c < C; ++c) k[c] = (__m512bh)_mm512_loadu_si512(kp + 32 * c);
                                  for (int j = 0; j < gn; ++j) {
@@ -445,9 +459,10 @@ void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const uint16_t*
     for (int64_t g = 0; g < G; ++g) softmax_avx512(s + g * ctx, ctx);
 
     // Value sums, a few query heads at a time so the accumulators stay in registers.
+    const auto values = fetch_values ? weighted_values<C, false> : weighted_values<C, true>;
     for (int64_t g0 = 0; g0 < G; g0 += kValueRows<C>)
-        weighted_values<C>(value_cache, block_table, ctx, block_size, row_stride, kvh * D, s + g0 * ctx, ctx,
-                           G - g0 < kValueRows<C> ? G - g0 : kValueRows<C>, acc + g0 * D);
+        values(value_cache, block_table, ctx, block_size, row_stride, kvh * D, s + g0 * ctx, ctx,
+               G - g0 < kValueRows<C> ? G - g0 : kValueRows<C>, acc + g0 * D);
     for (int64_t g = 0; g < G; ++g) {
         uint16_t* oh = out_row + (kvh * G + g) * D;
         for (int64_t d = 0; d < D; ++d) oh[d] = float_to_bf16(acc[g * D + d]);
@@ -512,6 +527,8 @@ void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_r
             }
 #endif
             const int64_t tok = row_token[r];
+            const bool lone =
+                (r == 0 || row_req[r - 1] != row_req[r]) && (r + 1 == num_rows || row_req[r + 1] != row_req[r]);
             const T* q_row = query + tok * q_row_stride;
             T* out_row = out + tok * out_row_stride;
             const int64_t* table = block_tables + static_cast<int64_t>(row_req[r]) * block_table_stride;
@@ -519,12 +536,12 @@ void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_r
             if constexpr (std::is_same_v<T, uint16_t>) {
                 if (head_dim == 64) {
                     attend_one_avx512<2>(q_row, out_row, key_cache, value_cache, table, row_ctx[r], kvh, group,
-                                         num_kv_heads, block_size, scale, scores, work, amx);
+                                         num_kv_heads, block_size, scale, scores, work, amx, lone);
                     continue;
                 }
                 if (head_dim == 128) {
                     attend_one_avx512<4>(q_row, out_row, key_cache, value_cache, table, row_ctx[r], kvh, group,
-                                         num_kv_heads, block_size, scale, scores, work, amx);
+                                         num_kv_heads, block_size, scale, scores, work, amx, lone);
                     continue;
                 }
             }

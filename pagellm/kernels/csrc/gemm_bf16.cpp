@@ -9,9 +9,9 @@
 // NR = 16 * NZ columns laid out [K / 2][NR][2]: one 64-byte load gives 16 columns' values for
 // two consecutive k, exactly the operand vdpbf16ps pairs with a broadcast (A[m, k], A[m, k+1]).
 // Each thread takes a contiguous range of panels and, for each, runs every MR-row block of A
-// over the panel (the panel stays in L2 while A's rows stream through L1); during the first
-// blocks it prefetches the thread's next panel into L2, so the weight's trip from memory
-// overlaps the arithmetic.
+// over the panel (the panel stays in L2 while A's rows stream through L1); its first blocks
+// prefetch the thread's next panel into L2, so the weight's trip from memory overlaps the
+// arithmetic.
 
 #include <array>
 #include <atomic>
@@ -30,6 +30,13 @@
 namespace {
 
 constexpr int kLine = 64;  // bytes in a cache line = one packed row of 16 column pairs
+
+// The next panel is prefetched by the first (up to) this many row blocks, each taking every
+// kPrefetchPhases-th packed k-pair row, so its trip from memory is spread over the panel's
+// work. Taking all of it in the first NZ blocks (one line of each row per block) left M=64
+// products waiting on memory: 30 layers' four linears, cold weights, 2 threads, on a Zen 5 VM,
+// 15.7-16.3 ms against 14.8-15.1 (M=16: 6.1-6.5 against 5.4-5.6; benchmarks/NOTES.md 33).
+constexpr int kPrefetchPhases = 16;
 
 // exp(x) on 16 lanes (Cephes' expf: Cody-Waite reduction, degree-5 polynomial, about 1 ulp);
 // the final scaling by 2^n gives inf above ~88.7 and 0 below ~-103.9, as expf does. The clamp
@@ -54,12 +61,12 @@ inline __mmask16 first_lanes(int64_t n) {
     return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n > 0 ? n : 0)) - 1u);
 }
 
-// Where and how much of the next panel one row block prefetches: line `first` and every
-// `stride`-th line after it in each packed k-pair row, `count` lines per row.
+// Which part of the next panel one row block prefetches: every line of the packed k-pair rows
+// kp with kp % phases == phase (none if phase < 0).
 struct Prefetch {
     const char* next = nullptr;
-    int first = 0;
-    int count = 0;
+    int phase = -1;
+    int phases = 1;
 };
 
 // acc[r][j] = sum over k of A[r, k] * panel column block j, for MR rows of A.
@@ -71,10 +78,13 @@ inline void accumulate(const uint16_t* a, int64_t lda, const uint16_t* panel, in
     const int32_t* rows[MR];
     for (int r = 0; r < MR; ++r) rows[r] = reinterpret_cast<const int32_t*>(a + r * lda);
     const int64_t row_bytes = int64_t{NZ} * kLine;
+    int phase = 0;
     for (int64_t kp = 0; kp < kpairs; ++kp) {
         __m512i w[NZ];
         for (int j = 0; j < NZ; ++j) w[j] = _mm512_loadu_si512(panel + (kp * NZ + j) * 32);
-        for (int i = 0; i < pf.count; ++i) _mm_prefetch(pf.next + kp * row_bytes + (pf.first + i) * kLine, _MM_HINT_T1);
+        if (phase == pf.phase)
+            for (int j = 0; j < NZ; ++j) _mm_prefetch(pf.next + kp * row_bytes + j * kLine, _MM_HINT_T1);
+        if (++phase == pf.phases) phase = 0;
         for (int r = 0; r < MR; ++r) {
             const __m512bh x = (__m512bh)_mm512_set1_epi32(rows[r][kp]);
             for (int j = 0; j < NZ; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], x, (__m512bh)w[j]);
@@ -222,9 +232,8 @@ void gemm(const uint16_t* a, int64_t lda, int64_t m, int64_t k, const uint16_t* 
             Prefetch pf;
             if (item.next_is_own) pf.next = reinterpret_cast<const char*>(panel + panel_elems);
             for (int64_t b = 0; b < row_blocks; ++b) {
-                // The first NZ blocks take one line of each packed row each; fewer blocks take all.
-                pf.first = row_blocks >= NZ ? static_cast<int>(b) : 0;
-                pf.count = pf.next == nullptr ? 0 : row_blocks >= NZ ? (b < NZ ? 1 : 0) : (b == 0 ? NZ : 0);
+                pf.phases = static_cast<int>(row_blocks < kPrefetchPhases ? row_blocks : kPrefetchPhases);
+                pf.phase = pf.next != nullptr && b < pf.phases ? static_cast<int>(b) : -1;
                 const int64_t r0 = b * Epi::MR;
                 const int64_t rows = m - r0 < Epi::MR ? m - r0 : Epi::MR;
                 kBlocks[rows - 1](a + r0 * lda, lda, panel, kpairs, pf, c + r0 * ldc + p * Epi::out_cols, ldc, cols);
