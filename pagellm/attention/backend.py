@@ -49,8 +49,30 @@ def write_kv(
 ) -> None:
     """Store the new tokens' K/V ([T, H_kv, D]) into the paged cache at their slots."""
     num_kv_heads, head_dim = key_cache.shape[-2:]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    for cache, new in ((key_cache, key), (value_cache, value)):
+        rows = indexable(cache).view(-1, num_kv_heads, head_dim)
+        rows.index_copy_(0, slot_mapping, indexable(new.to(cache.dtype)))
+
+
+# K/V storage formats narrower than the compute dtype: stored rounded, widened on every read.
+FP8_KV_DTYPES = (torch.float8_e4m3fn,)
+
+
+def attention_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention computes in over a cache: the cache's own, or the query's over fp8."""
+    return query_dtype if cache_dtype in FP8_KV_DTYPES else cache_dtype
+
+
+def as_stored(x: torch.Tensor, cache_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a cache of ``cache_dtype`` holds it, read back in ``dtype``."""
+    if x.dtype != cache_dtype and cache_dtype in FP8_KV_DTYPES:
+        x = x.to(cache_dtype)
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def indexable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` or, for fp8, its bytes: torch's index_copy_ has no float8 kernels."""
+    return t.view(torch.uint8) if t.dtype in FP8_KV_DTYPES else t
 
 
 class AttentionBackend(ABC):

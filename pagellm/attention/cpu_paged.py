@@ -9,7 +9,8 @@ reads every K/V row exactly once, with no padding between requests of different 
 Every token row of the step is one kernel row with its own causal limit: decode rows, chunked
 prefills, prefix-cache hits and fresh prompts alike (measured here, bf16, 2 threads, one layer:
 16 x 128-token prompts 2.9 ms vs 6.5 ms with SDPA's flash kernel, 2 x 1024 18.7 vs 25.6 ms,
-1 x 4096 149 vs 156 ms). The new K/V are stored by the kernel library too. Caches of a dtype
+1 x 4096 149 vs 156 ms). The new K/V are stored by the kernel library too. An fp8 (e4m3) cache
+under a bf16 model is read in place, each row widened to bf16 as it is loaded. Caches of a dtype
 the kernel does not take (float32 unless ``float32_kernel``) use :class:`TorchSDPAAttention`.
 
 ``ReferenceAttention`` stays the test oracle; :func:`pagellm.kernels.available` decides
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from pagellm import kernels
-from pagellm.attention.backend import AttentionMetadata, write_kv
+from pagellm.attention.backend import AttentionMetadata, attention_dtype, write_kv
 from pagellm.attention.torch_sdpa import TorchSDPAAttention
 
 
@@ -71,7 +72,11 @@ class CPUPagedAttention(TorchSDPAAttention):
         """``float32_kernel``: run float32 caches through the kernel too. Off by default: float32
         is the reference-precision mode, kept on torch's kernels so it matches HF's float32
         arithmetic as closely as before (the kernel's sums run in another order)."""
-        self.kernel_dtypes = (torch.bfloat16, torch.float32) if float32_kernel else (torch.bfloat16,)
+        # (compute dtype, cache dtype) pairs the kernel takes; an fp8 cache under bf16 is read and
+        # widened in place, under float32 it goes through the torch path.
+        self.kernel_pairs = {(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn)}
+        if float32_kernel:
+            self.kernel_pairs.add((torch.float32, torch.float32))
         if not kernels.available():
             raise RuntimeError(
                 "attention backend 'cpu_paged' needs the pagellm CPU kernels, which could not be built "
@@ -97,8 +102,8 @@ class CPUPagedAttention(TorchSDPAAttention):
         super().release_memory()
 
     def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale):
-        cdtype = key_cache.dtype
-        if query.device.type != "cpu" or cdtype not in self.kernel_dtypes:
+        cdtype = attention_dtype(query.dtype, key_cache.dtype)
+        if query.device.type != "cpu" or (cdtype, key_cache.dtype) not in self.kernel_pairs:
             return super().forward(query, key, value, key_cache, value_cache, metadata, scale)
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = key_cache.shape[-2]

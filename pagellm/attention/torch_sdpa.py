@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pagellm.attention.backend import AttentionBackend, AttentionMetadata, write_kv
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata, as_stored, attention_dtype, write_kv
 
 
 def _sdpa_supports_gqa() -> bool:
@@ -281,9 +281,11 @@ class TorchSDPAAttention(AttentionBackend):
 
     @staticmethod
     def _gather_pair(
-        key_cache: torch.Tensor, value_cache: torch.Tensor, index: torch.Tensor, row_shape: tuple[int, ...]
+        key_cache: torch.Tensor, value_cache: torch.Tensor, index: torch.Tensor, row_shape: tuple[int, ...],
+        dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cache.view(-1, *row_shape).index_select(0, index)`` for K and V, into the shared workspace."""
+        """``cache.view(-1, *row_shape).index_select(0, index)`` for K and V, into the shared
+        workspace, in ``dtype`` (an fp8 cache's rows are widened after the gather)."""
         n = index.numel()
         row = 1
         for d in row_shape:
@@ -299,13 +301,13 @@ class TorchSDPAAttention(AttentionBackend):
         v = ws[n * row : 2 * n * row].view(n, *row_shape)
         torch.index_select(key_cache.view(-1, *row_shape), 0, index, out=k)
         torch.index_select(value_cache.view(-1, *row_shape), 0, index, out=v)
-        return k, v
+        return (k, v) if k.dtype == dtype else (k.to(dtype), v.to(dtype))
 
     # Below this many rows one SDPA call beats the matmul path (fewer op launches).
     _BMM_MIN_ROWS = 4
 
     def _decode(self, q, key_cache, value_cache, dec: _DecodePlan, num_kv_heads, group, head_dim, scale):
-        """Attention of one decode group: [rows, H, D] in the cache dtype."""
+        """Attention of one decode group: [rows, H, D] in q's dtype (the compute dtype)."""
         rows = dec.num_rows
         if dec.token_range is not None:
             q_dec = q[dec.token_range[0] : dec.token_range[1]]
@@ -313,7 +315,7 @@ class TorchSDPAAttention(AttentionBackend):
             q_dec = q.index_select(0, dec.token_index)
         idx = dec.gather_index(num_kv_heads)
         shape = (rows, num_kv_heads, dec.max_seq_len, head_dim)
-        k, v = self._gather_pair(key_cache, value_cache, idx, (head_dim,))
+        k, v = self._gather_pair(key_cache, value_cache, idx, (head_dim,), q.dtype)
         k, v = k.view(shape), v.view(shape)
         # Query heads h = kv * group + g share KV head kv: fold the group into the query dim.
         q_dec = q_dec.reshape(rows, num_kv_heads, group, head_dim)
@@ -325,14 +327,13 @@ class TorchSDPAAttention(AttentionBackend):
 
     def _prefill(self, q, key, value, key_cache, value_cache, p: _PrefillPlan, out, num_kv_heads, group, head_dim, scale):
         """One prefill request with SDPA, written into ``out``'s rows of that request."""
-        cdtype = key_cache.dtype
         sl = slice(p.start, p.start + p.query_len)
         q_p = q[sl].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-        if p.slots is None:
-            k_p = key[sl] if key.dtype == cdtype else key[sl].to(cdtype)
-            v_p = value[sl] if value.dtype == cdtype else value[sl].to(cdtype)
+        if p.slots is None:  # no context: the new K/V, as the cache holds them
+            k_p = as_stored(key[sl], key_cache.dtype, q.dtype)
+            v_p = as_stored(value[sl], value_cache.dtype, q.dtype)
         else:
-            k_p, v_p = self._gather_pair(key_cache, value_cache, p.slots, (num_kv_heads, head_dim))
+            k_p, v_p = self._gather_pair(key_cache, value_cache, p.slots, (num_kv_heads, head_dim), q.dtype)
         if group > 1 and not _SDPA_GQA:
             k_p = k_p.repeat_interleave(group, dim=1)
             v_p = v_p.repeat_interleave(group, dim=1)
@@ -359,7 +360,7 @@ class TorchSDPAAttention(AttentionBackend):
         if plan.num_tokens != num_tokens:
             raise ValueError(f"query has {num_tokens} tokens but metadata.query_lens sum to {plan.num_tokens}")
         write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
-        cdtype = key_cache.dtype
+        cdtype = attention_dtype(query.dtype, key_cache.dtype)
         q = query if query.dtype == cdtype else query.to(cdtype)
 
         out = None

@@ -55,6 +55,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=int, default=None)
     group.add_argument("--kv-cache-memory", default=None, help="e.g. 1GiB")
     group.add_argument("--block-size", type=int, default=None)
+    group.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3"],
+                       help="K/V storage (default: the engine's, auto); passed to vLLM too")
     group.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
         help="pass enable_prefix_caching to LLM (default: the engine's default)",
@@ -147,7 +149,7 @@ def bench_main(args: argparse.Namespace) -> int:
             workload=args.workload, model=args.model, num_prompts=args.num_prompts, input_len=args.input_len,
             output_len=args.output_len, prefix_len=args.prefix_len, suffix_len=args.suffix_len, seed=args.seed,
             dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
             enable_prefix_caching=args.enable_prefix_caching, num_threads=args.num_threads,
             attention_backend=args.attention_backend, device=args.device, compare=list(dict.fromkeys(args.compare)),
             hf_batch_sizes=args.hf_batch_sizes, hf_max_requests=args.hf_max_requests, hf_attn=args.hf_attn,

@@ -283,6 +283,8 @@ def run_vllm(workload: Workload, options: dict[str, Any], progress: bool = True)
         kwargs["max_num_batched_tokens"] = options["max_num_batched_tokens"]
     if options.get("enable_prefix_caching") is not None:
         kwargs["enable_prefix_caching"] = options["enable_prefix_caching"]
+    if options.get("kv_cache_dtype") not in (None, "auto"):
+        kwargs["kv_cache_dtype"] = options["kv_cache_dtype"]
     start = time.perf_counter()
     llm = VLLM(**kwargs)
     start_s = time.perf_counter() - start
@@ -369,6 +371,7 @@ class ThroughputConfig:
     max_num_batched_tokens: int | None = None
     kv_cache_memory: str | None = None
     block_size: int | None = None
+    kv_cache_dtype: str | None = None
     enable_prefix_caching: bool | None = None
     num_threads: int | None = None
     attention_backend: str | None = None
@@ -407,6 +410,7 @@ def _engine_options(cfg: ThroughputConfig) -> dict[str, Any]:
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         kv_cache_memory=cfg.kv_cache_memory,
         block_size=cfg.block_size,
+        kv_cache_dtype=cfg.kv_cache_dtype,
         enable_prefix_caching=cfg.enable_prefix_caching,
         num_threads=cfg.num_threads,
         attention_backend=cfg.attention_backend,

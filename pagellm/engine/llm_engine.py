@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from pagellm.attention import get_attention_backend
-from pagellm.config import EngineConfig, resolve_dtype
+from pagellm.config import EngineConfig, resolve_dtype, resolve_kv_cache_dtype
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler
@@ -74,7 +74,8 @@ class LLMEngine:
         attn_backend = get_attention_backend(config.device.attention_backend, self.device)
         self.model, self.arch = load_model(config.model.model, dtype, attn_backend, self.device)
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(config.model.model, config.model.chat_template)
-        self.num_blocks = self._num_blocks(self.arch, dtype)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype)
+        self.num_blocks = self._num_blocks(self.arch, self.kv_cache_dtype)
         self.max_model_len = self._max_model_len(self.arch)
         block_size = config.cache.block_size
         kv_cache = allocate_kv_cache(
@@ -83,7 +84,7 @@ class LLMEngine:
             block_size,
             self.arch.num_key_value_heads,
             self.arch.head_dim,
-            dtype,
+            self.kv_cache_dtype,
             self.device,
         )
         self.kv_cache_manager = KVCacheManager(
@@ -105,13 +106,14 @@ class LLMEngine:
         self._beam_of_seq: dict[str, str] = {}  # beam sequence id -> beam search request id
         self._beam_counter = itertools.count()
         logger.info(
-            "engine ready in %.1fs: %s in %s, attention %s, %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready in %.1fs: %s in %s, attention %s, %d KV blocks of %d tokens (%s), max_model_len %d",
             time.monotonic() - start,
             self.arch.architecture,
             str(dtype).removeprefix("torch."),
             attn_backend.name,
             self.num_blocks,
             block_size,
+            str(self.kv_cache_dtype).removeprefix("torch."),
             self.max_model_len,
         )
 

@@ -32,6 +32,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     group.add_argument("--kv-cache-memory", default="1GiB", help="KV-cache budget, e.g. 512MiB or 2GiB")
     group.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides memory)")
+    group.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+        help="K/V storage: auto (the model's dtype) or fp8 (= fp8_e4m3: half the memory of bf16, rounded)",
+    )
     group.add_argument("--max-num-seqs", type=int, default=128, help="most sequences in one step")
     group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="most tokens computed in one step")
     group.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
@@ -60,6 +64,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,

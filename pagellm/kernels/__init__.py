@@ -12,6 +12,9 @@ import torch
 from pagellm.kernels.build import load_library
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# (K/V and query dtype, cache dtype) -> the attention and K/V-write kernels' dtype code.
+_CACHE_CODES = {(torch.float32, torch.float32): 0, (torch.bfloat16, torch.bfloat16): 1,
+                (torch.bfloat16, torch.float8_e4m3fn): 2}
 
 
 def available() -> bool:
@@ -99,17 +102,11 @@ def paged_attention(
     """
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     num_heads = query.shape[1]
-    dtype = key_cache.dtype
-    if dtype not in _DTYPE_CODES:
-        raise ValueError(f"CPU paged attention supports float32 and bfloat16, not {dtype}")
-    if not key_cache.is_contiguous() or not value_cache.is_contiguous() or value_cache.shape != key_cache.shape:
-        raise ValueError("key_cache and value_cache must be contiguous and of the same shape")
-    if value_cache.dtype != dtype:
-        raise ValueError("key_cache and value_cache must have the same dtype")
+    code = _cache_code(query.dtype, key_cache, value_cache)
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    _check_rows("query", query, (num_heads, head_dim), dtype)
-    _check_rows("out", out, (num_heads, head_dim), dtype)
+    _check_rows("query", query, (num_heads, head_dim), query.dtype)
+    _check_rows("out", out, (num_heads, head_dim), query.dtype)
     if out.shape[0] != query.shape[0]:
         raise ValueError("out and query must have the same number of rows")
     if not rows_checked:
@@ -118,11 +115,27 @@ def paged_attention(
         query.data_ptr(), query.stride(0), out.data_ptr(), out.stride(0),
         key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         row_token.data_ptr(), row_req.data_ptr(), row_ctx.data_ptr(),
-        row_token.numel(), num_heads, num_kv_heads, head_dim, block_size, float(scale), _DTYPE_CODES[dtype],
+        row_token.numel(), num_heads, num_kv_heads, head_dim, block_size, float(scale), code,
         torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"pagellm_paged_attention failed with code {rc}")
+
+
+def _cache_code(dtype: torch.dtype, key_cache: torch.Tensor, value_cache: torch.Tensor) -> int:
+    """The kernels' code for ``dtype`` queries or K/V over these caches (checked: CPU, contiguous,
+    same shape and dtype, a supported pair: float32 / bf16 caches of the same dtype, or an fp8
+    e4m3 cache under bf16)."""
+    if key_cache.device.type != "cpu" or not key_cache.is_contiguous() or not value_cache.is_contiguous():
+        raise ValueError("key_cache and value_cache must be contiguous CPU tensors")
+    if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
+        raise ValueError("key_cache and value_cache must have the same shape and dtype")
+    code = _CACHE_CODES.get((dtype, key_cache.dtype))
+    if code is None:
+        pairs = ", ".join(f"{str(c).removeprefix('torch.')} cache with {str(q).removeprefix('torch.')}"
+                          for q, c in _CACHE_CODES)
+        raise ValueError(f"the CPU kernels support a {pairs}; got a {key_cache.dtype} cache with {dtype}")
+    return code
 
 
 def check_slots(slot_mapping: torch.Tensor, key_cache: torch.Tensor) -> None:
@@ -145,13 +158,9 @@ def write_kv(
     """Store ``key``/``value`` ([T, H_kv, D], any row stride) at ``slot_mapping`` (int64 [T]);
     slots are range-checked (:func:`check_slots`) unless ``slots_checked``."""
     _, _, num_kv_heads, head_dim = key_cache.shape
-    dtype = key_cache.dtype
-    if dtype not in _DTYPE_CODES or not key_cache.is_contiguous() or not value_cache.is_contiguous():
-        raise ValueError("key_cache/value_cache must be contiguous float32 or bfloat16 tensors")
-    if value_cache.shape != key_cache.shape or value_cache.dtype != dtype:
-        raise ValueError("key_cache and value_cache must have the same shape and dtype")
-    _check_rows("key", key, (num_kv_heads, head_dim), dtype)
-    _check_rows("value", value, (num_kv_heads, head_dim), dtype)
+    code = _cache_code(key.dtype, key_cache, value_cache)
+    _check_rows("key", key, (num_kv_heads, head_dim), key.dtype)
+    _check_rows("value", value, (num_kv_heads, head_dim), key.dtype)
     if value.shape[0] != key.shape[0]:
         raise ValueError(f"key has {key.shape[0]} rows but value has {value.shape[0]}")
     _check_int("slot_mapping", slot_mapping, torch.int64, key.shape[0])
@@ -160,7 +169,7 @@ def write_kv(
     rc = _lib().pagellm_write_kv(
         key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
         key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
-        key.shape[0], num_kv_heads * head_dim, _DTYPE_CODES[dtype], torch.get_num_threads(),
+        key.shape[0], num_kv_heads * head_dim, code, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"pagellm_write_kv failed with code {rc}")

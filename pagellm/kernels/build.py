@@ -28,7 +28,7 @@ from pagellm.utils import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 _SOURCES = ("cpu_kernels.cpp", "gemm_bf16.cpp")
 _HEADERS = ("bf16_simd.h",)
 # -ffp-contract=off: no fused multiply-adds where the source has a product then a sum, so the

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagellm.attention.backend import indexable
+
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (key_cache, value_cache)
 
 
@@ -78,5 +80,5 @@ def copy_blocks(kv_cache: KVCache, copies: list[tuple[int, int]]) -> None:
     src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=device)
     dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=device)
     for key_cache, value_cache in kv_cache:
-        key_cache.index_copy_(0, dst, key_cache.index_select(0, src))
-        value_cache.index_copy_(0, dst, value_cache.index_select(0, src))
+        for cache in (indexable(key_cache), indexable(value_cache)):
+            cache.index_copy_(0, dst, cache.index_select(0, src))

@@ -14,12 +14,14 @@ import torch
 from pagellm import kernels
 from pagellm.attention import CPUPagedAttention, write_kv
 from tests.attention.test_attention import (
+    FP8,
     TOL,
     check_step,
     cpu_paged_all_dtypes,
     dense_expected,
     make_step,
     run_backend,
+    to_fp8_step,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -174,3 +176,107 @@ def test_portable_build_matches_dense_too():
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout
+
+
+# ---- fp8 (e4m3) KV cache --------------------------------------------------------------------
+
+E4M3_EDGES = [0.0, -0.0, 448.0, -448.0, 449.0, 464.0, 465.0, 480.0, 1e30, -1e30, float("inf"), -float("inf"),
+              2.0**-9, 2.0**-10, 3 * 2.0**-10, -(2.0**-9) * 5.5, 2.0**-6, 0.0152, 2.0**-7 * 1.0625, 17.0, 18.0, -19.5]
+
+
+def _bf16_values(n_rows: int, row: int, seed: int = 0) -> torch.Tensor:
+    """bf16 values over 14 orders of magnitude, the edge cases of e4m3 rounding first."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_rows * row, generator=g) * torch.logspace(-5, 3.5, n_rows * row)[torch.randperm(n_rows * row, generator=g)]
+    x[: len(E4M3_EDGES)] = torch.tensor(E4M3_EDGES)
+    return x.to(torch.bfloat16).view(n_rows, -1)
+
+
+@pytest.mark.parametrize("head_dim", [64, 48], ids=["avx512", "portable"])
+def test_write_kv_fp8_kernel_rounds_as_torch_casts(head_dim):
+    # Round to nearest even, saturation at +-448 (infinities too), subnormals, signed zero.
+    key = _bf16_values(40, 3 * head_dim, seed=head_dim).view(40, 3, head_dim)
+    value = -key.flip(0)
+    slots = torch.randperm(48)[:40]
+    got_k, got_v = torch.zeros(3, 16, 3, head_dim, dtype=FP8), torch.zeros(3, 16, 3, head_dim, dtype=FP8)
+    kernels.write_kv(key, value, got_k, got_v, slots)
+    want_k, want_v = torch.zeros_like(got_k), torch.zeros_like(got_v)
+    write_kv(key, value, want_k, want_v, slots)  # the torch path: key.to(float8_e4m3fn)
+    assert torch.equal(got_k.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(got_v.view(torch.uint8), want_v.view(torch.uint8))
+    stored = got_k.view(-1, 3, head_dim)[slots].float()
+    # The data reaches every regime: saturated, normal, subnormal and flushed to zero.
+    mags = stored.abs()
+    assert mags.max().item() == 448.0 and ((mags > 0) & (mags < 2.0**-6)).any() and (mags == 0).any()
+    assert (mags > 0).float().mean() > 0.5
+
+
+def test_write_kv_fp8_keeps_nan():
+    key = torch.full((1, 1, 64), float("nan"), dtype=torch.bfloat16)
+    cache_k, cache_v = torch.zeros(1, 16, 1, 64, dtype=FP8), torch.zeros(1, 16, 1, 64, dtype=FP8)
+    kernels.write_kv(key, -key, cache_k, cache_v, torch.tensor([3]))
+    assert torch.isnan(cache_k[0, 3].float()).all() and torch.isnan(cache_v[0, 3].float()).all()
+    assert not cache_k[0, :3].float().any()
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 8, 128), (6, 3, 48)], ids=["smollm2", "mha128", "portable"]
+)
+def test_fp8_cache_kernel_match_dense(num_heads, num_kv_heads, head_dim):
+    reqs = [(1030, 1), (5, 1), (0, 1), (77, 1), (40, 9), (0, 12), (16, 16), (300, 1)]
+    step = to_fp8_step(make_step(reqs, 16, num_heads, num_kv_heads, head_dim=head_dim, dtype=torch.bfloat16, seed=3))
+    check_step(step, CPUPagedAttention)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 48], ids=["avx512", "avx512-128", "portable"])
+def test_fp8_cache_reads_every_code_exactly_as_the_bf16_kernel_reads_it_widened(head_dim):
+    # Every finite e4m3 byte in the keys and values: attention over the fp8 cache must equal,
+    # bit for bit, the bf16 kernel over the same cache widened to bf16 (decoding is exact).
+    g = torch.Generator().manual_seed(1)
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    shape = (40, 16, 2, head_dim)
+    cache_k = codes[torch.randint(0, codes.numel(), shape, generator=g)].view(FP8)
+    cache_v = codes[torch.randint(0, codes.numel(), shape, generator=g)].view(FP8)
+    tables = torch.randperm(40, generator=g).view(4, 10)
+    query = (torch.randn(7, 4, head_dim, generator=g) * 0.01).to(torch.bfloat16)
+    rows = dict(row_token=torch.arange(7, dtype=torch.int32), row_req=torch.tensor([0, 1, 2, 2, 2, 3, 3], dtype=torch.int32),
+                row_ctx=torch.tensor([160, 1, 97, 98, 99, 17, 150], dtype=torch.int32))
+    out_fp8, out_bf16 = torch.empty_like(query), torch.empty_like(query)
+    kernels.paged_attention(query, out_fp8, cache_k, cache_v, tables, scale=0.125, **rows)
+    amx_env = os.environ.get("PAGELLM_AMX")
+    kernels.paged_attention(query, out_bf16, cache_k.to(torch.bfloat16), cache_v.to(torch.bfloat16), tables,
+                            scale=0.125, **rows)
+    assert torch.isfinite(out_fp8).all()
+    if kernels.gemm_amx_available() and amx_env != "0":
+        torch.testing.assert_close(out_fp8, out_bf16, **TOL[torch.bfloat16])  # bf16 scores on AMX tiles
+    else:
+        assert torch.equal(out_fp8, out_bf16)
+
+
+def test_fp8_cache_goes_through_the_kernel_under_bf16_only(monkeypatch):
+    calls = []
+    real = kernels.paged_attention
+    monkeypatch.setattr(kernels, "paged_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    step = to_fp8_step(make_step([(10, 1), (4, 1)], 16, 4, 2, head_dim=64, dtype=torch.float32))
+    out, _, _ = run_backend(CPUPagedAttention(), step)
+    assert not calls  # float32 queries: the torch path
+    torch.testing.assert_close(out.double(), dense_expected(step), **TOL[FP8])
+    step = to_fp8_step(make_step([(10, 1), (4, 1)], 16, 4, 2, head_dim=64, dtype=torch.bfloat16))
+    run_backend(CPUPagedAttention(), step)
+    assert calls
+
+
+@pytest.mark.parametrize("case", ["float32 query", "float16 query", "mixed caches"])
+def test_kernels_reject_unsupported_cache_pairs(case):
+    args = _args(head_dim=64)
+    fp8 = dict(key_cache=args["key_cache"].to(FP8), value_cache=args["value_cache"].to(FP8))
+    change = {
+        "float32 query": dict(fp8, query=args["query"].float(), out=args["out"].float()),
+        "float16 query": dict(fp8, query=args["query"].half(), out=args["out"].half()),
+        "mixed caches": dict(key_cache=fp8["key_cache"]),
+    }[case]
+    with pytest.raises(ValueError, match="cache"):
+        kernels.paged_attention(**{**args, **change})
+    key = args["query"][:, :2].contiguous()
+    with pytest.raises(ValueError, match="cache"):
+        kernels.write_kv(key.float(), key.float(), fp8["key_cache"], fp8["value_cache"], torch.tensor([0, 1]))

@@ -63,6 +63,32 @@ inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+// float8_e4m3fn (1 sign, 4 exponent bits with bias 7, 3 mantissa bits; no infinities, NaN =
+// 0x7f / 0xff; largest finite 448): the fp8 KV cache's format. Every e4m3 value is a bfloat16
+// value, so decoding is exact. Bits of the bf16 equal to the subnormals m * 2^-9, m = 0..7:
+constexpr uint16_t kE4m3Subnormals[8] = {0, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};
+
+inline uint16_t e4m3_to_bf16_bits(uint8_t b) {
+    const uint16_t mag = b & 0x7f;
+    const uint16_t r = mag == 0x7f ? 0x7fc0 : mag >= 8 ? static_cast<uint16_t>((mag << 4) + (120 << 7)) : kE4m3Subnormals[mag];
+    return static_cast<uint16_t>(r | ((b & 0x80) << 8));
+}
+
+// As torch casts to float8_e4m3fn: round to nearest even; finite values beyond 448 and
+// infinities saturate to +-448; NaN stays NaN.
+inline uint8_t float_to_e4m3(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80);
+    const float a = std::fabs(f);
+    if (a != a) return static_cast<uint8_t>(sign | 0x7f);
+    const float c = a < 448.0f ? a : 448.0f;
+    if (c < 0.015625f) return static_cast<uint8_t>(sign | static_cast<uint8_t>(std::nearbyint(c * 512.0f)));  // m * 2^-9
+    std::memcpy(&u, &c, sizeof u);
+    u += 0x7ffffu + ((u >> 20) & 1u);  // drop 20 mantissa bits, to nearest even
+    return static_cast<uint8_t>(sign | ((u >> 20) - (120u << 3)));  // exponent bias 127 -> 7
+}
+
 template <typename T> struct Elem;
 template <> struct Elem<float> {
     static inline float load(const float* p, int64_t i) { return p[i]; }
@@ -71,6 +97,10 @@ template <> struct Elem<float> {
 template <> struct Elem<uint16_t> {
     static inline float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
     static inline void store(uint16_t* p, int64_t i, float v) { p[i] = float_to_bf16(v); }
+};
+template <> struct Elem<uint8_t> {  // an fp8 (e4m3) cache element
+    static inline float load(const uint8_t* p, int64_t i) { return bf16_to_float(e4m3_to_bf16_bits(p[i])); }
+    static inline void store(uint8_t* p, int64_t i, float v) { p[i] = float_to_e4m3(v); }
 };
 
 template <typename T>
@@ -114,9 +144,10 @@ inline void for_each_context_row(const T* cache, const int64_t* block_table, int
 // One (query row, KV head) pair: the G query heads sharing KV head `kvh` attend over the
 // first `ctx` positions of request `req`'s context, read in place through its block table.
 // Three passes over the context (scores, softmax, weighted values) keep K and V reads
-// sequential within each block and need no online-softmax rescaling.
-template <typename T>
-void attend_one(const T* q_row, T* out_row, const T* key_cache, const T* value_cache,
+// sequential within each block and need no online-softmax rescaling. KV: the cache's element
+// type (T, or uint8_t for an fp8 cache).
+template <typename T, typename KV = T>
+void attend_one(const T* q_row, T* out_row, const KV* key_cache, const KV* value_cache,
                 const int64_t* block_table, int64_t ctx, int64_t kvh, int64_t group,
                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                 std::vector<float>& scores, std::vector<float>& work) {
@@ -135,8 +166,8 @@ void attend_one(const T* q_row, T* out_row, const T* key_cache, const T* value_c
     }
     const int64_t row_stride = num_kv_heads * D;  // elements between positions of one block
 
-    for_each_context_row(key_cache, block_table, ctx, block_size, row_stride, kvh * D, D * sizeof(T),
-                         [&](int64_t p, const T* kp) {
+    for_each_context_row(key_cache, block_table, ctx, block_size, row_stride, kvh * D, D * sizeof(KV),
+                         [&](int64_t p, const KV* kp) {
                              load_row(kp, row, D);
                              for (int64_t g = 0; g < G; ++g) {
                                  const float* qg = qf + g * D;
@@ -169,8 +200,8 @@ void attend_one(const T* q_row, T* out_row, const T* key_cache, const T* value_c
     }
 
     std::memset(acc, 0, sizeof(float) * static_cast<size_t>(G * D));
-    for_each_context_row(value_cache, block_table, ctx, block_size, row_stride, kvh * D, D * sizeof(T),
-                         [&](int64_t p, const T* vp) {
+    for_each_context_row(value_cache, block_table, ctx, block_size, row_stride, kvh * D, D * sizeof(KV),
+                         [&](int64_t p, const KV* vp) {
                              load_row(vp, row, D);
                              for (int64_t g = 0; g < G; ++g) {
                                  const float w = s[g * ctx + p];
@@ -239,6 +270,49 @@ inline void softmax_avx512(float* sg, int64_t n) {
     for (; p < n; ++p) sg[p] *= _mm512_cvtss_f32(inv);
 }
 
+// 32 e4m3 bytes -> 32 bf16 (exactly; see e4m3_to_bf16_bits).
+inline __m512i e4m3x32_to_bf16(const uint8_t* p) {
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7f));
+    __m512i r = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+    const __m512i table = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE4m3Subnormals)));
+    r = _mm512_mask_mov_epi16(r, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)), _mm512_permutexvar_epi16(mag, table));
+    r = _mm512_mask_mov_epi16(r, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7f)), _mm512_set1_epi16(0x7fc0));
+    return _mm512_or_si512(r, _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8));
+}
+
+// 16 floats -> 16 e4m3 bytes, as float_to_e4m3.
+inline __m128i float16_to_e4m3(__m512 x) {
+    const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 24), _mm512_set1_epi32(0x80));
+    const __m512 a = _mm512_abs_ps(x);
+    const __mmask16 nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+    const __m512 c = _mm512_min_ps(a, _mm512_set1_ps(448.0f));
+    __m512i u = _mm512_castps_si512(c);
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7ffff),
+                                             _mm512_and_si512(_mm512_srli_epi32(u, 20), _mm512_set1_epi32(1))));
+    __m512i r = _mm512_sub_epi32(_mm512_srli_epi32(u, 20), _mm512_set1_epi32(120 << 3));
+    const __m512i sub = _mm512_cvt_roundps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(512.0f)),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(c, _mm512_set1_ps(0.015625f), _CMP_LT_OQ), sub);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7f));
+    return _mm512_cvtepi32_epi8(_mm512_or_si512(r, sign));
+}
+
+// Cache rows as bf16 vectors: 32 values at p (bf16, or e4m3 decoded).
+inline __m512bh load_bf16x32(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh load_bf16x32(const uint8_t* p) { return (__m512bh)e4m3x32_to_bf16(p); }
+
+// 32 cache values at p as float32, in two halves.
+inline void load_f32x32(const uint16_t* p, __m512& lo, __m512& hi) {
+    lo = bf16x16_to_float(p);
+    hi = bf16x16_to_float(p + 16);
+}
+inline void load_f32x32(const uint8_t* p, __m512& lo, __m512& hi) {
+    const __m512i h = e4m3x32_to_bf16(p);
+    lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+    hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+}
+
 // attend_one for bfloat16 with head_dim = 32 * C, on AVX-512 BF16: q.k with vdpbf16ps
 // (bf16 products, float32 sums, as a bf16 GEMM), softmax and the value sums in float32.
 // Weight rows weighted_values takes at once: rows x 2C accumulators plus 2C value registers
@@ -249,18 +323,18 @@ constexpr int64_t kValueRows = C <= 2 ? 4 : 3;
 // acc[j][0:D] = sum over p < ctx of w_j[p] * V[p] (D = 32 * C) for `rows` <= kValueRows<C>
 // weight rows w_j = w + j * w_stride; each value row is read once for all of them. kPrefetch:
 // prefetch the rows ahead (false where the caller already brought them in).
-template <int C, bool kPrefetch = true>
-inline void weighted_values(const uint16_t* value_cache, const int64_t* block_table, int64_t ctx, int64_t block_size,
+template <int C, bool kPrefetch = true, typename KV = uint16_t>
+inline void weighted_values(const KV* value_cache, const int64_t* block_table, int64_t ctx, int64_t block_size,
                             int64_t row_stride, int64_t offset, const float* w, int64_t w_stride, int64_t rows,
                             float* acc) {
     constexpr int64_t D = 32 * C;
     __m512 a[kValueRows<C>][2 * C];
     for (int j = 0; j < kValueRows<C>; ++j)
         for (int c = 0; c < 2 * C; ++c) a[j][c] = _mm512_setzero_ps();
-    for_each_context_row<kPrefetch>(value_cache, block_table, ctx, block_size, row_stride, offset, D * 2,
-                                    [&](int64_t p, const uint16_t* vp) {
+    for_each_context_row<kPrefetch>(value_cache, block_table, ctx, block_size, row_stride, offset,
+                                    D * int64_t{sizeof(KV)}, [&](int64_t p, const KV* vp) {
                                         __m512 v[2 * C];
-                                        for (int c = 0; c < 2 * C; ++c) v[c] = bf16x16_to_float(vp + 16 * c);
+                                        for (int c = 0; c < C; ++c) load_f32x32(vp + 32 * c, v[2 * c], v[2 * c + 1]);
                                         for (int j = 0; j < rows; ++j) {
                                             const __m512 wj = _mm512_set1_ps(w[j * w_stride + p]);
                                             for (int c = 0; c < 2 * C; ++c)
@@ -407,9 +481,9 @@ void attend_tile_amx(const uint16_t* query, int64_t q_row_stride, uint16_t* out,
 }
 #endif
 
-template <int C>
-void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const uint16_t* key_cache,
-                       const uint16_t* value_cache, const int64_t* block_table, int64_t ctx, int64_t kvh,
+template <int C, typename KV = uint16_t>
+void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const KV* key_cache,
+                       const KV* value_cache, const int64_t* block_table, int64_t ctx, int64_t kvh,
                        int64_t group, int64_t num_kv_heads, int64_t block_size, float scale,
                        std::vector<float>& scores, std::vector<float>& work, bool amx, bool lone) {
     constexpr int64_t D = 32 * C;
@@ -421,7 +495,8 @@ void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const uint16_t*
     const int64_t row_stride = num_kv_heads * D;
 
 #ifdef PAGELLM_AMX
-    if (amx) scores_amx<C>(q_row, key_cache, block_table, ctx, kvh, G, row_stride, scale, s);
+    if constexpr (std::is_same_v<KV, uint16_t>)
+        if (amx) scores_amx<C>(q_row, key_cache, block_table, ctx, kvh, G, row_stride, scale, s);
 #else
     (void)amx;
 #endif
@@ -435,19 +510,20 @@ void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const uint16_t*
     const bool fetch_values = !amx && lone;
     if (fetch_values)
         for (int64_t p = 0; p < ctx && p < kPrefetchDistance; ++p)
-            prefetch_row(key_cache, block_table, p, block_size, row_stride, kvh * D, D * 2);
+            prefetch_row(key_cache, block_table, p, block_size, row_stride, kvh * D, D * int64_t{sizeof(KV)});
     for (int64_t g0 = 0; g0 < G && !amx; g0 += 4) {
         const int64_t gn = G - g0 < 4 ? G - g0 : 4;
         __m512bh q[4][C];
         for (int j = 0; j < gn; ++j)
             for (int c = 0; c < C; ++c)
                 q[j][c] = (__m512bh)_mm512_loadu_si512(q_row + (kvh * G + g0 + j) * D + 32 * c);
-        for_each_context_row(key_cache, block_table, ctx, block_size, row_stride, kvh * D, D * 2,
-                             [&](int64_t p, const uint16_t* kp) {
+        for_each_context_row(key_cache, block_table, ctx, block_size, row_stride, kvh * D, D * int64_t{sizeof(KV)},
+                             [&](int64_t p, const KV* kp) {
                                  if (fetch_values && g0 == 0)
-                                     prefetch_row(value_cache, block_table, p, block_size, row_stride, kvh * D, D * 2);
+                                     prefetch_row(value_cache, block_table, p, block_size, row_stride, kvh * D,
+                                                  D * int64_t{sizeof(KV)});
                                  __m512bh k[C];
-                                 for (int c = 0; c < C; ++c) k[c] = (__m512bh)_mm512_loadu_si512(kp + 32 * c);
+                                 for (int c = 0; c < C; ++c) k[c] = load_bf16x32(kp + 32 * c);
                                  for (int j = 0; j < gn; ++j) {
                                      __m512 a = _mm512_setzero_ps();
                                      for (int c = 0; c < C; ++c) a = _mm512_dpbf16_ps(a, q[j][c], k[c]);
@@ -459,7 +535,7 @@ void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const uint16_t*
     for (int64_t g = 0; g < G; ++g) softmax_avx512(s + g * ctx, ctx);
 
     // Value sums, a few query heads at a time so the accumulators stay in registers.
-    const auto values = fetch_values ? weighted_values<C, false> : weighted_values<C, true>;
+    const auto values = fetch_values ? weighted_values<C, false, KV> : weighted_values<C, true, KV>;
     for (int64_t g0 = 0; g0 < G; g0 += kValueRows<C>)
         values(value_cache, block_table, ctx, block_size, row_stride, kvh * D, s + g0 * ctx, ctx,
                G - g0 < kValueRows<C> ? G - g0 : kValueRows<C>, acc + g0 * D);
@@ -471,9 +547,9 @@ void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const uint16_t*
 
 #endif
 
-template <typename T>
+template <typename T, typename KV = T>
 void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_row_stride,
-                     const T* key_cache, const T* value_cache, const int64_t* block_tables,
+                     const KV* key_cache, const KV* value_cache, const int64_t* block_tables,
                      int64_t block_table_stride, const int32_t* row_token, const int32_t* row_req,
                      const int32_t* row_ctx, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
                      int64_t head_dim, int64_t block_size, float scale, int num_threads) {
@@ -482,7 +558,7 @@ void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_r
 #ifdef PAGELLM_AMX
     // The same condition as attend_one_avx512's (head_dim 64 or 128), so `amx` is never set
     // for a row the scalar attend_one takes.
-    amx = std::is_same_v<T, uint16_t> && block_size == kAmxBlock && group >= 1 && group <= 16 &&
+    amx = std::is_same_v<T, uint16_t> && std::is_same_v<KV, T> && block_size == kAmxBlock && group >= 1 && group <= 16 &&
           (head_dim == 64 || head_dim == 128) && amx_permitted();
 #endif
     // Work units: single rows, or (with AMX) runs of up to 16 rows of one request, a prefill
@@ -512,7 +588,7 @@ void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_r
             const int64_t r = unit_start[u];
             const int64_t kvh = it % num_kv_heads;
 #ifdef PAGELLM_AMX
-            if constexpr (std::is_same_v<T, uint16_t>) {
+            if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<KV, T>) {
                 const int64_t n = unit_start[u + 1] - r;
                 if (n > 1) {
                     const int64_t* table = block_tables + static_cast<int64_t>(row_req[r]) * block_table_stride;
@@ -527,7 +603,7 @@ void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_r
             }
 #endif
             const int64_t tok = row_token[r];
-            const bool lone =
+            [[maybe_unused]] const bool lone =
                 (r == 0 || row_req[r - 1] != row_req[r]) && (r + 1 == num_rows || row_req[r + 1] != row_req[r]);
             const T* q_row = query + tok * q_row_stride;
             T* out_row = out + tok * out_row_stride;
@@ -535,18 +611,18 @@ void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_r
 #ifdef PAGELLM_AVX512_BF16
             if constexpr (std::is_same_v<T, uint16_t>) {
                 if (head_dim == 64) {
-                    attend_one_avx512<2>(q_row, out_row, key_cache, value_cache, table, row_ctx[r], kvh, group,
+                    attend_one_avx512<2, KV>(q_row, out_row, key_cache, value_cache, table, row_ctx[r], kvh, group,
                                          num_kv_heads, block_size, scale, scores, work, amx, lone);
                     continue;
                 }
                 if (head_dim == 128) {
-                    attend_one_avx512<4>(q_row, out_row, key_cache, value_cache, table, row_ctx[r], kvh, group,
+                    attend_one_avx512<4, KV>(q_row, out_row, key_cache, value_cache, table, row_ctx[r], kvh, group,
                                          num_kv_heads, block_size, scale, scores, work, amx, lone);
                     continue;
                 }
             }
 #endif
-            attend_one<T>(q_row, out_row, key_cache, value_cache, table, row_ctx[r], kvh, group, num_kv_heads,
+            attend_one<T, KV>(q_row, out_row, key_cache, value_cache, table, row_ctx[r], kvh, group, num_kv_heads,
                           head_dim, block_size, scale, scores, work);
         }
 #ifdef PAGELLM_AMX
@@ -566,6 +642,29 @@ void write_kv(const T* key, int64_t key_row_stride, const T* value, int64_t valu
         if (slot < 0) continue;  // padding token: nothing to store
         std::memcpy(key_cache + slot * row_elems, key + t * key_row_stride, bytes);
         std::memcpy(value_cache + slot * row_elems, value + t * value_row_stride, bytes);
+    }
+}
+
+// n bf16 values -> e4m3 (float_to_e4m3 of each).
+inline void bf16_row_to_e4m3(const uint16_t* src, uint8_t* dst, int64_t n) {
+    int64_t i = 0;
+#ifdef PAGELLM_AVX512_BF16
+    for (; i + 16 <= n; i += 16)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), float16_to_e4m3(bf16x16_to_float(src + i)));
+#endif
+    for (; i < n; ++i) dst[i] = float_to_e4m3(bf16_to_float(src[i]));
+}
+
+// write_kv for bf16 K/V into an fp8 (e4m3) cache.
+void write_kv_e4m3(const uint16_t* key, int64_t key_row_stride, const uint16_t* value, int64_t value_row_stride,
+                   uint8_t* key_cache, uint8_t* value_cache, const int64_t* slot_mapping, int64_t num_tokens,
+                   int64_t row_elems, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (num_tokens >= kMinParallelRows)
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        bf16_row_to_e4m3(key + t * key_row_stride, key_cache + slot * row_elems, row_elems);
+        bf16_row_to_e4m3(value + t * value_row_stride, value_cache + slot * row_elems, row_elems);
     }
 }
 
@@ -733,10 +832,11 @@ void argmax_rows(const T* x, int64_t row_stride, int64_t rows, int64_t n, int64_
 
 extern "C" {
 
-int pagellm_abi_version() { return 5; }
+int pagellm_abi_version() { return 6; }
 
 // out[row_token[r], h, :] = attention of query[row_token[r], h, :] over the first row_ctx[r]
 // positions of request row_req[r] (block_tables row), for every row r and query head h.
+// dtype: 0 float32, 1 bfloat16, 2 bfloat16 query and out over an fp8 (e4m3) cache.
 // Returns 0 on success, -1 on an unsupported argument.
 int pagellm_paged_attention(const void* query, int64_t q_row_stride, void* out, int64_t out_row_stride,
                             const void* key_cache, const void* value_cache, const int64_t* block_tables,
@@ -758,6 +858,13 @@ int pagellm_paged_attention(const void* query, int64_t q_row_stride, void* out, 
                                   static_cast<const uint16_t*>(value_cache), block_tables,
                                   block_table_stride, row_token, row_req, row_ctx, num_rows, num_heads,
                                   num_kv_heads, head_dim, block_size, scale, num_threads);
+    } else if (dtype == 2) {
+        paged_attention<uint16_t, uint8_t>(static_cast<const uint16_t*>(query), q_row_stride,
+                                           static_cast<uint16_t*>(out), out_row_stride,
+                                           static_cast<const uint8_t*>(key_cache),
+                                           static_cast<const uint8_t*>(value_cache), block_tables,
+                                           block_table_stride, row_token, row_req, row_ctx, num_rows, num_heads,
+                                           num_kv_heads, head_dim, block_size, scale, num_threads);
     } else {
         return -1;
     }
@@ -765,6 +872,7 @@ int pagellm_paged_attention(const void* query, int64_t q_row_stride, void* out, 
 }
 
 // key_cache[slot_mapping[t]] = key[t] (row_elems = num_kv_heads * head_dim elements), same for V.
+// dtype: 0 float32, 1 bfloat16, 2 bfloat16 K/V stored into an fp8 (e4m3) cache.
 int pagellm_write_kv(const void* key, int64_t key_row_stride, const void* value, int64_t value_row_stride,
                      void* key_cache, void* value_cache, const int64_t* slot_mapping, int64_t num_tokens,
                      int64_t row_elems, int dtype, int num_threads) {
@@ -778,6 +886,10 @@ int pagellm_write_kv(const void* key, int64_t key_row_stride, const void* value,
                            static_cast<const uint16_t*>(value), value_row_stride,
                            static_cast<uint16_t*>(key_cache), static_cast<uint16_t*>(value_cache),
                            slot_mapping, num_tokens, row_elems, num_threads);
+    } else if (dtype == 2) {
+        write_kv_e4m3(static_cast<const uint16_t*>(key), key_row_stride, static_cast<const uint16_t*>(value),
+                      value_row_stride, static_cast<uint8_t*>(key_cache), static_cast<uint8_t*>(value_cache),
+                      slot_mapping, num_tokens, row_elems, num_threads);
     } else {
         return -1;
     }
