@@ -13,6 +13,7 @@ import torch
 
 from pagellm import kernels
 from pagellm.attention import CPUPagedAttention, write_kv
+from pagellm.utils import cpu_flags
 from tests.attention.test_attention import (
     FP8,
     TOL,
@@ -179,6 +180,21 @@ def test_portable_build_matches_dense_too():
 
 
 # ---- fp8 (e4m3) KV cache --------------------------------------------------------------------
+
+
+@pytest.mark.skipif("avx512_bf16" not in cpu_flags() or "avx512vbmi" not in cpu_flags(),
+                    reason="needs a CPU with both decoders' instructions")
+def test_fp8_decoder_without_vbmi_matches_too():
+    # With AVX-512 VBMI the kernel widens e4m3 by table lookup (vpermi2b), without it (Cooper
+    # Lake) by arithmetic: build the second in a fresh process (-march=cooperlake) and run the
+    # fp8 tests on it, so both decoders are checked here.
+    env = dict(os.environ, PAGELLM_KERNEL_MARCH="cooperlake")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "fp8 and not without_vbmi"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout
 
 E4M3_EDGES = [0.0, -0.0, 448.0, -448.0, 449.0, 464.0, 465.0, 480.0, 1e30, -1e30, float("inf"), -float("inf"),
               2.0**-9, 2.0**-10, 3 * 2.0**-10, -(2.0**-9) * 5.5, 2.0**-6, 0.0152, 2.0**-7 * 1.0625, 17.0, 18.0, -19.5]

@@ -68,7 +68,7 @@ inline float exp_nonpositive(float x) {
 // value, so decoding is exact. Bits of the bf16 equal to the subnormals m * 2^-9, m = 0..7:
 constexpr uint16_t kE4m3Subnormals[8] = {0, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};
 
-inline uint16_t e4m3_to_bf16_bits(uint8_t b) {
+constexpr uint16_t e4m3_to_bf16_bits(uint8_t b) {
     const uint16_t mag = b & 0x7f;
     const uint16_t r = mag == 0x7f ? 0x7fc0 : mag >= 8 ? static_cast<uint16_t>((mag << 4) + (120 << 7)) : kE4m3Subnormals[mag];
     return static_cast<uint16_t>(r | ((b & 0x80) << 8));
@@ -270,7 +270,44 @@ inline void softmax_avx512(float* sg, int64_t n) {
     for (; p < n; ++p) sg[p] *= _mm512_cvtss_f32(inv);
 }
 
-// 32 e4m3 bytes -> 32 bf16 (exactly; see e4m3_to_bf16_bits).
+#ifdef __AVX512VBMI__
+// e4m3 -> bf16 by table lookup, 64 values at a time (AVX-512 VBMI: vpermi2b looks up 64 bytes
+// in a 128-byte table): the low and the high byte of each code's bf16 (sign added after),
+// interleaved back into 16-bit lanes. The bytes are first permuted so that the interleave,
+// which works within 128-bit lanes, leaves the values in their order.
+struct E4m3Tables {
+    alignas(64) uint8_t lo[128], hi[128], order[64];
+};
+constexpr E4m3Tables make_e4m3_tables() {
+    E4m3Tables t{};
+    for (int m = 0; m < 128; ++m) {
+        t.lo[m] = static_cast<uint8_t>(e4m3_to_bf16_bits(static_cast<uint8_t>(m)) & 0xff);
+        t.hi[m] = static_cast<uint8_t>(e4m3_to_bf16_bits(static_cast<uint8_t>(m)) >> 8);
+    }
+    // Lane k of the permuted bytes: values 8k..8k+7 (unpacklo -> the first vector), then
+    // 32+8k..32+8k+7 (unpackhi -> the second).
+    for (int k = 0; k < 4; ++k)
+        for (int j = 0; j < 8; ++j) {
+            t.order[16 * k + j] = static_cast<uint8_t>(8 * k + j);
+            t.order[16 * k + 8 + j] = static_cast<uint8_t>(32 + 8 * k + j);
+        }
+    return t;
+}
+constexpr E4m3Tables kE4m3Tables = make_e4m3_tables();
+
+// 64 e4m3 bytes -> bf16 values 0..31 (first) and 32..63 (second), exactly.
+inline void e4m3x64_to_bf16(const uint8_t* p, __m512i& first, __m512i& second) {
+    const __m512i lo0 = _mm512_loadu_si512(kE4m3Tables.lo), lo1 = _mm512_loadu_si512(kE4m3Tables.lo + 64);
+    const __m512i hi0 = _mm512_loadu_si512(kE4m3Tables.hi), hi1 = _mm512_loadu_si512(kE4m3Tables.hi + 64);
+    const __m512i b = _mm512_permutexvar_epi8(_mm512_loadu_si512(kE4m3Tables.order), _mm512_loadu_si512(p));
+    const __m512i lo = _mm512_permutex2var_epi8(lo0, b, lo1);  // index bits 0-6: the magnitude
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, b, hi1), b, _mm512_set1_epi8(char(0x80)),
+                                                 0xf8);  // hi | (b & 0x80)
+    first = _mm512_unpacklo_epi8(lo, hi);
+    second = _mm512_unpackhi_epi8(lo, hi);
+}
+#else
+// 32 e4m3 bytes -> 32 bf16, exactly (normals by arithmetic, subnormals from a table).
 inline __m512i e4m3x32_to_bf16(const uint8_t* p) {
     const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7f));
@@ -280,6 +317,12 @@ inline __m512i e4m3x32_to_bf16(const uint8_t* p) {
     r = _mm512_mask_mov_epi16(r, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7f)), _mm512_set1_epi16(0x7fc0));
     return _mm512_or_si512(r, _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8));
 }
+
+inline void e4m3x64_to_bf16(const uint8_t* p, __m512i& first, __m512i& second) {
+    first = e4m3x32_to_bf16(p);
+    second = e4m3x32_to_bf16(p + 32);
+}
+#endif
 
 // 16 floats -> 16 e4m3 bytes, as float_to_e4m3.
 inline __m128i float16_to_e4m3(__m512 x) {
@@ -298,19 +341,36 @@ inline __m128i float16_to_e4m3(__m512 x) {
     return _mm512_cvtepi32_epi8(_mm512_or_si512(r, sign));
 }
 
-// Cache rows as bf16 vectors: 32 values at p (bf16, or e4m3 decoded).
-inline __m512bh load_bf16x32(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
-inline __m512bh load_bf16x32(const uint8_t* p) { return (__m512bh)e4m3x32_to_bf16(p); }
-
-// 32 cache values at p as float32, in two halves.
-inline void load_f32x32(const uint16_t* p, __m512& lo, __m512& hi) {
-    lo = bf16x16_to_float(p);
-    hi = bf16x16_to_float(p + 16);
+// A cache row of 32 * C values (C even) as C bf16 vectors (bf16, or e4m3 decoded).
+template <int C>
+inline void load_bf16_row(const uint16_t* p, __m512bh (&k)[C]) {
+    for (int c = 0; c < C; ++c) k[c] = (__m512bh)_mm512_loadu_si512(p + 32 * c);
 }
-inline void load_f32x32(const uint8_t* p, __m512& lo, __m512& hi) {
-    const __m512i h = e4m3x32_to_bf16(p);
-    lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
-    hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+template <int C>
+inline void load_bf16_row(const uint8_t* p, __m512bh (&k)[C]) {
+    static_assert(C % 2 == 0, "rows of 64 values at a time");
+    for (int c = 0; c < C; c += 2) {
+        __m512i a, b;
+        e4m3x64_to_bf16(p + 32 * c, a, b);
+        k[c] = (__m512bh)a;
+        k[c + 1] = (__m512bh)b;
+    }
+}
+
+// The same row as 2 * C float32 vectors.
+template <int C>
+inline void load_f32_row(const uint16_t* p, __m512 (&v)[2 * C]) {
+    for (int c = 0; c < 2 * C; ++c) v[c] = bf16x16_to_float(p + 16 * c);
+}
+template <int C>
+inline void load_f32_row(const uint8_t* p, __m512 (&v)[2 * C]) {
+    __m512bh k[C];
+    load_bf16_row<C>(p, k);
+    for (int c = 0; c < C; ++c) {
+        const __m512i h = (__m512i)k[c];
+        v[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+        v[2 * c + 1] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+    }
 }
 
 // attend_one for bfloat16 with head_dim = 32 * C, on AVX-512 BF16: q.k with vdpbf16ps
@@ -334,7 +394,7 @@ inline void weighted_values(const KV* value_cache, const int64_t* block_table, i
     for_each_context_row<kPrefetch>(value_cache, block_table, ctx, block_size, row_stride, offset,
                                     D * int64_t{sizeof(KV)}, [&](int64_t p, const KV* vp) {
                                         __m512 v[2 * C];
-                                        for (int c = 0; c < C; ++c) load_f32x32(vp + 32 * c, v[2 * c], v[2 * c + 1]);
+                                        load_f32_row<C>(vp, v);
                                         for (int j = 0; j < rows; ++j) {
                                             const __m512 wj = _mm512_set1_ps(w[j * w_stride + p]);
                                             for (int c = 0; c < 2 * C; ++c)
@@ -523,7 +583,7 @@ void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const KV* key_c
                                      prefetch_row(value_cache, block_table, p, block_size, row_stride, kvh * D,
                                                   D * int64_t{sizeof(KV)});
                                  __m512bh k[C];
-                                 for (int c = 0; c < C; ++c) k[c] = load_bf16x32(kp + 32 * c);
+                                 load_bf16_row<C>(kp, k);
                                  for (int j = 0; j < gn; ++j) {
                                      __m512 a = _mm512_setzero_ps();
                                      for (int c = 0; c < C; ++c) a = _mm512_dpbf16_ps(a, q[j][c], k[c]);
