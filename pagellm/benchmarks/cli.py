@@ -56,7 +56,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-memory", default=None, help="e.g. 1GiB")
     group.add_argument("--block-size", type=int, default=None)
     group.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3"],
-                       help="K/V storage (default: the engine's, auto); passed to vLLM too")
+                       help="K/V storage (default: the engine's, auto); passed to vLLM too (throughput)")
     group.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
         help="pass enable_prefix_caching to LLM (default: the engine's default)",
@@ -205,7 +205,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
     engine = dict(
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-        block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+        block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
         num_threads=args.num_threads, attention_backend=args.attention_backend,
     )
     sweep = run_sweep(
