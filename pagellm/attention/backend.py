@@ -51,11 +51,23 @@ def write_kv(
     num_kv_heads, head_dim = key_cache.shape[-2:]
     for cache, new in ((key_cache, key), (value_cache, value)):
         rows = indexable(cache).view(-1, num_kv_heads, head_dim)
-        rows.index_copy_(0, slot_mapping, indexable(new.to(cache.dtype)))
+        rows.index_copy_(0, slot_mapping, indexable(to_cache_dtype(new, cache.dtype)))
 
 
 # K/V storage formats narrower than the compute dtype: stored rounded, widened on every read.
 FP8_KV_DTYPES = (torch.float8_e4m3fn,)
+_FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded to the cache's dtype; into fp8, finite values beyond +-448 and infinities
+    saturate (as the CPU kernel and torch >= 2.13 do; older torch casts them to NaN) and NaN
+    stays NaN."""
+    if x.dtype == cache_dtype:
+        return x
+    if cache_dtype in FP8_KV_DTYPES:
+        x = x.clamp(-_FP8_MAX, _FP8_MAX)
+    return x.to(cache_dtype)
 
 
 def attention_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
@@ -65,13 +77,14 @@ def attention_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch
 
 def as_stored(x: torch.Tensor, cache_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
     """``x`` as a cache of ``cache_dtype`` holds it, read back in ``dtype``."""
-    if x.dtype != cache_dtype and cache_dtype in FP8_KV_DTYPES:
-        x = x.to(cache_dtype)
+    if cache_dtype in FP8_KV_DTYPES:
+        x = to_cache_dtype(x, cache_dtype)
     return x if x.dtype == dtype else x.to(dtype)
 
 
 def indexable(t: torch.Tensor) -> torch.Tensor:
-    """``t`` or, for fp8, its bytes: torch's index_copy_ has no float8 kernels."""
+    """``t`` or, for fp8, its bytes: torch's indexing ops lack float8 kernels on some builds
+    (index_copy_ on every CPU build here; index_select and gathers on some CUDA ones)."""
     return t.view(torch.uint8) if t.dtype in FP8_KV_DTYPES else t
 
 

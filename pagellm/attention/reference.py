@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pagellm.attention.backend import AttentionBackend, AttentionMetadata, write_kv
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata, indexable, write_kv
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -17,7 +17,7 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int)
     block_size = cache.shape[1]
     positions = torch.arange(seq_len, device=cache.device)
     slots = block_table[positions // block_size] * block_size + positions % block_size
-    return cache.view(-1, *cache.shape[2:])[slots]
+    return indexable(cache).view(-1, *cache.shape[2:])[slots].view(cache.dtype)
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pagellm.attention.backend import AttentionBackend, AttentionMetadata, as_stored, attention_dtype, write_kv
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata, as_stored, attention_dtype, indexable, write_kv
 
 
 def _sdpa_supports_gqa() -> bool:
@@ -290,17 +290,19 @@ class TorchSDPAAttention(AttentionBackend):
         row = 1
         for d in row_shape:
             row *= d
-        wkey = (key_cache.device, key_cache.dtype)
+        key_rows, value_rows = indexable(key_cache), indexable(value_cache)  # fp8: gathered as bytes
+        wkey = (key_cache.device, key_rows.dtype)
         ws = TorchSDPAAttention._workspaces.get(wkey)
         if ws is None or ws.numel() < 2 * n * row:
             # A normal tensor even under inference_mode, so later calls outside it may write it.
             with torch.inference_mode(False):
-                ws = torch.empty(2 * n * row, dtype=key_cache.dtype, device=key_cache.device)
+                ws = torch.empty(2 * n * row, dtype=key_rows.dtype, device=key_cache.device)
             TorchSDPAAttention._workspaces[wkey] = ws
         k = ws[: n * row].view(n, *row_shape)
         v = ws[n * row : 2 * n * row].view(n, *row_shape)
-        torch.index_select(key_cache.view(-1, *row_shape), 0, index, out=k)
-        torch.index_select(value_cache.view(-1, *row_shape), 0, index, out=v)
+        torch.index_select(key_rows.view(-1, *row_shape), 0, index, out=k)
+        torch.index_select(value_rows.view(-1, *row_shape), 0, index, out=v)
+        k, v = k.view(key_cache.dtype), v.view(value_cache.dtype)
         return (k, v) if k.dtype == dtype else (k.to(dtype), v.to(dtype))
 
     # Below this many rows one SDPA call beats the matmul path (fewer op launches).

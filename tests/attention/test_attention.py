@@ -18,12 +18,12 @@ from pagellm.attention import (
     get_attention_backend,
     write_kv,
 )
+from pagellm.attention.backend import attention_dtype, to_cache_dtype
 
 FP8 = torch.float8_e4m3fn
 TOL = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),
     torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
-    FP8: dict(atol=3e-2, rtol=3e-2),  # against the history as stored: the bf16 arithmetic's error
 }
 HEADS = {"mha": (4, 4), "gqa": (4, 2)}
 
@@ -109,7 +109,7 @@ def to_fp8_step(step: Step) -> Step:
     cache holds, so the dense oracle sees the rounded values."""
 
     def stored(t: torch.Tensor) -> torch.Tensor:
-        return t.to(FP8).to(step.query.dtype)
+        return to_cache_dtype(t, FP8).to(step.query.dtype)
 
     return Step(
         step.query, step.key, step.value, step.key_cache.to(FP8), step.value_cache.to(FP8), step.metadata,
@@ -164,7 +164,8 @@ FAST_BACKENDS = [TorchSDPAAttention, cpu_paged_all_dtypes]
 
 
 def check_step(step: Step, backend_cls: type = TorchSDPAAttention) -> None:
-    tol = TOL[step.key_cache.dtype]
+    # The arithmetic's dtype sets the tolerance (an fp8 cache is checked against its stored values).
+    tol = TOL[attention_dtype(step.query.dtype, step.key_cache.dtype)]
     out_ref, kc_ref, vc_ref = run_backend(ReferenceAttention(), step)
     out, kc, vc = run_backend(backend_cls(), step)
 
@@ -176,8 +177,8 @@ def check_step(step: Step, backend_cls: type = TorchSDPAAttention) -> None:
     # The new K/V landed at their slots, in the cache dtype, and nothing else changed.
     num_kv_heads, head_dim = kc.shape[-2:]
     slots = step.metadata.slot_mapping
-    assert same_cache(kc.view(-1, num_kv_heads, head_dim)[slots], step.key.to(kc.dtype))
-    assert same_cache(vc.view(-1, num_kv_heads, head_dim)[slots], step.value.to(vc.dtype))
+    assert same_cache(kc.view(-1, num_kv_heads, head_dim)[slots], to_cache_dtype(step.key, kc.dtype))
+    assert same_cache(vc.view(-1, num_kv_heads, head_dim)[slots], to_cache_dtype(step.value, vc.dtype))
     assert same_cache(kc, kc_ref) and same_cache(vc, vc_ref)
 
 

@@ -208,7 +208,7 @@ def _bf16_values(n_rows: int, row: int, seed: int = 0) -> torch.Tensor:
     return x.to(torch.bfloat16).view(n_rows, -1)
 
 
-@pytest.mark.parametrize("head_dim", [64, 48], ids=["avx512", "portable"])
+@pytest.mark.parametrize("head_dim", [64, 40], ids=["vector", "vector+scalar-tail"])
 def test_write_kv_fp8_kernel_rounds_as_torch_casts(head_dim):
     # Round to nearest even, saturation at +-448 (infinities too), subnormals, signed zero.
     key = _bf16_values(40, 3 * head_dim, seed=head_dim).view(40, 3, head_dim)
@@ -276,7 +276,7 @@ def test_fp8_cache_goes_through_the_kernel_under_bf16_only(monkeypatch):
     step = to_fp8_step(make_step([(10, 1), (4, 1)], 16, 4, 2, head_dim=64, dtype=torch.float32))
     out, _, _ = run_backend(CPUPagedAttention(), step)
     assert not calls  # float32 queries: the torch path
-    torch.testing.assert_close(out.double(), dense_expected(step), **TOL[FP8])
+    torch.testing.assert_close(out.double(), dense_expected(step), **TOL[torch.float32])
     step = to_fp8_step(make_step([(10, 1), (4, 1)], 16, 4, 2, head_dim=64, dtype=torch.bfloat16))
     run_backend(CPUPagedAttention(), step)
     assert calls

@@ -115,6 +115,8 @@ inline void load_row(const T* src, float* dst, int64_t n) {
 // 16 ahead into L1 18.6 ms; 16 / 32 / 48 / 64 ahead into L2 16.6 / 15.4 / 15.7 / 16.5 ms.
 constexpr int64_t kPrefetchDistance = 32;
 
+constexpr int64_t kFetchValuesMaxBytes = 64 << 10;  // see attend_one_avx512
+
 constexpr int64_t kAmxTileRows = 16;  // query rows per AMX prefill tile (the score tile's columns)
 
 template <typename T>
@@ -554,6 +556,8 @@ void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const KV* key_c
     float* acc = work.data();
     const int64_t row_stride = num_kv_heads * D;
 
+    // AMX scores exist for bf16 caches only (paged_attention never sets amx for others).
+    amx = amx && std::is_same_v<KV, uint16_t>;
 #ifdef PAGELLM_AMX
     if constexpr (std::is_same_v<KV, uint16_t>)
         if (amx) scores_amx<C>(q_row, key_cache, block_table, ctx, kvh, G, row_stride, scale, s);
@@ -564,10 +568,12 @@ void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const KV* key_c
     // For a lone row (a decode), whose context nobody else just read, the first key rows, which
     // the loop's prefetch never reaches, are fetched up front, and each position's value row
     // alongside its key row, so the value pass finds them in L2: a batch-64 decode step's
-    // attention 9.6-9.8 -> 8.6 ms in the engine on a Zen 5 VM (benchmarks/NOTES.md 34). A
-    // prefill row's context mostly comes from cache (the rows before it read it), where the
+    // attention 9.6-9.8 -> 8.6 ms in the engine on a Zen 5 VM (benchmarks/NOTES.md 34). Only
+    // while the item's values fit in kFetchValuesMaxBytes: longer, they leave L2 before the
+    // value pass reaches them (64 rows x 1024 positions: 14.6 -> 15.4 ms; 4 x 8192: 6.9 -> 8.2).
+    // A prefill row's context mostly comes from cache (the rows before it read it), where the
     // extra prefetches only cost.
-    const bool fetch_values = !amx && lone;
+    const bool fetch_values = !amx && lone && ctx * D * int64_t{sizeof(KV)} <= kFetchValuesMaxBytes;
     if (fetch_values)
         for (int64_t p = 0; p < ctx && p < kPrefetchDistance; ++p)
             prefetch_row(key_cache, block_table, p, block_size, row_stride, kvh * D, D * int64_t{sizeof(KV)});
