@@ -20,6 +20,7 @@ _DTYPES = {
 # --kv-cache-dtype: "auto" stores K/V in the model's dtype; "fp8" (= "fp8_e4m3", as in vLLM)
 # stores float8_e4m3fn with no scaling, half the bytes of bf16 per token.
 _KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+KV_CACHE_DTYPE_CHOICES = ("auto", *_KV_CACHE_DTYPES)
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -28,7 +29,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> tor
         return model_dtype
     if kv_cache_dtype not in _KV_CACHE_DTYPES:
         raise ValueError(
-            f"unsupported kv_cache_dtype {kv_cache_dtype!r}; choose one of auto, {', '.join(_KV_CACHE_DTYPES)}"
+            f"unsupported kv_cache_dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPE_CHOICES)}"
         )
     return _KV_CACHE_DTYPES[kv_cache_dtype]
 

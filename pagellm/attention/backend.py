@@ -77,8 +77,7 @@ def attention_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch
 
 def as_stored(x: torch.Tensor, cache_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
     """``x`` as a cache of ``cache_dtype`` holds it, read back in ``dtype``."""
-    if cache_dtype in FP8_KV_DTYPES:
-        x = to_cache_dtype(x, cache_dtype)
+    x = to_cache_dtype(x, cache_dtype)
     return x if x.dtype == dtype else x.to(dtype)
 
 

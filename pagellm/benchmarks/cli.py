@@ -15,6 +15,7 @@ from typing import Any
 
 from pagellm.benchmarks._common import RESULTS_DIR, write_json
 from pagellm.benchmarks.workloads import WORKLOADS
+from pagellm.config import KV_CACHE_DTYPE_CHOICES
 
 
 def _int_list(text: str) -> list[int]:
@@ -55,7 +56,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=int, default=None)
     group.add_argument("--kv-cache-memory", default=None, help="e.g. 1GiB")
     group.add_argument("--block-size", type=int, default=None)
-    group.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3"],
+    group.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPE_CHOICES,
                        help="K/V storage (default: the engine's, auto); passed to vLLM too (throughput)")
     group.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,

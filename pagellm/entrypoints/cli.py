@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from pagellm.benchmarks.cli import add_bench_subparser
+from pagellm.config import KV_CACHE_DTYPE_CHOICES
 from pagellm.model.default_model import DEFAULT_MODEL_NAME
 from pagellm.utils import LOG_FORMAT
 
@@ -33,7 +34,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-memory", default="1GiB", help="KV-cache budget, e.g. 512MiB or 2GiB")
     group.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides memory)")
     group.add_argument(
-        "--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+        "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
         help="K/V storage: auto (the model's dtype) or fp8 (= fp8_e4m3: half the memory of bf16, rounded)",
     )
     group.add_argument("--max-num-seqs", type=int, default=128, help="most sequences in one step")

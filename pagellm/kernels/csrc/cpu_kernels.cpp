@@ -98,9 +98,8 @@ template <> struct Elem<uint16_t> {
     static inline float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
     static inline void store(uint16_t* p, int64_t i, float v) { p[i] = float_to_bf16(v); }
 };
-template <> struct Elem<uint8_t> {  // an fp8 (e4m3) cache element
+template <> struct Elem<uint8_t> {  // an fp8 (e4m3) cache element, read only (written by write_kv)
     static inline float load(const uint8_t* p, int64_t i) { return bf16_to_float(e4m3_to_bf16_bits(p[i])); }
-    static inline void store(uint8_t* p, int64_t i, float v) { p[i] = float_to_e4m3(v); }
 };
 
 template <typename T>
@@ -697,22 +696,13 @@ void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_r
     }
 }
 
+// One row of n K or V values into the cache: copied, or (bf16 into an fp8 cache) rounded to
+// e4m3 (float_to_e4m3 of each).
 template <typename T>
-void write_kv(const T* key, int64_t key_row_stride, const T* value, int64_t value_row_stride,
-              T* key_cache, T* value_cache, const int64_t* slot_mapping, int64_t num_tokens,
-              int64_t row_elems, int num_threads) {
-    const size_t bytes = sizeof(T) * static_cast<size_t>(row_elems);
-#pragma omp parallel for num_threads(num_threads) if (num_tokens >= kMinParallelRows)
-    for (int64_t t = 0; t < num_tokens; ++t) {
-        const int64_t slot = slot_mapping[t];
-        if (slot < 0) continue;  // padding token: nothing to store
-        std::memcpy(key_cache + slot * row_elems, key + t * key_row_stride, bytes);
-        std::memcpy(value_cache + slot * row_elems, value + t * value_row_stride, bytes);
-    }
+inline void store_row(const T* src, T* dst, int64_t n) {
+    std::memcpy(dst, src, sizeof(T) * static_cast<size_t>(n));
 }
-
-// n bf16 values -> e4m3 (float_to_e4m3 of each).
-inline void bf16_row_to_e4m3(const uint16_t* src, uint8_t* dst, int64_t n) {
+inline void store_row(const uint16_t* src, uint8_t* dst, int64_t n) {
     int64_t i = 0;
 #ifdef PAGELLM_AVX512_BF16
     for (; i + 16 <= n; i += 16)
@@ -721,16 +711,16 @@ inline void bf16_row_to_e4m3(const uint16_t* src, uint8_t* dst, int64_t n) {
     for (; i < n; ++i) dst[i] = float_to_e4m3(bf16_to_float(src[i]));
 }
 
-// write_kv for bf16 K/V into an fp8 (e4m3) cache.
-void write_kv_e4m3(const uint16_t* key, int64_t key_row_stride, const uint16_t* value, int64_t value_row_stride,
-                   uint8_t* key_cache, uint8_t* value_cache, const int64_t* slot_mapping, int64_t num_tokens,
-                   int64_t row_elems, int num_threads) {
+template <typename T, typename KV = T>
+void write_kv(const T* key, int64_t key_row_stride, const T* value, int64_t value_row_stride,
+              KV* key_cache, KV* value_cache, const int64_t* slot_mapping, int64_t num_tokens,
+              int64_t row_elems, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (num_tokens >= kMinParallelRows)
     for (int64_t t = 0; t < num_tokens; ++t) {
         const int64_t slot = slot_mapping[t];
-        if (slot < 0) continue;
-        bf16_row_to_e4m3(key + t * key_row_stride, key_cache + slot * row_elems, row_elems);
-        bf16_row_to_e4m3(value + t * value_row_stride, value_cache + slot * row_elems, row_elems);
+        if (slot < 0) continue;  // padding token: nothing to store
+        store_row(key + t * key_row_stride, key_cache + slot * row_elems, row_elems);
+        store_row(value + t * value_row_stride, value_cache + slot * row_elems, row_elems);
     }
 }
 
@@ -953,9 +943,10 @@ int pagellm_write_kv(const void* key, int64_t key_row_stride, const void* value,
                            static_cast<uint16_t*>(key_cache), static_cast<uint16_t*>(value_cache),
                            slot_mapping, num_tokens, row_elems, num_threads);
     } else if (dtype == 2) {
-        write_kv_e4m3(static_cast<const uint16_t*>(key), key_row_stride, static_cast<const uint16_t*>(value),
-                      value_row_stride, static_cast<uint8_t*>(key_cache), static_cast<uint8_t*>(value_cache),
-                      slot_mapping, num_tokens, row_elems, num_threads);
+        write_kv<uint16_t, uint8_t>(static_cast<const uint16_t*>(key), key_row_stride,
+                                    static_cast<const uint16_t*>(value), value_row_stride,
+                                    static_cast<uint8_t*>(key_cache), static_cast<uint8_t*>(value_cache),
+                                    slot_mapping, num_tokens, row_elems, num_threads);
     } else {
         return -1;
     }
