@@ -1,0 +1,78 @@
+"""Micro-benchmark: the C++ paged-attention kernel on decode rows, caches cold or hot.
+
+    python benchmarks/paged_attention_micro.py [--rows 64] [--ctx 192] [--layers 30]
+                                               [--kv-cache-dtype auto|fp8] [--reps 15]
+
+``--rows`` decode rows of ``--ctx`` positions each, the default model's heads (9 query, 3 KV,
+head_dim 64), blocks of 16 in shuffled order. "cold": ``--layers`` distinct caches in turn, as
+a decode step meets them (they do not stay in cache); "hot": one layer's cache ``--layers``
+times. Prints the median ms per pass over all layers and the K/V bytes read per second; the
+figures of benchmarks/NOTES.md 34-35 come from it (A/B: run it on each build).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pagellm import kernels  # noqa: E402
+from pagellm.config import resolve_kv_cache_dtype  # noqa: E402
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--ctx", type=int, default=192)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--reps", type=int, default=15)
+    args = parser.parse_args()
+    if not kernels.available():
+        sys.exit("the pagellm CPU kernels are not available here")
+
+    torch.manual_seed(0)
+    cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, torch.bfloat16)
+    blocks_per_row = -(-args.ctx // BLOCK_SIZE)
+    num_blocks = args.rows * blocks_per_row + 8
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+
+    def cache() -> torch.Tensor:
+        return torch.randn(shape).to(cache_dtype)
+
+    cold = [(cache(), cache()) for _ in range(args.layers)]
+    hot = [cold[0]] * args.layers
+    tables = torch.randperm(num_blocks)[: args.rows * blocks_per_row].view(args.rows, blocks_per_row).contiguous()
+    query = torch.randn(args.rows, NUM_HEADS, HEAD_DIM).to(torch.bfloat16)
+    out = torch.empty_like(query)
+    rows = torch.arange(args.rows, dtype=torch.int32)
+    ctx = torch.full((args.rows,), args.ctx, dtype=torch.int32)
+
+    def run(caches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        start = time.perf_counter()
+        for k, v in caches:
+            kernels.paged_attention(query, out, k, v, tables, rows, rows, ctx, HEAD_DIM**-0.5, rows_checked=True)
+        return (time.perf_counter() - start) * 1e3
+
+    times: dict[str, list[float]] = {"cold": [], "hot": []}
+    for _ in range(args.reps):  # alternated, so both meet the same spells of a shared host
+        times["cold"].append(run(cold))
+        times["hot"].append(run(hot))
+    gbytes = args.layers * args.rows * args.ctx * NUM_KV_HEADS * HEAD_DIM * 2 * cache_dtype.itemsize / 1e9
+    print(f"{args.rows} rows x {args.ctx} positions, {args.layers} layers, {cache_dtype}, "
+          f"{torch.get_num_threads()} threads")
+    for name, ts in times.items():
+        ms = statistics.median(ts)
+        print(f"{name}: {ms:.2f} ms ({gbytes / ms * 1e3:.1f} GB/s of K/V)")
+
+
+if __name__ == "__main__":
+    main()
