@@ -104,6 +104,26 @@ class SchedulerConfig:
 
 
 @dataclass
+class LimitsConfig:
+    """Per-request limits, checked once when a request arrives (each refusal names its field).
+
+    They bound the work one request can ask of the engine: ``max_n`` caps ``n``, ``best_of``
+    and the beam width (and is never above ``max_num_seqs``, what one step can run).
+    """
+
+    max_n: int = 128
+    max_logprobs: int = 20  # top alternatives per position (vLLM's default cap)
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_n", "max_logprobs", "max_stop_strings", "max_stop_string_chars"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "max_logprobs" else 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass
 class DeviceConfig:
     device: str = "cpu"
     attention_backend: str = "auto"
@@ -118,3 +138,4 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)

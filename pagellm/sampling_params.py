@@ -5,9 +5,14 @@ Validation happens once, at construction, so every later layer can trust the val
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+from pagellm.utils import is_int, is_real
+
 _GREEDY_EPS = 1e-5
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_MAX_FLOAT = 1.7976931348623157e308
 
 
 @dataclass
@@ -53,45 +58,58 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        """Every field's full range: later layers (the sampler, seeded generators) trust these."""
+
         def fail(name: str, value: object, rule: str) -> None:
             raise ValueError(f"{name} must be {rule}, got {value!r}.")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            fail("n", self.n, "an integer >= 1")
-        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
+        def integer(name: str, low: int | None = None, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and optional:
+                return
+            if not is_int(value) or (low is not None and value < low):
+                fail(name, value, "an integer" + (f" >= {low}" if low is not None else ""))
+
+        def real(name: str, low: float, high: float, low_open: bool = False) -> None:
+            value = getattr(self, name)
+            above_low = is_real(value) and (value > low if low_open else value >= low)
+            if not (above_low and math.isfinite(value) and value <= high):
+                interval = f"{'(' if low_open else '['}{low:g}, {high:g}]" if high < _MAX_FLOAT else f">= {low:g}"
+                fail(name, value, f"a finite number {'in ' if high < _MAX_FLOAT else ''}{interval}")
+
+        integer("n", 1)
+        if self.best_of is not None and (not is_int(self.best_of) or self.best_of < self.n):
             fail("best_of", self.best_of, f"an integer >= n ({self.n})")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            fail("presence_penalty", self.presence_penalty, "in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            fail("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
-        if not self.repetition_penalty > 0.0:
-            fail("repetition_penalty", self.repetition_penalty, "> 0")
-        if not self.temperature >= 0.0:
-            fail("temperature", self.temperature, ">= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            fail("top_p", self.top_p, "in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        real("presence_penalty", -2.0, 2.0)
+        real("frequency_penalty", -2.0, 2.0)
+        real("repetition_penalty", 0.0, 100.0, low_open=True)
+        real("temperature", 0.0, _MAX_FLOAT)
+        real("top_p", 0.0, 1.0, low_open=True)
+        real("min_p", 0.0, 1.0)
+        if not is_int(self.top_k) or self.top_k < 0:
             fail("top_k", self.top_k, "0 or -1 (disabled) or a positive integer")
-        if not 0.0 <= self.min_p <= 1.0:
-            fail("min_p", self.min_p, "in [0, 1]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            fail("max_tokens", self.max_tokens, "an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            fail("min_tokens", self.min_tokens, "an integer >= 0")
+        integer("max_tokens", 1, optional=True)
+        integer("min_tokens", 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            fail("logprobs", self.logprobs, "an integer >= 0")
-        if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
-        ):
-            fail("prompt_logprobs", self.prompt_logprobs, "an integer >= 0")
-        if self.seed is not None and not isinstance(self.seed, int):
-            fail("seed", self.seed, "an integer")
+        integer("logprobs", 0, optional=True)
+        integer("prompt_logprobs", 0, optional=True)
+        self._validate_seed()
         if any(not isinstance(s, str) or s == "" for s in self.stop_list):
             fail("stop", self.stop, "a non-empty string or a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not is_int(t) or not 0 <= t <= _INT64_MAX for t in self.stop_token_ids or ()):
             fail("stop_token_ids", self.stop_token_ids, "a list of non-negative integers")
+
+    def _validate_seed(self) -> None:
+        """Sample i of a request is seeded with ``seed + i``: all of them must fit a 64-bit generator seed."""
+        if self.seed is None:
+            return
+        last = self.seed + max(self.n, self.best_of or 0) - 1 if is_int(self.seed) else None
+        if last is None or self.seed < _INT64_MIN or last > _INT64_MAX:
+            raise ValueError(
+                f"seed must be an integer in [{_INT64_MIN}, {_INT64_MAX}] (seed + samples - 1 included), "
+                f"got {self.seed!r}."
+            )
 
     @property
     def is_greedy(self) -> bool:

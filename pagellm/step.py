@@ -94,3 +94,5 @@ class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # Sequences whose own part of the step failed (e.g. their generator): id -> what went wrong.
+    failed: dict[str, str] = field(default_factory=dict)

@@ -37,6 +37,16 @@ def parse_memory_size(value: int | float | str) -> int:
     return size
 
 
+def is_int(value: object) -> bool:
+    """An ``int`` that is not a ``bool`` (JSON ``true`` must not pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_real(value: object) -> bool:
+    """An ``int`` or ``float`` that is not a ``bool``."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division."""
     return -(-a // b)

@@ -10,6 +10,15 @@ Requests normally run in the engine's delta mode (``stream=True``): each output 
 the new text, token ids and logprobs of each sample, and the last one has ``finished`` set;
 callers that want whole answers concatenate the deltas. ``stream=False`` (needed by
 ``best_of``, whose winners are known only at the end) yields one whole, final output.
+
+A request is the unit of failure: a request the engine fails alone (``RequestOutput.error``)
+raises ``RequestFailedError`` in its own stream and nowhere else. The engine is kept alive:
+the loop checks it at least once a second, also while idle (``check_health``); when it dies
+every in-flight request gets ``EngineDeadError`` and, while ``max_restarts`` allows, the
+engine is restarted (``engine.restart()``, an engine process started anew); otherwise the loop
+stops for good and ``on_dead`` is called (the server then exits non-zero for its supervisor).
+Admission is bounded: beyond ``max_requests`` admitted and unfinished requests, new ones get
+``EngineOverloadedError`` at once.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -39,7 +48,53 @@ logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The step loop is not running: it crashed, or the server is shutting down."""
+    """The step loop is not running: it crashed, is restarting the engine, or the server is shutting down."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are admitted and unfinished; the client should retry later."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this one request (the others go on); details are in the server log."""
+
+
+# How often the loop checks the engine while it waits for work (a dead engine process is
+# noticed within this long even when no request is running).
+HEALTH_CHECK_INTERVAL_S = 1.0
+
+
+class SteppedEngine(Protocol):
+    """What the loop drives: ``LLMEngine`` in process, or ``EngineProcess`` in a child process."""
+
+    stats: EngineStats
+    max_model_len: int
+
+    def add_tokenized_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        stream: bool = False,
+        cache_salt: str | None = None,
+    ) -> None: ...
+
+    def add_beam_search_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: BeamSearchParams
+    ) -> None: ...
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def check_health(self) -> None:
+        """Raise if the engine can no longer serve (a dead engine process)."""
+
+    def restart(self) -> bool:
+        """Start a fresh engine in place of a dead one; False if this engine cannot."""
 
 
 class RequestMetrics(Protocol):
@@ -52,6 +107,10 @@ class RequestMetrics(Protocol):
     def observe_e2e_latency(self, seconds: float) -> None: ...
 
     def count_finished(self, finish_reason: str) -> None: ...
+
+    def count_rejected(self, reason: str) -> None: ...
+
+    def count_engine_restart(self) -> None: ...
 
 
 class _NoMetrics:
@@ -66,6 +125,21 @@ class _NoMetrics:
 
     def count_finished(self, finish_reason: str) -> None:
         pass
+
+    def count_rejected(self, reason: str) -> None:
+        pass
+
+    def count_engine_restart(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """How the loop guards the engine: admission bound, restarts, what to do when it is dead for good."""
+
+    max_requests: int | None = None  # admitted and unfinished requests; None: unbounded
+    max_restarts: int = 0  # engine restarts allowed over the server's life
+    on_dead: Callable[[], None] | None = None  # called once when the loop stops for good after a failure
 
 
 StreamItem = RequestOutput | BaseException
@@ -114,21 +188,63 @@ def _put_all(items: list[tuple[asyncio.Queue[StreamItem], StreamItem]]) -> None:
         queue.put_nowait(item)
 
 
-class AsyncLLMEngine:
-    """Serve many concurrent requests from one ``LLMEngine`` without blocking the event loop."""
+class RequestStream(AsyncIterator[RequestOutput]):
+    """One submitted request's outputs. Closing it before the last output aborts the request;
+    so does dropping it unread (a response that never started), as a last resort."""
 
-    def __init__(self, engine: LLMEngine | EngineProcess, metrics: RequestMetrics | None = None) -> None:
+    def __init__(self, channel: _Stream, request_id: str, abort: Callable[[str], None]) -> None:
+        self._channel = channel
+        self._request_id = request_id
+        self._abort = abort
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._channel.queue.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._done = item.finished
+        return item
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._abort(self._request_id)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class AsyncLLMEngine:
+    """Serve many concurrent requests from one engine without blocking the event loop."""
+
+    def __init__(
+        self, engine: SteppedEngine, metrics: RequestMetrics | None = None, options: LoopOptions | None = None
+    ) -> None:
         self.engine = engine
         self._metrics: RequestMetrics = metrics or _NoMetrics()
+        self._options = options or LoopOptions()
         # RLock: shutdown may be requested from a signal handler that interrupted _submit.
         self._cond = threading.Condition(threading.RLock())
+        # Guarded by _cond.
         self._inbox: list[_Command] = []
         self._stopping = False
         self._closed = False
+        self._restarting = False
         self._error: BaseException | None = None
+        self._admitted = 0  # requests submitted and not yet finished
+        self._restarts_left = self._options.max_restarts
         self._thread: threading.Thread | None = None
         # Touched only by the engine thread.
-        self._batch: list[_Command] = []  # the commands being applied (failed too if the loop dies)
+        self._batch: list[_Command] = []  # the commands being applied (failed too if the engine dies)
         self._streams: dict[str, _Stream] = {}
         self._timings: dict[str, _Timing] = {}
 
@@ -142,11 +258,11 @@ class AsyncLLMEngine:
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
-        return self.engine.tokenizer
+        return self.engine.tokenizer  # type: ignore[attr-defined]
 
     @property
     def input_processor(self) -> InputProcessor:
-        return self.engine.input_processor
+        return self.engine.input_processor  # type: ignore[attr-defined]
 
     @property
     def max_model_len(self) -> int:
@@ -158,14 +274,21 @@ class AsyncLLMEngine:
 
     @property
     def is_running(self) -> bool:
-        """True while the step loop is alive and accepting requests (what /health reports)."""
+        """True while the loop is alive, its engine serving and requests accepted (what /health reports)."""
         thread = self._thread
-        return thread is not None and thread.is_alive() and not self._stopping and self._error is None
+        alive = thread is not None and thread.is_alive()
+        return alive and not (self._stopping or self._restarting or self._error is not None)
 
     @property
     def error(self) -> BaseException | None:
-        """The exception that killed the step loop, if one did."""
+        """The exception that stopped the loop for good, if one did."""
         return self._error
+
+    @property
+    def status_message(self) -> str:
+        """Why requests are refused now, in words fit for a client (no internals)."""
+        with self._cond:
+            return self._dead_message()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -191,6 +314,32 @@ class AsyncLLMEngine:
 
     # ---- requests (event loop side) -------------------------------------------------------
 
+    def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams | BeamSearchParams,
+        request_id: str,
+        prompt: str | None = None,
+        *,
+        stream: bool = True,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a request now (call on the event loop) and return its outputs as an async iterator.
+
+        Raises at once, before anything is sent to a client: ``EngineOverloadedError`` when the
+        admission bound is reached, ``EngineDeadError`` when the loop cannot take requests.
+        Outputs are deltas until the one with ``finished`` set (``stream=False``: one whole output);
+        a beam search yields one final output, its beams best first. Leaving early (break,
+        cancellation, client disconnect, or never iterating at all) aborts the request, which
+        frees its KV blocks. The iterator raises ValueError if the engine rejects the request,
+        ``RequestFailedError`` if the engine fails it, EngineDeadError if the engine dies first.
+        """
+        channel = _Stream(asyncio.get_running_loop())
+        self._submit(
+            _Add(request_id, prompt, prompt_token_ids, params, channel, time.monotonic(), stream, cache_salt)
+        )
+        return RequestStream(channel, request_id, self.abort)
+
     async def generate(
         self,
         prompt_token_ids: list[int],
@@ -201,90 +350,121 @@ class AsyncLLMEngine:
         stream: bool = True,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Queue a request and yield its delta outputs until the one with ``finished`` set.
-
-        ``stream=False``: a single output with everything, at the end (as ``LLMEngine``).
-        A beam search (``BeamSearchParams``) always yields one final output, its beams best first.
-
-        Leaving early (break, cancellation, client disconnect) aborts the request in the engine,
-        which frees its KV blocks. Raises ValueError if the engine rejects the request and
-        EngineDeadError if the loop stops first.
-        """
-        channel = _Stream(asyncio.get_running_loop())
-        self._submit(
-            _Add(request_id, prompt, prompt_token_ids, params, channel, time.monotonic(), stream, cache_salt)
-        )
-        done = False
+        """``submit`` on first iteration: the async-generator form (errors arrive while iterating)."""
+        outputs = self.submit(prompt_token_ids, params, request_id, prompt, stream=stream, cache_salt=cache_salt)
         try:
-            while not done:
-                item = await channel.queue.get()
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                done = item.finished
-                yield item
+            async for output in outputs:
+                yield output
         finally:
-            if not done:
-                self.abort(request_id)
+            await outputs.aclose()
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks at the top of the next loop iteration."""
         try:
             self._submit(_Abort(request_id))
-        except EngineDeadError:
-            pass  # the loop is gone and has already dropped every request
+        except (EngineDeadError, EngineOverloadedError):
+            pass  # the loop is gone (or restarting) and has already dropped every request
 
     def _submit(self, command: _Command) -> None:
         with self._cond:
-            if self._closed or self._stopping or self._error is not None:
+            if self._closed or self._stopping or self._restarting or self._error is not None:
                 raise EngineDeadError(self._dead_message())
+            if isinstance(command, _Add):
+                limit = self._options.max_requests
+                if limit is not None and self._admitted >= limit:
+                    self._metrics.count_rejected("overloaded")
+                    raise EngineOverloadedError(
+                        f"the server is at capacity ({limit} requests in flight); retry shortly"
+                    )
+                self._admitted += 1
             self._inbox.append(command)
             self._cond.notify()
 
     def _dead_message(self) -> str:
+        if self._restarting:
+            return "the engine failed and is restarting; retry shortly"
         if self._error is not None:
-            return f"the engine loop died: {self._error!r}"
+            return "the engine stopped after a failure (the server log has the details)"
         return "the server is shutting down"
 
     # ---- the engine thread -----------------------------------------------------------------
 
     def _run(self) -> None:
-        try:
-            while True:
-                commands = self._next_commands()
-                if commands is None:
+        while True:
+            try:
+                self._serve()
+                break  # asked to stop
+            except BaseException as exc:  # any failure must reach every waiting request
+                logger.exception("the engine failed")
+                restarting = not self._stopping and self._take_restart()
+                if not restarting:
+                    with self._cond:
+                        self._error = exc  # before the requests hear of it: /health agrees with them
+                self._fail_in_flight()
+                if not (restarting and self._restart()):
+                    with self._cond:
+                        self._error, self._restarting = exc, False
                     break
-                self._batch = commands
-                for command in commands:
-                    self._apply(command)
-                self._batch = []
-                if self.engine.has_unfinished_requests():
-                    self._deliver(self.engine.step())
-        except BaseException as exc:  # any failure must reach every waiting request
-            logger.exception("the engine loop died")
-            with self._cond:
-                self._error = exc
-        finally:
-            self._close()
+        self._close()
+        if self._error is not None and self._options.on_dead is not None:
+            self._options.on_dead()
+
+    def _serve(self) -> None:
+        while True:
+            commands = self._next_commands()
+            if commands is None:
+                return
+            self._batch = commands  # what is left of it if the engine dies while applying it
+            while self._batch:
+                self._apply(self._batch[0])
+                self._batch.pop(0)
+            if self.engine.has_unfinished_requests():
+                self._deliver(self.engine.step())
 
     def _next_commands(self) -> list[_Command] | None:
-        """Block while idle; then take the whole inbox (None: shut down)."""
+        """Block while idle (checking the engine every second); then take the whole inbox (None: shut down)."""
         with self._cond:
             while not (self._inbox or self._stopping or self.engine.has_unfinished_requests()):
-                self._cond.wait()
+                if not self._cond.wait(HEALTH_CHECK_INTERVAL_S):
+                    self.engine.check_health()
             if self._stopping:
                 return None
             commands, self._inbox = self._inbox, []
             return commands
 
+    def _take_restart(self) -> bool:
+        """Claim one of the restarts left; requests are refused (503) until ``_restart`` ends."""
+        with self._cond:
+            if self._restarts_left <= 0:
+                return False
+            self._restarts_left -= 1
+            self._restarting = True
+            return True
+
+    def _restart(self) -> bool:
+        """Replace the dead engine with a fresh one; False if that failed."""
+        logger.warning("restarting the engine (%d restart(s) left after this one)", self._restarts_left)
+        try:
+            restarted = self.engine.restart()
+        except Exception:  # noqa: BLE001 -- a failed restart leaves the engine dead for good
+            logger.exception("the engine could not be restarted")
+            restarted = False
+        if restarted:
+            self._metrics.count_engine_restart()
+            logger.warning("the engine was restarted")
+            with self._cond:
+                self._restarting = False
+        return restarted
+
     def _apply(self, command: _Command) -> None:
         if isinstance(command, _Abort):
-            stream = self._streams.pop(command.request_id, None)
+            stream = self._streams.get(command.request_id)
             if stream is not None:
                 now = time.monotonic()
                 outputs = self.engine.abort_request(command.request_id)
                 for output in outputs:
                     self._record(output, now)
+                self._forget(command.request_id)
                 self._post({stream.loop: [(stream.queue, o) for o in outputs]})
             return
         try:
@@ -302,6 +482,7 @@ class AsyncLLMEngine:
                     cache_salt=command.cache_salt,
                 )
         except ValueError as exc:
+            self._release(1)
             self._post({command.stream.loop: [(command.stream.queue, exc)]})
             return
         self._streams[command.request_id] = command.stream
@@ -316,10 +497,23 @@ class AsyncLLMEngine:
             if stream is None:
                 continue
             self._record(output, now)
-            if output.finished:
-                del self._streams[output.request_id]
-            batches.setdefault(stream.loop, []).append((stream.queue, output))
+            item: StreamItem = output
+            if output.error is not None:
+                item = RequestFailedError(output.error)
+            if output.finished or output.error is not None:
+                self._forget(output.request_id)
+            batches.setdefault(stream.loop, []).append((stream.queue, item))
         self._post(batches)
+
+    def _forget(self, request_id: str) -> None:
+        """A request left the engine: drop its stream and free its admission slot."""
+        if self._streams.pop(request_id, None) is not None:
+            self._release(1)
+        self._timings.pop(request_id, None)
+
+    def _release(self, count: int) -> None:
+        with self._cond:
+            self._admitted -= count
 
     @staticmethod
     def _post(batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[StreamItem], StreamItem]]]) -> None:
@@ -350,25 +544,40 @@ class AsyncLLMEngine:
         for sample in output.outputs:
             self._metrics.count_finished(sample.finish_reason or "abort")
 
+    def _fail_in_flight(self) -> None:
+        """The engine died: every request it held, or was being given, ends with EngineDeadError.
+
+        Requests still in the inbox were never given to the engine; a restarted engine takes them.
+        """
+        pending = [c.stream for c in self._batch if isinstance(c, _Add)]
+        self._batch = []
+        streams = [*self._streams.values(), *pending]
+        self._post_error(streams, EngineDeadError("the engine failed while running this request; retry it"))
+        self._release(len(streams))
+        self._streams.clear()
+        self._timings.clear()
+
+    def _post_error(self, streams: list[_Stream], error: BaseException) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[StreamItem], StreamItem]]] = {}
+        for stream in {id(s): s for s in streams}.values():
+            batches.setdefault(stream.loop, []).append((stream.queue, error))
+        self._post(batches)
+
     def _close(self) -> None:
         """Fail every waiting request and free the engine's blocks; runs once, on the way out."""
         with self._cond:
             self._closed = True
             leftovers, self._inbox = self._inbox, []
-        message = self._dead_message()
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[StreamItem], StreamItem]]] = {}
+            message = self._dead_message()
         # Running requests, plus any not registered yet: a request that already has its answer
         # never reads its queue again, so an extra error there is harmless.
         pending = [c.stream for c in self._batch + leftovers if isinstance(c, _Add)]
-        streams = {id(s): s for s in [*self._streams.values(), *pending]}
-        for stream in streams.values():
-            batches.setdefault(stream.loop, []).append((stream.queue, EngineDeadError(message)))
-        self._post(batches)
+        self._post_error([*self._streams.values(), *pending], EngineDeadError(message))
         request_ids = list(self._streams)
         self._streams.clear()
         self._timings.clear()
-        if request_ids:
+        if request_ids and self._error is None:
             try:
                 self.engine.abort_request(request_ids)
-            except Exception:  # a crashed engine may fail here too; nothing is left to do
+            except Exception:  # an engine shutting down may fail here too; nothing is left to do
                 logger.exception("could not abort requests while closing the engine loop")

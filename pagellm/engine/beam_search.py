@@ -10,10 +10,24 @@ on write), a beam not chosen is freed at once. Finished hypotheses are scored by
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
 from pagellm.step import TokenLogprobs
+from pagellm.utils import is_int
+
+MAX_BEAM_WIDTH = 10
+
+
+def length_normalized(cum_logprob: float, length: int, length_penalty: float) -> float:
+    """``cum_logprob / length ** length_penalty``, saturating instead of overflowing for extreme penalties."""
+    try:
+        return cum_logprob / float(length) ** length_penalty
+    except OverflowError:  # the divisor is beyond float range: the score tends to 0
+        return 0.0 * cum_logprob
+    except ZeroDivisionError:  # the divisor underflowed to 0: the score tends to -inf (logprobs are <= 0)
+        return -math.inf if cum_logprob < 0 else 0.0
 
 
 @dataclass
@@ -28,10 +42,13 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= 10:
-            raise ValueError(f"beam_width must be an integer in [1, 10], got {self.beam_width!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}], got {self.beam_width!r}")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        penalty = self.length_penalty
+        if not (is_int(penalty) or isinstance(penalty, float)) or not math.isfinite(penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
         if self.temperature != 0.0:
             raise ValueError("beam search is deterministic: temperature must be 0")
 
@@ -133,7 +150,7 @@ class BeamSearchGroup:
 
     def _finished(self, cand: Continuation) -> BeamSearchSequence:
         generated = cand.parent.generated + [cand.token_id]
-        score = cand.cum_logprob / (len(generated) ** self.params.length_penalty)
+        score = length_normalized(cand.cum_logprob, len(generated), self.params.length_penalty)
         finish_reason = "stop" if self._is_eos(cand.token_id) else "length"
         return BeamSearchSequence(
             tokens=self.prompt_token_ids + generated,

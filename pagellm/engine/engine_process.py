@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import signal
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -44,6 +46,9 @@ class _Ready:
     stats: EngineStats
 
 
+# How often a waiting call checks that the child is still alive.
+HEALTH_POLL_S = 1.0
+
 # The only methods the child runs; anything else is refused there.
 _METHODS = frozenset({"step", "add_tokenized_request", "add_beam_search_request", "abort_request"})
 
@@ -57,6 +62,9 @@ def _engine_main(config: EngineConfig, conn: Connection, log_level: int) -> None
         conn.send(("error", exc))
         return
     conn.send(("ok", _Ready(engine.max_model_len, engine.arch.vocab_size, engine.stats)))
+    # Requests are refused by the parent; the child serves only calls, so no signal may stop it
+    # halfway (the server's SIGINT reaches the whole process group).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     while True:
         try:
             call = conn.recv()
@@ -79,34 +87,70 @@ class EngineProcess:
 
     Not thread-safe: like ``LLMEngine``, exactly one thread (the step loop) may call it;
     ``tokenizer``, ``input_processor``, ``max_model_len`` and ``stats`` may be read anywhere.
+    A call that gets no answer within ``call_timeout_s`` (a stuck child) kills the child and
+    raises ``EngineProcessError``, as does a child that died; ``restart`` starts a fresh one.
     """
 
-    def __init__(self, config: EngineConfig, start_timeout_s: float = 600.0) -> None:
+    def __init__(self, config: EngineConfig, start_timeout_s: float = 600.0, call_timeout_s: float = 600.0) -> None:
+        self.config = config
+        self._start_timeout_s = start_timeout_s
+        self._call_timeout_s = call_timeout_s
+        self.tokenizer = None
+        ready = self._start()
+        self.max_model_len = ready.max_model_len
+        self.stats = ready.stats
+        self.input_processor = InputProcessor(
+            self.tokenizer, ready.vocab_size, ready.max_model_len, config.limits, config.scheduler.max_num_seqs
+        )
+
+    def _start(self) -> _Ready:
+        """Spawn the child and wait until its engine is built."""
         ctx = mp.get_context("spawn")  # never fork a process that holds OpenMP/torch threads
         self._conn, child_conn = ctx.Pipe()
         self._proc = ctx.Process(
             target=_engine_main,
-            args=(config, child_conn, logging.getLogger().getEffectiveLevel()),
+            args=(self.config, child_conn, logging.getLogger().getEffectiveLevel()),
             name="pagellm-engine",
             daemon=True,
         )
         self._proc.start()
         child_conn.close()
+        logger.info("engine process started (pid %d)", self._proc.pid)
+        self._unfinished = False  # the child's state changes only through this proxy's calls
         try:
-            self.tokenizer = load_tokenizer(config.model.model, config.model.chat_template)  # while the child loads
-            if not self._conn.poll(start_timeout_s):
-                raise EngineProcessError(f"the engine process did not start within {start_timeout_s:.0f}s")
-            ready: _Ready = self._receive()
+            if self.tokenizer is None:  # while the child loads
+                self.tokenizer = load_tokenizer(self.config.model.model, self.config.model.chat_template)
+            ready: _Ready = self._receive(self._start_timeout_s, "start")
         except BaseException:
             self.close()
             raise
-        self._unfinished = False  # the child's state changes only through this proxy's calls
-        self.config = config
-        self.max_model_len = ready.max_model_len
-        self.stats = ready.stats
-        self.input_processor = InputProcessor(self.tokenizer, ready.vocab_size, ready.max_model_len)
+        return ready
 
-    def _receive(self) -> Any:
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def check_health(self) -> None:
+        """Raise ``EngineProcessError`` if the child has exited (also noticed while idle)."""
+        if not self._proc.is_alive():
+            raise EngineProcessError(f"the engine process exited (exit code {self._proc.exitcode})")
+
+    def restart(self) -> bool:
+        """Replace the child with a fresh engine (same configuration); its requests are gone."""
+        self.close(timeout_s=5.0)
+        ready = self._start()
+        self.stats = ready.stats
+        return True
+
+    def _receive(self, timeout_s: float, what: str) -> Any:
+        """The child's answer; a child that dies or stays silent past ``timeout_s`` raises."""
+        deadline = time.monotonic() + timeout_s
+        while not self._conn.poll(min(HEALTH_POLL_S, max(deadline - time.monotonic(), 0.0))):
+            if not self._proc.is_alive() and not self._conn.poll():
+                raise EngineProcessError(f"the engine process died (exit code {self._proc.exitcode})")
+            if time.monotonic() >= deadline:
+                self._kill()
+                raise EngineProcessError(f"the engine process did not answer {what} within {timeout_s:.0f}s")
         try:
             status, payload = self._conn.recv()
         except (EOFError, OSError) as exc:
@@ -120,7 +164,7 @@ class EngineProcess:
             self._conn.send((method, args, kwargs))
         except (BrokenPipeError, OSError) as exc:
             raise EngineProcessError(f"the engine process died (exit code {self._proc.exitcode})") from exc
-        result, self.stats, self._unfinished = self._receive()
+        result, self.stats, self._unfinished = self._receive(self._call_timeout_s, method)
         return result
 
     # ---- the stepping API of LLMEngine, as AsyncLLMEngine uses it --------------------------
@@ -140,6 +184,12 @@ class EngineProcess:
     def abort_request(self, *args: Any, **kwargs: Any) -> list[RequestOutput]:
         return self._call("abort_request", *args, **kwargs)
 
+    def _kill(self) -> None:
+        if self._proc.is_alive():
+            logger.error("killing the engine process (pid %s)", self._proc.pid)
+            self._proc.kill()
+            self._proc.join(10.0)
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the child (politely, then by force)."""
         if self._proc.is_alive():
@@ -152,4 +202,5 @@ class EngineProcess:
             logger.warning("the engine process did not stop; terminating it")
             self._proc.terminate()
             self._proc.join(timeout_s)
+        self._kill()
         self._conn.close()

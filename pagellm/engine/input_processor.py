@@ -8,6 +8,8 @@ from typing import Any, Union
 
 from transformers import PreTrainedTokenizerBase
 
+from pagellm.config import LimitsConfig
+from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.sampling_params import SamplingParams
 
 # A prompt is text, or vLLM's token form {"prompt_token_ids": [...]} (optionally with "prompt").
@@ -21,15 +23,88 @@ class ProcessedPrompt:
     cache_salt: str | None = None  # isolates this prompt's prefix-cache entries (per tenant)
 
 
+def check_text(text: str, name: str) -> None:
+    """Refuse text that is not valid Unicode (lone surrogates, which JSON escapes can carry)."""
+    if text.isascii():  # O(1) in CPython: the common case costs nothing
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{name} is not valid Unicode: lone surrogate at position {exc.start}") from None
+
+
+def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The most characters one token can stand for (an upper bound: byte tokens count bytes)."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
+
+
 class InputProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int) -> None:
+    """The engine's rules for prompts and sampling options, shared by every entry point.
+
+    Read-only after construction, so the server checks requests with it on any thread.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        max_model_len: int,
+        limits: LimitsConfig | None = None,
+        max_num_seqs: int | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.limits = limits or LimitsConfig()
+        # n / best_of / beam width: never more sequences than one step can run.
+        self.max_n = min(self.limits.max_n, max_num_seqs or self.limits.max_n)
+        # A text longer than this cannot fit max_model_len tokens: refused before tokenizing it.
+        # (x4: slack for normalizers that shrink text, such as Unicode composition.)
+        self.max_prompt_chars = 4 * max_model_len * longest_token_chars(tokenizer)
+
+    def check_prompt_text(self, text: str, name: str = "prompt") -> None:
+        """Cheap checks before tokenizing: valid Unicode, and short enough to possibly fit."""
+        check_text(text, name)
+        if len(text) > self.max_prompt_chars:
+            raise ValueError(
+                f"{name} is {len(text)} characters long, more than can fit in max_model_len="
+                f"{self.max_model_len} tokens"
+            )
+
+    def check_params(self, params: SamplingParams | BeamSearchParams) -> None:
+        """The limits of this engine on one request's options (their own ranges are checked at construction)."""
+        if isinstance(params, BeamSearchParams):
+            if params.beam_width > self.max_n:
+                raise ValueError(f"beam_width must be <= {self.max_n}, got {params.beam_width}.")
+            return
+        for name in ("n", "best_of"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_n:
+                raise ValueError(f"{name} must be <= {self.max_n} (the server's max_n), got {value}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.limits.max_logprobs:
+                raise ValueError(f"{name} must be <= {self.limits.max_logprobs}, got {value}.")
+        self._check_stop(params)
+
+    def _check_stop(self, params: SamplingParams) -> None:
+        limits = self.limits
+        if len(params.stop_list) > limits.max_stop_strings:
+            raise ValueError(f"stop must hold at most {limits.max_stop_strings} strings, got {len(params.stop_list)}.")
+        for stop in params.stop_list:
+            check_text(stop, "stop")
+            if len(stop) > limits.max_stop_string_chars:
+                raise ValueError(
+                    f"stop strings must be at most {limits.max_stop_string_chars} characters, got {len(stop)}."
+                )
+        bad = [t for t in params.stop_token_ids or () if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[0]}.")
 
     def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
         """Tokenize text prompts; check token-id prompts."""
         if isinstance(prompt, str):
+            self.check_prompt_text(prompt)
             token_ids = self.tokenizer(prompt).input_ids
             return self._checked(ProcessedPrompt(prompt=prompt, prompt_token_ids=list(token_ids)))
         if isinstance(prompt, Mapping):
@@ -93,4 +168,7 @@ class InputProcessor:
             chat_template=chat_template,
             **template_kwargs,
         )
+        if not isinstance(text, str):
+            raise ValueError("the chat template did not render to text")
+        self.check_prompt_text(text, "the rendered conversation")
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)

@@ -33,8 +33,8 @@ from pagellm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-# The most top-N alternatives a request may ask for per position (vLLM's default cap).
-MAX_LOGPROBS = 20
+# What a client is told when the engine fails its request; the details go to the server log.
+REQUEST_FAILED_MESSAGE = "internal error while processing this request (the server log has the details)"
 
 
 @dataclass
@@ -98,7 +98,9 @@ class LLMEngine:
         )
         self.eos_token_ids = self._eos_token_ids()
         self.model_runner = ModelRunner(self.model, kv_cache, block_size, self.device, sorted(self.eos_token_ids))
-        self.input_processor = InputProcessor(self.tokenizer, self.arch.vocab_size, self.max_model_len)
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.arch.vocab_size, self.max_model_len, config.limits, config.scheduler.max_num_seqs
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._request_counter = itertools.count()
@@ -183,10 +185,7 @@ class LLMEngine:
         """Queue an already tokenized prompt (the path the server and ``LLM`` use)."""
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > MAX_LOGPROBS:
-                raise ValueError(f"{name}={value} is more than the allowed maximum of {MAX_LOGPROBS}")
+        self.input_processor.check_params(params)
         if stream and params.best_of is not None and params.best_of > params.n:
             raise ValueError("best_of > n cannot be streamed: the best samples are known only at the end")
         max_tokens = self.input_processor.resolve_max_tokens(params, len(prompt_token_ids))
@@ -229,7 +228,7 @@ class LLMEngine:
         for request_id in request_ids:
             group = self.beam_groups.get(request_id)
             if group is not None:
-                self._end_beam_search(group)
+                outputs.append(self._end_beam_search(group))
                 continue
             self.scheduler.finish_requests(self.output_processor.seq_ids(request_id), RequestStatus.FINISHED_ABORTED)
             output = self.output_processor.abort(request_id)
@@ -246,6 +245,7 @@ class LLMEngine:
         """Queue a beam search; its result is one RequestOutput with the beams best first."""
         if request_id in self.beam_groups or self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.input_processor.check_params(params)
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_token_ids))
         group = BeamSearchGroup(request_id, prompt_token_ids, params, max_tokens, self.eos_token_ids, prompt=prompt)
         first = self._new_beam_request(group)
@@ -268,19 +268,24 @@ class LLMEngine:
             is_beam=True,
         )
 
-    def _advance_beam_searches(self, logprobs: dict[str, list]) -> list[RequestOutput]:
+    def _advance_beam_searches(self, logprobs: dict[str, list], failed: dict[str, str]) -> list[RequestOutput]:
+        """Advance every group whose beams all reported; a group that fails is recorded in ``failed``."""
         ready: dict[str, BeamSearchGroup] = {}
         for seq_id, row in logprobs.items():
             group = self.beam_groups.get(self._beam_of_seq.get(seq_id, ""))
-            if group is not None and group.report(seq_id, row):
+            if group is not None and seq_id not in failed and group.report(seq_id, row):
                 ready[group.request_id] = group
         outputs = []
         for group in ready.values():
-            continuations = group.advance()
-            if group.done:
-                outputs.append(self._end_beam_search(group))
-            else:
-                self._continue_beams(group, continuations)
+            try:
+                continuations = group.advance()
+                if group.done:
+                    outputs.append(self._end_beam_search(group))
+                else:
+                    self._continue_beams(group, continuations)
+            except Exception as exc:  # noqa: BLE001 -- this group's fault: fail it, keep the others
+                logger.exception("beam search %s failed", group.request_id)
+                failed[group.request_id] = f"{type(exc).__name__}: {exc}"
         return outputs
 
     def _continue_beams(self, group: BeamSearchGroup, continuations: list[Continuation]) -> None:
@@ -339,6 +344,13 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def check_health(self) -> None:
+        """In process, the engine is alive as long as its caller is (failures surface as exceptions)."""
+
+    def restart(self) -> bool:
+        """An in-process engine that failed mid-step may hold half-updated state: it is not restarted."""
+        return False
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.scheduler.requests)
 
@@ -353,10 +365,28 @@ class LLMEngine:
             # Stop strings are found in text, so the scheduler learns of them only now.
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         if self.beam_groups:
-            outputs.extend(self._advance_beam_searches(runner_output.logprobs))
+            outputs.extend(self._advance_beam_searches(runner_output.logprobs, runner_output.failed))
+        if runner_output.failed:
+            outputs.extend(self._fail_requests(runner_output.failed))
         self.stats.num_steps += 1
         self.stats.num_finished_requests += sum(o.finished for o in outputs)
         self._refresh_stats()
+        return outputs
+
+    def _fail_requests(self, failed: dict[str, str]) -> list[RequestOutput]:
+        """Finish the requests whose own part of a step failed, with an error; the others go on."""
+        request_ids: dict[str, str] = {}
+        for seq_id, message in failed.items():
+            owner = self.output_processor.seq_to_request.get(seq_id) or self._beam_of_seq.get(seq_id) or seq_id
+            request_ids.setdefault(owner, message)
+        outputs = []
+        for request_id, message in request_ids.items():
+            logger.error("request %s failed and was finished with an error: %s", request_id, message)
+            for output in self.abort_request(request_id):
+                output.error = REQUEST_FAILED_MESSAGE
+                for sample in output.outputs:
+                    sample.finish_reason = "error"
+                outputs.append(output)
         return outputs
 
     def _refresh_stats(self) -> None:

@@ -6,6 +6,9 @@ merges the samples of an ``n > 1`` request into one output.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
@@ -15,6 +18,19 @@ from pagellm.engine.detokenizer import IncrementalDetokenizer, decode_token
 from pagellm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.step import ModelRunnerOutput, TokenLogprobs
+
+
+logger = logging.getLogger(__name__)
+
+
+@contextmanager
+def _isolated(seq_id: str, failed: dict[str, str]) -> Iterator[None]:
+    """Run one request's part of the step; a failure is logged and recorded against it alone."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 -- any fault here belongs to this request only
+        logger.exception("processing the output of sequence %s failed", seq_id)
+        failed[seq_id] = f"{type(exc).__name__}: {exc}"
 
 
 @dataclass
@@ -100,34 +116,51 @@ class OutputProcessor:
         updated: list[Request],
         finished: list[Request],
     ) -> tuple[list[RequestOutput], list[str]]:
-        """Apply one step; returns (outputs of touched requests, sequences stopped by a stop string)."""
+        """Apply one step; returns (outputs of touched requests, sequences stopped by a stop string).
+
+        A failure in one request's text work (detokenizer, stop strings, logprobs) is recorded in
+        ``runner_output.failed`` under its sequence id and skips that request; the engine then
+        finishes it with an error while the others go on.
+        """
+        failed = runner_output.failed
         touched: dict[str, RequestState] = {}
         stopped: list[str] = []
         for seq_id, prompt_lp in runner_output.prompt_logprobs.items():
             state = self._state_of(seq_id)
             if state is not None and state.prompt_logprobs is not None and seq_id == next(iter(state.samples)):
-                self._add_prompt_logprobs(state.prompt_logprobs, prompt_lp.start, prompt_lp.rows)
+                with _isolated(seq_id, failed):
+                    self._add_prompt_logprobs(state.prompt_logprobs, prompt_lp.start, prompt_lp.rows)
         for request in updated:
             state = self._state_of(request.request_id)
-            if state is None:
+            if state is None or request.request_id in failed:
                 continue
-            sample = state.samples[request.request_id]
-            if sample.index == 0 and request.num_cached_tokens > 0:
-                state.num_cached_tokens = request.num_cached_tokens
-            token_id = request.output_token_ids[-1]
-            self._add_logprobs(sample, runner_output.logprobs.get(request.request_id))
-            stop = sample.detokenizer.update([token_id])
-            if stop is not None and sample.finish_reason is None:
-                sample.finish_reason, sample.stop_reason = "stop", stop
-                stopped.append(request.request_id)
-            touched[state.request_id] = state
+            with _isolated(request.request_id, failed):
+                if self._update_sample(state, request, runner_output):
+                    stopped.append(request.request_id)
+                touched[state.request_id] = state
         for request in finished:
             self.finish_sequence(request.request_id, request.finish_reason, request.stop_reason, touched)
-        outputs = [self._make_output(s) for s in touched.values() if s.stream or s.finished]
+        outputs = []
+        for state in touched.values():
+            if state.stream or state.finished:
+                with _isolated(next(iter(state.samples)), failed):
+                    outputs.append(self._make_output(state))
         for state in touched.values():
             if state.finished:
                 self._drop(state)
         return outputs, stopped
+
+    def _update_sample(self, state: RequestState, request: Request, runner_output: ModelRunnerOutput) -> bool:
+        """Take one sequence's new token; True when a stop string ended it."""
+        sample = state.samples[request.request_id]
+        if sample.index == 0 and request.num_cached_tokens > 0:
+            state.num_cached_tokens = request.num_cached_tokens
+        self._add_logprobs(sample, runner_output.logprobs.get(request.request_id))
+        stop = sample.detokenizer.update([request.output_token_ids[-1]])
+        if stop is not None and sample.finish_reason is None:
+            sample.finish_reason, sample.stop_reason = "stop", stop
+            return True
+        return False
 
     def finish_sequence(
         self,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any
 
@@ -17,6 +18,9 @@ from pagellm.model.default_model import DEFAULT_MODEL_NAME
 from pagellm.utils import LOG_FORMAT
 
 logger = logging.getLogger("pagellm")
+
+# The API key from the environment keeps it out of the process list (``ps`` shows arguments).
+API_KEY_ENV = "PAGELLM_API_KEY"
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +52,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="auto (cpu_paged on CPU where its C++ kernels build, else torch_sdpa), cpu_paged, torch_sdpa or reference",
     )
     group.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    limits = parser.add_argument_group("request limits")
+    limits.add_argument("--max-n", type=int, default=128,
+                        help="most samples (n, best_of) or beams one request may ask for; never above --max-num-seqs")
+    limits.add_argument("--max-logprobs", type=int, default=20, help="most top logprobs per position a request may ask for")
+    limits.add_argument("--max-stop-strings", type=int, default=16, help="most stop strings in one request")
     group.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -74,6 +83,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         attention_backend=args.attention_backend,
         chat_template=args.chat_template,
         num_threads=args.num_threads,
+        max_n=args.max_n,
+        max_logprobs=args.max_logprobs,
+        max_stop_strings=args.max_stop_strings,
     )
 
 
@@ -87,11 +99,34 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         "--served-model-name", nargs="+", default=None,
         help="name(s) clients use for the model; the first one is reported in responses",
     )
-    group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API routes")
+    group.add_argument(
+        "--api-key", default=None,
+        help=f"require 'Authorization: Bearer KEY' on the API routes; better: set {API_KEY_ENV} instead, "
+        "which other users cannot see in the process list",
+    )
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     group.add_argument(
         "--engine-process", action=argparse.BooleanOptionalAction, default=True,
         help="run the engine in its own process, apart from the HTTP event loop (default: on)",
+    )
+    group.add_argument(
+        "--engine-restarts", type=int, default=3,
+        help="how many times a failed engine process is replaced by a fresh one before the server exits "
+        "with status 1 for its supervisor to restart (0: exit on the first failure, as vLLM)",
+    )
+    group.add_argument(
+        "--engine-call-timeout", type=float, default=600.0,
+        help="seconds one engine step may take before the engine process is deemed stuck and killed",
+    )
+    group.add_argument(
+        "--max-waiting-requests", type=int, default=1024,
+        help="requests accepted beyond --max-num-seqs; more are refused with 503 and Retry-After",
+    )
+    group.add_argument("--max-request-body", default="32MiB", help="largest request body accepted (413 beyond)")
+    group.add_argument(
+        "--trust-request-chat-template", action="store_true",
+        help="let clients send a chat template of their own (chat_template_kwargs.chat_template); "
+        "a template is a program that runs in the server",
     )
     parser.set_defaults(handler=_serve)
 
@@ -129,20 +164,39 @@ def _serve(args: argparse.Namespace) -> int:
     from pagellm.engine.llm_engine import LLMEngine
     from pagellm.entrypoints.llm import engine_config
     from pagellm.entrypoints.openai.api_server import ServerSettings, run_server
+    from pagellm.utils import parse_memory_size
 
-    config = engine_config(**engine_kwargs(args))
-    engine = EngineProcess(config) if args.engine_process else LLMEngine(config)
     settings = ServerSettings(
         served_model_names=args.served_model_name or [args.model or DEFAULT_MODEL_NAME],
-        model_path=args.model or DEFAULT_MODEL_NAME,
-        api_key=args.api_key,
+        api_key=_api_key(args.api_key),
+        trust_request_chat_template=args.trust_request_chat_template,
+        max_request_body_bytes=parse_memory_size(args.max_request_body),
     )
+    for name in ("engine_restarts", "max_waiting_requests"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if not args.engine_call_timeout > 0:
+        raise ValueError(f"--engine-call-timeout must be > 0, got {args.engine_call_timeout}")
+    config = engine_config(**engine_kwargs(args))
+    engine = EngineProcess(config, call_timeout_s=args.engine_call_timeout) if args.engine_process else LLMEngine(config)
     try:
-        run_server(engine, settings, host=args.host, port=args.port, log_level=args.log_level)
+        return run_server(
+            engine, settings, host=args.host, port=args.port, log_level=args.log_level,
+            max_requests=config.scheduler.max_num_seqs + args.max_waiting_requests,
+            max_restarts=args.engine_restarts if args.engine_process else 0,
+        )
     finally:
         if isinstance(engine, EngineProcess):
             engine.close()
-    return 0
+
+
+def _api_key(from_flag: str | None) -> str | None:
+    """The flag's key, else the environment's; an empty key is a mistake, never 'no auth'."""
+    key = from_flag if from_flag is not None else os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        source = "--api-key" if from_flag is not None else API_KEY_ENV
+        raise ValueError(f"{source} is empty: give a non-empty key, or none to serve without one")
+    return key
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from pagellm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagellm.config import CacheConfig, DeviceConfig, EngineConfig, LimitsConfig, ModelConfig, SchedulerConfig
 from pagellm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
@@ -34,6 +34,9 @@ def engine_config(
     attention_backend: str = "auto",
     chat_template: str | None = None,
     num_threads: int | None = None,
+    max_n: int = 128,
+    max_logprobs: int = 20,
+    max_stop_strings: int = 16,
 ) -> EngineConfig:
     """The engine's validated configuration from ``LLM``'s flat keyword options."""
     return EngineConfig(
@@ -47,6 +50,7 @@ def engine_config(
         ),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         device=DeviceConfig(device=device, attention_backend=attention_backend, num_threads=num_threads),
+        limits=LimitsConfig(max_n=max_n, max_logprobs=max_logprobs, max_stop_strings=max_stop_strings),
     )
 
 

@@ -92,9 +92,17 @@ class PrometheusMetrics:
             ["model_name"], buckets=_E2E_BUCKETS, registry=self.registry,
         ).labels(model_name)
         self._finished = Counter(
-            "pagellm:request_success", "Finished sequences, by finish reason (stop, length, abort).",
+            "pagellm:request_success", "Finished sequences, by finish reason (stop, length, abort, error).",
             ["model_name", "finished_reason"], registry=self.registry,
         )
+        self._rejected = Counter(
+            "pagellm:requests_rejected", "Requests refused before reaching the engine, by reason (overloaded).",
+            ["model_name", "reason"], registry=self.registry,
+        )
+        self._restarts = Counter(
+            "pagellm:engine_restarts", "Times a failed engine was replaced by a fresh one.",
+            ["model_name"], registry=self.registry,
+        ).labels(model_name)
         self.registry.register(_EngineStatsCollector(model_name, stats))
 
     def observe_time_to_first_token(self, seconds: float) -> None:
@@ -108,6 +116,12 @@ class PrometheusMetrics:
 
     def count_finished(self, finish_reason: str) -> None:
         self._finished.labels(self._model_name, finish_reason).inc()
+
+    def count_rejected(self, reason: str) -> None:
+        self._rejected.labels(self._model_name, reason).inc()
+
+    def count_engine_restart(self) -> None:
+        self._restarts.inc()
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

@@ -189,7 +189,7 @@ class ModelRunner:
             params=[r.sampling_params for r in requests],
             prompt_token_ids=[r.prompt_token_ids for r in requests],
             output_token_ids=[r.output_token_ids for r in requests],
-            generators=[self._generator(r) for r in requests],
+            generators=[self._generator(r, output.failed) for r in requests],
             eos_token_ids=self.eos_token_ids,
         )
         result = self.sampler(logits, batch)
@@ -223,13 +223,18 @@ class ModelRunner:
             output.prompt_logprobs[request.request_id] = PromptLogprobs(start=first, rows=rows)
             row += count
 
-    def _generator(self, request: ScheduledRequest) -> torch.Generator | None:
+    def _generator(self, request: ScheduledRequest, failed: dict[str, str]) -> torch.Generator | None:
+        """The request's own seeded generator; one that cannot be made fails that request alone."""
         seed = request.sampling_params.seed
         if seed is None:
             return None
         generator = self.generators.get(request.request_id)
         if generator is None:
-            generator = torch.Generator(device=self.device).manual_seed(seed)
+            try:
+                generator = torch.Generator(device=self.device).manual_seed(seed)
+            except (RuntimeError, ValueError, OverflowError) as exc:
+                failed[request.request_id] = f"cannot seed a generator with {seed}: {exc}"
+                return None
             self.generators[request.request_id] = generator
         return generator
 

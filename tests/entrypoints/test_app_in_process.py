@@ -19,6 +19,9 @@ class _TinyTokenizer:
     def decode(self, ids: list[int]) -> str:
         return " ".join(map(str, ids))
 
+    def get_vocab(self) -> dict[str, int]:
+        return {str(i): i for i in range(100)}
+
 
 def make_client() -> tuple[TestClient, FakeEngine]:
     fake = FakeEngine()
@@ -26,7 +29,7 @@ def make_client() -> tuple[TestClient, FakeEngine]:
     fake.input_processor = InputProcessor(fake.tokenizer, vocab_size=100, max_model_len=128)  # type: ignore[attr-defined]
     metrics = PrometheusMetrics("fake", stats=lambda: fake.stats)
     engine = AsyncLLMEngine(fake, metrics)  # type: ignore[arg-type]
-    app = build_app(engine, ServerSettings(served_model_names=["fake"], model_path="fake"), metrics)
+    app = build_app(engine, ServerSettings(served_model_names=["fake"]), metrics)
     return TestClient(app), fake
 
 
@@ -38,9 +41,11 @@ def test_health_turns_503_when_the_loop_dies() -> None:
         assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "t1 t2 t3 "
         fake.fail_on_step = True
         dead = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
-        assert dead.status_code == 503 and "boom" in dead.json()["error"]["message"]
+        assert dead.status_code == 503 and "engine failed" in dead.json()["error"]["message"]
+        assert "boom" not in dead.text  # the cause is logged, not shown to clients
         health = client.get("/health")
-        assert health.status_code == 503 and "boom" in health.json()["error"]["message"]
+        assert health.status_code == 503 and "engine stopped" in health.json()["error"]["message"]
+        assert health.headers["retry-after"]
         again = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3, "stream": True})
         assert again.status_code == 503
 
@@ -51,5 +56,5 @@ def test_streaming_request_gets_an_in_band_error_when_the_loop_dies() -> None:
         fake.fail_on_step = True
         response = client.post("/v1/completions", json={"prompt": [1], "max_tokens": 3, "stream": True})
         assert response.status_code == 200
-        assert '"error"' in response.text and "boom" in response.text
+        assert '"error"' in response.text and "engine failed" in response.text
         assert response.text.endswith("data: [DONE]\n\n")

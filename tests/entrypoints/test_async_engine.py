@@ -28,6 +28,8 @@ class FakeEngine:
         self.stats = EngineStats()
         self.max_model_len = 128
         self.thread_ids: set[int] = set()
+        self.dead = False  # check_health raises (a dead engine process, seen while idle)
+        self.restarts = 0
 
     def add_tokenized_request(
         self,
@@ -60,6 +62,16 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def check_health(self) -> None:
+        if self.dead:
+            raise RuntimeError("the fake engine died")
+
+    def restart(self) -> bool:
+        self.restarts += 1
+        self.requests.clear()
+        self.fail_on_step = self.dead = False
+        return True
+
     def step(self) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())
         self.steps += 1
@@ -87,7 +99,7 @@ class RecordingMetrics:
         self.calls: dict[str, list[Any]] = {}
 
     def __getattr__(self, name: str) -> Any:
-        return lambda value: self.calls.setdefault(name, []).append(value)
+        return lambda *args: self.calls.setdefault(name, []).append(args[0] if args else None)
 
 
 @pytest.fixture
@@ -173,7 +185,7 @@ def test_loop_crash_fails_requests_and_health(engine: AsyncLLMEngine, fake: Fake
         stream = engine.generate([1], SamplingParams(max_tokens=10_000), "x")
         await stream.__anext__()
         fake.fail_on_step = True
-        with pytest.raises(EngineDeadError, match="boom"):
+        with pytest.raises(EngineDeadError, match="engine failed"):
             async for _ in stream:  # outputs queued before the crash still arrive first
                 pass
 
@@ -196,7 +208,8 @@ def test_crash_while_adding_fails_that_request_and_the_rest_of_its_batch(engine:
 
     errors = asyncio.run(run())
     assert len(errors) == 2 and all(isinstance(e, EngineDeadError) for e in errors)
-    assert "add crashed" in str(errors[0]) and not engine.is_running
+    assert "engine failed" in str(errors[0]) and not engine.is_running
+    assert isinstance(engine.error, RuntimeError) and "add crashed" in str(engine.error)
 
 
 def test_shutdown_aborts_in_flight(engine: AsyncLLMEngine, fake: FakeEngine) -> None:

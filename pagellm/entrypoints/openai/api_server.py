@@ -19,14 +19,13 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagellm
-from pagellm.engine.async_engine import AsyncLLMEngine
-from pagellm.engine.engine_process import EngineProcess
-from pagellm.engine.llm_engine import LLMEngine
+from pagellm.engine.async_engine import AsyncLLMEngine, LoopOptions, SteppedEngine
 from pagellm.entrypoints.openai.errors import (
     AuthenticationError,
+    RequestTooLargeError,
     ServiceUnavailableError,
     error_response,
     install_error_handlers,
@@ -50,11 +49,72 @@ logger = logging.getLogger(__name__)
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
+# Bodies larger than this are refused with 413 before they are read whole (the longest prompt
+# a model takes is far smaller; a hostile body must not make the server parse gigabytes).
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
+
+
 @dataclass
 class ServerSettings:
     served_model_names: list[str]  # the first one names the model in responses
-    model_path: str  # what was loaded (the models list's ``root``)
     api_key: str | None = None
+    trust_request_chat_template: bool = False  # let clients send chat templates (programs) of their own
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("the API key is empty: give a non-empty key, or none to serve without one")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
+
+
+class BodySizeLimitMiddleware:
+    """413 for a body over the limit: by its Content-Length at once, else as soon as it grows past it.
+
+    The body is read here, in full, and handed on as one message; every route reads its whole
+    JSON body anyway. Later messages (the client's disconnect) pass through untouched.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending it all
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body: Message | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay() -> Message:
+            nonlocal body
+            if body is not None:
+                message, body = body, None
+                return message
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = RequestTooLargeError(f"the request body is larger than {self.max_bytes} bytes", code="body_too_large")
+        await error_response(error)(scope, receive, send)
 
 
 class APIKeyMiddleware:
@@ -93,19 +153,18 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
 
     app = FastAPI(title="pagellm", version=pagellm.__version__, lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     if settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)  # outermost: no body read before auth
     names = settings.served_model_names
     completion = OpenAIServingCompletion(engine, names)
-    chat = OpenAIServingChat(engine, names)
+    chat = OpenAIServingChat(engine, names, settings.trust_request_chat_template)
     tokenization = OpenAIServingTokenization(engine, names)
 
     @app.get("/health")
     async def health() -> Response:
         if not engine.is_running:
-            raise ServiceUnavailableError(
-                f"the engine loop died: {engine.error!r}" if engine.error else "the engine is not running"
-            )
+            raise ServiceUnavailableError(engine.status_message, code="engine_unavailable", retry_after_s=5)
         return Response(status_code=200)
 
     @app.get("/version")
@@ -114,7 +173,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        cards = [ModelCard(id=name, root=settings.model_path, max_model_len=engine.max_model_len) for name in names]
+        # root names the model as served, never a path on this machine.
+        cards = [ModelCard(id=name, root=names[0], max_model_len=engine.max_model_len) for name in names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
     @app.get("/metrics")
@@ -132,7 +192,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> JSONResponse:
-        return JSONResponse(tokenization.tokenize(request).model_dump(exclude_none=True))
+        response = await asyncio.to_thread(tokenization.tokenize, request)  # long texts: off the event loop
+        return JSONResponse(response.model_dump(exclude_none=True))
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> JSONResponse:
@@ -164,16 +225,31 @@ def _ignore_replayed_signals() -> None:
 
 
 def run_server(
-    llm_engine: LLMEngine | EngineProcess,
+    llm_engine: SteppedEngine,
     settings: ServerSettings,
     host: str = "127.0.0.1",
     port: int = 8000,
     log_level: str = "info",
     graceful_timeout_s: int = 10,
-) -> None:
-    """Serve until SIGINT/SIGTERM, then abort in-flight requests, stop the engine and return."""
+    max_requests: int | None = None,
+    max_restarts: int = 0,
+) -> int:
+    """Serve until SIGINT/SIGTERM (exit status 0) or until the engine is dead for good (1).
+
+    ``max_requests`` bounds the requests in flight (more get 503 + Retry-After); a failed
+    engine is restarted up to ``max_restarts`` times, after which the server stops so that a
+    supervisor can start it anew (as vLLM does).
+    """
     metrics = PrometheusMetrics(settings.served_model_names[0], stats=lambda: llm_engine.stats)
-    engine = AsyncLLMEngine(llm_engine, metrics)
+    server: _Server | None = None
+
+    def stop_serving() -> None:
+        logger.error("the engine is dead and will not be restarted: stopping the server")
+        if server is not None:
+            server.should_exit = True  # uvicorn's main loop polls it
+
+    loop_options = LoopOptions(max_requests=max_requests, max_restarts=max_restarts, on_dead=stop_serving)
+    engine = AsyncLLMEngine(llm_engine, metrics, loop_options)
     app = build_app(engine, settings, metrics)
     config = uvicorn.Config(
         app,
@@ -188,3 +264,4 @@ def run_server(
     server.run()
     if not server.started:
         raise RuntimeError(f"the server could not start on {host}:{port}")
+    return 1 if engine.error is not None else 0

@@ -25,11 +25,18 @@ class OpenAIError(Exception):
     status_code = 500
     error_type = "server_error"
 
-    def __init__(self, message: str, param: str | None = None, code: str | int | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        code: str | int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
     def to_dict(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
@@ -50,13 +57,23 @@ class NotFoundError(OpenAIError):
     error_type = "invalid_request_error"
 
 
+class RequestTooLargeError(OpenAIError):
+    status_code = 413
+    error_type = "invalid_request_error"
+
+
 class ServiceUnavailableError(OpenAIError):
+    """503; ``Retry-After`` tells well-behaved clients (the OpenAI SDKs) when to try again."""
+
     status_code = 503
     error_type = "server_error"
 
+    def __init__(self, message: str, code: str | None = None, retry_after_s: int = 1) -> None:
+        super().__init__(message, code=code, headers={"Retry-After": str(retry_after_s)})
+
 
 def error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.to_dict(), status_code=error.status_code)
+    return JSONResponse(error.to_dict(), status_code=error.status_code, headers=error.headers)
 
 
 # SamplingParams and the input processor start their messages with the offending field name.
@@ -108,7 +125,7 @@ async def _on_http_error(_: Request, exc: Exception) -> JSONResponse:
 async def _on_unexpected_error(_: Request, exc: Exception) -> JSONResponse:
     """A bug must still answer in the OpenAI error shape (and be logged), never as bare text."""
     logger.error("unhandled error while serving a request", exc_info=exc)
-    return error_response(OpenAIError(f"internal server error: {type(exc).__name__}"))
+    return error_response(OpenAIError("internal server error (the server log has the details)"))
 
 
 def install_error_handlers(app: FastAPI) -> None:

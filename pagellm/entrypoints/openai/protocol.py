@@ -9,13 +9,43 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
+
+from pagellm.engine.input_processor import check_text
 
 TokenIds = list[StrictInt]
 
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # allow_inf_nan=False: JSON's non-standard Infinity/NaN (which Python's parser accepts) are refused.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+def _check_strings(body: Any) -> Any:
+    """Every string of a request body (keys too) must be valid Unicode: JSON escapes can carry
+    lone surrogates, which no tokenizer, template or JSON encoder downstream accepts."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:  # iterative: a deeply nested body must not exhaust the recursion limit
+        path, value = stack.pop()
+        if isinstance(value, str):
+            check_text(value, path or "the request body")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str):
+                    check_text(key, f"a key in {path or 'the request body'}")
+                stack.append((f"{path}.{key}".lstrip("."), item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+    return body
+
+
+class RequestBody(OpenAIBaseModel):
+    """A top-level request: its raw JSON is checked for invalid text once, before field validation."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        return _check_strings(data)
 
 
 # ---- requests ----------------------------------------------------------------------------
@@ -25,7 +55,7 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
-class SamplingRequest(OpenAIBaseModel):
+class SamplingRequest(RequestBody):
     """The fields /v1/completions and /v1/chat/completions share (both become SamplingParams)."""
 
     model: str | None = None  # None: the first served model name (as vLLM)
@@ -111,7 +141,7 @@ class ChatCompletionRequest(SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestBody):
     """vLLM's /tokenize: either ``prompt`` (text) or ``messages`` (rendered by the chat template)."""
 
     model: str | None = None
@@ -123,7 +153,7 @@ class TokenizeRequest(OpenAIBaseModel):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: TokenIds
 

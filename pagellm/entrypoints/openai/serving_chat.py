@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pagellm.engine.async_engine import EngineDeadError
+from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.engine.input_processor import ProcessedPrompt
-from pagellm.engine.llm_engine import MAX_LOGPROBS
 from pagellm.entrypoints.openai.errors import BadRequestError
 from pagellm.entrypoints.openai.protocol import (
     ChatChoice,
@@ -32,6 +33,7 @@ from pagellm.entrypoints.openai.serving_engine import (
     ChoiceDelta,
     ChoiceTracker,
     ClientDisconnected,
+    SERVING_ERRORS,
     OpenAIServing,
     accumulate,
     collect_until_disconnect,
@@ -63,25 +65,73 @@ def _chat_logprob(logprob: Logprob) -> ChatLogProb:
     return ChatLogProb(token=token, logprob=logprob.logprob, bytes=list(token.encode("utf-8")))
 
 
+# apply_chat_template's own arguments and the inputs other request fields own: a client may not
+# set them through chat_template_kwargs (e.g. ``tools`` would pass the tools check below).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+def check_template_kwargs(template_kwargs: dict[str, Any] | None, trust_request_chat_template: bool) -> dict[str, Any]:
+    """The client's extra template variables; a template of its own only if the operator allows it.
+
+    A chat template is a program: a client-supplied one can loop for hours or build gigabyte
+    strings inside the server, so it is refused unless ``--trust-request-chat-template`` is set.
+    """
+    kwargs = dict(template_kwargs or {})
+    template = kwargs.get("chat_template")
+    if template is not None:
+        if not trust_request_chat_template:
+            raise BadRequestError(
+                "a chat template sent with the request is refused: the server does not trust request chat "
+                "templates (start it with --trust-request-chat-template to allow them)",
+                param="chat_template_kwargs",
+            )
+        if not isinstance(template, str):
+            raise BadRequestError("chat_template_kwargs.chat_template must be a string", param="chat_template_kwargs")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs) - {"chat_template"})
+    if reserved:
+        raise BadRequestError(
+            f"chat_template_kwargs may not set {', '.join(reserved)}: use the request's own fields",
+            param="chat_template_kwargs",
+        )
+    return kwargs
+
+
 def render_messages(
     serving: OpenAIServing,
     messages: list[ChatMessageParam],
     add_generation_prompt: bool,
     continue_final_message: bool,
-    template_kwargs: dict | None,
+    template_kwargs: dict[str, Any],
 ) -> list[int]:
-    """The conversation through the model's chat template; template failures are the client's 400."""
+    """The conversation through the model's chat template; template failures are the client's 400.
+
+    ``template_kwargs`` must have passed ``check_template_kwargs``. Slow for long conversations:
+    callers on the event loop run it in a worker thread.
+    """
     if not messages:
         raise BadRequestError("messages must be a non-empty list", param="messages")
     if continue_final_message and messages[-1].role != "assistant":
         raise BadRequestError("continue_final_message needs the last message to be from the assistant",
                               param="continue_final_message")
+    processor = serving.engine.input_processor
+    dicts = [m.to_template_dict() for m in messages]
+    total_chars = sum(len(m["content"]) for m in dicts)
+    if total_chars > processor.max_prompt_chars:
+        raise BadRequestError(
+            f"the messages hold {total_chars} characters, more than can fit in max_model_len="
+            f"{processor.max_model_len} tokens",
+            param="messages",
+        )
     try:
-        return serving.engine.input_processor.apply_chat_template(
-            [m.to_template_dict() for m in messages],
+        return processor.apply_chat_template(
+            dicts,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-            **(template_kwargs or {}),
+            **template_kwargs,
         )
     except (ValueError, TypeError, jinja2.TemplateError) as exc:
         raise BadRequestError(f"cannot apply the chat template to these messages: {exc}", param="messages") from exc
@@ -101,14 +151,22 @@ class _Context:
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(
+        self, engine: AsyncLLMEngine, served_model_names: list[str], trust_request_chat_template: bool = False
+    ) -> None:
+        super().__init__(engine, served_model_names)
+        self.trust_request_chat_template = trust_request_chat_template
+
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_alive()
         model = self.resolve_model(request.model)
-        _check_chat_options(request)
+        _check_chat_options(request, self.engine.input_processor.limits.max_logprobs)
         ctx = _Context(request, new_request_id("chatcmpl"), model, int(time.time()))
         max_tokens = request.effective_max_tokens
         params = self.sampling_params(request, max_tokens, ctx.top_n)
-        prompt = self._prompt(request)
+        template_kwargs = check_template_kwargs(request.chat_template_kwargs, self.trust_request_chat_template)
+        # Rendering and tokenizing take a while for long conversations: off the event loop.
+        prompt = await asyncio.to_thread(self._prompt, request, template_kwargs)
         self.check_length(len(prompt.prompt_token_ids), max_tokens, "messages")
 
         tracker = ChoiceTracker(n=request.n, prompt_tokens=len(prompt.prompt_token_ids))
@@ -119,14 +177,13 @@ class OpenAIServingChat(OpenAIServing):
             items = await collect_until_disconnect(merged, raw_request)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        except (ValueError, EngineDeadError) as exc:
+        except SERVING_ERRORS as exc:
             raise to_openai_error(exc) from exc
         return JSONResponse(self._response(ctx, tracker, items).model_dump())
 
-    def _prompt(self, request: ChatCompletionRequest) -> ProcessedPrompt:
+    def _prompt(self, request: ChatCompletionRequest, template_kwargs: dict[str, Any]) -> ProcessedPrompt:
         ids = render_messages(
-            self, request.messages, request.add_generation_prompt, request.continue_final_message,
-            request.chat_template_kwargs,
+            self, request.messages, request.add_generation_prompt, request.continue_final_message, template_kwargs
         )
         return self.process_prompt({"prompt_token_ids": ids}, "messages", request.cache_salt)
 
@@ -194,12 +251,12 @@ class OpenAIServingChat(OpenAIServing):
         )
 
 
-def _check_chat_options(request: ChatCompletionRequest) -> None:
+def _check_chat_options(request: ChatCompletionRequest, max_logprobs: int) -> None:
     """Options OpenAI defines that this server does not implement, or that contradict each other."""
     if request.top_logprobs is not None:
-        if not 0 <= request.top_logprobs <= MAX_LOGPROBS:
+        if not 0 <= request.top_logprobs <= max_logprobs:
             raise BadRequestError(
-                f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {request.top_logprobs}.", param="top_logprobs"
+                f"top_logprobs must be between 0 and {max_logprobs}, got {request.top_logprobs}.", param="top_logprobs"
             )
         if request.top_logprobs > 0 and not request.logprobs:
             raise BadRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")

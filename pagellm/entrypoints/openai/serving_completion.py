@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -10,7 +11,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pagellm.engine.async_engine import EngineDeadError
 from pagellm.engine.detokenizer import decode_token
 from pagellm.engine.input_processor import ProcessedPrompt
 from pagellm.entrypoints.openai.errors import BadRequestError
@@ -27,6 +27,7 @@ from pagellm.entrypoints.openai.serving_engine import (
     ChoiceResult,
     ChoiceTracker,
     ClientDisconnected,
+    SERVING_ERRORS,
     OpenAIServing,
     accumulate,
     collect_until_disconnect,
@@ -118,7 +119,8 @@ class OpenAIServingCompletion(OpenAIServing):
         params = self.sampling_params(
             request, request.max_tokens, request.logprobs, prompt_logprobs=echo_logprobs, best_of=request.best_of
         )
-        prompts = self._prompts(request)
+        # Tokenizing may take a while for long prompts: off the event loop, so other requests go on.
+        prompts = await asyncio.to_thread(self._prompts, request)
         for prompt in prompts:
             self.check_length(len(prompt.prompt_token_ids), request.max_tokens, "prompt")
 
@@ -142,7 +144,7 @@ class OpenAIServingCompletion(OpenAIServing):
             items = await collect_until_disconnect(merged, raw_request)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        except (ValueError, EngineDeadError) as exc:
+        except SERVING_ERRORS as exc:
             raise to_openai_error(exc) from exc
         return JSONResponse(self._response(ctx, tracker, items).model_dump())
 
@@ -163,6 +165,10 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _process_entry(self, entry: str | list[int], request: CompletionRequest) -> ProcessedPrompt:
         if isinstance(entry, str):
+            try:
+                self.engine.input_processor.check_prompt_text(entry)
+            except ValueError as exc:
+                raise BadRequestError(str(exc), param="prompt") from exc
             ids = self.engine.tokenizer(entry, add_special_tokens=request.add_special_tokens).input_ids
             token_prompt: dict[str, Any] = {"prompt_token_ids": list(ids), "prompt": entry}
         else:

@@ -20,10 +20,9 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
-from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, RequestFailedError
 from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.engine.input_processor import ProcessedPrompt
-from pagellm.engine.llm_engine import MAX_LOGPROBS
 from pagellm.entrypoints.openai.errors import (
     BadRequestError,
     NotFoundError,
@@ -65,9 +64,17 @@ def to_openai_error(error: BaseException) -> OpenAIError:
         return error
     if isinstance(error, ValueError):
         return bad_request_from(error)
+    if isinstance(error, EngineOverloadedError):
+        return ServiceUnavailableError(str(error), code="overloaded")
     if isinstance(error, EngineDeadError):
-        return ServiceUnavailableError(str(error))
-    return OpenAIError(f"internal error: {error!r}")
+        return ServiceUnavailableError(str(error), code="engine_unavailable", retry_after_s=5)
+    if isinstance(error, RequestFailedError):
+        return OpenAIError(str(error))
+    return OpenAIError("internal server error (the server log has the details)")
+
+
+# What the engine side may raise for one request: each becomes that request's error, never a crash.
+SERVING_ERRORS = (ValueError, EngineDeadError, EngineOverloadedError, RequestFailedError)
 
 
 async def guard_sse(events: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -76,7 +83,7 @@ async def guard_sse(events: AsyncIterator[str]) -> AsyncIterator[str]:
         async for event in events:
             yield event
     except Exception as exc:  # any failure must end the stream cleanly
-        if not isinstance(exc, (OpenAIError, ValueError, EngineDeadError)):
+        if not isinstance(exc, (OpenAIError, *SERVING_ERRORS)):
             logger.exception("stream failed")
         yield sse_error(exc)
     yield SSE_DONE
@@ -91,8 +98,11 @@ async def merge_async_iterators(iterators: Sequence[AsyncIterator[T]]) -> AsyncI
     Leaving early (or being cancelled) cancels every source, so each request is aborted.
     """
     if len(iterators) == 1:
-        async for item in iterators[0]:
-            yield 0, item
+        try:
+            async for item in iterators[0]:
+                yield 0, item
+        finally:
+            await _close(iterators[0])
         return
     # (source, item), a source's exception, or None when a source is exhausted.
     queue: asyncio.Queue[tuple[int, T] | BaseException | None] = asyncio.Queue()
@@ -105,6 +115,7 @@ async def merge_async_iterators(iterators: Sequence[AsyncIterator[T]]) -> AsyncI
             queue.put_nowait(exc)
         finally:
             queue.put_nowait(None)
+            await _close(iterator)  # cancelled or done: an unfinished request is aborted now
 
     tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(iterators)]
     try:
@@ -121,6 +132,12 @@ async def merge_async_iterators(iterators: Sequence[AsyncIterator[T]]) -> AsyncI
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _close(iterator: AsyncIterator[T]) -> None:
+    close = getattr(iterator, "aclose", None)
+    if close is not None:
+        await close()
 
 
 # ---- client disconnects ---------------------------------------------------------------------
@@ -287,10 +304,7 @@ class OpenAIServing:
 
     def check_alive(self) -> None:
         if not self.engine.is_running:
-            error = self.engine.error
-            raise ServiceUnavailableError(
-                f"the engine loop died: {error!r}" if error else "the server is shutting down"
-            )
+            raise ServiceUnavailableError(self.engine.status_message, code="engine_unavailable", retry_after_s=5)
 
     def process_prompt(self, prompt: dict[str, Any], param: str, cache_salt: str | None = None) -> ProcessedPrompt:
         """Check one tokenized prompt with the engine's own rules (read-only, safe here)."""
@@ -322,11 +336,25 @@ class OpenAIServing:
     ) -> SamplingParams | BeamSearchParams:
         """The one conversion both endpoints use; bad values become 400s naming the field."""
         check_unsupported(request)
-        if request.use_beam_search:
-            return self._beam_search_params(request, max_tokens, logprobs, prompt_logprobs, best_of)
-        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-            if value is not None and value > MAX_LOGPROBS:
-                raise BadRequestError(f"{name} must be <= {MAX_LOGPROBS}, got {value}.", param=name)
+        params = (
+            self._beam_search_params(request, max_tokens, logprobs, prompt_logprobs, best_of)
+            if request.use_beam_search
+            else self._sampling_params(request, max_tokens, logprobs, prompt_logprobs, best_of)
+        )
+        try:
+            self.engine.input_processor.check_params(params)
+        except ValueError as exc:
+            raise (_beam_request_error(exc) if isinstance(params, BeamSearchParams) else bad_request_from(exc)) from exc
+        return params
+
+    def _sampling_params(
+        self,
+        request: SamplingRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        best_of: int | None,
+    ) -> SamplingParams:
         kwargs: dict[str, Any] = dict(
             n=request.n,
             temperature=_default(request.temperature, 1.0),
@@ -373,7 +401,7 @@ class OpenAIServing:
                 length_penalty=request.length_penalty,
             )
         except ValueError as exc:
-            raise BadRequestError(str(exc).replace("beam_width", "n (the beam width)"), param="n") from exc
+            raise _beam_request_error(exc) from exc
 
     def generators(
         self,
@@ -382,18 +410,37 @@ class OpenAIServing:
         request_id: str,
         deltas: bool = True,
     ) -> list[AsyncIterator[RequestOutput]]:
-        """One engine stream per prompt (ids ``{request_id}`` or ``{request_id}-{i}``).
+        """One engine stream per prompt (ids ``{request_id}`` or ``{request_id}-{i}``), all submitted now.
 
         ``deltas=False`` asks the engine for one whole output per prompt (what best_of needs).
+        An overloaded or dead engine answers 503 here, before any response starts; prompts
+        already submitted for this request are then aborted.
         """
         if len(prompts) == 1:
             ids = [request_id]
         else:
             ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        return [
-            self.engine.generate(p.prompt_token_ids, params, rid, p.prompt, stream=deltas, cache_salt=p.cache_salt)
-            for p, rid in zip(prompts, ids)
-        ]
+        streams: list[AsyncIterator[RequestOutput]] = []
+        try:
+            for p, rid in zip(prompts, ids):
+                streams.append(
+                    self.engine.submit(
+                        p.prompt_token_ids, params, rid, p.prompt, stream=deltas, cache_salt=p.cache_salt
+                    )
+                )
+        except (EngineDeadError, EngineOverloadedError) as exc:
+            for rid in ids[: len(streams)]:
+                self.engine.abort(rid)
+            raise to_openai_error(exc) from exc
+        return streams
+
+
+def _beam_request_error(error: ValueError) -> BadRequestError:
+    """Beam search's own field names, as the request spells them (the beam width is ``n``)."""
+    converted = bad_request_from(error)
+    if converted.param == "beam_width":
+        return BadRequestError(str(error).replace("beam_width", "n (the beam width)"), param="n")
+    return converted
 
 
 def _default(value: T | None, default: T) -> T:

@@ -21,12 +21,16 @@ class OpenAIServingTokenization(OpenAIServing):
             raise BadRequestError("give exactly one of prompt or messages", param="prompt")
         tokenizer = self.engine.tokenizer
         if request.prompt is not None:
+            try:
+                self.engine.input_processor.check_prompt_text(request.prompt)
+            except ValueError as exc:
+                raise BadRequestError(str(exc), param="prompt") from exc
             add_special = True if request.add_special_tokens is None else request.add_special_tokens
             ids = list(tokenizer(request.prompt, add_special_tokens=add_special).input_ids)
         else:
             assert request.messages is not None
             ids = render_messages(
-                self, request.messages, request.add_generation_prompt, request.continue_final_message, None
+                self, request.messages, request.add_generation_prompt, request.continue_final_message, {}
             )
         token_strs = [str(t) for t in tokenizer.convert_ids_to_tokens(ids)] if request.return_token_strs else None
         return TokenizeResponse(

@@ -1,0 +1,149 @@
+"""The loop's guards over a fake engine: admission bound, per-request failures, liveness, restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from pagellm.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    LoopOptions,
+    RequestFailedError,
+)
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+from tests.entrypoints.test_async_engine import FakeEngine, RecordingMetrics, _output, _wait_for, collect
+
+
+class FailingOneEngine(FakeEngine):
+    """Fails request "bad" alone on its second step, as LLMEngine does for a per-request fault."""
+
+    def step(self) -> list[RequestOutput]:
+        outputs = super().step()
+        for output in outputs:
+            if output.request_id == "bad" and self.produced["bad"] == 2:
+                self.requests.pop("bad", None)
+                failed = _output("bad", "", "error")
+                failed.error = "internal error while processing this request"
+                outputs[outputs.index(output)] = failed
+        return outputs
+
+
+def _engine(fake: FakeEngine, **options: object) -> AsyncLLMEngine:
+    engine = AsyncLLMEngine(fake, RecordingMetrics(), LoopOptions(**options))  # type: ignore[arg-type]
+    engine.start()
+    return engine
+
+
+@pytest.fixture
+def fake() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+def stopper() -> Iterator[list[AsyncLLMEngine]]:
+    engines: list[AsyncLLMEngine] = []
+    yield engines
+    for engine in engines:
+        engine.shutdown(timeout=5)
+
+
+def test_admission_is_bounded_and_slots_come_back(fake: FakeEngine, stopper: list[AsyncLLMEngine]) -> None:
+    engine = _engine(fake, max_requests=2)
+    stopper.append(engine)
+
+    async def run() -> None:
+        first = engine.submit([1], SamplingParams(max_tokens=10_000), "a")
+        second = engine.submit([1], SamplingParams(max_tokens=2), "b")
+        with pytest.raises(EngineOverloadedError, match="capacity"):
+            engine.submit([1], SamplingParams(max_tokens=2), "c")
+        assert len(await collect(second)) == 2  # b finishes: its slot is free again
+        third = engine.submit([1], SamplingParams(max_tokens=1), "c")
+        assert len(await collect(third)) == 1
+        await first.__anext__()
+        await first.aclose()  # leaving early aborts and frees the slot
+
+    asyncio.run(run())
+    _wait_for(lambda: engine._admitted == 0)
+    assert engine._metrics.calls["count_rejected"] == ["overloaded"]  # type: ignore[attr-defined]
+
+
+def test_a_stream_never_iterated_is_aborted(fake: FakeEngine, stopper: list[AsyncLLMEngine]) -> None:
+    engine = _engine(fake, max_requests=1)
+    stopper.append(engine)
+
+    async def run() -> None:
+        engine.submit([1], SamplingParams(max_tokens=10_000), "dropped")  # the iterator is dropped at once
+        gc.collect()
+
+    asyncio.run(run())
+    _wait_for(lambda: fake.aborted == ["dropped"] and engine._admitted == 0)
+
+
+def test_a_failed_request_fails_alone(stopper: list[AsyncLLMEngine]) -> None:
+    fake = FailingOneEngine()
+    engine = _engine(fake)
+    stopper.append(engine)
+
+    async def run() -> tuple[BaseException | list[RequestOutput], ...]:
+        return tuple(
+            await asyncio.gather(
+                collect(engine.generate([1], SamplingParams(max_tokens=5), "bad")),
+                collect(engine.generate([1], SamplingParams(max_tokens=5), "good")),
+                return_exceptions=True,
+            )
+        )
+
+    bad, good = asyncio.run(run())
+    assert isinstance(bad, RequestFailedError)
+    assert isinstance(good, list) and good[-1].finished and len(good) == 5
+    assert engine.is_running and engine._admitted == 0
+
+
+def test_a_dead_engine_is_noticed_while_idle_and_restarted(fake: FakeEngine, stopper: list[AsyncLLMEngine]) -> None:
+    engine = _engine(fake, max_restarts=1)
+    stopper.append(engine)
+    assert len(asyncio.run(collect(engine.generate([1], SamplingParams(max_tokens=2), "a")))) == 2
+    fake.dead = True  # nothing is running: only the idle check can notice
+    _wait_for(lambda: fake.restarts == 1, timeout=10)
+    _wait_for(lambda: engine.is_running)
+    assert len(asyncio.run(collect(engine.generate([1], SamplingParams(max_tokens=2), "b")))) == 2
+    assert engine._metrics.calls["count_engine_restart"]  # type: ignore[attr-defined]
+
+
+def test_a_crash_mid_step_fails_in_flight_requests_then_restarts(
+    fake: FakeEngine, stopper: list[AsyncLLMEngine]
+) -> None:
+    engine = _engine(fake, max_restarts=1)
+    stopper.append(engine)
+
+    async def crash() -> None:
+        stream = engine.generate([1], SamplingParams(max_tokens=10_000), "x")
+        await stream.__anext__()
+        fake.fail_on_step = True
+        with pytest.raises(EngineDeadError, match="retry"):
+            async for _ in stream:
+                pass
+
+    asyncio.run(crash())
+    _wait_for(lambda: fake.restarts == 1 and engine.is_running)
+    assert len(asyncio.run(collect(engine.generate([1], SamplingParams(max_tokens=3), "y")))) == 3
+    assert engine._admitted == 0
+
+
+def test_out_of_restarts_the_loop_stops_and_says_so(fake: FakeEngine, stopper: list[AsyncLLMEngine]) -> None:
+    dead = threading.Event()
+    engine = _engine(fake, max_restarts=0, on_dead=dead.set)
+    stopper.append(engine)
+    fake.dead = True
+    assert dead.wait(10)
+    assert not engine.is_running and isinstance(engine.error, RuntimeError)
+    assert fake.restarts == 0
+    with pytest.raises(EngineDeadError, match="stopped after a failure"):
+        asyncio.run(collect(engine.generate([1], SamplingParams(max_tokens=1), "late")))
