@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 _UNITS = {
     "": 1,
@@ -35,6 +37,32 @@ def parse_memory_size(value: int | float | str) -> int:
     if size <= 0:
         raise ValueError(f"memory size must be positive, got {value!r}")
     return size
+
+
+def private_dir(path: Path) -> bool:
+    """Create ``path`` (mode 0700) if missing; True if it is this user's and no one else may write it.
+
+    Caches of code (compiled kernels) and tokenizer files are loaded as trusted: a folder another
+    user can write to, or one they own, could hand us theirs.
+    """
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if path.stat().st_uid != os.getuid():
+            return False
+        if path.stat().st_mode & 0o077:
+            path.chmod(0o700)
+        return True
+    except OSError:
+        return False
+
+
+def owned_by_me(path: Path) -> bool:
+    """True if ``path`` belongs to this user and no one else may write it."""
+    try:
+        info = path.stat()
+    except OSError:
+        return False
+    return info.st_uid == os.getuid() and not info.st_mode & 0o022
 
 
 def is_int(value: object) -> bool:

@@ -95,7 +95,8 @@ class InputProcessor:
             check_text(stop, "stop")
             if len(stop) > limits.max_stop_string_chars:
                 raise ValueError(
-                    f"stop strings must be at most {limits.max_stop_string_chars} characters, got {len(stop)}."
+                    f"stop must hold strings of at most {limits.max_stop_string_chars} characters, "
+                    f"got one of {len(stop)}."
                 )
         bad = [t for t in params.stop_token_ids or () if t >= self.vocab_size]
         if bad:

@@ -24,7 +24,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-from pagellm.utils import cpu_flags
+from pagellm.utils import cpu_flags, owned_by_me, private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ def _flags() -> tuple[str, ...]:
 
 
 def cache_dir() -> Path:
+    """Where built kernels are kept; created private (0700), and used only while it is."""
     root = os.environ.get("PAGELLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagellm")
     return Path(root) / "kernels"
 
@@ -134,6 +135,10 @@ def load_library() -> ctypes.CDLL | None:
     ).hexdigest()[:20]
     target = cache_dir() / f"cpu_kernels-{key}.so"
     try:
+        if not private_dir(target.parent) or (target.exists() and not owned_by_me(target)):
+            # Never load a shared object someone else could have put there.
+            logger.warning("the kernel cache %s is not private to this user; building elsewhere", target.parent)
+            target = Path(tempfile.mkdtemp(prefix="pagellm-kernels-")) / target.name
         if not target.exists():
             _remove_stale(target.parent)
             try:

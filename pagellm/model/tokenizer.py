@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from pagellm.model.gguf_loader import gguf_chat_template
 from pagellm.model.loader import is_gguf, resolve_model_path
+from pagellm.utils import owned_by_me, private_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -51,7 +52,7 @@ def _cache_key(gguf: Path) -> str:
 def _load_cached(folder: Path | None) -> PreTrainedTokenizerBase | None:
     from transformers import AutoTokenizer
 
-    if folder is None or not (folder / "tokenizer_config.json").is_file():
+    if folder is None or not (folder / "tokenizer_config.json").is_file() or not owned_by_me(folder):
         return None
     try:
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
@@ -85,6 +86,9 @@ def _gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
     gguf = Path(path)
     root = tokenizer_cache_dir()
+    if root is not None and not private_dir(root):
+        logger.warning("the tokenizer cache %s is not private to this user; not using it", root)
+        root = None
     folder = root / _cache_key(gguf) if root is not None else None
     tokenizer = _load_cached(folder)
     if tokenizer is not None:

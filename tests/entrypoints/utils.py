@@ -37,6 +37,7 @@ class RemoteServer:
         args: list[str] | None = None,
         api_key: str | None = None,
         startup_timeout: float = 180.0,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         self.api_key = api_key
@@ -46,7 +47,7 @@ class RemoteServer:
         command += ["--host", HOST, "--port", str(self.port), *(args or [])]
         command += ["--api-key", api_key] if api_key else []
         self._log = tempfile.NamedTemporaryFile(prefix="pagellm-server-", suffix=".log", delete=False)
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         try:
             self._wait_until_healthy(startup_timeout)

@@ -35,3 +35,24 @@ def test_chat_template_override(tmp_path: Path, tiny_qwen2_path: str) -> None:
     tokenizer = load_tokenizer(tiny_qwen2_path, chat_template_path=str(template))
     text = tokenizer.apply_chat_template([{"role": "user", "content": "yo"}], tokenize=False)
     assert text == "[user] yo\n"
+
+
+def test_caches_are_private_and_foreign_ones_unused(tmp_path, monkeypatch) -> None:
+    """Kernel and tokenizer caches are created 0700; a cache others may write is not trusted."""
+    import os
+    import stat
+
+    from pagellm.utils import owned_by_me, private_dir
+
+    cache = tmp_path / "pagellm" / "kernels"
+    assert private_dir(cache) and stat.S_IMODE(cache.stat().st_mode) == 0o700
+    cache.chmod(0o777)
+    assert private_dir(cache) and stat.S_IMODE(cache.stat().st_mode) == 0o700  # ours: tightened
+    shared_object = cache / "cpu_kernels-x.so"
+    shared_object.write_bytes(b"")
+    shared_object.chmod(0o666)
+    assert not owned_by_me(shared_object)
+    shared_object.chmod(0o755)
+    assert owned_by_me(shared_object)
+    monkeypatch.setattr(os, "getuid", lambda: 12345)  # as another user would see our folder
+    assert not private_dir(cache) and not owned_by_me(shared_object)
