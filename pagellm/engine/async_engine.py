@@ -30,87 +30,44 @@ import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from pagellm.config import EngineConfig
 from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.engine.input_processor import InputProcessor
+from pagellm.engine.protocol import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineRequest,
+    RequestFailedError,
+    RequestMetrics,
+    SteppedEngine,
+)
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from pagellm.engine.engine_process import EngineProcess
-    from pagellm.engine.llm_engine import EngineStats, LLMEngine
+    from pagellm.engine.llm_engine import EngineStats
+
+__all__ = [
+    "AsyncLLMEngine",
+    "EngineDeadError",
+    "EngineOverloadedError",
+    "EngineRequest",
+    "LoopOptions",
+    "RequestFailedError",
+    "RequestStream",
+    "SteppedEngine",
+]
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The step loop is not running: it crashed, is restarting the engine, or the server is shutting down."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """Too many requests are admitted and unfinished; the client should retry later."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed this one request (the others go on); details are in the server log."""
 
 
 # How often the loop checks the engine while it waits for work (a dead engine process is
 # noticed within this long even when no request is running).
 HEALTH_CHECK_INTERVAL_S = 1.0
-
-
-class SteppedEngine(Protocol):
-    """What the loop drives: ``LLMEngine`` in process, or ``EngineProcess`` in a child process."""
-
-    stats: EngineStats
-    max_model_len: int
-
-    def add_tokenized_request(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        stream: bool = False,
-        cache_salt: str | None = None,
-    ) -> None: ...
-
-    def add_beam_search_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: BeamSearchParams
-    ) -> None: ...
-
-    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]: ...
-
-    def has_unfinished_requests(self) -> bool: ...
-
-    def step(self) -> list[RequestOutput]: ...
-
-    def check_health(self) -> None:
-        """Raise if the engine can no longer serve (a dead engine process)."""
-
-    def restart(self) -> bool:
-        """Start a fresh engine in place of a dead one; False if this engine cannot."""
-
-
-class RequestMetrics(Protocol):
-    """Where per-request latencies go (``pagellm.metrics.prometheus.PrometheusMetrics``)."""
-
-    def observe_time_to_first_token(self, seconds: float) -> None: ...
-
-    def observe_time_per_output_token(self, seconds: float) -> None: ...
-
-    def observe_e2e_latency(self, seconds: float) -> None: ...
-
-    def count_finished(self, finish_reason: str) -> None: ...
-
-    def count_rejected(self, reason: str) -> None: ...
-
-    def count_engine_restart(self) -> None: ...
 
 
 class _NoMetrics:
@@ -323,22 +280,31 @@ class AsyncLLMEngine:
         *,
         stream: bool = True,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Queue a request now (call on the event loop) and return its outputs as an async iterator.
+    ) -> RequestStream:
+        """``submit_all`` for one request."""
+        request = EngineRequest(request_id, prompt_token_ids, params, prompt, cache_salt, stream)
+        return self.submit_all([request])[0]
 
-        Raises at once, before anything is sent to a client: ``EngineOverloadedError`` when the
-        admission bound is reached, ``EngineDeadError`` when the loop cannot take requests.
-        Outputs are deltas until the one with ``finished`` set (``stream=False``: one whole output);
-        a beam search yields one final output, its beams best first. Leaving early (break,
-        cancellation, client disconnect, or never iterating at all) aborts the request, which
-        frees its KV blocks. The iterator raises ValueError if the engine rejects the request,
-        ``RequestFailedError`` if the engine fails it, EngineDeadError if the engine dies first.
+    def submit_all(self, requests: list[EngineRequest]) -> list[RequestStream]:
+        """Queue requests now, all or none (call on the event loop); their outputs as async iterators.
+
+        Raises at once, before anything is sent to a client: ``EngineOverloadedError`` when they
+        do not all fit the admission bound now, ValueError when they could never fit it together,
+        ``EngineDeadError`` when the loop cannot take requests. Outputs are deltas until the one
+        with ``finished`` set (``stream=False``: one whole output); a beam search yields one final
+        output, its beams best first. Leaving early (closing the iterator, cancellation, client
+        disconnect, or never iterating at all) aborts the request, which frees its KV blocks. An
+        iterator raises ValueError if the engine rejects its request, ``RequestFailedError`` if the
+        engine fails it, EngineDeadError if the engine dies first.
         """
-        channel = _Stream(asyncio.get_running_loop())
-        self._submit(
-            _Add(request_id, prompt, prompt_token_ids, params, channel, time.monotonic(), stream, cache_salt)
-        )
-        return RequestStream(channel, request_id, self.abort)
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        adds = [
+            _Add(r.request_id, r.prompt, r.prompt_token_ids, r.params, _Stream(loop), now, r.stream, r.cache_salt)
+            for r in requests
+        ]
+        self._submit_adds(adds)
+        return [RequestStream(add.stream, add.request_id, self.abort) for add in adds]
 
     async def generate(
         self,
@@ -367,18 +333,30 @@ class AsyncLLMEngine:
 
     def _submit(self, command: _Command) -> None:
         with self._cond:
-            if self._closed or self._stopping or self._restarting or self._error is not None:
-                raise EngineDeadError(self._dead_message())
-            if isinstance(command, _Add):
-                limit = self._options.max_requests
-                if limit is not None and self._admitted >= limit:
-                    self._metrics.count_rejected("overloaded")
-                    raise EngineOverloadedError(
-                        f"the server is at capacity ({limit} requests in flight); retry shortly"
-                    )
-                self._admitted += 1
+            self._check_accepting()
             self._inbox.append(command)
             self._cond.notify()
+
+    def _submit_adds(self, adds: list[_Add]) -> None:
+        with self._cond:
+            self._check_accepting()
+            limit = self._options.max_requests
+            if limit is not None and len(adds) > limit:
+                raise ValueError(
+                    f"prompt must hold at most {limit} prompts (the server's capacity), got {len(adds)}."
+                )
+            if limit is not None and self._admitted + len(adds) > limit:
+                self._metrics.count_rejected("overloaded")
+                raise EngineOverloadedError(
+                    f"the server is at capacity ({self._admitted} of {limit} requests in flight); retry shortly"
+                )
+            self._admitted += len(adds)
+            self._inbox.extend(adds)
+            self._cond.notify()
+
+    def _check_accepting(self) -> None:
+        if self._closed or self._stopping or self._restarting or self._error is not None:
+            raise EngineDeadError(self._dead_message())
 
     def _dead_message(self) -> str:
         if self._restarting:

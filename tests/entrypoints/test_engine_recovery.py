@@ -17,7 +17,7 @@ from tests.entrypoints.utils import RemoteServer
 pytestmark = pytest.mark.slow
 
 ARGS = ["--served-model-name", "tiny", "--num-kv-blocks", "64", "--max-model-len", "256", "--max-num-seqs", "8"]
-LONG = {"model": "tiny", "prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
+LONG = {"model": "tiny", "prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "stream": True}
 
 
 def engine_pids(server: RemoteServer) -> list[int]:
@@ -58,18 +58,27 @@ def test_killed_while_idle_is_noticed_and_restarted(restarting: tuple[RemoteServ
     assert 'pagellm:engine_restarts_total{model_name="tiny"} 1.0' in http.get("/metrics").text
 
 
-def test_killed_while_busy_fails_in_flight_requests_then_restarts(
-    restarting: tuple[RemoteServer, httpx.Client],
-) -> None:
-    server, http = restarting
+def signal_mid_stream(server: RemoteServer, http: httpx.Client, sig: signal.Signals) -> list[str]:
+    """Send ``sig`` to the engine while a long stream is generating; the stream's remaining lines.
+
+    The stream must end (no hang) with an in-band error, then ``[DONE]``.
+    """
     with http.stream("POST", "/v1/completions", json=LONG) as stream:
         lines = stream.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         assert '"choices"' in first  # generating: the request is in the engine
-        os.kill(engine_pids(server)[0], signal.SIGKILL)
-        rest = [line for line in lines if line]  # ends (no hang): an in-band error, then [DONE]
+        os.kill(engine_pids(server)[0], sig)
+        rest = [line for line in lines if line]
     assert any('"error"' in line and "engine failed" in line for line in rest), rest
     assert rest[-1] == "data: [DONE]"
+    return rest
+
+
+def test_killed_while_busy_fails_in_flight_requests_then_restarts(
+    restarting: tuple[RemoteServer, httpx.Client],
+) -> None:
+    server, http = restarting
+    signal_mid_stream(server, http, signal.SIGKILL)
     wait_until(lambda: health(http) == 200 and len(engine_pids(server)) == 2, 120, "a restarted engine")
     assert completion_ok(http)
 
@@ -77,11 +86,17 @@ def test_killed_while_busy_fails_in_flight_requests_then_restarts(
 def test_without_restarts_the_server_exits_1(tiny_llama_path: str) -> None:
     with RemoteServer(tiny_llama_path, [*ARGS, "--engine-restarts", "0"]) as server:
         with httpx.Client(base_url=server.base_url, timeout=60.0) as http:
-            with http.stream("POST", "/v1/completions", json=LONG) as stream:
-                lines = stream.iter_lines()
-                next(line for line in lines if line.startswith("data: "))
-                os.kill(engine_pids(server)[0], signal.SIGKILL)
-                rest = [line for line in lines if line]
-            assert any('"error"' in line for line in rest) and rest[-1] == "data: [DONE]"
+            signal_mid_stream(server, http, signal.SIGKILL)
         assert server.proc.wait(30) == 1
         assert "will not be restarted" in server.logs()
+
+
+def test_a_stuck_engine_is_killed_and_restarted(tiny_llama_path: str) -> None:
+    """SIGSTOP: the engine process is alive but never answers; the call timeout must end the wait."""
+    args = [*ARGS, "--engine-restarts", "1", "--engine-call-timeout", "3"]
+    with RemoteServer(tiny_llama_path, args) as server:
+        with httpx.Client(base_url=server.base_url, timeout=60.0) as http:
+            signal_mid_stream(server, http, signal.SIGSTOP)
+            assert "did not answer" in server.logs()
+            wait_until(lambda: health(http) == 200 and len(engine_pids(server)) == 2, 120, "a restarted engine")
+            assert completion_ok(http)

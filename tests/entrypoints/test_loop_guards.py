@@ -13,6 +13,7 @@ from pagellm.engine.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
     EngineOverloadedError,
+    EngineRequest,
     LoopOptions,
     RequestFailedError,
 )
@@ -72,6 +73,29 @@ def test_admission_is_bounded_and_slots_come_back(fake: FakeEngine, stopper: lis
     asyncio.run(run())
     _wait_for(lambda: engine._admitted == 0)
     assert engine._metrics.calls["count_rejected"] == ["overloaded"]  # type: ignore[attr-defined]
+
+
+def test_the_prompts_of_one_request_are_admitted_all_or_none(
+    fake: FakeEngine, stopper: list[AsyncLLMEngine]
+) -> None:
+    engine = _engine(fake, max_requests=3)
+    stopper.append(engine)
+
+    def batch(prefix: str, count: int) -> list[EngineRequest]:
+        return [EngineRequest(f"{prefix}{i}", [1], SamplingParams(max_tokens=10_000)) for i in range(count)]
+
+    async def run() -> None:
+        with pytest.raises(ValueError, match="at most 3 prompts"):
+            engine.submit_all(batch("never", 4))  # could never fit: the client's mistake (400)
+        held = engine.submit_all(batch("held", 2))
+        with pytest.raises(EngineOverloadedError, match="2 of 3"):
+            engine.submit_all(batch("later", 2))  # fits once the others finish: 503, retry
+        assert engine._admitted == 2  # nothing of the refused batch was taken
+        for stream in held:
+            await stream.aclose()
+
+    asyncio.run(run())
+    _wait_for(lambda: engine._admitted == 0 and sorted(fake.aborted) == ["held0", "held1"])
 
 
 def test_a_stream_never_iterated_is_aborted(fake: FakeEngine, stopper: list[AsyncLLMEngine]) -> None:

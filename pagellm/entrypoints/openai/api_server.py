@@ -197,7 +197,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> JSONResponse:
-        return JSONResponse(tokenization.detokenize(request).model_dump())
+        response = await asyncio.to_thread(tokenization.detokenize, request)
+        return JSONResponse(response.model_dump())
 
     return app
 

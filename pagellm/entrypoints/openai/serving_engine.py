@@ -20,7 +20,13 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
-from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, RequestFailedError
+from pagellm.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineRequest,
+    RequestFailedError,
+)
 from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.engine.input_processor import ProcessedPrompt
 from pagellm.entrypoints.openai.errors import (
@@ -413,26 +419,21 @@ class OpenAIServing:
         """One engine stream per prompt (ids ``{request_id}`` or ``{request_id}-{i}``), all submitted now.
 
         ``deltas=False`` asks the engine for one whole output per prompt (what best_of needs).
-        An overloaded or dead engine answers 503 here, before any response starts; prompts
-        already submitted for this request are then aborted.
+        An overloaded or dead engine answers 503 here, before any response starts; the prompts
+        of one request are admitted all together or not at all.
         """
         if len(prompts) == 1:
             ids = [request_id]
         else:
             ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        streams: list[AsyncIterator[RequestOutput]] = []
+        requests = [
+            EngineRequest(rid, p.prompt_token_ids, params, p.prompt, p.cache_salt, stream=deltas)
+            for p, rid in zip(prompts, ids)
+        ]
         try:
-            for p, rid in zip(prompts, ids):
-                streams.append(
-                    self.engine.submit(
-                        p.prompt_token_ids, params, rid, p.prompt, stream=deltas, cache_salt=p.cache_salt
-                    )
-                )
-        except (EngineDeadError, EngineOverloadedError) as exc:
-            for rid in ids[: len(streams)]:
-                self.engine.abort(rid)
+            return list(self.engine.submit_all(requests))
+        except (ValueError, EngineDeadError, EngineOverloadedError) as exc:
             raise to_openai_error(exc) from exc
-        return streams
 
 
 def _beam_request_error(error: ValueError) -> BadRequestError:

@@ -1,0 +1,90 @@
+"""What the server's engine loop and its callers exchange: the engine it drives, where request
+metrics go, requests in and the errors that end them.
+
+Kept apart from ``async_engine`` so entry points and tests can name these without the loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from pagellm.engine.beam_search import BeamSearchParams
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagellm.engine.llm_engine import EngineStats
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop is not running: it crashed, is restarting the engine, or the server is shutting down."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are admitted and unfinished; the client should retry later."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this one request (the others go on); details are in the server log."""
+
+
+class SteppedEngine(Protocol):
+    """What the loop drives: ``LLMEngine`` in process, or ``EngineProcess`` in a child process."""
+
+    stats: EngineStats
+    max_model_len: int
+
+    def add_tokenized_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        stream: bool = False,
+        cache_salt: str | None = None,
+    ) -> None: ...
+
+    def add_beam_search_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: BeamSearchParams
+    ) -> None: ...
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def check_health(self) -> None:
+        """Raise if the engine can no longer serve (a dead engine process)."""
+
+    def restart(self) -> bool:
+        """Start a fresh engine in place of a dead one; False if this engine cannot."""
+
+
+class RequestMetrics(Protocol):
+    """Where per-request latencies go (``pagellm.metrics.prometheus.PrometheusMetrics``)."""
+
+    def observe_time_to_first_token(self, seconds: float) -> None: ...
+
+    def observe_time_per_output_token(self, seconds: float) -> None: ...
+
+    def observe_e2e_latency(self, seconds: float) -> None: ...
+
+    def count_finished(self, finish_reason: str) -> None: ...
+
+    def count_rejected(self, reason: str) -> None: ...
+
+    def count_engine_restart(self) -> None: ...
+
+
+@dataclass
+class EngineRequest:
+    """One request as the loop takes it: tokenized, its options checked."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams | BeamSearchParams
+    prompt: str | None = None
+    cache_salt: str | None = None  # isolates its prefix-cache entries (per tenant)
+    stream: bool = True  # deltas; False: one whole output at the end (what best_of needs)
