@@ -155,7 +155,7 @@ def test_abort_frees_blocks_and_reports_abort(llm):
         ({"prompt_token_ids": [1, 10**9]}, SamplingParams(), "out of the vocabulary"),
         ({"prompt_token_ids": ["a"]}, SamplingParams(), "list of integers"),
         (42, SamplingParams(), "must be a string"),
-        ("hi", SamplingParams(logprobs=21), "logprobs=21"),
+        ("hi", SamplingParams(logprobs=21), "logprobs must be <= 20"),
     ],
 )
 def test_bad_input_raises_and_engine_keeps_serving(llm, prompt, params, message):
