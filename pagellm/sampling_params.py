@@ -6,6 +6,7 @@ Validation happens once, at construction, so every later layer can trust the val
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass, field
 
 from pagellm.utils import is_int, is_real
@@ -61,7 +62,7 @@ class SamplingParams:
         """Every field's full range: later layers (the sampler, seeded generators) trust these."""
 
         def fail(name: str, value: object, rule: str) -> None:
-            raise ValueError(f"{name} must be {rule}, got {value!r}.")
+            raise ValueError(f"{name} must be {rule}, got {reprlib.repr(value)}.")  # bounded: values can be huge
 
         def integer(name: str, low: int | None = None, optional: bool = False) -> None:
             value = getattr(self, name)
