@@ -165,6 +165,21 @@ def _packed_ops_available() -> bool:
     )
 
 
+def packed_ops_supported(dtype: torch.dtype) -> bool:
+    """oneDNN's packed linear ops exist and run for ``dtype`` on this CPU.
+
+    They exist in every CPU build of torch, but a bf16 weight reorder needs AVX-512 (BW/VL/DQ)
+    or AVX-NE-CONVERT: on an AVX2-only CPU it raises. Probed on a tiny weight (microseconds).
+    """
+    if not _packed_ops_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 1)
+    except RuntimeError:
+        return False
+    return True
+
+
 class PackedLinear(nn.Module):
     """A CPU ``nn.Linear`` whose bf16/fp16 weight is packed once into oneDNN's blocked layout.
 

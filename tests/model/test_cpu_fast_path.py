@@ -8,13 +8,23 @@ from torch import nn
 
 from pagellm import kernels
 from pagellm.attention import ReferenceAttention
-from pagellm.model.layers import PackedLinear, PackedSiluAndMulLinear, SiluAndMul, _packed_ops_available, pack_linear_layers
+from pagellm.model.layers import (
+    PackedLinear,
+    PackedSiluAndMulLinear,
+    SiluAndMul,
+    pack_linear_layers,
+    packed_ops_supported,
+)
 from pagellm.model.loader import load_model
 from tests.model.paged_runner import PagedRunner
 
-pytestmark = pytest.mark.skipif(not _packed_ops_available(), reason="oneDNN packed linear ops not available")
+needs_packed_bf16 = pytest.mark.skipif(
+    not packed_ops_supported(torch.bfloat16),
+    reason="oneDNN's packed bf16 linear ops need AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; this CPU has neither",
+)
 
 
+@needs_packed_bf16
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_is_bit_exact(bias):
     torch.manual_seed(0)
@@ -29,6 +39,7 @@ def test_packed_linear_is_bit_exact(bias):
         assert torch.equal(packed(x3), lin(x3))
 
 
+@needs_packed_bf16
 def test_pack_linear_layers_skips_float32():
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     assert pack_linear_layers(model) == 0 and all(type(m) is nn.Linear for m in model)
@@ -36,6 +47,7 @@ def test_pack_linear_layers_skips_float32():
     assert pack_linear_layers(model) == 2 and all(type(m) is PackedLinear for m in model)
 
 
+@needs_packed_bf16
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_silu_and_mul_close_to_unfused(bias):
     torch.manual_seed(1)
@@ -48,6 +60,7 @@ def test_fused_silu_and_mul_close_to_unfused(bias):
     torch.testing.assert_close(got, expected, atol=2e-2 * float(expected.abs().max()), rtol=2e-2)
 
 
+@needs_packed_bf16
 def test_optimized_model_matches_plain_model(tiny_llama_path):
     """The whole tiny model, bf16, optimized vs not: same greedy tokens, close logits."""
     plain, arch = load_model(tiny_llama_path, torch.bfloat16, ReferenceAttention())
