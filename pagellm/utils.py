@@ -93,3 +93,51 @@ def cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+# The ISA levels pagellm's kernels are built for, lowest first (``PAGELLM_ISA`` caps the level).
+ISA_LEVELS = ("baseline", "avx2", "avx512", "amx")
+_AVX2_FLAGS = frozenset({"avx", "avx2", "fma", "f16c", "avx_vnni"})
+
+
+def _is_avx512_or_amx(flag: str) -> bool:
+    return flag.startswith(("avx512", "amx"))
+
+
+def usable_cpu_flags() -> frozenset[str]:
+    """The CPU flags this process may use: /proc/cpuinfo's, less the levels it cannot use.
+
+    /proc/cpuinfo lists the host CPU's flags, but a process under an emulator (``qemu-x86_64
+    -cpu Haswell``) runs on less. torch's CPU capability comes from cpuid as this process sees
+    it; where it reports no AVX-512 (or not even AVX2), those levels' flags are dropped.
+    ``PAGELLM_ISA`` (baseline, avx2, avx512, amx) caps the level further, to run a lower path.
+    """
+    flags = cpu_flags()
+    if "avx2" not in flags and "avx512f" not in flags:
+        return flags  # not an x86 CPU of those levels: nothing to drop
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    level = {"AVX512": "amx", "AVX2": "avx2", "DEFAULT": "baseline"}.get(capability, "amx")
+    cap = os.environ.get("PAGELLM_ISA", "amx").strip().lower()
+    if cap not in ISA_LEVELS:
+        raise ValueError(f"PAGELLM_ISA must be one of {', '.join(ISA_LEVELS)}, got {cap!r}")
+    level = min(level, cap, key=ISA_LEVELS.index)
+    if level == "avx512":
+        return frozenset(f for f in flags if not f.startswith("amx"))
+    if level == "avx2":
+        return frozenset(f for f in flags if not _is_avx512_or_amx(f))
+    if level == "baseline":
+        return frozenset(f for f in flags if not _is_avx512_or_amx(f) and f not in _AVX2_FLAGS)
+    return flags
+
+
+def isa_level(flags: frozenset[str]) -> str:
+    """A short name of what ``flags`` allow, for logs: amx, avx512-bf16, avx512, avx2 or baseline."""
+    if "amx_bf16" in flags:
+        return "amx"
+    if "avx512_bf16" in flags:
+        return "avx512-bf16"
+    if "avx512f" in flags:
+        return "avx512"
+    return "avx2" if "avx2" in flags else "baseline"

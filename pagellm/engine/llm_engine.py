@@ -27,6 +27,7 @@ from pagellm.model.loader import auto_dtype, load_model
 from pagellm.model.tokenizer import load_tokenizer
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
+from pagellm.utils import isa_level, usable_cpu_flags
 from pagellm.worker.device import auto_dtype_downcasts_float32, configure_threads, native_bf16, resolve_device
 from pagellm.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_budget
 from pagellm.worker.model_runner import ModelRunner
@@ -108,8 +109,9 @@ class LLMEngine:
         self._beam_of_seq: dict[str, str] = {}  # beam sequence id -> beam search request id
         self._beam_counter = itertools.count()
         logger.info(
-            "engine ready in %.1fs: %s in %s, attention %s, %d KV blocks of %d tokens (%s), max_model_len %d",
+            "engine ready in %.1fs: cpu %s, %s in %s, attention %s, %d KV blocks of %d tokens (%s), max_model_len %d",
             time.monotonic() - start,
+            isa_level(usable_cpu_flags()),
             self.arch.architecture,
             str(dtype).removeprefix("torch."),
             attn_backend.name,

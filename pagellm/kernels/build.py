@@ -24,7 +24,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-from pagellm.utils import cpu_flags, owned_by_me, private_dir
+from pagellm.utils import cpu_flags, owned_by_me, private_dir, usable_cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +36,28 @@ _HEADERS = ("bf16_simd.h",)
 _BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off")
 
 
+def target_flags() -> tuple[str, ...]:
+    """The ``-march`` for the CPU this process may use (``usable_cpu_flags``), not the host's.
+
+    ``-march=native`` describes the host, which can be more than the process has (an emulator,
+    ``PAGELLM_ISA``): then the build targets the level the process has. ``PAGELLM_KERNEL_MARCH``
+    overrides it all (e.g. x86-64-v2 to build and test the portable path on an AVX-512 machine).
+    """
+    forced = os.environ.get("PAGELLM_KERNEL_MARCH")
+    if forced:
+        return (f"-march={forced}",)
+    host, usable = cpu_flags(), usable_cpu_flags()
+    if usable == host:
+        return ("-march=native",)
+    if "avx512f" in usable:
+        return ("-march=native", "-mno-amx-tile")  # only AMX is left out (its dependants with it)
+    if {"avx2", "fma"} <= usable:
+        return ("-march=x86-64-v3",)
+    return ("-march=x86-64-v2",)
+
+
 def _flags() -> tuple[str, ...]:
-    """Compiler flags; ``PAGELLM_KERNEL_MARCH`` overrides ``-march=native`` (e.g. x86-64-v2 to
-    build and test the portable path on an AVX-512 machine)."""
-    return (f"-march={os.environ.get('PAGELLM_KERNEL_MARCH', 'native')}", *_BASE_FLAGS)
+    return (*target_flags(), *_BASE_FLAGS)
 
 
 def cache_dir() -> Path:
@@ -50,7 +68,7 @@ def cache_dir() -> Path:
 
 def _machine_id() -> str:
     """What a ``-march=native`` build depends on: the CPU's feature flags."""
-    return " ".join(sorted(cpu_flags())) or platform.processor()
+    return " ".join(sorted(usable_cpu_flags())) or platform.processor()
 
 
 def _compiler() -> str | None:

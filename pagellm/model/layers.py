@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm import kernels
-from pagellm.utils import cpu_flags
+from pagellm.utils import usable_cpu_flags
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -302,7 +302,7 @@ def kernel_gemm_mode(gemm: str = "auto") -> str | None:
         return None
     if kernels.gemm_amx_available():
         return "amx"
-    return "avx512" if gemm == "pagellm" or "amx_bf16" not in cpu_flags() else None
+    return "avx512" if gemm == "pagellm" or "amx_bf16" not in usable_cpu_flags() else None
 
 
 def _kernel_gemm_fits(linear: nn.Module, mode: str | None) -> bool:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagellm.utils import cpu_flags
+from pagellm.utils import usable_cpu_flags
 
 
 def resolve_device(name: str) -> torch.device:
@@ -26,7 +26,7 @@ def native_bf16(device: torch.device) -> bool:
             return torch.cuda.is_bf16_supported(including_emulation=False)
         except TypeError:  # torch < 2.3 has no including_emulation
             return torch.cuda.is_bf16_supported()
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+    return bool({"avx512_bf16", "amx_bf16"} & usable_cpu_flags())
 
 
 def auto_dtype_downcasts_float32(device: torch.device) -> bool:

@@ -13,7 +13,7 @@ import torch
 
 from pagellm import kernels
 from pagellm.attention import CPUPagedAttention, write_kv
-from pagellm.utils import cpu_flags
+from pagellm.utils import usable_cpu_flags
 from tests.attention.test_attention import (
     FP8,
     TOL,
@@ -164,11 +164,21 @@ def test_float32_uses_the_sdpa_path_by_default(monkeypatch):
     assert calls  # bf16 goes through the kernel
 
 
-@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86-64-v2 is an x86 target")
-def test_portable_build_matches_dense_too():
-    # This machine takes the AVX-512 BF16 paths; build the portable C++ (x86-64-v2, no AVX-512)
-    # in a fresh process and run the kernel tests against it, so both code paths are checked.
-    env = dict(os.environ, PAGELLM_KERNEL_MARCH="x86-64-v2")
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86-64 targets")
+@pytest.mark.parametrize(
+    "env_override",
+    [
+        pytest.param({"PAGELLM_KERNEL_MARCH": "x86-64-v2"}, id="x86-64-v2"),
+        pytest.param({"PAGELLM_ISA": "avx2"}, id="isa-avx2", marks=pytest.mark.skipif(
+            "avx2" not in usable_cpu_flags(), reason="this CPU cannot run an AVX2 build")),
+    ],
+)
+def test_portable_build_matches_dense_too(env_override):
+    # Build the lower-ISA C++ in a fresh process and run the kernel tests against it, so the
+    # paths of CPUs without AVX-512 are checked here too: the portable build (x86-64-v2), and
+    # the build PAGELLM_ISA=avx2 chooses, what an AVX2-only CPU builds (x86-64-v3 here).
+    env = {k: v for k, v in os.environ.items() if k not in ("PAGELLM_KERNEL_MARCH", "PAGELLM_ISA")}
+    env.update(env_override)
     argmax_tests = os.path.join(os.path.dirname(__file__), "..", "sample", "test_argmax_kernel.py")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, argmax_tests,
@@ -182,7 +192,7 @@ def test_portable_build_matches_dense_too():
 # ---- fp8 (e4m3) KV cache --------------------------------------------------------------------
 
 
-@pytest.mark.skipif("avx512_bf16" not in cpu_flags() or "avx512vbmi" not in cpu_flags(),
+@pytest.mark.skipif("avx512_bf16" not in usable_cpu_flags() or "avx512vbmi" not in usable_cpu_flags(),
                     reason="needs a CPU with both decoders' instructions")
 def test_fp8_decoder_without_vbmi_matches_too():
     # With AVX-512 VBMI the kernel widens e4m3 by table lookup (vpermi2b), without it (Cooper

@@ -49,11 +49,11 @@ def test_auto_dtype_needs_native_bf16(tiny_llama_path, tmp_path):
 
 
 def test_native_bf16_reads_cpu_flags(monkeypatch):
-    monkeypatch.setattr(device_mod, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    monkeypatch.setattr(device_mod, "usable_cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
     assert device_mod.native_bf16(torch.device("cpu"))
-    monkeypatch.setattr(device_mod, "cpu_flags", lambda: {"avx2", "amx_bf16"})
+    monkeypatch.setattr(device_mod, "usable_cpu_flags", lambda: {"avx2", "amx_bf16"})
     assert device_mod.native_bf16(torch.device("cpu"))
-    monkeypatch.setattr(device_mod, "cpu_flags", lambda: {"avx2", "avx512f"})
+    monkeypatch.setattr(device_mod, "usable_cpu_flags", lambda: {"avx2", "avx512f"})
     assert not device_mod.native_bf16(torch.device("cpu"))
 
 
