@@ -131,8 +131,15 @@ def machine_info() -> dict[str, Any]:
         load = os.getloadavg()
     except OSError:
         load = None
+    from pagellm.kernels.build import target_flags
+    from pagellm.utils import isa_level, usable_cpu_flags
+
+    usable = usable_cpu_flags()
     return dict(
         cpu=cpu,
+        cpu_isa=isa_level(usable),  # the level pagellm's kernels are built for (PAGELLM_ISA caps it)
+        kernel_target=" ".join(target_flags()),
+        cpu_flags=sorted(f for f in usable if f.startswith(("avx", "amx", "fma", "f16c"))),
         cpu_count=os.cpu_count(),
         gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         torch=torch.__version__,
