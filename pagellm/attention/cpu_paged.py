@@ -3,7 +3,7 @@
 The PyTorch path (:mod:`torch_sdpa`) must first gather every decode row's context out of the
 paged cache into a dense workspace and then multiply it: the cache is read twice and written
 once per layer, which is most of a decode step's attention time. The C++ kernel
-(``pagellm/kernels/csrc/cpu_kernels.cpp``) walks each request's block table instead and
+(``pagellm/kernels/csrc/attention.cpp``) walks each request's block table instead and
 reads every K/V row exactly once, with no padding between requests of different lengths.
 
 Every token row of the step is one kernel row with its own causal limit: decode rows, chunked

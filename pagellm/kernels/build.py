@@ -1,6 +1,6 @@
 """Build the C++ CPU kernels once per machine and load them with ctypes.
 
-The sources (``csrc/*.cpp`` and the header they share) use no torch headers, so one ``g++ -O3 -march=native
+The sources (``csrc/*.cpp``, split by concern over the headers they share) use no torch headers, so one ``g++ -O3 -march=...
 -fopenmp`` call takes about a second; it has AVX-512 BF16 paths and portable C++ fallbacks. The shared object is cached under
 ``$PAGELLM_CACHE_DIR/kernels`` (default ``~/.cache/pagellm/kernels``), keyed by a hash of the
 source, the compiler, its flags and this CPU's feature flags, and written atomically, so
@@ -29,8 +29,8 @@ from pagellm.utils import cpu_flags, owned_by_me, private_dir, usable_cpu_flags
 logger = logging.getLogger(__name__)
 
 ABI_VERSION = 6
-_SOURCES = ("cpu_kernels.cpp", "gemm_bf16.cpp")
-_HEADERS = ("bf16_simd.h",)
+_SOURCES = ("attention.cpp", "elementwise.cpp", "gemm_bf16.cpp")
+_HEADERS = ("bf16_simd.h", "cpu_common.h")
 # -ffp-contract=off: no fused multiply-adds where the source has a product then a sum, so the
 # elementwise kernels round exactly like the separate torch ops they replace.
 _BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off")

@@ -1,0 +1,108 @@
+// What the CPU kernel sources share: element conversions (bf16, fp8 e4m3), the exp used by
+// every softmax, and typed element access. Header-only, internal linkage in each source.
+//
+// The kernels are built on first use by pagellm/kernels/build.py and called via ctypes: a plain
+// C ABI (no torch headers, so the build takes about a second). Tensors arrive as raw pointers
+// with their row strides; Python checks shapes, dtypes and strides before calling. dtype codes:
+// 0 = float32, 1 = bfloat16. Parallel with OpenMP; the process shares torch's libgomp (same
+// SONAME), and the thread count is passed in by the caller.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include <omp.h>
+
+#include "bf16_simd.h"
+namespace {
+
+
+// The elementwise kernels (K/V write, norm, rotary) stay on the calling thread below this many
+// rows: a few rows take less than waking a second thread, and a parallel region stalls whenever
+// another process holds one of the cores (a loaded server). At a batch-64 decode step the work
+// is worth splitting: with 256 here the step's 61 norms, 30 rotaries and 30 K/V writes took
+// 6.2 ms, with 32 4.6-5.1 ms (the other thread is already awake between the step's GEMMs).
+constexpr int64_t kMinParallelRows = 32;
+
+inline float bf16_to_float(uint16_t h) {
+    uint32_t u = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+// Round to nearest even, as torch does when it casts float32 to bfloat16.
+inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the max), written as plain arithmetic so the
+// compiler vectorizes the loop around it (a libm call would not be). Range reduction to
+// 2^n * 2^f with f in [0, 1) and a degree-6 polynomial: relative error < 1e-5 on [-87, 0]
+// (far below the bfloat16 rounding of the attention output).
+inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float t = x * 1.44269504088896341f;
+    const float n = __builtin_floorf(t);
+    const float f = t - n;
+    float p = 1.5353362e-4f;
+    p = p * f + 1.3398874e-3f;
+    p = p * f + 9.6188865e-3f;
+    p = p * f + 5.5503406e-2f;
+    p = p * f + 2.4022657e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+// float8_e4m3fn (1 sign, 4 exponent bits with bias 7, 3 mantissa bits; no infinities, NaN =
+// 0x7f / 0xff; largest finite 448): the fp8 KV cache's format. Every e4m3 value is a bfloat16
+// value, so decoding is exact. Bits of the bf16 equal to the subnormals m * 2^-9, m = 0..7:
+constexpr uint16_t kE4m3Subnormals[8] = {0, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};
+
+constexpr uint16_t e4m3_to_bf16_bits(uint8_t b) {
+    const uint16_t mag = b & 0x7f;
+    const uint16_t r = mag == 0x7f ? 0x7fc0 : mag >= 8 ? static_cast<uint16_t>((mag << 4) + (120 << 7)) : kE4m3Subnormals[mag];
+    return static_cast<uint16_t>(r | ((b & 0x80) << 8));
+}
+
+// As torch casts to float8_e4m3fn: round to nearest even; finite values beyond 448 and
+// infinities saturate to +-448; NaN stays NaN.
+inline uint8_t float_to_e4m3(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80);
+    const float a = std::fabs(f);
+    if (a != a) return static_cast<uint8_t>(sign | 0x7f);
+    const float c = a < 448.0f ? a : 448.0f;
+    if (c < 0.015625f) return static_cast<uint8_t>(sign | static_cast<uint8_t>(std::nearbyint(c * 512.0f)));  // m * 2^-9
+    std::memcpy(&u, &c, sizeof u);
+    u += 0x7ffffu + ((u >> 20) & 1u);  // drop 20 mantissa bits, to nearest even
+    return static_cast<uint8_t>(sign | ((u >> 20) - (120u << 3)));  // exponent bias 127 -> 7
+}
+
+template <typename T> struct Elem;
+template <> struct Elem<float> {
+    static inline float load(const float* p, int64_t i) { return p[i]; }
+    static inline void store(float* p, int64_t i, float v) { p[i] = v; }
+};
+template <> struct Elem<uint16_t> {
+    static inline float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
+    static inline void store(uint16_t* p, int64_t i, float v) { p[i] = float_to_bf16(v); }
+};
+template <> struct Elem<uint8_t> {  // an fp8 (e4m3) cache element, read only (written by write_kv)
+    static inline float load(const uint8_t* p, int64_t i) { return bf16_to_float(e4m3_to_bf16_bits(p[i])); }
+};
+
+}  // namespace

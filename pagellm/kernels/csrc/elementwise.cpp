@@ -1,0 +1,297 @@
+// Elementwise kernels of the model step: the K/V cache write (copied, or rounded to fp8),
+// RMSNorm with its residual add, rotary embedding and the greedy argmax over logits rows.
+
+#include "cpu_common.h"
+
+namespace {
+
+#ifdef PAGELLM_AVX512_BF16
+// 16 floats -> 16 e4m3 bytes, as float_to_e4m3.
+inline __m128i float16_to_e4m3(__m512 x) {
+    const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 24), _mm512_set1_epi32(0x80));
+    const __m512 a = _mm512_abs_ps(x);
+    const __mmask16 nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+    const __m512 c = _mm512_min_ps(a, _mm512_set1_ps(448.0f));
+    __m512i u = _mm512_castps_si512(c);
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7ffff),
+                                             _mm512_and_si512(_mm512_srli_epi32(u, 20), _mm512_set1_epi32(1))));
+    __m512i r = _mm512_sub_epi32(_mm512_srli_epi32(u, 20), _mm512_set1_epi32(120 << 3));
+    const __m512i sub = _mm512_cvt_roundps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(512.0f)),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(c, _mm512_set1_ps(0.015625f), _CMP_LT_OQ), sub);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7f));
+    return _mm512_cvtepi32_epi8(_mm512_or_si512(r, sign));
+}
+#endif
+
+// One row of n K or V values into the cache: copied, or (bf16 into an fp8 cache) rounded to
+// e4m3 (float_to_e4m3 of each).
+template <typename T>
+inline void store_row(const T* src, T* dst, int64_t n) {
+    std::memcpy(dst, src, sizeof(T) * static_cast<size_t>(n));
+}
+inline void store_row(const uint16_t* src, uint8_t* dst, int64_t n) {
+    int64_t i = 0;
+#ifdef PAGELLM_AVX512_BF16
+    for (; i + 16 <= n; i += 16)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), float16_to_e4m3(bf16x16_to_float(src + i)));
+#endif
+    for (; i < n; ++i) dst[i] = float_to_e4m3(bf16_to_float(src[i]));
+}
+
+template <typename T, typename KV = T>
+void write_kv(const T* key, int64_t key_row_stride, const T* value, int64_t value_row_stride,
+              KV* key_cache, KV* value_cache, const int64_t* slot_mapping, int64_t num_tokens,
+              int64_t row_elems, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (num_tokens >= kMinParallelRows)
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;  // padding token: nothing to store
+        store_row(key + t * key_row_stride, key_cache + slot * row_elems, row_elems);
+        store_row(value + t * value_row_stride, value_cache + slot * row_elems, row_elems);
+    }
+}
+
+// Per row: residual += x (rounded to T, as a separate add would be), then
+// out = weight * T(h / sqrt(mean(h^2) + eps)) with the statistics in float32 (HF's LlamaRMSNorm).
+template <typename T>
+void add_rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t n, float eps,
+                  int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (rows >= kMinParallelRows)
+    {
+        std::vector<float> h(static_cast<size_t>(n));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            const T* xr = x + r * n;
+            T* rr = residual != nullptr ? residual + r * n : nullptr;
+            float sumsq = 0.f;
+            int64_t i0 = 0;  // elements done by the vector loops (elementwise: same results)
+#ifdef PAGELLM_AVX512_BF16
+            if constexpr (std::is_same_v<T, uint16_t>) {
+                for (; i0 + 16 <= n; i0 += 16) {
+                    __m512 v = bf16x16_to_float(xr + i0);
+                    if (rr != nullptr) {
+                        v = round_bf16x16(_mm512_add_ps(v, bf16x16_to_float(rr + i0)));
+                        store_bf16x16(rr + i0, v);
+                    }
+                    _mm512_storeu_ps(h.data() + i0, v);
+                }
+            }
+#endif
+            for (int64_t i = i0; i < n; ++i) {
+                float v = Elem<T>::load(xr, i);
+                if (rr != nullptr) {
+                    Elem<T>::store(rr, i, v + Elem<T>::load(rr, i));
+                    v = Elem<T>::load(rr, i);
+                }
+                h[i] = v;
+            }
+            // The sum of squares keeps this one loop (and its order): the model's greedy
+            // outputs in bf16 are sensitive to it (benchmarks/NOTES.md, 18).
+#pragma omp simd reduction(+ : sumsq)
+            for (int64_t i = 0; i < n; ++i) sumsq += h[i] * h[i];
+            const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(n) + eps);
+            T* o = out + r * n;
+            i0 = 0;
+#ifdef PAGELLM_AVX512_BF16
+            if constexpr (std::is_same_v<T, uint16_t>) {
+                const __m512 vinv = _mm512_set1_ps(inv);
+                for (; i0 + 16 <= n; i0 += 16) {
+                    const __m512 normed = round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(h.data() + i0), vinv));
+                    store_bf16x16(o + i0, _mm512_mul_ps(bf16x16_to_float(weight + i0), normed));
+                }
+            }
+#endif
+            for (int64_t i = i0; i < n; ++i) {
+                T normed;
+                Elem<T>::store(&normed, 0, h[i] * inv);
+                Elem<T>::store(o, i, Elem<T>::load(weight, i) * Elem<T>::load(&normed, 0));
+            }
+        }
+    }
+}
+
+// In place on the first `num_heads` heads of each row: x * cos + rotate_half(x) * sin, each
+// product and the sum rounded to T like the separate tensor ops (HF's apply_rotary_pos_emb).
+template <typename T>
+void rotary(T* x, int64_t row_stride, int64_t rows, int64_t num_heads, int64_t head_dim, const T* cos,
+            const T* sin, int num_threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= kMinParallelRows)
+    for (int64_t r = 0; r < rows; ++r) {
+        const T* c = cos + r * head_dim;
+        const T* s = sin + r * head_dim;
+        for (int64_t h = 0; h < num_heads; ++h) {
+            T* v = x + r * row_stride + h * head_dim;
+            int64_t i = 0;
+#ifdef PAGELLM_AVX512_BF16
+            if constexpr (std::is_same_v<T, uint16_t>) {
+                for (; i + 16 <= half; i += 16) {
+                    const __m512 x1 = bf16x16_to_float(v + i);
+                    const __m512 x2 = bf16x16_to_float(v + i + half);
+                    const __m512 a1 = round_bf16x16(_mm512_mul_ps(x1, bf16x16_to_float(c + i)));
+                    const __m512 minus_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
+                    const __m512 b1 = round_bf16x16(_mm512_mul_ps(minus_x2, bf16x16_to_float(s + i)));
+                    const __m512 a2 = round_bf16x16(_mm512_mul_ps(x2, bf16x16_to_float(c + i + half)));
+                    const __m512 b2 = round_bf16x16(_mm512_mul_ps(x1, bf16x16_to_float(s + i + half)));
+                    store_bf16x16(v + i, _mm512_add_ps(a1, b1));
+                    store_bf16x16(v + i + half, _mm512_add_ps(a2, b2));
+                }
+            }
+#endif
+            for (; i < half; ++i) {
+                const float x1 = Elem<T>::load(v, i);
+                const float x2 = Elem<T>::load(v, i + half);
+                T a1, b1, a2, b2;
+                Elem<T>::store(&a1, 0, x1 * Elem<T>::load(c, i));
+                Elem<T>::store(&b1, 0, -x2 * Elem<T>::load(s, i));
+                Elem<T>::store(&a2, 0, x2 * Elem<T>::load(c, i + half));
+                Elem<T>::store(&b2, 0, x1 * Elem<T>::load(s, i + half));
+                Elem<T>::store(v, i, Elem<T>::load(&a1, 0) + Elem<T>::load(&b1, 0));
+                Elem<T>::store(v, i + half, Elem<T>::load(&a2, 0) + Elem<T>::load(&b2, 0));
+            }
+        }
+    }
+}
+
+// Row-wise index of the maximum, the first one among ties; a row holding NaN gives its first
+// NaN (torch.max(dim) semantics, which greedy sampling relies on).
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+    int64_t i = 0;
+    float best = -INFINITY;
+    int64_t best_i = 0;
+#ifdef PAGELLM_AVX512_BF16
+    if constexpr (std::is_same_v<T, uint16_t>) {
+        // Per lane: the running maximum and its first index; a strict > keeps the first.
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        __m512i vidx = _mm512_setzero_si512();
+        __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i step = _mm512_set1_epi32(16);
+        __mmask16 nan = 0;
+        for (; i + 16 <= n && i + 16 <= INT32_MAX; i += 16) {
+            const __m512 v = bf16x16_to_float(x + i);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);
+            vmax = _mm512_mask_blend_ps(gt, vmax, v);
+            vidx = _mm512_mask_blend_epi32(gt, vidx, idx);
+            idx = _mm512_add_epi32(idx, step);
+        }
+        if (nan) {
+            for (int64_t j = 0; j < i; ++j)
+                if (std::isnan(bf16_to_float(x[j]))) return j;
+        }
+        alignas(64) float m[16];
+        alignas(64) int32_t mi[16];
+        _mm512_store_ps(m, vmax);
+        _mm512_store_si512(mi, vidx);
+        best = m[0];
+        best_i = mi[0];
+        for (int l = 1; l < 16; ++l)
+            if (m[l] > best || (m[l] == best && mi[l] < best_i)) {
+                best = m[l];
+                best_i = mi[l];
+            }
+    }
+#endif
+    for (; i < n; ++i) {
+        const float v = Elem<T>::load(x, i);
+        if (std::isnan(v)) return i;  // the first NaN: the vector part above had none
+        if (v > best) {
+            best = v;
+            best_i = i;
+        }
+    }
+    return best_i;
+}
+
+template <typename T>
+void argmax_rows(const T* x, int64_t row_stride, int64_t rows, int64_t n, int64_t* out, int num_threads) {
+    // Rows are long (a vocabulary): split them over threads once the work is worth a wake-up.
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n >= (int64_t{1} << 18))
+    for (int64_t r = 0; r < rows; ++r) out[r] = argmax_row(x + r * row_stride, n);
+}
+
+}  // namespace
+
+extern "C" {
+
+int pagellm_abi_version() { return 6; }
+
+// key_cache[slot_mapping[t]] = key[t] (row_elems = num_kv_heads * head_dim elements), same for V.
+// dtype: 0 float32, 1 bfloat16, 2 bfloat16 K/V stored into an fp8 (e4m3) cache.
+int pagellm_write_kv(const void* key, int64_t key_row_stride, const void* value, int64_t value_row_stride,
+                     void* key_cache, void* value_cache, const int64_t* slot_mapping, int64_t num_tokens,
+                     int64_t row_elems, int dtype, int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+    if (dtype == 0) {
+        write_kv<float>(static_cast<const float*>(key), key_row_stride, static_cast<const float*>(value),
+                        value_row_stride, static_cast<float*>(key_cache), static_cast<float*>(value_cache),
+                        slot_mapping, num_tokens, row_elems, num_threads);
+    } else if (dtype == 1) {
+        write_kv<uint16_t>(static_cast<const uint16_t*>(key), key_row_stride,
+                           static_cast<const uint16_t*>(value), value_row_stride,
+                           static_cast<uint16_t*>(key_cache), static_cast<uint16_t*>(value_cache),
+                           slot_mapping, num_tokens, row_elems, num_threads);
+    } else if (dtype == 2) {
+        write_kv<uint16_t, uint8_t>(static_cast<const uint16_t*>(key), key_row_stride,
+                                    static_cast<const uint16_t*>(value), value_row_stride,
+                                    static_cast<uint8_t*>(key_cache), static_cast<uint8_t*>(value_cache),
+                                    slot_mapping, num_tokens, row_elems, num_threads);
+    } else {
+        return -1;
+    }
+    return 0;
+}
+
+// residual (if not null) += x; out = rms_norm(residual or x) * weight, per row of n elements.
+int pagellm_add_rms_norm(const void* x, void* residual, const void* weight, void* out, int64_t rows, int64_t n,
+                         float eps, int dtype, int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+    if (dtype == 0) {
+        add_rms_norm<float>(static_cast<const float*>(x), static_cast<float*>(residual),
+                            static_cast<const float*>(weight), static_cast<float*>(out), rows, n, eps, num_threads);
+    } else if (dtype == 1) {
+        add_rms_norm<uint16_t>(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(residual),
+                               static_cast<const uint16_t*>(weight), static_cast<uint16_t*>(out), rows, n, eps,
+                               num_threads);
+    } else {
+        return -1;
+    }
+    return 0;
+}
+
+// Rotary embedding in place on the first num_heads heads of each row (HF rotate-half layout).
+int pagellm_rotary(void* x, int64_t row_stride, int64_t rows, int64_t num_heads, int64_t head_dim, const void* cos,
+                   const void* sin, int dtype, int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+    if (head_dim % 2 != 0) return -1;
+    if (dtype == 0) {
+        rotary<float>(static_cast<float*>(x), row_stride, rows, num_heads, head_dim, static_cast<const float*>(cos),
+                      static_cast<const float*>(sin), num_threads);
+    } else if (dtype == 1) {
+        rotary<uint16_t>(static_cast<uint16_t*>(x), row_stride, rows, num_heads, head_dim,
+                         static_cast<const uint16_t*>(cos), static_cast<const uint16_t*>(sin), num_threads);
+    } else {
+        return -1;
+    }
+    return 0;
+}
+
+// out[r] = index of the first maximum of row r (n elements, rows row_stride apart); a row
+// with NaN gives the index of its first NaN.
+int pagellm_argmax_rows(const void* x, int64_t row_stride, int64_t rows, int64_t n, int64_t* out, int dtype,
+                        int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+    if (n <= 0) return -1;
+    if (dtype == 0) {
+        argmax_rows<float>(static_cast<const float*>(x), row_stride, rows, n, out, num_threads);
+    } else if (dtype == 1) {
+        argmax_rows<uint16_t>(static_cast<const uint16_t*>(x), row_stride, rows, n, out, num_threads);
+    } else {
+        return -1;
+    }
+    return 0;
+}
+
+}  // extern "C"
