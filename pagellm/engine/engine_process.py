@@ -62,8 +62,8 @@ def _engine_main(config: EngineConfig, conn: Connection, log_level: int) -> None
         conn.send(("error", exc))
         return
     conn.send(("ok", _Ready(engine.max_model_len, engine.arch.vocab_size, engine.stats)))
-    # Requests are refused by the parent; the child serves only calls, so no signal may stop it
-    # halfway (the server's SIGINT reaches the whole process group).
+    # Ctrl-C reaches the whole process group: the child leaves shutdown to the parent (which
+    # closes the pipe), so a shutdown is never mistaken for a crash and restarted.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     while True:
         try:
@@ -125,10 +125,6 @@ class EngineProcess:
             self.close()
             raise
         return ready
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid
 
     def check_health(self) -> None:
         """Raise ``EngineProcessError`` if the child has exited (also noticed while idle)."""
