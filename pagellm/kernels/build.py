@@ -115,25 +115,29 @@ def _remove_stale(folder: Path) -> None:
             pass
 
 
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+# Every function the library exports: (return type, argument types). One table, read by
+# _declare: a wrong-arity or wrong-type call then fails in ctypes, never in the C++.
+_SIGNATURES: dict[str, tuple[type, list[type]]] = {
+    "pagellm_abi_version": (_I32, []),
+    "pagellm_paged_attention": (
+        _I32, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _I32, _I32],
+    ),
+    "pagellm_write_kv": (_I32, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I32, _I32]),
+    "pagellm_add_rms_norm": (_I32, [_P, _P, _P, _P, _I64, _I64, _F32, _I32, _I32]),
+    "pagellm_rotary": (_I32, [_P, _I64, _I64, _I64, _I64, _P, _P, _I32, _I32]),
+    "pagellm_argmax_rows": (_I32, [_P, _I64, _I64, _I64, _P, _I32, _I32]),
+    "pagellm_gemm_bf16_available": (_I32, []),
+    "pagellm_gemm_bf16": (_I32, [_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32, _I32, _I32]),
+    "pagellm_gemm_bf16_amx_available": (_I32, []),
+}
+
+
 def _declare(lib: ctypes.CDLL) -> None:
-    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.pagellm_abi_version.restype = i32
-    lib.pagellm_paged_attention.restype = i32
-    lib.pagellm_paged_attention.argtypes = [
-        p, i64, p, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, f32, i32, i32,
-    ]
-    lib.pagellm_write_kv.restype = i32
-    lib.pagellm_write_kv.argtypes = [p, i64, p, i64, p, p, p, i64, i64, i32, i32]
-    lib.pagellm_add_rms_norm.restype = i32
-    lib.pagellm_add_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32, i32]
-    lib.pagellm_rotary.restype = i32
-    lib.pagellm_rotary.argtypes = [p, i64, i64, i64, i64, p, p, i32, i32]
-    lib.pagellm_argmax_rows.restype = i32
-    lib.pagellm_argmax_rows.argtypes = [p, i64, i64, i64, p, i32, i32]
-    lib.pagellm_gemm_bf16_available.restype = i32
-    lib.pagellm_gemm_bf16.restype = i32
-    lib.pagellm_gemm_bf16.argtypes = [p, i64, i64, i64, p, i64, p, i64, i32, i32, i32]
-    lib.pagellm_gemm_bf16_amx_available.restype = i32
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        function = getattr(lib, name)
+        function.restype = restype
+        function.argtypes = argtypes
 
 
 @lru_cache(maxsize=1)
