@@ -1,0 +1,39 @@
+"""The engine on each lower ISA path this machine can run (``PAGELLM_ISA``), in a fresh process:
+greedy output equal to ``transformers`` and the bf16 fast path equal to the plain model, so an
+AVX-512 or AMX machine also checks what an AVX2-only (or AVX-512 without AMX) CPU runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pagellm.utils import usable_cpu_flags
+
+pytestmark = pytest.mark.slow
+
+HERE = os.path.dirname(__file__)
+TESTS = [os.path.join(HERE, "test_engine_vs_hf.py"), os.path.join(HERE, "..", "model", "test_cpu_fast_path.py")]
+
+
+@pytest.mark.parametrize(
+    "isa",
+    [
+        pytest.param("avx2", marks=pytest.mark.skipif(
+            "avx512f" not in usable_cpu_flags(), reason="the AVX2 path is this machine's own: the suite runs it")),
+        pytest.param("avx512", marks=pytest.mark.skipif(
+            "amx_tile" not in usable_cpu_flags() or "avx512_bf16" not in usable_cpu_flags(),
+            reason="needs an AMX machine (below it, AVX-512 is the machine's own path)")),
+    ],
+)
+def test_engine_on_a_lower_isa(isa: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PAGELLM_KERNEL_MARCH"}
+    env["PAGELLM_ISA"] = isa
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *TESTS],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout
