@@ -47,9 +47,10 @@ def private_dir(path: Path) -> bool:
     """
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if path.stat().st_uid != os.getuid():
+        info = path.stat()
+        if info.st_uid != os.getuid():
             return False
-        if path.stat().st_mode & 0o077:
+        if info.st_mode & 0o077:
             path.chmod(0o700)
         return True
     except OSError:

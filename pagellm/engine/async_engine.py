@@ -98,6 +98,12 @@ class LoopOptions:
     max_restarts: int = 0  # engine restarts allowed over the server's life
     on_dead: Callable[[], None] | None = None  # called once when the loop stops for good after a failure
 
+    def __post_init__(self) -> None:
+        if self.max_requests is not None and self.max_requests < 1:
+            raise ValueError(f"max_requests must be >= 1, got {self.max_requests}")
+        if self.max_restarts < 0:
+            raise ValueError(f"engine restarts must be >= 0, got {self.max_restarts}")
+
 
 StreamItem = RequestOutput | BaseException
 
@@ -112,14 +118,13 @@ class _Stream:
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams | BeamSearchParams
+    request: EngineRequest
     stream: _Stream
     arrival: float
-    deltas: bool
-    cache_salt: str | None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
 
 @dataclass
@@ -299,10 +304,7 @@ class AsyncLLMEngine:
         """
         loop = asyncio.get_running_loop()
         now = time.monotonic()
-        adds = [
-            _Add(r.request_id, r.prompt, r.prompt_token_ids, r.params, _Stream(loop), now, r.stream, r.cache_salt)
-            for r in requests
-        ]
+        adds = [_Add(request, _Stream(loop), now) for request in requests]
         self._submit_adds(adds)
         return [RequestStream(add.stream, add.request_id, self.abort) for add in adds]
 
@@ -328,7 +330,7 @@ class AsyncLLMEngine:
         """Stop a request and free its blocks at the top of the next loop iteration."""
         try:
             self._submit(_Abort(request_id))
-        except (EngineDeadError, EngineOverloadedError):
+        except EngineDeadError:
             pass  # the loop is gone (or restarting) and has already dropped every request
 
     def _submit(self, command: _Command) -> None:
@@ -379,10 +381,11 @@ class AsyncLLMEngine:
                     with self._cond:
                         self._error = exc  # before the requests hear of it: /health agrees with them
                 self._fail_in_flight()
-                if not (restarting and self._restart()):
-                    with self._cond:
-                        self._error, self._restarting = exc, False
-                    break
+                if restarting and self._restart():
+                    continue
+                with self._cond:
+                    self._error, self._restarting = exc, False
+                break
         self._close()
         if self._error is not None and self._options.on_dead is not None:
             self._options.on_dead()
@@ -445,19 +448,20 @@ class AsyncLLMEngine:
                 self._forget(command.request_id)
                 self._post({stream.loop: [(stream.queue, o) for o in outputs]})
             return
+        request = command.request
         try:
-            if isinstance(command.params, BeamSearchParams):
+            if isinstance(request.params, BeamSearchParams):
                 self.engine.add_beam_search_request(
-                    command.request_id, command.prompt, command.prompt_token_ids, command.params
+                    request.request_id, request.prompt, request.prompt_token_ids, request.params
                 )
             else:
                 self.engine.add_tokenized_request(
-                    command.request_id,
-                    command.prompt,
-                    command.prompt_token_ids,
-                    command.params,
-                    stream=command.deltas,
-                    cache_salt=command.cache_salt,
+                    request.request_id,
+                    request.prompt,
+                    request.prompt_token_ids,
+                    request.params,
+                    stream=request.stream,
+                    cache_salt=request.cache_salt,
                 )
         except ValueError as exc:
             self._release(1)

@@ -92,6 +92,8 @@ class EngineProcess:
     """
 
     def __init__(self, config: EngineConfig, start_timeout_s: float = 600.0, call_timeout_s: float = 600.0) -> None:
+        if not call_timeout_s > 0:
+            raise ValueError(f"the engine call timeout must be > 0 seconds, got {call_timeout_s}")
         self.config = config
         self._start_timeout_s = start_timeout_s
         self._call_timeout_s = call_timeout_s

@@ -55,7 +55,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     limits = parser.add_argument_group("request limits")
     limits.add_argument("--max-n", type=int, default=128,
                         help="most samples (n, best_of) or beams one request may ask for; never above --max-num-seqs")
-    limits.add_argument("--max-logprobs", type=int, default=20, help="most top logprobs per position a request may ask for")
+    limits.add_argument("--max-logprobs", type=int, default=20,
+                        help="most top logprobs per position a request may ask for")
     limits.add_argument("--max-stop-strings", type=int, default=16, help="most stop strings in one request")
     group.add_argument(
         "--enable-prefix-caching",
@@ -172,13 +173,13 @@ def _serve(args: argparse.Namespace) -> int:
         trust_request_chat_template=args.trust_request_chat_template,
         max_request_body_bytes=parse_memory_size(args.max_request_body),
     )
-    for name in ("engine_restarts", "max_waiting_requests"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if not args.engine_call_timeout > 0:
-        raise ValueError(f"--engine-call-timeout must be > 0, got {args.engine_call_timeout}")
+    if args.max_waiting_requests < 0:
+        raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
     config = engine_config(**engine_kwargs(args))
-    engine = EngineProcess(config, call_timeout_s=args.engine_call_timeout) if args.engine_process else LLMEngine(config)
+    if args.engine_process:
+        engine: EngineProcess | LLMEngine = EngineProcess(config, call_timeout_s=args.engine_call_timeout)
+    else:
+        engine = LLMEngine(config)
     try:
         return run_server(
             engine, settings, host=args.host, port=args.port, log_level=args.log_level,
@@ -191,12 +192,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _api_key(from_flag: str | None) -> str | None:
-    """The flag's key, else the environment's; an empty key is a mistake, never 'no auth'."""
-    key = from_flag if from_flag is not None else os.environ.get(API_KEY_ENV)
-    if key is not None and not key.strip():
-        source = "--api-key" if from_flag is not None else API_KEY_ENV
-        raise ValueError(f"{source} is empty: give a non-empty key, or none to serve without one")
-    return key
+    """The flag's key, else the environment's (``ServerSettings`` refuses an empty one)."""
+    return from_flag if from_flag is not None else os.environ.get(API_KEY_ENV)
 
 
 def _generate(args: argparse.Namespace) -> int:

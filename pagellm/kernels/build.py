@@ -1,7 +1,9 @@
 """Build the C++ CPU kernels once per machine and load them with ctypes.
 
-The sources (``csrc/*.cpp``, split by concern over the headers they share) use no torch headers, so one ``g++ -O3 -march=...
--fopenmp`` call takes about a second; it has AVX-512 BF16 paths and portable C++ fallbacks. The shared object is cached under
+The sources (``csrc/*.cpp``, split by concern over the headers they share) use no torch headers,
+so one ``g++ -O3 -march=... -fopenmp`` call takes about a second; it has AVX-512 BF16 paths and
+portable C++ fallbacks, and targets the CPU this process may use (:func:`target_flags`). The
+shared object is cached under
 ``$PAGELLM_CACHE_DIR/kernels`` (default ``~/.cache/pagellm/kernels``), keyed by a hash of the
 source, the compiler, its flags and this CPU's feature flags, and written atomically, so
 concurrent processes never load a half-written file. Anything that goes wrong (no compiler,

@@ -171,3 +171,10 @@ def test_out_of_restarts_the_loop_stops_and_says_so(fake: FakeEngine, stopper: l
     assert fake.restarts == 0
     with pytest.raises(EngineDeadError, match="stopped after a failure"):
         asyncio.run(collect(engine.generate([1], SamplingParams(max_tokens=1), "late")))
+
+
+def test_loop_options_are_validated() -> None:
+    with pytest.raises(ValueError, match="restarts must be >= 0"):
+        LoopOptions(max_restarts=-1)
+    with pytest.raises(ValueError, match="max_requests must be >= 1"):
+        LoopOptions(max_requests=0)

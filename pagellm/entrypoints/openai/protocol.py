@@ -21,6 +21,9 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
+_TEXT_OR_CONTAINER = (str, dict, list)
+
+
 def _check_strings(body: Any) -> Any:
     """Every string of a request body (keys too) must be valid Unicode: JSON escapes can carry
     lone surrogates, which no tokenizer, template or JSON encoder downstream accepts."""
@@ -34,8 +37,10 @@ def _check_strings(body: Any) -> Any:
                 if isinstance(key, str):
                     check_text(key, f"a key in {path or 'the request body'}")
                 stack.append((f"{path}.{key}".lstrip("."), item))
-        elif isinstance(value, list):
-            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+        elif isinstance(value, list):  # only text and containers are visited: token-id lists are long
+            stack.extend(
+                (f"{path}[{i}]", item) for i, item in enumerate(value) if isinstance(item, _TEXT_OR_CONTAINER)
+            )
     return body
 
 

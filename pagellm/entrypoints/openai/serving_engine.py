@@ -26,6 +26,7 @@ from pagellm.engine.async_engine import (
     EngineOverloadedError,
     EngineRequest,
     RequestFailedError,
+    RequestStream,
 )
 from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.engine.input_processor import ProcessedPrompt
@@ -415,7 +416,7 @@ class OpenAIServing:
         params: SamplingParams | BeamSearchParams,
         request_id: str,
         deltas: bool = True,
-    ) -> list[AsyncIterator[RequestOutput]]:
+    ) -> list[RequestStream]:
         """One engine stream per prompt (ids ``{request_id}`` or ``{request_id}-{i}``), all submitted now.
 
         ``deltas=False`` asks the engine for one whole output per prompt (what best_of needs).
@@ -431,7 +432,7 @@ class OpenAIServing:
             for p, rid in zip(prompts, ids)
         ]
         try:
-            return list(self.engine.submit_all(requests))
+            return self.engine.submit_all(requests)
         except (ValueError, EngineDeadError, EngineOverloadedError) as exc:
             raise to_openai_error(exc) from exc
 
