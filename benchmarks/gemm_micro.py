@@ -1,4 +1,4 @@
-"""Micro-benchmark: pagellm's bf16 GEMM vs oneDNN on SmolLM2-135M's linear shapes.
+"""Micro-benchmark: pagellm's GEMM (AMX, AVX-512 BF16 or AVX2) vs oneDNN on SmolLM2-135M's linear shapes.
 
 For each shape, 30 layers with distinct random weights (so, as in the model, the weights do
 not stay in cache) are run back to back: pagellm's GEMM (AMX tiles where available, else
@@ -23,12 +23,17 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagellm import kernels  # noqa: E402
-from pagellm.model.layers import (  # noqa: E402
+from pagellm.model.cpu_linear import (  # noqa: E402
     KernelLinear,
     KernelSiluAndMulLinear,
     PackedLinear,
     PackedSiluAndMulLinear,
+    packed_ops_supported,
 )
+
+KERNELS = kernels.default()  # this machine's kernel library (None: no compiler)
+GEMM_BF16 = KERNELS is not None and KERNELS.gemm_bf16_available
+GEMM_AMX = KERNELS is not None and KERNELS.gemm_amx_available
 
 LAYERS = 30
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
@@ -51,21 +56,24 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not kernels.gemm_available():
-        sys.exit("pagellm's GEMM is not available here (needs a C++ compiler and AVX-512 BF16)")
-    amx = kernels.gemm_amx_available()
-    print(f"threads {torch.get_num_threads()}, pagellm GEMM path: {'amx' if amx else 'avx512_bf16'}")
+    if KERNELS is None or not (GEMM_BF16 or KERNELS.gemm_avx2_available):
+        sys.exit("pagellm's GEMM is not available here (needs a C++ compiler and AVX2 or AVX-512 BF16)")
+    path = "amx" if GEMM_AMX else "avx512-bf16" if GEMM_BF16 else "avx2"
+    onednn = packed_ops_supported(torch.bfloat16)
+    print(f"threads {torch.get_num_threads()}, pagellm GEMM path: {path} (PAGELLM_ISA picks a lower one)")
     torch.manual_seed(0)
     with torch.inference_mode():
         for name, (k, n) in SHAPES.items():
             linears = [nn.Linear(k, n, bias=False).to(torch.bfloat16) for _ in range(LAYERS)]
             systems: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {}
             if name == "gate_up":
-                systems["pagellm"] = [KernelSiluAndMulLinear(lin, n // 2, amx=amx) for lin in linears]
-                systems["onednn_packed"] = [PackedSiluAndMulLinear(lin, n // 2) for lin in linears]
+                systems["pagellm"] = [KernelSiluAndMulLinear(lin, n // 2, KERNELS, path) for lin in linears]
+                if onednn:
+                    systems["onednn_packed"] = [PackedSiluAndMulLinear(lin, n // 2) for lin in linears]
             else:
-                systems["pagellm"] = [KernelLinear(lin, amx=amx) for lin in linears]
-                systems["onednn_packed"] = [PackedLinear(lin, 64) for lin in linears]
+                systems["pagellm"] = [KernelLinear(lin, KERNELS, path) for lin in linears]
+                if onednn:
+                    systems["onednn_packed"] = [PackedLinear(lin, 64) for lin in linears]
                 systems["F.linear"] = [lambda x, w=lin.weight: F.linear(x, w) for lin in linears]
             for m in [int(v) for v in args.rows.split(",")]:
                 x = torch.randn(m, k).to(torch.bfloat16)

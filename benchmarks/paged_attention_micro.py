@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagellm import kernels  # noqa: E402
 from pagellm.config import resolve_kv_cache_dtype  # noqa: E402
 
+KERNELS = kernels.default()  # this machine's kernel library (None: no compiler)
+
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
 
@@ -36,7 +38,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--reps", type=int, default=15)
     args = parser.parse_args()
-    if not kernels.available():
+    if KERNELS is None:
         sys.exit("the pagellm CPU kernels are not available here")
 
     torch.manual_seed(0)
@@ -59,7 +61,7 @@ def main() -> None:
     def run(caches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         start = time.perf_counter()
         for k, v in caches:
-            kernels.paged_attention(query, out, k, v, tables, rows, rows, ctx, HEAD_DIM**-0.5, rows_checked=True)
+            KERNELS.paged_attention(query, out, k, v, tables, rows, rows, ctx, HEAD_DIM**-0.5, rows_checked=True)
         return (time.perf_counter() - start) * 1e3
 
     times: dict[str, list[float]] = {"cold": [], "hot": []}

@@ -29,7 +29,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pagellm import LLM, SamplingParams, kernels  # noqa: E402
+from pagellm import LLM, SamplingParams  # noqa: E402
+from pagellm.kernels import KernelLibrary  # noqa: E402
 
 KERNELS = ("paged_attention", "write_kv", "add_rms_norm", "rotary_", "argmax_rows")
 _times: defaultdict[str, float] = defaultdict(float)
@@ -46,10 +47,10 @@ def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def instrument(model: nn.Module) -> None:
-    """Wrap the kernels module's entry points and each linear's forward (grouped by its name)."""
-    for name in KERNELS:
-        setattr(kernels, name, _timed(name, getattr(kernels, name)))
+def instrument(model: nn.Module, lib: KernelLibrary | None) -> None:
+    """Wrap the plan's kernel library's entry points and each linear's forward (grouped by its name)."""
+    for name in KERNELS if lib is not None else ():
+        setattr(lib, name, _timed(name, getattr(lib, name)))
     for module_name, module in model.named_modules():
         leaf = module_name.rsplit(".", 1)[-1]
         if leaf.endswith("_proj") or leaf == "lm_head":
@@ -70,7 +71,8 @@ def main() -> None:
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.batch, enable_prefix_caching=False,
               num_threads=args.num_threads, kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.llm_engine
-    instrument(engine.model_runner.model)
+    instrument(engine.model_runner.model, engine.kernel_plan.kernels)
+    print(f"kernel plan: {engine.kernel_plan.describe()}")
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     vocab = engine.arch.vocab_size

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -123,6 +124,50 @@ class LimitsConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+ISA_CHOICES = ("auto", "baseline", "avx2", "avx512", "amx")
+GEMM_CHOICES = ("auto", "pagellm", "onednn", "torch")
+_OFF = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Which CPU kernels the engine may use; the kernel plan is chosen from these at start-up.
+
+    The defaults come from the environment, read here and nowhere else: ``PAGELLM_ISA``
+    (``isa``), ``PAGELLM_CPU_KERNELS=0`` (``cpu_kernels``) and ``PAGELLM_KERNEL_MARCH``
+    (``march``), so a test or a benchmark can force a path on a whole process tree.
+    """
+
+    isa: str = "auto"  # highest ISA level the kernels may use: auto (what the CPU has) or a cap
+    cpu_kernels: bool = True  # False: PyTorch paths only (no C++ build)
+    march: str | None = None  # the kernel build's -march (default: from the usable ISA level)
+    gemm: str = "auto"  # 16-bit linears: auto, pagellm (own GEMM), onednn (packed), torch (F.linear)
+
+    def __post_init__(self) -> None:
+        if self.isa not in ISA_CHOICES:
+            raise ValueError(f"isa must be one of {', '.join(ISA_CHOICES)}, got {self.isa!r}")
+        if self.gemm not in GEMM_CHOICES:
+            raise ValueError(f"gemm must be one of {', '.join(GEMM_CHOICES)}, got {self.gemm!r}")
+        if self.march is not None and (not self.march or not all(c.isalnum() or c in "-_." for c in self.march)):
+            raise ValueError(f"march must be a compiler -march value such as x86-64-v3, got {self.march!r}")
+
+    @property
+    def isa_cap(self) -> str:
+        """The ISA level cap ("amx" means no cap)."""
+        return "amx" if self.isa == "auto" else self.isa
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> KernelConfig:
+        """The configuration the environment asks for, with ``overrides`` (None: not given) on top."""
+        values: dict[str, object] = {
+            "isa": os.environ.get("PAGELLM_ISA", "auto").strip().lower() or "auto",
+            "cpu_kernels": os.environ.get("PAGELLM_CPU_KERNELS", "1").strip().lower() not in _OFF,
+            "march": os.environ.get("PAGELLM_KERNEL_MARCH") or None,
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]
+
+
 @dataclass
 class DeviceConfig:
     device: str = "cpu"
@@ -139,3 +184,4 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig.from_env)

@@ -100,3 +100,16 @@ def tiny_qwen2_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer)
         initializer_range=0.1,
     )
     return _write_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), config, default_tokenizer)
+
+
+@pytest.fixture
+def cpu_plan():
+    """``cpu_plan(dtype, **kernel_options)``: the kernel plan an engine on this CPU would run
+    (the environment's kernel configuration, ``kernel_options`` on top) for ``dtype``."""
+    from pagellm.config import KernelConfig
+    from pagellm.worker.kernel_plan import plan_kernels
+
+    def make(dtype: torch.dtype, **options: object):
+        return plan_kernels(KernelConfig.from_env(**options), torch.device("cpu"), "auto", lambda fast: dtype)
+
+    return make

@@ -5,14 +5,16 @@
 * ``"reference"`` -- :class:`ReferenceAttention`, the slow dense-gather oracle;
 * ``"torch_sdpa"`` -- :class:`TorchSDPAAttention`, batched paged attention on SDPA;
 * ``"cpu_paged"`` -- :class:`CPUPagedAttention`, the C++ kernel reading K/V in place (CPU);
-* ``"auto"`` -- ``"cpu_paged"`` on CPU when its kernels build here, else ``"torch_sdpa"``.
+* ``"auto"`` -- ``"cpu_paged"`` on CPU given a kernel library, else ``"torch_sdpa"``.
+
+The engine passes the name its kernel plan chose, with the plan's kernel library.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagellm import kernels
+from pagellm.kernels.library import KernelLibrary
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, write_kv
 from pagellm.attention.cpu_paged import CPUPagedAttention
 from pagellm.attention.reference import ReferenceAttention
@@ -26,23 +28,19 @@ _BACKENDS: dict[str, type[AttentionBackend]] = {
 ATTENTION_BACKEND_CHOICES: tuple[str, ...] = ("auto", *_BACKENDS)
 
 
-def resolve_auto_backend(device: torch.device | str | None = None) -> str:
-    """The backend "auto" means on ``device``: the C++ kernel on CPU when it builds, else SDPA."""
-    device_type = torch.device(device).type if device is not None else "cpu"
-    if device_type == "cpu" and kernels.available():
-        return CPUPagedAttention.name
-    return TorchSDPAAttention.name
-
-
-def get_attention_backend(name: str = "auto", device: torch.device | str | None = None) -> AttentionBackend:
-    """A new instance of the backend called ``name`` (see the module docstring) for ``device``."""
+def get_attention_backend(
+    name: str = "auto", device: torch.device | str | None = None, lib: KernelLibrary | None = None
+) -> AttentionBackend:
+    """A new instance of the backend called ``name`` (see the module docstring) for ``device``
+    (default CPU), with kernel library ``lib`` for ``cpu_paged``."""
     key = name.strip().lower() if isinstance(name, str) else name
     if key == "auto":
-        key = resolve_auto_backend(device)
+        device_type = torch.device(device).type if device is not None else "cpu"
+        key = CPUPagedAttention.name if device_type == "cpu" and lib is not None else TorchSDPAAttention.name
     cls = _BACKENDS.get(key) if isinstance(key, str) else None
     if cls is None:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(ATTENTION_BACKEND_CHOICES)}")
-    return cls()
+    return CPUPagedAttention(lib) if cls is CPUPagedAttention else cls()
 
 
 __all__ = [
@@ -53,6 +51,5 @@ __all__ = [
     "ReferenceAttention",
     "TorchSDPAAttention",
     "get_attention_backend",
-    "resolve_auto_backend",
     "write_kv",
 ]

@@ -9,7 +9,7 @@ slot = block_id * block_size + offset_in_block.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_reqs + 1] int64, cumulative query_lens
     seq_lens_tensor: torch.Tensor  # [num_reqs] int64
     block_size: int
+    # What a backend derives from this step's metadata once and every layer reuses (index
+    # tensors, range checks), keyed by the backend; filled lazily, dropped with the step.
+    derived: dict[object, object] = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:

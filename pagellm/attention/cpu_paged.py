@@ -10,11 +10,12 @@ Every token row of the step is one kernel row with its own causal limit: decode 
 prefills, prefix-cache hits and fresh prompts alike (measured here, bf16, 2 threads, one layer:
 16 x 128-token prompts 2.9 ms vs 6.5 ms with SDPA's flash kernel, 2 x 1024 18.7 vs 25.6 ms,
 1 x 4096 149 vs 156 ms). The new K/V are stored by the kernel library too. An fp8 (e4m3) cache
-under a bf16 model is read in place, each row widened to bf16 as it is loaded. Caches of a dtype
-the kernel does not take (float32 unless ``float32_kernel``) use :class:`TorchSDPAAttention`.
+under a bf16 model is read in place, each row widened to bf16 as it is loaded. float32 runs
+through the kernel's float32 path (built for this CPU's ISA level, vectorized by the compiler);
+pairs the kernel does not take use :class:`TorchSDPAAttention`.
 
-``ReferenceAttention`` stays the test oracle; :func:`pagellm.kernels.available` decides
-whether this backend can be used (``"auto"`` falls back to ``torch_sdpa`` otherwise).
+``ReferenceAttention`` stays the test oracle; the kernel plan decides whether this backend is
+used (it needs a kernel library: ``"auto"`` falls back to ``torch_sdpa`` without one).
 """
 
 from __future__ import annotations
@@ -23,16 +24,22 @@ from dataclasses import dataclass
 
 import torch
 
-from pagellm import kernels
+from pagellm.kernels.library import KernelLibrary, check_paged_attention_rows, check_slots
 from pagellm.attention.backend import AttentionMetadata, attention_dtype, write_kv
 from pagellm.attention.torch_sdpa import TorchSDPAAttention
 
 
+# (compute dtype, cache dtype) pairs the kernel takes; an fp8 cache under bf16 is read and
+# widened in place, under float32 it goes through the torch path.
+_KERNEL_PAIRS = frozenset({
+    (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn), (torch.float32, torch.float32)
+})
+
+
 @dataclass
-class _KernelPlan:
+class _KernelRows:
     """Per-step index tensors for the kernel, shared by every layer of the step."""
 
-    metadata: AttentionMetadata  # strong ref: identity checks stay sound
     num_tokens: int
     row_token: torch.Tensor  # int32 [N]: token row of each kernel row
     row_req: torch.Tensor  # int32 [N]: its request (row of block_tables)
@@ -41,7 +48,7 @@ class _KernelPlan:
     checked_for: tuple[int, int] | None = None  # (num_blocks, block_size) the indices were checked against
 
 
-def build_kernel_plan(metadata: AttentionMetadata) -> _KernelPlan:
+def build_kernel_rows(metadata: AttentionMetadata) -> _KernelRows:
     """One kernel row per new token (its request and causal limit), built with tensor ops only."""
     query_lens = torch.tensor(metadata.query_lens, dtype=torch.int64)
     seq_lens = torch.tensor(metadata.seq_lens, dtype=torch.int64)
@@ -56,74 +63,58 @@ def build_kernel_plan(metadata: AttentionMetadata) -> _KernelPlan:
     block_tables = metadata.block_tables
     if block_tables.dtype != torch.int64 or block_tables.stride(-1) != 1:
         block_tables = block_tables.to(torch.int64).contiguous()
-    return _KernelPlan(
-        metadata, num_tokens, row_token.to(torch.int32), row_req.to(torch.int32), row_ctx.to(torch.int32), block_tables
+    return _KernelRows(
+        num_tokens, row_token.to(torch.int32), row_req.to(torch.int32), row_ctx.to(torch.int32), block_tables
     )
 
 
 class CPUPagedAttention(TorchSDPAAttention):
-    """Every row of a bf16 step through the C++ paged kernel; other dtypes through SDPA."""
+    """Every row of a step through the C++ paged kernel (bf16, float32, an fp8 cache under bf16);
+    other dtype pairs through SDPA."""
 
     name = "cpu_paged"
 
-    _kernel_plan: _KernelPlan | None = None  # class-level: one plan per step for all layers
-
-    def __init__(self, float32_kernel: bool = False) -> None:
-        """``float32_kernel``: run float32 caches through the kernel too. Off by default: float32
-        is the reference-precision mode, kept on torch's kernels so it matches HF's float32
-        arithmetic as closely as before (the kernel's sums run in another order)."""
-        # (compute dtype, cache dtype) pairs the kernel takes; an fp8 cache under bf16 is read and
-        # widened in place, under float32 it goes through the torch path.
-        self.kernel_pairs = {(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn)}
-        if float32_kernel:
-            self.kernel_pairs.add((torch.float32, torch.float32))
-        if not kernels.available():
+    def __init__(self, lib: KernelLibrary | None) -> None:
+        """``lib``: the kernel library of the engine's plan (required: this backend is the kernel)."""
+        super().__init__()
+        if lib is None:
             raise RuntimeError(
                 "attention backend 'cpu_paged' needs the pagellm CPU kernels, which could not be built "
-                "(is a C++ compiler installed? is PAGELLM_CPU_KERNELS=0 set?)"
+                "(is a C++ compiler installed? are CPU kernels turned off: PAGELLM_CPU_KERNELS=0?)"
             )
+        self.kernels = lib
 
-    @classmethod
-    def _get_kernel_plan(cls, metadata: AttentionMetadata) -> _KernelPlan:
-        plan = CPUPagedAttention._kernel_plan
-        if plan is None or plan.metadata is not metadata:
-            plan = build_kernel_plan(metadata)
-            CPUPagedAttention._kernel_plan = plan
-        return plan
-
-    @classmethod
-    def clear_plan_cache(cls) -> None:
-        CPUPagedAttention._kernel_plan = None
-        super().clear_plan_cache()
-
-    @classmethod
-    def release_memory(cls) -> None:
-        CPUPagedAttention._kernel_plan = None
-        super().release_memory()
+    @staticmethod
+    def _rows(metadata: AttentionMetadata) -> _KernelRows:
+        rows = metadata.derived.get("cpu_paged")
+        if not isinstance(rows, _KernelRows):
+            rows = build_kernel_rows(metadata)
+            metadata.derived["cpu_paged"] = rows
+        return rows
 
     def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale):
         cdtype = attention_dtype(query.dtype, key_cache.dtype)
-        if query.device.type != "cpu" or (cdtype, key_cache.dtype) not in self.kernel_pairs:
+        if query.device.type != "cpu" or (cdtype, key_cache.dtype) not in _KERNEL_PAIRS:
             return super().forward(query, key, value, key_cache, value_cache, metadata, scale)
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = key_cache.shape[-2]
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-        plan = self._get_kernel_plan(metadata)
+        plan = self._rows(metadata)
         if plan.num_tokens != num_tokens:
             raise ValueError(f"query has {num_tokens} tokens but metadata.query_lens sum to {plan.num_tokens}")
         # Indices are range-checked once per step (per cache shape), not once per layer.
         cache_id = (key_cache.shape[0], key_cache.shape[1])
         if plan.checked_for != cache_id:
-            kernels.check_slots(metadata.slot_mapping, key_cache)
-            kernels.check_paged_attention_rows(
+            check_slots(metadata.slot_mapping, key_cache)
+            check_paged_attention_rows(
                 num_tokens, key_cache, plan.block_tables, plan.row_token, plan.row_req, plan.row_ctx
             )
             plan.checked_for = cache_id
         k = key if key.dtype == cdtype else key.to(cdtype)
         v = value if value.dtype == cdtype else value.to(cdtype)
         if k.stride(-1) == 1 and v.stride(-1) == 1 and k.stride(-2) == head_dim and v.stride(-2) == head_dim:
-            kernels.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping, slots_checked=True)
+            self.kernels.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping, slots_checked=True)
         else:
             write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
         q = query if query.dtype == cdtype else query.to(cdtype)
@@ -131,7 +122,7 @@ class CPUPagedAttention(TorchSDPAAttention):
             q = q.contiguous()
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=cdtype)
         if num_tokens:
-            kernels.paged_attention(
+            self.kernels.paged_attention(
                 q, out, key_cache, value_cache, plan.block_tables, plan.row_token, plan.row_req, plan.row_ctx, scale,
                 rows_checked=True,
             )

@@ -14,8 +14,9 @@ One step's flat batch is split into
   ``seq_len - query_len`` is applied.
 
 Everything that depends only on the step's metadata (decode row indices, the gather
-index, masks) is built once per :class:`AttentionMetadata` object and reused by every
-layer of the model in that step (all layers share block tables); see :class:`_StepPlan`.
+index, masks) is built once per :class:`AttentionMetadata` object, kept in its ``derived``
+dict, and reused by every layer of the model in that step (all layers share block tables);
+see :class:`_StepPlan`.
 Treat a metadata object as immutable once it has been passed to ``forward``.
 
 Padding positions of the gather point at the request's own last valid slot (never at
@@ -89,7 +90,6 @@ class _PrefillPlan:
 
 @dataclass
 class _StepPlan:
-    metadata: AttentionMetadata  # strong ref: keeps the id alive, so identity checks are sound
     query_lens: list[int]
     seq_lens: list[int]
     block_tables: torch.Tensor
@@ -99,9 +99,9 @@ class _StepPlan:
     prefills: list[_PrefillPlan]
 
     def matches(self, metadata: AttentionMetadata, device: torch.device) -> bool:
+        """Still valid for ``metadata`` (in case a caller changed it after the first layer)."""
         return (
-            self.metadata is metadata
-            and self.device == device
+            self.device == device
             and self.block_tables is metadata.block_tables
             and self.query_lens == metadata.query_lens
             and self.seq_lens == metadata.seq_lens
@@ -212,7 +212,7 @@ def _build_plan(metadata: AttentionMetadata, device: torch.device) -> _StepPlan:
             mask = pos[None, :] <= q_pos[:, None]
         prefills.append(_PrefillPlan(starts[r], q_len, s_len, slots, mask))
 
-    return _StepPlan(metadata, query_lens, seq_lens, metadata.block_tables, device, num_tokens, decodes, prefills)
+    return _StepPlan(query_lens, seq_lens, metadata.block_tables, device, num_tokens, decodes, prefills)
 
 
 def decode_attention_bmm(
@@ -242,10 +242,10 @@ def decode_attention_bmm(
 class TorchSDPAAttention(AttentionBackend):
     """Fast paged attention for any device using ``torch.nn.functional.scaled_dot_product_attention``.
 
-    State (class-level, shared by all instances, so every layer of a model reuses it whether
-    or not the layers share an instance): a one-entry cache of the current step's plan, keyed
-    on the metadata object's identity, and grow-only K/V gather workspaces per (device, dtype).
-    Not safe for concurrent ``forward`` calls from several threads.
+    The step's plan (which rows decode, which prefill, their gather indices) is built once per
+    step and kept on the step's metadata (``metadata.derived``), so every layer reuses it
+    whichever instance it holds. K/V gather workspaces are this instance's: grow-only buffers
+    (per device and dtype) reused by every layer call; not safe for concurrent ``forward`` calls.
     """
 
     name = "torch_sdpa"
@@ -253,34 +253,23 @@ class TorchSDPAAttention(AttentionBackend):
     # How decode rows are computed: "bmm" (``decode_attention_bmm``) or "sdpa" (one masked SDPA call).
     decode_impl: str = "bmm"
 
-    _plan: _StepPlan | None = None  # class-level: one plan per step for all layers/instances
-
-    @classmethod
-    def _get_plan(cls, metadata: AttentionMetadata, device: torch.device) -> _StepPlan:
-        plan = TorchSDPAAttention._plan
-        if plan is None or not plan.matches(metadata, device):
-            plan = _build_plan(metadata, device)
-            TorchSDPAAttention._plan = plan
-        return plan
-
-    @classmethod
-    def clear_plan_cache(cls) -> None:
-        """Drop the cached step plan (and the metadata it keeps alive)."""
-        TorchSDPAAttention._plan = None
-
-    @classmethod
-    def release_memory(cls) -> None:
-        """Drop the cached step plan and free the K/V gather workspaces."""
-        TorchSDPAAttention._plan = None
-        TorchSDPAAttention._workspaces = {}
-
-    # (device, dtype) -> flat buffer that the gathered K/V of a layer call are written into.
-    # Reusing it avoids allocating (and, for big CPU buffers, page-faulting in) tens of MB per
-    # layer call. Grow-only; only valid within one forward (not safe for concurrent forwards).
-    _workspaces: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+    def __init__(self) -> None:
+        # (device, dtype) -> flat buffer the gathered K/V of a layer call are written into:
+        # reusing it avoids allocating (and, for big CPU buffers, page-faulting in) tens of MB
+        # per layer call.
+        self._workspaces: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     @staticmethod
+    def _get_plan(metadata: AttentionMetadata, device: torch.device) -> _StepPlan:
+        key = ("torch_sdpa", device)
+        plan = metadata.derived.get(key)
+        if not isinstance(plan, _StepPlan) or not plan.matches(metadata, device):
+            plan = _build_plan(metadata, device)
+            metadata.derived[key] = plan
+        return plan
+
     def _gather_pair(
+        self,
         key_cache: torch.Tensor, value_cache: torch.Tensor, index: torch.Tensor, row_shape: tuple[int, ...],
         dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,12 +281,12 @@ class TorchSDPAAttention(AttentionBackend):
             row *= d
         key_rows, value_rows = indexable(key_cache), indexable(value_cache)  # fp8: gathered as bytes
         wkey = (key_cache.device, key_rows.dtype)
-        ws = TorchSDPAAttention._workspaces.get(wkey)
+        ws = self._workspaces.get(wkey)
         if ws is None or ws.numel() < 2 * n * row:
             # A normal tensor even under inference_mode, so later calls outside it may write it.
             with torch.inference_mode(False):
                 ws = torch.empty(2 * n * row, dtype=key_rows.dtype, device=key_cache.device)
-            TorchSDPAAttention._workspaces[wkey] = ws
+            self._workspaces[wkey] = ws
         k = ws[: n * row].view(n, *row_shape)
         v = ws[n * row : 2 * n * row].view(n, *row_shape)
         torch.index_select(key_rows.view(-1, *row_shape), 0, index, out=k)

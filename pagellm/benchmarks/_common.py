@@ -131,14 +131,16 @@ def machine_info() -> dict[str, Any]:
         load = os.getloadavg()
     except OSError:
         load = None
-    from pagellm.kernels.build import target_flags
-    from pagellm.utils import isa_level, usable_cpu_flags
+    from pagellm.config import KernelConfig
+    from pagellm.kernels import kernel_target
+    from pagellm.kernels.isa import isa_level, usable_cpu_flags
 
-    usable = usable_cpu_flags()
+    config = KernelConfig.from_env()
+    usable = usable_cpu_flags(config.isa_cap)
     return dict(
         cpu=cpu,
-        cpu_isa=isa_level(usable),  # the level pagellm's kernels are built for (PAGELLM_ISA caps it)
-        kernel_target=" ".join(target_flags()),
+        cpu_isa=isa_level(usable),  # the level pagellm's kernels may use (PAGELLM_ISA caps it)
+        kernel_target=" ".join(kernel_target(config)),  # each pagellm row's extra.kernel_plan: what ran
         cpu_flags=sorted(f for f in usable if f.startswith(("avx", "amx", "fma", "f16c"))),
         cpu_count=os.cpu_count(),
         gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,

@@ -138,6 +138,7 @@ def run_pagellm(workload: Workload, options: dict[str, Any], progress: bool = Tr
         peak_kv_blocks=engine.stats.peak_blocks_in_use,
         prompt_tokens_computed=engine.stats.num_prompt_tokens,
         torch_threads=torch.get_num_threads(),
+        kernel_plan=engine.kernel_plan_info,
     )
     return ThroughputResult(
         system="pagellm",

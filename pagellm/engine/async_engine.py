@@ -231,6 +231,10 @@ class AsyncLLMEngine:
         return self.engine.max_model_len
 
     @property
+    def kernel_plan_info(self) -> dict[str, str]:
+        return self.engine.kernel_plan_info
+
+    @property
     def stats(self) -> EngineStats:
         return self.engine.stats
 

@@ -44,6 +44,7 @@ class _Ready:
     max_model_len: int
     vocab_size: int
     stats: EngineStats
+    kernel_plan_info: dict[str, str]
 
 
 # How often a waiting call checks that the child is still alive.
@@ -61,7 +62,7 @@ def _engine_main(config: EngineConfig, conn: Connection, log_level: int) -> None
     except BaseException as exc:  # start-up failures travel to the parent, which raises them
         conn.send(("error", exc))
         return
-    conn.send(("ok", _Ready(engine.max_model_len, engine.arch.vocab_size, engine.stats)))
+    conn.send(("ok", _Ready(engine.max_model_len, engine.arch.vocab_size, engine.stats, engine.kernel_plan_info)))
     # Ctrl-C reaches the whole process group: the child leaves shutdown to the parent (which
     # closes the pipe), so a shutdown is never mistaken for a crash and restarted.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -100,6 +101,7 @@ class EngineProcess:
         self.tokenizer = None
         ready = self._start()
         self.max_model_len = ready.max_model_len
+        self.kernel_plan_info = ready.kernel_plan_info
         self.stats = ready.stats
         self.input_processor = InputProcessor(
             self.tokenizer, ready.vocab_size, ready.max_model_len, config.limits, config.scheduler.max_num_seqs

@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from pagellm.attention import get_attention_backend
-from pagellm.config import EngineConfig, resolve_dtype, resolve_kv_cache_dtype
+from pagellm.config import DeviceConfig, EngineConfig, ModelConfig, resolve_dtype, resolve_kv_cache_dtype
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler
@@ -27,8 +27,9 @@ from pagellm.model.loader import auto_dtype, load_model
 from pagellm.model.tokenizer import load_tokenizer
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
-from pagellm.utils import isa_level, usable_cpu_flags
-from pagellm.worker.device import auto_dtype_downcasts_float32, configure_threads, native_bf16, resolve_device
+from pagellm.kernels.plan import KernelPlan
+from pagellm.worker.device import auto_dtype_downcasts_float32, configure_threads, resolve_device
+from pagellm.worker.kernel_plan import plan_kernels
 from pagellm.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_budget
 from pagellm.worker.model_runner import ModelRunner
 
@@ -57,9 +58,22 @@ class EngineStats:
     kv_cache_usage: float = 0.0  # gauge: fraction of blocks in use
 
 
+def engine_kernel_plan(config: EngineConfig, device: torch.device) -> KernelPlan:
+    """The kernel plan an engine with ``config`` runs on ``device``, its dtype resolved ("auto"
+    as in ``auto_dtype``, knowing whether the plan multiplies bf16 fast here)."""
+
+    def choose_dtype(bf16_is_fast: bool) -> torch.dtype:
+        return resolve_dtype(config.model.dtype) or auto_dtype(
+            config.model.model, bf16_is_fast, auto_dtype_downcasts_float32(device)
+        )
+
+    return plan_kernels(config.kernels, device, config.device.attention_backend, choose_dtype)
+
+
 def engine_dtype(dtype: str | torch.dtype, model: str | None, device: torch.device) -> torch.dtype:
-    """The dtype the engine runs ``model`` in on ``device`` ("auto" resolved as in ``auto_dtype``)."""
-    return resolve_dtype(dtype) or auto_dtype(model, native_bf16(device), auto_dtype_downcasts_float32(device))
+    """The dtype an engine with default kernel options runs ``model`` in on ``device``."""
+    config = EngineConfig(model=ModelConfig(model=model, dtype=dtype), device=DeviceConfig(device=device.type))
+    return engine_kernel_plan(config, device).dtype
 
 
 class LLMEngine:
@@ -69,11 +83,12 @@ class LLMEngine:
         self.device = resolve_device(config.device.device)
         configure_threads(self.device, config.device.num_threads)
         torch.manual_seed(config.model.seed)
-        dtype = engine_dtype(config.model.dtype, config.model.model, self.device)
-        self.dtype = dtype
+        self.kernel_plan = engine_kernel_plan(config, self.device)
+        dtype = self.dtype = self.kernel_plan.dtype
+        logger.info("kernel plan: %s", self.kernel_plan.describe())
 
-        attn_backend = get_attention_backend(config.device.attention_backend, self.device)
-        self.model, self.arch = load_model(config.model.model, dtype, attn_backend, self.device)
+        attn_backend = get_attention_backend(self.kernel_plan.attention, self.device, self.kernel_plan.kernels)
+        self.model, self.arch = load_model(config.model.model, dtype, attn_backend, self.device, self.kernel_plan)
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(config.model.model, config.model.chat_template)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype)
         self.num_blocks = self._num_blocks(self.arch, self.kv_cache_dtype)
@@ -98,7 +113,9 @@ class LLMEngine:
             self.max_model_len,
         )
         self.eos_token_ids = self._eos_token_ids()
-        self.model_runner = ModelRunner(self.model, kv_cache, block_size, self.device, sorted(self.eos_token_ids))
+        self.model_runner = ModelRunner(
+            self.model, kv_cache, block_size, self.device, sorted(self.eos_token_ids), self.kernel_plan
+        )
         self.input_processor = InputProcessor(
             self.tokenizer, self.arch.vocab_size, self.max_model_len, config.limits, config.scheduler.max_num_seqs
         )
@@ -109,17 +126,19 @@ class LLMEngine:
         self._beam_of_seq: dict[str, str] = {}  # beam sequence id -> beam search request id
         self._beam_counter = itertools.count()
         logger.info(
-            "engine ready in %.1fs: cpu %s, %s in %s, attention %s, %d KV blocks of %d tokens (%s), max_model_len %d",
+            "engine ready in %.1fs: %s, %d KV blocks of %d tokens (%s), max_model_len %d",
             time.monotonic() - start,
-            isa_level(usable_cpu_flags()),
             self.arch.architecture,
-            str(dtype).removeprefix("torch."),
-            attn_backend.name,
             self.num_blocks,
             block_size,
             str(self.kv_cache_dtype).removeprefix("torch."),
             self.max_model_len,
         )
+
+    @property
+    def kernel_plan_info(self) -> dict[str, str]:
+        """The kernel plan as plain strings (``/version``, benchmark reports)."""
+        return self.kernel_plan.as_dict()
 
     # ---- start-up helpers ------------------------------------------------------
 

@@ -34,6 +34,7 @@ class SteppedEngine(Protocol):
 
     stats: EngineStats
     max_model_len: int
+    kernel_plan_info: dict[str, str]  # KernelPlan.as_dict(): what runs where (/version)
 
     def add_tokenized_request(
         self,

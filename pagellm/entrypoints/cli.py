@@ -15,6 +15,7 @@ from typing import Any
 from pagellm.benchmarks.cli import add_bench_subparser
 from pagellm.config import KV_CACHE_DTYPE_CHOICES
 from pagellm.model.default_model import DEFAULT_MODEL_NAME
+from pagellm.config import GEMM_CHOICES, ISA_CHOICES
 from pagellm.utils import LOG_FORMAT
 
 logger = logging.getLogger("pagellm")
@@ -52,6 +53,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="auto (cpu_paged on CPU where its C++ kernels build, else torch_sdpa), cpu_paged, torch_sdpa or reference",
     )
     group.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    kernels = parser.add_argument_group("CPU kernels (the kernel plan; the start-up log and /version show it)")
+    kernels.add_argument("--cpu-isa", choices=ISA_CHOICES, default=None,
+                         help="highest ISA level the kernels may use (default: $PAGELLM_ISA, else auto: the CPU's)")
+    kernels.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=None,
+                         help="use pagellm's C++ CPU kernels (default: yes, unless $PAGELLM_CPU_KERNELS=0)")
+    kernels.add_argument("--gemm", choices=GEMM_CHOICES, default=None,
+                         help="GEMM of 16-bit linear layers: auto, pagellm, onednn or torch (default: auto)")
     limits = parser.add_argument_group("request limits")
     limits.add_argument("--max-n", type=int, default=128,
                         help="most samples (n, best_of) or beams one request may ask for; never above --max-num-seqs")
@@ -87,6 +95,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_n=args.max_n,
         max_logprobs=args.max_logprobs,
         max_stop_strings=args.max_stop_strings,
+        cpu_isa=args.cpu_isa,
+        cpu_kernels=args.cpu_kernels,
+        gemm=args.gemm,
     )
 
 

@@ -8,7 +8,15 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from pagellm.config import CacheConfig, DeviceConfig, EngineConfig, LimitsConfig, ModelConfig, SchedulerConfig
+from pagellm.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    KernelConfig,
+    LimitsConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from pagellm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
@@ -37,8 +45,16 @@ def engine_config(
     max_n: int = 128,
     max_logprobs: int = 20,
     max_stop_strings: int = 16,
+    cpu_isa: str | None = None,
+    cpu_kernels: bool | None = None,
+    gemm: str | None = None,
 ) -> EngineConfig:
-    """The engine's validated configuration from ``LLM``'s flat keyword options."""
+    """The engine's validated configuration from ``LLM``'s flat keyword options.
+
+    ``cpu_isa``, ``cpu_kernels`` and ``gemm`` (None: the environment's, see ``KernelConfig``)
+    shape the kernel plan: the highest ISA level the kernels may use, whether the C++ kernels
+    are used at all, and which GEMM 16-bit linears take.
+    """
     return EngineConfig(
         model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, chat_template=chat_template),
         cache=CacheConfig(
@@ -51,6 +67,7 @@ def engine_config(
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         device=DeviceConfig(device=device, attention_backend=attention_backend, num_threads=num_threads),
         limits=LimitsConfig(max_n=max_n, max_logprobs=max_logprobs, max_stop_strings=max_stop_strings),
+        kernels=KernelConfig.from_env(isa=cpu_isa, cpu_kernels=cpu_kernels, gemm=gemm),
     )
 
 

@@ -2,13 +2,14 @@
 
 The sources (``csrc/*.cpp``, split by concern over the headers they share) use no torch headers,
 so one ``g++ -O3 -march=... -fopenmp`` call takes about a second; it has AVX-512 BF16 paths and
-portable C++ fallbacks, and targets the CPU this process may use (:func:`target_flags`). The
-shared object is cached under
+portable C++ fallbacks, and is built once per ISA level (:func:`target_flags`): one shared
+object per ``-march``, so one process can load the AVX2 build next to its native one. Each is
+cached under
 ``$PAGELLM_CACHE_DIR/kernels`` (default ``~/.cache/pagellm/kernels``), keyed by a hash of the
 source, the compiler, its flags and this CPU's feature flags, and written atomically, so
 concurrent processes never load a half-written file. Anything that goes wrong (no compiler,
-a failed build, ``PAGELLM_CPU_KERNELS=0``) makes :func:`load_library` return ``None`` and the
-caller falls back to pure PyTorch.
+a failed build) makes :func:`load_library` return ``None`` and the kernel plan falls back to
+pure PyTorch.
 """
 
 from __future__ import annotations
@@ -26,29 +27,27 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-from pagellm.utils import cpu_flags, owned_by_me, private_dir, usable_cpu_flags
+from pagellm.utils import owned_by_me, private_dir
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 6
-_SOURCES = ("attention.cpp", "elementwise.cpp", "gemm_bf16.cpp")
-_HEADERS = ("bf16_simd.h", "cpu_common.h")
+ABI_VERSION = 7
+_SOURCES = ("attention.cpp", "elementwise.cpp", "gemm_bf16.cpp", "gemm_avx2.cpp")
+_HEADERS = ("bf16_simd.h", "cpu_common.h", "work_ranges.h")
 # -ffp-contract=off: no fused multiply-adds where the source has a product then a sum, so the
 # elementwise kernels round exactly like the separate torch ops they replace.
 _BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off")
 
 
-def target_flags() -> tuple[str, ...]:
-    """The ``-march`` for the CPU this process may use (``usable_cpu_flags``), not the host's.
+def target_flags(usable: frozenset[str], host: frozenset[str], march: str | None = None) -> tuple[str, ...]:
+    """The ``-march`` for the CPU flags this process may use (``usable``), not the host's.
 
     ``-march=native`` describes the host, which can be more than the process has (an emulator,
-    ``PAGELLM_ISA``): then the build targets the level the process has. ``PAGELLM_KERNEL_MARCH``
-    overrides it all (e.g. x86-64-v2 to build and test the portable path on an AVX-512 machine).
+    an ISA cap): then the build targets the level the process has. ``march`` overrides it all
+    (e.g. x86-64-v2 to build and test the portable path on an AVX-512 machine).
     """
-    forced = os.environ.get("PAGELLM_KERNEL_MARCH")
-    if forced:
-        return (f"-march={forced}",)
-    host, usable = cpu_flags(), usable_cpu_flags()
+    if march:
+        return (f"-march={march}",)
     if usable == host:
         return ("-march=native",)
     if "avx512f" in usable:
@@ -58,19 +57,10 @@ def target_flags() -> tuple[str, ...]:
     return ("-march=x86-64-v2",)
 
 
-def _flags() -> tuple[str, ...]:
-    return (*target_flags(), *_BASE_FLAGS)
-
-
 def cache_dir() -> Path:
     """Where built kernels are kept; created private (0700), and used only while it is."""
     root = os.environ.get("PAGELLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagellm")
     return Path(root) / "kernels"
-
-
-def _machine_id() -> str:
-    """What a ``-march=native`` build depends on: the CPU's feature flags."""
-    return " ".join(sorted(usable_cpu_flags())) or platform.processor()
 
 
 def _compiler() -> str | None:
@@ -90,14 +80,14 @@ def _read_sources() -> dict[str, str]:
     return {name: folder.joinpath(name).read_text(encoding="utf-8") for name in (*_SOURCES, *_HEADERS)}
 
 
-def _compile(cxx: str, files: dict[str, str], target: Path) -> None:
+def _compile(cxx: str, flags: tuple[str, ...], files: dict[str, str], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         for name, text in files.items():
             (Path(tmp) / name).write_text(text, encoding="utf-8")
         out = Path(tmp) / target.name
         sources = [str(Path(tmp) / name) for name in _SOURCES]
-        proc = subprocess.run([cxx, *_flags(), *sources, "-o", str(out)], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([cxx, *flags, *sources, "-o", str(out)], capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{cxx} failed:\n{proc.stderr[-4000:]}")
         os.replace(out, target)
@@ -132,6 +122,8 @@ _SIGNATURES: dict[str, tuple[type, list[type]]] = {
     "pagellm_gemm_bf16_available": (_I32, []),
     "pagellm_gemm_bf16": (_I32, [_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32, _I32, _I32]),
     "pagellm_gemm_bf16_amx_available": (_I32, []),
+    "pagellm_gemm_avx2_available": (_I32, []),
+    "pagellm_gemm_avx2": (_I32, [_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32, _I32, _I32, _I32]),
 }
 
 
@@ -142,11 +134,11 @@ def _declare(lib: ctypes.CDLL) -> None:
         function.argtypes = argtypes
 
 
-@lru_cache(maxsize=1)
-def load_library() -> ctypes.CDLL | None:
-    """The compiled kernel library, building it if needed; ``None`` when unavailable."""
-    if os.environ.get("PAGELLM_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
+@lru_cache(maxsize=None)
+def load_library(march: tuple[str, ...], machine_id: str) -> ctypes.CDLL | None:
+    """The kernel library built for ``march`` (on a CPU whose usable flags ``machine_id``
+    lists: what a ``-march=native`` build depends on), building it if needed; ``None`` when
+    unavailable. One shared object per target, each kept for the life of the process."""
     import torch  # noqa: F401  -- load torch's libgomp first so the kernels share its OpenMP runtime
 
     cxx = _compiler()
@@ -154,8 +146,9 @@ def load_library() -> ctypes.CDLL | None:
         logger.info("no C++ compiler found; CPU kernels disabled, using the PyTorch attention path")
         return None
     files = _read_sources()
+    flags = (*march, *_BASE_FLAGS)
     key = hashlib.sha256(
-        "\0".join([*files.values(), cxx, _compiler_version(cxx), " ".join(_flags()), _machine_id()]).encode()
+        "\0".join([*files.values(), cxx, _compiler_version(cxx), " ".join(flags), machine_id or platform.processor()]).encode()
     ).hexdigest()[:20]
     target = cache_dir() / f"cpu_kernels-{key}.so"
     try:
@@ -166,10 +159,10 @@ def load_library() -> ctypes.CDLL | None:
         if not target.exists():
             _remove_stale(target.parent)
             try:
-                _compile(cxx, files, target)
+                _compile(cxx, flags, files, target)
             except OSError:  # cache folder not writable: build into a private temporary folder
                 target = Path(tempfile.mkdtemp(prefix="pagellm-kernels-")) / target.name
-                _compile(cxx, files, target)
+                _compile(cxx, flags, files, target)
         lib = ctypes.CDLL(str(target))
         _declare(lib)
         if lib.pagellm_abi_version() != ABI_VERSION:

@@ -16,10 +16,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagellm import kernels
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.kernels.plan import KernelPlan
 from pagellm.model.arch_config import ModelArchConfig
-from pagellm.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_, fuse_silu_and_mul, pack_linear_layers
+from pagellm.model.cpu_linear import fuse_silu_and_mul, pack_linear_layers
+from pagellm.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -39,7 +40,7 @@ _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 class LlamaAttention(nn.Module):
     """Fused qkv projection, rotary, paged attention through the backend, output projection."""
 
-    def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend) -> None:
+    def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend, plan: KernelPlan | None) -> None:
         super().__init__()
         self.num_heads = arch.num_attention_heads
         self.num_kv_heads = arch.num_key_value_heads
@@ -50,7 +51,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias)
         self.attn_backend = attn_backend
-        self.use_rotary_kernel = False  # set by optimize_for_cpu_inference
+        self.rotary_kernels = plan.library("rotary") if plan is not None else None
 
     def shard_slices(self) -> dict[str, slice]:
         """Rows of ``qkv_proj`` holding each of q, k, v."""
@@ -69,7 +70,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         # q and k rotated together (one set of elementwise ops; the same arithmetic per element).
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary_(qk, cos, sin, self.use_rotary_kernel).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = apply_rotary_(qk, cos, sin, self.rotary_kernels).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         out = self.attn_backend.forward(q, k, v, key_cache, value_cache, attn_metadata, self.scale)
@@ -96,9 +97,9 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
-    def fuse_for_cpu(self, verify: bool = True) -> bool:
+    def fuse_for_cpu(self, plan: KernelPlan, verify: bool = True) -> bool:
         """Swap gate_up + SiluAndMul for one fused packed module (bf16/fp16 on CPU); True if done."""
-        fused = fuse_silu_and_mul(self.gate_up_proj, self.intermediate_size, verify)
+        fused = fuse_silu_and_mul(self.gate_up_proj, self.intermediate_size, plan, verify)
         if fused is None:
             return False
         self.gate_up_proj, self.act = fused, nn.Identity()
@@ -108,11 +109,12 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention block then pre-norm MLP block, each with a residual add."""
 
-    def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend) -> None:
+    def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend, plan: KernelPlan | None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch, attn_backend)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        norm_kernels = plan.library("norm") if plan is not None else None
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, norm_kernels)
+        self.self_attn = LlamaAttention(arch, attn_backend, plan)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, norm_kernels)
         self.mlp = LlamaMLP(arch)
 
     def forward(
@@ -138,21 +140,25 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder stack and final norm (HF's ``model.`` prefix)."""
 
-    def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend) -> None:
+    def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend, plan: KernelPlan | None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, attn_backend) for _ in range(arch.num_hidden_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, attn_backend, plan) for _ in range(arch.num_hidden_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, plan.library("norm") if plan is not None else None)
         self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Causal LM over a paged KV cache; also serves Mistral and Qwen2 (q/k/v bias)."""
+    """Causal LM over a paged KV cache; also serves Mistral and Qwen2 (q/k/v bias).
 
-    def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend) -> None:
+    ``plan`` (None: PyTorch everywhere) says which kernels the norms and rotary use;
+    :meth:`optimize_for_cpu_inference` repacks the loaded weights for its GEMM.
+    """
+
+    def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend, plan: KernelPlan | None = None) -> None:
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(arch, attn_backend)
+        self.model = LlamaModel(arch, attn_backend, plan)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.tie_weights()
 
@@ -179,29 +185,17 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
-    def optimize_for_cpu_inference(self) -> dict[str, int]:
-        """Inference-only CPU fast path for bf16/fp16: fused packed MLPs, packed linears.
+    def optimize_for_cpu_inference(self, plan: KernelPlan) -> dict[str, int]:
+        """Repack the loaded weights for the plan's GEMM: fused MLPs, packed linears (bf16/fp16).
 
-        Irreversible (weights are repacked; loading weights afterwards is not supported) and a
-        no-op for float32, which keeps torch's default kernels and HF-exact numerics.
+        Irreversible (loading weights afterwards is not supported) and a no-op for float32,
+        which keeps torch's default GEMM and its HF-exact numerics.
         """
         layers = list(self.model.layers)
         fused = 0
-        if layers and layers[0].mlp.fuse_for_cpu(verify=True):  # one self-check for the model
-            fused = 1 + sum(layer.mlp.fuse_for_cpu(verify=False) for layer in layers[1:])
-        packed = pack_linear_layers(self)
-        return {"fused_mlps": fused, "packed_linears": packed, "cpu_kernels": self._use_cpu_kernels()}
-
-    def _use_cpu_kernels(self) -> int:
-        """Route RMSNorm (+ residual add) and rotary through the C++ kernels for bf16 weights."""
-        if self.model.embed_tokens.weight.dtype != torch.bfloat16 or not kernels.available():
-            return 0
-        norms = [m for m in self.modules() if isinstance(m, RMSNorm)]
-        for norm in norms:
-            norm.use_kernel = True
-        for layer in self.model.layers:
-            layer.self_attn.use_rotary_kernel = True
-        return len(norms) + len(self.model.layers)
+        if layers and layers[0].mlp.fuse_for_cpu(plan, verify=True):  # one self-check for the model
+            fused = 1 + sum(layer.mlp.fuse_for_cpu(plan, verify=False) for layer in layers[1:])
+        return {"fused_mlps": fused, "packed_linears": pack_linear_layers(self, plan)}
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """Vocabulary logits ``[N, vocab]`` for the rows the sampler needs: float32, or the model

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from pagellm.attention.backend import AttentionBackend
+from pagellm.kernels.plan import KernelPlan
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.default_model import default_model_path
 from pagellm.model.gguf_loader import arch_config_from_gguf, iter_gguf_weights, open_gguf
@@ -195,17 +196,18 @@ def _no_param_init(dtype: torch.dtype) -> Iterator[None]:
 
 
 def _empty_model(
-    arch: ModelArchConfig, attn_backend: AttentionBackend, dtype: torch.dtype, device: torch.device
+    arch: ModelArchConfig, attn_backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
+    plan: KernelPlan | None,
 ) -> LlamaForCausalLM:
     """Allocate the model in ``dtype`` on ``device`` without paying for random init."""
     model_class = validate_arch_config(arch)
     if device.type == "cpu":
         with _no_param_init(dtype):
-            model = model_class(arch, attn_backend)
+            model = model_class(arch, attn_backend, plan)
         model.tie_weights()
         return model
     with torch.device("meta"):
-        model = model_class(arch, attn_backend)
+        model = model_class(arch, attn_backend, plan)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()  # to_empty may replace the shared Parameter objects
     return model
@@ -216,8 +218,10 @@ def load_model(
     dtype: torch.dtype,
     attn_backend: AttentionBackend,
     device: torch.device = torch.device("cpu"),
+    plan: KernelPlan | None = None,
 ) -> tuple[LlamaForCausalLM, ModelArchConfig]:
-    """Build the model with its weights in ``dtype`` on ``device``, in eval mode, no grads."""
+    """Build the model with its weights in ``dtype`` on ``device``, in eval mode, no grads,
+    with the kernels ``plan`` names (None: PyTorch everywhere)."""
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}; use one of {', '.join(map(str, SUPPORTED_DTYPES))}")
     path = resolve_model_path(model)
@@ -229,7 +233,7 @@ def load_model(
         else:
             arch = _hf_arch_config(path)
             weights = _iter_safetensors(safetensors_files(path))
-        net = _empty_model(arch, attn_backend, dtype, device)
+        net = _empty_model(arch, attn_backend, dtype, device, plan)
         net.load_weights(weights)
     net.requires_grad_(False)
     return net.eval(), arch

@@ -6,8 +6,6 @@ from collections.abc import Sequence
 
 import torch
 
-from pagellm.utils import usable_cpu_flags
-
 
 def resolve_device(name: str) -> torch.device:
     """Check the requested device exists and return it."""
@@ -19,14 +17,14 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def native_bf16(device: torch.device) -> bool:
-    """Whether ``device`` multiplies bfloat16 natively (AVX-512 BF16 or AMX on CPU)."""
-    if device.type == "cuda":
-        try:
-            return torch.cuda.is_bf16_supported(including_emulation=False)
-        except TypeError:  # torch < 2.3 has no including_emulation
-            return torch.cuda.is_bf16_supported()
-    return bool({"avx512_bf16", "amx_bf16"} & usable_cpu_flags())
+def cuda_native_bf16(device: torch.device) -> bool:
+    """Whether a CUDA ``device`` multiplies bfloat16 natively (on CPU the kernel plan decides)."""
+    if device.type != "cuda":
+        raise ValueError(f"cuda_native_bf16 takes a CUDA device, got {device}")
+    try:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    except TypeError:  # torch < 2.3 has no including_emulation
+        return torch.cuda.is_bf16_supported()
 
 
 def auto_dtype_downcasts_float32(device: torch.device) -> bool:

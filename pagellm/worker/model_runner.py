@@ -8,7 +8,8 @@ from itertools import chain
 import torch
 
 from pagellm.attention.backend import AttentionMetadata
-from pagellm.model.layers import pack_linear_layers
+from pagellm.kernels.plan import KernelPlan
+from pagellm.model.cpu_linear import pack_linear_layers
 from pagellm.model.loader import single_threaded
 from pagellm.sample.sampler import (
     Sampler,
@@ -42,7 +43,11 @@ class StepInputs:
 
 
 class ModelRunner:
-    """Owns the model, the KV cache tensors and per-request random generators."""
+    """Owns the model, the KV cache tensors and per-request random generators.
+
+    The model's weights are repacked once, here, for the GEMM the kernel ``plan`` names
+    (bf16/fp16 on CPU: packed linears, the MLP activation fused into its matmul).
+    """
 
     def __init__(
         self,
@@ -51,7 +56,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         eos_token_ids: list[int],
-        pack_linears: bool = True,
+        plan: KernelPlan,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -60,13 +65,13 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
-        # bf16/fp16 on CPU: weights packed once for oneDNN, MLP activation fused into its matmuls.
+        self.argmax_kernels = plan.library("argmax")
         self.cpu_optimizations: dict[str, int] = {}
-        if device.type == "cpu" and pack_linears:
+        if device.type == "cpu":
             optimize = getattr(model, "optimize_for_cpu_inference", None)
             with single_threaded():
                 self.cpu_optimizations = (
-                    optimize() if optimize is not None else {"packed_linears": pack_linear_layers(model)}
+                    optimize(plan) if optimize is not None else {"packed_linears": pack_linear_layers(model, plan)}
                 )
 
     @torch.inference_mode()
@@ -83,7 +88,7 @@ class ModelRunner:
             rows = hidden[inputs.sample_indices]
             if all(is_plain_greedy(r.sampling_params, len(r.output_token_ids)) for r in inputs.sample_requests):
                 # Common case: argmax only. No float32 copy of the logits, no SamplingBatch.
-                tokens = greedy_sample(self.model.compute_logits(rows, upcast=False)).tolist()
+                tokens = greedy_sample(self.model.compute_logits(rows, upcast=False), self.argmax_kernels).tolist()
                 output.sampled.update((r.request_id, t) for r, t in zip(inputs.sample_requests, tokens))
             else:
                 self._sample(self.model.compute_logits(rows), inputs.sample_requests, output)

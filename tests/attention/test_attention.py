@@ -20,6 +20,8 @@ from pagellm.attention import (
 )
 from pagellm.attention.backend import attention_dtype, to_cache_dtype
 
+KERNELS = kernels.default()  # this machine's kernel library (None: no compiler)
+
 FP8 = torch.float8_e4m3fn
 TOL = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),
@@ -156,7 +158,7 @@ def run_backend(backend, step: Step):
 
 def cpu_paged_all_dtypes() -> CPUPagedAttention:
     """The kernel backend with float32 through the kernel as well (by default float32 uses SDPA)."""
-    return CPUPagedAttention(float32_kernel=True)
+    return CPUPagedAttention(KERNELS)
 
 
 cpu_paged_all_dtypes.name = "cpu_paged"
@@ -268,7 +270,6 @@ def test_zero_length_query_request_is_skipped(backend_cls):
 
 
 def test_plan_is_reused_across_layers_and_rebuilt_for_new_metadata():
-    TorchSDPAAttention.clear_plan_cache()
     reqs = random_reqs("mixed", 8, 11)
     layer0 = make_step(reqs, 16, 4, 2, seed=1)
     layer1 = make_step(reqs, 16, 4, 2, seed=1)
@@ -284,25 +285,26 @@ def test_plan_is_reused_across_layers_and_rebuilt_for_new_metadata():
 
     backends = [TorchSDPAAttention(), TorchSDPAAttention()]  # one per layer: the plan is still shared
     out0, _, _ = run_backend(backends[0], layer0)
-    plan = TorchSDPAAttention._plan
-    assert plan is not None and plan.metadata is layer0.metadata
+    (plan,) = layer0.metadata.derived.values()  # built once, kept with the step's metadata
     out1, _, _ = run_backend(backends[1], layer1)
-    assert TorchSDPAAttention._plan is plan
+    assert list(layer0.metadata.derived.values()) == [plan]
     torch.testing.assert_close(out0.double(), dense_expected(layer0), **TOL[torch.float32])
     torch.testing.assert_close(out1.double(), dense_expected(layer1), **TOL[torch.float32])
 
     # A new step with different shapes gets a fresh plan and is still right.
     nxt = make_step(random_reqs("decode", 5, 12), 16, 4, 2, seed=2)
     check_step(nxt)
-    assert TorchSDPAAttention._plan is not plan
+    assert plan not in nxt.metadata.derived.values()
 
 
 def test_get_attention_backend():
-    # "auto" is the C++ kernel on CPU wherever it builds (every machine of ours has g++), SDPA elsewhere.
-    auto_cls = CPUPagedAttention if kernels.available() else TorchSDPAAttention
-    assert type(get_attention_backend()) is auto_cls
-    assert type(get_attention_backend("auto", "cpu")) is auto_cls
-    assert type(get_attention_backend("auto", "meta")) is TorchSDPAAttention  # not a CPU: no CPU kernel
+    # "auto" is the C++ kernel on CPU given a kernel library (every machine of ours has g++), SDPA elsewhere.
+    auto_cls = CPUPagedAttention if KERNELS is not None else TorchSDPAAttention
+    assert type(get_attention_backend()) is TorchSDPAAttention  # no library given
+    assert type(get_attention_backend("auto", "cpu", KERNELS)) is auto_cls
+    assert type(get_attention_backend("auto", "meta", KERNELS)) is TorchSDPAAttention  # not a CPU: no CPU kernel
+    with pytest.raises(RuntimeError, match="needs the pagellm CPU kernels"):
+        get_attention_backend("cpu_paged")
     assert isinstance(get_attention_backend("torch_sdpa"), TorchSDPAAttention)
     assert isinstance(get_attention_backend("reference"), ReferenceAttention)
     assert set(ATTENTION_BACKEND_CHOICES) == {"auto", "reference", "torch_sdpa", "cpu_paged"}

@@ -13,7 +13,7 @@ import torch
 
 from pagellm import kernels
 from pagellm.attention import CPUPagedAttention, write_kv
-from pagellm.utils import usable_cpu_flags
+from pagellm.kernels.isa import usable_cpu_flags
 from tests.attention.test_attention import (
     FP8,
     TOL,
@@ -25,14 +25,18 @@ from tests.attention.test_attention import (
     to_fp8_step,
 )
 
+KERNELS = kernels.default()  # this machine's kernel library (None: no compiler)
+GEMM_BF16 = KERNELS is not None and KERNELS.gemm_bf16_available
+GEMM_AMX = KERNELS is not None and KERNELS.gemm_amx_available
+
 pytestmark = pytest.mark.skipif(
-    not kernels.available() and shutil.which("g++") is None, reason="no C++ compiler: the kernels cannot be built"
+    KERNELS is None and shutil.which("g++") is None, reason="no C++ compiler: the kernels cannot be built"
 )
 
 
 def test_kernels_build_where_a_compiler_exists():
     # Every machine of ours has g++: a build failure must fail loudly here, not fall back silently.
-    assert kernels.available()
+    assert KERNELS is not None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -53,7 +57,7 @@ def test_bf16_kernel_is_as_close_to_float64_as_the_float32_path():
     # The bf16 kernel multiplies bf16 q·k with float32 sums: its error against float64 must stay
     # at bf16 rounding of the output, not grow with the context length.
     step = make_step([(2000, 1), (1500, 1)], 16, 9, 3, head_dim=64, dtype=torch.bfloat16, seed=9)
-    out, _, _ = run_backend(CPUPagedAttention(), step)
+    out, _, _ = run_backend(CPUPagedAttention(KERNELS), step)
     err = (out.double() - dense_expected(step)).abs().max().item()
     assert err < 8e-3, err  # one bf16 ulp of values of magnitude < 1
 
@@ -69,7 +73,7 @@ def test_write_kv_kernel_equals_index_copy(dtype):
     expected_k, expected_v = torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype)
     write_kv(key, value, expected_k, expected_v, slots)
     got_k, got_v = torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype)
-    kernels.write_kv(key, value, got_k, got_v, slots)
+    KERNELS.write_kv(key, value, got_k, got_v, slots)
     assert torch.equal(got_k, expected_k) and torch.equal(got_v, expected_v)
     assert int((got_k != 0).any(-1).any(-1).sum()) == 10  # exactly the 10 slots were written
 
@@ -86,7 +90,7 @@ def test_write_kv_rejects_bad_arguments(case):
         "slot below -1": dict(slot_mapping=torch.tensor([0, 1, 2, 3, 4, -2])),
     }[case]
     with pytest.raises(ValueError):
-        kernels.write_kv(**{**args, **change})
+        KERNELS.write_kv(**{**args, **change})
     assert not cache.any()  # nothing was written
 
 
@@ -94,7 +98,7 @@ def test_write_kv_rejects_bad_arguments(case):
 def test_nan_in_a_query_gives_nan_like_torch(head_dim):
     args = _args(head_dim=head_dim)
     args["query"][1, 0, 0] = float("nan")
-    kernels.paged_attention(**args)
+    KERNELS.paged_attention(**args)
     assert torch.isnan(args["out"][1, 0]).all()  # that head's row is NaN, as softmax in torch gives
     assert torch.isfinite(args["out"][0]).all()  # other rows are untouched by it
 
@@ -128,7 +132,7 @@ BAD_ARGUMENTS = {
 def test_paged_attention_valid_call_writes_every_row():
     args = _args()
     args["out"].fill_(float("nan"))
-    kernels.paged_attention(**args)
+    KERNELS.paged_attention(**args)
     assert torch.isfinite(args["out"]).all()
 
 
@@ -136,14 +140,19 @@ def test_paged_attention_valid_call_writes_every_row():
 def test_paged_attention_rejects_bad_arguments(case):
     args = _args()
     with pytest.raises(ValueError):
-        kernels.paged_attention(**{**args, **BAD_ARGUMENTS[case](args)})
+        KERNELS.paged_attention(**{**args, **BAD_ARGUMENTS[case](args)})
 
 
 def test_disabled_kernels_fall_back_to_sdpa():
     code = (
-        "from pagellm import kernels; from pagellm.attention import resolve_auto_backend, get_attention_backend\n"
-        "assert not kernels.available()\n"
-        "assert resolve_auto_backend('cpu') == 'torch_sdpa'\n"
+        "import torch\n"
+        "from pagellm import kernels\n"
+        "from pagellm.attention import get_attention_backend\n"
+        "from pagellm.config import KernelConfig\n"
+        "from pagellm.worker.kernel_plan import plan_kernels\n"
+        "assert kernels.default() is None\n"
+        "plan = plan_kernels(KernelConfig.from_env(), torch.device('cpu'), 'auto', lambda fast: torch.bfloat16)\n"
+        "assert plan.attention == 'torch_sdpa' and plan.kernels is None and plan.norm == 'torch', plan\n"
         "try:\n    get_attention_backend('cpu_paged')\nexcept RuntimeError as e:\n    print('refused:', e)\n"
     )
     env = dict(os.environ, PAGELLM_CPU_KERNELS="0")
@@ -152,16 +161,17 @@ def test_disabled_kernels_fall_back_to_sdpa():
     assert "refused:" in proc.stdout and "cpu_paged" in proc.stdout
 
 
-def test_float32_uses_the_sdpa_path_by_default(monkeypatch):
+def test_float32_and_bf16_go_through_the_kernel(monkeypatch):
     calls = []
-    monkeypatch.setattr(kernels, "paged_attention", lambda *a, **k: calls.append(1))
+    real = KERNELS.paged_attention
+    monkeypatch.setattr(KERNELS, "paged_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     step = make_step([(10, 1), (4, 1)], 16, 4, 2, head_dim=32, dtype=torch.float32)
-    out, _, _ = run_backend(CPUPagedAttention(), step)
-    assert not calls
+    out, _, _ = run_backend(CPUPagedAttention(KERNELS), step)
+    assert len(calls) == 1
     torch.testing.assert_close(out.double(), dense_expected(step), **TOL[torch.float32])
     step = make_step([(10, 1), (4, 1)], 16, 4, 2, head_dim=32, dtype=torch.bfloat16)
-    run_backend(CPUPagedAttention(), step)
-    assert calls  # bf16 goes through the kernel
+    run_backend(CPUPagedAttention(KERNELS), step)
+    assert len(calls) == 2
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86-64 targets")
@@ -225,7 +235,7 @@ def test_write_kv_fp8_kernel_rounds_as_torch_casts(head_dim):
     value = -key.flip(0)
     slots = torch.randperm(48)[:40]
     got_k, got_v = torch.zeros(3, 16, 3, head_dim, dtype=FP8), torch.zeros(3, 16, 3, head_dim, dtype=FP8)
-    kernels.write_kv(key, value, got_k, got_v, slots)
+    KERNELS.write_kv(key, value, got_k, got_v, slots)
     want_k, want_v = torch.zeros_like(got_k), torch.zeros_like(got_v)
     write_kv(key, value, want_k, want_v, slots)  # the torch path: key.to(float8_e4m3fn)
     assert torch.equal(got_k.view(torch.uint8), want_k.view(torch.uint8))
@@ -240,7 +250,7 @@ def test_write_kv_fp8_kernel_rounds_as_torch_casts(head_dim):
 def test_write_kv_fp8_keeps_nan():
     key = torch.full((1, 1, 64), float("nan"), dtype=torch.bfloat16)
     cache_k, cache_v = torch.zeros(1, 16, 1, 64, dtype=FP8), torch.zeros(1, 16, 1, 64, dtype=FP8)
-    kernels.write_kv(key, -key, cache_k, cache_v, torch.tensor([3]))
+    KERNELS.write_kv(key, -key, cache_k, cache_v, torch.tensor([3]))
     assert torch.isnan(cache_k[0, 3].float()).all() and torch.isnan(cache_v[0, 3].float()).all()
     assert not cache_k[0, :3].float().any()
 
@@ -251,7 +261,7 @@ def test_write_kv_fp8_keeps_nan():
 def test_fp8_cache_kernel_match_dense(num_heads, num_kv_heads, head_dim):
     reqs = [(1030, 1), (5, 1), (0, 1), (77, 1), (40, 9), (0, 12), (16, 16), (300, 1)]
     step = to_fp8_step(make_step(reqs, 16, num_heads, num_kv_heads, head_dim=head_dim, dtype=torch.bfloat16, seed=3))
-    check_step(step, CPUPagedAttention)
+    check_step(step, cpu_paged_all_dtypes)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 48], ids=["avx512", "avx512-128", "portable"])
@@ -268,12 +278,11 @@ def test_fp8_cache_reads_every_code_exactly_as_the_bf16_kernel_reads_it_widened(
     rows = dict(row_token=torch.arange(7, dtype=torch.int32), row_req=torch.tensor([0, 1, 2, 2, 2, 3, 3], dtype=torch.int32),
                 row_ctx=torch.tensor([160, 1, 97, 98, 99, 17, 150], dtype=torch.int32))
     out_fp8, out_bf16 = torch.empty_like(query), torch.empty_like(query)
-    kernels.paged_attention(query, out_fp8, cache_k, cache_v, tables, scale=0.125, **rows)
-    amx_env = os.environ.get("PAGELLM_AMX")
-    kernels.paged_attention(query, out_bf16, cache_k.to(torch.bfloat16), cache_v.to(torch.bfloat16), tables,
+    KERNELS.paged_attention(query, out_fp8, cache_k, cache_v, tables, scale=0.125, **rows)
+    KERNELS.paged_attention(query, out_bf16, cache_k.to(torch.bfloat16), cache_v.to(torch.bfloat16), tables,
                             scale=0.125, **rows)
     assert torch.isfinite(out_fp8).all()
-    if kernels.gemm_amx_available() and amx_env != "0":
+    if GEMM_AMX:
         torch.testing.assert_close(out_fp8, out_bf16, **TOL[torch.bfloat16])  # bf16 scores on AMX tiles
     else:
         assert torch.equal(out_fp8, out_bf16)
@@ -281,14 +290,14 @@ def test_fp8_cache_reads_every_code_exactly_as_the_bf16_kernel_reads_it_widened(
 
 def test_fp8_cache_goes_through_the_kernel_under_bf16_only(monkeypatch):
     calls = []
-    real = kernels.paged_attention
-    monkeypatch.setattr(kernels, "paged_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = KERNELS.paged_attention
+    monkeypatch.setattr(KERNELS, "paged_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     step = to_fp8_step(make_step([(10, 1), (4, 1)], 16, 4, 2, head_dim=64, dtype=torch.float32))
-    out, _, _ = run_backend(CPUPagedAttention(), step)
+    out, _, _ = run_backend(CPUPagedAttention(KERNELS), step)
     assert not calls  # float32 queries: the torch path
     torch.testing.assert_close(out.double(), dense_expected(step), **TOL[torch.float32])
     step = to_fp8_step(make_step([(10, 1), (4, 1)], 16, 4, 2, head_dim=64, dtype=torch.bfloat16))
-    run_backend(CPUPagedAttention(), step)
+    run_backend(CPUPagedAttention(KERNELS), step)
     assert calls
 
 
@@ -302,7 +311,7 @@ def test_kernels_reject_unsupported_cache_pairs(case):
         "mixed caches": dict(key_cache=fp8["key_cache"]),
     }[case]
     with pytest.raises(ValueError, match="cache"):
-        kernels.paged_attention(**{**args, **change})
+        KERNELS.paged_attention(**{**args, **change})
     key = args["query"][:, :2].contiguous()
     with pytest.raises(ValueError, match="cache"):
-        kernels.write_kv(key.float(), key.float(), fp8["key_cache"], fp8["value_cache"], torch.tensor([0, 1]))
+        KERNELS.write_kv(key.float(), key.float(), fp8["key_cache"], fp8["value_cache"], torch.tensor([0, 1]))

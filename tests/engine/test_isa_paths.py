@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from pagellm.utils import usable_cpu_flags
+from pagellm.kernels.isa import usable_cpu_flags
 
 pytestmark = pytest.mark.slow
 

@@ -27,6 +27,7 @@ class FakeEngine:
         self.fail_on_step = False
         self.stats = EngineStats()
         self.max_model_len = 128
+        self.kernel_plan_info = {"device": "cpu"}
         self.thread_ids: set[int] = set()
         self.dead = False  # check_health raises (a dead engine process, seen while idle)
         self.restarts = 0

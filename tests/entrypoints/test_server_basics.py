@@ -16,7 +16,11 @@ def test_health_and_version(http: httpx.Client) -> None:
     assert http.get("/health").status_code == 200
     version = http.get("/version").json()
     assert version["version"] == pagellm.__version__
-    assert version["cpu_isa"] in ("amx", "avx512-bf16", "avx512", "avx2", "baseline")
+    plan = version["kernel_plan"]
+    assert plan["device"] == "cpu" and plan["dtype"] in ("float32", "bfloat16")
+    assert plan["gemm"] in ("amx", "avx512-bf16", "avx2", "onednn", "torch")
+    assert plan["attention"] in ("cpu_paged", "torch_sdpa", "reference")
+    assert set(plan) >= {"cpu", "kernel_target", "norm", "rotary", "argmax"}
 
 
 def test_models_list(client: openai.OpenAI, http: httpx.Client) -> None:

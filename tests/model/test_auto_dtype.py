@@ -12,7 +12,9 @@ import torch
 from pagellm import LLM
 from pagellm.engine.llm_engine import engine_dtype
 from pagellm.model.loader import auto_dtype, checkpoint_is_16bit
-from pagellm.worker import device as device_mod
+from pagellm.config import KernelConfig
+from pagellm.kernels.isa import usable_cpu_flags
+from pagellm.worker.kernel_plan import plan_kernels
 
 
 def _with_dtype(src: str, dst: Path, dtype_name: str | None) -> str:
@@ -48,19 +50,22 @@ def test_auto_dtype_needs_native_bf16(tiny_llama_path, tmp_path):
     assert engine_dtype(torch.bfloat16, full, torch.device("cpu")) is torch.bfloat16
 
 
-def test_native_bf16_reads_cpu_flags(monkeypatch):
-    monkeypatch.setattr(device_mod, "usable_cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
-    assert device_mod.native_bf16(torch.device("cpu"))
-    monkeypatch.setattr(device_mod, "usable_cpu_flags", lambda: {"avx2", "amx_bf16"})
-    assert device_mod.native_bf16(torch.device("cpu"))
-    monkeypatch.setattr(device_mod, "usable_cpu_flags", lambda: {"avx2", "avx512f"})
-    assert not device_mod.native_bf16(torch.device("cpu"))
+def test_the_plan_says_where_bf16_is_fast(cpu_plan):
+    # bf16 is fast where the CPU has AVX-512 BF16 or AMX (pagellm's GEMM or oneDNN's); on the
+    # lower levels torch would emulate it. The plan is asked for each level this CPU can run.
+    seen = {}
+    flags = usable_cpu_flags()
+    for isa in ("baseline", "avx2", "avx512", "amx"):
+        plan_kernels(KernelConfig(isa=isa), torch.device("cpu"), "auto", lambda fast: seen.setdefault(isa, fast) and torch.bfloat16 or torch.float32)
+    assert seen["amx"] == bool({"avx512_bf16", "amx_bf16"} & flags)
+    assert seen["avx512"] == ("avx512_bf16" in flags)
+    assert not seen["baseline"]
 
 
-def test_engine_resolves_auto(tiny_llama_path, tmp_path, monkeypatch):
+def test_engine_resolves_auto(tiny_llama_path, tmp_path):
     assert LLM(tiny_llama_path, num_kv_blocks=8).llm_engine.dtype is torch.float32  # float32 checkpoint
     half = _with_dtype(tiny_llama_path, tmp_path / "bf16", "bfloat16")
-    monkeypatch.setattr("pagellm.engine.llm_engine.native_bf16", lambda device: True)
-    assert LLM(half, num_kv_blocks=8).llm_engine.dtype is torch.bfloat16
-    monkeypatch.setattr("pagellm.engine.llm_engine.native_bf16", lambda device: False)
-    assert LLM(half, num_kv_blocks=8).llm_engine.dtype is torch.float32
+    engine = LLM(half, num_kv_blocks=8).llm_engine
+    fast = engine.kernel_plan.gemm in ("amx", "avx512-bf16", "avx2") or "avx512_bf16" in usable_cpu_flags()
+    assert engine.dtype is (torch.bfloat16 if fast else torch.float32)
+    assert LLM(half, num_kv_blocks=8, cpu_isa="baseline").llm_engine.dtype is torch.float32

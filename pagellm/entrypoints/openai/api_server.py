@@ -42,7 +42,6 @@ from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagellm.metrics.prometheus import PrometheusMetrics
-from pagellm.utils import isa_level, usable_cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +169,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
 
     @app.get("/version")
     async def version() -> JSONResponse:
-        return JSONResponse({"version": pagellm.__version__, "cpu_isa": isa_level(usable_cpu_flags())})
+        return JSONResponse({"version": pagellm.__version__, "kernel_plan": engine.kernel_plan_info})
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -96,7 +96,7 @@ void attend_one(const T* q_row, T* out_row, const KV* key_cache, const KV* value
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t p = 0; p < ctx; ++p) {
-            const float e = exp_nonpositive(sg[p] - m);
+            const float e = std::is_same_v<T, float> ? exp_nonpositive_precise(sg[p] - m) : exp_nonpositive(sg[p] - m);
             sg[p] = e;
             sum += e;
         }

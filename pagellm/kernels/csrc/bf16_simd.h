@@ -23,7 +23,6 @@ static inline __m512 round_bf16x16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cv
 
 // AMX tiles (Sapphire Rapids and later), where the compiler targets them.
 #if defined(PAGELLM_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <cstdlib>
 #include <sys/syscall.h>
 #include <unistd.h>
 #define PAGELLM_AMX 1
@@ -41,11 +40,9 @@ struct alignas(64) AmxTileConfig {
 static inline void amx_memory_barrier() { asm volatile("" ::: "memory"); }
 
 // Linux hands out AMX state only to processes that ask for it (asked once per source file).
-// PAGELLM_AMX=0 in the environment turns the AMX paths off (A/B runs, tests of the others).
+// A build without AMX (isa "avx512", -mno-amx-tile) is how a process runs the other paths.
 static inline bool amx_permitted() {
     static const bool ok = [] {
-        const char* env = std::getenv("PAGELLM_AMX");
-        if (env != nullptr && env[0] == '0' && env[1] == '\0') return false;
         constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
         return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
     }();

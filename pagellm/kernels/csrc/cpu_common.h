@@ -44,6 +44,14 @@ inline uint16_t float_to_bf16(float f) {
     return static_cast<uint16_t>(u >> 16);
 }
 
+// 2^n for a whole n in [-126, 127] (a float holding an integer), built from its exponent bits.
+inline float exp2_int(float n) {
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    return scale;
+}
+
 // exp(x) for x <= 0 (softmax after subtracting the max), written as plain arithmetic so the
 // compiler vectorizes the loop around it (a libm call would not be). Range reduction to
 // 2^n * 2^f with f in [0, 1) and a degree-6 polynomial: relative error < 1e-5 on [-87, 0]
@@ -60,10 +68,25 @@ inline float exp_nonpositive(float x) {
     p = p * f + 2.4022657e-1f;
     p = p * f + 6.9314718e-1f;
     p = p * f + 1.0f;
-    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    return p * exp2_int(n);
+}
+
+// exp(x) for x <= 0 to about 1 ulp (Cephes' expf: Cody-Waite reduction by ln 2 with a rounded
+// n, degree-5 polynomial), still plain arithmetic that vectorizes: the float32 attention's
+// softmax, where exp_nonpositive's 1e-5 would be 100 times float32's rounding and could flip
+// a greedy token against the reference.
+inline float exp_nonpositive_precise(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    return (p * r * r + r + 1.0f) * exp2_int(n);
 }
 
 // float8_e4m3fn (1 sign, 4 exponent bits with bias 7, 3 mantissa bits; no infinities, NaN =

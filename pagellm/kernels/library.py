@@ -1,0 +1,304 @@
+"""The CPU kernel library of one build (one ``-march``) behind small, checked Python wrappers.
+
+The wrappers check shapes, dtypes, strides and every index the C++ will follow, so a wrong call
+raises a Python exception instead of reading stray memory. A :class:`KernelLibrary` is made by
+:func:`pagellm.kernels.load` and carried by the kernel plan to the modules that use it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from pagellm.kernels.packing import (
+    GEMM_AMX_K_MULTIPLE,
+    SILU_MUL_HALF_COLS,
+    avx2_epilogue,
+    avx2_packed_shape,
+    gemm_epilogue,
+)
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# (K/V and query dtype, cache dtype) -> the attention and K/V-write kernels' dtype code.
+CACHE_CODES = {(torch.float32, torch.float32): 0, (torch.bfloat16, torch.bfloat16): 1,
+               (torch.bfloat16, torch.float8_e4m3fn): 2}
+
+
+def _check_rows(name: str, t: torch.Tensor, inner: tuple[int, ...], dtype: torch.dtype) -> None:
+    """``t`` is [N, *inner] on CPU with contiguous inner dims (any row stride)."""
+    if t.device.type != "cpu" or t.dtype != dtype:
+        raise ValueError(f"{name} must be a CPU {dtype} tensor, got {t.device} {t.dtype}")
+    if tuple(t.shape[1:]) != inner:
+        raise ValueError(f"{name} must have shape [N, {', '.join(map(str, inner))}], got {list(t.shape)}")
+    expected = 1
+    for dim in range(t.dim() - 1, 0, -1):
+        if t.shape[dim] > 1 and t.stride(dim) != expected:
+            raise ValueError(f"{name} must be contiguous within a row")
+        expected *= t.shape[dim]
+
+
+def _check_int(name: str, t: torch.Tensor, dtype: torch.dtype, n: int | None = None) -> None:
+    if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor")
+    if n is not None and t.numel() != n:
+        raise ValueError(f"{name} must have {n} elements, got {t.numel()}")
+
+
+def check_paged_attention_rows(
+    num_tokens: int, key_cache: torch.Tensor, block_tables: torch.Tensor,
+    row_token: torch.Tensor, row_req: torch.Tensor, row_ctx: torch.Tensor,
+) -> None:
+    """Every index the kernel will follow is in range (one pass of min/max per tensor)."""
+    num_blocks, block_size = key_cache.shape[:2]
+    n = row_token.numel()
+    for name, t in (("row_token", row_token), ("row_req", row_req), ("row_ctx", row_ctx)):
+        _check_int(name, t, torch.int32, n)
+    if block_tables.dim() != 2 or block_tables.stride(1) != 1:
+        raise ValueError("block_tables must be a 2-D tensor with contiguous rows")
+    if block_tables.dtype != torch.int64 or block_tables.device.type != "cpu":
+        raise ValueError("block_tables must be a CPU int64 tensor")
+    if n == 0:
+        return
+    limits = (
+        ("row_token", row_token, 0, num_tokens - 1),
+        ("row_req", row_req, 0, block_tables.shape[0] - 1),
+        ("row_ctx", row_ctx, 1, block_tables.shape[1] * block_size),
+    )
+    for name, t, lo, hi in limits:
+        if int(t.min()) < lo or int(t.max()) > hi:
+            raise ValueError(f"{name} values must lie in [{lo}, {hi}]")
+    if block_tables.numel() and (int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks):
+        raise ValueError(f"block_tables entries must lie in [0, {num_blocks - 1}]")
+
+
+def check_slots(slot_mapping: torch.Tensor, key_cache: torch.Tensor) -> None:
+    """Slots lie in the cache (or are -1: a padding token that stores nothing)."""
+    _check_int("slot_mapping", slot_mapping, torch.int64)
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    if slot_mapping.numel() and (int(slot_mapping.min()) < -1 or int(slot_mapping.max()) >= num_slots):
+        raise ValueError(f"slot_mapping values must lie in [-1, {num_slots - 1}]")
+
+
+
+class KernelLibrary:
+    """One loaded build of the kernels: its target (``march``), what it offers, and its calls."""
+
+    def __init__(self, lib: ctypes.CDLL, march: tuple[str, ...]) -> None:
+        self._lib = lib
+        self.march = march
+        self.gemm_bf16_available = bool(lib.pagellm_gemm_bf16_available())
+        self.gemm_amx_available = bool(lib.pagellm_gemm_bf16_amx_available())
+        self.gemm_avx2_available = bool(lib.pagellm_gemm_avx2_available())
+
+    def __repr__(self) -> str:
+        return f"KernelLibrary({' '.join(self.march)})"
+
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        out: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        row_token: torch.Tensor,
+        row_req: torch.Tensor,
+        row_ctx: torch.Tensor,
+        scale: float,
+        *,
+        rows_checked: bool = False,
+    ) -> None:
+        """For each row r: ``out[row_token[r]]`` = attention of ``query[row_token[r]]`` ([H, D])
+        over the first ``row_ctx[r]`` positions of request ``row_req[r]``, read in place from the
+        paged cache ([num_blocks, block_size, H_kv, D]) through ``block_tables[row_req[r]]``.
+
+        Every index is range-checked (:func:`check_paged_attention_rows`) unless ``rows_checked``
+        says the caller already did so for these exact index tensors (once per engine step).
+        """
+        num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+        num_heads = query.shape[1]
+        code = _cache_code(query.dtype, key_cache, value_cache)
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        _check_rows("query", query, (num_heads, head_dim), query.dtype)
+        _check_rows("out", out, (num_heads, head_dim), query.dtype)
+        if out.shape[0] != query.shape[0]:
+            raise ValueError("out and query must have the same number of rows")
+        if not rows_checked:
+            check_paged_attention_rows(query.shape[0], key_cache, block_tables, row_token, row_req, row_ctx)
+        rc = self._lib.pagellm_paged_attention(
+            query.data_ptr(), query.stride(0), out.data_ptr(), out.stride(0),
+            key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+            row_token.data_ptr(), row_req.data_ptr(), row_ctx.data_ptr(),
+            row_token.numel(), num_heads, num_kv_heads, head_dim, block_size, float(scale), code,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"pagellm_paged_attention failed with code {rc}")
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        *,
+        slots_checked: bool = False,
+    ) -> None:
+        """Store ``key``/``value`` ([T, H_kv, D], any row stride) at ``slot_mapping`` (int64 [T]);
+        slots are range-checked (:func:`check_slots`) unless ``slots_checked``."""
+        _, _, num_kv_heads, head_dim = key_cache.shape
+        code = _cache_code(key.dtype, key_cache, value_cache)
+        _check_rows("key", key, (num_kv_heads, head_dim), key.dtype)
+        _check_rows("value", value, (num_kv_heads, head_dim), key.dtype)
+        if value.shape[0] != key.shape[0]:
+            raise ValueError(f"key has {key.shape[0]} rows but value has {value.shape[0]}")
+        _check_int("slot_mapping", slot_mapping, torch.int64, key.shape[0])
+        if not slots_checked:
+            check_slots(slot_mapping, key_cache)
+        rc = self._lib.pagellm_write_kv(
+            key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+            key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
+            key.shape[0], num_kv_heads * head_dim, code, torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"pagellm_write_kv failed with code {rc}")
+
+    def add_rms_norm(
+        self,
+        x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """RMSNorm of ``x + residual`` (``residual`` updated in place to that sum) or of ``x``.
+
+        x, residual: contiguous [N, hidden]; weight: [hidden]; all of one dtype. Returns a new tensor.
+        """
+        dtype = x.dtype
+        if dtype not in DTYPE_CODES or x.dim() != 2 or not x.is_contiguous() or x.device.type != "cpu":
+            raise ValueError("x must be a contiguous 2-D CPU float32/bfloat16 tensor")
+        rows, n = x.shape
+        if residual is not None and (residual.shape != x.shape or residual.dtype != dtype or not residual.is_contiguous()):
+            raise ValueError("residual must be contiguous, with x's shape and dtype")
+        if weight.shape != (n,) or weight.dtype != dtype or not weight.is_contiguous():
+            raise ValueError(f"weight must be a contiguous [{n}] {dtype} tensor")
+        out = torch.empty_like(x)
+        rc = self._lib.pagellm_add_rms_norm(
+            x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(), out.data_ptr(),
+            rows, n, float(eps), DTYPE_CODES[dtype], torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"pagellm_add_rms_norm failed with code {rc}")
+        return out
+
+    def rotary_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate ``x`` ([T, heads, D], row-contiguous heads, any row stride) in place by ``cos``/``sin`` ([T, D])."""
+        dtype = x.dtype
+        if dtype not in DTYPE_CODES:
+            raise ValueError(f"rotary supports float32 and bfloat16, not {dtype}")
+        rows, heads, head_dim = x.shape
+        _check_rows("x", x, (heads, head_dim), dtype)
+        for name, t in (("cos", cos), ("sin", sin)):
+            if t.shape != (rows, head_dim) or t.dtype != dtype or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous [{rows}, {head_dim}] {dtype} tensor")
+        rc = self._lib.pagellm_rotary(
+            x.data_ptr(), x.stride(0), rows, heads, head_dim, cos.data_ptr(), sin.data_ptr(), DTYPE_CODES[dtype],
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"pagellm_rotary failed with code {rc}")
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Index of each row's first maximum (its first NaN if it holds one), as ``x.max(-1).indices``:
+        one pass over 2-D float32/bfloat16 CPU rows (contiguous within a row) -> int64 [rows]."""
+        dtype = x.dtype
+        if dtype not in DTYPE_CODES or x.dim() != 2 or x.device.type != "cpu":
+            raise ValueError("argmax_rows takes a 2-D CPU float32 or bfloat16 tensor")
+        rows, n = x.shape
+        if n == 0 or (rows > 1 and x.stride(0) < n) or (n > 1 and x.stride(1) != 1):
+            raise ValueError("argmax_rows needs non-empty rows, each contiguous")
+        out = torch.empty(rows, dtype=torch.int64)
+        if rows == 0:
+            return out
+        rc = self._lib.pagellm_argmax_rows(
+            x.data_ptr(), x.stride(0), rows, n, out.data_ptr(), DTYPE_CODES[dtype], torch.get_num_threads()
+        )
+        if rc != 0:
+            raise RuntimeError(f"pagellm_argmax_rows failed with code {rc}")
+        return out
+
+    def gemm_bf16(
+        self,
+        x: torch.Tensor, packed: torch.Tensor, out_features: int, epilogue: str = "none", amx: bool = False
+    ) -> torch.Tensor:
+        """``x [M, K] @ W.T`` for a packed bf16 ``W`` -> new ``[M, out_features]`` bf16 tensor.
+
+        ``epilogue="silu_mul"`` takes a ``packing.pack_silu_mul_weight`` weight and returns
+        ``silu(x @ gate.T) * (x @ up.T)``, each intermediate rounded to bf16 as the unfused ops do.
+        ``amx`` runs on AMX tiles (``gemm_amx_available``, K a multiple of 32), same layout.
+        """
+        code, cols = gemm_epilogue(epilogue, amx)
+        if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            raise ValueError("x must be a 2-D CPU bfloat16 tensor")
+        rows, k = x.shape
+        panels = -(-out_features // (cols if code == 0 else SILU_MUL_HALF_COLS))
+        expected = (panels, k // 2, cols, 2)
+        if packed.dtype != torch.bfloat16 or tuple(packed.shape) != expected or not packed.is_contiguous():
+            raise ValueError(f"packed weight must be a contiguous bf16 tensor of shape {list(expected)} for x {list(x.shape)}")
+        if k % 2 != 0 or (rows > 1 and x.stride(0) < k) or (k > 1 and x.stride(1) != 1):
+            raise ValueError("x needs an even number of columns, each row contiguous")
+        if amx and k % GEMM_AMX_K_MULTIPLE != 0:
+            raise ValueError(f"the AMX path needs K a multiple of {GEMM_AMX_K_MULTIPLE}, got {k}")
+        out = torch.empty(rows, out_features, dtype=torch.bfloat16)
+        rc = self._lib.pagellm_gemm_bf16(
+            x.data_ptr(), x.stride(0) if rows > 1 else k, rows, k, packed.data_ptr(), out_features, out.data_ptr(),
+            out_features, code, torch.get_num_threads(), int(amx),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"pagellm_gemm_bf16 failed with code {rc}")
+        return out
+
+
+    def gemm_avx2(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, epilogue: str = "none") -> torch.Tensor:
+        """``x [M, K] @ W.T`` on the AVX2 GEMM for a packed float32/bf16 ``W``
+        (``packing.pack_avx2_weight``) -> new ``[M, out_features]`` tensor of x's dtype.
+
+        ``epilogue="silu_mul"`` takes a ``packing.pack_avx2_silu_mul_weight`` weight and returns
+        ``silu(x @ gate.T) * (x @ up.T)`` (bf16: gate, up and silu(gate) rounded as the unfused ops).
+        """
+        code, _ = avx2_epilogue(epilogue)
+        if x.dim() != 2 or x.dtype not in DTYPE_CODES or x.device.type != "cpu":
+            raise ValueError("x must be a 2-D CPU float32 or bfloat16 tensor")
+        rows, k = x.shape
+        if k == 0 or (rows > 1 and x.stride(0) < k) or (k > 1 and x.stride(1) != 1):
+            raise ValueError("x needs columns, each row contiguous")
+        if packed.dtype not in DTYPE_CODES or packed.device.type != "cpu" or not packed.is_contiguous():
+            raise ValueError("packed weight must be a contiguous CPU float32 or bfloat16 tensor")
+        if packed.dtype == torch.bfloat16 and k % 2 != 0:
+            raise ValueError(f"a bfloat16 packed weight needs an even K, got {k}")
+        expected = avx2_packed_shape(out_features, k, packed.dtype, epilogue)
+        if out_features <= 0 or tuple(packed.shape) != expected:
+            raise ValueError(f"packed weight must have shape {list(expected)} for x {list(x.shape)}, got {list(packed.shape)}")
+        out = torch.empty(rows, out_features, dtype=x.dtype)
+        rc = self._lib.pagellm_gemm_avx2(
+            x.data_ptr(), x.stride(0) if rows > 1 else k, rows, k, packed.data_ptr(), out_features, out.data_ptr(),
+            out_features, DTYPE_CODES[x.dtype], DTYPE_CODES[packed.dtype], code, torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"pagellm_gemm_avx2 failed with code {rc}")
+        return out
+
+
+def _cache_code(dtype: torch.dtype, key_cache: torch.Tensor, value_cache: torch.Tensor) -> int:
+    """The kernels' code for ``dtype`` queries or K/V over these caches (checked: CPU, contiguous,
+    same shape and dtype, a supported pair: float32 / bf16 caches of the same dtype, or an fp8
+    e4m3 cache under bf16)."""
+    if key_cache.device.type != "cpu" or not key_cache.is_contiguous() or not value_cache.is_contiguous():
+        raise ValueError("key_cache and value_cache must be contiguous CPU tensors")
+    if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
+        raise ValueError("key_cache and value_cache must have the same shape and dtype")
+    code = CACHE_CODES.get((dtype, key_cache.dtype))
+    if code is None:
+        pairs = ", ".join(f"{str(c).removeprefix('torch.')} cache with {str(q).removeprefix('torch.')}"
+                          for q, c in CACHE_CODES)
+        raise ValueError(f"the CPU kernels support a {pairs}; got a {key_cache.dtype} cache with {dtype}")
+    return code

@@ -1,0 +1,68 @@
+"""The kernel plan: which implementation each part of a forward pass runs, chosen once.
+
+The engine builds one plan at start-up from the CPU's features, the kernel configuration and
+the model's dtype (:func:`pagellm.worker.kernel_plan.plan_kernels`) and passes it into model
+construction; modules keep what it gives them and never decide again. It is shown in the
+start-up log line, ``/version`` and the benchmark JSON.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagellm.kernels.library import KernelLibrary
+
+# The implementations a plan names for each part.
+GEMM_PATHS = ("amx", "avx512-bf16", "avx2", "onednn", "torch")  # pagellm's GEMMs, oneDNN packed, F.linear
+ELEMENTWISE_PATHS = ("kernel", "torch")  # norm, rotary, argmax: pagellm's C++ or PyTorch
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """What runs where. ``kernels`` is the library the ``kernel`` / pagellm GEMM entries call."""
+
+    device: str  # "cpu" or "cuda"
+    cpu: str  # the usable CPU features that matter, e.g. "avx2+fma+f16c" ("-" off the CPU)
+    dtype: torch.dtype  # the model's compute dtype
+    attention: str  # attention backend name (cpu_paged, torch_sdpa, reference)
+    gemm: str  # GEMM_PATHS
+    norm: str = "torch"  # ELEMENTWISE_PATHS, also for rotary and argmax
+    rotary: str = "torch"
+    argmax: str = "torch"
+    kernels: KernelLibrary | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.gemm not in GEMM_PATHS:
+            raise ValueError(f"gemm must be one of {GEMM_PATHS}, got {self.gemm!r}")
+        for part in ("norm", "rotary", "argmax"):
+            path = getattr(self, part)
+            if path not in ELEMENTWISE_PATHS:
+                raise ValueError(f"{part} must be one of {ELEMENTWISE_PATHS}, got {path!r}")
+            if path == "kernel" and self.kernels is None:
+                raise ValueError(f"{part}='kernel' needs a kernel library")
+        if self.gemm in ("amx", "avx512-bf16", "avx2") and self.kernels is None:
+            raise ValueError(f"gemm={self.gemm!r} needs a kernel library")
+
+    def library(self, part: str) -> KernelLibrary | None:
+        """The kernel library if ``part`` (norm, rotary, argmax) runs on it, else None."""
+        return self.kernels if getattr(self, part) == "kernel" else None
+
+    def as_dict(self) -> dict[str, str]:
+        """Plain strings for JSON (``/version``, benchmark reports)."""
+        return {
+            "device": self.device,
+            "cpu": self.cpu,
+            "kernel_target": " ".join(self.kernels.march) if self.kernels is not None else "none",
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "gemm": self.gemm,
+            "attention": self.attention,
+            "norm": self.norm,
+            "rotary": self.rotary,
+            "argmax": self.argmax,
+        }
+
+    def describe(self) -> str:
+        """One line for the start-up log: ``cpu=avx2+fma gemm=avx2 attention=cpu_paged ...``."""
+        return " ".join(f"{k}={v.replace(' ', ',')}" for k, v in self.as_dict().items() if k != "device")

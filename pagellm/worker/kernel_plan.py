@@ -1,0 +1,91 @@
+"""Choosing the kernel plan: the CPU's features, the kernel configuration and the dtype in,
+one :class:`KernelPlan` out (see :mod:`pagellm.kernels.plan`).
+
+Every choice between pagellm's kernels and PyTorch's is made here, once per engine:
+:func:`plan_kernels` is the only caller of :func:`pagellm.kernels.load` in the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from pagellm import kernels
+from pagellm.config import KernelConfig
+from pagellm.kernels.isa import feature_summary, usable_cpu_flags
+from pagellm.kernels.library import KernelLibrary
+from pagellm.kernels.plan import KernelPlan
+from pagellm.model.cpu_linear import packed_ops_supported
+from pagellm.worker.device import cuda_native_bf16
+
+_NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+_OWN_GEMMS = ("amx", "avx512-bf16", "avx2")
+
+
+def bf16_gemm_path(choice: str, lib: KernelLibrary | None, flags: frozenset[str]) -> str:
+    """Which GEMM bf16 linears take (``choice`` as in :class:`KernelConfig` ``gemm``).
+
+    ``auto``: pagellm's GEMM on AMX tiles where this process may use them, else on AVX-512 BF16
+    dot products; but a CPU with AMX that the kernels cannot use (an OS without the permission)
+    goes to oneDNN, then 3-4x faster than dot products (``benchmarks/NOTES.md``, 19). On a CPU
+    without AVX-512, pagellm's AVX2 GEMM (torch would emulate bf16 at ~1 GFLOP/s there); with
+    AVX-512 but not its BF16 instructions, oneDNN's bf16 kernels. Without any, ``F.linear``.
+    """
+    onednn = "onednn" if packed_ops_supported(torch.bfloat16) else "torch"
+    if choice in ("torch", "onednn"):
+        return "torch" if choice == "torch" else onednn
+    if lib is not None and lib.gemm_amx_available:
+        return "amx"
+    if lib is not None and lib.gemm_bf16_available and (choice == "pagellm" or "amx_bf16" not in flags):
+        return "avx512-bf16"
+    if lib is not None and lib.gemm_avx2_available and (choice == "pagellm" or "avx512f" not in flags):
+        return "avx2"
+    return onednn
+
+
+def _gemm_path(dtype: torch.dtype, choice: str, lib: KernelLibrary | None, flags: frozenset[str]) -> str:
+    if dtype == torch.bfloat16:
+        return bf16_gemm_path(choice, lib, flags)
+    if dtype == torch.float16 and choice != "torch" and packed_ops_supported(torch.float16):
+        return "onednn"
+    if dtype == torch.float32 and choice in ("auto", "pagellm") and lib is not None and lib.gemm_avx2_available:
+        # float32 on a CPU without AVX-512: pagellm's AVX2 GEMM, 1.2-4.5x torch's at decode
+        # batch sizes (MKL runs well below the FMA peak there, and slower still on AMD).
+        if choice == "pagellm" or "avx512f" not in flags:
+            return "avx2"
+    return "torch"  # float32 elsewhere: torch's own GEMM (MKL / oneDNN), the reference numerics
+
+
+def _resolve_attention(name: str, device: torch.device, lib: KernelLibrary | None) -> str:
+    """"auto": the C++ paged kernel on CPU where it was built, else SDPA; names pass through."""
+    key = name.strip().lower()
+    if key != "auto":
+        return key
+    return "cpu_paged" if device.type == "cpu" and lib is not None else "torch_sdpa"
+
+
+def plan_kernels(
+    config: KernelConfig, device: torch.device, attention: str, choose_dtype: Callable[[bool], torch.dtype]
+) -> KernelPlan:
+    """The engine's plan. ``choose_dtype(bf16_is_fast)`` gives the compute dtype (the user's,
+    or "auto" resolved knowing whether this machine multiplies bf16 fast)."""
+    if device.type != "cpu":
+        dtype = choose_dtype(cuda_native_bf16(device))
+        return KernelPlan(device.type, "-", dtype, _resolve_attention(attention, device, None), "torch")
+    flags = usable_cpu_flags(config.isa_cap)
+    lib = kernels.load(config)
+    bf16_path = bf16_gemm_path(config.gemm, lib, flags)
+    dtype = choose_dtype(bf16_path in _OWN_GEMMS or bool(_NATIVE_BF16_FLAGS & flags))
+    elementwise = "kernel" if lib is not None and kernels.supports_dtype(dtype) else "torch"
+    return KernelPlan(
+        device="cpu",
+        cpu=feature_summary(flags),
+        dtype=dtype,
+        attention=_resolve_attention(attention, device, lib),
+        gemm=_gemm_path(dtype, config.gemm, lib, flags),
+        norm=elementwise,
+        rotary=elementwise,
+        argmax=elementwise,
+        kernels=lib,
+    )
