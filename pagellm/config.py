@@ -40,7 +40,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype | None:
 
     "auto" depends on the checkpoint and the device, so the engine resolves it when it loads
     the model (:func:`pagellm.model.loader.auto_dtype`): bfloat16 for 16-bit checkpoints
-    (and GGUF) where the hardware computes bf16 natively, and on CUDA for float32 checkpoints
+    (and GGUF) where the kernel plan multiplies bf16 fast, and on CUDA for float32 checkpoints
     too; float32 otherwise.
     """
     if isinstance(dtype, torch.dtype):
@@ -141,7 +141,7 @@ class KernelConfig:
     isa: str = "auto"  # highest ISA level the kernels may use: auto (what the CPU has) or a cap
     cpu_kernels: bool = True  # False: PyTorch paths only (no C++ build)
     march: str | None = None  # the kernel build's -march (default: from the usable ISA level)
-    gemm: str = "auto"  # 16-bit linears: auto, pagellm (own GEMM), onednn (packed), torch (F.linear)
+    gemm: str = "auto"  # linears (16-bit; float32 on AVX2): auto, pagellm (own GEMM), onednn, torch (F.linear)
 
     def __post_init__(self) -> None:
         if self.isa not in ISA_CHOICES:

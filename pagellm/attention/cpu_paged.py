@@ -11,8 +11,8 @@ prefills, prefix-cache hits and fresh prompts alike (measured here, bf16, 2 thre
 16 x 128-token prompts 2.9 ms vs 6.5 ms with SDPA's flash kernel, 2 x 1024 18.7 vs 25.6 ms,
 1 x 4096 149 vs 156 ms). The new K/V are stored by the kernel library too. An fp8 (e4m3) cache
 under a bf16 model is read in place, each row widened to bf16 as it is loaded. float32 runs
-through the kernel's float32 path (built for this CPU's ISA level, vectorized by the compiler);
-pairs the kernel does not take use :class:`TorchSDPAAttention`.
+through the kernel too (head_dim 64/128 on its AVX2 path on any AVX2 CPU, else compiler-
+vectorized code); pairs the kernel does not take use :class:`TorchSDPAAttention`.
 
 ``ReferenceAttention`` stays the test oracle; the kernel plan decides whether this backend is
 used (it needs a kernel library: ``"auto"`` falls back to ``torch_sdpa`` without one).
@@ -45,7 +45,19 @@ class _KernelRows:
     row_req: torch.Tensor  # int32 [N]: its request (row of block_tables)
     row_ctx: torch.Tensor  # int32 [N]: context positions it attends to (causal limit)
     block_tables: torch.Tensor  # int64 [R, max_blocks], contiguous
+    # What the rows were built from (the metadata's own objects), so a changed metadata is noticed.
+    source: tuple[torch.Tensor, torch.Tensor, list[int], list[int]]
     checked_for: tuple[int, int] | None = None  # (num_blocks, block_size) the indices were checked against
+
+    def matches(self, metadata: AttentionMetadata) -> bool:
+        """Still built from ``metadata``'s slots, block tables and lengths (the indices it checked)."""
+        slots, tables, query_lens, seq_lens = self.source
+        return (
+            slots is metadata.slot_mapping
+            and tables is metadata.block_tables
+            and query_lens == metadata.query_lens
+            and seq_lens == metadata.seq_lens
+        )
 
 
 def build_kernel_rows(metadata: AttentionMetadata) -> _KernelRows:
@@ -63,8 +75,9 @@ def build_kernel_rows(metadata: AttentionMetadata) -> _KernelRows:
     block_tables = metadata.block_tables
     if block_tables.dtype != torch.int64 or block_tables.stride(-1) != 1:
         block_tables = block_tables.to(torch.int64).contiguous()
+    source = (metadata.slot_mapping, metadata.block_tables, list(metadata.query_lens), list(metadata.seq_lens))
     return _KernelRows(
-        num_tokens, row_token.to(torch.int32), row_req.to(torch.int32), row_ctx.to(torch.int32), block_tables
+        num_tokens, row_token.to(torch.int32), row_req.to(torch.int32), row_ctx.to(torch.int32), block_tables, source
     )
 
 
@@ -87,7 +100,7 @@ class CPUPagedAttention(TorchSDPAAttention):
     @staticmethod
     def _rows(metadata: AttentionMetadata) -> _KernelRows:
         rows = metadata.derived.get("cpu_paged")
-        if not isinstance(rows, _KernelRows):
+        if not isinstance(rows, _KernelRows) or not rows.matches(metadata):
             rows = build_kernel_rows(metadata)
             metadata.derived["cpu_paged"] = rows
         return rows

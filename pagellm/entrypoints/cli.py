@@ -33,7 +33,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument(
         "--dtype", default="auto",
-        help="auto (bfloat16 for 16-bit/GGUF checkpoints on CPUs with native bf16, else float32), float32 or bfloat16",
+        help="auto (bfloat16 for 16-bit/GGUF checkpoints where the kernel plan multiplies bf16 fast, else float32), float32 or bfloat16",
     )
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     group.add_argument("--kv-cache-memory", default="1GiB", help="KV-cache budget, e.g. 512MiB or 2GiB")
@@ -59,7 +59,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     kernels.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=None,
                          help="use pagellm's C++ CPU kernels (default: yes, unless $PAGELLM_CPU_KERNELS=0)")
     kernels.add_argument("--gemm", choices=GEMM_CHOICES, default=None,
-                         help="GEMM of 16-bit linear layers: auto, pagellm, onednn or torch (default: auto)")
+                         help="GEMM of linear layers (16-bit; float32 on AVX2): auto, pagellm, onednn or torch")
     limits = parser.add_argument_group("request limits")
     limits.add_argument("--max-n", type=int, default=128,
                         help="most samples (n, best_of) or beams one request may ask for; never above --max-num-seqs")

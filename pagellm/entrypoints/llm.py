@@ -53,7 +53,7 @@ def engine_config(
 
     ``cpu_isa``, ``cpu_kernels`` and ``gemm`` (None: the environment's, see ``KernelConfig``)
     shape the kernel plan: the highest ISA level the kernels may use, whether the C++ kernels
-    are used at all, and which GEMM 16-bit linears take.
+    are used at all, and which GEMM linear layers take (16-bit; float32 on AVX2).
     """
     return EngineConfig(
         model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, chat_template=chat_template),

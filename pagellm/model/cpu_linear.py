@@ -2,7 +2,7 @@
 
 bf16 on CPUs with AVX-512 BF16: pagellm's own GEMM, on AMX tiles where there are some
 (:class:`KernelLinear`, ...); on AVX2-only CPUs pagellm's AVX2 GEMM for bf16 and float32
-weights; otherwise (fp16, a bias, no pagellm GEMM) oneDNN with the weight packed once
+weights; otherwise (fp16, a bias on AVX-512, no pagellm GEMM) oneDNN with the weight packed once
 (:class:`PackedLinear`, ...). float32 elsewhere keeps ``F.linear``. The choice is the plan's
 (``KernelPlan.gemm``); the functions here only carry it out, with a numerical self-check.
 """
@@ -129,6 +129,8 @@ class _KernelGemmLinear(nn.Module):
         super().__init__()
         if path not in KERNEL_GEMMS:
             raise ValueError(f"path must be one of {KERNEL_GEMMS}, got {path!r}")
+        if bias is not None and path != "avx2":
+            raise ValueError(f"the {path} GEMM takes no bias (oneDNN's PackedLinear does)")
         self.in_features = in_features
         self.out_features = out_features
         self.packed_weight = packed_weight

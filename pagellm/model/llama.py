@@ -186,10 +186,11 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def optimize_for_cpu_inference(self, plan: KernelPlan) -> dict[str, int]:
-        """Repack the loaded weights for the plan's GEMM: fused MLPs, packed linears (bf16/fp16).
+        """Repack the loaded weights for the plan's GEMM: fused MLPs, packed linears (bf16/fp16,
+        and float32 where the plan's GEMM is pagellm's AVX2 one).
 
-        Irreversible (loading weights afterwards is not supported) and a no-op for float32,
-        which keeps torch's default GEMM and its HF-exact numerics.
+        Irreversible (loading weights afterwards is not supported); a no-op where the plan keeps
+        torch's GEMM (float32 on AVX-512 CPUs: MKL/oneDNN).
         """
         layers = list(self.model.layers)
         fused = 0

@@ -113,12 +113,13 @@ def checkpoint_is_16bit(model: str | None) -> bool:
     return name in _HALF_DTYPE_NAMES
 
 
-def auto_dtype(model: str | None, native_bf16: bool, downcast_float32: bool = False) -> torch.dtype:
+def auto_dtype(model: str | None, bf16_is_fast: bool, downcast_float32: bool = False) -> torch.dtype:
     """What ``dtype="auto"`` means, as vLLM's "auto" (the checkpoint's precision): bfloat16 for a
-    16-bit or quantized checkpoint where the hardware computes bf16 natively, and for a float32
-    one too with ``downcast_float32`` (GPUs, where vLLM also runs float32 checkpoints in 16 bits);
-    float32 for everything else (no bf16 units: emulated bf16 is slower than float32)."""
-    if not native_bf16:
+    16-bit or quantized checkpoint where the kernel plan multiplies bf16 fast (bf16 units, or
+    pagellm's AVX2 GEMM), and for a float32 one too with ``downcast_float32`` (GPUs, where vLLM
+    also runs float32 checkpoints in 16 bits); float32 for everything else (emulated bf16 is
+    slower than float32)."""
+    if not bf16_is_fast:
         return torch.float32
     return torch.bfloat16 if downcast_float32 or checkpoint_is_16bit(model) else torch.float32
 

@@ -60,6 +60,8 @@ def _gemm_path(dtype: torch.dtype, choice: str, lib: KernelLibrary | None, flags
 def _resolve_attention(name: str, device: torch.device, lib: KernelLibrary | None) -> str:
     """"auto": the C++ paged kernel on CPU where it was built, else SDPA; names pass through."""
     key = name.strip().lower()
+    if key == "cpu_paged" and device.type != "cpu":
+        raise ValueError(f"attention backend 'cpu_paged' runs on CPU only, not on {device.type}; use torch_sdpa")
     if key != "auto":
         return key
     return "cpu_paged" if device.type == "cpu" and lib is not None else "torch_sdpa"
@@ -71,8 +73,8 @@ def plan_kernels(
     """The engine's plan. ``choose_dtype(bf16_is_fast)`` gives the compute dtype (the user's,
     or "auto" resolved knowing whether this machine multiplies bf16 fast)."""
     if device.type != "cpu":
-        dtype = choose_dtype(cuda_native_bf16(device))
-        return KernelPlan(device.type, "-", dtype, _resolve_attention(attention, device, None), "torch")
+        backend = _resolve_attention(attention, device, None)
+        return KernelPlan(device.type, "-", choose_dtype(cuda_native_bf16(device)), backend, "torch")
     flags = usable_cpu_flags(config.isa_cap)
     lib = kernels.load(config)
     bf16_path = bf16_gemm_path(config.gemm, lib, flags)

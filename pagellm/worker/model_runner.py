@@ -46,7 +46,8 @@ class ModelRunner:
     """Owns the model, the KV cache tensors and per-request random generators.
 
     The model's weights are repacked once, here, for the GEMM the kernel ``plan`` names
-    (bf16/fp16 on CPU: packed linears, the MLP activation fused into its matmul).
+    (on CPU: bf16/fp16, and float32 under the AVX2 GEMM: packed linears, the MLP activation
+    fused into its matmul).
     """
 
     def __init__(

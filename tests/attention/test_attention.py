@@ -157,7 +157,7 @@ def run_backend(backend, step: Step):
 
 
 def cpu_paged_all_dtypes() -> CPUPagedAttention:
-    """The kernel backend with float32 through the kernel as well (by default float32 uses SDPA)."""
+    """The kernel backend (float32, bf16 and fp8 caches through the kernel)."""
     return CPUPagedAttention(KERNELS)
 
 

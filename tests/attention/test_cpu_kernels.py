@@ -315,3 +315,15 @@ def test_kernels_reject_unsupported_cache_pairs(case):
     key = args["query"][:, :2].contiguous()
     with pytest.raises(ValueError, match="cache"):
         KERNELS.write_kv(key.float(), key.float(), fp8["key_cache"], fp8["value_cache"], torch.tensor([0, 1]))
+
+
+def test_rows_are_rebuilt_and_rechecked_when_the_metadata_changes():
+    # The per-step rows live on the metadata; a caller that changes its slots afterwards must
+    # not get rows (and range checks) built for the old ones.
+    step = make_step([(10, 1), (4, 1)], 16, 4, 2, head_dim=32, dtype=torch.bfloat16)
+    run_backend(CPUPagedAttention(KERNELS), step)
+    first = step.metadata.derived["cpu_paged"]
+    step.metadata.slot_mapping = torch.full_like(step.metadata.slot_mapping, 10**9)  # out of the cache
+    with pytest.raises(ValueError, match="slot_mapping values must lie in"):
+        run_backend(CPUPagedAttention(KERNELS), step)
+    assert step.metadata.derived["cpu_paged"] is not first

@@ -76,3 +76,8 @@ def test_two_engines_with_different_plans_in_one_process(tiny_llama_path):
     second = [o.outputs[0].token_ids for o in avx2.generate(prompts, params, use_tqdm=False)]
     again = [o.outputs[0].token_ids for o in native.generate(prompts, params, use_tqdm=False)]
     assert first == second == again
+
+
+def test_cpu_paged_attention_is_refused_off_the_cpu():
+    with pytest.raises(ValueError, match="runs on CPU only"):
+        plan_kernels(KernelConfig(), torch.device("meta"), "cpu_paged", lambda fast: torch.float32)

@@ -38,12 +38,12 @@ def test_gguf_counts_as_16bit(default_model_path_fixture):
     assert checkpoint_is_16bit(default_model_path_fixture)
 
 
-def test_auto_dtype_needs_native_bf16(tiny_llama_path, tmp_path):
+def test_auto_dtype_needs_fast_bf16(tiny_llama_path, tmp_path):
     half = _with_dtype(tiny_llama_path, tmp_path / "bf16", "bfloat16")
     full = _with_dtype(tiny_llama_path, tmp_path / "fp32", "float32")
-    assert auto_dtype(half, native_bf16=True) is torch.bfloat16
-    assert auto_dtype(half, native_bf16=False) is torch.float32
-    assert auto_dtype(full, native_bf16=True) is torch.float32
+    assert auto_dtype(half, bf16_is_fast=True) is torch.bfloat16
+    assert auto_dtype(half, bf16_is_fast=False) is torch.float32
+    assert auto_dtype(full, bf16_is_fast=True) is torch.float32
     # An explicit dtype always wins.
     assert engine_dtype("float32", half, torch.device("cpu")) is torch.float32
     assert engine_dtype(torch.bfloat16, full, torch.device("cpu")) is torch.bfloat16

@@ -124,3 +124,10 @@ def test_layers_on_the_avx2_path(dtype, cpu_plan):
     gate_up = nn.Linear(64, 80, bias=False).to(dtype)
     fused = fuse_silu_and_mul(gate_up, 40, plan)
     assert type(fused) is KernelSiluAndMulLinear and fused.path == "avx2"
+
+
+def test_only_the_avx2_path_takes_a_bias():
+    lin = nn.Linear(64, 48, bias=True).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="takes no bias"):
+        KernelLinear(lin, AVX2, "avx512-bf16")
+    assert KernelLinear(lin, AVX2, "avx2").bias is not None
