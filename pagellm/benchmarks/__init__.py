@@ -1,7 +1,7 @@
 """Benchmarks: offline throughput (against HF static batching / vLLM), paged-KV memory,
 a concurrency sweep with a summary plot, and an online load generator for OpenAI servers.
 
-Run ``python -m pagellm.benchmarks {throughput,memory,sweep,serve} --help``
+Run ``python -m pagellm.benchmarks {throughput,latency,memory,sweep,serve} --help``
 (``pagellm bench ...`` once wired into the main CLI).
 """
 

@@ -1,4 +1,4 @@
-"""``pagellm bench {throughput,memory,sweep,serve}``: argument parsing and the handler.
+"""``pagellm bench {throughput,latency,memory,sweep,serve}``: argument parsing and the handler.
 
 Wire into the main CLI with ``add_bench_subparser(subparsers)``; the parser it adds sets
 ``handler=bench_main``. Until then: ``python -m pagellm.benchmarks <subcommand> ...``.
@@ -68,7 +68,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def add_bench_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``bench`` (with its own subcommands) to a CLI's subparsers; returns its parser."""
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, memory, sweep (plot), serve")
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, latency, memory, sweep (plot), serve")
     _fill_bench_parser(bench)
     return bench
 
@@ -95,6 +95,18 @@ def _fill_bench_parser(bench: argparse.ArgumentParser) -> None:
     group.add_argument("--isolation", choices=["process", "none"], default="process",
                        help="one child process per system (default) or everything in this process")
     _add_common(tp)
+
+    lat = sub.add_parser("latency", help="one user at a time (batch 1): prefill and decode tok/s")
+    lat.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
+    lat.add_argument("--dtype", default="bfloat16", help="bfloat16 (default here) or float32")
+    lat.add_argument("--input-len", type=int, default=128, help="prompt tokens (128)")
+    lat.add_argument("--output-len", type=int, default=256, help="greedy tokens generated (256)")
+    lat.add_argument("--repeats", type=int, default=3, help="requests timed, one after another (median reported)")
+    lat.add_argument("--seed", type=int, default=0)
+    lat.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
+    lat.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPE_CHOICES)
+    lat.add_argument("--attention-backend", default=None)
+    _add_common(lat)
 
     mem = sub.add_parser("memory", help="paged KV blocks vs contiguous reservation (no model)")
     mem.add_argument("--workload", choices=WORKLOADS, default="mixed")
@@ -158,6 +170,16 @@ def bench_main(args: argparse.Namespace) -> int:
             repeats=args.repeats, isolation=args.isolation, progress=args.progress,
         )
         report = run_throughput(cfg)
+        _emit(report, format_report(report), args.output_json)
+        return 0
+    if command == "latency":
+        from pagellm.benchmarks.latency import LatencyConfig, format_report, run_latency
+
+        report = run_latency(LatencyConfig(
+            model=args.model, dtype=args.dtype, input_len=args.input_len, output_len=args.output_len,
+            repeats=args.repeats, seed=args.seed, num_threads=args.num_threads, kv_cache_dtype=args.kv_cache_dtype,
+            attention_backend=args.attention_backend,
+        ))
         _emit(report, format_report(report), args.output_json)
         return 0
     if command == "memory":

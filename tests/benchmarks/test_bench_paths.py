@@ -229,3 +229,20 @@ def test_mixed_workload_through_engine(tiny_llama_path):
     cfg = _tiny_cfg(tiny_llama_path, workload="mixed", num_prompts=6)
     result = tp.run_pagellm(w, tp._engine_options(cfg), progress=False)
     assert 0 < result.output_tokens <= w.max_output_tokens
+
+
+def test_latency_times_single_requests_and_reports_the_plan(tiny_llama_path, tmp_path):
+    out = tmp_path / "latency.json"
+    assert bench_cli(["latency", "--model", tiny_llama_path, "--dtype", "float32", "--input-len", "8",
+                      "--output-len", "5", "--repeats", "2", "--output-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert len(report["runs"]) == 2 and report["config"]["input_len"] == 8
+    for run in [*report["runs"], report["median"]]:
+        assert run["ttft_s"] > 0 and run["decode_s"] > 0
+        assert run["prefill_tokens_per_s"] == pytest.approx(8 / run["ttft_s"]) or run is report["median"]
+        assert run["decode_tokens_per_s"] == pytest.approx(4 / run["decode_s"]) or run is report["median"]
+    assert report["kernel_plan"]["dtype"] == "float32" and "gemm" in report["kernel_plan"]
+    with pytest.raises(ValueError, match="output_len >= 2"):
+        from pagellm.benchmarks.latency import LatencyConfig
+
+        LatencyConfig(output_len=1)
