@@ -80,4 +80,5 @@ def cdiv(a: int, b: int) -> int:
     """Ceiling division."""
     return -(-a // b)
 
+
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # the CLI's and the engine process's

@@ -33,7 +33,10 @@ logger = logging.getLogger(__name__)
 
 ABI_VERSION = 7
 _SOURCES = ("attention.cpp", "elementwise.cpp", "gemm_bf16.cpp", "gemm_avx2.cpp")
-_HEADERS = ("attention_avx2.h", "attention_avx512.h", "attention_common.h", "bf16_simd.h", "cpu_common.h", "work_ranges.h")
+_HEADERS = (
+    "attention_avx2.h", "attention_avx512.h", "attention_common.h", "avx2_simd.h", "bf16_simd.h", "cpu_common.h",
+    "work_ranges.h",
+)
 # -ffp-contract=off: no fused multiply-adds where the source has a product then a sum, so the
 # elementwise kernels round exactly like the separate torch ops they replace.
 _BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off")

@@ -15,7 +15,8 @@ import torch
 from pagellm.kernels.library import KernelLibrary
 
 # The implementations a plan names for each part.
-GEMM_PATHS = ("amx", "avx512-bf16", "avx2", "onednn", "torch")  # pagellm's GEMMs, oneDNN packed, F.linear
+OWN_GEMM_PATHS = ("amx", "avx512-bf16", "avx2")  # pagellm's own GEMMs
+GEMM_PATHS = (*OWN_GEMM_PATHS, "onednn", "torch")  # and oneDNN packed, F.linear
 ELEMENTWISE_PATHS = ("kernel", "torch")  # norm, rotary, argmax: pagellm's C++ or PyTorch
 
 
@@ -42,7 +43,7 @@ class KernelPlan:
                 raise ValueError(f"{part} must be one of {ELEMENTWISE_PATHS}, got {path!r}")
             if path == "kernel" and self.kernels is None:
                 raise ValueError(f"{part}='kernel' needs a kernel library")
-        if self.gemm in ("amx", "avx512-bf16", "avx2") and self.kernels is None:
+        if self.gemm in OWN_GEMM_PATHS and self.kernels is None:
             raise ValueError(f"gemm={self.gemm!r} needs a kernel library")
 
     def library(self, part: str) -> KernelLibrary | None:

@@ -15,7 +15,7 @@ from torch import nn
 
 from pagellm import kernels
 from pagellm.kernels.library import KernelLibrary
-from pagellm.kernels.plan import KernelPlan
+from pagellm.kernels.plan import OWN_GEMM_PATHS, KernelPlan
 from pagellm.model.layers import SiluAndMul
 
 _PACKED_DTYPES = (torch.bfloat16, torch.float16)
@@ -103,9 +103,6 @@ class PackedSiluAndMulLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up_weight, self.up_bias, "mul")
 
 
-KERNEL_GEMMS = ("amx", "avx512-bf16", "avx2")  # the plan's GEMM paths that are pagellm's own
-
-
 def _pack(weight: torch.Tensor, path: str) -> torch.Tensor:
     return kernels.pack_avx2_weight(weight) if path == "avx2" else kernels.pack_gemm_weight(weight, path == "amx")
 
@@ -127,8 +124,8 @@ class _KernelGemmLinear(nn.Module):
         lib: KernelLibrary, path: str,
     ) -> None:
         super().__init__()
-        if path not in KERNEL_GEMMS:
-            raise ValueError(f"path must be one of {KERNEL_GEMMS}, got {path!r}")
+        if path not in OWN_GEMM_PATHS:
+            raise ValueError(f"path must be one of {OWN_GEMM_PATHS}, got {path!r}")
         if bias is not None and path != "avx2":
             raise ValueError(f"the {path} GEMM takes no bias (oneDNN's PackedLinear does)")
         self.in_features = in_features
@@ -184,7 +181,7 @@ def _kernel_gemm_fits(linear: nn.Module, path: str, with_bias: bool = False) -> 
     """Whether pagellm's GEMM (the plan's ``path``) replaces this CPU ``nn.Linear``: bias-free
     bf16 whose input width the path takes (AMX: a multiple of 32); on AVX2 also float32 weights,
     and a bias where ``with_bias`` (plain linears)."""
-    if path not in KERNEL_GEMMS or type(linear) is not nn.Linear or linear.weight.device.type != "cpu":
+    if path not in OWN_GEMM_PATHS or type(linear) is not nn.Linear or linear.weight.device.type != "cpu":
         return False
     dtype, width = linear.weight.dtype, linear.in_features
     if path == "avx2":

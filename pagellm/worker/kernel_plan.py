@@ -15,12 +15,11 @@ from pagellm import kernels
 from pagellm.config import KernelConfig
 from pagellm.kernels.isa import feature_summary, usable_cpu_flags
 from pagellm.kernels.library import KernelLibrary
-from pagellm.kernels.plan import KernelPlan
+from pagellm.kernels.plan import OWN_GEMM_PATHS, KernelPlan
 from pagellm.model.cpu_linear import packed_ops_supported
 from pagellm.worker.device import cuda_native_bf16
 
 _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-_OWN_GEMMS = ("amx", "avx512-bf16", "avx2")
 
 
 def bf16_gemm_path(choice: str, lib: KernelLibrary | None, flags: frozenset[str]) -> str:
@@ -78,7 +77,7 @@ def plan_kernels(
     flags = usable_cpu_flags(config.isa_cap)
     lib = kernels.load(config)
     bf16_path = bf16_gemm_path(config.gemm, lib, flags)
-    dtype = choose_dtype(bf16_path in _OWN_GEMMS or bool(_NATIVE_BF16_FLAGS & flags))
+    dtype = choose_dtype(bf16_path in OWN_GEMM_PATHS or bool(_NATIVE_BF16_FLAGS & flags))
     elementwise = "kernel" if lib is not None and kernels.supports_dtype(dtype) else "torch"
     return KernelPlan(
         device="cpu",

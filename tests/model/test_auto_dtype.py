@@ -12,6 +12,7 @@ from pagellm import LLM
 from pagellm.config import KernelConfig
 from pagellm.engine.llm_engine import engine_dtype
 from pagellm.kernels.isa import usable_cpu_flags
+from pagellm.kernels.plan import OWN_GEMM_PATHS
 from pagellm.model.loader import auto_dtype, checkpoint_is_16bit
 from pagellm.worker.kernel_plan import plan_kernels
 
@@ -63,6 +64,6 @@ def test_engine_resolves_auto(tiny_llama_path, tmp_path):
     assert LLM(tiny_llama_path, num_kv_blocks=8).llm_engine.dtype is torch.float32  # float32 checkpoint
     half = _with_dtype(tiny_llama_path, tmp_path / "bf16", "bfloat16")
     engine = LLM(half, num_kv_blocks=8).llm_engine
-    fast = engine.kernel_plan.gemm in ("amx", "avx512-bf16", "avx2") or "avx512_bf16" in usable_cpu_flags()
+    fast = engine.kernel_plan.gemm in OWN_GEMM_PATHS or "avx512_bf16" in usable_cpu_flags()
     assert engine.dtype is (torch.bfloat16 if fast else torch.float32)
     assert LLM(half, num_kv_blocks=8, cpu_isa="baseline").llm_engine.dtype is torch.float32

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "attention_common.h"
+#include "avx2_simd.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -53,23 +54,8 @@ inline __m256i e4m3x16_to_bf16(const uint8_t* p) {
     return _mm256_or_si256(r, _mm256_slli_epi16(_mm256_xor_si256(w, mag), 8));
 }
 
-// exp_nonpositive_precise and exp_nonpositive on 8 lanes (the same reductions and polynomials,
-// with FMAs). max returns its second operand for NaN: a NaN score stays NaN.
-inline __m256 exp_nonpositive_precise_x8(__m256 x) {
-    x = _mm256_max_ps(_mm256_set1_ps(-87.3f), x);
-    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
-}
+// exp_nonpositive on 8 lanes (the same reduction and polynomial, with FMAs); float32 takes the
+// 1-ulp exp_x8 (avx2_simd.h) instead. max returns its second operand for NaN: NaN stays NaN.
 inline __m256 exp_nonpositive_x8(__m256 x) {
     x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
     const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
@@ -220,7 +206,7 @@ inline float exp_scores(float* sg, int64_t ctx, int64_t cs) {
     __m256 vsum = _mm256_setzero_ps();
     for (int64_t p = 0; p < cs; p += 8) {
         const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(sg + p), vmax);
-        __m256 e = kPrecise ? exp_nonpositive_precise_x8(x) : exp_nonpositive_x8(x);
+        __m256 e = kPrecise ? exp_x8(x) : exp_nonpositive_x8(x);
         if (p + 8 > ctx)
             e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(ctx - p)),
                                                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))));

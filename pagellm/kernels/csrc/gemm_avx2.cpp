@@ -42,6 +42,7 @@
 
 #include <omp.h>
 
+#include "avx2_simd.h"
 #include "cpu_common.h"
 #include "work_ranges.h"
 
@@ -55,29 +56,6 @@ constexpr int kRows = 6;      // rows of A per register tile
 constexpr int kLine = 64;     // bytes per packed step of k (float32: 1 k; bf16: 2 k)
 constexpr int kPrefetchPhases = 16;
 constexpr int64_t kChunkBytes = 128 << 10;  // float32 rows of A kept in L2 while panels pass
-
-// exp(x) on 8 lanes (Cephes' expf, as gemm_bf16.cpp's exp_x16): 2^n applied in two halves so
-// that n in [-150, 128] needs no AVX-512 scalef. NaN becomes exp(-104); silu keeps it NaN.
-inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.0f)), _mm256_set1_ps(89.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i ni = _mm256_cvtps_epi32(n);
-    const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
-    const __m256i bias = _mm256_set1_epi32(127);
-    const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
-    const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
-    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
-}
 
 // The bf16 nearest to each lane (ties to even, NaN stays NaN: float_to_bf16), in the lane's
 // upper 16 bits.
@@ -225,7 +203,7 @@ void finish(const float* tile, int rows, int G, int epilogue, int64_t panel0, in
             __m256 gate = _mm256_loadu_ps(t + g * kCols), up = _mm256_loadu_ps(t + g * kCols + 8);
             if constexpr (kBf16Out) gate = round_bf16x8(gate), up = round_bf16x8(up);
             const __m256 neg = _mm256_sub_ps(_mm256_setzero_ps(), gate);
-            __m256 act = _mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(neg)));
+            __m256 act = _mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_x8(neg)));
             if constexpr (kBf16Out) act = round_bf16x8(act);
             const int64_t col = (panel0 + g) * 8;
             store8<kBf16Out>(row + col * kElem, _mm256_mul_ps(act, up), n - col);
