@@ -54,6 +54,12 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype | None:
     return _DTYPES[dtype]
 
 
+# --quantization: "auto" keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks (unless the dtype is
+# float32: then every weight is dequantized, the exact reference path); "none" dequantizes;
+# "gguf" requires the file's blocks; "int8" quantizes any checkpoint to int8 blocks at load.
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8")
+
+
 @dataclass
 class ModelConfig:
     """What to load: weights, tokenizer and numeric type."""
@@ -63,8 +69,11 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own limit, capped by the KV pool
     seed: int = 0
     chat_template: str | None = None  # path of a Jinja file overriding the model's template
+    quantization: str = "auto"  # QUANTIZATION_CHOICES
 
     def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
         resolve_dtype(self.dtype)  # fail early on a bad name; "auto" is resolved when the model loads
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")

@@ -81,6 +81,21 @@ def build_kernel_rows(metadata: AttentionMetadata) -> _KernelRows:
     )
 
 
+def checked_kernel_rows(metadata: AttentionMetadata, key_cache: torch.Tensor) -> _KernelRows:
+    """The step's kernel rows (built once a step, cached on the metadata), every index in them
+    and the slots checked against this cache's shape (once a step per cache shape)."""
+    rows = metadata.derived.get("cpu_paged")
+    if not isinstance(rows, _KernelRows) or not rows.matches(metadata):
+        rows = build_kernel_rows(metadata)
+        metadata.derived["cpu_paged"] = rows
+    cache_id = (key_cache.shape[0], key_cache.shape[1])
+    if rows.checked_for != cache_id:
+        check_slots(metadata.slot_mapping, key_cache)
+        check_paged_attention_rows(rows.num_tokens, key_cache, rows.block_tables, rows.row_token, rows.row_req, rows.row_ctx)
+        rows.checked_for = cache_id
+    return rows
+
+
 class CPUPagedAttention(TorchSDPAAttention):
     """Every row of a step through the C++ paged kernel (bf16, float32, an fp8 cache under bf16);
     other dtype pairs through SDPA."""
@@ -97,14 +112,6 @@ class CPUPagedAttention(TorchSDPAAttention):
             )
         self.kernels = lib
 
-    @staticmethod
-    def _rows(metadata: AttentionMetadata) -> _KernelRows:
-        rows = metadata.derived.get("cpu_paged")
-        if not isinstance(rows, _KernelRows) or not rows.matches(metadata):
-            rows = build_kernel_rows(metadata)
-            metadata.derived["cpu_paged"] = rows
-        return rows
-
     def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale):
         cdtype = attention_dtype(query.dtype, key_cache.dtype)
         if query.device.type != "cpu" or (cdtype, key_cache.dtype) not in _KERNEL_PAIRS:
@@ -113,17 +120,10 @@ class CPUPagedAttention(TorchSDPAAttention):
         num_kv_heads = key_cache.shape[-2]
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-        plan = self._rows(metadata)
+        # Indices are range-checked once per step (per cache shape), not once per layer.
+        plan = checked_kernel_rows(metadata, key_cache)
         if plan.num_tokens != num_tokens:
             raise ValueError(f"query has {num_tokens} tokens but metadata.query_lens sum to {plan.num_tokens}")
-        # Indices are range-checked once per step (per cache shape), not once per layer.
-        cache_id = (key_cache.shape[0], key_cache.shape[1])
-        if plan.checked_for != cache_id:
-            check_slots(metadata.slot_mapping, key_cache)
-            check_paged_attention_rows(
-                num_tokens, key_cache, plan.block_tables, plan.row_token, plan.row_req, plan.row_ctx
-            )
-            plan.checked_for = cache_id
         k = key if key.dtype == cdtype else key.to(cdtype)
         v = value if value.dtype == cdtype else value.to(cdtype)
         if k.stride(-1) == 1 and v.stride(-1) == 1 and k.stride(-2) == head_dim and v.stride(-2) == head_dim:

@@ -15,7 +15,7 @@ from typing import Any
 
 from pagellm.benchmarks._common import RESULTS_DIR, write_json
 from pagellm.benchmarks.workloads import WORKLOADS
-from pagellm.config import KV_CACHE_DTYPE_CHOICES
+from pagellm.config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES
 
 
 def _int_list(text: str) -> list[int]:
@@ -52,6 +52,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
     group.add_argument("--dtype", default="bfloat16", help="bfloat16 (default here) or float32")
+    group.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
+                       help="weights: auto (the engine's: a GGUF file's own blocks unless float32), none, gguf, int8")
     group.add_argument("--max-num-seqs", type=int, default=None)
     group.add_argument("--max-num-batched-tokens", type=int, default=None)
     group.add_argument("--kv-cache-memory", default=None, help="e.g. 1GiB")
@@ -99,6 +101,8 @@ def _fill_bench_parser(bench: argparse.ArgumentParser) -> None:
     lat = sub.add_parser("latency", help="one user at a time (batch 1): prefill and decode tok/s")
     lat.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
     lat.add_argument("--dtype", default="bfloat16", help="bfloat16 (default here) or float32")
+    lat.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
+                       help="weights: auto (the engine's: a GGUF file's own blocks unless float32), none, gguf, int8")
     lat.add_argument("--input-len", type=int, default=128, help="prompt tokens (128)")
     lat.add_argument("--output-len", type=int, default=256, help="greedy tokens generated (256)")
     lat.add_argument("--repeats", type=int, default=3, help="requests timed, one after another (median reported)")
@@ -106,6 +110,11 @@ def _fill_bench_parser(bench: argparse.ArgumentParser) -> None:
     lat.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
     lat.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPE_CHOICES)
     lat.add_argument("--attention-backend", default=None)
+    lat_cmp = lat.add_argument_group("comparison")
+    lat_cmp.add_argument("--compare", action="append", default=[], choices=["llamacpp"],
+                         help="also run llama.cpp's llama-bench on the same GGUF, same threads and lengths")
+    lat_cmp.add_argument("--llama-bench", default=None, metavar="PATH",
+                         help="llama-bench executable for --compare llamacpp (how to build it: docs/llama-bench.md)")
     _add_common(lat)
 
     mem = sub.add_parser("memory", help="paged KV blocks vs contiguous reservation (no model)")
@@ -161,7 +170,8 @@ def bench_main(args: argparse.Namespace) -> int:
         cfg = ThroughputConfig(
             workload=args.workload, model=args.model, num_prompts=args.num_prompts, input_len=args.input_len,
             output_len=args.output_len, prefix_len=args.prefix_len, suffix_len=args.suffix_len, seed=args.seed,
-            dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            dtype=args.dtype, quantization=args.quantization, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
             kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
             enable_prefix_caching=args.enable_prefix_caching, num_threads=args.num_threads,
             attention_backend=args.attention_backend, device=args.device, compare=list(dict.fromkeys(args.compare)),
@@ -176,9 +186,10 @@ def bench_main(args: argparse.Namespace) -> int:
         from pagellm.benchmarks.latency import LatencyConfig, format_report, run_latency
 
         report = run_latency(LatencyConfig(
-            model=args.model, dtype=args.dtype, input_len=args.input_len, output_len=args.output_len,
-            repeats=args.repeats, seed=args.seed, num_threads=args.num_threads, kv_cache_dtype=args.kv_cache_dtype,
-            attention_backend=args.attention_backend,
+            model=args.model, dtype=args.dtype, quantization=args.quantization, input_len=args.input_len,
+            output_len=args.output_len, repeats=args.repeats, seed=args.seed, num_threads=args.num_threads, kv_cache_dtype=args.kv_cache_dtype,
+            attention_backend=args.attention_backend, compare=list(dict.fromkeys(args.compare)),
+            llama_bench=args.llama_bench,
         ))
         _emit(report, format_report(report), args.output_json)
         return 0
@@ -229,7 +240,7 @@ def _sweep(args: argparse.Namespace) -> int:
     engine = dict(
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
-        num_threads=args.num_threads, attention_backend=args.attention_backend,
+        num_threads=args.num_threads, attention_backend=args.attention_backend, quantization=args.quantization,
     )
     sweep = run_sweep(
         args.concurrency, model=args.model, dtype=args.dtype, input_len=args.input_len, output_len=args.output_len,

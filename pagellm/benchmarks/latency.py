@@ -6,23 +6,37 @@ ignored), ``repeats`` times, each with a fresh prompt (no prefix-cache hits). Pr
 tokens over the time after it. The engine is stepped directly, so the figures include the
 scheduler, the output processing and detokenization, as a user of ``LLM`` sees them; the kernel
 plan is in the report. What single-user latency targets (issue P3) are measured with.
+
+With ``compare=["llamacpp"]`` the same GGUF file is then run through llama.cpp's ``llama-bench``
+(``-p input_len -n output_len -r repeats``, the same thread count, no GPU layers) as a reference,
+and the report gains pagellm-over-llama.cpp ratios. Building llama-bench: docs/llama-bench.md.
 """
 
 from __future__ import annotations
 
+import json
+import shlex
+import shutil
 import statistics
+import subprocess
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pagellm.benchmarks._common import format_table, machine_info, model_token_facts, peak_rss_mib
 from pagellm.benchmarks.workloads import fixed_workload
+
+COMPARE_CHOICES = ("llamacpp",)
+LLAMA_BENCH_DOC = "docs/llama-bench.md"
+# Fields of a llama-bench JSON entry kept in the report: which build, CPU and model it measured.
+_LLAMA_BENCH_INFO = ("build_commit", "build_number", "cpu_info", "backends", "model_type", "n_threads")
 
 
 @dataclass
 class LatencyConfig:
     model: str | None = None
     dtype: str = "bfloat16"
+    quantization: str | None = None  # None: the engine's (auto: a GGUF file's own blocks)
     input_len: int = 128
     output_len: int = 256
     repeats: int = 3
@@ -30,10 +44,15 @@ class LatencyConfig:
     num_threads: int | None = None
     kv_cache_dtype: str | None = None
     attention_backend: str | None = None
+    compare: list[str] = field(default_factory=list)  # "llamacpp": also run llama-bench on the same GGUF
+    llama_bench: str | None = None  # the llama-bench executable, for compare=["llamacpp"]
 
     def __post_init__(self) -> None:
         if self.input_len < 1 or self.output_len < 2 or self.repeats < 1:
             raise ValueError("latency needs input_len >= 1, output_len >= 2 and repeats >= 1")
+        unknown = sorted(set(self.compare) - set(COMPARE_CHOICES))
+        if unknown:
+            raise ValueError(f"unknown latency compare system(s) {unknown}; choose from {list(COMPARE_CHOICES)}")
 
 
 def _time_one(engine: Any, request_id: str, prompt: list[int], output_len: int) -> dict[str, float]:
@@ -62,10 +81,13 @@ def _time_one(engine: Any, request_id: str, prompt: list[int], output_len: int) 
 
 
 def run_latency(cfg: LatencyConfig) -> dict[str, Any]:
-    """Build the engine once, warm it up, then time ``repeats`` single requests."""
+    """Build the engine once, warm it up, then time ``repeats`` single requests (then llama-bench, if asked)."""
     from pagellm import LLM
 
-    options = dict(dtype=cfg.dtype, max_num_seqs=1, enable_prefix_caching=False, num_threads=cfg.num_threads,
+    # Checked first, so a missing binary or a non-GGUF model fails before minutes of pagellm timing.
+    binary = llama_bench_binary(cfg.llama_bench) if "llamacpp" in cfg.compare else None
+    gguf = gguf_model_path(cfg.model) if binary else None
+    options = dict(dtype=cfg.dtype, quantization=cfg.quantization, max_num_seqs=1, enable_prefix_caching=False, num_threads=cfg.num_threads,
                    kv_cache_dtype=cfg.kv_cache_dtype, attention_backend=cfg.attention_backend)
     llm = LLM(cfg.model, **{k: v for k, v in options.items() if v is not None})
     engine = llm.llm_engine
@@ -75,8 +97,95 @@ def run_latency(cfg: LatencyConfig) -> dict[str, Any]:
     runs = [_time_one(engine, f"latency-{i}", r.prompt_token_ids, cfg.output_len)
             for i, r in enumerate(prompts.requests[1:])]
     medians = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
-    return dict(config=asdict(cfg), machine=machine_info(), kernel_plan=engine.kernel_plan_info, runs=runs,
-                median=medians, peak_rss_mib=peak_rss_mib())
+    report = dict(config=asdict(cfg), machine=machine_info(), kernel_plan=engine.kernel_plan_info, runs=runs,
+                  median=medians, peak_rss_mib=peak_rss_mib())
+    if binary and gguf:
+        del llm, engine  # llama-bench should not share the machine with an idle engine's memory
+        report["llamacpp"] = run_llama_bench(llama_bench_command(binary, gguf, cfg, _pagellm_threads(cfg)))
+        report["pagellm_over_llamacpp"] = llamacpp_ratios(medians, report["llamacpp"])
+    return report
+
+
+# ---- llama.cpp reference (llama-bench) ---------------------------------------------------
+
+
+def llama_bench_binary(path: str | None) -> str:
+    """The llama-bench executable; fails up front, saying how to build it, when it is not there."""
+    how = f"build it from the llama-cpp-python sdist as described in {LLAMA_BENCH_DOC} and pass --llama-bench PATH"
+    if not path:
+        raise FileNotFoundError(f"--compare llamacpp needs the llama-bench binary: {how}")
+    found = shutil.which(path)  # a path or a name on PATH; None unless an executable file
+    if found is None:
+        raise FileNotFoundError(f"llama-bench not found (or not executable) at {path!r}: {how}")
+    return found
+
+
+def gguf_model_path(model: str | None) -> str:
+    """The GGUF file both engines load: llama-bench reads only GGUF, so anything else is refused."""
+    from pagellm.model.loader import resolve_model_path
+
+    path = resolve_model_path(model)
+    if not path.endswith(".gguf"):
+        raise ValueError(f"--compare llamacpp needs a .gguf model (llama-bench reads only GGUF), got {path}")
+    return path
+
+
+def _pagellm_threads(cfg: LatencyConfig) -> int:
+    """The thread count pagellm ran with (the engine has set torch's by now), for llama-bench ``-t``."""
+    import torch
+
+    return cfg.num_threads or torch.get_num_threads()
+
+
+def llama_bench_command(binary: str, model_path: str, cfg: LatencyConfig, threads: int) -> list[str]:
+    """llama-bench arguments that mirror pagellm's run: same file, lengths, repeats and threads, CPU only."""
+    return [binary, "-m", model_path, "-p", str(cfg.input_len), "-n", str(cfg.output_len), "-r", str(cfg.repeats),
+            "-t", str(threads), "-ngl", "0", "-o", "json"]
+
+
+def parse_llama_bench(text: str) -> dict[str, Any]:
+    """Prefill and decode tok/s from ``llama-bench -o json`` stdout: one pp entry (n_gen 0), one tg (n_prompt 0)."""
+    start = text.find("[")
+    if start < 0:
+        raise ValueError(f"no JSON array in llama-bench output: {text[:200]!r}")
+    entries: list[dict[str, Any]] = json.loads(text[start:])
+    prefill = [e for e in entries if e["n_prompt"] > 0 and e["n_gen"] == 0]
+    decode = [e for e in entries if e["n_gen"] > 0 and e["n_prompt"] == 0]
+    if len(prefill) != 1 or len(decode) != 1:
+        raise ValueError(f"expected one prefill and one decode test from llama-bench, "
+                         f"got {len(prefill)} and {len(decode)}")
+    pp, tg = prefill[0], decode[0]
+    return dict(
+        prefill_tokens_per_s=float(pp["avg_ts"]), prefill_stddev_tokens_per_s=float(pp["stddev_ts"]),
+        decode_tokens_per_s=float(tg["avg_ts"]), decode_stddev_tokens_per_s=float(tg["stddev_ts"]),
+        n_prompt=int(pp["n_prompt"]), n_gen=int(tg["n_gen"]), build={k: pp[k] for k in _LLAMA_BENCH_INFO if k in pp},
+    )
+
+
+def run_llama_bench(command: list[str]) -> dict[str, Any]:
+    """Run llama-bench once and parse it; on failure its stderr is shown, since that is where it says why."""
+    proc = subprocess.run(command, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-bench failed (exit {proc.returncode}): {shlex.join(command)}\n{proc.stderr[-2000:]}")
+    return dict(parse_llama_bench(proc.stdout), command=shlex.join(command))
+
+
+def llamacpp_ratios(median: dict[str, float], llamacpp: dict[str, Any]) -> dict[str, float]:
+    """pagellm's median tok/s over llama.cpp's mean, per phase: above 1 means pagellm is faster."""
+    return dict(prefill=median["prefill_tokens_per_s"] / llamacpp["prefill_tokens_per_s"],
+                decode=median["decode_tokens_per_s"] / llamacpp["decode_tokens_per_s"])
+
+
+def format_llamacpp(report: dict[str, Any]) -> str:
+    """The side-by-side table of pagellm and llama.cpp on the same GGUF, with the ratio under it."""
+    ours, theirs, ratio = report["median"], report["llamacpp"], report["pagellm_over_llamacpp"]
+    rows = [dict(system=name, prefill=tps["prefill_tokens_per_s"], decode=tps["decode_tokens_per_s"])
+            for name, tps in (("pagellm (median)", ours), ("llama.cpp (mean)", theirs))]
+    columns = [("system", "system", ""), ("prefill", "prefill tok/s", ".1f"), ("decode", "decode tok/s", ".1f")]
+    commit = theirs.get("build", {}).get("build_commit")
+    build = f" (llama.cpp {commit})" if commit else ""
+    return (format_table(rows, columns) +
+            f"\npagellm / llama.cpp{build}: prefill {ratio['prefill']:.2f}x, decode {ratio['decode']:.2f}x")
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -86,5 +195,6 @@ def format_report(report: dict[str, Any]) -> str:
     columns = [("run", "run", "s"), ("ttft_s", "TTFT s", ".3f"), ("prefill_tokens_per_s", "prefill tok/s", ".1f"),
                ("decode_tokens_per_s", "decode tok/s", ".1f"), ("decode_s", "decode s", ".2f")]
     plan = " ".join(f"{k}={v}" for k, v in report["kernel_plan"].items())
-    return (f"batch 1: prompt {cfg['input_len']}, {cfg['output_len']} greedy tokens, {cfg['dtype']}\n"
+    text = (f"batch 1: prompt {cfg['input_len']}, {cfg['output_len']} greedy tokens, {cfg['dtype']}\n"
             f"kernel plan: {plan}\n" + format_table(rows, columns))
+    return text + "\n\n" + format_llamacpp(report) if "llamacpp" in report else text

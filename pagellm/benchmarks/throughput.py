@@ -368,6 +368,7 @@ class ThroughputConfig:
     suffix_len: int | None = None
     seed: int = 0
     dtype: str = "bfloat16"
+    quantization: str | None = None  # None: the engine's (auto)
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     kv_cache_memory: str | None = None
@@ -407,6 +408,7 @@ def _engine_options(cfg: ThroughputConfig) -> dict[str, Any]:
     return dict(
         model=cfg.model,
         dtype=cfg.dtype,
+        quantization=cfg.quantization,
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         kv_cache_memory=cfg.kv_cache_memory,

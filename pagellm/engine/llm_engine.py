@@ -23,7 +23,7 @@ from pagellm.engine.beam_search import Beam, BeamSearchGroup, BeamSearchParams, 
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.model.arch_config import ModelArchConfig
-from pagellm.model.loader import auto_dtype, load_model
+from pagellm.model.loader import auto_dtype, load_model, requested_weights
 from pagellm.model.tokenizer import load_tokenizer
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -67,7 +67,8 @@ def engine_kernel_plan(config: EngineConfig, device: torch.device) -> KernelPlan
             config.model.model, bf16_is_fast, auto_dtype_downcasts_float32(device)
         )
 
-    return plan_kernels(config.kernels, device, config.device.attention_backend, choose_dtype)
+    weights = requested_weights(config.model)
+    return plan_kernels(config.kernels, device, config.device.attention_backend, choose_dtype, weights)
 
 
 def engine_dtype(dtype: str | torch.dtype, model: str | None, device: torch.device) -> torch.dtype:

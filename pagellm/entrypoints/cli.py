@@ -15,7 +15,7 @@ from typing import Any
 from pagellm.benchmarks.cli import add_bench_subparser
 from pagellm.config import KV_CACHE_DTYPE_CHOICES
 from pagellm.model.default_model import DEFAULT_MODEL_NAME
-from pagellm.config import GEMM_CHOICES, ISA_CHOICES
+from pagellm.config import GEMM_CHOICES, ISA_CHOICES, QUANTIZATION_CHOICES
 from pagellm.utils import LOG_FORMAT
 
 logger = logging.getLogger("pagellm")
@@ -34,6 +34,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--dtype", default="auto",
         help="auto (bfloat16 for 16-bit/GGUF checkpoints where the kernel plan multiplies bf16 fast, else float32), float32 or bfloat16",
+    )
+    group.add_argument(
+        "--quantization", default="auto", choices=QUANTIZATION_CHOICES,
+        help="auto (a GGUF file's Q4_0/Q4_1/Q8_0 weights kept as they are, on integer kernels, unless --dtype "
+        "float32), none (dequantized), gguf (require the file's), int8 (any checkpoint's linears to int8 blocks)",
     )
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     group.add_argument("--kv-cache-memory", default="1GiB", help="KV-cache budget, e.g. 512MiB or 2GiB")
@@ -79,6 +84,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks,

@@ -29,6 +29,7 @@ Conversation = list[dict[str, Any]]
 def engine_config(
     model: str | None = None,
     dtype: str | torch.dtype = "auto",
+    quantization: str = "auto",
     block_size: int = 16,
     kv_cache_memory: int | str = "1GiB",
     num_kv_blocks: int | None = None,
@@ -51,12 +52,17 @@ def engine_config(
 ) -> EngineConfig:
     """The engine's validated configuration from ``LLM``'s flat keyword options.
 
-    ``cpu_isa``, ``cpu_kernels`` and ``gemm`` (None: the environment's, see ``KernelConfig``)
+    ``quantization`` (``QUANTIZATION_CHOICES``): auto keeps a GGUF file's Q4_0 / Q4_1 / Q8_0
+    blocks on pagellm's integer GEMM (unless ``dtype="float32"``), none dequantizes, int8
+    quantizes any checkpoint's linears to int8 blocks. ``cpu_isa``, ``cpu_kernels`` and ``gemm`` (None: the environment's, see ``KernelConfig``)
     shape the kernel plan: the highest ISA level the kernels may use, whether the C++ kernels
     are used at all, and which GEMM linear layers take (16-bit; float32 on AVX2).
     """
     return EngineConfig(
-        model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, chat_template=chat_template),
+        model=ModelConfig(
+            model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, chat_template=chat_template,
+            quantization=quantization,
+        ),
         cache=CacheConfig(
             block_size=block_size,
             kv_cache_memory=kv_cache_memory,

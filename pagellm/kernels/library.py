@@ -11,6 +11,7 @@ import ctypes
 
 import torch
 
+from pagellm.kernels.quant_formats import BLOCK, FORMAT_CODES, packed_shape
 from pagellm.kernels.packing import (
     GEMM_AMX_K_MULTIPLE,
     SILU_MUL_HALF_COLS,
@@ -20,6 +21,8 @@ from pagellm.kernels.packing import (
 )
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# pagellm_gemm_q_isa() -> the integer GEMM's path name (kernel plan: ``qgemm``).
+GEMM_Q_PATHS = ("none", "avx2", "avx-vnni", "avx512-vnni")
 # (K/V and query dtype, cache dtype) -> the attention and K/V-write kernels' dtype code.
 CACHE_CODES = {(torch.float32, torch.float32): 0, (torch.bfloat16, torch.bfloat16): 1,
                (torch.bfloat16, torch.float8_e4m3fn): 2}
@@ -90,6 +93,7 @@ class KernelLibrary:
         self.gemm_bf16_available = bool(lib.pagellm_gemm_bf16_available())
         self.gemm_amx_available = bool(lib.pagellm_gemm_bf16_amx_available())
         self.gemm_avx2_available = bool(lib.pagellm_gemm_avx2_available())
+        self.gemm_q_path = GEMM_Q_PATHS[lib.pagellm_gemm_q_isa()]  # "none" without AVX2/FMA/F16C
 
     def __repr__(self) -> str:
         return f"KernelLibrary({' '.join(self.march)})"
@@ -286,6 +290,99 @@ class KernelLibrary:
         if rc != 0:
             raise RuntimeError(f"pagellm_gemm_avx2 failed with code {rc}")
         return out
+
+
+    def quantize_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The integer GEMM's activation quantization of ``x`` [M, K] (float32/bf16): (q int8
+        [M, blocks * 32], d float32 [M, blocks], sum(q) int32 [M, blocks]), for tests."""
+        rows, k = _check_gemm_input(x)
+        blocks = -(-k // BLOCK)
+        q = torch.empty(rows, blocks * BLOCK, dtype=torch.int8)
+        d = torch.empty(rows, blocks, dtype=torch.float32)
+        sums = torch.empty(rows, blocks, dtype=torch.int32)
+        rc = self._lib.pagellm_quantize_rows(
+            x.data_ptr(), x.stride(0) if rows > 1 else k, rows, k, DTYPE_CODES[x.dtype], q.data_ptr(), d.data_ptr(),
+            sums.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"pagellm_quantize_rows failed with code {rc}")
+        return q, d, sums
+
+    def gemm_q(
+        self, x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int, epilogue: str = "none"
+    ) -> torch.Tensor:
+        """``x [M, K] @ W.T`` for a quantized ``W`` (``quant_formats.pack``, format ``fmt``: q4 or
+        q8), in integer dot products on activations quantized per block of 32 -> new
+        ``[M, out_features]`` tensor of x's dtype (float32 or bf16). ``epilogue="silu_mul"``
+        takes a ``quant_formats.pack_silu_mul`` weight and returns ``silu(x @ gate.T) * (x @ up.T)``."""
+        if epilogue not in ("none", "silu_mul"):
+            raise ValueError(f"epilogue must be 'none' or 'silu_mul', got {epilogue!r}")
+        if self.gemm_q_path == "none":
+            raise RuntimeError(f"this kernel build ({' '.join(self.march)}) has no integer GEMM (needs AVX2, FMA, F16C)")
+        if fmt not in FORMAT_CODES:
+            raise ValueError(f"format must be one of {sorted(FORMAT_CODES)}, got {fmt!r}")
+        rows, k = _check_gemm_input(x)
+        expected = packed_shape(fmt, out_features, k, silu_mul=epilogue == "silu_mul")
+        if out_features <= 0 or packed.dtype != torch.uint8 or tuple(packed.shape) != expected or not packed.is_contiguous():
+            raise ValueError(f"packed weight must be a contiguous uint8 tensor of shape {list(expected)} for x "
+                             f"{list(x.shape)}, got {packed.dtype} {list(packed.shape)}")  # fmt: skip
+        out = torch.empty(rows, out_features, dtype=x.dtype)
+        rc = self._lib.pagellm_gemm_q(
+            x.data_ptr(), x.stride(0) if rows > 1 else k, rows, k, packed.data_ptr(), out_features, out.data_ptr(),
+            out_features, DTYPE_CODES[x.dtype], FORMAT_CODES[fmt], int(epilogue == "silu_mul"), torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"pagellm_gemm_q failed with code {rc}")
+        return out
+
+
+    def decoder_stack(self, stack: DecoderStackArgs) -> None:
+        """Run ``stack.num_layers`` decoder layers in one call (``csrc/decoder_stack.cpp``).
+
+        Unchecked here: the caller (``model.fused_stack``) builds ``stack`` from the model's own
+        packed weights, checked when it was built, and the step's indices, checked once a step.
+        """
+        rc = self._lib.pagellm_decoder_stack(ctypes.byref(stack))
+        if rc != 0:
+            raise RuntimeError(f"pagellm_decoder_stack failed with code {rc}")
+
+
+_P = ctypes.c_void_p
+
+
+class DecoderLayerArgs(ctypes.Structure):
+    """``PagellmLayer`` of ``csrc/decoder_stack.cpp``: one layer's packed weights and caches."""
+
+    _fields_ = [
+        ("input_norm", _P), ("post_norm", _P), ("qkv", _P), ("qkv_bias", _P), ("o", _P), ("gate_up", _P),
+        ("down", _P), ("qkv_format", ctypes.c_int32), ("o_format", ctypes.c_int32),
+        ("gate_up_format", ctypes.c_int32), ("down_format", ctypes.c_int32), ("key_cache", _P), ("value_cache", _P),
+    ]  # fmt: skip
+
+
+class DecoderStackArgs(ctypes.Structure):
+    """``PagellmStack`` of ``csrc/decoder_stack.cpp``: one step's shapes, indices and buffers."""
+
+    _fields_ = [
+        ("layers", ctypes.POINTER(DecoderLayerArgs)), ("num_layers", ctypes.c_int64), ("tokens", ctypes.c_int64),
+        ("hidden", ctypes.c_int64), ("num_heads", ctypes.c_int64), ("num_kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("block_size", ctypes.c_int64),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("dtype", ctypes.c_int32), ("cache_code", ctypes.c_int32),
+        ("num_threads", ctypes.c_int32), ("reserved", ctypes.c_int32), ("x", _P), ("residual", _P), ("cos", _P),
+        ("sin", _P), ("slot_mapping", _P), ("block_tables", _P), ("block_table_stride", ctypes.c_int64),
+        ("row_token", _P), ("row_req", _P), ("row_ctx", _P), ("num_rows", ctypes.c_int64), ("h", _P), ("qkv", _P),
+        ("attn", _P), ("act", _P),
+    ]  # fmt: skip
+
+
+def _check_gemm_input(x: torch.Tensor) -> tuple[int, int]:
+    """(rows, k) of a 2-D CPU float32/bf16 ``x`` whose rows are each contiguous."""
+    if x.dim() != 2 or x.dtype not in DTYPE_CODES or x.device.type != "cpu":
+        raise ValueError("x must be a 2-D CPU float32 or bfloat16 tensor")
+    rows, k = x.shape
+    if k == 0 or (rows > 1 and x.stride(0) < k) or (k > 1 and x.stride(1) != 1):
+        raise ValueError("x needs columns, each row contiguous")
+    return rows, k
 
 
 def _cache_code(dtype: torch.dtype, key_cache: torch.Tensor, value_cache: torch.Tensor) -> int:

@@ -18,6 +18,19 @@ from pagellm.kernels.library import KernelLibrary
 OWN_GEMM_PATHS = ("amx", "avx512-bf16", "avx2")  # pagellm's own GEMMs
 GEMM_PATHS = (*OWN_GEMM_PATHS, "onednn", "torch")  # and oneDNN packed, F.linear
 ELEMENTWISE_PATHS = ("kernel", "torch")  # norm, rotary, argmax: pagellm's C++ or PyTorch
+# How the linears' weights are held: dense (the compute dtype), gguf (the file's Q4_0 / Q4_1 /
+# Q8_0 blocks) or int8 (q8 blocks quantized at load); the quantized ones run the integer GEMM.
+WEIGHT_FORMATS = ("dense", "gguf", "int8")
+DECODER_PATHS = ("layers", "fused")
+
+
+@dataclass(frozen=True)
+class WeightRequest:
+    """How the user wants the linears' weights held (``KernelPlan.weights``), and whether
+    falling back to dense weights is an error (an explicit ``--quantization``) or not (auto)."""
+
+    weights: str = "dense"
+    required: bool = False
 
 
 @dataclass(frozen=True)
@@ -32,6 +45,14 @@ class KernelPlan:
     norm: str = "torch"  # ELEMENTWISE_PATHS, also for rotary and argmax
     rotary: str = "torch"
     argmax: str = "torch"
+    weights: str = "dense"  # WEIGHT_FORMATS
+    qgemm: str = "none"  # the integer GEMM's path (KernelLibrary.gemm_q_path) where weights are quantized
+    # Batches of more rows than this run quantized linears on a dense bf16 copy (the ``gemm``
+    # path); None: the integer GEMM at every batch size, no copy.
+    quant_max_rows: int | None = None
+    # "fused": the decoder layers in one C++ call (quantized weights, cpu_paged attention, kernel
+    # norm and rotary) for steps of at most quant_max_rows rows; "layers": module by module.
+    decoder: str = "layers"
     kernels: KernelLibrary | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -45,6 +66,23 @@ class KernelPlan:
                 raise ValueError(f"{part}='kernel' needs a kernel library")
         if self.gemm in OWN_GEMM_PATHS and self.kernels is None:
             raise ValueError(f"gemm={self.gemm!r} needs a kernel library")
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
+        if self.weights != "dense" and (self.kernels is None or self.qgemm == "none"):
+            raise ValueError(f"weights={self.weights!r} needs a kernel library with the integer GEMM")
+        if self.quant_max_rows is not None and (self.weights == "dense" or self.gemm not in OWN_GEMM_PATHS):
+            raise ValueError("quant_max_rows needs quantized weights and one of pagellm's dense GEMMs")
+        if self.decoder not in DECODER_PATHS:
+            raise ValueError(f"decoder must be one of {DECODER_PATHS}, got {self.decoder!r}")
+        if self.decoder == "fused" and not (
+            self.weights != "dense" and self.attention == "cpu_paged" and self.norm == self.rotary == "kernel"
+        ):
+            raise ValueError("decoder='fused' needs quantized weights, cpu_paged attention and kernel norm and rotary")
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the linears hold quantized weights (and run the integer GEMM)."""
+        return self.weights != "dense"
 
     def library(self, part: str) -> KernelLibrary | None:
         """The kernel library if ``part`` (norm, rotary, argmax) runs on it, else None."""
@@ -62,6 +100,10 @@ class KernelPlan:
             "norm": self.norm,
             "rotary": self.rotary,
             "argmax": self.argmax,
+            "weights": self.weights,
+            "qgemm": self.qgemm,
+            "quant_max_rows": "none" if self.quant_max_rows is None else str(self.quant_max_rows),
+            "decoder": self.decoder,
         }
 
     def describe(self) -> str:

@@ -22,6 +22,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize, quant_shape_to_byte_shape
 
+from pagellm.kernels.quant_formats import GGUF_FORMATS, QuantizedWeight, from_gguf_blocks
 from pagellm.model.arch_config import ModelArchConfig
 
 # GGUF general.architecture -> (HF architecture, q/k/v bias, q/k rows permuted by the converter).
@@ -373,16 +374,26 @@ def iter_gguf_weights(
     arch: ModelArchConfig,
     dtype: torch.dtype = torch.float32,
     keep_float32: bool = False,
-) -> Iterator[tuple[str, torch.Tensor]]:
+    keep_quantized: bool = False,
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Yield ``(hf_name, tensor)`` for every tensor, dequantized into ``dtype`` (float32 with
-    ``keep_float32``: for a caller that casts while copying), one at a time."""
+    ``keep_float32``: for a caller that casts while copying), one at a time; with
+    ``keep_quantized``, 2-D Q4_0 / Q4_1 / Q8_0 tensors come as their blocks (a
+    :class:`QuantizedWeight`), not dequantized."""
     _, _, _, permuted = _gguf_arch(reader)
     heads_for = {"q_proj": arch.num_attention_heads, "k_proj": arch.num_key_value_heads}
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
-        weight = _dequantized(tensor)
         projection = name.split(".")[-2]
-        if permuted and projection in heads_for:
+        unpermute = permuted and projection in heads_for
+        if keep_quantized and tensor.tensor_type in GGUF_FORMATS and len(tensor.shape) == 2:
+            blocks = from_gguf_blocks(np.asarray(tensor.data), tensor.tensor_type, int(tensor.shape[0]))
+            if unpermute:
+                blocks = blocks.select_rows(unpermute_qk_rows(torch.arange(blocks.rows), heads_for[projection]))
+            yield name, blocks
+            continue
+        weight = _dequantized(tensor)
+        if unpermute:
             weight = unpermute_qk_rows(weight, heads_for[projection])
         # Float32 as dequantized: the copy into the model's parameter casts to its dtype in the
         # same pass (``dtype`` only matters to callers that keep the tensors themselves).

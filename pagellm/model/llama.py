@@ -19,8 +19,11 @@ from torch import nn
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.kernels.plan import KernelPlan
 from pagellm.model.arch_config import ModelArchConfig
+from pagellm.kernels.quant_formats import QuantizedWeight
 from pagellm.model.cpu_linear import fuse_silu_and_mul, pack_linear_layers
 from pagellm.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_
+from pagellm.model.fused_stack import FusedDecoderStack
+from pagellm.model.quant_linear import QuantizedLinear, linear_for_plan, quantized_plan
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -48,8 +51,8 @@ class LlamaAttention(nn.Module):
         self.q_size = arch.q_size
         self.kv_size = arch.kv_size
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias)
+        self.qkv_proj = linear_for_plan(arch.hidden_size, self.q_size + 2 * self.kv_size, arch.attention_bias, plan)
+        self.o_proj = linear_for_plan(self.q_size, arch.hidden_size, arch.o_proj_bias, plan)
         self.attn_backend = attn_backend
         self.rotary_kernels = plan.library("rotary") if plan is not None else None
 
@@ -80,14 +83,16 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward with gate and up fused into one matmul."""
 
-    def __init__(self, arch: ModelArchConfig) -> None:
+    def __init__(self, arch: ModelArchConfig, plan: KernelPlan | None = None) -> None:
         super().__init__()
         if arch.hidden_act != "silu":
             raise NotImplementedError(f"hidden_act {arch.hidden_act!r} is not supported; only 'silu'")
         self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
-        self.act = SiluAndMul()
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+        # Quantized: the activation runs in the integer GEMM's epilogue (bias-free MLPs).
+        fused = quantized_plan(plan) and not arch.mlp_bias
+        self.gate_up_proj = linear_for_plan(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias, plan, fused)
+        self.act: nn.Module = nn.Identity() if fused else SiluAndMul()
+        self.down_proj = linear_for_plan(arch.intermediate_size, arch.hidden_size, arch.mlp_bias, plan)
 
     def shard_slices(self) -> dict[str, slice]:
         """Rows of ``gate_up_proj`` holding each of gate, up."""
@@ -115,7 +120,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, norm_kernels)
         self.self_attn = LlamaAttention(arch, attn_backend, plan)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, norm_kernels)
-        self.mlp = LlamaMLP(arch)
+        self.mlp = LlamaMLP(arch, plan)
 
     def forward(
         self,
@@ -159,12 +164,19 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = LlamaModel(arch, attn_backend, plan)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = linear_for_plan(arch.hidden_size, arch.vocab_size, False, plan)
         self.tie_weights()
+        # plan.decoder == "fused": the layers run in one C++ call where a step fits it (built
+        # from the loaded weights at the first forward).
+        fused = plan is not None and plan.decoder == "fused" and plan.kernels is not None
+        self.decoder_kernels = plan.kernels if fused and plan is not None else None
+        self.decoder_max_rows = plan.quant_max_rows if plan is not None else None
+        self._fused_stack: FusedDecoderStack | None = None
 
     def tie_weights(self) -> None:
-        """Share the embedding matrix with lm_head when the config says so (re-run after ``to_empty``)."""
-        if self.arch.tie_word_embeddings:
+        """Share the embedding matrix with lm_head when the config says so (re-run after
+        ``to_empty``); a quantized lm_head gets its own quantized copy while loading instead."""
+        if self.arch.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
@@ -179,11 +191,24 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"expected {len(self.model.layers)} KV cache pairs, got {len(kv_caches)}")
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, hidden.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn_metadata)
+        stack = self._decoder_stack()
+        if stack is not None and stack.applies(hidden, kv_caches):
+            hidden, residual = stack(hidden, cos, sin, kv_caches, attn_metadata)
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.model.layers, kv_caches):
+                hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn_metadata)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
+
+    def _decoder_stack(self) -> FusedDecoderStack | None:
+        """The one-call decoder stack where the plan asked for it and the loaded layers fit it."""
+        if self.decoder_kernels is not None and self._fused_stack is None:
+            self._fused_stack = FusedDecoderStack.build(self.model.layers, self.arch, self.decoder_kernels,
+                                                        self.decoder_max_rows)  # fmt: skip
+            if self._fused_stack is None:
+                self.decoder_kernels = None  # the layers do not fit: Python layers from now on
+        return self._fused_stack
 
     def optimize_for_cpu_inference(self, plan: KernelPlan) -> dict[str, int]:
         """Repack the loaded weights for the plan's GEMM: fused MLPs, packed linears (bf16/fp16,
@@ -232,20 +257,34 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        tied_quantized = self.arch.tie_word_embeddings and isinstance(self.lm_head, QuantizedLinear)
         for name, tensor in weights:
             if _IGNORED.search(name):
                 continue
             if name == "lm_head.weight" and self.arch.tie_word_embeddings:
                 continue  # some tied checkpoints still store it; the embedding is the source of truth
+            if name == "model.embed_tokens.weight" and tied_quantized:
+                self.lm_head.load_rows(None, tensor)  # type: ignore[operator]
             self._load_one(params, name, tensor)
             loaded.add(name)
         missing = self.expected_weight_names() - loaded
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {sorted(missing)[:5]}")
+        for module in self.modules():
+            if isinstance(module, QuantizedLinear):
+                module.finish_loading()
 
-    def _load_one(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
-        """Copy one HF tensor into its (possibly fused) destination rows."""
+    def _load_one(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor | QuantizedWeight) -> None:
+        """Copy one HF tensor into its (possibly fused) destination rows (a quantized linear
+        takes its weight as it comes; everything else is dense)."""
         target_name, rows = self._destination(name)
+        module_name, _, attr = target_name.rpartition(".")
+        module = self._submodule_or_none(module_name) if target_name not in params else None
+        if isinstance(module, QuantizedLinear) and attr == "weight":
+            module.load_rows(rows, tensor)
+            return
+        if isinstance(tensor, QuantizedWeight):
+            tensor = tensor.dequantize()
         if target_name not in params:
             raise ValueError(f"unexpected weight {name!r} for {self.arch.architecture}")
         target = params[target_name].data
@@ -253,6 +292,12 @@ class LlamaForCausalLM(nn.Module):
         if target.shape != tensor.shape:
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
         target.copy_(tensor)
+
+    def _submodule_or_none(self, name: str) -> nn.Module | None:
+        try:
+            return self.get_submodule(name) if name else None
+        except AttributeError:
+            return None
 
     def _destination(self, name: str) -> tuple[str, slice | None]:
         """Our parameter name for an HF name, plus the row slice inside a fused parameter."""

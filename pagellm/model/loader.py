@@ -18,7 +18,9 @@ import torch
 from safetensors import safe_open
 
 from pagellm.attention.backend import AttentionBackend
-from pagellm.kernels.plan import KernelPlan
+from pagellm.config import ModelConfig, resolve_dtype
+from pagellm.kernels.quant_formats import GGUF_FORMATS
+from pagellm.kernels.plan import KernelPlan, WeightRequest
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.default_model import default_model_path
 from pagellm.model.gguf_loader import arch_config_from_gguf, iter_gguf_weights, open_gguf
@@ -122,6 +124,30 @@ def auto_dtype(model: str | None, bf16_is_fast: bool, downcast_float32: bool = F
     if not bf16_is_fast:
         return torch.float32
     return torch.bfloat16 if downcast_float32 or checkpoint_is_16bit(model) else torch.float32
+
+
+def has_quantized_gguf_weights(model: str | None) -> bool:
+    """Whether the checkpoint is a GGUF file holding blocks the integer GEMM takes as they are
+    (Q4_0, Q4_1, Q8_0)."""
+    path = resolve_model_path(model)
+    return is_gguf(path) and any(t.tensor_type in GGUF_FORMATS for t in open_gguf(path).tensors)
+
+
+def requested_weights(config: ModelConfig) -> WeightRequest:
+    """How ``config.quantization`` asks for the linears' weights (see ``QUANTIZATION_CHOICES``):
+    auto keeps a GGUF file's blocks unless the dtype is float32 (the exact reference path)."""
+    choice = config.quantization
+    if choice == "none":
+        return WeightRequest("dense", False)
+    if choice == "int8":
+        return WeightRequest("int8", True)
+    quantized_file = has_quantized_gguf_weights(config.model)
+    if choice == "gguf":
+        if not quantized_file:
+            raise ValueError("quantization 'gguf' needs a GGUF checkpoint with Q4_0, Q4_1 or Q8_0 tensors")
+        return WeightRequest("gguf", True)
+    keep = quantized_file and resolve_dtype(config.dtype) != torch.float32
+    return WeightRequest("gguf" if keep else "dense", False)
 
 
 def load_arch_config(model: str | None) -> ModelArchConfig:
@@ -230,7 +256,8 @@ def load_model(
         if is_gguf(path):
             reader = open_gguf(path)
             arch = arch_config_from_gguf(reader)
-            weights = iter_gguf_weights(reader, arch, dtype, keep_float32=True)  # load_weights casts
+            keep_quantized = plan is not None and plan.weights == "gguf"
+            weights = iter_gguf_weights(reader, arch, dtype, keep_float32=True, keep_quantized=keep_quantized)
         else:
             arch = _hf_arch_config(path)
             weights = _iter_safetensors(safetensors_files(path))

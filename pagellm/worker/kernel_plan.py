@@ -15,11 +15,15 @@ from pagellm import kernels
 from pagellm.config import KernelConfig
 from pagellm.kernels.isa import feature_summary, usable_cpu_flags
 from pagellm.kernels.library import KernelLibrary
-from pagellm.kernels.plan import OWN_GEMM_PATHS, KernelPlan
+from pagellm.kernels.plan import OWN_GEMM_PATHS, KernelPlan, WeightRequest
 from pagellm.model.cpu_linear import packed_ops_supported
 from pagellm.worker.device import cuda_native_bf16
 
 _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+# Where AMX tiles multiply bf16, quantized linears keep a dense bf16 copy for batches of more
+# rows than this: the integer dot products win below (one row: 2.6x the AMX GEMM on this
+# model's linears), AMX above (16 rows: 2x the integer GEMM) (benchmarks/NOTES.md, 37).
+QUANT_MAX_ROWS_AMX = 8
 
 
 def bf16_gemm_path(choice: str, lib: KernelLibrary | None, flags: frozenset[str]) -> str:
@@ -66,12 +70,29 @@ def _resolve_attention(name: str, device: torch.device, lib: KernelLibrary | Non
     return "cpu_paged" if device.type == "cpu" and lib is not None else "torch_sdpa"
 
 
+def _weights(request: WeightRequest, lib: KernelLibrary | None, device: torch.device) -> str:
+    """The weight format the plan holds: the request where the integer GEMM runs here, else
+    dense (or an error naming why, for a required one)."""
+    if request.weights == "dense":
+        return "dense"
+    if device.type == "cpu" and lib is not None and lib.gemm_q_path != "none":
+        return request.weights
+    if request.required:
+        why = f"the device is {device.type}" if device.type != "cpu" else (
+            "the CPU kernels are off or failed to build" if lib is None else "this CPU lacks AVX2, FMA or F16C")
+        raise ValueError(f"quantization {request.weights!r} needs pagellm's integer CPU GEMM, unavailable here: {why}")
+    return "dense"
+
+
 def plan_kernels(
-    config: KernelConfig, device: torch.device, attention: str, choose_dtype: Callable[[bool], torch.dtype]
+    config: KernelConfig, device: torch.device, attention: str, choose_dtype: Callable[[bool], torch.dtype],
+    weights: WeightRequest = WeightRequest(),
 ) -> KernelPlan:
     """The engine's plan. ``choose_dtype(bf16_is_fast)`` gives the compute dtype (the user's,
-    or "auto" resolved knowing whether this machine multiplies bf16 fast)."""
+    or "auto" resolved knowing whether this machine multiplies bf16 fast); ``weights`` how the
+    linears' weights are wanted."""
     if device.type != "cpu":
+        _weights(weights, None, device)
         backend = _resolve_attention(attention, device, None)
         return KernelPlan(device.type, "-", choose_dtype(cuda_native_bf16(device)), backend, "torch")
     flags = usable_cpu_flags(config.isa_cap)
@@ -79,14 +100,22 @@ def plan_kernels(
     bf16_path = bf16_gemm_path(config.gemm, lib, flags)
     dtype = choose_dtype(bf16_path in OWN_GEMM_PATHS or bool(_NATIVE_BF16_FLAGS & flags))
     elementwise = "kernel" if lib is not None and kernels.supports_dtype(dtype) else "torch"
+    gemm = _gemm_path(dtype, config.gemm, lib, flags)
+    held = _weights(weights, lib, device)
+    backend = _resolve_attention(attention, device, lib)
+    fused = held != "dense" and backend == "cpu_paged" and elementwise == "kernel"
     return KernelPlan(
         device="cpu",
         cpu=feature_summary(flags),
         dtype=dtype,
-        attention=_resolve_attention(attention, device, lib),
-        gemm=_gemm_path(dtype, config.gemm, lib, flags),
+        attention=backend,
+        gemm=gemm,
         norm=elementwise,
         rotary=elementwise,
         argmax=elementwise,
+        weights=held,
+        qgemm=lib.gemm_q_path if held != "dense" and lib is not None else "none",
+        quant_max_rows=QUANT_MAX_ROWS_AMX if held != "dense" and gemm == "amx" else None,
+        decoder="fused" if fused else "layers",
         kernels=lib,
     )

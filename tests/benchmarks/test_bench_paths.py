@@ -246,3 +246,122 @@ def test_latency_times_single_requests_and_reports_the_plan(tiny_llama_path, tmp
         from pagellm.benchmarks.latency import LatencyConfig
 
         LatencyConfig(output_len=1)
+
+
+# ---- latency --compare llamacpp (llama-bench) --------------------------------------------------
+
+# One entry of `llama-bench -m SmolLM2-135M-Instruct.Q4_1.gguf -p 16 -n 16 -r 1 -t 2 -o json` (llama.cpp
+# 0c1e570, vendored in llama-cpp-python 0.3.36); its two entries differ in the fields _llama_bench_json sets.
+_LLAMA_BENCH_ENTRY = {
+    "build_commit": "0c1e570", "build_number": 1, "cpu_info": "Intel(R) Xeon(R) Processor", "gpu_info": "",
+    "backends": "CPU", "model_filename": "/tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+    "model_type": "llama 256M Q4_1", "model_size": 96576768, "model_n_params": 134515008, "n_batch": 2048,
+    "n_ubatch": 512, "n_threads": 2, "cpu_mask": "0x0", "cpu_strict": False, "poll": 50, "type_k": "f16",
+    "type_v": "f16", "n_gpu_layers": 0, "n_cpu_moe": 0, "split_mode": "layer", "main_gpu": 0, "no_kv_offload": False,
+    "flash_attn": -1, "devices": "auto", "tensor_split": "0.00", "tensor_buft_overrides": "none", "load_mode": "auto",
+    "lazy_mode": "auto", "embeddings": False, "no_op_offload": 0, "no_host": False, "repack": True, "fit_target": 0,
+    "fit_min_ctx": 0, "n_prompt": 16, "n_gen": 0, "n_depth": 0, "test_time": "2026-12-02T06:30:21Z",
+    "avg_ns": 62470054, "stddev_ns": 0, "avg_ts": 256.122718, "stddev_ts": 0.0, "samples_ns": [62470054],
+    "samples_ts": [256.123],
+}
+
+
+def _llama_bench_json(pp_ts: float = 256.122718, tg_ts: float = 84.252079, n_prompt: int = 16, n_gen: int = 16) -> str:
+    """llama-bench's stdout for one pp and one tg test, as it prints it (indented JSON array)."""
+    pp = dict(_LLAMA_BENCH_ENTRY, n_prompt=n_prompt, n_gen=0, avg_ts=pp_ts, stddev_ts=1.5)
+    tg = dict(_LLAMA_BENCH_ENTRY, n_prompt=0, n_gen=n_gen, avg_ts=tg_ts, stddev_ts=0.25)
+    return json.dumps([pp, tg], indent=2) + "\n"
+
+
+def _fake_llama_bench(tmp_path, stdout: str, exit_code: int = 0):
+    """An executable that records its arguments and prints ``stdout``, standing in for llama-bench."""
+    import stat
+    import sys
+
+    (tmp_path / "stdout.json").write_text(stdout)
+    script = tmp_path / "llama-bench"
+    script.write_text(
+        f"#!{sys.executable}\nimport json, pathlib, sys\n"
+        f"here = pathlib.Path({str(tmp_path)!r})\n"
+        "(here / 'argv.json').write_text(json.dumps(sys.argv[1:]))\n"
+        "sys.stdout.write((here / 'stdout.json').read_text())\n"
+        f"sys.stderr.write('llama-bench log line\\n')\nsys.exit({exit_code})\n"
+    )
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return script
+
+
+def test_latency_parses_llama_bench_json_and_formats_the_ratio():
+    from pagellm.benchmarks import latency as lat
+
+    parsed = lat.parse_llama_bench(_llama_bench_json())
+    assert parsed["prefill_tokens_per_s"] == pytest.approx(256.122718)
+    assert parsed["decode_tokens_per_s"] == pytest.approx(84.252079)
+    assert parsed["prefill_stddev_tokens_per_s"] == 1.5 and parsed["decode_stddev_tokens_per_s"] == 0.25
+    assert (parsed["n_prompt"], parsed["n_gen"]) == (16, 16)
+    assert parsed["build"] == dict(build_commit="0c1e570", build_number=1, cpu_info="Intel(R) Xeon(R) Processor",
+                                   backends="CPU", model_type="llama 256M Q4_1", n_threads=2)
+    ratios = lat.llamacpp_ratios(dict(prefill_tokens_per_s=128.061359, decode_tokens_per_s=168.504158), parsed)
+    assert ratios == pytest.approx(dict(prefill=0.5, decode=2.0))
+    with pytest.raises(ValueError, match="one prefill and one decode"):
+        lat.parse_llama_bench(json.dumps(json.loads(_llama_bench_json())[:1]))
+    with pytest.raises(ValueError, match="no JSON array"):
+        lat.parse_llama_bench("error: failed to load model\n")
+
+    run = dict(ttft_s=0.1, decode_s=0.1, prefill_tokens_per_s=128.061359, decode_tokens_per_s=168.504158)
+    report = dict(config=dict(input_len=16, output_len=16, dtype="bfloat16"), kernel_plan=dict(gemm="x"),
+                  runs=[run], median=run, llamacpp=parsed, pagellm_over_llamacpp=ratios)
+    text = lat.format_report(report)
+    assert "llama.cpp (mean)" in text and "256.1" in text and "84.3" in text
+    assert "pagellm / llama.cpp (llama.cpp 0c1e570): prefill 0.50x, decode 2.00x" in text
+    del report["llamacpp"]
+    assert "llama.cpp" not in lat.format_report(report)
+
+
+def test_latency_llama_bench_command_and_failures(tmp_path):
+    from pagellm.benchmarks import latency as lat
+
+    fake = _fake_llama_bench(tmp_path, _llama_bench_json(n_prompt=8, n_gen=5))
+    cfg = lat.LatencyConfig(input_len=8, output_len=5, repeats=2)
+    command = lat.llama_bench_command(lat.llama_bench_binary(str(fake)), "/tmp/m.gguf", cfg, threads=3)
+    result = lat.run_llama_bench(command)
+    assert json.loads((tmp_path / "argv.json").read_text()) == [
+        "-m", "/tmp/m.gguf", "-p", "8", "-n", "5", "-r", "2", "-t", "3", "-ngl", "0", "-o", "json"]
+    assert result["decode_tokens_per_s"] == pytest.approx(84.252079) and result["command"].endswith("-o json")
+    (tmp_path / "fails").mkdir()
+    failing = _fake_llama_bench(tmp_path / "fails", "", exit_code=3)
+    with pytest.raises(RuntimeError, match=r"exit 3\)(.|\n)*llama-bench log line"):
+        lat.run_llama_bench([str(failing), "-o", "json"])
+
+
+def test_latency_compare_llamacpp_refuses_missing_binary_and_non_gguf(tiny_llama_path, tmp_path):
+    from pagellm.benchmarks import latency as lat
+
+    for path in (None, str(tmp_path / "no-such-llama-bench")):
+        with pytest.raises(FileNotFoundError, match="docs/llama-bench.md"):
+            lat.llama_bench_binary(path)
+    (tmp_path / "not-executable").write_text("")
+    with pytest.raises(FileNotFoundError, match="--llama-bench PATH"):
+        lat.llama_bench_binary(str(tmp_path / "not-executable"))
+    with pytest.raises(ValueError, match=r"needs a \.gguf model"):
+        lat.gguf_model_path(tiny_llama_path)
+    with pytest.raises(ValueError, match="unknown latency compare"):
+        lat.LatencyConfig(compare=["vllm"])
+    # Through the CLI, the missing binary fails before the (slow) pagellm runs.
+    with pytest.raises(FileNotFoundError, match="docs/llama-bench.md"):
+        bench_cli(["latency", "--model", tiny_llama_path, "--compare", "llamacpp",
+                   "--llama-bench", str(tmp_path / "no-such-llama-bench")])
+
+
+def test_latency_compare_llamacpp_end_to_end_with_a_fake_llama_bench(default_model_path_fixture, tmp_path, capsys):
+    fake = _fake_llama_bench(tmp_path, _llama_bench_json(n_prompt=8, n_gen=3))
+    out = tmp_path / "latency.json"
+    assert bench_cli(["latency", "--input-len", "8", "--output-len", "3", "--repeats", "1", "--num-threads", "1",
+                      "--compare", "llamacpp", "--llama-bench", str(fake), "--output-json", str(out)]) == 0
+    argv = json.loads((tmp_path / "argv.json").read_text())
+    assert argv[:2] == ["-m", default_model_path_fixture] and argv[argv.index("-t") + 1] == "1"
+    report = json.loads(out.read_text())
+    assert report["config"]["compare"] == ["llamacpp"] and report["llamacpp"]["prefill_tokens_per_s"] == 256.122718
+    ours = report["median"]["decode_tokens_per_s"]
+    assert report["pagellm_over_llamacpp"]["decode"] == pytest.approx(ours / 84.252079)
+    assert "pagellm / llama.cpp" in capsys.readouterr().out

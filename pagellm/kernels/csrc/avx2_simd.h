@@ -1,8 +1,12 @@
-// AVX2 + FMA helpers shared by the AVX2 GEMM (gemm_avx2.cpp) and attention (attention_avx2.h).
+// AVX2 + FMA helpers shared by the AVX2 and integer GEMMs (gemm_avx2.cpp, gemm_int8.cpp) and
+// attention (attention_avx2.h).
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
 
 namespace {
 
@@ -29,6 +33,40 @@ inline __m256 exp_x8(__m256 x) {
     const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
     const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
     return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+
+// The bf16 nearest to each lane (ties to even, NaN stays NaN: float_to_bf16), in the lane's
+// upper 16 bits.
+inline __m256i bf16_bits(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), high);
+    const __m256i nan = _mm256_or_si256(_mm256_and_si256(u, high), _mm256_set1_epi32(0x00400000));
+    return _mm256_blendv_epi8(rounded, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+inline __m256 round_bf16x8(__m256 v) { return _mm256_castsi256_ps(bf16_bits(v)); }
+
+// The first `count` (1..8) lanes of v to c[0..count) as float32 or bf16.
+template <bool kBf16Out>
+inline void store8(void* c, __m256 v, int64_t count) {
+    if constexpr (kBf16Out) {
+        const __m256i h = _mm256_srli_epi32(bf16_bits(v), 16);
+        const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+        if (count >= 8) {
+            _mm_storeu_si128(static_cast<__m128i*>(c), packed);
+        } else {
+            alignas(16) uint16_t tmp[8];
+            _mm_store_si128(reinterpret_cast<__m128i*>(tmp), packed);
+            std::memcpy(c, tmp, count * sizeof(uint16_t));
+        }
+    } else if (count >= 8) {
+        _mm256_storeu_ps(static_cast<float*>(c), v);
+    } else {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, v);
+        std::memcpy(c, tmp, count * sizeof(float));
+    }
 }
 
 }  // namespace

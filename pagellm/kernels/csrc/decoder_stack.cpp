@@ -1,0 +1,135 @@
+// A whole stack of decoder layers (Llama family) in one call, for quantized linears: the same
+// kernels the Python layers call (norm, integer GEMM, rotary, K/V write, paged attention), in
+// the same order on the same buffers, so the result is bit for bit the Python path's.
+//
+// Why: at batch 1 a step's weights take ~4-5 ms to read, and the Python between ~300 kernel
+// calls (module calls, wrapper checks, ctypes) took ~3 ms more (benchmarks/NOTES.md, 37).
+// Every index the kernels follow (slots, block tables, rows) is checked once per step by the
+// caller; the weights' shapes when the stack is built.
+//
+// Per layer, T tokens, hidden H, qkv width W = q + 2 kv:
+//   h = rms_norm(x + residual) (residual updated; layer 0: residual = x)
+//   qkv = h @ Wqkv^T (+ bias); rotary on q and k; k, v into the cache; a = attention(q)
+//   x = a @ Wo^T; h = rms_norm(x + residual); x = down(silu(gate(h)) * up(h))
+// The final norm stays with the caller.
+
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_common.h"
+
+extern "C" {
+
+int pagellm_add_rms_norm(const void* x, void* residual, const void* weight, void* out, int64_t rows, int64_t n,
+                         float eps, int dtype, int num_threads);
+int pagellm_gemm_q(const void* a, int64_t lda, int64_t m, int64_t k, const void* packed, int64_t n, void* c,
+                   int64_t ldc, int a_dtype, int w_format, int epilogue, int num_threads);
+int pagellm_rotary(void* x, int64_t row_stride, int64_t rows, int64_t num_heads, int64_t head_dim, const void* cos,
+                   const void* sin, int dtype, int num_threads);
+int pagellm_write_kv(const void* key, int64_t key_row_stride, const void* value, int64_t value_row_stride,
+                     void* key_cache, void* value_cache, const int64_t* slot_mapping, int64_t num_tokens,
+                     int64_t row_elems, int dtype, int num_threads);
+int pagellm_paged_attention(const void* query, int64_t q_row_stride, void* out, int64_t out_row_stride,
+                            const void* key_cache, const void* value_cache, const int64_t* block_tables,
+                            int64_t block_table_stride, const int32_t* row_token, const int32_t* row_req,
+                            const int32_t* row_ctx, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t block_size, float scale, int dtype, int num_threads);
+
+// One layer's weights (packed quantized linears, norm weights in the model dtype) and caches.
+struct PagellmLayer {
+    const void* input_norm;
+    const void* post_norm;
+    const void* qkv;
+    const void* qkv_bias;  // [W] in the model dtype, or null
+    const void* o;
+    const void* gate_up;   // silu_mul layout
+    const void* down;
+    int32_t qkv_format, o_format, gate_up_format, down_format;  // 0 q4, 1 q8
+    void* key_cache;
+    void* value_cache;
+};
+
+// One step's call: shapes, the step's indices and the buffers (all [T, ...] row-major).
+struct PagellmStack {
+    const PagellmLayer* layers;
+    int64_t num_layers, tokens, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+    float eps, scale;
+    int32_t dtype;       // 0 float32, 1 bf16: activations, norms, rotary tables
+    int32_t cache_code;  // the K/V write and attention code (0 f32, 1 bf16, 2 fp8 under bf16)
+    int32_t num_threads, reserved;
+    void* x;             // [T, H] in: embeddings; out: the last layer's MLP output
+    void* residual;      // [T, H] out: the residual stream
+    const void* cos;     // [T, head_dim]
+    const void* sin;
+    const int64_t* slot_mapping;
+    const int64_t* block_tables;
+    int64_t block_table_stride;
+    const int32_t* row_token;
+    const int32_t* row_req;
+    const int32_t* row_ctx;
+    int64_t num_rows;
+    void* h;             // scratch [T, H]
+    void* qkv;           // scratch [T, W]
+    void* attn;          // scratch [T, num_heads * head_dim]
+    void* act;           // scratch [T, intermediate]
+};
+
+namespace {
+
+// qkv rows += bias, rounded to the dtype as torch's add_.
+void add_bias(void* qkv, const void* bias, int64_t rows, int64_t width, bool bf16) {
+    for (int64_t r = 0; r < rows; ++r) {
+        if (bf16) {
+            auto* row = static_cast<uint16_t*>(qkv) + r * width;
+            const auto* b = static_cast<const uint16_t*>(bias);
+            for (int64_t i = 0; i < width; ++i) row[i] = float_to_bf16(bf16_to_float(row[i]) + bf16_to_float(b[i]));
+        } else {
+            auto* row = static_cast<float*>(qkv) + r * width;
+            const auto* b = static_cast<const float*>(bias);
+            for (int64_t i = 0; i < width; ++i) row[i] += b[i];
+        }
+    }
+}
+
+int layer(const PagellmStack& s, const PagellmLayer& L, bool first) {
+    const int64_t T = s.tokens, H = s.hidden, dh = s.head_dim;
+    const int64_t q = s.num_heads * dh, kv = s.num_kv_heads * dh, W = q + 2 * kv;
+    const int dt = s.dtype, th = s.num_threads;
+    const int64_t elem = dt == 1 ? 2 : 4;
+    auto* qkv = static_cast<char*>(s.qkv);
+    int rc = pagellm_add_rms_norm(s.x, first ? nullptr : s.residual, L.input_norm, s.h, T, H, s.eps, dt, th);
+    if (rc == 0) rc = pagellm_gemm_q(s.h, H, T, H, L.qkv, W, s.qkv, W, dt, L.qkv_format, 0, th);
+    if (rc != 0) return rc;
+    if (L.qkv_bias != nullptr) add_bias(s.qkv, L.qkv_bias, T, W, dt == 1);
+    rc = pagellm_rotary(s.qkv, W, T, s.num_heads + s.num_kv_heads, dh, s.cos, s.sin, dt, th);
+    if (rc == 0)
+        rc = pagellm_write_kv(qkv + q * elem, W, qkv + (q + kv) * elem, W, L.key_cache, L.value_cache, s.slot_mapping,
+                              T, kv, s.cache_code, th);
+    if (rc == 0 && s.num_rows > 0)
+        rc = pagellm_paged_attention(s.qkv, W, s.attn, q, L.key_cache, L.value_cache, s.block_tables,
+                                     s.block_table_stride, s.row_token, s.row_req, s.row_ctx, s.num_rows, s.num_heads,
+                                     s.num_kv_heads, dh, s.block_size, s.scale, s.cache_code, th);
+    if (rc == 0) rc = pagellm_gemm_q(s.attn, q, T, q, L.o, H, s.x, H, dt, L.o_format, 0, th);
+    if (rc == 0) rc = pagellm_add_rms_norm(s.x, s.residual, L.post_norm, s.h, T, H, s.eps, dt, th);
+    if (rc == 0)
+        rc = pagellm_gemm_q(s.h, H, T, H, L.gate_up, s.intermediate, s.act, s.intermediate, dt, L.gate_up_format, 1, th);
+    if (rc == 0) rc = pagellm_gemm_q(s.act, s.intermediate, T, s.intermediate, L.down, H, s.x, H, dt, L.down_format, 0, th);
+    return rc;
+}
+
+}  // namespace
+
+// Runs s->num_layers layers over s->tokens tokens. Returns 0, -1 on a bad argument or the
+// first failing kernel's code.
+int pagellm_decoder_stack(const PagellmStack* s) {
+    if (s == nullptr || s->layers == nullptr || s->num_layers <= 0 || s->tokens <= 0 || (s->dtype != 0 && s->dtype != 1))
+        return -1;
+    std::memcpy(s->residual, s->x, static_cast<size_t>(s->tokens * s->hidden * (s->dtype == 1 ? 2 : 4)));
+    for (int64_t l = 0; l < s->num_layers; ++l) {
+        const int rc = layer(*s, s->layers[l], l == 0);
+        if (rc != 0) return rc;
+    }
+    return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,407 @@
+// Quantized weights times activations quantized on the fly, summed in integer dot products:
+// C[M, N] = A[M, K] @ W[N, K]^T, W held as 4- or 8-bit codes with a scale (and an offset) per
+// 32 weights of a row, as GGUF's Q4_0 / Q4_1 / Q8_0 store it (and --quantization int8).
+//
+// Why: at batch 1 a step reads every weight once, so its bytes set the time (Q4_1 reads 0.625
+// bytes a weight against bf16's 2); at larger batches the integer dot products (vpdpbusd: 64
+// multiply-adds an instruction on a zmm, against vdpbf16ps' 32) raise the compute floor.
+//
+// Activations: each row of A, cut into blocks of 32 along k (a tail padded with zeros), is
+// quantized per block to int8 as llama.cpp's Q8_0: d = amax / 127, q = round-half-even(x * (1/d)).
+// Per (row, column, block): isum = sum over the block of code * q, in int32, exact; then in fp32
+//   q4: acc += isum * (dw * da) + mw * (da * sum(q))       weight = dw * code + mw, code 0..15
+//   q8: acc += (isum - 128 * sum(q)) * (dw * da)            code = q_w + 128 (u8 for vpdpbusd)
+// (Q4_0's weight d * (code - 8) is q4 with mw = -8 d.)
+//
+// Packed weight: tiles of 16 columns, each tile's blocks in k order, one record per block:
+//   q4: 256 bytes of codes, 4 groups (k = 8g .. 8g + 7) x 16 columns x 4 bytes, byte j of a
+//       column holding k = 8g + j in its low nibble and k = 8g + 4 + j in its high one; then
+//       d[16] and m[16] as fp16: 320 bytes per 512 weights (Q4_1's 20 bytes per 32).
+//   q8: 512 bytes of codes, 8 groups (k = 4g .. 4g + 3) x 16 columns x 4 bytes; then d[16]
+//       fp16: 544 bytes per 512 weights.
+// One 64-byte group is 16 columns x 4 consecutive k: one vpdpbusd with a broadcast of 4 bytes
+// of the quantized activation row adds four products into each column's int32 lane.
+//
+// Paths, chosen at compile time: AVX-512 VNNI (a tile is one zmm); AVX-VNNI (vpdpbusd on two
+// ymm); AVX2 (vpmaddubsw + vpmaddwd). On AVX2, q4's int16 pair sums of a whole block stay in
+// int16 (|sum| <= 16 * 15 * 127 = 30480) and are widened once per block; q8's codes go through
+// |w| and sign(a, w), since (q_w + 128) * 127 * 2 would saturate vpmaddubsw's int16.
+//
+// Epilogue silu_mul (an MLP's gate and up in one product): each tile holds 8 gate columns then
+// the same 8 up columns, and the tile's 8 outputs are silu(gate) * up, in fp32, rounded once.
+//
+// Threading follows gemm_avx2.cpp: work items (chunk of A's rows, group of tiles) split into one
+// range per thread with stealing (work_ranges.h).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+
+#include "avx2_simd.h"
+#include "cpu_common.h"
+#include "work_ranges.h"
+
+namespace {
+
+constexpr int kTileCols = 16;
+constexpr int kBlock = 32;
+constexpr int kQ4Record = 256 + 64;
+constexpr int kQ8Record = 512 + 32;
+constexpr int kMaxRows = 4;                 // rows of A per register tile
+constexpr int64_t kChunkBytes = 192 << 10;  // quantized rows of A kept in L2 while tiles pass
+
+// A's rows quantized: q [m][blocks * 32] int8, d [m][blocks] and sum(q) [m][blocks].
+struct QuantizedA {
+    std::vector<int8_t> q;
+    std::vector<float> d;
+    std::vector<int32_t> sum;
+    int64_t blocks = 0;
+};
+
+// One row of A (float32 or bf16, k values) to int8 blocks.
+template <bool kBf16>
+void quantize_row(const void* a, int64_t k, int64_t blocks, int8_t* q, float* d, int32_t* sum) {
+    float x[kBlock];
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t k0 = b * kBlock, n = std::min<int64_t>(kBlock, k - k0);
+        for (int64_t i = 0; i < kBlock; ++i) {
+            if (i >= n) {
+                x[i] = 0.0f;
+            } else if constexpr (kBf16) {
+                x[i] = bf16_to_float(static_cast<const uint16_t*>(a)[k0 + i]);
+            } else {
+                x[i] = static_cast<const float*>(a)[k0 + i];
+            }
+        }
+        float amax = 0.0f;
+        for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
+        const float scale = amax / 127.0f;
+        const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+        int32_t total = 0;
+        for (int i = 0; i < kBlock; ++i) {
+            const float v = std::nearbyint(x[i] * inv);  // ties to even (the default rounding mode)
+            const int32_t qi = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, v)));
+            q[b * kBlock + i] = static_cast<int8_t>(qi);
+            total += qi;
+        }
+        d[b] = scale;
+        sum[b] = total;
+    }
+}
+
+void quantize_rows(const void* a, int64_t lda, int64_t m, int64_t k, bool bf16, QuantizedA& out, int threads) {
+    const int64_t blocks = (k + kBlock - 1) / kBlock;
+    out.blocks = blocks;
+    out.q.resize(static_cast<size_t>(m * blocks * kBlock));
+    out.d.resize(static_cast<size_t>(m * blocks));
+    out.sum.resize(static_cast<size_t>(m * blocks));
+    const int64_t elem = bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(threads) schedule(static) if (m * k >= (1 << 16))
+    for (int64_t r = 0; r < m; ++r) {
+        const void* row = static_cast<const char*>(a) + r * lda * elem;
+        int8_t* q = out.q.data() + r * blocks * kBlock;
+        if (bf16) {
+            quantize_row<true>(row, k, blocks, q, out.d.data() + r * blocks, out.sum.data() + r * blocks);
+        } else {
+            quantize_row<false>(row, k, blocks, q, out.d.data() + r * blocks, out.sum.data() + r * blocks);
+        }
+    }
+}
+
+inline int32_t load4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+}
+
+}  // namespace
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PAGELLM_QGEMM_ISA 3
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && defined(__AVXVNNI__)
+#define PAGELLM_QGEMM_ISA 2
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PAGELLM_QGEMM_ISA 1
+#else
+#define PAGELLM_QGEMM_ISA 0
+#endif
+
+#if PAGELLM_QGEMM_ISA > 0
+#include <immintrin.h>
+
+namespace {
+
+#if PAGELLM_QGEMM_ISA == 3
+// One zmm per tile of 16 columns.
+struct Simd {
+    using I = __m512i;
+    using F = __m512;
+    static constexpr int kVecs = 1;       // vectors per tile
+    static constexpr int kQ8Offset = 128;  // q8 codes enter vpdpbusd as u8 = q + 128
+    static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+    static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+    static I zero() { return _mm512_setzero_si512(); }
+    static I low_nibbles(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
+    static I high_nibbles(I v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f)); }
+    static I dot_q4(I acc, I w, I a) { return _mm512_dpbusd_epi32(acc, w, a); }
+    static I finish_q4(I acc) { return acc; }
+    static I dot_q8(I acc, I w, I a) { return _mm512_dpbusd_epi32(acc, w, a); }
+    static I add(I x, I y) { return _mm512_add_epi32(x, y); }
+    static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
+    static F half(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+    static F fset1(float v) { return _mm512_set1_ps(v); }
+    static F fzero() { return _mm512_setzero_ps(); }
+    static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+    static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+    static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+#else
+// Two ymm per tile of 16 columns.
+struct Simd {
+    using I = __m256i;
+    using F = __m256;
+    static constexpr int kVecs = 2;
+#if PAGELLM_QGEMM_ISA == 2
+    static constexpr int kQ8Offset = 128;
+#else
+    static constexpr int kQ8Offset = 0;  // the |w|, sign(a, w) form multiplies the signed codes
+#endif
+    static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+    static I set1(int32_t v) { return _mm256_set1_epi32(v); }
+    static I zero() { return _mm256_setzero_si256(); }
+    static I low_nibbles(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
+    static I high_nibbles(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)); }
+#if PAGELLM_QGEMM_ISA == 2
+    static I dot_q4(I acc, I w, I a) { return _mm256_dpbusd_avx_epi32(acc, w, a); }
+    static I finish_q4(I acc) { return acc; }
+    static I dot_q8(I acc, I w, I a) { return _mm256_dpbusd_avx_epi32(acc, w, a); }
+#else
+    // q4: int16 pair sums, widened by finish_q4 (bounded: see the header).
+    static I dot_q4(I acc, I w, I a) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, a)); }
+    static I finish_q4(I acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
+    static I dot_q8(I acc, I w, I a) {
+        const I signed_w = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+        const I pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(signed_w), _mm256_sign_epi8(a, signed_w));
+        return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    }
+#endif
+    static I add(I x, I y) { return _mm256_add_epi32(x, y); }
+    static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
+    static F half(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+    static F fset1(float v) { return _mm256_set1_ps(v); }
+    static F fzero() { return _mm256_setzero_ps(); }
+    static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+    static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+    static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+#endif
+
+constexpr int kLanes = kTileCols / Simd::kVecs;  // columns per vector
+constexpr int kGroupBytes = 64;
+
+// tile[r][t * 16 + c] = row r0 + r of A times column c of tile t (G tiles, `tile_bytes` apart).
+template <int R, int G, bool kQ4>
+void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile_bytes, float* tile) {
+    using I = typename Simd::I;
+    using F = typename Simd::F;
+    constexpr int V = G * Simd::kVecs;  // vectors across the tiles
+    constexpr int kRecord = kQ4 ? kQ4Record : kQ8Record;
+    constexpr int kGroups = kQ4 ? 4 : 8;
+    const int64_t blocks = qa.blocks, lq = blocks * kBlock;
+    F acc[R][V];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int v = 0; v < V; ++v) acc[r][v] = Simd::fzero();
+    for (int64_t b = 0; b < blocks; ++b) {
+        I s0[R][V], s1[R][V];  // two chains per output vector (q4: low / high nibbles; q8: even / odd groups)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+            for (int v = 0; v < V; ++v) s0[r][v] = Simd::zero(), s1[r][v] = Simd::zero();
+        const int8_t* a = qa.q.data() + r0 * lq + b * kBlock;
+#pragma GCC unroll 8
+        for (int g = 0; g < kGroups; g += kQ4 ? 1 : 2) {
+            I lo[V], hi[V];
+#pragma GCC unroll 8
+            for (int v = 0; v < V; ++v) {
+                const uint8_t* rec = w + (v / Simd::kVecs) * tile_bytes + b * kRecord;
+                const int off = (v % Simd::kVecs) * (kGroupBytes / Simd::kVecs);
+                if constexpr (kQ4) {
+                    const I codes = Simd::load(rec + g * kGroupBytes + off);
+                    lo[v] = Simd::low_nibbles(codes);
+                    hi[v] = Simd::high_nibbles(codes);
+                } else {
+                    lo[v] = Simd::load(rec + g * kGroupBytes + off);
+                    hi[v] = Simd::load(rec + (g + 1) * kGroupBytes + off);
+                }
+            }
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+                const int8_t* ar = a + r * lq;
+                const I a0 = Simd::set1(load4(ar + (kQ4 ? 8 * g : 4 * g)));
+                const I a1 = Simd::set1(load4(ar + (kQ4 ? 8 * g + 4 : 4 * g + 4)));
+#pragma GCC unroll 8
+                for (int v = 0; v < V; ++v) {
+                    if constexpr (kQ4) {
+                        s0[r][v] = Simd::dot_q4(s0[r][v], lo[v], a0);
+                        s1[r][v] = Simd::dot_q4(s1[r][v], hi[v], a1);
+                    } else {
+                        s0[r][v] = Simd::dot_q8(s0[r][v], lo[v], a0);
+                        s1[r][v] = Simd::dot_q8(s1[r][v], hi[v], a1);
+                    }
+                }
+            }
+        }
+        // The block's epilogue in fp32.
+#pragma GCC unroll 8
+        for (int v = 0; v < V; ++v) {
+            const uint8_t* rec = w + (v / Simd::kVecs) * tile_bytes + b * kRecord;
+            const int lane0 = (v % Simd::kVecs) * kLanes;
+            const F dw = Simd::half(rec + (kQ4 ? 256 : 512) + 2 * lane0);
+            const F mw = kQ4 ? Simd::half(rec + 288 + 2 * lane0) : Simd::fzero();
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+                const int64_t ab = (r0 + r) * blocks + b;
+                const float da = qa.d[ab];
+                I isum;
+                if constexpr (kQ4) {
+                    isum = Simd::add(Simd::finish_q4(s0[r][v]), Simd::finish_q4(s1[r][v]));
+                } else {
+                    isum = Simd::add(s0[r][v], s1[r][v]);
+                    if constexpr (Simd::kQ8Offset != 0) isum = Simd::add(isum, Simd::set1(-Simd::kQ8Offset * qa.sum[ab]));
+                }
+                acc[r][v] = Simd::fmadd(Simd::to_float(isum), Simd::mul(dw, Simd::fset1(da)), acc[r][v]);
+                if constexpr (kQ4) acc[r][v] = Simd::fmadd(mw, Simd::fset1(da * static_cast<float>(qa.sum[ab])), acc[r][v]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int v = 0; v < V; ++v) Simd::store(tile + r * G * kTileCols + v * kLanes, acc[r][v]);
+}
+
+using TileFn = void (*)(const QuantizedA&, int64_t, const uint8_t*, int64_t, float*);
+
+// 1-2 rows take two tiles at once (more independent chains for the latency of vpdpbusd), 3-4
+// rows one (register budget).
+template <bool kQ4>
+TileFn tile_fn(int rows, int group) {
+    if (group == 2) return rows == 1 ? accumulate<1, 2, kQ4> : accumulate<2, 2, kQ4>;
+    static constexpr TileFn kOne[kMaxRows] = {accumulate<1, 1, kQ4>, accumulate<2, 1, kQ4>, accumulate<3, 1, kQ4>,
+                                              accumulate<4, 1, kQ4>};
+    return kOne[rows - 1];
+}
+
+// Writes `rows` x `tiles` finished tiles (16 columns each) to C from tile index t0: plain, 16
+// outputs a tile; silu_mul, 8 (silu(gate) * up).
+template <bool kBf16Out>
+void store_tile(const float* tile, int rows, int tiles, int64_t t0, bool silu_mul, int64_t n, void* c, int64_t ldc,
+                int64_t r0) {
+    constexpr int64_t kElem = kBf16Out ? 2 : 4;
+    const int cols = tiles * kTileCols;
+    for (int r = 0; r < rows; ++r) {
+        char* row = static_cast<char*>(c) + (r0 + r) * ldc * kElem;
+        const float* t = tile + r * cols;
+        if (!silu_mul) {
+            const int64_t col0 = t0 * kTileCols;
+            for (int x = 0; x < cols && col0 + x < n; x += 8)
+                store8<kBf16Out>(row + (col0 + x) * kElem, _mm256_loadu_ps(t + x), n - col0 - x);
+            continue;
+        }
+        for (int g = 0; g < tiles && (t0 + g) * 8 < n; ++g) {
+            const __m256 gate = _mm256_loadu_ps(t + g * kTileCols), up = _mm256_loadu_ps(t + g * kTileCols + 8);
+            const __m256 neg = _mm256_sub_ps(_mm256_setzero_ps(), gate);
+            const __m256 act = _mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_x8(neg)));
+            const int64_t col = (t0 + g) * 8;
+            store8<kBf16Out>(row + col * kElem, _mm256_mul_ps(act, up), n - col);
+        }
+    }
+}
+
+template <bool kQ4, bool kBf16Out>
+void gemm(const QuantizedA& qa, int64_t m, const uint8_t* packed, int64_t n, void* c, int64_t ldc, bool silu_mul,
+          int threads) {
+    const int64_t per_tile = silu_mul ? 8 : kTileCols;  // outputs a tile gives
+    const int64_t tiles = (n + per_tile - 1) / per_tile;
+    const int64_t tile_bytes = qa.blocks * (kQ4 ? kQ4Record : kQ8Record);
+    const int group = m <= 2 && tiles >= 2 ? 2 : 1;
+    const int64_t groups = (tiles + group - 1) / group;
+    const int64_t row_bytes = qa.blocks * kBlock;
+    const int64_t chunk = std::max<int64_t>(kMaxRows, kChunkBytes / row_bytes / kMaxRows * kMaxRows);
+    WorkRanges work(groups, (m + chunk - 1) / chunk, threads);
+#pragma omp parallel num_threads(threads)
+    {
+        alignas(64) float tile[kMaxRows * 2 * kTileCols];
+        const int t = omp_get_thread_num();
+        for (WorkRanges::Item item; work.next(t, item);) {
+            const int64_t t0 = item.panel * group, count = std::min<int64_t>(group, tiles - t0);
+            const int64_t m0 = item.chunk * chunk, m1 = std::min(m, m0 + chunk);
+            for (int64_t r0 = m0; r0 < m1; r0 += kMaxRows) {
+                const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m1 - r0));
+                if (count == group && group == 2) {
+                    tile_fn<kQ4>(rows, 2)(qa, r0, packed + t0 * tile_bytes, tile_bytes, tile);
+                    store_tile<kBf16Out>(tile, rows, 2, t0, silu_mul, n, c, ldc, r0);
+                    continue;
+                }
+                for (int64_t x = 0; x < count; ++x) {
+                    tile_fn<kQ4>(rows, 1)(qa, r0, packed + (t0 + x) * tile_bytes, tile_bytes, tile);
+                    store_tile<kBf16Out>(tile, rows, 1, t0 + x, silu_mul, n, c, ldc, r0);
+                }
+            }
+        }
+    }
+}
+
+}  // namespace
+#endif
+
+extern "C" {
+
+// Which integer path this build has: 0 none (no AVX2/FMA/F16C), 1 AVX2, 2 AVX-VNNI, 3 AVX-512 VNNI.
+int pagellm_gemm_q_isa() { return PAGELLM_QGEMM_ISA; }
+
+// The activation quantization the GEMM applies, for tests: a [m, k] (rows lda apart; a_dtype 0
+// float32, 1 bf16) -> q [m, blocks * 32] int8, d [m, blocks] float32, sum [m, blocks] int32.
+int pagellm_quantize_rows(const void* a, int64_t lda, int64_t m, int64_t k, int a_dtype, void* q, void* d, void* sum,
+                          int num_threads) {
+    if (m < 0 || k <= 0 || lda < k || (a_dtype != 0 && a_dtype != 1)) return -1;
+    QuantizedA qa;
+    quantize_rows(a, lda, m, k, a_dtype == 1, qa, num_threads < 1 ? 1 : num_threads);
+    std::memcpy(q, qa.q.data(), qa.q.size());
+    std::memcpy(d, qa.d.data(), qa.d.size() * sizeof(float));
+    std::memcpy(sum, qa.sum.data(), qa.sum.size() * sizeof(int32_t));
+    return 0;
+}
+
+// c[m, n] = a[m, k] @ W^T for a packed W (layout above; w_format 0 q4, 1 q8) with k's blocks.
+// a_dtype: 0 float32, 1 bf16 (c has a's dtype); epilogue 0 plain, 1 silu_mul (n = the gate / up
+// width). Returns 0, -1 on a bad argument, -2 where the build has no integer path.
+int pagellm_gemm_q(const void* a, int64_t lda, int64_t m, int64_t k, const void* packed, int64_t n, void* c,
+                   int64_t ldc, int a_dtype, int w_format, int epilogue, int num_threads) {
+#if PAGELLM_QGEMM_ISA > 0
+    if (m < 0 || k <= 0 || n <= 0 || lda < k || ldc < n) return -1;
+    if ((a_dtype != 0 && a_dtype != 1) || (w_format != 0 && w_format != 1) || (epilogue != 0 && epilogue != 1))
+        return -1;
+    if (m == 0) return 0;
+    if (num_threads < 1) num_threads = 1;
+    QuantizedA qa;
+    quantize_rows(a, lda, m, k, a_dtype == 1, qa, num_threads);
+    const auto* w = static_cast<const uint8_t*>(packed);
+    using Fn = void (*)(const QuantizedA&, int64_t, const uint8_t*, int64_t, void*, int64_t, bool, int);
+    static constexpr Fn kGemm[2][2] = {{gemm<true, false>, gemm<true, true>}, {gemm<false, false>, gemm<false, true>}};
+    kGemm[w_format][a_dtype](qa, m, w, n, c, ldc, epilogue == 1, num_threads);
+    return 0;
+#else
+    (void)a, (void)lda, (void)m, (void)k, (void)packed, (void)n, (void)c, (void)ldc, (void)a_dtype, (void)w_format,
+        (void)epilogue, (void)num_threads;
+    return -2;
+#endif
+}
+
+}  // extern "C"

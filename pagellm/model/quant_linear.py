@@ -1,0 +1,112 @@
+"""A linear layer whose weight stays quantized (q4 / q8 blocks, ``kernels.quant_formats``) and
+is multiplied by pagellm's integer GEMM, the activations quantized per block on the fly.
+
+Built in place of ``nn.Linear`` where the kernel plan's ``weights`` is ``gguf`` or ``int8``.
+Its shards (q, k, v or gate, up) arrive one at a time while the checkpoint loads, each either
+quantized (GGUF blocks kept as they are) or dense (quantized to q8 blocks); ``finish_loading``
+packs them once all have arrived. Where the plan sets ``quant_max_rows``, batches of more rows
+run on a dense bf16 copy through the plan's 16-bit GEMM (AMX tiles beat the integer dot
+products there).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagellm.kernels import quant_formats
+from pagellm.kernels.library import KernelLibrary
+from pagellm.kernels.plan import KernelPlan
+from pagellm.kernels.quant_formats import QuantizedWeight, concat_rows, quantize_q8
+from pagellm.model.cpu_linear import KernelLinear, KernelSiluAndMulLinear
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x @ W.T (+ bias)`` for a quantized ``W`` [weight_rows, in_features]; with
+    ``silu_mul`` (an MLP's fused [gate; up], bias-free) ``y = silu(x @ gate.T) * (x @ up.T)``,
+    computed in the GEMM's epilogue, ``out_features`` = ``weight_rows / 2``."""
+
+    def __init__(
+        self, in_features: int, weight_rows: int, bias: bool, lib: KernelLibrary, dense_above_rows: int | None = None,
+        dense_gemm: str = "amx", silu_mul: bool = False,
+    ) -> None:
+        super().__init__()
+        if silu_mul and (bias or weight_rows % 2):
+            raise ValueError("silu_mul needs a bias-free [gate; up] weight with an even number of rows")
+        self.in_features = in_features
+        self.weight_rows = weight_rows
+        self.out_features = weight_rows // 2 if silu_mul else weight_rows
+        self.silu_mul = silu_mul
+        self.bias = nn.Parameter(torch.empty(weight_rows)) if bias else None
+        self.kernels = lib
+        self.format = ""
+        self.packed = torch.empty(0, dtype=torch.uint8)
+        self._shards: list[tuple[int, QuantizedWeight]] = []  # (first row, weight) until packed
+        self.dense_above_rows = dense_above_rows  # None: the integer GEMM at every batch size
+        self.dense_gemm = dense_gemm  # the GEMM path of the dense copy
+        self.dense: nn.Module | None = None
+
+    def load_rows(self, rows: slice | None, weight: torch.Tensor | QuantizedWeight) -> None:
+        """Take the weight rows ``rows`` (None: all) from a checkpoint tensor: a
+        :class:`QuantizedWeight` as it is, a dense tensor quantized to q8 blocks."""
+        start, stop = (0, self.weight_rows) if rows is None else (rows.start or 0, rows.stop)
+        count = weight.rows if isinstance(weight, QuantizedWeight) else weight.shape[0]
+        width = weight.k if isinstance(weight, QuantizedWeight) else weight.shape[1]
+        if count != stop - start or width != self.in_features:
+            raise ValueError(f"weight has shape ({count}, {width}), expected ({stop - start}, {self.in_features})")
+        quantized = weight if isinstance(weight, QuantizedWeight) else quantize_q8(weight)
+        self._shards = [(s, w) for s, w in self._shards if s != start] + [(start, quantized)]
+
+    def finish_loading(self) -> None:
+        """Pack the shards (all rows must have arrived); one format for the whole weight, q8 if
+        the shards' formats differ. Builds the dense copy where the plan wants one."""
+        shards = sorted(self._shards, key=lambda item: item[0])
+        covered = sum(w.rows for _, w in shards)
+        if covered != self.weight_rows:
+            raise ValueError(f"quantized weight has {covered} of {self.weight_rows} rows")
+        parts = [w for _, w in shards]
+        if len({w.format for w in parts}) > 1:
+            parts = [quantize_q8(w.dequantize()) for w in parts]
+        weight = concat_rows(parts)
+        self.format = weight.format
+        self.packed = quant_formats.pack_silu_mul(weight) if self.silu_mul else quant_formats.pack(weight)
+        if self.dense_above_rows is not None:
+            linear = nn.Linear(self.in_features, self.weight_rows, bias=False, dtype=torch.bfloat16)
+            linear.weight.data.copy_(weight.dequantize())
+            self.dense = (KernelSiluAndMulLinear(linear, self.out_features, self.kernels, self.dense_gemm) if self.silu_mul
+                          else KernelLinear(linear, self.kernels, self.dense_gemm))  # fmt: skip
+        self._shards = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            shape = x.shape
+            return self.forward(x.reshape(-1, shape[-1])).view(*shape[:-1], self.out_features)
+        if self.dense is not None and x.shape[0] > self.dense_above_rows:  # type: ignore[operator]
+            out = self.dense(x)
+        else:
+            epilogue = "silu_mul" if self.silu_mul else "none"
+            out = self.kernels.gemm_q(x, self.packed, self.format, self.out_features, epilogue)
+        return out if self.bias is None else out.add_(self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"silu_mul={self.silu_mul}, format={self.format or 'unloaded'}, "
+                f"dense_above_rows={self.dense_above_rows}")  # fmt: skip
+
+
+def quantized_plan(plan: KernelPlan | None) -> bool:
+    """Whether ``plan`` builds :class:`QuantizedLinear` layers."""
+    return plan is not None and plan.quantized and plan.kernels is not None
+
+
+def linear_for_plan(
+    in_features: int, out_features: int, bias: bool, plan: KernelPlan | None, silu_mul: bool = False
+) -> nn.Module:
+    """A :class:`QuantizedLinear` where the plan holds quantized weights (``silu_mul``: a fused
+    gate/up with its activation), else ``nn.Linear`` (``silu_mul`` is the quantized layer's only)."""
+    if not quantized_plan(plan):
+        if silu_mul:
+            raise ValueError("silu_mul is fused into quantized linears only")
+        return nn.Linear(in_features, out_features, bias=bias)
+    assert plan is not None and plan.kernels is not None
+    return QuantizedLinear(in_features, out_features, bias, plan.kernels, plan.quant_max_rows, plan.gemm, silu_mul)

@@ -1,0 +1,162 @@
+"""pagellm's integer GEMM (``gemm_int8.cpp``): quantized weights (q4: GGUF Q4_0 / Q4_1, q8:
+Q8_0 and --quantization int8) times activations quantized per block of 32.
+
+Each ISA path this CPU can run is built and checked against the plain reference
+(``quant_formats``): the activation quantization exactly, the product within float32 rounding of
+the float64 reference from the same integers (an off-by-one in any integer product would be
+off by ~1e-3 of the output scale, far above the tolerance). Paths this CPU cannot run are built.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from pagellm.kernels import quant_formats as qf
+from pagellm.kernels.build import load_library
+from pagellm.kernels.isa import usable_cpu_flags
+from pagellm.kernels.library import KernelLibrary
+
+# (compiler flags, CPU flags the path needs to run, the path the build reports)
+PATHS = [
+    (("-march=x86-64-v3",), {"avx2", "fma", "f16c"}, "avx2"),
+    (("-march=x86-64-v3", "-mavxvnni"), {"avx2", "fma", "f16c", "avx_vnni"}, "avx-vnni"),
+    (("-march=x86-64-v4", "-mavx512vnni"), {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, "avx512-vnni"),
+]
+SHAPES = [(1, 64, 16), (2, 96, 40), (3, 576, 192), (5, 100, 33), (17, 1536, 48), (0, 64, 16)]
+
+
+def _library(march: tuple[str, ...]) -> KernelLibrary:
+    lib = load_library(march, "test-" + " ".join(march))
+    if lib is None:
+        pytest.skip("no C++ compiler: the kernels cannot be built")
+    return KernelLibrary(lib, march)
+
+
+@pytest.fixture(scope="module", params=PATHS, ids=[p[2] for p in PATHS])
+def path_lib(request) -> KernelLibrary:
+    march, needs, name = request.param
+    lib = _library(march)
+    assert lib.gemm_q_path == name  # built (on any x86 CPU)
+    if not needs <= usable_cpu_flags("amx"):
+        pytest.skip(f"this CPU cannot run the {name} path (built only)")
+    return lib
+
+
+def _random_weight(fmt: str, n: int, k: int, g: torch.Generator) -> qf.QuantizedWeight:
+    if fmt == "q8":
+        return qf.quantize_q8(torch.randn(n, k, generator=g))
+    blocks = -(-k // qf.BLOCK)
+    codes = torch.randint(0, 16, (n, blocks * qf.BLOCK), generator=g, dtype=torch.uint8)
+    codes[:, k:] = 0
+    scale = (torch.rand(n, blocks, generator=g) * 0.1).half()
+    offset = (torch.randn(n, blocks, generator=g) * 0.1).half()
+    return qf.QuantizedWeight("q4", k, codes, scale, offset)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_quantization_is_exact(path_lib: KernelLibrary, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(7, 100, generator=g) * torch.logspace(-3, 3, 7).unsqueeze(1)).to(dtype)
+    x[3] = 0  # all-zero blocks: scale 0, codes 0
+    x[4, :4] = torch.tensor([127.0, 2.5, 3.5, -2.5])  # scale 1: ties round to even
+    got = path_lib.quantize_rows(x)
+    assert got[0][4, 1:4].tolist() == [2, 4, -2]
+    expected = qf.quantize_activations(x)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+    assert int(got[0].abs().max()) == 127
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_gemm_equals_reference(path_lib: KernelLibrary, fmt: str, m: int, k: int, n: int) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    weight = _random_weight(fmt, n, k, g)
+    packed = qf.pack(weight)
+    x = torch.randn(m, k, generator=g)
+    got = path_lib.gemm_q(x, packed, fmt, n)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    expected = qf.reference_gemm(x, weight)
+    if m == 0:
+        assert path_lib.gemm_q(x.bfloat16(), packed, fmt, n).shape == (0, n)
+        return
+    scale = float(expected.abs().max())
+    assert float((got.double() - expected).abs().max()) <= 2e-6 * scale
+    bf16 = path_lib.gemm_q(x.bfloat16(), packed, fmt, n)
+    assert bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(bf16.float(), qf.reference_gemm(x.bfloat16(), weight).float(), rtol=1e-2, atol=1e-2 * scale)
+    if m > 1:  # a row's result does not depend on the batch it came in
+        assert torch.equal(path_lib.gemm_q(x[-1:], packed, fmt, n), got[-1:])
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("n", [8, 20, 48])
+def test_silu_mul_epilogue(path_lib: KernelLibrary, fmt: str, n: int) -> None:
+    """silu(gate) * up from one product over a [gate; up] weight, ragged n included."""
+    g = torch.Generator().manual_seed(n)
+    gate_up = _random_weight(fmt, 2 * n, 96, g)
+    x = torch.randn(5, 96, generator=g)
+    got = path_lib.gemm_q(x, qf.pack_silu_mul(gate_up), fmt, n, "silu_mul")
+    both = qf.reference_gemm(x, gate_up)
+    expected = torch.nn.functional.silu(both[:, :n]) * both[:, n:]
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    assert torch.equal(path_lib.gemm_q(x[:1], qf.pack_silu_mul(gate_up), fmt, n, "silu_mul"), got[:1])
+
+
+def test_paths_agree_bit_for_bit() -> None:
+    """Every runnable path sums the same integers and applies one epilogue: equal outputs."""
+    runnable = [_library(march) for march, needs, _ in PATHS if needs <= usable_cpu_flags("amx")]
+    g = torch.Generator().manual_seed(3)
+    for fmt in ("q4", "q8"):
+        weight = _random_weight(fmt, 80, 320, g)
+        packed = qf.pack(weight)
+        x = torch.randn(9, 320, generator=g)
+        outputs = [lib.gemm_q(x, packed, fmt, 80) for lib in runnable]
+        assert all(torch.equal(outputs[0], out) for out in outputs[1:])
+
+
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0])
+def test_gguf_blocks_mean_what_gguf_says(qtype: GGMLQuantizationType) -> None:
+    rng = np.random.default_rng(0)
+    dense = rng.standard_normal((24, 96)).astype(np.float32)
+    raw = quantize(dense, qtype)
+    weight = qf.from_gguf_blocks(raw, qtype, 96)
+    assert weight.format == ("q8" if qtype == GGMLQuantizationType.Q8_0 else "q4")
+    assert torch.equal(weight.dequantize(), torch.from_numpy(dequantize(raw, qtype)))
+    permutation = torch.randperm(24, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(weight.select_rows(permutation).dequantize(), weight.dequantize()[permutation])
+
+
+def test_int8_quantization_error_is_bounded() -> None:
+    w = torch.randn(64, 200, generator=torch.Generator().manual_seed(4))
+    q = qf.quantize_q8(w)
+    blocks = torch.nn.functional.pad(w, (0, q.scale.shape[1] * qf.BLOCK - 200)).view(64, -1, qf.BLOCK)
+    bound = blocks.abs().amax(-1, keepdim=True) / 127 * 0.5 * 1.01  # half a step (fp16 scale rounding)
+    err = (q.dequantize() - w).abs()
+    padded = torch.nn.functional.pad(err, (0, q.scale.shape[1] * qf.BLOCK - 200)).view(64, -1, qf.BLOCK)
+    assert bool((padded <= bound).all())
+
+
+def test_wrapper_refuses_bad_calls() -> None:
+    lib = _library(PATHS[0][0])
+    weight = _random_weight("q4", 32, 64, torch.Generator().manual_seed(5))
+    packed = qf.pack(weight)
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="format"):
+        lib.gemm_q(x, packed, "q5", 32)
+    with pytest.raises(ValueError, match="epilogue"):
+        lib.gemm_q(x, packed, "q4", 32, "gelu")
+    with pytest.raises(ValueError, match="shape"):
+        lib.gemm_q(x, packed, "q4", 32, "silu_mul")  # a plain layout has half the tiles
+    with pytest.raises(ValueError, match="shape"):
+        lib.gemm_q(x, packed, "q8", 32)  # a q4 record is not a q8 one
+    with pytest.raises(ValueError, match="shape"):
+        lib.gemm_q(torch.randn(2, 96), packed, "q4", 32)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        lib.gemm_q(x.half(), packed, "q4", 32)
+    with pytest.raises(ValueError, match="contiguous"):
+        lib.gemm_q(torch.randn(64, 2).t(), packed, "q4", 32)

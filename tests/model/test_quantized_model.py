@@ -1,0 +1,171 @@
+"""Quantized weights in the engine: the default GGUF served in its own Q4_1 / Q8_0 blocks, and
+``quantization="int8"`` on any checkpoint, against the dense float32 model of the same weights.
+
+Greedy tokens must equal the dense model's wherever its top-2 log-probability margin exceeds
+the quantization error (``MARGIN``); at the first position below it the two may part ways, and
+the comparison stops there (their contexts differ afterwards).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pagellm import LLM, SamplingParams
+from pagellm.config import EngineConfig, KernelConfig, ModelConfig
+from pagellm.engine.llm_engine import engine_kernel_plan
+from pagellm.kernels import quant_formats as qf
+from pagellm.kernels.isa import usable_cpu_flags
+from pagellm.model.quant_linear import QuantizedLinear
+
+needs_int_gemm = pytest.mark.skipif(
+    not {"avx2", "fma", "f16c"} <= usable_cpu_flags("amx"), reason="the integer GEMM needs AVX2, FMA and F16C"
+)
+pytestmark = needs_int_gemm
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Water boils at", "My favourite colour is"]
+MAX_TOKENS = 24
+# Largest greedy-logprob margin at which a quantized run may pick another token than the dense
+# one. The q4 weights are the dense model's exactly; what differs is the activations' int8
+# rounding (~0.4% a value), which moved the default model's logits by at most ~0.1 here.
+MARGIN = 0.5
+
+
+def _greedy_with_margins(llm: LLM) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    result = []
+    for output in llm.generate(PROMPTS, params, use_tqdm=False):
+        completion = output.outputs[0]
+        margins = []
+        for position in completion.logprobs:
+            top = sorted((lp.logprob for lp in position.values()), reverse=True)
+            margins.append(top[0] - top[1] if len(top) > 1 else float("inf"))
+        result.append((completion.token_ids, margins))
+    return result
+
+
+def _assert_same_greedy_where_clear(dense: LLM, quantized: LLM, min_fraction: float = 0.5) -> None:
+    """Equal up to the first token whose dense margin is below MARGIN; at least ``min_fraction``
+    of all tokens compared (random-weight models have small margins: they part ways sooner)."""
+    compared = 0
+    for (ref, margins), (got, _) in zip(_greedy_with_margins(dense), _greedy_with_margins(quantized)):
+        for position, (a, b) in enumerate(zip(ref, got)):
+            if a != b:
+                assert margins[position] < MARGIN, f"token {position}: {b} instead of {a} at margin {margins[position]:.3f}"
+                break
+            compared += 1
+    assert compared >= len(PROMPTS) * MAX_TOKENS * min_fraction
+
+
+@pytest.fixture(scope="module")
+def dense_default() -> LLM:
+    return LLM(dtype="float32")  # dequantized: the exact reference path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_default_gguf_in_its_own_blocks(dense_default: LLM, dtype: str) -> None:
+    quantized = LLM(dtype=dtype, quantization="gguf")
+    plan = quantized.llm_engine.kernel_plan
+    assert plan.weights == "gguf" and plan.qgemm != "none"
+    layer = quantized.llm_engine.model_runner.model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, QuantizedLinear) and layer.self_attn.qkv_proj.format == "q4"
+    assert quantized.llm_engine.model_runner.model.lm_head.format == "q8"  # tied to the Q8_0 embedding
+    _assert_same_greedy_where_clear(dense_default, quantized)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_path", "tiny_qwen2_path"])
+def test_int8_on_a_float_checkpoint(request: pytest.FixtureRequest, fixture: str) -> None:
+    path = request.getfixturevalue(fixture)
+    dense = LLM(path, dtype="float32", num_kv_blocks=64)
+    quantized = LLM(path, dtype="float32", quantization="int8", num_kv_blocks=64)
+    assert quantized.llm_engine.kernel_plan.weights == "int8"
+    assert quantized.llm_engine.model_runner.model.model.layers[0].mlp.down_proj.format == "q8"
+    _assert_same_greedy_where_clear(dense, quantized, min_fraction=0.2)
+
+
+def _weights_for(model: str | None, **options: object) -> str:
+    kernel_options = {k: options.pop(k) for k in ("cpu_kernels",) if k in options}
+    config = EngineConfig(model=ModelConfig(model=model, **options), kernels=KernelConfig.from_env(**kernel_options))
+    return engine_kernel_plan(config, torch.device("cpu")).weights
+
+
+def test_plan_holds_what_was_asked(tiny_llama_path: str) -> None:
+    assert _weights_for(None) == "gguf"  # auto: the default GGUF in its own blocks
+    assert _weights_for(None, dtype="float32") == "dense"  # explicit float32: the reference path
+    assert _weights_for(None, quantization="none") == "dense"
+    assert _weights_for(None, quantization="gguf", dtype="float32") == "gguf"
+    assert _weights_for(tiny_llama_path) == "dense"
+    assert _weights_for(tiny_llama_path, quantization="int8") == "int8"
+    assert _weights_for(None, cpu_kernels=False) == "dense"  # auto falls back without kernels
+    with pytest.raises(ValueError, match="integer CPU GEMM"):
+        _weights_for(None, quantization="int8", cpu_kernels=False)
+    with pytest.raises(ValueError, match="GGUF checkpoint"):
+        _weights_for(tiny_llama_path, quantization="gguf")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        ModelConfig(quantization="q3")
+
+
+def test_dense_copy_takes_batches_above_the_threshold(cpu_plan) -> None:
+    """With ``dense_above_rows`` a quantized linear runs bigger batches on a dense bf16 copy of
+    the same (dequantized) weight: close to the integer path's result."""
+    plan = cpu_plan(torch.bfloat16, gemm="pagellm")
+    if plan.kernels is None or plan.gemm not in ("amx", "avx512-bf16", "avx2"):
+        pytest.skip("no pagellm bf16 GEMM here")
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 64, generator=g)
+    layer = QuantizedLinear(64, 48, False, plan.kernels, dense_above_rows=2, dense_gemm=plan.gemm)
+    layer.load_rows(slice(0, 16), weight[:16])
+    layer.load_rows(slice(16, 48), weight[16:])
+    layer.finish_loading()
+    assert isinstance(layer.dense, nn.Module)
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    on_dense = layer(x)
+    on_int = torch.cat([layer(x[i : i + 1]) for i in range(3)])
+    expected = x.float() @ qf.quantize_q8(weight).dequantize().T
+    for got in (on_dense, on_int):
+        torch.testing.assert_close(got.float(), expected, rtol=3e-2, atol=3e-2 * float(expected.abs().max()))
+
+
+def test_missing_rows_are_refused(cpu_plan) -> None:
+    plan = cpu_plan(torch.float32)
+    if plan.kernels is None:
+        pytest.skip("no kernel library")
+    layer = QuantizedLinear(64, 48, False, plan.kernels)
+    layer.load_rows(slice(0, 16), torch.randn(16, 64))
+    with pytest.raises(ValueError, match="16 of 48 rows"):
+        layer.finish_loading()
+    with pytest.raises(ValueError, match="expected"):
+        layer.load_rows(slice(16, 48), torch.randn(32, 60))
+
+
+def _generate_fused_or_not(llm: LLM, fused: bool) -> list[tuple[list[int], list[float]]]:
+    model = llm.llm_engine.model_runner.model
+    if not fused:
+        model.decoder_kernels, model._fused_stack = None, None  # the Python layers from here on
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in outputs]
+
+
+@pytest.mark.parametrize("case", ["default-gguf-bf16", "qwen2-int8-f32", "llama-int8-bf16-fp8kv"])
+def test_fused_decoder_equals_the_layers(request: pytest.FixtureRequest, case: str) -> None:
+    """One C++ call for the whole decoder stack gives the Python layers' results bit for bit
+    (qkv bias, an fp8 cache and float32 included)."""
+    options: dict[str, object] = {
+        "default-gguf-bf16": dict(dtype="bfloat16"),
+        "qwen2-int8-f32": dict(model=request.getfixturevalue("tiny_qwen2_path"), dtype="float32", quantization="int8"),
+        "llama-int8-bf16-fp8kv": dict(model=request.getfixturevalue("tiny_llama_path"), dtype="bfloat16",
+                                      quantization="int8", kv_cache_dtype="fp8"),
+    }[case]
+    fused_llm = LLM(num_kv_blocks=128, **options)
+    assert fused_llm.llm_engine.kernel_plan.decoder == "fused"
+    fused = _generate_fused_or_not(fused_llm, True)
+    runner = fused_llm.llm_engine.model_runner
+    stack = runner.model._fused_stack
+    decode_step = torch.empty(len(PROMPTS), runner.model.arch.hidden_size, dtype=fused_llm.llm_engine.dtype)
+    assert stack is not None and stack.applies(decode_step, runner.kv_cache)  # the decode steps ran on it
+    layers = _generate_fused_or_not(LLM(num_kv_blocks=128, **options), False)
+    assert fused == layers
