@@ -91,7 +91,9 @@ def checked_kernel_rows(metadata: AttentionMetadata, key_cache: torch.Tensor) ->
     cache_id = (key_cache.shape[0], key_cache.shape[1])
     if rows.checked_for != cache_id:
         check_slots(metadata.slot_mapping, key_cache)
-        check_paged_attention_rows(rows.num_tokens, key_cache, rows.block_tables, rows.row_token, rows.row_req, rows.row_ctx)
+        check_paged_attention_rows(
+            rows.num_tokens, key_cache, rows.block_tables, rows.row_token, rows.row_req, rows.row_ctx
+        )
         rows.checked_for = cache_id
     return rows
 

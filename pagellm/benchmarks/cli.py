@@ -187,8 +187,9 @@ def bench_main(args: argparse.Namespace) -> int:
 
         report = run_latency(LatencyConfig(
             model=args.model, dtype=args.dtype, quantization=args.quantization, input_len=args.input_len,
-            output_len=args.output_len, repeats=args.repeats, seed=args.seed, num_threads=args.num_threads, kv_cache_dtype=args.kv_cache_dtype,
-            attention_backend=args.attention_backend, compare=list(dict.fromkeys(args.compare)),
+            output_len=args.output_len, repeats=args.repeats, seed=args.seed, num_threads=args.num_threads,
+            kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend,
+            compare=list(dict.fromkeys(args.compare)),
             llama_bench=args.llama_bench,
         ))
         _emit(report, format_report(report), args.output_json)

@@ -87,8 +87,8 @@ def run_latency(cfg: LatencyConfig) -> dict[str, Any]:
     # Checked first, so a missing binary or a non-GGUF model fails before minutes of pagellm timing.
     binary = llama_bench_binary(cfg.llama_bench) if "llamacpp" in cfg.compare else None
     gguf = gguf_model_path(cfg.model) if binary else None
-    options = dict(dtype=cfg.dtype, quantization=cfg.quantization, max_num_seqs=1, enable_prefix_caching=False, num_threads=cfg.num_threads,
-                   kv_cache_dtype=cfg.kv_cache_dtype, attention_backend=cfg.attention_backend)
+    options = dict(dtype=cfg.dtype, quantization=cfg.quantization, max_num_seqs=1, enable_prefix_caching=False,
+                   num_threads=cfg.num_threads, kv_cache_dtype=cfg.kv_cache_dtype, attention_backend=cfg.attention_backend)
     llm = LLM(cfg.model, **{k: v for k, v in options.items() if v is not None})
     engine = llm.llm_engine
     vocab_size, special = model_token_facts(cfg.model)

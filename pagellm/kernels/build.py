@@ -128,6 +128,7 @@ _SIGNATURES: dict[str, tuple[type, list[type]]] = {
     "pagellm_gemm_avx2_available": (_I32, []),
     "pagellm_gemm_avx2": (_I32, [_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32, _I32, _I32, _I32]),
     "pagellm_gemm_q_isa": (_I32, []),
+    "pagellm_gemm_q_runs_here": (_I32, []),
     "pagellm_quantize_rows": (_I32, [_P, _I64, _I64, _I64, _I32, _P, _P, _P, _I32]),
     "pagellm_gemm_q": (_I32, [_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32, _I32, _I32, _I32]),
     "pagellm_decoder_stack": (_I32, [_P]),

@@ -93,7 +93,10 @@ class KernelLibrary:
         self.gemm_bf16_available = bool(lib.pagellm_gemm_bf16_available())
         self.gemm_amx_available = bool(lib.pagellm_gemm_bf16_amx_available())
         self.gemm_avx2_available = bool(lib.pagellm_gemm_avx2_available())
-        self.gemm_q_path = GEMM_Q_PATHS[lib.pagellm_gemm_q_isa()]  # "none" without AVX2/FMA/F16C
+        # The integer GEMM's path: "none" where the build has none (no AVX2/FMA/F16C) or this CPU
+        # lacks what it executes (a -march asked for more than the CPU has).
+        self.gemm_q_built = GEMM_Q_PATHS[lib.pagellm_gemm_q_isa()]
+        self.gemm_q_path = self.gemm_q_built if lib.pagellm_gemm_q_runs_here() else "none"
 
     def __repr__(self) -> str:
         return f"KernelLibrary({' '.join(self.march)})"
@@ -270,11 +273,7 @@ class KernelLibrary:
         ``silu(x @ gate.T) * (x @ up.T)`` (bf16: gate, up and silu(gate) rounded as the unfused ops).
         """
         code, _ = avx2_epilogue(epilogue)
-        if x.dim() != 2 or x.dtype not in DTYPE_CODES or x.device.type != "cpu":
-            raise ValueError("x must be a 2-D CPU float32 or bfloat16 tensor")
-        rows, k = x.shape
-        if k == 0 or (rows > 1 and x.stride(0) < k) or (k > 1 and x.stride(1) != 1):
-            raise ValueError("x needs columns, each row contiguous")
+        rows, k = _check_gemm_input(x)
         if packed.dtype not in DTYPE_CODES or packed.device.type != "cpu" or not packed.is_contiguous():
             raise ValueError("packed weight must be a contiguous CPU float32 or bfloat16 tensor")
         if packed.dtype == torch.bfloat16 and k % 2 != 0:
@@ -318,7 +317,8 @@ class KernelLibrary:
         if epilogue not in ("none", "silu_mul"):
             raise ValueError(f"epilogue must be 'none' or 'silu_mul', got {epilogue!r}")
         if self.gemm_q_path == "none":
-            raise RuntimeError(f"this kernel build ({' '.join(self.march)}) has no integer GEMM (needs AVX2, FMA, F16C)")
+            raise RuntimeError(f"the integer GEMM of this kernel build ({' '.join(self.march)}) does not run on this CPU "
+                               f"(built: {self.gemm_q_built}; it needs AVX2, FMA and F16C at least)")
         if fmt not in FORMAT_CODES:
             raise ValueError(f"format must be one of {sorted(FORMAT_CODES)}, got {fmt!r}")
         rows, k = _check_gemm_input(x)

@@ -103,6 +103,12 @@ _PLAIN_TENSOR_TYPES = {
 }
 
 
+def is_block_quantized(qtype: GGMLQuantizationType) -> bool:
+    """Whether a GGUF tensor type is a quantized block format (Q4_0, Q8_0, the K-quants, ...),
+    not plain floats or integers."""
+    return qtype not in _PLAIN_TENSOR_TYPES and qtype != GGMLQuantizationType.BF16
+
+
 class GGUFFile:
     """Metadata (``fields``: key -> value or :class:`GGUFArray`) and tensors of a GGUF v2/v3 file."""
 

@@ -19,11 +19,10 @@ from safetensors import safe_open
 
 from pagellm.attention.backend import AttentionBackend
 from pagellm.config import ModelConfig, resolve_dtype
-from pagellm.kernels.quant_formats import GGUF_FORMATS
 from pagellm.kernels.plan import KernelPlan, WeightRequest
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.default_model import default_model_path
-from pagellm.model.gguf_loader import arch_config_from_gguf, iter_gguf_weights, open_gguf
+from pagellm.model.gguf_loader import arch_config_from_gguf, is_block_quantized, iter_gguf_weights, open_gguf
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.registry import validate_arch_config
 
@@ -127,10 +126,11 @@ def auto_dtype(model: str | None, bf16_is_fast: bool, downcast_float32: bool = F
 
 
 def has_quantized_gguf_weights(model: str | None) -> bool:
-    """Whether the checkpoint is a GGUF file holding blocks the integer GEMM takes as they are
-    (Q4_0, Q4_1, Q8_0)."""
+    """Whether the checkpoint is a GGUF file with quantized tensors: Q4_0 / Q4_1 / Q8_0 blocks
+    the integer GEMM takes as they are, or other block types (the K-quants) it takes
+    re-quantized to int8 blocks."""
     path = resolve_model_path(model)
-    return is_gguf(path) and any(t.tensor_type in GGUF_FORMATS for t in open_gguf(path).tensors)
+    return is_gguf(path) and any(is_block_quantized(t.tensor_type) for t in open_gguf(path).tensors)
 
 
 def requested_weights(config: ModelConfig) -> WeightRequest:
@@ -144,7 +144,7 @@ def requested_weights(config: ModelConfig) -> WeightRequest:
     quantized_file = has_quantized_gguf_weights(config.model)
     if choice == "gguf":
         if not quantized_file:
-            raise ValueError("quantization 'gguf' needs a GGUF checkpoint with Q4_0, Q4_1 or Q8_0 tensors")
+            raise ValueError("quantization 'gguf' needs a GGUF checkpoint with quantized tensors")
         return WeightRequest("gguf", True)
     keep = quantized_file and resolve_dtype(config.dtype) != torch.float32
     return WeightRequest("gguf" if keep else "dense", False)

@@ -21,8 +21,10 @@ from pagellm.worker.device import cuda_native_bf16
 
 _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 # Where AMX tiles multiply bf16, quantized linears keep a dense bf16 copy for batches of more
-# rows than this: the integer dot products win below (one row: 2.6x the AMX GEMM on this
-# model's linears), AMX above (16 rows: 2x the integer GEMM) (benchmarks/NOTES.md, 37).
+# rows than this: the integer dot products win below (the default model's linears, warm:
+# 1 row 2.8 against 5.8 ms, 4 rows 3.9 against 5.2), AMX above (8 rows 6.1 against 5.2, 16
+# rows 10.5 against 5.2); cold weights and the one-call decoder stack favour the integer path
+# up to 8 (benchmarks/NOTES.md, 37).
 QUANT_MAX_ROWS_AMX = 8
 
 

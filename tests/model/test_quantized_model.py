@@ -107,6 +107,16 @@ def test_plan_holds_what_was_asked(tiny_llama_path: str) -> None:
         ModelConfig(quantization="q3")
 
 
+def test_which_gguf_types_count_as_quantized() -> None:
+    from gguf import GGMLQuantizationType as T
+
+    from pagellm.model.gguf_loader import is_block_quantized
+
+    assert all(is_block_quantized(t) for t in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K, T.Q5_0))
+    assert not any(is_block_quantized(t) for t in (T.F32, T.F16, T.BF16, T.I8))
+    assert set(qf.GGUF_FORMATS) == {T.Q4_0, T.Q4_1, T.Q8_0}  # kept as they are; the rest re-quantized
+
+
 def test_dense_copy_takes_batches_above_the_threshold(cpu_plan) -> None:
     """With ``dense_above_rows`` a quantized linear runs bigger batches on a dense bf16 copy of
     the same (dequantized) weight: close to the integer path's result."""

@@ -366,6 +366,25 @@ extern "C" {
 // Which integer path this build has: 0 none (no AVX2/FMA/F16C), 1 AVX2, 2 AVX-VNNI, 3 AVX-512 VNNI.
 int pagellm_gemm_q_isa() { return PAGELLM_QGEMM_ISA; }
 
+// 1 when this CPU (cpuid, so an emulated CPU's, whatever /proc/cpuinfo says) has what the
+// build's integer path executes, else 0. Compiled for the baseline ISA: safe to call anywhere.
+__attribute__((target("arch=x86-64")))
+int pagellm_gemm_q_runs_here() {
+    __builtin_cpu_init();
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    switch (PAGELLM_QGEMM_ISA) {
+        case 3:
+            return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512vnni");
+        case 2:
+            return avx2 && __builtin_cpu_supports("avxvnni");
+        case 1:
+            return avx2;
+        default:
+            return 0;
+    }
+}
+
 // The activation quantization the GEMM applies, for tests: a [m, k] (rows lda apart; a_dtype 0
 // float32, 1 bf16) -> q [m, blocks * 32] int8, d [m, blocks] float32, sum [m, blocks] int32.
 int pagellm_quantize_rows(const void* a, int64_t lda, int64_t m, int64_t k, int a_dtype, void* q, void* d, void* sum,
