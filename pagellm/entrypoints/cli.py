@@ -37,8 +37,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--quantization", default="auto", choices=QUANTIZATION_CHOICES,
-        help="auto (a GGUF file's Q4_0/Q4_1/Q8_0 weights kept as they are, on integer kernels, unless --dtype "
-        "float32), none (dequantized), gguf (require the file's), int8 (any checkpoint's linears to int8 blocks)",
+        help="auto (a quantized GGUF's weights on integer kernels: Q4_0/Q4_1/Q8_0 as they are, other types "
+        "re-quantized to int8 blocks; unless the dtype is float32), none (dequantized), gguf (as auto, required), "
+        "int8 (any checkpoint's linears to int8 blocks)",
     )
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     group.add_argument("--kv-cache-memory", default="1GiB", help="KV-cache budget, e.g. 512MiB or 2GiB")

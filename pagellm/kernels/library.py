@@ -11,7 +11,6 @@ import ctypes
 
 import torch
 
-from pagellm.kernels.quant_formats import BLOCK, FORMAT_CODES, packed_shape
 from pagellm.kernels.packing import (
     GEMM_AMX_K_MULTIPLE,
     SILU_MUL_HALF_COLS,
@@ -19,6 +18,7 @@ from pagellm.kernels.packing import (
     avx2_packed_shape,
     gemm_epilogue,
 )
+from pagellm.kernels.quant_formats import BLOCK, FORMAT_CODES, packed_shape
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # pagellm_gemm_q_isa() -> the integer GEMM's path name (kernel plan: ``qgemm``).

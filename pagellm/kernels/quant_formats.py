@@ -3,9 +3,9 @@ converted from GGUF blocks or from dense weights, and a plain reference product.
 
 Two formats, 32 weights a block along a row (k):
 - ``q4``: codes 0..15 with a scale ``d`` and an offset ``m`` per block (weight = d * code + m):
-  GGUF's Q4_1 as stored, and Q4_0 (d * (code - 8)) with m = -8 d.
-- ``q8``: codes -127..127 (int8) with a scale per block: GGUF's Q8_0, and ``--quantization
-  int8`` (each block of a dense weight scaled to its largest magnitude).
+  GGUF's Q4_1 as stored, and Q4_0 (d * (code - 8)) with m = -8 d (``model.gguf_loader``).
+- ``q8``: codes -128..127 (int8) with a scale per block: GGUF's Q8_0, and ``--quantization
+  int8`` (each block of a dense weight scaled to its largest magnitude, -127..127).
 Scales and offsets are fp16, as in GGUF. A weight whose k is not a multiple of 32 is padded
 with zero codes (q4: also zero scale and offset).
 """
@@ -14,17 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
-from gguf import GGMLQuantizationType
 
 BLOCK = 32
 TILE_COLS = 16
 RECORD_BYTES = {"q4": 256 + 64, "q8": 512 + 32}
 FORMAT_CODES = {"q4": 0, "q8": 1}
-# GGUF types kept packed (the rest are dequantized when loaded, and requantized to q8 where
-# they feed a quantized linear).
-GGUF_FORMATS = {GGMLQuantizationType.Q4_0: "q4", GGMLQuantizationType.Q4_1: "q4", GGMLQuantizationType.Q8_0: "q8"}
 
 
 @dataclass
@@ -40,6 +35,7 @@ class QuantizedWeight:
 
     @property
     def rows(self) -> int:
+        """Output rows (the weight's first dimension)."""
         return self.codes.shape[0]
 
     def dequantize(self) -> torch.Tensor:
@@ -81,33 +77,8 @@ def quantize_q8(weight: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight("q8", k, codes.view(rows, blocks * BLOCK), scale)
 
 
-def from_gguf_blocks(raw: np.ndarray, qtype: GGMLQuantizationType, k: int) -> QuantizedWeight:
-    """GGUF's bytes of a [rows, k] tensor (``raw``: [rows, bytes per row]) in their own format:
-    Q4_0 and Q4_1 as q4, Q8_0 as q8, without widening the codes' meaning."""
-    rows = raw.shape[0]
-    fmt = GGUF_FORMATS.get(qtype)
-    if fmt is None or k % BLOCK != 0:
-        raise ValueError(f"GGUF type {qtype.name} with k={k} is not kept packed")
-    blocks = k // BLOCK
-    data = np.ascontiguousarray(raw).reshape(rows, blocks, -1)
-    scale = torch.from_numpy(data[..., :2].copy().view(np.float16).reshape(rows, blocks))
-    if fmt == "q8":
-        codes = torch.from_numpy(data[..., 2:].copy().view(np.int8).reshape(rows, k))
-        return QuantizedWeight("q8", k, codes, scale)
-    if qtype == GGMLQuantizationType.Q4_1:
-        offset = torch.from_numpy(data[..., 2:4].copy().view(np.float16).reshape(rows, blocks))
-        nibbles = data[..., 4:]
-    else:
-        if not torch.isfinite(scale.float() * -8).all() or (scale.float().abs() * 8 > 65504).any():
-            raise ValueError("a Q4_0 scale too large for the q4 offset (-8 d) in fp16")
-        offset = (scale.float() * -8).to(torch.float16)  # exact: a power-of-two multiple
-        nibbles = data[..., 2:]
-    # Each block's byte j holds element j (low nibble) and element j + 16 (high nibble).
-    codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, k)
-    return QuantizedWeight("q4", k, torch.from_numpy(codes.astype(np.uint8)), scale, offset)
-
-
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended up to ``rows`` (the last tile's missing columns)."""
     if t.shape[0] == rows:
         return t
     return torch.cat([t, torch.zeros(rows - t.shape[0], *t.shape[1:], dtype=t.dtype)])

@@ -177,7 +177,7 @@ class KernelSiluAndMulLinear(_KernelGemmLinear):
         super().__init__(gate_up.in_features, intermediate_size, packed, None, lib, path)
 
 
-def _kernel_gemm_fits(linear: nn.Module, path: str, with_bias: bool = False) -> bool:
+def kernel_gemm_fits(linear: nn.Module, path: str, with_bias: bool = False) -> bool:
     """Whether pagellm's GEMM (the plan's ``path``) replaces this CPU ``nn.Linear``: bias-free
     bf16 whose input width the path takes (AMX: a multiple of 32); on AVX2 also float32 weights,
     and a bias where ``with_bias`` (plain linears)."""
@@ -223,7 +223,7 @@ def fuse_silu_and_mul(
         return None
     fused: nn.Module
     try:
-        if plan.kernels is not None and _kernel_gemm_fits(gate_up, plan.gemm):
+        if plan.kernels is not None and kernel_gemm_fits(gate_up, plan.gemm):
             fused = KernelSiluAndMulLinear(gate_up, intermediate_size, plan.kernels, plan.gemm)
         elif _onednn_fits(gate_up, plan.gemm):
             fused = PackedSiluAndMulLinear(gate_up, intermediate_size)
@@ -281,13 +281,13 @@ def pack_linear_layers(model: nn.Module, plan: KernelPlan, batch_size_hint: int 
     ]
     if not targets or plan.gemm == "torch":
         return 0
-    first_fit = next((module for _, module in targets if _kernel_gemm_fits(module, plan.gemm, True)), None)
+    first_fit = next((module for _, module in targets if kernel_gemm_fits(module, plan.gemm, True)), None)
     lib = plan.kernels
     use_kernel = first_fit is not None and lib is not None and _kernel_gemm_works(first_fit, lib, plan.gemm)
     use_packed = _onednn_fits(targets[0][1], plan.gemm) and _packs_exactly(targets[0][1])
     replaced = 0
     for name, module in targets:
-        if use_kernel and lib is not None and _kernel_gemm_fits(module, plan.gemm, True):
+        if use_kernel and lib is not None and kernel_gemm_fits(module, plan.gemm, True):
             new: nn.Module = KernelLinear(module, lib, plan.gemm)
         elif use_packed:
             new = PackedLinear(module, batch_size_hint)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from pagellm.attention.backend import AttentionMetadata
-from pagellm.attention.cpu_paged import checked_kernel_rows
+from pagellm.attention.cpu_paged import CPUPagedAttention, checked_kernel_rows
 from pagellm.kernels.library import CACHE_CODES, DTYPE_CODES, DecoderLayerArgs, DecoderStackArgs, KernelLibrary
 from pagellm.kernels.quant_formats import FORMAT_CODES
 from pagellm.model.arch_config import ModelArchConfig
@@ -39,7 +39,15 @@ class _LayerWeights:
     gate_up: QuantizedLinear
     down: QuantizedLinear
 
+    def addresses(self) -> tuple[int, ...]:
+        """Where the tensors the call reads live now (a reload or a move changes them)."""
+        bias = self.qkv.bias
+        return (self.input_norm.data_ptr(), self.post_norm.data_ptr(), self.qkv.packed.data_ptr(),
+                0 if bias is None else bias.data_ptr(), self.o.packed.data_ptr(), self.gate_up.packed.data_ptr(),
+                self.down.packed.data_ptr())  # fmt: skip
+
     def args(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> DecoderLayerArgs:
+        """The C struct for this layer over these caches."""
         bias = self.qkv.bias
         return DecoderLayerArgs(
             self.input_norm.data_ptr(), self.post_norm.data_ptr(), self.qkv.packed.data_ptr(),
@@ -54,6 +62,12 @@ def _layer_weights(layer: nn.Module, arch: ModelArchConfig, dtype: torch.dtype) 
     """The layer's tensors if the call can run it: quantized linears of the expected shapes, a
     fused silu_mul MLP, no o / down bias, norms in ``dtype``; else None."""
     attn, mlp = layer.self_attn, layer.mlp
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    # The call runs the paged kernel, kernel norms and rotary: only where the layer would too.
+    if not isinstance(attn.attn_backend, CPUPagedAttention) or attn.rotary_kernels is None:
+        return None
+    if not all(isinstance(n, RMSNorm) and n.kernels is not None for n in norms):
+        return None
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if not all(isinstance(m, QuantizedLinear) and m.format for m in linears):
         return None
@@ -62,10 +76,9 @@ def _layer_weights(layer: nn.Module, arch: ModelArchConfig, dtype: torch.dtype) 
               (gate_up.in_features, gate_up.out_features), (down.in_features, down.out_features)]  # fmt: skip
     hidden, inter = arch.hidden_size, arch.intermediate_size
     expected = [(hidden, arch.q_size + 2 * arch.kv_size), (arch.q_size, hidden), (hidden, inter), (inter, hidden)]
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if shapes != expected or not gate_up.silu_mul or o.bias is not None or down.bias is not None:
         return None
-    if not all(isinstance(n, RMSNorm) and n.weight.dtype == dtype and n.weight.is_contiguous() for n in norms):
+    if not all(n.weight.dtype == dtype and n.weight.is_contiguous() for n in norms):
         return None
     if qkv.bias is not None and (qkv.bias.dtype != dtype or not qkv.bias.is_contiguous()):
         return None
@@ -85,7 +98,9 @@ class FusedDecoderStack:
         self.dtype = dtype
         self.max_rows = max_rows
         self.eps = float(arch.rms_norm_eps)
-        self._layer_args: tuple[tuple[int, ...], ctypes.Array[DecoderLayerArgs]] | None = None  # by cache addresses
+        self.steps = 0  # steps run here (the rest ran the Python layers)
+        # The per-layer C structs, keyed by every address in them (caches and weights).
+        self._layer_args: tuple[tuple[int, ...], ctypes.Array[DecoderLayerArgs]] | None = None
 
     @classmethod
     def build(
@@ -101,21 +116,30 @@ class FusedDecoderStack:
         return cls([w for w in weights if w is not None], arch, lib, dtype, max_rows)
 
     def applies(self, hidden: torch.Tensor, kv_caches: list[KVCache]) -> bool:
-        """Whether this step runs here: few enough rows, the model dtype, caches the kernels read."""
+        """Whether this step runs here: few enough rows, the model dtype, one cache shape and
+        dtype the kernels read, laid out as the model's KV heads."""
         rows = hidden.shape[0]
         key_cache = kv_caches[0][0]
+        layout = (self.arch.num_key_value_heads, self.arch.head_dim)
         return (
             0 < rows <= (self.max_rows if self.max_rows is not None else rows)
             and hidden.dtype == self.dtype
             and (self.dtype, key_cache.dtype) in CACHE_CODES
-            and all(k.is_contiguous() and v.is_contiguous() and k.shape == key_cache.shape for k, v in kv_caches)
-        )
+            and key_cache.dim() == 4 and tuple(key_cache.shape[2:]) == layout
+            and all(
+                t.is_contiguous() and t.shape == key_cache.shape and t.dtype == key_cache.dtype
+                for pair in kv_caches for t in pair
+            )
+        )  # fmt: skip
 
     def _layers(self, kv_caches: list[KVCache]) -> ctypes.Array[DecoderLayerArgs]:
-        """The per-layer arguments, rebuilt when the caches move (built once per engine)."""
+        """The per-layer arguments, rebuilt whenever a cache or weight has moved (once per
+        engine in practice; the check costs ~0.1 ms a step for 30 layers)."""
         key = tuple(t.data_ptr() for pair in kv_caches for t in pair)
+        key += tuple(address for w in self.weights for address in w.addresses())
         if self._layer_args is None or self._layer_args[0] != key:
-            array = (DecoderLayerArgs * len(self.weights))(*(w.args(k, v) for w, (k, v) in zip(self.weights, kv_caches)))
+            layers = [w.args(k, v) for w, (k, v) in zip(self.weights, kv_caches)]
+            array = (DecoderLayerArgs * len(layers))(*layers)
             self._layer_args = (key, array)
         return self._layer_args[1]
 
@@ -131,8 +155,9 @@ class FusedDecoderStack:
             raise ValueError(f"expected {len(self.weights)} KV cache pairs, got {len(kv_caches)}")
         key_cache = kv_caches[0][0]
         rows = checked_kernel_rows(metadata, key_cache)
-        if rows.num_tokens != tokens:
-            raise ValueError(f"hidden has {tokens} tokens but metadata.query_lens sum to {rows.num_tokens}")
+        if rows.num_tokens != tokens or metadata.slot_mapping.numel() != tokens:
+            raise ValueError(f"hidden has {tokens} tokens but the metadata has {rows.num_tokens} "
+                             f"({metadata.slot_mapping.numel()} slots)")  # fmt: skip
         x = hidden.contiguous()
         cos, sin = cos.to(self.dtype).contiguous(), sin.to(self.dtype).contiguous()
         if cos.shape != (tokens, arch.head_dim) or sin.shape != cos.shape:
@@ -151,4 +176,5 @@ class FusedDecoderStack:
             *(t.data_ptr() for t in scratch),
         )  # fmt: skip
         self.kernels.decoder_stack(args)
+        self.steps += 1
         return x, residual

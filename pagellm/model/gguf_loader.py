@@ -22,7 +22,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize, quant_shape_to_byte_shape
 
-from pagellm.kernels.quant_formats import GGUF_FORMATS, QuantizedWeight, from_gguf_blocks
+from pagellm.kernels.quant_formats import BLOCK, QuantizedWeight
 from pagellm.model.arch_config import ModelArchConfig
 
 # GGUF general.architecture -> (HF architecture, q/k/v bias, q/k rows permuted by the converter).
@@ -46,6 +46,9 @@ _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# GGUF types whose blocks the integer GEMM takes as they are (the rest are dequantized when
+# loaded, and re-quantized to int8 blocks where they feed a quantized linear).
+GGUF_FORMATS = {GGMLQuantizationType.Q4_0: "q4", GGMLQuantizationType.Q4_1: "q4", GGMLQuantizationType.Q8_0: "q8"}
 _BLOCK_TENSOR = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<name>\w+)\.(?P<kind>weight|bias)$")
 _MISSING = object()
 
@@ -101,6 +104,12 @@ _PLAIN_TENSOR_TYPES = {
     GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
     GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32, GGMLQuantizationType.I64: np.int64,
 }
+
+
+def has_quantized_linears(reader: GGUFFile | _ReaderAdapter) -> bool:
+    """Whether any decoder-layer weight (``blk.*``) is in a quantized block format; a file whose
+    only quantized tensors are the embedding or output does not count."""
+    return any(t.name.startswith("blk.") and is_block_quantized(t.tensor_type) for t in reader.tensors)
 
 
 def is_block_quantized(qtype: GGMLQuantizationType) -> bool:
@@ -375,6 +384,43 @@ def _dequantized(tensor: Any) -> torch.Tensor:
     return torch.from_numpy(data).reshape(shape)
 
 
+def from_gguf_blocks(raw: np.ndarray, qtype: GGMLQuantizationType, k: int) -> QuantizedWeight:
+    """GGUF's bytes of a [rows, k] tensor (``raw``: [rows, bytes per row]) in their own format:
+    Q4_0 and Q4_1 as q4, Q8_0 as q8, without widening the codes' meaning."""
+    rows = raw.shape[0]
+    fmt = GGUF_FORMATS.get(qtype)
+    if fmt is None or k % BLOCK != 0:
+        raise ValueError(f"GGUF type {qtype.name} with k={k} is not kept packed")
+    blocks = k // BLOCK
+    data = np.ascontiguousarray(raw).reshape(rows, blocks, -1)
+    scale = torch.from_numpy(data[..., :2].copy().view(np.float16).reshape(rows, blocks))
+    if fmt == "q8":
+        codes = torch.from_numpy(data[..., 2:].copy().view(np.int8).reshape(rows, k))
+        return QuantizedWeight("q8", k, codes, scale)
+    if qtype == GGMLQuantizationType.Q4_1:
+        offset = torch.from_numpy(data[..., 2:4].copy().view(np.float16).reshape(rows, blocks))
+        nibbles = data[..., 4:]
+    else:
+        if not torch.isfinite(scale.float() * -8).all() or (scale.float().abs() * 8 > 65504).any():
+            raise ValueError("a Q4_0 scale too large for the q4 offset (-8 d) in fp16")
+        offset = (scale.float() * -8).to(torch.float16)  # exact: a power-of-two multiple
+        nibbles = data[..., 2:]
+    # Each block's byte j holds element j (low nibble) and element j + 16 (high nibble).
+    codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, k)
+    return QuantizedWeight("q4", k, torch.from_numpy(codes.astype(np.uint8)), scale, offset)
+
+
+def _kept_blocks(tensor: Any) -> QuantizedWeight | None:
+    """A 2-D Q4_0 / Q4_1 / Q8_0 tensor's blocks as they are; None for other tensors, and for a
+    Q4_0 whose scales overflow the q4 offset (it is then dequantized like other types)."""
+    if tensor.tensor_type not in GGUF_FORMATS or len(tensor.shape) != 2:
+        return None
+    try:
+        return from_gguf_blocks(np.asarray(tensor.data), tensor.tensor_type, int(tensor.shape[0]))
+    except ValueError:
+        return None
+
+
 def iter_gguf_weights(
     reader: GGUFFile | _ReaderAdapter,
     arch: ModelArchConfig,
@@ -392,8 +438,8 @@ def iter_gguf_weights(
         name = hf_tensor_name(tensor.name)
         projection = name.split(".")[-2]
         unpermute = permuted and projection in heads_for
-        if keep_quantized and tensor.tensor_type in GGUF_FORMATS and len(tensor.shape) == 2:
-            blocks = from_gguf_blocks(np.asarray(tensor.data), tensor.tensor_type, int(tensor.shape[0]))
+        blocks = _kept_blocks(tensor) if keep_quantized else None
+        if blocks is not None:
             if unpermute:
                 blocks = blocks.select_rows(unpermute_qk_rows(torch.arange(blocks.rows), heads_for[projection]))
             yield name, blocks

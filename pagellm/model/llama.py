@@ -18,11 +18,11 @@ from torch import nn
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.kernels.plan import KernelPlan
-from pagellm.model.arch_config import ModelArchConfig
 from pagellm.kernels.quant_formats import QuantizedWeight
+from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.cpu_linear import fuse_silu_and_mul, pack_linear_layers
-from pagellm.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_
 from pagellm.model.fused_stack import FusedDecoderStack
+from pagellm.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_
 from pagellm.model.quant_linear import QuantizedLinear, linear_for_plan, quantized_plan
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -172,6 +172,7 @@ class LlamaForCausalLM(nn.Module):
         self.decoder_kernels = plan.kernels if fused and plan is not None else None
         self.decoder_max_rows = plan.quant_max_rows if plan is not None else None
         self._fused_stack: FusedDecoderStack | None = None
+        self._fused_stack_built = False
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with lm_head when the config says so (re-run after
@@ -203,11 +204,10 @@ class LlamaForCausalLM(nn.Module):
 
     def _decoder_stack(self) -> FusedDecoderStack | None:
         """The one-call decoder stack where the plan asked for it and the loaded layers fit it."""
-        if self.decoder_kernels is not None and self._fused_stack is None:
+        if self.decoder_kernels is not None and not self._fused_stack_built:
             self._fused_stack = FusedDecoderStack.build(self.model.layers, self.arch, self.decoder_kernels,
                                                         self.decoder_max_rows)  # fmt: skip
-            if self._fused_stack is None:
-                self.decoder_kernels = None  # the layers do not fit: Python layers from now on
+            self._fused_stack_built = True  # None: the layers do not fit, the Python layers run
         return self._fused_stack
 
     def optimize_for_cpu_inference(self, plan: KernelPlan) -> dict[str, int]:
@@ -273,6 +273,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, QuantizedLinear):
                 module.finish_loading()
+        self._fused_stack, self._fused_stack_built = None, False  # rebuilt from these weights when next used
 
     def _load_one(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor | QuantizedWeight) -> None:
         """Copy one HF tensor into its (possibly fused) destination rows (a quantized linear
@@ -294,6 +295,7 @@ class LlamaForCausalLM(nn.Module):
         target.copy_(tensor)
 
     def _submodule_or_none(self, name: str) -> nn.Module | None:
+        """The submodule called ``name`` (None for the model itself or an unknown name)."""
         try:
             return self.get_submodule(name) if name else None
         except AttributeError:

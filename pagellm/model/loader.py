@@ -18,11 +18,11 @@ import torch
 from safetensors import safe_open
 
 from pagellm.attention.backend import AttentionBackend
-from pagellm.config import ModelConfig, resolve_dtype
+from pagellm.config import ModelConfig
 from pagellm.kernels.plan import KernelPlan, WeightRequest
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.default_model import default_model_path
-from pagellm.model.gguf_loader import arch_config_from_gguf, is_block_quantized, iter_gguf_weights, open_gguf
+from pagellm.model.gguf_loader import arch_config_from_gguf, has_quantized_linears, iter_gguf_weights, open_gguf
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.registry import validate_arch_config
 
@@ -126,16 +126,17 @@ def auto_dtype(model: str | None, bf16_is_fast: bool, downcast_float32: bool = F
 
 
 def has_quantized_gguf_weights(model: str | None) -> bool:
-    """Whether the checkpoint is a GGUF file with quantized tensors: Q4_0 / Q4_1 / Q8_0 blocks
-    the integer GEMM takes as they are, or other block types (the K-quants) it takes
+    """Whether the checkpoint is a GGUF file with quantized decoder weights: Q4_0 / Q4_1 / Q8_0
+    blocks the integer GEMM takes as they are, or other block types (the K-quants) it takes
     re-quantized to int8 blocks."""
     path = resolve_model_path(model)
-    return is_gguf(path) and any(is_block_quantized(t.tensor_type) for t in open_gguf(path).tensors)
+    return is_gguf(path) and has_quantized_linears(open_gguf(path))
 
 
 def requested_weights(config: ModelConfig) -> WeightRequest:
     """How ``config.quantization`` asks for the linears' weights (see ``QUANTIZATION_CHOICES``):
-    auto keeps a GGUF file's blocks unless the dtype is float32 (the exact reference path)."""
+    auto asks for a GGUF file's blocks, not required (the plan keeps them unless the dtype is
+    float32: the exact reference path)."""
     choice = config.quantization
     if choice == "none":
         return WeightRequest("dense", False)
@@ -144,10 +145,10 @@ def requested_weights(config: ModelConfig) -> WeightRequest:
     quantized_file = has_quantized_gguf_weights(config.model)
     if choice == "gguf":
         if not quantized_file:
-            raise ValueError("quantization 'gguf' needs a GGUF checkpoint with quantized tensors")
+            raise ValueError("quantization 'gguf' needs a GGUF checkpoint with quantized decoder weights")
         return WeightRequest("gguf", True)
-    keep = quantized_file and resolve_dtype(config.dtype) != torch.float32
-    return WeightRequest("gguf" if keep else "dense", False)
+    # auto: the plan drops it where the dtype (explicit or auto) is float32.
+    return WeightRequest("gguf" if quantized_file else "dense", False)
 
 
 def load_arch_config(model: str | None) -> ModelArchConfig:

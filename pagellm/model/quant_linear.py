@@ -3,9 +3,9 @@ is multiplied by pagellm's integer GEMM, the activations quantized per block on 
 
 Built in place of ``nn.Linear`` where the kernel plan's ``weights`` is ``gguf`` or ``int8``.
 Its shards (q, k, v or gate, up) arrive one at a time while the checkpoint loads, each either
-quantized (GGUF blocks kept as they are) or dense (quantized to q8 blocks); ``finish_loading``
-packs them once all have arrived. Where the plan sets ``quant_max_rows``, batches of more rows
-run on a dense bf16 copy through the plan's 16-bit GEMM (AMX tiles beat the integer dot
+quantized (GGUF blocks kept as they are) or dense (quantized to q8 blocks), and are packed as
+soon as all have arrived (``finish_loading`` checks that they did). Where the plan sets
+``quant_max_rows``, batches of more rows run on a dense bf16 copy through the plan's 16-bit GEMM (AMX tiles beat the integer dot
 products there).
 """
 
@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.utils import skip_init
 
 from pagellm.kernels import quant_formats
 from pagellm.kernels.library import KernelLibrary
 from pagellm.kernels.plan import KernelPlan
 from pagellm.kernels.quant_formats import QuantizedWeight, concat_rows, quantize_q8
-from pagellm.model.cpu_linear import KernelLinear, KernelSiluAndMulLinear
+from pagellm.model.cpu_linear import KernelLinear, KernelSiluAndMulLinear, kernel_gemm_fits
 
 
 class QuantizedLinear(nn.Module):
@@ -54,30 +55,45 @@ class QuantizedLinear(nn.Module):
         width = weight.k if isinstance(weight, QuantizedWeight) else weight.shape[1]
         if count != stop - start or width != self.in_features:
             raise ValueError(f"weight has shape ({count}, {width}), expected ({stop - start}, {self.in_features})")
+        if self.format:
+            raise ValueError("this quantized weight is already loaded and packed")
         quantized = weight if isinstance(weight, QuantizedWeight) else quantize_q8(weight)
         self._shards = [(s, w) for s, w in self._shards if s != start] + [(start, quantized)]
+        if sum(w.rows for _, w in self._shards) == self.weight_rows:
+            self._pack()  # now, not at the end of the checkpoint: unpacked codes take 2x the bytes
 
     def finish_loading(self) -> None:
-        """Pack the shards (all rows must have arrived); one format for the whole weight, q8 if
-        the shards' formats differ. Builds the dense copy where the plan wants one."""
-        shards = sorted(self._shards, key=lambda item: item[0])
-        covered = sum(w.rows for _, w in shards)
-        if covered != self.weight_rows:
+        """Check that every row has arrived (each weight is packed as soon as it has)."""
+        if not self.format:
+            covered = sum(w.rows for _, w in self._shards)
             raise ValueError(f"quantized weight has {covered} of {self.weight_rows} rows")
-        parts = [w for _, w in shards]
+
+    def _pack(self) -> None:
+        """Pack the shards: one format for the whole weight (q8 if the shards' formats differ),
+        and the dense copy where the plan wants one and the dense GEMM takes this shape."""
+        parts = [w for _, w in sorted(self._shards, key=lambda item: item[0])]
         if len({w.format for w in parts}) > 1:
             parts = [quantize_q8(w.dequantize()) for w in parts]
         weight = concat_rows(parts)
         self.format = weight.format
         self.packed = quant_formats.pack_silu_mul(weight) if self.silu_mul else quant_formats.pack(weight)
         if self.dense_above_rows is not None:
-            linear = nn.Linear(self.in_features, self.weight_rows, bias=False, dtype=torch.bfloat16)
-            linear.weight.data.copy_(weight.dequantize())
-            self.dense = (KernelSiluAndMulLinear(linear, self.out_features, self.kernels, self.dense_gemm) if self.silu_mul
-                          else KernelLinear(linear, self.kernels, self.dense_gemm))  # fmt: skip
+            self.dense = self._dense_copy(weight)
         self._shards = []
 
+    def _dense_copy(self, weight: QuantizedWeight) -> nn.Module | None:
+        """The bf16 copy on the plan's dense GEMM, or None where that GEMM does not take this
+        shape (then every batch runs the integer GEMM)."""
+        linear = skip_init(nn.Linear, self.in_features, self.weight_rows, bias=False, dtype=torch.bfloat16)
+        if not kernel_gemm_fits(linear, self.dense_gemm):
+            return None
+        linear.weight.data.copy_(weight.dequantize())
+        if self.silu_mul:
+            return KernelSiluAndMulLinear(linear, self.out_features, self.kernels, self.dense_gemm)
+        return KernelLinear(linear, self.kernels, self.dense_gemm)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The integer GEMM, or the dense copy for batches above ``dense_above_rows``."""
         if x.dim() != 2:
             shape = x.shape
             return self.forward(x.reshape(-1, shape[-1])).view(*shape[:-1], self.out_features)

@@ -72,10 +72,11 @@ def _resolve_attention(name: str, device: torch.device, lib: KernelLibrary | Non
     return "cpu_paged" if device.type == "cpu" and lib is not None else "torch_sdpa"
 
 
-def _weights(request: WeightRequest, lib: KernelLibrary | None, device: torch.device) -> str:
+def _weights(request: WeightRequest, lib: KernelLibrary | None, device: torch.device, dtype: torch.dtype) -> str:
     """The weight format the plan holds: the request where the integer GEMM runs here, else
-    dense (or an error naming why, for a required one)."""
-    if request.weights == "dense":
+    dense (or an error naming why, for a required one). A request that is not required (auto)
+    is dropped under float32: float32 means the exact, dequantized reference path."""
+    if request.weights == "dense" or (not request.required and dtype == torch.float32):
         return "dense"
     if device.type == "cpu" and lib is not None and lib.gemm_q_path != "none":
         return request.weights
@@ -94,16 +95,17 @@ def plan_kernels(
     or "auto" resolved knowing whether this machine multiplies bf16 fast); ``weights`` how the
     linears' weights are wanted."""
     if device.type != "cpu":
-        _weights(weights, None, device)
         backend = _resolve_attention(attention, device, None)
-        return KernelPlan(device.type, "-", choose_dtype(cuda_native_bf16(device)), backend, "torch")
+        dtype = choose_dtype(cuda_native_bf16(device))
+        _weights(weights, None, device, dtype)
+        return KernelPlan(device.type, "-", dtype, backend, "torch")
     flags = usable_cpu_flags(config.isa_cap)
     lib = kernels.load(config)
     bf16_path = bf16_gemm_path(config.gemm, lib, flags)
     dtype = choose_dtype(bf16_path in OWN_GEMM_PATHS or bool(_NATIVE_BF16_FLAGS & flags))
     elementwise = "kernel" if lib is not None and kernels.supports_dtype(dtype) else "torch"
     gemm = _gemm_path(dtype, config.gemm, lib, flags)
-    held = _weights(weights, lib, device)
+    held = _weights(weights, lib, device, dtype)
     backend = _resolve_attention(attention, device, lib)
     fused = held != "dense" and backend == "cpu_paged" and elementwise == "kernel"
     return KernelPlan(

@@ -19,6 +19,7 @@ from pagellm.kernels import quant_formats as qf
 from pagellm.kernels.build import load_library
 from pagellm.kernels.isa import usable_cpu_flags
 from pagellm.kernels.library import KernelLibrary
+from pagellm.model.gguf_loader import from_gguf_blocks
 
 # (compiler flags, CPU flags the path needs to run, the path the build reports)
 PATHS = [
@@ -91,7 +92,8 @@ def test_gemm_equals_reference(path_lib: KernelLibrary, fmt: str, m: int, k: int
     assert float((got.double() - expected).abs().max()) <= 2e-6 * scale
     bf16 = path_lib.gemm_q(x.bfloat16(), packed, fmt, n)
     assert bf16.dtype == torch.bfloat16
-    torch.testing.assert_close(bf16.float(), qf.reference_gemm(x.bfloat16(), weight).float(), rtol=1e-2, atol=1e-2 * scale)
+    expected_bf16 = qf.reference_gemm(x.bfloat16(), weight).float()
+    torch.testing.assert_close(bf16.float(), expected_bf16, rtol=1e-2, atol=1e-2 * scale)
     if m > 1:  # a row's result does not depend on the batch it came in
         assert torch.equal(path_lib.gemm_q(x[-1:], packed, fmt, n), got[-1:])
 
@@ -108,6 +110,30 @@ def test_silu_mul_epilogue(path_lib: KernelLibrary, fmt: str, n: int) -> None:
     expected = torch.nn.functional.silu(both[:, :n]) * both[:, n:]
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
     assert torch.equal(path_lib.gemm_q(x[:1], qf.pack_silu_mul(gate_up), fmt, n, "silu_mul"), got[:1])
+
+
+def test_extreme_codes_do_not_saturate(path_lib: KernelLibrary) -> None:
+    """The AVX2 path's int16 sums at their bounds: q4 codes all 15, q8 codes -128 / 127, against
+    activations all +-127 (every block's amax repeated)."""
+    k, n = 128, 32
+    x = torch.where(torch.arange(k) % 3 == 0, -1.0, 1.0).repeat(3, 1) * torch.tensor([[1.0], [-1.0], [2.0]])
+    blocks = k // qf.BLOCK
+    scale = torch.full((n, blocks), 0.01).half()
+    q4 = qf.QuantizedWeight("q4", k, torch.full((n, k), 15, dtype=torch.uint8), scale, torch.zeros(n, blocks).half())
+    q8_codes = torch.where(torch.arange(n * k).view(n, k) % 2 == 0, -128, 127).to(torch.int8)
+    q8 = qf.QuantizedWeight("q8", k, q8_codes, scale)
+    for fmt, weight in (("q4", q4), ("q8", q8)):
+        expected = qf.reference_gemm(x, weight)
+        got = path_lib.gemm_q(x, qf.pack(weight), fmt, n)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()))
+
+
+def test_nan_activations_give_nan_rows(path_lib: KernelLibrary) -> None:
+    weight = _random_weight("q4", 16, 64, torch.Generator().manual_seed(6))
+    x = torch.randn(2, 64)
+    x[1, 40] = float("nan")
+    out = path_lib.gemm_q(x, qf.pack(weight), "q4", 16)
+    assert bool(out[0].isfinite().all()) and bool(out[1].isnan().all())
 
 
 def test_paths_agree_bit_for_bit() -> None:
@@ -128,7 +154,7 @@ def test_gguf_blocks_mean_what_gguf_says(qtype: GGMLQuantizationType) -> None:
     rng = np.random.default_rng(0)
     dense = rng.standard_normal((24, 96)).astype(np.float32)
     raw = quantize(dense, qtype)
-    weight = qf.from_gguf_blocks(raw, qtype, 96)
+    weight = from_gguf_blocks(raw, qtype, 96)
     assert weight.format == ("q8" if qtype == GGMLQuantizationType.Q8_0 else "q4")
     assert torch.equal(weight.dequantize(), torch.from_numpy(dequantize(raw, qtype)))
     permutation = torch.randperm(24, generator=torch.Generator().manual_seed(0))

@@ -4,6 +4,7 @@
 #include "attention_avx2.h"
 #include "attention_avx512.h"
 #include "attention_common.h"
+#include "exports.h"
 
 namespace {
 

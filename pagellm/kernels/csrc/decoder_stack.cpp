@@ -17,23 +17,9 @@
 #include <cstring>
 
 #include "cpu_common.h"
+#include "exports.h"
 
 extern "C" {
-
-int pagellm_add_rms_norm(const void* x, void* residual, const void* weight, void* out, int64_t rows, int64_t n,
-                         float eps, int dtype, int num_threads);
-int pagellm_gemm_q(const void* a, int64_t lda, int64_t m, int64_t k, const void* packed, int64_t n, void* c,
-                   int64_t ldc, int a_dtype, int w_format, int epilogue, int num_threads);
-int pagellm_rotary(void* x, int64_t row_stride, int64_t rows, int64_t num_heads, int64_t head_dim, const void* cos,
-                   const void* sin, int dtype, int num_threads);
-int pagellm_write_kv(const void* key, int64_t key_row_stride, const void* value, int64_t value_row_stride,
-                     void* key_cache, void* value_cache, const int64_t* slot_mapping, int64_t num_tokens,
-                     int64_t row_elems, int dtype, int num_threads);
-int pagellm_paged_attention(const void* query, int64_t q_row_stride, void* out, int64_t out_row_stride,
-                            const void* key_cache, const void* value_cache, const int64_t* block_tables,
-                            int64_t block_table_stride, const int32_t* row_token, const int32_t* row_req,
-                            const int32_t* row_ctx, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, int64_t block_size, float scale, int dtype, int num_threads);
 
 // One layer's weights (packed quantized linears, norm weights in the model dtype) and caches.
 struct PagellmLayer {

@@ -2,6 +2,7 @@
 // RMSNorm with its residual add, rotary embedding and the greedy argmax over logits rows.
 
 #include "cpu_common.h"
+#include "exports.h"
 
 namespace {
 

@@ -37,12 +37,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include <omp.h>
 
 #include "avx2_simd.h"
 #include "cpu_common.h"
+#include "exports.h"
 #include "work_ranges.h"
 
 namespace {
@@ -78,9 +80,15 @@ void quantize_row(const void* a, int64_t k, int64_t blocks, int8_t* q, float* d,
             }
         }
         float amax = 0.0f;
-        for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
-        const float scale = amax / 127.0f;
-        const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+        bool nan = false;
+        for (int i = 0; i < kBlock; ++i) {
+            amax = std::max(amax, std::fabs(x[i]));
+            nan |= x[i] != x[i];
+        }
+        // A NaN in the block: scale NaN, codes 0, so the row's outputs are NaN (as the dense
+        // GEMMs give), not finite garbage.
+        const float scale = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
+        const float inv = !nan && scale != 0.0f ? 1.0f / scale : 0.0f;
         int32_t total = 0;
         for (int i = 0; i < kBlock; ++i) {
             const float v = std::nearbyint(x[i] * inv);  // ties to even (the default rounding mode)

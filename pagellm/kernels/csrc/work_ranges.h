@@ -1,5 +1,5 @@
-// Work splitting shared by the GEMMs (gemm_bf16.cpp, gemm_avx2.cpp). Header-only, internal
-// linkage in each source.
+// Work splitting shared by the GEMMs (gemm_bf16.cpp, gemm_avx2.cpp, gemm_int8.cpp). Header-only,
+// internal linkage in each source.
 #pragma once
 
 #include <atomic>
