@@ -54,9 +54,10 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype | None:
     return _DTYPES[dtype]
 
 
-# --quantization: "auto" keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks (unless the dtype is
-# float32: then every weight is dequantized, the exact reference path); "none" dequantizes;
-# "gguf" requires the file's blocks; "int8" quantizes any checkpoint to int8 blocks at load.
+# --quantization: "auto" keeps a quantized GGUF file's blocks (Q4_0 / Q4_1 / Q8_0 / Q4_K as
+# they are, other types as int8 blocks) unless the dtype is float32 (then every weight is
+# dequantized: the exact reference path); "none" dequantizes; "gguf" is auto made required;
+# "int8" quantizes any checkpoint's linears to int8 blocks at load.
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8")
 
 

@@ -37,7 +37,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--quantization", default="auto", choices=QUANTIZATION_CHOICES,
-        help="auto (a quantized GGUF's weights on integer kernels: Q4_0/Q4_1/Q8_0 as they are, other types "
+        help="auto (a quantized GGUF's weights on integer kernels: Q4_0/Q4_1/Q8_0/Q4_K as they are, other types "
         "re-quantized to int8 blocks; unless the dtype is float32), none (dequantized), gguf (as auto, required), "
         "int8 (any checkpoint's linears to int8 blocks)",
     )

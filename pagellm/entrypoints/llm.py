@@ -52,11 +52,12 @@ def engine_config(
 ) -> EngineConfig:
     """The engine's validated configuration from ``LLM``'s flat keyword options.
 
-    ``quantization`` (``QUANTIZATION_CHOICES``): auto keeps a GGUF file's Q4_0 / Q4_1 / Q8_0
-    blocks on pagellm's integer GEMM (unless the dtype is float32), none dequantizes, int8
+    ``quantization`` (``QUANTIZATION_CHOICES``): auto keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 /
+    Q4_K blocks on pagellm's integer GEMM (unless the dtype is float32), none dequantizes, int8
     quantizes any checkpoint's linears to int8 blocks. ``cpu_isa``, ``cpu_kernels`` and
-    ``gemm`` (None: the environment's, see ``KernelConfig``) shape the kernel plan: the highest ISA level the kernels may use, whether the C++ kernels
-    are used at all, and which GEMM linear layers take (16-bit; float32 on AVX2).
+    ``gemm`` (None: the environment's, see ``KernelConfig``) shape the kernel plan: the highest
+    ISA level the kernels may use, whether the C++ kernels are used at all, and which GEMM
+    linear layers take (16-bit; float32 on AVX2).
     """
     return EngineConfig(
         model=ModelConfig(

@@ -310,8 +310,8 @@ class KernelLibrary:
     def gemm_q(
         self, x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int, epilogue: str = "none"
     ) -> torch.Tensor:
-        """``x [M, K] @ W.T`` for a quantized ``W`` (``quant_formats.pack``, format ``fmt``: q4 or
-        q8), in integer dot products on activations quantized per block of 32 -> new
+        """``x [M, K] @ W.T`` for a quantized ``W`` (``quant_formats.pack``, format ``fmt``: q4, q8
+        or q4f), in integer dot products on activations quantized per block of 32 -> new
         ``[M, out_features]`` tensor of x's dtype (float32 or bf16). ``epilogue="silu_mul"``
         takes a ``quant_formats.pack_silu_mul`` weight and returns ``silu(x @ gate.T) * (x @ up.T)``."""
         if epilogue not in ("none", "silu_mul"):

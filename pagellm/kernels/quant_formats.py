@@ -6,7 +6,9 @@ Two formats, 32 weights a block along a row (k):
   GGUF's Q4_1 as stored, and Q4_0 (d * (code - 8)) with m = -8 d (``model.gguf_loader``).
 - ``q8``: codes -128..127 (int8) with a scale per block: GGUF's Q8_0, and ``--quantization
   int8`` (each block of a dense weight scaled to its largest magnitude, -127..127).
-Scales and offsets are fp16, as in GGUF. A weight whose k is not a multiple of 32 is padded
+- ``q4f``: ``q4`` with float32 scales and offsets: GGUF's Q4_K, whose per-32 scales are an
+  fp16 times a 6-bit integer (exact in float32, not in fp16).
+Scales and offsets are fp16 (``q4f``: float32). A weight whose k is not a multiple of 32 is padded
 with zero codes (q4: also zero scale and offset).
 """
 
@@ -18,8 +20,9 @@ import torch
 
 BLOCK = 32
 TILE_COLS = 16
-RECORD_BYTES = {"q4": 256 + 64, "q8": 512 + 32}
-FORMAT_CODES = {"q4": 0, "q8": 1}
+RECORD_BYTES = {"q4": 256 + 64, "q8": 512 + 32, "q4f": 256 + 128}
+FORMAT_CODES = {"q4": 0, "q8": 1, "q4f": 2}
+_SCALE_DTYPES = {"q4": torch.float16, "q8": torch.float16, "q4f": torch.float32}
 
 
 @dataclass
@@ -51,6 +54,22 @@ class QuantizedWeight:
         """These rows only (a permutation or a slice), same format."""
         offset = None if self.offset is None else self.offset[rows]
         return QuantizedWeight(self.format, self.k, self.codes[rows], self.scale[rows], offset)
+
+
+def common_format(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
+    """The shards of one linear in one format: as they are, q4 widened to q4f (exact) next to
+    q4f, else every shard re-quantized to q8 blocks."""
+    formats = {p.format for p in parts}
+    if len(formats) == 1:
+        return parts
+    if formats == {"q4", "q4f"}:
+        return [p if p.format == "q4f" else _widen_scales(p) for p in parts]
+    return [quantize_q8(p.dequantize()) for p in parts]
+
+
+def _widen_scales(weight: QuantizedWeight) -> QuantizedWeight:
+    offset = None if weight.offset is None else weight.offset.float()
+    return QuantizedWeight("q4f", weight.k, weight.codes, weight.scale.float(), offset)
 
 
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -87,13 +106,15 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 def pack(weight: QuantizedWeight) -> torch.Tensor:
     """The kernel's layout: [tiles, blocks, record bytes] uint8 (see ``gemm_int8.cpp``)."""
     fmt, blocks = weight.format, weight.scale.shape[1]
+    if weight.scale.dtype != _SCALE_DTYPES[fmt] or (weight.offset is not None and weight.offset.dtype != weight.scale.dtype):
+        raise ValueError(f"{fmt} scales and offsets are {_SCALE_DTYPES[fmt]}")
     tiles = -(-weight.rows // TILE_COLS)
     rows = tiles * TILE_COLS
     codes = _pad_rows(weight.codes.view(torch.uint8) if fmt == "q8" else weight.codes, rows)
     scale = _pad_rows(weight.scale, rows)
     # codes [tile, col, block, k] -> per (tile, block): the groups of 4 k for 16 columns.
     c = codes.view(tiles, TILE_COLS, blocks, BLOCK).permute(0, 2, 1, 3)  # [tiles, blocks, 16, 32]
-    if fmt == "q4":
+    if fmt in ("q4", "q4f"):
         c = c.reshape(tiles, blocks, TILE_COLS, 4, 2, 4)  # k = 8 g + 4 h + j
         code_bytes = c[..., 0, :] | (c[..., 1, :] << 4)  # [tiles, blocks, 16, g, j]
         code_bytes = code_bytes.permute(0, 1, 3, 2, 4).reshape(tiles, blocks, 256)

@@ -58,6 +58,12 @@ class ModelArchConfig:
         """Width of each of the key and value projection outputs."""
         return self.num_key_value_heads * self.head_dim
 
+    def linear_weight_count(self) -> int:
+        """Weights of every linear layer (the decoder's and the LM head), biases aside."""
+        hidden, inter = self.hidden_size, self.intermediate_size
+        per_layer = hidden * (self.q_size + 2 * self.kv_size) + self.q_size * hidden + 3 * hidden * inter
+        return self.num_hidden_layers * per_layer + self.vocab_size * hidden
+
     def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
         """K+V bytes one token occupies across all layers (for sizing the paged cache)."""
         element_size = torch.empty((), dtype=dtype).element_size()

@@ -126,9 +126,9 @@ def auto_dtype(model: str | None, bf16_is_fast: bool, downcast_float32: bool = F
 
 
 def has_quantized_gguf_weights(model: str | None) -> bool:
-    """Whether the checkpoint is a GGUF file with quantized decoder weights: Q4_0 / Q4_1 / Q8_0
-    blocks the integer GEMM takes as they are, or other block types (the K-quants) it takes
-    re-quantized to int8 blocks."""
+    """Whether the checkpoint is a GGUF file with quantized decoder weights: Q4_0 / Q4_1 / Q8_0 /
+    Q4_K blocks the integer GEMM takes as they are, or other block types (Q5_K, Q6_K, ...) it
+    takes re-quantized to int8 blocks."""
     path = resolve_model_path(model)
     return is_gguf(path) and has_quantized_linears(open_gguf(path))
 
@@ -140,15 +140,16 @@ def requested_weights(config: ModelConfig) -> WeightRequest:
     choice = config.quantization
     if choice == "none":
         return WeightRequest("dense", False)
+    copy_bytes = 2 * load_arch_config(config.model).linear_weight_count()  # a bf16 copy (AMX plans)
     if choice == "int8":
-        return WeightRequest("int8", True)
+        return WeightRequest("int8", True, copy_bytes)
     quantized_file = has_quantized_gguf_weights(config.model)
     if choice == "gguf":
         if not quantized_file:
             raise ValueError("quantization 'gguf' needs a GGUF checkpoint with quantized decoder weights")
-        return WeightRequest("gguf", True)
+        return WeightRequest("gguf", True, copy_bytes)
     # auto: the plan drops it where the dtype (explicit or auto) is float32.
-    return WeightRequest("gguf" if quantized_file else "dense", False)
+    return WeightRequest("gguf", False, copy_bytes) if quantized_file else WeightRequest("dense", False)
 
 
 def load_arch_config(model: str | None) -> ModelArchConfig:

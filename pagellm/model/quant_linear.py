@@ -18,7 +18,7 @@ from torch.nn.utils import skip_init
 from pagellm.kernels import quant_formats
 from pagellm.kernels.library import KernelLibrary
 from pagellm.kernels.plan import KernelPlan
-from pagellm.kernels.quant_formats import QuantizedWeight, concat_rows, quantize_q8
+from pagellm.kernels.quant_formats import QuantizedWeight, common_format, concat_rows, quantize_q8
 from pagellm.model.cpu_linear import KernelLinear, KernelSiluAndMulLinear, kernel_gemm_fits
 
 
@@ -69,12 +69,10 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"quantized weight has {covered} of {self.weight_rows} rows")
 
     def _pack(self) -> None:
-        """Pack the shards: one format for the whole weight (q8 if the shards' formats differ),
+        """Pack the shards: one format for the whole weight (``common_format``),
         and the dense copy where the plan wants one and the dense GEMM takes this shape."""
         parts = [w for _, w in sorted(self._shards, key=lambda item: item[0])]
-        if len({w.format for w in parts}) > 1:
-            parts = [quantize_q8(w.dequantize()) for w in parts]
-        weight = concat_rows(parts)
+        weight = concat_rows(common_format(parts))
         self.format = weight.format
         self.packed = quant_formats.pack_silu_mul(weight) if self.silu_mul else quant_formats.pack(weight)
         if self.dense_above_rows is not None:

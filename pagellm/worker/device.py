@@ -27,6 +27,19 @@ def cuda_native_bf16(device: torch.device) -> bool:
         return torch.cuda.is_bf16_supported()
 
 
+def available_memory_bytes() -> int | None:
+    """Host memory the kernel could hand out now without swapping (``MemAvailable``), or None
+    where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def auto_dtype_downcasts_float32(device: torch.device) -> bool:
     """Whether ``dtype="auto"`` runs float32 checkpoints in bfloat16 too (where bf16 is native).
 

@@ -17,7 +17,7 @@ from pagellm.kernels.isa import feature_summary, usable_cpu_flags
 from pagellm.kernels.library import KernelLibrary
 from pagellm.kernels.plan import OWN_GEMM_PATHS, KernelPlan, WeightRequest
 from pagellm.model.cpu_linear import packed_ops_supported
-from pagellm.worker.device import cuda_native_bf16
+from pagellm.worker.device import available_memory_bytes, cuda_native_bf16
 
 _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 # Where AMX tiles multiply bf16, quantized linears keep a dense bf16 copy for batches of more
@@ -26,6 +26,15 @@ _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 # rows 10.5 against 5.2); cold weights and the one-call decoder stack favour the integer path
 # up to 8 (benchmarks/NOTES.md, 37).
 QUANT_MAX_ROWS_AMX = 8
+# ... but only while that copy takes at most this share of the memory available at start-up:
+# a 7B model's copy is ~14 GB, which quantized weights are chosen to avoid.
+DENSE_COPY_MEMORY_SHARE = 0.25
+
+
+def _dense_copy_fits(request: WeightRequest) -> bool:
+    """Whether the dense bf16 copy of quantized linears fits the memory share."""
+    available = available_memory_bytes()
+    return available is not None and request.dense_copy_bytes <= DENSE_COPY_MEMORY_SHARE * available
 
 
 def bf16_gemm_path(choice: str, lib: KernelLibrary | None, flags: frozenset[str]) -> str:
@@ -108,6 +117,7 @@ def plan_kernels(
     held = _weights(weights, lib, device, dtype)
     backend = _resolve_attention(attention, device, lib)
     fused = held != "dense" and backend == "cpu_paged" and elementwise == "kernel"
+    copy = held != "dense" and gemm == "amx" and _dense_copy_fits(weights)
     return KernelPlan(
         device="cpu",
         cpu=feature_summary(flags),
@@ -119,7 +129,7 @@ def plan_kernels(
         argmax=elementwise,
         weights=held,
         qgemm=lib.gemm_q_path if held != "dense" and lib is not None else "none",
-        quant_max_rows=QUANT_MAX_ROWS_AMX if held != "dense" and gemm == "amx" else None,
+        quant_max_rows=QUANT_MAX_ROWS_AMX if copy else None,
         decoder="fused" if fused else "layers",
         kernels=lib,
     )

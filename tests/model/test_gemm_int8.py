@@ -56,9 +56,10 @@ def _random_weight(fmt: str, n: int, k: int, g: torch.Generator) -> qf.Quantized
     blocks = -(-k // qf.BLOCK)
     codes = torch.randint(0, 16, (n, blocks * qf.BLOCK), generator=g, dtype=torch.uint8)
     codes[:, k:] = 0
-    scale = (torch.rand(n, blocks, generator=g) * 0.1).half()
-    offset = (torch.randn(n, blocks, generator=g) * 0.1).half()
-    return qf.QuantizedWeight("q4", k, codes, scale, offset)
+    scale_dtype = torch.float32 if fmt == "q4f" else torch.float16
+    scale = (torch.rand(n, blocks, generator=g) * 0.1).to(scale_dtype)
+    offset = (torch.randn(n, blocks, generator=g) * 0.1).to(scale_dtype)
+    return qf.QuantizedWeight(fmt, k, codes, scale, offset)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -75,7 +76,7 @@ def test_activation_quantization_is_exact(path_lib: KernelLibrary, dtype: torch.
     assert int(got[0].abs().max()) == 127
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("fmt", ["q4", "q8", "q4f"])
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_gemm_equals_reference(path_lib: KernelLibrary, fmt: str, m: int, k: int, n: int) -> None:
     g = torch.Generator().manual_seed(m * 1000 + k + n)
@@ -98,7 +99,7 @@ def test_gemm_equals_reference(path_lib: KernelLibrary, fmt: str, m: int, k: int
         assert torch.equal(path_lib.gemm_q(x[-1:], packed, fmt, n), got[-1:])
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("fmt", ["q4", "q8", "q4f"])
 @pytest.mark.parametrize("n", [8, 20, 48])
 def test_silu_mul_epilogue(path_lib: KernelLibrary, fmt: str, n: int) -> None:
     """silu(gate) * up from one product over a [gate; up] weight, ragged n included."""
@@ -141,7 +142,7 @@ def test_paths_agree_bit_for_bit() -> None:
     libraries = [_library(march) for march, needs, _ in PATHS if needs <= usable_cpu_flags("amx")]
     runnable = [lib for lib in libraries if lib.gemm_q_path != "none"]
     g = torch.Generator().manual_seed(3)
-    for fmt in ("q4", "q8"):
+    for fmt in ("q4", "q8", "q4f"):
         weight = _random_weight(fmt, 80, 320, g)
         packed = qf.pack(weight)
         x = torch.randn(9, 320, generator=g)
@@ -159,6 +160,23 @@ def test_gguf_blocks_mean_what_gguf_says(qtype: GGMLQuantizationType) -> None:
     assert torch.equal(weight.dequantize(), torch.from_numpy(dequantize(raw, qtype)))
     permutation = torch.randperm(24, generator=torch.Generator().manual_seed(0))
     assert torch.equal(weight.select_rows(permutation).dequantize(), weight.dequantize()[permutation])
+
+
+def test_q4_k_blocks_mean_what_gguf_says() -> None:
+    """Q4_K (no quantizer in gguf-py: random super-blocks with sane scales) kept as q4f, exactly
+    gguf-py's dequantization; next to a q4 shard it widens, not re-quantizes."""
+    rng = np.random.default_rng(1)
+    raw = rng.integers(0, 256, (24, 2 * 144), dtype=np.uint8)
+    supers = raw.reshape(24, 2, 144)
+    supers[..., 0:2] = np.frombuffer(np.array([0.0123], dtype=np.float16).tobytes(), dtype=np.uint8)
+    supers[..., 2:4] = np.frombuffer(np.array([0.0047], dtype=np.float16).tobytes(), dtype=np.uint8)
+    weight = from_gguf_blocks(raw, GGMLQuantizationType.Q4_K, 512)
+    assert weight.format == "q4f"
+    assert torch.equal(weight.dequantize(), torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_K)))
+    q4 = from_gguf_blocks(quantize(rng.standard_normal((8, 512)).astype(np.float32), GGMLQuantizationType.Q4_1),
+                          GGMLQuantizationType.Q4_1, 512)  # fmt: skip
+    both = qf.concat_rows(qf.common_format([weight, q4]))
+    assert both.format == "q4f" and torch.equal(both.dequantize(), torch.cat([weight.dequantize(), q4.dequantize()]))
 
 
 def test_int8_quantization_error_is_bounded() -> None:

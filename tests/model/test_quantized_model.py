@@ -115,7 +115,7 @@ def test_which_gguf_types_count_as_quantized() -> None:
 
     assert all(is_block_quantized(t) for t in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K, T.Q5_0))
     assert not any(is_block_quantized(t) for t in (T.F32, T.F16, T.BF16, T.I8))
-    assert set(GGUF_FORMATS) == {T.Q4_0, T.Q4_1, T.Q8_0}  # kept as they are; the rest re-quantized
+    assert set(GGUF_FORMATS) == {T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K}  # kept as they are; the rest re-quantized
 
 
 def test_dense_copy_takes_batches_above_the_threshold(cpu_plan) -> None:
@@ -181,3 +181,19 @@ def test_fused_decoder_equals_the_layers(request: pytest.FixtureRequest, case: s
     assert stack is not None and stack.steps >= 11  # at least the decode steps ran on it
     layers = _generate_fused_or_not(LLM(num_kv_blocks=128, **options), False)
     assert fused == layers
+
+
+def test_dense_copy_only_where_memory_allows(cpu_plan) -> None:
+    """On AMX plans quantized linears keep a dense bf16 copy for big batches, unless it would
+    take more than a quarter of the memory available (a 7B model's copy is ~14 GB)."""
+    from pagellm.config import KernelConfig
+    from pagellm.kernels.plan import WeightRequest
+    from pagellm.worker.kernel_plan import plan_kernels
+
+    def plan(copy_bytes: int):
+        request = WeightRequest("gguf", True, copy_bytes)
+        return plan_kernels(KernelConfig.from_env(), torch.device("cpu"), "auto", lambda fast: torch.bfloat16, request)
+
+    small, huge = plan(1 << 20), plan(1 << 50)
+    assert huge.quant_max_rows is None and huge.weights == "gguf"
+    assert small.quant_max_rows == (8 if small.gemm == "amx" else None)

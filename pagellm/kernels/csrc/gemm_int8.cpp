@@ -1,6 +1,6 @@
 // Quantized weights times activations quantized on the fly, summed in integer dot products:
 // C[M, N] = A[M, K] @ W[N, K]^T, W held as 4- or 8-bit codes with a scale (and an offset) per
-// 32 weights of a row, as GGUF's Q4_0 / Q4_1 / Q8_0 store it (and --quantization int8).
+// 32 weights of a row, as GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K store it (and --quantization int8).
 //
 // Why: at batch 1 a step reads every weight once, so its bytes set the time (Q4_1 reads 0.625
 // bytes a weight against bf16's 2); at larger batches the integer dot products (vpdpbusd: 64
@@ -9,7 +9,7 @@
 // Activations: each row of A, cut into blocks of 32 along k (a tail padded with zeros), is
 // quantized per block to int8 as llama.cpp's Q8_0: d = amax / 127, q = round-half-even(x * (1/d)).
 // Per (row, column, block): isum = sum over the block of code * q, in int32, exact; then in fp32
-//   q4: acc += isum * (dw * da) + mw * (da * sum(q))       weight = dw * code + mw, code 0..15
+//   q4, q4f: acc += isum * (dw * da) + mw * (da * sum(q))  weight = dw * code + mw, code 0..15
 //   q8: acc += (isum - 128 * sum(q)) * (dw * da)            code = q_w + 128 (u8 for vpdpbusd)
 // (Q4_0's weight d * (code - 8) is q4 with mw = -8 d.)
 //
@@ -17,6 +17,7 @@
 //   q4: 256 bytes of codes, 4 groups (k = 8g .. 8g + 7) x 16 columns x 4 bytes, byte j of a
 //       column holding k = 8g + j in its low nibble and k = 8g + 4 + j in its high one; then
 //       d[16] and m[16] as fp16: 320 bytes per 512 weights (Q4_1's 20 bytes per 32).
+//   q4f: q4 with d[16] and m[16] as fp32: 384 bytes (GGUF Q4_K: fp16 x 6-bit scales, exact).
 //   q8: 512 bytes of codes, 8 groups (k = 4g .. 4g + 3) x 16 columns x 4 bytes; then d[16]
 //       fp16: 544 bytes per 512 weights.
 // One 64-byte group is 16 columns x 4 consecutive k: one vpdpbusd with a broadcast of 4 bytes
@@ -51,8 +52,10 @@ namespace {
 
 constexpr int kTileCols = 16;
 constexpr int kBlock = 32;
-constexpr int kQ4Record = 256 + 64;
-constexpr int kQ8Record = 512 + 32;
+// Weight formats (w_format): q4 (fp16 scale and offset), q8 (fp16 scale), q4f (q4 with fp32
+// scale and offset: GGUF's Q4_K, whose per-32 scales are fp16 x 6-bit products).
+constexpr int kQ4 = 0, kQ8 = 1, kQ4F = 2;
+constexpr int kRecordBytes[3] = {256 + 64, 512 + 32, 256 + 128};
 constexpr int kMaxRows = 4;                 // rows of A per register tile
 constexpr int64_t kChunkBytes = 192 << 10;  // quantized rows of A kept in L2 while tiles pass
 
@@ -161,6 +164,7 @@ struct Simd {
     static I add(I x, I y) { return _mm512_add_epi32(x, y); }
     static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
     static F half(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+    static F load_float(const uint8_t* p) { return _mm512_loadu_ps(p); }
     static F fset1(float v) { return _mm512_set1_ps(v); }
     static F fzero() { return _mm512_setzero_ps(); }
     static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
@@ -200,6 +204,7 @@ struct Simd {
     static I add(I x, I y) { return _mm256_add_epi32(x, y); }
     static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
     static F half(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+    static F load_float(const uint8_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); }
     static F fset1(float v) { return _mm256_set1_ps(v); }
     static F fzero() { return _mm256_setzero_ps(); }
     static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
@@ -212,13 +217,14 @@ constexpr int kLanes = kTileCols / Simd::kVecs;  // columns per vector
 constexpr int kGroupBytes = 64;
 
 // tile[r][t * 16 + c] = row r0 + r of A times column c of tile t (G tiles, `tile_bytes` apart).
-template <int R, int G, bool kQ4>
+template <int R, int G, int kFmt>
 void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile_bytes, float* tile) {
     using I = typename Simd::I;
     using F = typename Simd::F;
     constexpr int V = G * Simd::kVecs;  // vectors across the tiles
-    constexpr int kRecord = kQ4 ? kQ4Record : kQ8Record;
-    constexpr int kGroups = kQ4 ? 4 : 8;
+    constexpr bool kNibbles = kFmt != kQ8;
+    constexpr int kRecord = kRecordBytes[kFmt];
+    constexpr int kGroups = kNibbles ? 4 : 8;
     const int64_t blocks = qa.blocks, lq = blocks * kBlock;
     F acc[R][V];
 #pragma GCC unroll 8
@@ -233,13 +239,13 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
             for (int v = 0; v < V; ++v) s0[r][v] = Simd::zero(), s1[r][v] = Simd::zero();
         const int8_t* a = qa.q.data() + r0 * lq + b * kBlock;
 #pragma GCC unroll 8
-        for (int g = 0; g < kGroups; g += kQ4 ? 1 : 2) {
+        for (int g = 0; g < kGroups; g += kNibbles ? 1 : 2) {
             I lo[V], hi[V];
 #pragma GCC unroll 8
             for (int v = 0; v < V; ++v) {
                 const uint8_t* rec = w + (v / Simd::kVecs) * tile_bytes + b * kRecord;
                 const int off = (v % Simd::kVecs) * (kGroupBytes / Simd::kVecs);
-                if constexpr (kQ4) {
+                if constexpr (kNibbles) {
                     const I codes = Simd::load(rec + g * kGroupBytes + off);
                     lo[v] = Simd::low_nibbles(codes);
                     hi[v] = Simd::high_nibbles(codes);
@@ -251,11 +257,11 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
 #pragma GCC unroll 8
             for (int r = 0; r < R; ++r) {
                 const int8_t* ar = a + r * lq;
-                const I a0 = Simd::set1(load4(ar + (kQ4 ? 8 * g : 4 * g)));
-                const I a1 = Simd::set1(load4(ar + (kQ4 ? 8 * g + 4 : 4 * g + 4)));
+                const I a0 = Simd::set1(load4(ar + (kNibbles ? 8 * g : 4 * g)));
+                const I a1 = Simd::set1(load4(ar + (kNibbles ? 8 * g + 4 : 4 * g + 4)));
 #pragma GCC unroll 8
                 for (int v = 0; v < V; ++v) {
-                    if constexpr (kQ4) {
+                    if constexpr (kNibbles) {
                         s0[r][v] = Simd::dot_q4(s0[r][v], lo[v], a0);
                         s1[r][v] = Simd::dot_q4(s1[r][v], hi[v], a1);
                     } else {
@@ -270,21 +276,27 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
         for (int v = 0; v < V; ++v) {
             const uint8_t* rec = w + (v / Simd::kVecs) * tile_bytes + b * kRecord;
             const int lane0 = (v % Simd::kVecs) * kLanes;
-            const F dw = Simd::half(rec + (kQ4 ? 256 : 512) + 2 * lane0);
-            const F mw = kQ4 ? Simd::half(rec + 288 + 2 * lane0) : Simd::fzero();
+            F dw, mw;
+            if constexpr (kFmt == kQ4F) {
+                dw = Simd::load_float(rec + 256 + 4 * lane0);
+                mw = Simd::load_float(rec + 320 + 4 * lane0);
+            } else {
+                dw = Simd::half(rec + (kNibbles ? 256 : 512) + 2 * lane0);
+                mw = kNibbles ? Simd::half(rec + 288 + 2 * lane0) : Simd::fzero();
+            }
 #pragma GCC unroll 8
             for (int r = 0; r < R; ++r) {
                 const int64_t ab = (r0 + r) * blocks + b;
                 const float da = qa.d[ab];
                 I isum;
-                if constexpr (kQ4) {
+                if constexpr (kNibbles) {
                     isum = Simd::add(Simd::finish_q4(s0[r][v]), Simd::finish_q4(s1[r][v]));
                 } else {
                     isum = Simd::add(s0[r][v], s1[r][v]);
                     if constexpr (Simd::kQ8Offset != 0) isum = Simd::add(isum, Simd::set1(-Simd::kQ8Offset * qa.sum[ab]));
                 }
                 acc[r][v] = Simd::fmadd(Simd::to_float(isum), Simd::mul(dw, Simd::fset1(da)), acc[r][v]);
-                if constexpr (kQ4) acc[r][v] = Simd::fmadd(mw, Simd::fset1(da * static_cast<float>(qa.sum[ab])), acc[r][v]);
+                if constexpr (kNibbles) acc[r][v] = Simd::fmadd(mw, Simd::fset1(da * static_cast<float>(qa.sum[ab])), acc[r][v]);
             }
         }
     }
@@ -298,11 +310,11 @@ using TileFn = void (*)(const QuantizedA&, int64_t, const uint8_t*, int64_t, flo
 
 // 1-2 rows take two tiles at once (more independent chains for the latency of vpdpbusd), 3-4
 // rows one (register budget).
-template <bool kQ4>
+template <int kFmt>
 TileFn tile_fn(int rows, int group) {
-    if (group == 2) return rows == 1 ? accumulate<1, 2, kQ4> : accumulate<2, 2, kQ4>;
-    static constexpr TileFn kOne[kMaxRows] = {accumulate<1, 1, kQ4>, accumulate<2, 1, kQ4>, accumulate<3, 1, kQ4>,
-                                              accumulate<4, 1, kQ4>};
+    if (group == 2) return rows == 1 ? accumulate<1, 2, kFmt> : accumulate<2, 2, kFmt>;
+    static constexpr TileFn kOne[kMaxRows] = {accumulate<1, 1, kFmt>, accumulate<2, 1, kFmt>,
+                                              accumulate<3, 1, kFmt>, accumulate<4, 1, kFmt>};
     return kOne[rows - 1];
 }
 
@@ -332,12 +344,12 @@ void store_tile(const float* tile, int rows, int tiles, int64_t t0, bool silu_mu
     }
 }
 
-template <bool kQ4, bool kBf16Out>
+template <int kFmt, bool kBf16Out>
 void gemm(const QuantizedA& qa, int64_t m, const uint8_t* packed, int64_t n, void* c, int64_t ldc, bool silu_mul,
           int threads) {
     const int64_t per_tile = silu_mul ? 8 : kTileCols;  // outputs a tile gives
     const int64_t tiles = (n + per_tile - 1) / per_tile;
-    const int64_t tile_bytes = qa.blocks * (kQ4 ? kQ4Record : kQ8Record);
+    const int64_t tile_bytes = qa.blocks * kRecordBytes[kFmt];
     const int group = m <= 2 && tiles >= 2 ? 2 : 1;
     const int64_t groups = (tiles + group - 1) / group;
     const int64_t row_bytes = qa.blocks * kBlock;
@@ -353,12 +365,12 @@ void gemm(const QuantizedA& qa, int64_t m, const uint8_t* packed, int64_t n, voi
             for (int64_t r0 = m0; r0 < m1; r0 += kMaxRows) {
                 const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m1 - r0));
                 if (count == group && group == 2) {
-                    tile_fn<kQ4>(rows, 2)(qa, r0, packed + t0 * tile_bytes, tile_bytes, tile);
+                    tile_fn<kFmt>(rows, 2)(qa, r0, packed + t0 * tile_bytes, tile_bytes, tile);
                     store_tile<kBf16Out>(tile, rows, 2, t0, silu_mul, n, c, ldc, r0);
                     continue;
                 }
                 for (int64_t x = 0; x < count; ++x) {
-                    tile_fn<kQ4>(rows, 1)(qa, r0, packed + (t0 + x) * tile_bytes, tile_bytes, tile);
+                    tile_fn<kFmt>(rows, 1)(qa, r0, packed + (t0 + x) * tile_bytes, tile_bytes, tile);
                     store_tile<kBf16Out>(tile, rows, 1, t0 + x, silu_mul, n, c, ldc, r0);
                 }
             }
@@ -406,14 +418,14 @@ int pagellm_quantize_rows(const void* a, int64_t lda, int64_t m, int64_t k, int 
     return 0;
 }
 
-// c[m, n] = a[m, k] @ W^T for a packed W (layout above; w_format 0 q4, 1 q8) with k's blocks.
+// c[m, n] = a[m, k] @ W^T for a packed W (layout above; w_format 0 q4, 1 q8, 2 q4f) with k's blocks.
 // a_dtype: 0 float32, 1 bf16 (c has a's dtype); epilogue 0 plain, 1 silu_mul (n = the gate / up
 // width). Returns 0, -1 on a bad argument, -2 where the build has no integer path.
 int pagellm_gemm_q(const void* a, int64_t lda, int64_t m, int64_t k, const void* packed, int64_t n, void* c,
                    int64_t ldc, int a_dtype, int w_format, int epilogue, int num_threads) {
 #if PAGELLM_QGEMM_ISA > 0
     if (m < 0 || k <= 0 || n <= 0 || lda < k || ldc < n) return -1;
-    if ((a_dtype != 0 && a_dtype != 1) || (w_format != 0 && w_format != 1) || (epilogue != 0 && epilogue != 1))
+    if ((a_dtype != 0 && a_dtype != 1) || w_format < 0 || w_format > 2 || (epilogue != 0 && epilogue != 1))
         return -1;
     if (m == 0) return 0;
     if (num_threads < 1) num_threads = 1;
@@ -421,7 +433,9 @@ int pagellm_gemm_q(const void* a, int64_t lda, int64_t m, int64_t k, const void*
     quantize_rows(a, lda, m, k, a_dtype == 1, qa, num_threads);
     const auto* w = static_cast<const uint8_t*>(packed);
     using Fn = void (*)(const QuantizedA&, int64_t, const uint8_t*, int64_t, void*, int64_t, bool, int);
-    static constexpr Fn kGemm[2][2] = {{gemm<true, false>, gemm<true, true>}, {gemm<false, false>, gemm<false, true>}};
+    static constexpr Fn kGemm[3][2] = {{gemm<kQ4, false>, gemm<kQ4, true>},
+                                       {gemm<kQ8, false>, gemm<kQ8, true>},
+                                       {gemm<kQ4F, false>, gemm<kQ4F, true>}};
     kGemm[w_format][a_dtype](qa, m, w, n, c, ldc, epilogue == 1, num_threads);
     return 0;
 #else
