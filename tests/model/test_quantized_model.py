@@ -197,3 +197,22 @@ def test_dense_copy_only_where_memory_allows(cpu_plan) -> None:
     small, huge = plan(1 << 20), plan(1 << 50)
     assert huge.quant_max_rows is None and huge.weights == "gguf"
     assert small.quant_max_rows == (8 if small.gemm == "amx" else None)
+
+
+def test_layers_with_biases_the_call_does_not_take_run_as_modules(tmp_path, default_tokenizer) -> None:
+    """Llama with ``attention_bias`` (o_proj has a bias) and ``mlp_bias``: quantized, but the
+    decoder stack refuses the layers (the call adds no o / down bias) and the modules run,
+    with SiLU-and-mul unfused (its gate has a bias)."""
+    from transformers import LlamaConfig
+
+    from tests.conftest import TINY_SHAPE, _token_ids, _write_tiny_model
+
+    config = LlamaConfig(**TINY_SHAPE, **_token_ids(default_tokenizer), attention_bias=True, mlp_bias=True,
+                         initializer_range=0.1)  # fmt: skip
+    path = _write_tiny_model(tmp_path / "biased", config, default_tokenizer)
+    dense = LLM(path, dtype="float32", num_kv_blocks=64)
+    quantized = LLM(path, dtype="float32", quantization="int8", num_kv_blocks=64)
+    assert quantized.llm_engine.kernel_plan.decoder == "fused"
+    _assert_same_greedy_where_clear(dense, quantized, min_fraction=0.2)
+    model = quantized.llm_engine.model_runner.model
+    assert model._fused_stack is None and not model.model.layers[0].mlp.gate_up_proj.silu_mul
