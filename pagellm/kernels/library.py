@@ -340,7 +340,7 @@ class KernelLibrary:
         """Run ``stack.num_layers`` decoder layers in one call (``csrc/decoder_stack.cpp``).
 
         Unchecked here: the caller (``model.fused_stack``) builds ``stack`` from the model's own
-        packed weights, checked when it was built, and the step's indices, checked once a step.
+        packed weights, whose shapes it checked, and the step's indices, checked once a step.
         """
         rc = self._lib.pagellm_decoder_stack(ctypes.byref(stack))
         if rc != 0:
@@ -350,13 +350,27 @@ class KernelLibrary:
 _P = ctypes.c_void_p
 
 
-class DecoderLayerArgs(ctypes.Structure):
-    """``PagellmLayer`` of ``csrc/decoder_stack.cpp``: one layer's packed weights and caches."""
+class LinearArgs(ctypes.Structure):
+    """``PagellmLinear`` of ``csrc/decoder_stack.cpp``: a packed weight and its GEMM (``kind``:
+    ``LINEAR_KINDS``; ``format``: the integer GEMM's format or the AVX2 GEMM's weight dtype code;
+    ``epilogue``: that GEMM's own code)."""
 
     _fields_ = [
-        ("input_norm", _P), ("post_norm", _P), ("qkv", _P), ("qkv_bias", _P), ("o", _P), ("gate_up", _P),
-        ("down", _P), ("qkv_format", ctypes.c_int32), ("o_format", ctypes.c_int32),
-        ("gate_up_format", ctypes.c_int32), ("down_format", ctypes.c_int32), ("key_cache", _P), ("value_cache", _P),
+        ("weight", _P), ("kind", ctypes.c_int32), ("format", ctypes.c_int32), ("epilogue", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+    ]  # fmt: skip
+
+
+# LinearArgs.kind for each GEMM path: the integer GEMM, then the kernel plan's dense paths.
+LINEAR_KINDS = {"integer": 0, "avx512-bf16": 1, "amx": 2, "avx2": 3}
+
+
+class DecoderLayerArgs(ctypes.Structure):
+    """``PagellmLayer`` of ``csrc/decoder_stack.cpp``: one layer's norms, linears and caches."""
+
+    _fields_ = [
+        ("input_norm", _P), ("post_norm", _P), ("qkv_bias", _P), ("key_cache", _P), ("value_cache", _P),
+        ("qkv", LinearArgs), ("o", LinearArgs), ("gate_up", LinearArgs), ("down", LinearArgs),
     ]  # fmt: skip
 
 

@@ -52,8 +52,8 @@ class KernelPlan:
     # Batches of more rows than this run quantized linears on a dense bf16 copy (the ``gemm``
     # path); None: the integer GEMM at every batch size, no copy.
     quant_max_rows: int | None = None
-    # "fused": the decoder layers in one C++ call (quantized weights, cpu_paged attention, kernel
-    # norm and rotary) for steps of at most quant_max_rows rows; "layers": module by module.
+    # "fused": the decoder layers in one C++ call (quantized weights or pagellm's dense GEMMs,
+    # cpu_paged attention, kernel norm and rotary); "layers": module by module.
     decoder: str = "layers"
     kernels: KernelLibrary | None = field(default=None, compare=False)
 
@@ -77,9 +77,12 @@ class KernelPlan:
         if self.decoder not in DECODER_PATHS:
             raise ValueError(f"decoder must be one of {DECODER_PATHS}, got {self.decoder!r}")
         if self.decoder == "fused" and not (
-            self.weights != "dense" and self.attention == "cpu_paged" and self.norm == self.rotary == "kernel"
-        ):
-            raise ValueError("decoder='fused' needs quantized weights, cpu_paged attention and kernel norm and rotary")
+            (self.weights != "dense" or self.gemm in OWN_GEMM_PATHS)
+            and self.attention == "cpu_paged" and self.norm == self.rotary == "kernel"
+        ):  # fmt: skip
+            raise ValueError(
+                "decoder='fused' needs quantized weights or pagellm's GEMM, cpu_paged attention and kernel norm and rotary"
+            )
 
     @property
     def quantized(self) -> bool:

@@ -1,12 +1,14 @@
 """The decoder layers in one C++ call (``csrc/decoder_stack.cpp``), where the kernel plan says
-``decoder="fused"``: quantized linears, the paged attention kernel, kernel norms and rotary.
+``decoder="fused"``: linears on pagellm's GEMMs (integer, bf16, AVX2), the paged attention
+kernel, kernel norms and rotary.
 
 The call runs the kernels the Python layers run, in the same order on the same buffers, so its
 output is bit for bit theirs; what it removes is the Python between them (module calls,
 wrapper checks, ctypes: ~3 ms of a ~10 ms batch-1 step on the default model, benchmarks/NOTES.md,
 37). The weights' shapes are checked when the stack is built; the step's indices once a step,
-as the attention backend checks them. Steps it does not take (more rows than the plan's
-``quant_max_rows``, a cache dtype the kernels do not read) run the Python layers.
+as the attention backend checks them. Batches of more rows than the plan's ``quant_max_rows``
+use quantized linears' dense copies, as the modules do; steps it does not take (a cache dtype
+the kernels do not read) run the Python layers.
 """
 
 from __future__ import annotations
@@ -19,70 +21,102 @@ from torch import nn
 
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.attention.cpu_paged import CPUPagedAttention, checked_kernel_rows
-from pagellm.kernels.library import CACHE_CODES, DTYPE_CODES, DecoderLayerArgs, DecoderStackArgs, KernelLibrary
+from pagellm.kernels.library import (
+    CACHE_CODES,
+    DTYPE_CODES,
+    LINEAR_KINDS,
+    DecoderLayerArgs,
+    DecoderStackArgs,
+    KernelLibrary,
+    LinearArgs,
+)
+from pagellm.kernels.packing import avx2_epilogue, gemm_epilogue
 from pagellm.kernels.quant_formats import FORMAT_CODES
 from pagellm.model.arch_config import ModelArchConfig
+from pagellm.model.cpu_linear import KernelLinear, KernelSiluAndMulLinear
 from pagellm.model.layers import RMSNorm
 from pagellm.model.quant_linear import QuantizedLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
+def _linear_args(module: nn.Module) -> LinearArgs | None:
+    """A linear the call multiplies (pagellm's integer, bf16 or AVX2 GEMM), or None."""
+    if isinstance(module, QuantizedLinear):
+        epilogue = 1 if module.silu_mul else 0
+        return LinearArgs(module.packed.data_ptr(), LINEAR_KINDS["integer"], FORMAT_CODES[module.format], epilogue, 0)
+    if not isinstance(module, (KernelLinear, KernelSiluAndMulLinear)) or module.path not in LINEAR_KINDS:
+        return None
+    weight = module.packed_weight
+    if module.path == "avx2":
+        code = avx2_epilogue(module.epilogue)[0]
+        return LinearArgs(weight.data_ptr(), LINEAR_KINDS["avx2"], DTYPE_CODES[weight.dtype], code, 0)
+    code = gemm_epilogue(module.epilogue, module.path == "amx")[0]
+    return LinearArgs(weight.data_ptr(), LINEAR_KINDS[module.path], 0, code, 0)
+
+
+def _dense_side(module: nn.Module) -> nn.Module:
+    """The module a batch above the plan's ``quant_max_rows`` runs: a quantized linear's dense
+    copy where it has one, else the module itself."""
+    return module.dense if isinstance(module, QuantizedLinear) and module.dense is not None else module
+
+
 @dataclass(frozen=True)
 class _LayerWeights:
-    """One layer's tensors the call reads (held here so their storage outlives the pointers)."""
+    """One layer's modules the call reads (held so their tensors' storage outlives the pointers)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: QuantizedLinear
-    o: QuantizedLinear
-    gate_up: QuantizedLinear
-    down: QuantizedLinear
+    qkv_bias: torch.Tensor | None
+    linears: tuple[nn.Module, nn.Module, nn.Module, nn.Module]  # qkv, o, gate_up, down
 
-    def addresses(self) -> tuple[int, ...]:
+    def _side(self, dense: bool) -> list[nn.Module]:
+        return [_dense_side(m) for m in self.linears] if dense else list(self.linears)
+
+    def fits(self) -> bool:
+        """Whether the call multiplies every linear, for small batches and big ones."""
+        return all(_linear_args(m) is not None for dense in (False, True) for m in self._side(dense))
+
+    def addresses(self, dense: bool) -> tuple[int, ...]:
         """Where the tensors the call reads live now (a reload or a move changes them)."""
-        bias = self.qkv.bias
-        return (self.input_norm.data_ptr(), self.post_norm.data_ptr(), self.qkv.packed.data_ptr(),
-                0 if bias is None else bias.data_ptr(), self.o.packed.data_ptr(), self.gate_up.packed.data_ptr(),
-                self.down.packed.data_ptr())  # fmt: skip
+        linears = tuple(args.weight for args in (_linear_args(m) for m in self._side(dense)) if args is not None)
+        bias = 0 if self.qkv_bias is None else self.qkv_bias.data_ptr()
+        return (self.input_norm.data_ptr(), self.post_norm.data_ptr(), bias, *linears)
 
-    def args(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> DecoderLayerArgs:
-        """The C struct for this layer over these caches."""
-        bias = self.qkv.bias
+    def args(self, key_cache: torch.Tensor, value_cache: torch.Tensor, dense: bool) -> DecoderLayerArgs:
+        """The C struct for this layer over these caches (``dense``: the big-batch side)."""
+        bias = None if self.qkv_bias is None else self.qkv_bias.data_ptr()
         return DecoderLayerArgs(
-            self.input_norm.data_ptr(), self.post_norm.data_ptr(), self.qkv.packed.data_ptr(),
-            None if bias is None else bias.data_ptr(), self.o.packed.data_ptr(), self.gate_up.packed.data_ptr(),
-            self.down.packed.data_ptr(), FORMAT_CODES[self.qkv.format], FORMAT_CODES[self.o.format],
-            FORMAT_CODES[self.gate_up.format], FORMAT_CODES[self.down.format], key_cache.data_ptr(),
-            value_cache.data_ptr(),
+            self.input_norm.data_ptr(), self.post_norm.data_ptr(), bias, key_cache.data_ptr(), value_cache.data_ptr(),
+            *(_linear_args(m) for m in self._side(dense)),
         )  # fmt: skip
 
 
 def _layer_weights(layer: nn.Module, arch: ModelArchConfig, dtype: torch.dtype) -> _LayerWeights | None:
-    """The layer's tensors if the call can run it: quantized linears of the expected shapes, a
-    fused silu_mul MLP, no o / down bias, norms in ``dtype``; else None."""
+    """The layer's tensors if the call can run it: pagellm's GEMMs for every linear (the MLP's
+    activation in gate_up's epilogue), of the expected shapes, a bias on qkv only, norms and
+    bias in ``dtype``, the paged kernel, kernel norms and rotary; else None."""
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    # The call runs the paged kernel, kernel norms and rotary: only where the layer would too.
     if not isinstance(attn.attn_backend, CPUPagedAttention) or attn.rotary_kernels is None:
         return None
     if not all(isinstance(n, RMSNorm) and n.kernels is not None for n in norms):
         return None
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    if not all(isinstance(m, QuantizedLinear) and m.format for m in linears):
+    if not isinstance(mlp.act, nn.Identity):  # SiLU-and-mul not in gate_up's epilogue
         return None
-    qkv, o, gate_up, down = linears
-    shapes = [(qkv.in_features, qkv.out_features), (o.in_features, o.out_features),
-              (gate_up.in_features, gate_up.out_features), (down.in_features, down.out_features)]  # fmt: skip
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    shapes = [(getattr(m, "in_features", None), getattr(m, "out_features", None)) for m in linears]
     hidden, inter = arch.hidden_size, arch.intermediate_size
     expected = [(hidden, arch.q_size + 2 * arch.kv_size), (arch.q_size, hidden), (hidden, inter), (inter, hidden)]
-    if shapes != expected or not gate_up.silu_mul or o.bias is not None or down.bias is not None:
+    if shapes != expected or any(getattr(m, "bias", None) is not None for m in linears[1:]):
         return None
     if not all(n.weight.dtype == dtype and n.weight.is_contiguous() for n in norms):
         return None
-    if qkv.bias is not None and (qkv.bias.dtype != dtype or not qkv.bias.is_contiguous()):
+    bias = getattr(linears[0], "bias", None)
+    if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
         return None
-    return _LayerWeights(norms[0].weight, norms[1].weight, qkv, o, gate_up, down)
+    weights = _LayerWeights(norms[0].weight, norms[1].weight, bias, linears)
+    return weights if weights.fits() else None
 
 
 class FusedDecoderStack:
@@ -99,8 +133,9 @@ class FusedDecoderStack:
         self.max_rows = max_rows
         self.eps = float(arch.rms_norm_eps)
         self.steps = 0  # steps run here (the rest ran the Python layers)
-        # The per-layer C structs, keyed by every address in them (caches and weights).
-        self._layer_args: tuple[tuple[int, ...], ctypes.Array[DecoderLayerArgs]] | None = None
+        # The per-layer C structs of each side (small batches, big ones), keyed by every address
+        # in them (caches and weights).
+        self._layer_args: dict[bool, tuple[tuple[int, ...], ctypes.Array[DecoderLayerArgs]]] = {}
 
     @classmethod
     def build(
@@ -122,7 +157,7 @@ class FusedDecoderStack:
         key_cache = kv_caches[0][0]
         layout = (self.arch.num_key_value_heads, self.arch.head_dim)
         return (
-            0 < rows <= (self.max_rows if self.max_rows is not None else rows)
+            rows > 0
             and hidden.dtype == self.dtype
             and (self.dtype, key_cache.dtype) in CACHE_CODES
             and key_cache.dim() == 4 and tuple(key_cache.shape[2:]) == layout
@@ -132,16 +167,17 @@ class FusedDecoderStack:
             )
         )  # fmt: skip
 
-    def _layers(self, kv_caches: list[KVCache]) -> ctypes.Array[DecoderLayerArgs]:
-        """The per-layer arguments, rebuilt whenever a cache or weight has moved (once per
-        engine in practice; the check costs ~0.1 ms a step for 30 layers)."""
+    def _layers(self, kv_caches: list[KVCache], dense: bool) -> ctypes.Array[DecoderLayerArgs]:
+        """The per-layer arguments of one side, rebuilt whenever a cache or weight has moved
+        (once per engine in practice; the check costs ~0.1 ms a step for 30 layers)."""
         key = tuple(t.data_ptr() for pair in kv_caches for t in pair)
-        key += tuple(address for w in self.weights for address in w.addresses())
-        if self._layer_args is None or self._layer_args[0] != key:
-            layers = [w.args(k, v) for w, (k, v) in zip(self.weights, kv_caches)]
-            array = (DecoderLayerArgs * len(layers))(*layers)
-            self._layer_args = (key, array)
-        return self._layer_args[1]
+        key += tuple(address for w in self.weights for address in w.addresses(dense))
+        cached = self._layer_args.get(dense)
+        if cached is None or cached[0] != key:
+            layers = [w.args(k, v, dense) for w, (k, v) in zip(self.weights, kv_caches)]
+            cached = (key, (DecoderLayerArgs * len(layers))(*layers))
+            self._layer_args[dense] = cached
+        return cached[1]
 
     def __call__(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[KVCache],
@@ -166,8 +202,9 @@ class FusedDecoderStack:
         scratch = [torch.empty(tokens, width, dtype=self.dtype) for width in
                    (arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.q_size, arch.intermediate_size)]  # fmt: skip
         tables = rows.block_tables
+        dense = self.max_rows is not None and tokens > self.max_rows  # quantized linears' dense copies
         args = DecoderStackArgs(
-            self._layers(kv_caches), len(self.weights), tokens, arch.hidden_size, arch.num_attention_heads,
+            self._layers(kv_caches, dense), len(self.weights), tokens, arch.hidden_size, arch.num_attention_heads,
             arch.num_key_value_heads, arch.head_dim, arch.intermediate_size, key_cache.shape[1], self.eps,
             arch.head_dim**-0.5, DTYPE_CODES[self.dtype], CACHE_CODES[(self.dtype, key_cache.dtype)],
             torch.get_num_threads(), 0, x.data_ptr(), residual.data_ptr(), cos.data_ptr(), sin.data_ptr(),

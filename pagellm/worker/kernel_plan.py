@@ -116,7 +116,7 @@ def plan_kernels(
     gemm = _gemm_path(dtype, config.gemm, lib, flags)
     held = _weights(weights, lib, device, dtype)
     backend = _resolve_attention(attention, device, lib)
-    fused = held != "dense" and backend == "cpu_paged" and elementwise == "kernel"
+    fused = (held != "dense" or gemm in OWN_GEMM_PATHS) and backend == "cpu_paged" and elementwise == "kernel"
     copy = held != "dense" and gemm == "amx" and _dense_copy_fits(weights)
     return KernelPlan(
         device="cpu",

@@ -161,10 +161,14 @@ def _generate_fused_or_not(llm: LLM, fused: bool) -> list[tuple[list[int], list[
             for o in outputs]
 
 
-@pytest.mark.parametrize("case", ["default-gguf-bf16", "qwen2-int8-f32", "qwen2-int8-bf16", "llama-int8-bf16-fp8kv"])
+@pytest.mark.parametrize("case", [
+    "default-gguf-bf16", "qwen2-int8-f32", "qwen2-int8-bf16", "llama-int8-bf16-fp8kv", "llama-dense-bf16",
+    "qwen2-dense-f32-avx2",
+])
 def test_fused_decoder_equals_the_layers(request: pytest.FixtureRequest, case: str) -> None:
     """One C++ call for the whole decoder stack gives the Python layers' results bit for bit
-    (qkv bias, an fp8 cache and float32 included)."""
+    (qkv bias, an fp8 cache, float32, and dense weights on pagellm's bf16 and AVX2 GEMMs
+    included)."""
     options: dict[str, object] = {
         "default-gguf-bf16": dict(dtype="bfloat16"),
         "qwen2-int8-f32": dict(model=request.getfixturevalue("tiny_qwen2_path"), dtype="float32",
@@ -173,6 +177,9 @@ def test_fused_decoder_equals_the_layers(request: pytest.FixtureRequest, case: s
                                 quantization="int8"),
         "llama-int8-bf16-fp8kv": dict(model=request.getfixturevalue("tiny_llama_path"), dtype="bfloat16",
                                       quantization="int8", kv_cache_dtype="fp8"),
+        "llama-dense-bf16": dict(model=request.getfixturevalue("tiny_llama_path"), dtype="bfloat16"),
+        "qwen2-dense-f32-avx2": dict(model=request.getfixturevalue("tiny_qwen2_path"), dtype="float32",
+                                     cpu_isa="avx2"),
     }[case]
     fused_llm = LLM(num_kv_blocks=128, **options)
     assert fused_llm.llm_engine.kernel_plan.decoder == "fused"

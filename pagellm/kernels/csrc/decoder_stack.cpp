@@ -1,9 +1,9 @@
-// A whole stack of decoder layers (Llama family) in one call, for quantized linears: the same
-// kernels the Python layers call (norm, integer GEMM, rotary, K/V write, paged attention), in
-// the same order on the same buffers, so the result is bit for bit the Python path's.
+// A whole stack of decoder layers (Llama family) in one call: the same kernels the Python
+// layers call (norm, pagellm's GEMMs, rotary, K/V write, paged attention), in the same order on
+// the same buffers, so the result is bit for bit the Python path's.
 //
-// Why: at batch 1 a step's weights take ~4-5 ms to read, and the Python between ~300 kernel
-// calls (module calls, wrapper checks, ctypes) took ~3 ms more (benchmarks/NOTES.md, 37).
+// Why: at batch 1 a step's quantized weights take ~4-5 ms to read, and the Python between ~300
+// kernel calls (module calls, wrapper checks, ctypes) took ~3 ms more (benchmarks/NOTES.md, 37).
 // Every index the kernels follow (slots, block tables, rows) is checked once per step by the
 // caller; the weights' shapes when the stack is built.
 //
@@ -21,18 +21,23 @@
 
 extern "C" {
 
-// One layer's weights (packed quantized linears, norm weights in the model dtype) and caches.
+// One packed linear and the GEMM that multiplies it.
+struct PagellmLinear {
+    const void* weight;
+    int32_t kind;      // 0 integer GEMM, 1 bf16 GEMM (dot products), 2 bf16 GEMM on AMX tiles, 3 AVX2 GEMM
+    int32_t format;    // integer GEMM: its w_format; AVX2 GEMM: w_dtype (0 float32, 1 bf16)
+    int32_t epilogue;  // that GEMM's epilogue code (gate_up: its silu_mul)
+    int32_t reserved;
+};
+
+// One layer's linears, norm weights (model dtype) and caches.
 struct PagellmLayer {
     const void* input_norm;
     const void* post_norm;
-    const void* qkv;
     const void* qkv_bias;  // [W] in the model dtype, or null
-    const void* o;
-    const void* gate_up;   // silu_mul layout
-    const void* down;
-    int32_t qkv_format, o_format, gate_up_format, down_format;  // 0 q4, 1 q8
     void* key_cache;
     void* value_cache;
+    PagellmLinear qkv, o, gate_up, down;
 };
 
 // One step's call: shapes, the step's indices and the buffers (all [T, ...] row-major).
@@ -62,6 +67,22 @@ struct PagellmStack {
 
 namespace {
 
+// c[m, n] = a[m, k] (rows k apart) @ W^T on the linear's GEMM.
+int linear(const PagellmLinear& w, const void* a, int64_t m, int64_t k, void* c, int64_t n, int dtype, int threads) {
+    switch (w.kind) {
+        case 0:
+            return pagellm_gemm_q(a, k, m, k, w.weight, n, c, n, dtype, w.format, w.epilogue, threads);
+        case 1:
+        case 2:
+            if (dtype != 1) return -1;
+            return pagellm_gemm_bf16(a, k, m, k, w.weight, n, c, n, w.epilogue, threads, w.kind == 2);
+        case 3:
+            return pagellm_gemm_avx2(a, k, m, k, w.weight, n, c, n, dtype, w.format, w.epilogue, threads);
+        default:
+            return -1;
+    }
+}
+
 // qkv rows += bias, rounded to the dtype as torch's add_.
 void add_bias(void* qkv, const void* bias, int64_t rows, int64_t width, bool bf16) {
     for (int64_t r = 0; r < rows; ++r) {
@@ -84,7 +105,7 @@ int layer(const PagellmStack& s, const PagellmLayer& L, bool first) {
     const int64_t elem = dt == 1 ? 2 : 4;
     auto* qkv = static_cast<char*>(s.qkv);
     int rc = pagellm_add_rms_norm(s.x, first ? nullptr : s.residual, L.input_norm, s.h, T, H, s.eps, dt, th);
-    if (rc == 0) rc = pagellm_gemm_q(s.h, H, T, H, L.qkv, W, s.qkv, W, dt, L.qkv_format, 0, th);
+    if (rc == 0) rc = linear(L.qkv, s.h, T, H, s.qkv, W, dt, th);
     if (rc != 0) return rc;
     if (L.qkv_bias != nullptr) add_bias(s.qkv, L.qkv_bias, T, W, dt == 1);
     rc = pagellm_rotary(s.qkv, W, T, s.num_heads + s.num_kv_heads, dh, s.cos, s.sin, dt, th);
@@ -95,11 +116,10 @@ int layer(const PagellmStack& s, const PagellmLayer& L, bool first) {
         rc = pagellm_paged_attention(s.qkv, W, s.attn, q, L.key_cache, L.value_cache, s.block_tables,
                                      s.block_table_stride, s.row_token, s.row_req, s.row_ctx, s.num_rows, s.num_heads,
                                      s.num_kv_heads, dh, s.block_size, s.scale, s.cache_code, th);
-    if (rc == 0) rc = pagellm_gemm_q(s.attn, q, T, q, L.o, H, s.x, H, dt, L.o_format, 0, th);
+    if (rc == 0) rc = linear(L.o, s.attn, T, q, s.x, H, dt, th);
     if (rc == 0) rc = pagellm_add_rms_norm(s.x, s.residual, L.post_norm, s.h, T, H, s.eps, dt, th);
-    if (rc == 0)
-        rc = pagellm_gemm_q(s.h, H, T, H, L.gate_up, s.intermediate, s.act, s.intermediate, dt, L.gate_up_format, 1, th);
-    if (rc == 0) rc = pagellm_gemm_q(s.act, s.intermediate, T, s.intermediate, L.down, H, s.x, H, dt, L.down_format, 0, th);
+    if (rc == 0) rc = linear(L.gate_up, s.h, T, H, s.act, s.intermediate, dt, th);
+    if (rc == 0) rc = linear(L.down, s.act, T, s.intermediate, s.x, H, dt, th);
     return rc;
 }
 

@@ -11,6 +11,10 @@ int pagellm_add_rms_norm(const void* x, void* residual, const void* weight, void
                          float eps, int dtype, int num_threads);
 int pagellm_gemm_q(const void* a, int64_t lda, int64_t m, int64_t k, const void* packed, int64_t n, void* c,
                    int64_t ldc, int a_dtype, int w_format, int epilogue, int num_threads);
+int pagellm_gemm_bf16(const void* a, int64_t lda, int64_t m, int64_t k, const void* packed, int64_t n, void* c,
+                      int64_t ldc, int epilogue, int num_threads, int use_amx);
+int pagellm_gemm_avx2(const void* a, int64_t lda, int64_t m, int64_t k, const void* packed, int64_t n, void* c,
+                      int64_t ldc, int a_dtype, int w_dtype, int epilogue, int num_threads);
 int pagellm_rotary(void* x, int64_t row_stride, int64_t rows, int64_t num_heads, int64_t head_dim, const void* cos,
                    const void* sin, int dtype, int num_threads);
 int pagellm_write_kv(const void* key, int64_t key_row_stride, const void* value, int64_t value_row_stride,

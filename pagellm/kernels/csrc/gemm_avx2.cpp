@@ -44,6 +44,7 @@
 
 #include "avx2_simd.h"
 #include "cpu_common.h"
+#include "exports.h"
 #include "work_ranges.h"
 
 #if defined(__AVX2__) && defined(__FMA__)

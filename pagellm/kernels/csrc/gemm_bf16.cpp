@@ -24,6 +24,7 @@
 #include <omp.h>
 
 #include "bf16_simd.h"
+#include "exports.h"
 #include "work_ranges.h"
 
 
