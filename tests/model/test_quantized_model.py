@@ -163,7 +163,7 @@ def _generate_fused_or_not(llm: LLM, fused: bool) -> list[tuple[list[int], list[
 
 @pytest.mark.parametrize("case", [
     "default-gguf-bf16", "qwen2-int8-f32", "qwen2-int8-bf16", "llama-int8-bf16-fp8kv", "llama-dense-bf16",
-    "qwen2-dense-f32-avx2",
+    "llama-dense-bf16-no-amx", "qwen2-dense-f32-avx2",
 ])
 def test_fused_decoder_equals_the_layers(request: pytest.FixtureRequest, case: str) -> None:
     """One C++ call for the whole decoder stack gives the Python layers' results bit for bit
@@ -178,6 +178,9 @@ def test_fused_decoder_equals_the_layers(request: pytest.FixtureRequest, case: s
         "llama-int8-bf16-fp8kv": dict(model=request.getfixturevalue("tiny_llama_path"), dtype="bfloat16",
                                       quantization="int8", kv_cache_dtype="fp8"),
         "llama-dense-bf16": dict(model=request.getfixturevalue("tiny_llama_path"), dtype="bfloat16"),
+        # AVX-512 BF16 dot products where the CPU has them (this CPU's own plan where not).
+        "llama-dense-bf16-no-amx": dict(model=request.getfixturevalue("tiny_llama_path"), dtype="bfloat16",
+                                        cpu_isa="avx512"),
         "qwen2-dense-f32-avx2": dict(model=request.getfixturevalue("tiny_qwen2_path"), dtype="float32",
                                      cpu_isa="avx2"),
     }[case]
