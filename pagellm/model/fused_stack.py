@@ -40,6 +40,11 @@ from pagellm.model.quant_linear import QuantizedLinear
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
+def _packed(module: nn.Module) -> torch.Tensor:
+    """The packed weight the call reads for a linear ``_linear_args`` takes."""
+    return module.packed if isinstance(module, QuantizedLinear) else module.packed_weight
+
+
 def _linear_args(module: nn.Module) -> LinearArgs | None:
     """A linear the call multiplies (pagellm's integer, bf16 or AVX2 GEMM), or None."""
     if isinstance(module, QuantizedLinear):
@@ -79,7 +84,7 @@ class _LayerWeights:
 
     def addresses(self, dense: bool) -> tuple[int, ...]:
         """Where the tensors the call reads live now (a reload or a move changes them)."""
-        linears = tuple(args.weight for args in (_linear_args(m) for m in self._side(dense)) if args is not None)
+        linears = tuple(_packed(m).data_ptr() for m in self._side(dense))
         bias = 0 if self.qkv_bias is None else self.qkv_bias.data_ptr()
         return (self.input_norm.data_ptr(), self.post_norm.data_ptr(), bias, *linears)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 import struct
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
@@ -351,39 +350,15 @@ def unpermute_qk_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def _readonly_tensor(array: np.ndarray) -> torch.Tensor:
-    """Zero-copy torch view of a read-only (memory-mapped) array; never written to."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "array is not writable": we only read it
-        return torch.from_numpy(array)
-
-
-def _dequantize_torch(data: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor | None:
-    """float32 values of Q4_0 / Q4_1 / Q8_0 blocks with torch ops (multi-threaded, several times
-    faster than gguf-py's numpy path and bit-identical to it: the same float32 products and sums).
-    None for other types."""
-    if qtype not in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0):
-        return None
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
-    blocks = _readonly_tensor(data).reshape(-1, type_size)
-    d = blocks[:, :2].contiguous().view(torch.float16).float()
-    if qtype == GGMLQuantizationType.Q8_0:
-        q = blocks[:, 2:].contiguous().view(torch.int8).float()
-        return d * q
-    qs = blocks[:, 4:] if qtype == GGMLQuantizationType.Q4_1 else blocks[:, 2:]
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=1).float()
-    if qtype == GGMLQuantizationType.Q4_0:
-        return d * (q - 8)
-    m = blocks[:, 2:4].contiguous().view(torch.float16).float()
-    return d * q + m
-
-
 def _dequantized(tensor: Any) -> torch.Tensor:
-    """One GGUF tensor as a float32 torch tensor in HF shape (GGUF lists dims reversed)."""
+    """One GGUF tensor as a float32 torch tensor in HF shape (GGUF lists dims reversed): the
+    types the integer GEMM keeps through their blocks (torch ops, bit-identical to gguf-py's
+    numpy path: the same float32 products and sums, and several times faster), others through
+    gguf-py."""
     shape = tuple(reversed([int(d) for d in tensor.shape]))
-    fast = _dequantize_torch(tensor.data, tensor.tensor_type)
-    if fast is not None:
-        return fast.reshape(shape)
+    blocks = _kept_blocks(tensor)
+    if blocks is not None:
+        return blocks.dequantize().reshape(shape)
     data = np.require(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32, requirements=["C", "W"])
     return torch.from_numpy(data).reshape(shape)
 

@@ -110,7 +110,7 @@ class QuantizedLinear(nn.Module):
 
 def quantized_plan(plan: KernelPlan | None) -> bool:
     """Whether ``plan`` builds :class:`QuantizedLinear` layers."""
-    return plan is not None and plan.quantized and plan.kernels is not None
+    return plan is not None and plan.quantized  # KernelPlan guarantees its library then
 
 
 def linear_for_plan(
@@ -122,5 +122,5 @@ def linear_for_plan(
         if silu_mul:
             raise ValueError("silu_mul is fused into quantized linears only")
         return nn.Linear(in_features, out_features, bias=bias)
-    assert plan is not None and plan.kernels is not None
+    assert plan is not None and plan.kernels is not None  # quantized_plan
     return QuantizedLinear(in_features, out_features, bias, plan.kernels, plan.quant_max_rows, plan.gemm, silu_mul)

@@ -35,6 +35,11 @@ inline __m256 exp_x8(__m256 x) {
     return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
 }
 
+// silu(x) = x / (1 + exp(-x)) on 8 lanes (the MLP activation of the GEMMs' silu_mul epilogues).
+inline __m256 silu_x8(__m256 x) {
+    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_x8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
 // The bf16 nearest to each lane (ties to even, NaN stays NaN: float_to_bf16), in the lane's
 // upper 16 bits.
 inline __m256i bf16_bits(__m256 v) {

@@ -169,8 +169,7 @@ void finish(const float* tile, int rows, int G, int epilogue, int64_t panel0, in
         for (int g = 0; g < G && (panel0 + g) * 8 < n; ++g) {
             __m256 gate = _mm256_loadu_ps(t + g * kCols), up = _mm256_loadu_ps(t + g * kCols + 8);
             if constexpr (kBf16Out) gate = round_bf16x8(gate), up = round_bf16x8(up);
-            const __m256 neg = _mm256_sub_ps(_mm256_setzero_ps(), gate);
-            __m256 act = _mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_x8(neg)));
+            __m256 act = silu_x8(gate);
             if constexpr (kBf16Out) act = round_bf16x8(act);
             const int64_t col = (panel0 + g) * 8;
             store8<kBf16Out>(row + col * kElem, _mm256_mul_ps(act, up), n - col);

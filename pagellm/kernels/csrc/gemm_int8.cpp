@@ -336,8 +336,7 @@ void store_tile(const float* tile, int rows, int tiles, int64_t t0, bool silu_mu
         }
         for (int g = 0; g < tiles && (t0 + g) * 8 < n; ++g) {
             const __m256 gate = _mm256_loadu_ps(t + g * kTileCols), up = _mm256_loadu_ps(t + g * kTileCols + 8);
-            const __m256 neg = _mm256_sub_ps(_mm256_setzero_ps(), gate);
-            const __m256 act = _mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_x8(neg)));
+            const __m256 act = silu_x8(gate);
             const int64_t col = (t0 + g) * 8;
             store8<kBf16Out>(row + col * kElem, _mm256_mul_ps(act, up), n - col);
         }
