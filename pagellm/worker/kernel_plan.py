@@ -21,10 +21,10 @@ from pagellm.worker.device import available_memory_bytes, cuda_native_bf16
 
 _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 # Where AMX tiles multiply bf16, quantized linears keep a dense bf16 copy for batches of more
-# rows than this: the integer dot products win below (the default model's linears, warm:
-# 1 row 2.8 against 5.8 ms, 4 rows 3.9 against 5.2), AMX above (8 rows 6.1 against 5.2, 16
-# rows 10.5 against 5.2); cold weights and the one-call decoder stack favour the integer path
-# up to 8 (benchmarks/NOTES.md, 37).
+# rows than this: the integer dot products win below (benchmarks/qgemm_micro.py, the default
+# model's linears, warm: 1 row 2.3 against 5.1 ms, 4 rows 3.6 against 5.4), AMX above (8 rows
+# 5.8 against 5.5, 16 rows 9.9 against 5.2); cold weights favour the integer path up to 8
+# (benchmarks/NOTES.md, 37).
 QUANT_MAX_ROWS_AMX = 8
 # ... but only while that copy takes at most this share of the memory available at start-up:
 # a 7B model's copy is ~14 GB, which quantized weights are chosen to avoid.

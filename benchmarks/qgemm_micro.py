@@ -1,0 +1,83 @@
+"""Micro-benchmark: pagellm's integer GEMM (q4 layers, q8 LM head) against its bf16 GEMM on
+SmolLM2-135M's linear shapes, per row count: where the kernel plan's ``quant_max_rows`` sits.
+
+One weight per shape (warm in cache after the first call), the model's 30 layers counted by
+multiplying each layer shape's time by 30, the LM head once. Prints ms per shape and per model
+for each ``--rows``, integer against bf16 (AMX tiles where usable, else AVX-512 BF16 dot
+products, else the AVX2 GEMM), in one run.
+
+    python benchmarks/qgemm_micro.py [--rows 1,2,4,8,12,16,64] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pagellm import kernels  # noqa: E402
+from pagellm.kernels import quant_formats as qf  # noqa: E402
+from pagellm.model.cpu_linear import KernelLinear  # noqa: E402
+
+# name -> (out features, in features, per model)
+SHAPES = {"qkv": (960, 576, 30), "o": (576, 576, 30), "gate_up": (3072, 576, 30), "down": (576, 1536, 30),
+          "lm_head": (49152, 576, 1)}  # fmt: skip
+
+
+def _ms(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - start) / reps * 1e3
+
+
+def _quantized(name: str, weight: torch.Tensor) -> qf.QuantizedWeight:
+    if name == "lm_head":
+        return qf.quantize_q8(weight)
+    n, k = weight.shape
+    blocks = k // qf.BLOCK
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    return qf.QuantizedWeight("q4", k, codes, torch.rand(n, blocks).half() * 0.01, torch.rand(n, blocks).half() * 0.01)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", default="1,2,4,8,12,16,64")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    lib = kernels.default()
+    if lib is None or lib.gemm_q_path == "none":
+        raise SystemExit("no integer GEMM on this machine (needs the C++ kernels and AVX2)")
+    path = "amx" if lib.gemm_amx_available else "avx512-bf16" if lib.gemm_bf16_available else "avx2"
+    print(f"integer GEMM: {lib.gemm_q_path}; bf16 GEMM: {path}; {args.threads} threads; ms")
+    layers = {}
+    for name, (n, k, _) in SHAPES.items():
+        weight = torch.randn(n, k)
+        quantized = _quantized(name, weight)
+        linear = nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
+        linear.weight.data.copy_(weight)
+        layers[name] = (quantized.format, qf.pack(quantized), KernelLinear(linear, lib, path))
+    for rows in (int(r) for r in args.rows.split(",")):
+        total_q = total_b = 0.0
+        for name, (n, k, count) in SHAPES.items():
+            fmt, packed, dense = layers[name]
+            x = torch.randn(rows, k).bfloat16()
+            reps = 20 if name == "lm_head" else 200
+            tq = _ms(lambda: lib.gemm_q(x, packed, fmt, n), reps)
+            tb = _ms(lambda: dense(x), reps)
+            total_q, total_b = total_q + tq * count, total_b + tb * count
+            print(f"rows={rows:<4} {name:<8} integer {tq:7.3f}  bf16 {tb:7.3f}")
+        print(f"rows={rows:<4} model    integer {total_q:7.1f}  bf16 {total_b:7.1f}")
+
+
+if __name__ == "__main__":
+    main()
