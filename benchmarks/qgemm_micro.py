@@ -3,8 +3,8 @@ SmolLM2-135M's linear shapes, per row count: where the kernel plan's ``quant_max
 
 One weight per shape (warm in cache after the first call), the model's 30 layers counted by
 multiplying each layer shape's time by 30, the LM head once. Prints ms per shape and per model
-for each ``--rows``, integer against bf16 (AMX tiles where usable, else AVX-512 BF16 dot
-products, else the AVX2 GEMM), in one run.
+for each ``--rows``, integer (dot products; and on AMX tiles where usable) against bf16 (AMX
+tiles where usable, else AVX-512 BF16 dot products, else the AVX2 GEMM), in one run.
 
     python benchmarks/qgemm_micro.py [--rows 1,2,4,8,12,16,64] [--threads 2]
 """
@@ -58,7 +58,8 @@ def main() -> None:
     if lib is None or lib.gemm_q_path == "none":
         raise SystemExit("no integer GEMM on this machine (needs the C++ kernels and AVX2)")
     path = "amx" if lib.gemm_amx_available else "avx512-bf16" if lib.gemm_bf16_available else "avx2"
-    print(f"integer GEMM: {lib.gemm_q_path}; bf16 GEMM: {path}; {args.threads} threads; ms")
+    amx = lib.gemm_q_amx_available
+    print(f"integer GEMM: {lib.gemm_q_path}{' and amx' if amx else ''}; bf16 GEMM: {path}; {args.threads} threads; ms")
     layers = {}
     for name, (n, k, _) in SHAPES.items():
         weight = torch.randn(n, k)
@@ -67,16 +68,17 @@ def main() -> None:
         linear.weight.data.copy_(weight)
         layers[name] = (quantized.format, qf.pack(quantized), KernelLinear(linear, lib, path))
     for rows in (int(r) for r in args.rows.split(",")):
-        total_q = total_b = 0.0
+        total_q = total_a = total_b = 0.0
         for name, (n, k, count) in SHAPES.items():
             fmt, packed, dense = layers[name]
             x = torch.randn(rows, k).bfloat16()
             reps = 20 if name == "lm_head" else 200
             tq = _ms(lambda: lib.gemm_q(x, packed, fmt, n), reps)
+            ta = _ms(lambda: lib.gemm_q(x, packed, fmt, n, amx=True), reps) if amx else float("nan")
             tb = _ms(lambda: dense(x), reps)
-            total_q, total_b = total_q + tq * count, total_b + tb * count
-            print(f"rows={rows:<4} {name:<8} integer {tq:7.3f}  bf16 {tb:7.3f}")
-        print(f"rows={rows:<4} model    integer {total_q:7.1f}  bf16 {total_b:7.1f}")
+            total_q, total_a, total_b = total_q + tq * count, total_a + ta * count, total_b + tb * count
+            print(f"rows={rows:<4} {name:<8} integer {tq:7.3f}  integer-amx {ta:7.3f}  bf16 {tb:7.3f}")
+        print(f"rows={rows:<4} model    integer {total_q:7.1f}  integer-amx {total_a:7.1f}  bf16 {total_b:7.1f}")
 
 
 if __name__ == "__main__":

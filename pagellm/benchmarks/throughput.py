@@ -228,7 +228,7 @@ def vllm_available(python: str | None = None) -> bool:
 
 
 # vLLM's CPU build: a KV space of its own (GiB) and no core held back for its scheduler
-# (see shared/design/running-peers.md). Only set when the caller has not.
+# (docs/peers.md). Only set when the caller has not.
 VLLM_CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
@@ -459,7 +459,7 @@ def run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
                 jobs.append(job)
             else:
                 where = f"with {cfg.vllm_python}" if cfg.vllm_python else "here"
-                skipped.append(f"vllm: `import vllm` does not work {where} (see shared/design/running-peers.md)")
+                skipped.append(f"vllm: `import vllm` does not work {where} (docs/peers.md says how to install it)")
         else:
             raise ValueError(f"unknown --compare system {other!r}; choose hf or vllm")
     for note in skipped:

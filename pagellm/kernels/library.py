@@ -97,6 +97,7 @@ class KernelLibrary:
         # lacks what it executes (a -march asked for more than the CPU has).
         self.gemm_q_built = GEMM_Q_PATHS[lib.pagellm_gemm_q_isa()]
         self.gemm_q_path = self.gemm_q_built if lib.pagellm_gemm_q_runs_here() else "none"
+        self.gemm_q_amx_available = bool(lib.pagellm_gemm_q_amx_available())  # the same GEMM on AMX tiles
 
     def __repr__(self) -> str:
         return f"KernelLibrary({' '.join(self.march)})"
@@ -308,17 +309,21 @@ class KernelLibrary:
         return q, d, sums
 
     def gemm_q(
-        self, x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int, epilogue: str = "none"
+        self, x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int, epilogue: str = "none",
+        amx: bool = False,
     ) -> torch.Tensor:
         """``x [M, K] @ W.T`` for a quantized ``W`` (``quant_formats.pack``, format ``fmt``: q4, q8
         or q4f), in integer dot products on activations quantized per block of 32 -> new
         ``[M, out_features]`` tensor of x's dtype (float32 or bf16). ``epilogue="silu_mul"``
-        takes a ``quant_formats.pack_silu_mul`` weight and returns ``silu(x @ gate.T) * (x @ up.T)``."""
+        takes a ``quant_formats.pack_silu_mul`` weight and returns ``silu(x @ gate.T) * (x @ up.T)``.
+        ``amx`` computes the same bits on AMX tiles (``gemm_q_amx_available``)."""
         if epilogue not in ("none", "silu_mul"):
             raise ValueError(f"epilogue must be 'none' or 'silu_mul', got {epilogue!r}")
         if self.gemm_q_path == "none":
             raise RuntimeError(f"the integer GEMM of this kernel build ({' '.join(self.march)}) does not run on this CPU "
                                f"(built: {self.gemm_q_built}; it needs AVX2, FMA and F16C at least)")
+        if amx and not self.gemm_q_amx_available:
+            raise RuntimeError(f"the integer GEMM on AMX tiles is not available in this kernel build ({' '.join(self.march)})")
         if fmt not in FORMAT_CODES:
             raise ValueError(f"format must be one of {sorted(FORMAT_CODES)}, got {fmt!r}")
         rows, k = _check_gemm_input(x)
@@ -330,6 +335,7 @@ class KernelLibrary:
         rc = self._lib.pagellm_gemm_q(
             x.data_ptr(), x.stride(0) if rows > 1 else k, rows, k, packed.data_ptr(), out_features, out.data_ptr(),
             out_features, DTYPE_CODES[x.dtype], FORMAT_CODES[fmt], int(epilogue == "silu_mul"), torch.get_num_threads(),
+            int(amx),
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"pagellm_gemm_q failed with code {rc}")
@@ -362,7 +368,7 @@ class LinearArgs(ctypes.Structure):
 
 
 # LinearArgs.kind for each GEMM path: the integer GEMM, then the kernel plan's dense paths.
-LINEAR_KINDS = {"integer": 0, "avx512-bf16": 1, "amx": 2, "avx2": 3}
+LINEAR_KINDS = {"integer": 0, "avx512-bf16": 1, "amx": 2, "avx2": 3, "integer-amx": 4}
 
 
 class DecoderLayerArgs(ctypes.Structure):

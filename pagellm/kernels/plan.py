@@ -23,6 +23,9 @@ ELEMENTWISE_PATHS = ("kernel", "torch")  # norm, rotary, argmax: pagellm's C++ o
 # quantized ones run the integer GEMM.
 WEIGHT_FORMATS = ("dense", "gguf", "int8")
 DECODER_PATHS = ("layers", "fused")
+# What runs quantized linears' batches above ``quant_max_rows``: a dense bf16 copy on the plan's
+# GEMM, or the integer GEMM on AMX tiles (no copy).
+QUANT_LARGE_PATHS = ("dense", "integer-amx")
 
 
 @dataclass(frozen=True)
@@ -49,9 +52,11 @@ class KernelPlan:
     argmax: str = "torch"
     weights: str = "dense"  # WEIGHT_FORMATS
     qgemm: str = "none"  # the integer GEMM's path (KernelLibrary.gemm_q_path) where weights are quantized
-    # Batches of more rows than this run quantized linears on a dense bf16 copy (the ``gemm``
-    # path); None: the integer GEMM at every batch size, no copy.
+    # Batches of more rows than this run quantized linears on ``quant_large``: a dense bf16 copy
+    # (the ``gemm`` path) or the integer GEMM on AMX tiles; None: the integer GEMM's dot products
+    # at every batch size.
     quant_max_rows: int | None = None
+    quant_large: str = "dense"  # QUANT_LARGE_PATHS
     # "fused": the decoder layers in one C++ call (quantized weights or pagellm's dense GEMMs,
     # cpu_paged attention, kernel norm and rotary); "layers": module by module.
     decoder: str = "layers"
@@ -72,8 +77,14 @@ class KernelPlan:
             raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
         if self.weights != "dense" and (self.kernels is None or self.qgemm == "none"):
             raise ValueError(f"weights={self.weights!r} needs a kernel library with the integer GEMM")
-        if self.quant_max_rows is not None and (self.weights == "dense" or self.gemm not in OWN_GEMM_PATHS):
-            raise ValueError("quant_max_rows needs quantized weights and one of pagellm's dense GEMMs")
+        if self.quant_large not in QUANT_LARGE_PATHS:
+            raise ValueError(f"quant_large must be one of {QUANT_LARGE_PATHS}, got {self.quant_large!r}")
+        if self.quant_max_rows is not None and self.weights == "dense":
+            raise ValueError("quant_max_rows needs quantized weights")
+        if self.quant_max_rows is not None and self.quant_large == "dense" and self.gemm not in OWN_GEMM_PATHS:
+            raise ValueError("quant_max_rows with dense copies needs one of pagellm's dense GEMMs")
+        if self.quant_large == "integer-amx" and (self.kernels is None or not self.kernels.gemm_q_amx_available):
+            raise ValueError("quant_large='integer-amx' needs a kernel library with the integer GEMM on AMX tiles")
         if self.decoder not in DECODER_PATHS:
             raise ValueError(f"decoder must be one of {DECODER_PATHS}, got {self.decoder!r}")
         if self.decoder == "fused" and not (
@@ -108,6 +119,7 @@ class KernelPlan:
             "weights": self.weights,
             "qgemm": self.qgemm,
             "quant_max_rows": "none" if self.quant_max_rows is None else str(self.quant_max_rows),
+            "quant_large": "none" if self.quant_max_rows is None else self.quant_large,
             "decoder": self.decoder,
         }
 

@@ -7,7 +7,7 @@ output is bit for bit theirs; what it removes is the Python between them (module
 wrapper checks, ctypes: ~3 ms of a ~10 ms batch-1 step on the default model, benchmarks/NOTES.md,
 37). The weights' shapes are checked when the stack is built; the step's indices once a step,
 as the attention backend checks them. Batches of more rows than the plan's ``quant_max_rows``
-use quantized linears' dense copies, as the modules do; steps it does not take (a cache dtype
+use quantized linears' dense copies or AMX tiles, as the modules do; steps it does not take (a cache dtype
 the kernels do not read) run the Python layers.
 """
 
@@ -45,11 +45,13 @@ def _packed(module: nn.Module) -> torch.Tensor:
     return module.packed if isinstance(module, QuantizedLinear) else module.packed_weight
 
 
-def _linear_args(module: nn.Module) -> LinearArgs | None:
-    """A linear the call multiplies (pagellm's integer, bf16 or AVX2 GEMM), or None."""
+def _linear_args(module: nn.Module, big: bool) -> LinearArgs | None:
+    """A linear the call multiplies (pagellm's integer, bf16 or AVX2 GEMM), or None; ``big``:
+    for batches above the plan's ``quant_max_rows`` (quantized linears may use AMX tiles then)."""
     if isinstance(module, QuantizedLinear):
         epilogue = 1 if module.silu_mul else 0
-        return LinearArgs(module.packed.data_ptr(), LINEAR_KINDS["integer"], FORMAT_CODES[module.format], epilogue, 0)
+        kind = LINEAR_KINDS["integer-amx" if big and module.amx_above_rows is not None else "integer"]
+        return LinearArgs(module.packed.data_ptr(), kind, FORMAT_CODES[module.format], epilogue, 0)
     if not isinstance(module, (KernelLinear, KernelSiluAndMulLinear)) or module.path not in LINEAR_KINDS:
         return None
     weight = module.packed_weight
@@ -80,7 +82,7 @@ class _LayerWeights:
 
     def fits(self) -> bool:
         """Whether the call multiplies every linear, for small batches and big ones."""
-        return all(_linear_args(m) is not None for dense in (False, True) for m in self._side(dense))
+        return all(_linear_args(m, dense) is not None for dense in (False, True) for m in self._side(dense))
 
     def addresses(self, dense: bool) -> tuple[int, ...]:
         """Where the tensors the call reads live now (a reload or a move changes them)."""
@@ -93,7 +95,7 @@ class _LayerWeights:
         bias = None if self.qkv_bias is None else self.qkv_bias.data_ptr()
         return DecoderLayerArgs(
             self.input_norm.data_ptr(), self.post_norm.data_ptr(), bias, key_cache.data_ptr(), value_cache.data_ptr(),
-            *(_linear_args(m) for m in self._side(dense)),
+            *(_linear_args(m, dense) for m in self._side(dense)),
         )  # fmt: skip
 
 
@@ -207,7 +209,7 @@ class FusedDecoderStack:
         scratch = [torch.empty(tokens, width, dtype=self.dtype) for width in
                    (arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.q_size, arch.intermediate_size)]  # fmt: skip
         tables = rows.block_tables
-        dense = self.max_rows is not None and tokens > self.max_rows  # quantized linears' dense copies
+        dense = self.max_rows is not None and tokens > self.max_rows  # quantized linears' big-batch side
         args = DecoderStackArgs(
             self._layers(kv_caches, dense), len(self.weights), tokens, arch.hidden_size, arch.num_attention_heads,
             arch.num_key_value_heads, arch.head_dim, arch.intermediate_size, key_cache.shape[1], self.eps,

@@ -5,8 +5,9 @@ Built in place of ``nn.Linear`` where the kernel plan's ``weights`` is ``gguf`` 
 Its shards (q, k, v or gate, up) arrive one at a time while the checkpoint loads, each either
 quantized (GGUF blocks kept as they are) or dense (quantized to q8 blocks), and are packed as
 soon as all have arrived (``finish_loading`` checks that they did). Where the plan sets
-``quant_max_rows``, batches of more rows run on a dense bf16 copy through the plan's 16-bit GEMM (AMX tiles beat the integer dot
-products there).
+``quant_max_rows``, batches of more rows run on its ``quant_large`` path: a dense bf16 copy
+through the plan's 16-bit GEMM (AMX tiles beat the integer dot products there), or, where that
+copy would not fit the memory, the integer GEMM on AMX tiles.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class QuantizedLinear(nn.Module):
 
     def __init__(
         self, in_features: int, weight_rows: int, bias: bool, lib: KernelLibrary, dense_above_rows: int | None = None,
-        dense_gemm: str = "amx", silu_mul: bool = False,
+        dense_gemm: str = "amx", silu_mul: bool = False, amx_above_rows: int | None = None,
     ) -> None:
         super().__init__()
         if silu_mul and (bias or weight_rows % 2):
@@ -46,6 +47,9 @@ class QuantizedLinear(nn.Module):
         self.dense_above_rows = dense_above_rows  # None: the integer GEMM at every batch size
         self.dense_gemm = dense_gemm  # the GEMM path of the dense copy
         self.dense: nn.Module | None = None
+        self.amx_above_rows = amx_above_rows  # batches above: the integer GEMM on AMX tiles
+        if dense_above_rows is not None and amx_above_rows is not None:
+            raise ValueError("a quantized linear runs big batches on a dense copy or on AMX tiles, not both")
 
     def load_rows(self, rows: slice | None, weight: torch.Tensor | QuantizedWeight) -> None:
         """Take the weight rows ``rows`` (None: all) from a checkpoint tensor: a
@@ -91,7 +95,8 @@ class QuantizedLinear(nn.Module):
         return KernelLinear(linear, self.kernels, self.dense_gemm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The integer GEMM, or the dense copy for batches above ``dense_above_rows``."""
+        """The integer GEMM (on AMX tiles above ``amx_above_rows``), or the dense copy for
+        batches above ``dense_above_rows``."""
         if x.dim() != 2:
             shape = x.shape
             return self.forward(x.reshape(-1, shape[-1])).view(*shape[:-1], self.out_features)
@@ -99,13 +104,17 @@ class QuantizedLinear(nn.Module):
             out = self.dense(x)
         else:
             epilogue = "silu_mul" if self.silu_mul else "none"
-            out = self.kernels.gemm_q(x, self.packed, self.format, self.out_features, epilogue)
+            out = self.kernels.gemm_q(x, self.packed, self.format, self.out_features, epilogue, self.uses_amx(x.shape[0]))
         return out if self.bias is None else out.add_(self.bias)
+
+    def uses_amx(self, rows: int) -> bool:
+        """Whether a batch of ``rows`` runs the integer GEMM on AMX tiles."""
+        return self.amx_above_rows is not None and rows > self.amx_above_rows
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"silu_mul={self.silu_mul}, format={self.format or 'unloaded'}, "
-                f"dense_above_rows={self.dense_above_rows}")  # fmt: skip
+                f"dense_above_rows={self.dense_above_rows}, amx_above_rows={self.amx_above_rows}")  # fmt: skip
 
 
 def quantized_plan(plan: KernelPlan | None) -> bool:
@@ -123,4 +132,6 @@ def linear_for_plan(
             raise ValueError("silu_mul is fused into quantized linears only")
         return nn.Linear(in_features, out_features, bias=bias)
     assert plan is not None and plan.kernels is not None  # quantized_plan
-    return QuantizedLinear(in_features, out_features, bias, plan.kernels, plan.quant_max_rows, plan.gemm, silu_mul)
+    copy = plan.quant_max_rows if plan.quant_large == "dense" else None
+    tiles = plan.quant_max_rows if plan.quant_large == "integer-amx" else None
+    return QuantizedLinear(in_features, out_features, bias, plan.kernels, copy, plan.gemm, silu_mul, tiles)

@@ -29,6 +29,12 @@ QUANT_MAX_ROWS_AMX = 8
 # ... but only while that copy takes at most this share of the memory available at start-up:
 # a 7B model's copy is ~14 GB, which quantized weights are chosen to avoid.
 DENSE_COPY_MEMORY_SHARE = 0.25
+# Without the copy, batches of more rows than this run the integer GEMM on AMX tiles: 1.2-1.3x
+# its dot products from 16 rows on, slower below (benchmarks/qgemm_micro.py, the default model's
+# linears: 8 rows 5.8 against 7.4 ms, 16 rows 10.2 against 8.7, 64 rows 34.8 against 27.2;
+# the copy: 5.6, 5.3, 10.2). Each block of 32 needs its int32 tile stored and scaled in fp32,
+# which caps the tiles well below the copy's bf16 rate (benchmarks/NOTES.md, 38).
+QUANT_MAX_ROWS_AMX_INT8 = 12
 
 
 def _dense_copy_fits(request: WeightRequest) -> bool:
@@ -118,6 +124,7 @@ def plan_kernels(
     backend = _resolve_attention(attention, device, lib)
     fused = (held != "dense" or gemm in OWN_GEMM_PATHS) and backend == "cpu_paged" and elementwise == "kernel"
     copy = held != "dense" and gemm == "amx" and _dense_copy_fits(weights)
+    tiles = held != "dense" and not copy and lib is not None and lib.gemm_q_amx_available
     return KernelPlan(
         device="cpu",
         cpu=feature_summary(flags),
@@ -129,7 +136,8 @@ def plan_kernels(
         argmax=elementwise,
         weights=held,
         qgemm=lib.gemm_q_path if held != "dense" and lib is not None else "none",
-        quant_max_rows=QUANT_MAX_ROWS_AMX if copy else None,
+        quant_max_rows=QUANT_MAX_ROWS_AMX if copy else QUANT_MAX_ROWS_AMX_INT8 if tiles else None,
+        quant_large="integer-amx" if tiles else "dense",
         decoder="fused" if fused else "layers",
         kernels=lib,
     )

@@ -34,7 +34,8 @@ def test_an_avx2_plan_runs_pagellm_kernels_everywhere(dtype):
     assert plan.kernels is not None and plan.kernels.march == ("-march=x86-64-v3",)
     assert plan.describe() == (
         f"cpu={plan.cpu} kernel_target=-march=x86-64-v3 dtype={str(dtype).removeprefix('torch.')} gemm=avx2 "
-        "attention=cpu_paged norm=kernel rotary=kernel argmax=kernel weights=dense qgemm=none quant_max_rows=none decoder=fused"
+        "attention=cpu_paged norm=kernel rotary=kernel argmax=kernel weights=dense qgemm=none quant_max_rows=none "
+        "quant_large=none decoder=fused"
     )
 
 

@@ -150,6 +150,39 @@ def test_paths_agree_bit_for_bit() -> None:
         assert all(torch.equal(outputs[0], out) for out in outputs[1:])
 
 
+@pytest.fixture(scope="module")
+def amx_lib() -> KernelLibrary:
+    """This machine's own build, where it has the integer GEMM on AMX tiles."""
+    lib = _library(("-march=native",))
+    if not lib.gemm_q_amx_available:
+        pytest.skip("no AMX-INT8 tiles this process may use (built where the compiler targets them)")
+    return lib
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8", "q4f"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 16), (15, 96, 40), (16, 576, 48), (17, 100, 33), (45, 1536, 160)])
+def test_amx_tiles_equal_the_dot_products(amx_lib: KernelLibrary, fmt: str, dtype: torch.dtype, m: int, k: int,
+                                          n: int) -> None:
+    """The same integers and the same fp32 epilogue on AMX tiles: the dot-product path's bits, for
+    row counts around the 16-row tile, ragged k and n, plain and silu_mul."""
+    g = torch.Generator().manual_seed(m * 7 + k + n)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    plain = qf.pack(_random_weight(fmt, n, k, g))
+    assert torch.equal(amx_lib.gemm_q(x, plain, fmt, n, amx=True), amx_lib.gemm_q(x, plain, fmt, n))
+    fused = qf.pack_silu_mul(_random_weight(fmt, 2 * n, k, g))
+    expected = amx_lib.gemm_q(x, fused, fmt, n, "silu_mul")
+    assert torch.equal(amx_lib.gemm_q(x, fused, fmt, n, "silu_mul", amx=True), expected)
+
+
+def test_amx_tiles_are_refused_where_the_build_has_none() -> None:
+    lib = _library(PATHS[2][0])  # x86-64-v4 + VNNI: no AMX in the build
+    assert not lib.gemm_q_amx_available
+    weight = _random_weight("q4", 16, 64, torch.Generator().manual_seed(8))
+    with pytest.raises(RuntimeError, match="AMX"):
+        lib.gemm_q(torch.randn(2, 64), qf.pack(weight), "q4", 16, amx=True)
+
+
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0])
 def test_gguf_blocks_mean_what_gguf_says(qtype: GGMLQuantizationType) -> None:
     rng = np.random.default_rng(0)

@@ -139,6 +139,25 @@ def test_dense_copy_takes_batches_above_the_threshold(cpu_plan) -> None:
         torch.testing.assert_close(got.float(), expected, rtol=3e-2, atol=3e-2 * float(expected.abs().max()))
 
 
+def test_amx_tiles_take_batches_above_the_threshold(cpu_plan) -> None:
+    """With ``amx_above_rows`` bigger batches run the integer GEMM on AMX tiles: no dense copy,
+    and the dot products' bits."""
+    plan = cpu_plan(torch.bfloat16)
+    if plan.kernels is None or not plan.kernels.gemm_q_amx_available:
+        pytest.skip("no integer GEMM on AMX tiles here")
+    weight = torch.randn(48, 64, generator=torch.Generator().manual_seed(0))
+    tiles = QuantizedLinear(64, 48, False, plan.kernels, amx_above_rows=2)
+    plain = QuantizedLinear(64, 48, False, plan.kernels)
+    for layer in (tiles, plain):
+        layer.load_rows(None, weight)
+        layer.finish_loading()
+    assert tiles.dense is None and tiles.uses_amx(3) and not tiles.uses_amx(2)
+    x = torch.randn(20, 64).bfloat16()
+    assert torch.equal(tiles(x), plain(x))
+    with pytest.raises(ValueError, match="not both"):
+        QuantizedLinear(64, 48, False, plan.kernels, dense_above_rows=2, amx_above_rows=2)
+
+
 def test_missing_rows_are_refused(cpu_plan) -> None:
     plan = cpu_plan(torch.float32)
     if plan.kernels is None:
@@ -162,15 +181,19 @@ def _generate_fused_or_not(llm: LLM, fused: bool) -> list[tuple[list[int], list[
 
 
 @pytest.mark.parametrize("case", [
-    "default-gguf-bf16", "qwen2-int8-f32", "qwen2-int8-bf16", "llama-int8-bf16-fp8kv", "llama-dense-bf16",
+    "default-gguf-bf16", "default-gguf-bf16-amx-int8", "qwen2-int8-f32", "qwen2-int8-bf16", "llama-int8-bf16-fp8kv", "llama-dense-bf16",
     "llama-dense-bf16-no-amx", "qwen2-dense-f32-avx2",
 ])
-def test_fused_decoder_equals_the_layers(request: pytest.FixtureRequest, case: str) -> None:
+def test_fused_decoder_equals_the_layers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+                                         case: str) -> None:
     """One C++ call for the whole decoder stack gives the Python layers' results bit for bit
-    (qkv bias, an fp8 cache, float32, and dense weights on pagellm's bf16 and AVX2 GEMMs
-    included)."""
+    (qkv bias, an fp8 cache, float32, dense weights on pagellm's bf16 and AVX2 GEMMs, and
+    quantized ones on AMX tiles included)."""
+    if case.endswith("amx-int8"):  # no memory for dense copies: big batches on AMX tiles
+        monkeypatch.setattr("pagellm.worker.kernel_plan.DENSE_COPY_MEMORY_SHARE", 0.0)
     options: dict[str, object] = {
         "default-gguf-bf16": dict(dtype="bfloat16"),
+        "default-gguf-bf16-amx-int8": dict(dtype="bfloat16"),
         "qwen2-int8-f32": dict(model=request.getfixturevalue("tiny_qwen2_path"), dtype="float32",
                                quantization="int8"),
         "qwen2-int8-bf16": dict(model=request.getfixturevalue("tiny_qwen2_path"), dtype="bfloat16",
@@ -185,7 +208,13 @@ def test_fused_decoder_equals_the_layers(request: pytest.FixtureRequest, case: s
                                      cpu_isa="avx2"),
     }[case]
     fused_llm = LLM(num_kv_blocks=128, **options)
-    assert fused_llm.llm_engine.kernel_plan.decoder == "fused"
+    plan = fused_llm.llm_engine.kernel_plan
+    assert plan.decoder == "fused"
+    if case.endswith("amx-int8"):
+        if plan.quant_large != "integer-amx":
+            pytest.skip("no integer GEMM on AMX tiles here")
+        prompt_tokens = sum(len(fused_llm.get_tokenizer().encode(p)) for p in PROMPTS)  # the first step's rows
+        assert plan.quant_max_rows is not None and prompt_tokens > plan.quant_max_rows
     fused = _generate_fused_or_not(fused_llm, True)
     stack = fused_llm.llm_engine.model_runner.model._fused_stack
     assert stack is not None and stack.steps >= 11  # at least the decode steps ran on it
@@ -205,8 +234,11 @@ def test_dense_copy_only_where_memory_allows(cpu_plan) -> None:
         return plan_kernels(KernelConfig.from_env(), torch.device("cpu"), "auto", lambda fast: torch.bfloat16, request)
 
     small, huge = plan(1 << 20), plan(1 << 50)
-    assert huge.quant_max_rows is None and huge.weights == "gguf"
-    assert small.quant_max_rows == (8 if small.gemm == "amx" else None)
+    tiles = huge.kernels is not None and huge.kernels.gemm_q_amx_available
+    assert huge.weights == "gguf" and huge.quant_large == ("integer-amx" if tiles else "dense")
+    assert huge.quant_max_rows == (12 if tiles else None)  # the copy's place taken by AMX-INT8 tiles
+    assert small.quant_max_rows == (8 if small.gemm == "amx" else 12 if tiles else None)
+    assert small.quant_large == ("dense" if small.gemm == "amx" else huge.quant_large)
 
 
 def test_layers_with_biases_the_call_does_not_take_run_as_modules(tmp_path, default_tokenizer) -> None:

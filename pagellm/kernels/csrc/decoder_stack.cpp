@@ -24,7 +24,8 @@ extern "C" {
 // One packed linear and the GEMM that multiplies it.
 struct PagellmLinear {
     const void* weight;
-    int32_t kind;      // 0 integer GEMM, 1 bf16 GEMM (dot products), 2 bf16 GEMM on AMX tiles, 3 AVX2 GEMM
+    int32_t kind;      // 0 integer GEMM, 1 bf16 GEMM (dot products), 2 bf16 GEMM on AMX tiles, 3 AVX2 GEMM,
+                       // 4 integer GEMM on AMX tiles
     int32_t format;    // integer GEMM: its w_format; AVX2 GEMM: w_dtype (0 float32, 1 bf16)
     int32_t epilogue;  // that GEMM's epilogue code (gate_up: its silu_mul)
     int32_t reserved;
@@ -71,7 +72,8 @@ namespace {
 int linear(const PagellmLinear& w, const void* a, int64_t m, int64_t k, void* c, int64_t n, int dtype, int threads) {
     switch (w.kind) {
         case 0:
-            return pagellm_gemm_q(a, k, m, k, w.weight, n, c, n, dtype, w.format, w.epilogue, threads);
+        case 4:
+            return pagellm_gemm_q(a, k, m, k, w.weight, n, c, n, dtype, w.format, w.epilogue, threads, w.kind == 4);
         case 1:
         case 2:
             if (dtype != 1) return -1;
