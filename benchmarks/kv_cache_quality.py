@@ -61,7 +61,7 @@ def score(model: str | None, options: dict[str, Any], tokens: int, count: int) -
     """The per-token log-probabilities of every chunk under one configuration, and its plan."""
     llm = LLM(model, enable_prefix_caching=False, **options)
     texts = chunks(llm.get_tokenizer(), tokens, count)
-    plan = llm.llm_engine.kernel_plan.describe()
+    plan = llm.llm_engine.worker.kernel_plan.describe()
     return [token_logprobs(llm, ids) for ids in texts], plan
 
 

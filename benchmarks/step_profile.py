@@ -71,11 +71,11 @@ def main() -> None:
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.batch, enable_prefix_caching=False,
               num_threads=args.num_threads, kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.llm_engine
-    instrument(engine.model_runner.model, engine.kernel_plan.kernels)
-    print(f"kernel plan: {engine.kernel_plan.describe()}")
+    instrument(engine.worker.model_runner.model, engine.worker.kernel_plan.kernels)
+    print(f"kernel plan: {engine.worker.kernel_plan.describe()}")
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
-    vocab = engine.arch.vocab_size
+    vocab = engine.worker.arch.vocab_size
     for i in range(args.batch):
         ids = torch.randint(3, vocab, (args.input_len,), generator=g).tolist()
         engine.add_tokenized_request(f"r{i}", None, ids, params)
@@ -83,14 +83,14 @@ def main() -> None:
     prefill: list[dict[str, float]] = []
     decode: list[dict[str, float]] = []
     step_shape: list[tuple[int, int]] = []  # (tokens, requests) of the step being run
-    execute = engine.model_runner.execute
+    execute = engine.worker.model_runner.execute
 
     def counting_execute(scheduler_output: Any) -> Any:
         scheduled = scheduler_output.scheduled
         step_shape.append((sum(r.num_tokens for r in scheduled), len(scheduled)))
         return execute(scheduler_output)
 
-    engine.model_runner.execute = counting_execute
+    engine.worker.model_runner.execute = counting_execute
     while engine.has_unfinished_requests():
         _times.clear()
         step_shape.clear()

@@ -86,7 +86,7 @@ class CacheConfig:
 
     block_size: int = 16
     kv_cache_memory: int | str = "1GiB"
-    num_blocks: int | None = None  # overrides kv_cache_memory (tests, benchmarks)
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests, benchmarks)
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # or "fp8" / "fp8_e4m3": see resolve_kv_cache_dtype
     kv_cache_bytes: int = field(init=False)
@@ -95,8 +95,8 @@ class CacheConfig:
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
         self.kv_cache_bytes = parse_memory_size(self.kv_cache_memory)
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)  # fail early on a bad name
 
 

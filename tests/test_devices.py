@@ -19,7 +19,7 @@ from pagellm.attention import ReferenceAttention, TorchSDPAAttention, get_attent
 from pagellm.benchmarks.random_model import write_random_model
 from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.engine.engine_process import EngineProcess
-from pagellm.entrypoints.llm import engine_config
+from pagellm.engine_args import EngineArgs
 from tests.attention.test_attention import HEADS, TOL, dense_expected, make_step, random_reqs
 from tests.hf_reference import hf_greedy, load_hf_model
 
@@ -83,13 +83,13 @@ def test_greedy_matches_hf(model_and_reference, device, engine_kwargs):
     path, expected, _ = model_and_reference
     llm = LLM(path, dtype="float32", device=device, **engine_kwargs)
     engine = llm.llm_engine
-    assert engine.model_runner.kv_cache[0][0].device.type == device
-    assert engine.model.lm_head.weight.device.type == device
+    assert engine.worker.model_runner.kv_cache[0][0].device.type == device
+    assert engine.worker.model_runner.model.lm_head.weight.device.type == device
     outputs = llm.generate(_ids(PROMPTS), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     if engine_kwargs.get("num_kv_blocks"):
         assert engine.stats.num_preemptions > 0, "the small pool was meant to force preemption"
-    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+    assert engine.kv_cache_manager.num_free_blocks == engine.worker.num_blocks
 
 
 def test_prefix_cache_hits_match_hf(model_and_reference, device):
@@ -136,7 +136,7 @@ def test_sampling_options_reproducible_with_caching_on_and_off(tiny_models, devi
         llm = LLM(path, dtype="float32", device=device, block_size=4, enable_prefix_caching=caching, **pool)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         engine = llm.llm_engine
-        assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+        assert engine.kv_cache_manager.num_free_blocks == engine.worker.num_blocks
         return outputs, engine.stats
 
     on, on_stats = run(True)
@@ -170,8 +170,8 @@ def test_auto_dtype_and_bf16_generation(tiny_models, device):
     path = tiny_models["tiny-llama"]
     llm = LLM(path, device=device, block_size=16, num_kv_blocks=64)
     want = torch.bfloat16 if device == "cuda" else torch.float32
-    assert llm.llm_engine.dtype is want
-    assert llm.llm_engine.model_runner.kv_cache[0][0].dtype is want
+    assert llm.llm_engine.worker.dtype is want
+    assert llm.llm_engine.worker.model_runner.kv_cache[0][0].dtype is want
     if want is not torch.bfloat16:
         return
     outputs = llm.generate(_ids(PROMPTS), GREEDY, use_tqdm=False)
@@ -189,7 +189,8 @@ def test_auto_dtype_and_bf16_generation(tiny_models, device):
 def test_engine_process_on_device(tiny_models, device):
     """The server's engine (its own process, spawned) gives what the in-process engine gives."""
     path = tiny_models["tiny-llama"]
-    proc = EngineProcess(engine_config(path, dtype="float32", device=device, num_kv_blocks=64, block_size=4))
+    config = EngineArgs(path, dtype="float32", device=device, num_kv_blocks=64, block_size=4).create_engine_config()
+    proc = EngineProcess(config)
     try:
         for i, ids in enumerate(PROMPTS[:3]):
             proc.add_tokenized_request(f"r{i}", None, ids, GREEDY, stream=True)

@@ -14,6 +14,25 @@ from typing import Any
 RESULTS_DIR = Path("benchmarks") / "results"
 
 
+def bench_extra(module: str, what: str) -> Any:
+    """Import ``module``, one of the ``pagellm[bench]`` extra's (plotting, the load client),
+    or fail saying how to install it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise RuntimeError(f"{what} needs {module.split('.')[0]}: pip install 'pagellm[bench]'") from None
+
+
+def engine_options(config: object) -> dict[str, Any]:
+    """The engine options (``EngineArgs`` fields) a benchmark configuration carries, None meaning
+    "the engine's default"; its ``seed`` seeds the workload, not the engine, and stays out."""
+    from pagellm.engine_args import ENGINE_OPTION_NAMES
+
+    return {name: getattr(config, name) for name in ENGINE_OPTION_NAMES if name != "seed" and hasattr(config, name)}
+
+
 # ---- memory --------------------------------------------------------------------------
 
 

@@ -1,7 +1,9 @@
 """``pagellm bench {throughput,latency,memory,sweep,serve}``: argument parsing and the handler.
 
-Wire into the main CLI with ``add_bench_subparser(subparsers)``; the parser it adds sets
-``handler=bench_main``. Until then: ``python -m pagellm.benchmarks <subcommand> ...``.
+The product CLI passes ``pagellm bench ...`` to :func:`main`, importing this module only then;
+``add_bench_subparser(subparsers)`` wires the same parser into another CLI. Engine options are
+``EngineArgs`` fields (:func:`pagellm.engine_args.add_engine_args`), defaulting to None here:
+"the engine's default", except the dtype (bfloat16, as the figures in benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 from pagellm.benchmarks._common import RESULTS_DIR, write_json
 from pagellm.benchmarks.workloads import WORKLOADS
-from pagellm.config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES
+from pagellm.engine_args import add_engine_args
 
 
 def _int_list(text: str) -> list[int]:
@@ -48,24 +50,15 @@ def _add_workload_args(parser: argparse.ArgumentParser, default: str) -> None:
     group.add_argument("--seed", type=int, default=0)
 
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
-    group.add_argument("--dtype", default="bfloat16", help="bfloat16 (default here) or float32")
-    group.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
-                       help="weights: auto (the engine's: a GGUF file's own blocks unless float32), none, gguf, int8")
-    group.add_argument("--max-num-seqs", type=int, default=None)
-    group.add_argument("--max-num-batched-tokens", type=int, default=None)
-    group.add_argument("--kv-cache-memory", default=None, help="e.g. 1GiB")
-    group.add_argument("--block-size", type=int, default=None)
-    group.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPE_CHOICES,
-                       help="K/V storage (default: the engine's, auto); passed to vLLM too (throughput)")
-    group.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-        help="pass enable_prefix_caching to LLM (default: the engine's default)",
-    )
-    group.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
-    group.add_argument("--attention-backend", default=None)
+# The engine options each benchmark takes (EngineArgs fields).
+_THROUGHPUT_ENGINE = ("model", "dtype", "quantization", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
+                      "block_size", "kv_cache_dtype", "enable_prefix_caching", "num_threads", "attention_backend")
+_LATENCY_ENGINE = ("model", "dtype", "quantization", "num_threads", "kv_cache_dtype", "attention_backend")
+
+
+def _add_engine_args(parser: argparse.ArgumentParser, names: tuple[str, ...] = _THROUGHPUT_ENGINE) -> None:
+    defaults = dict.fromkeys(names, None) | {"dtype": "bfloat16"}
+    add_engine_args(parser, names, defaults, positional_model=False)
 
 
 def add_bench_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -99,17 +92,11 @@ def _fill_bench_parser(bench: argparse.ArgumentParser) -> None:
     _add_common(tp)
 
     lat = sub.add_parser("latency", help="one user at a time (batch 1): prefill and decode tok/s")
-    lat.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
-    lat.add_argument("--dtype", default="bfloat16", help="bfloat16 (default here) or float32")
-    lat.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
-                       help="weights: auto (the engine's: a GGUF file's own blocks unless float32), none, gguf, int8")
+    _add_engine_args(lat, _LATENCY_ENGINE)
     lat.add_argument("--input-len", type=int, default=128, help="prompt tokens (128)")
     lat.add_argument("--output-len", type=int, default=256, help="greedy tokens generated (256)")
     lat.add_argument("--repeats", type=int, default=3, help="requests timed, one after another (median reported)")
     lat.add_argument("--seed", type=int, default=0)
-    lat.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
-    lat.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPE_CHOICES)
-    lat.add_argument("--attention-backend", default=None)
     lat_cmp = lat.add_argument_group("comparison")
     lat_cmp.add_argument("--compare", action="append", default=[], choices=["llamacpp"],
                          help="also run llama.cpp's llama-bench on the same GGUF, same threads and lengths")
@@ -267,8 +254,9 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagellm.benchmarks", description="pagellm benchmarks")
+def main(argv: list[str] | None = None, prog: str = "python -m pagellm.benchmarks") -> int:
+    """``pagellm bench ...`` (the product CLI hands its arguments here) and ``python -m pagellm.benchmarks``."""
+    parser = argparse.ArgumentParser(prog=prog, description="pagellm benchmarks")
     _fill_bench_parser(parser)
     args = parser.parse_args(argv)
     return args.handler(args)

@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pagellm.benchmarks._common import format_table, machine_info, model_token_facts, peak_rss_mib
+from pagellm.benchmarks._common import engine_options, format_table, machine_info, model_token_facts, peak_rss_mib
 from pagellm.benchmarks.workloads import fixed_workload
 
 COMPARE_CHOICES = ("llamacpp",)
@@ -87,9 +87,8 @@ def run_latency(cfg: LatencyConfig) -> dict[str, Any]:
     # Checked first, so a missing binary or a non-GGUF model fails before minutes of pagellm timing.
     binary = llama_bench_binary(cfg.llama_bench) if "llamacpp" in cfg.compare else None
     gguf = gguf_model_path(cfg.model) if binary else None
-    options = dict(dtype=cfg.dtype, quantization=cfg.quantization, max_num_seqs=1, enable_prefix_caching=False,
-                   num_threads=cfg.num_threads, kv_cache_dtype=cfg.kv_cache_dtype, attention_backend=cfg.attention_backend)
-    llm = LLM(cfg.model, **{k: v for k, v in options.items() if v is not None})
+    options = engine_options(cfg) | dict(max_num_seqs=1, enable_prefix_caching=False)
+    llm = LLM(**{k: v for k, v in options.items() if v is not None})
     engine = llm.llm_engine
     vocab_size, special = model_token_facts(cfg.model)
     prompts = fixed_workload(vocab_size, cfg.repeats + 1, cfg.input_len, cfg.output_len, cfg.seed, special)

@@ -15,7 +15,7 @@ import gc
 import time
 from typing import Any
 
-from pagellm.benchmarks._common import format_table, machine_info
+from pagellm.benchmarks._common import bench_extra, format_table, machine_info
 from pagellm.benchmarks.workloads import fixed_workload
 
 
@@ -52,7 +52,7 @@ def run_sweep(
             from pagellm.benchmarks.hf_baseline import hf_generation_ids, load_hf_model, run_static_batches
             import torch
 
-            from pagellm.engine.llm_engine import engine_dtype
+            from pagellm.worker.worker import engine_dtype
 
             if hf_model is None:
                 hf_model = load_hf_model(model, engine_dtype(dtype, model, torch.device("cpu")))
@@ -87,8 +87,7 @@ def format_sweep(report: dict[str, Any]) -> str:
 
 def plot_summary(sweep: dict[str, Any] | None, memory: dict[str, Any] | None, path: str, title: str = "") -> str:
     """Write the figure to ``path`` (PNG); either panel may be missing."""
-    import matplotlib
-
+    matplotlib = bench_extra("matplotlib", "pagellm bench sweep's plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

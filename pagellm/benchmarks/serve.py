@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pagellm.benchmarks._common import format_table, machine_info, mean, percentile
+from pagellm.benchmarks._common import bench_extra, format_table, machine_info, mean, percentile
 from pagellm.benchmarks.workloads import BenchRequest, Workload
 
 
@@ -125,7 +125,7 @@ async def run_serve_async(
     timeout_s: float = 600.0,
     transport: Any = None,  # an httpx transport (tests: httpx.ASGITransport(app))
 ) -> dict[str, Any]:
-    import httpx
+    httpx = bench_extra("httpx", "pagellm bench serve")
     from tqdm.auto import tqdm
 
     n = len(workload)
@@ -254,7 +254,7 @@ def run_load(
     """``num_requests`` text prompts at fixed concurrency (the former ``benchmarks/serve_load.py``)."""
 
     async def go() -> tuple[list[RequestResult], float]:
-        import httpx
+        httpx = bench_extra("httpx", "the load client")
 
         limit = asyncio.Semaphore(concurrency)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

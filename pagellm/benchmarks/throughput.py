@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import ctypes.util
 import importlib.util
-import inspect
 import json
 import os
 import statistics
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pagellm.benchmarks._common import (
+    engine_options,
     format_table,
     machine_info,
     model_token_facts,
@@ -83,9 +83,9 @@ _NOT_ENGINE = frozenset({"hf_attn", "results_dir", "vllm_model_dir"})
 
 def llm_kwargs(options: dict[str, Any]) -> dict[str, Any]:
     """Keep only the options this version of ``LLM`` accepts (``None`` means: engine default)."""
-    from pagellm.entrypoints.llm import engine_config
+    from pagellm.engine_args import ENGINE_OPTION_NAMES
 
-    accepted = inspect.signature(engine_config).parameters  # LLM(model, **engine_options)
+    accepted = ENGINE_OPTION_NAMES  # LLM(**options) builds EngineArgs
     kwargs = {}
     for key, value in options.items():
         if value is None or key in _NOT_ENGINE:
@@ -168,7 +168,7 @@ def run_hf(
     import torch
 
     from pagellm.benchmarks.hf_baseline import hf_generation_ids, load_hf_model, run_static_batches, subset_indices
-    from pagellm.engine.llm_engine import engine_dtype
+    from pagellm.worker.worker import engine_dtype
 
     if options.get("num_threads"):
         torch.set_num_threads(int(options["num_threads"]))
@@ -404,23 +404,6 @@ def build_workload(cfg: ThroughputConfig) -> Workload:
     )
 
 
-def _engine_options(cfg: ThroughputConfig) -> dict[str, Any]:
-    return dict(
-        model=cfg.model,
-        dtype=cfg.dtype,
-        quantization=cfg.quantization,
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        kv_cache_memory=cfg.kv_cache_memory,
-        block_size=cfg.block_size,
-        kv_cache_dtype=cfg.kv_cache_dtype,
-        enable_prefix_caching=cfg.enable_prefix_caching,
-        num_threads=cfg.num_threads,
-        attention_backend=cfg.attention_backend,
-        device=cfg.device,
-    )
-
-
 def _median_result(runs: list[ThroughputResult]) -> ThroughputResult:
     """The run with the median elapsed time, annotated with the spread over all runs."""
     ordered = sorted(runs, key=lambda r: r.elapsed_s)
@@ -439,7 +422,7 @@ def _median_result(runs: list[ThroughputResult]) -> ThroughputResult:
 def run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
     """Run the configured systems (interleaved when repeating); returns the JSON report."""
     workload = build_workload(cfg)
-    options = dict(_engine_options(cfg), hf_attn=cfg.hf_attn, results_dir=cfg.results_dir)
+    options = dict(engine_options(cfg), hf_attn=cfg.hf_attn, results_dir=cfg.results_dir)
     jobs: list[dict[str, Any]] = [dict(system="pagellm")]
     skipped = []
     for other in cfg.compare:

@@ -62,7 +62,7 @@ def _engine_main(config: EngineConfig, conn: Connection, log_level: int) -> None
     except BaseException as exc:  # start-up failures travel to the parent, which raises them
         conn.send(("error", exc))
         return
-    conn.send(("ok", _Ready(engine.max_model_len, engine.arch.vocab_size, engine.stats, engine.kernel_plan_info)))
+    conn.send(("ok", _Ready(engine.max_model_len, engine.input_processor.vocab_size, engine.stats, engine.kernel_plan_info)))
     # Ctrl-C reaches the whole process group: the child leaves shutdown to the parent (which
     # closes the pipe), so a shutdown is never mistaken for a crash and restarted.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

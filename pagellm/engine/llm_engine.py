@@ -11,11 +11,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
-from pagellm.attention import get_attention_backend
-from pagellm.config import DeviceConfig, EngineConfig, ModelConfig, resolve_dtype, resolve_kv_cache_dtype
+from pagellm.config import EngineConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler
@@ -23,15 +21,11 @@ from pagellm.engine.beam_search import Beam, BeamSearchGroup, BeamSearchParams, 
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.model.arch_config import ModelArchConfig
-from pagellm.model.loader import auto_dtype, load_model, requested_weights
+from pagellm.model.loader import load_arch_config
 from pagellm.model.tokenizer import load_tokenizer
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
-from pagellm.kernels.plan import KernelPlan
-from pagellm.worker.device import auto_dtype_downcasts_float32, configure_threads, resolve_device
-from pagellm.worker.kernel_plan import plan_kernels
-from pagellm.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_budget
-from pagellm.worker.model_runner import ModelRunner
+from pagellm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -58,67 +52,37 @@ class EngineStats:
     kv_cache_usage: float = 0.0  # gauge: fraction of blocks in use
 
 
-def engine_kernel_plan(config: EngineConfig, device: torch.device) -> KernelPlan:
-    """The kernel plan an engine with ``config`` runs on ``device``, its dtype resolved ("auto"
-    as in ``auto_dtype``, knowing whether the plan multiplies bf16 fast here)."""
-
-    def choose_dtype(bf16_is_fast: bool) -> torch.dtype:
-        return resolve_dtype(config.model.dtype) or auto_dtype(
-            config.model.model, bf16_is_fast, auto_dtype_downcasts_float32(device)
-        )
-
-    weights = requested_weights(config.model)
-    return plan_kernels(config.kernels, device, config.device.attention_backend, choose_dtype, weights)
-
-
-def engine_dtype(dtype: str | torch.dtype, model: str | None, device: torch.device) -> torch.dtype:
-    """The dtype an engine with default kernel options runs ``model`` in on ``device``."""
-    config = EngineConfig(model=ModelConfig(model=model, dtype=dtype), device=DeviceConfig(device=device.type))
-    return engine_kernel_plan(config, device).dtype
+def eos_token_ids(arch: ModelArchConfig, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The ids that end a sequence: the model's, and the tokenizer's own."""
+    ids = set(arch.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
 
 
 class LLMEngine:
+    """Bookkeeping around a :class:`~pagellm.worker.worker.Worker`: requests in, one step at a
+    time (schedule -> execute -> update -> outputs), outputs out."""
+
     def __init__(self, config: EngineConfig) -> None:
         start = time.monotonic()
         self.config = config
-        self.device = resolve_device(config.device.device)
-        configure_threads(self.device, config.device.num_threads)
-        torch.manual_seed(config.model.seed)
-        self.kernel_plan = engine_kernel_plan(config, self.device)
-        dtype = self.dtype = self.kernel_plan.dtype
-        logger.info("kernel plan: %s", self.kernel_plan.describe())
-
-        attn_backend = get_attention_backend(self.kernel_plan.attention, self.device, self.kernel_plan.kernels)
-        self.model, self.arch = load_model(config.model.model, dtype, attn_backend, self.device, self.kernel_plan)
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(config.model.model, config.model.chat_template)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype)
-        self.num_blocks = self._num_blocks(self.arch, self.kv_cache_dtype)
-        self.max_model_len = self._max_model_len(self.arch)
+        arch = load_arch_config(config.model.model)
+        self.eos_token_ids = eos_token_ids(arch, self.tokenizer)
+        self.worker = Worker(config, sorted(self.eos_token_ids))
         block_size = config.cache.block_size
-        kv_cache = allocate_kv_cache(
-            self.arch.num_hidden_layers,
-            self.num_blocks,
-            block_size,
-            self.arch.num_key_value_heads,
-            self.arch.head_dim,
-            self.kv_cache_dtype,
-            self.device,
-        )
         self.kv_cache_manager = KVCacheManager(
-            self.num_blocks, block_size, enable_caching=config.cache.enable_prefix_caching
+            self.worker.num_blocks, block_size, enable_caching=config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             config.scheduler.max_num_seqs,
             config.scheduler.max_num_batched_tokens,
-            self.max_model_len,
-        )
-        self.eos_token_ids = self._eos_token_ids()
-        self.model_runner = ModelRunner(
-            self.model, kv_cache, block_size, self.device, sorted(self.eos_token_ids), self.kernel_plan
+            self.worker.max_model_len,
         )
         self.input_processor = InputProcessor(
-            self.tokenizer, self.arch.vocab_size, self.max_model_len, config.limits, config.scheduler.max_num_seqs
+            self.tokenizer, arch.vocab_size, self.worker.max_model_len, config.limits, config.scheduler.max_num_seqs
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
@@ -129,53 +93,22 @@ class LLMEngine:
         logger.info(
             "engine ready in %.1fs: %s, %d KV blocks of %d tokens (%s), max_model_len %d",
             time.monotonic() - start,
-            self.arch.architecture,
-            self.num_blocks,
+            arch.architecture,
+            self.worker.num_blocks,
             block_size,
-            str(self.kv_cache_dtype).removeprefix("torch."),
-            self.max_model_len,
+            str(self.worker.kv_cache_dtype).removeprefix("torch."),
+            self.worker.max_model_len,
         )
+
+    @property
+    def max_model_len(self) -> int:
+        """The context limit (the worker's: the model's, within the KV pool)."""
+        return self.worker.max_model_len
 
     @property
     def kernel_plan_info(self) -> dict[str, str]:
         """The kernel plan as plain strings (``/version``, benchmark reports)."""
-        return self.kernel_plan.as_dict()
-
-    # ---- start-up helpers ------------------------------------------------------
-
-    def _num_blocks(self, arch: ModelArchConfig, dtype: torch.dtype) -> int:
-        cache = self.config.cache
-        if cache.num_blocks is not None:
-            return cache.num_blocks
-        block_bytes = bytes_per_block(
-            arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, cache.block_size, dtype
-        )
-        return num_blocks_for_budget(cache.kv_cache_bytes, block_bytes)
-
-    def _max_model_len(self, arch: ModelArchConfig) -> int:
-        """The model's limit, never more than the KV pool can hold for one request."""
-        pool_tokens = self.num_blocks * self.config.cache.block_size
-        requested = self.config.model.max_model_len
-        if requested is None:
-            return min(arch.max_position_embeddings, pool_tokens)
-        if requested > pool_tokens:
-            raise ValueError(
-                f"max_model_len={requested} does not fit in the KV cache ({self.num_blocks} blocks of "
-                f"{self.config.cache.block_size} tokens = {pool_tokens} tokens); raise kv_cache_memory "
-                "or lower max_model_len"
-            )
-        if requested > arch.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={requested} is longer than the model's context "
-                f"({arch.max_position_embeddings} positions)"
-            )
-        return requested
-
-    def _eos_token_ids(self) -> frozenset[int]:
-        ids = set(self.arch.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return frozenset(ids)
+        return self.worker.kernel_plan.as_dict()
 
     # ---- requests ------------------------------------------------------------------
 
@@ -380,7 +313,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.model_runner.execute(scheduler_output)
+        runner_output = self.worker.execute(scheduler_output)
         updated, finished = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, stopped = self.output_processor.process(runner_output, updated, finished)
         if stopped:

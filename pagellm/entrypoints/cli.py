@@ -1,7 +1,9 @@
 """The ``pagellm`` command: ``pagellm serve [MODEL]`` and ``pagellm generate --prompt TEXT``.
 
-Both subcommands take the same engine options, mapped once (``engine_kwargs``) onto the
-offline ``LLM`` constructor, so the server and offline runs are configured identically.
+Both subcommands take the same engine options, the fields of ``EngineArgs`` (flags added by
+``add_engine_args``), so the server and offline runs are configured identically. ``pagellm
+bench`` is loaded only when it runs (its plotting and load-client dependencies are the
+``pagellm[bench]`` extra).
 """
 
 from __future__ import annotations
@@ -12,10 +14,8 @@ import os
 import sys
 from typing import Any
 
-from pagellm.benchmarks.cli import add_bench_subparser
-from pagellm.config import KV_CACHE_DTYPE_CHOICES
+from pagellm.engine_args import EngineArgs, add_engine_args
 from pagellm.model.default_model import DEFAULT_MODEL_NAME
-from pagellm.config import GEMM_CHOICES, ISA_CHOICES, QUANTIZATION_CHOICES
 from pagellm.utils import LOG_FORMAT
 
 logger = logging.getLogger("pagellm")
@@ -24,88 +24,9 @@ logger = logging.getLogger("pagellm")
 API_KEY_ENV = "PAGELLM_API_KEY"
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Options of the engine itself, shared by every subcommand."""
-    parser.add_argument(
-        "model", nargs="?", default=None,
-        help=f"HF folder (config.json + safetensors) or .gguf file; default: {DEFAULT_MODEL_NAME}",
-    )
-    group = parser.add_argument_group("engine")
-    group.add_argument(
-        "--dtype", default="auto",
-        help="auto (bfloat16 for 16-bit/GGUF checkpoints where the kernel plan multiplies bf16 fast, else float32), float32 or bfloat16",
-    )
-    group.add_argument(
-        "--quantization", default="auto", choices=QUANTIZATION_CHOICES,
-        help="auto (a quantized GGUF's weights on integer kernels: Q4_0/Q4_1/Q8_0/Q4_K as they are, other types "
-        "re-quantized to int8 blocks; unless the dtype is float32), none (dequantized), gguf (as auto, required), "
-        "int8 (any checkpoint's linears to int8 blocks)",
-    )
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    group.add_argument("--kv-cache-memory", default="1GiB", help="KV-cache budget, e.g. 512MiB or 2GiB")
-    group.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides memory)")
-    group.add_argument(
-        "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
-        help="K/V storage: auto (the model's dtype) or fp8 (= fp8_e4m3: half the memory of bf16, rounded)",
-    )
-    group.add_argument("--max-num-seqs", type=int, default=128, help="most sequences in one step")
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="most tokens computed in one step")
-    group.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
-    group.add_argument("--seed", type=int, default=0, help="seed for sampling without a per-request seed")
-    group.add_argument("--chat-template", default=None, help="Jinja file that replaces the model's chat template")
-    group.add_argument("--device", default="cpu", help="cpu (or cuda / mps where available)")
-    group.add_argument(
-        "--attention-backend", default="auto",
-        help="auto (cpu_paged on CPU where its C++ kernels build, else torch_sdpa), cpu_paged, torch_sdpa or reference",
-    )
-    group.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    kernels = parser.add_argument_group("CPU kernels (the kernel plan; the start-up log and /version show it)")
-    kernels.add_argument("--cpu-isa", choices=ISA_CHOICES, default=None,
-                         help="highest ISA level the kernels may use (default: $PAGELLM_ISA, else auto: the CPU's)")
-    kernels.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=None,
-                         help="use pagellm's C++ CPU kernels (default: yes, unless $PAGELLM_CPU_KERNELS=0)")
-    kernels.add_argument("--gemm", choices=GEMM_CHOICES, default=None,
-                         help="GEMM of linear layers (16-bit; float32 on AVX2): auto, pagellm, onednn or torch")
-    limits = parser.add_argument_group("request limits")
-    limits.add_argument("--max-n", type=int, default=128,
-                        help="most samples (n, best_of) or beams one request may ask for; never above --max-num-seqs")
-    limits.add_argument("--max-logprobs", type=int, default=20,
-                        help="most top logprobs per position a request may ask for")
-    limits.add_argument("--max-stop-strings", type=int, default=16, help="most stop strings in one request")
-    group.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse the KV blocks of prompt prefixes already computed (default: on)",
-    )
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine options as ``pagellm.LLM`` keyword arguments."""
-    return dict(
-        model=args.model,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        num_kv_blocks=args.num_kv_blocks,
-        enable_prefix_caching=args.enable_prefix_caching,
-        kv_cache_dtype=args.kv_cache_dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        device=args.device,
-        attention_backend=args.attention_backend,
-        chat_template=args.chat_template,
-        num_threads=args.num_threads,
-        max_n=args.max_n,
-        max_logprobs=args.max_logprobs,
-        max_stop_strings=args.max_stop_strings,
-        cpu_isa=args.cpu_isa,
-        cpu_kernels=args.cpu_kernels,
-        gemm=args.gemm,
-    )
+def engine_args(args: argparse.Namespace) -> EngineArgs:
+    """The engine options the command line gave (flags from :func:`add_engine_args`)."""
+    return EngineArgs.from_cli_args(args)
 
 
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
@@ -164,24 +85,25 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """``serve`` and ``generate``; ``bench`` is listed but parsed by its own module (see ``main``)."""
     parser = argparse.ArgumentParser(prog="pagellm", description="pagellm: a paged-KV-cache LLM serving engine")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,bench}")
     _add_serve(subparsers)
     _add_generate(subparsers)
-    add_bench_subparser(subparsers)
+    subparsers.add_parser("bench", add_help=False,
+                          help="benchmarks: throughput, latency, memory, sweep (plot), serve (pagellm bench --help)")
     return parser
 
 
 def _load_engine(args: argparse.Namespace) -> Any:
     from pagellm.entrypoints.llm import LLM
 
-    return LLM(**engine_kwargs(args))
+    return LLM(**engine_args(args).as_dict())
 
 
 def _serve(args: argparse.Namespace) -> int:
     from pagellm.engine.engine_process import EngineProcess
     from pagellm.engine.llm_engine import LLMEngine
-    from pagellm.entrypoints.llm import engine_config
     from pagellm.entrypoints.openai.api_server import ServerSettings, run_server
     from pagellm.utils import parse_memory_size
 
@@ -193,7 +115,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     if args.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
-    config = engine_config(**engine_kwargs(args))
+    config = engine_args(args).create_engine_config()
     if args.engine_process:
         engine: EngineProcess | LLMEngine = EngineProcess(config, call_timeout_s=args.engine_call_timeout)
     else:
@@ -230,6 +152,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # imported only here: the server never loads the benchmarks
+        from pagellm.benchmarks.cli import main as bench_main
+
+        return bench_main(argv[1:], prog="pagellm bench")
     args = build_parser().parse_args(argv)
     log_level = getattr(args, "log_level", "warning")
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)

@@ -8,74 +8,14 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from pagellm.config import (
-    CacheConfig,
-    DeviceConfig,
-    EngineConfig,
-    KernelConfig,
-    LimitsConfig,
-    ModelConfig,
-    SchedulerConfig,
-)
 from pagellm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
+from pagellm.engine_args import EngineArgs
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
-
-
-def engine_config(
-    model: str | None = None,
-    dtype: str | torch.dtype = "auto",
-    quantization: str = "auto",
-    block_size: int = 16,
-    kv_cache_memory: int | str = "1GiB",
-    num_kv_blocks: int | None = None,
-    enable_prefix_caching: bool = True,
-    kv_cache_dtype: str = "auto",
-    max_num_seqs: int = 128,
-    max_num_batched_tokens: int = 2048,
-    max_model_len: int | None = None,
-    seed: int = 0,
-    device: str = "cpu",
-    attention_backend: str = "auto",
-    chat_template: str | None = None,
-    num_threads: int | None = None,
-    max_n: int = 128,
-    max_logprobs: int = 20,
-    max_stop_strings: int = 16,
-    cpu_isa: str | None = None,
-    cpu_kernels: bool | None = None,
-    gemm: str | None = None,
-) -> EngineConfig:
-    """The engine's validated configuration from ``LLM``'s flat keyword options.
-
-    ``quantization`` (``QUANTIZATION_CHOICES``): auto keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 /
-    Q4_K blocks on pagellm's integer GEMM (unless the dtype is float32), none dequantizes, int8
-    quantizes any checkpoint's linears to int8 blocks. ``cpu_isa``, ``cpu_kernels`` and
-    ``gemm`` (None: the environment's, see ``KernelConfig``) shape the kernel plan: the highest
-    ISA level the kernels may use, whether the C++ kernels are used at all, and which GEMM
-    linear layers take (16-bit; float32 on AVX2).
-    """
-    return EngineConfig(
-        model=ModelConfig(
-            model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, chat_template=chat_template,
-            quantization=quantization,
-        ),
-        cache=CacheConfig(
-            block_size=block_size,
-            kv_cache_memory=kv_cache_memory,
-            num_blocks=num_kv_blocks,
-            enable_prefix_caching=enable_prefix_caching,
-            kv_cache_dtype=kv_cache_dtype,
-        ),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
-        device=DeviceConfig(device=device, attention_backend=attention_backend, num_threads=num_threads),
-        limits=LimitsConfig(max_n=max_n, max_logprobs=max_logprobs, max_stop_strings=max_stop_strings),
-        kernels=KernelConfig.from_env(isa=cpu_isa, cpu_kernels=cpu_kernels, gemm=gemm),
-    )
 
 
 class LLM:
@@ -86,8 +26,9 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
-        """``engine_options``: those of :func:`engine_config` (dtype, block_size, kv_cache_memory, ...)."""
-        self.llm_engine = LLMEngine(engine_config(model, **engine_options))
+        """``engine_options``: the fields of :class:`~pagellm.engine_args.EngineArgs` (dtype,
+        quantization, block_size, kv_cache_memory, ...); an unknown one is a TypeError naming it."""
+        self.llm_engine = LLMEngine(EngineArgs(model, **engine_options).create_engine_config())
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

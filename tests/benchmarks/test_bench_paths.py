@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pagellm.benchmarks import throughput as tp
+from pagellm.benchmarks._common import engine_options
 from pagellm.benchmarks.cli import main as bench_cli
 from pagellm.benchmarks.hf_baseline import load_hf_model, run_static_batches, subset_indices
 from pagellm.benchmarks.serve import RequestResult, arrival_delays, run_serve, summarize
@@ -227,7 +228,7 @@ def test_mixed_workload_through_engine(tiny_llama_path):
     # EOS allowed, per-request max_tokens: output tokens never exceed the budget.
     w = mixed_workload(1000, num_prompts=6, max_seq_len=200)
     cfg = _tiny_cfg(tiny_llama_path, workload="mixed", num_prompts=6)
-    result = tp.run_pagellm(w, tp._engine_options(cfg), progress=False)
+    result = tp.run_pagellm(w, engine_options(cfg), progress=False)
     assert 0 < result.output_tokens <= w.max_output_tokens
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from pagellm import LLM, SamplingParams
 from pagellm.engine.engine_process import EngineProcess, EngineProcessError
-from pagellm.entrypoints.llm import engine_config
+from pagellm.engine_args import EngineArgs
 
 
 def _drain(engine) -> dict[str, list[int]]:
@@ -19,7 +19,7 @@ def _drain(engine) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def proc(tiny_llama_path):
-    engine = EngineProcess(engine_config(tiny_llama_path, num_kv_blocks=64, block_size=4))
+    engine = EngineProcess(EngineArgs(tiny_llama_path, num_kv_blocks=64, block_size=4).create_engine_config())
     yield engine
     engine.close()
 
@@ -62,11 +62,11 @@ def test_local_views(proc):
 
 def test_start_up_failure_is_raised_in_the_parent(tmp_path):
     with pytest.raises(FileNotFoundError):
-        EngineProcess(engine_config(str(tmp_path / "missing")))
+        EngineProcess(EngineArgs(str(tmp_path / "missing")).create_engine_config())
 
 
 def test_calls_after_close_fail_clearly(tiny_llama_path):
-    engine = EngineProcess(engine_config(tiny_llama_path, num_kv_blocks=16, block_size=4))
+    engine = EngineProcess(EngineArgs(tiny_llama_path, num_kv_blocks=16, block_size=4).create_engine_config())
     engine.close()
     with pytest.raises(EngineProcessError):
         engine.step()

@@ -7,7 +7,7 @@ import torch
 
 from pagellm import LLM, SamplingParams
 from pagellm.config import CacheConfig
-from pagellm.entrypoints.cli import build_parser, engine_kwargs
+from pagellm.entrypoints.cli import build_parser, engine_args
 
 PROMPT = [(11 * j) % 3000 + 200 for j in range(70)]  # more than four blocks
 
@@ -30,9 +30,9 @@ def fp8_llm(tiny_llama_path):
 def test_fp8_cache_holds_twice_the_blocks_in_float8(fp8_llm, tiny_llama_path):
     bf16 = make_llm(tiny_llama_path, "auto")
     engine = fp8_llm.llm_engine
-    assert engine.kv_cache_dtype == torch.float8_e4m3fn and bf16.llm_engine.kv_cache_dtype == torch.bfloat16
-    assert engine.num_blocks == 2 * bf16.llm_engine.num_blocks
-    assert all(t.dtype == torch.float8_e4m3fn for pair in engine.model_runner.kv_cache for t in pair)
+    assert engine.worker.kv_cache_dtype == torch.float8_e4m3fn and bf16.llm_engine.worker.kv_cache_dtype == torch.bfloat16
+    assert engine.worker.num_blocks == 2 * bf16.llm_engine.worker.num_blocks
+    assert all(t.dtype == torch.float8_e4m3fn for pair in engine.worker.model_runner.kv_cache for t in pair)
 
 
 def test_fp8_cache_stores_rounded_values_and_the_kernel_reads_them_as_the_oracle_does(fp8_llm, tiny_llama_path):
@@ -66,6 +66,6 @@ def test_kv_cache_dtype_is_validated_and_on_the_cli():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         CacheConfig(kv_cache_dtype="fp8_e5m2")
     args = build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"])
-    assert engine_kwargs(args)["kv_cache_dtype"] == "fp8"
+    assert engine_args(args).kv_cache_dtype == "fp8"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--kv-cache-dtype", "int4"])

@@ -10,7 +10,7 @@ import torch
 
 from pagellm import LLM
 from pagellm.config import KernelConfig
-from pagellm.engine.llm_engine import engine_dtype
+from pagellm.worker.worker import engine_dtype
 from pagellm.kernels.isa import usable_cpu_flags
 from pagellm.kernels.plan import OWN_GEMM_PATHS
 from pagellm.model.loader import auto_dtype, checkpoint_is_16bit
@@ -61,9 +61,9 @@ def test_the_plan_says_where_bf16_is_fast():
 
 
 def test_engine_resolves_auto(tiny_llama_path, tmp_path):
-    assert LLM(tiny_llama_path, num_kv_blocks=8).llm_engine.dtype is torch.float32  # float32 checkpoint
+    assert LLM(tiny_llama_path, num_kv_blocks=8).llm_engine.worker.dtype is torch.float32  # float32 checkpoint
     half = _with_dtype(tiny_llama_path, tmp_path / "bf16", "bfloat16")
     engine = LLM(half, num_kv_blocks=8).llm_engine
-    fast = engine.kernel_plan.gemm in OWN_GEMM_PATHS or "avx512_bf16" in usable_cpu_flags()
-    assert engine.dtype is (torch.bfloat16 if fast else torch.float32)
-    assert LLM(half, num_kv_blocks=8, cpu_isa="baseline").llm_engine.dtype is torch.float32
+    fast = engine.worker.kernel_plan.gemm in OWN_GEMM_PATHS or "avx512_bf16" in usable_cpu_flags()
+    assert engine.worker.dtype is (torch.bfloat16 if fast else torch.float32)
+    assert LLM(half, num_kv_blocks=8, cpu_isa="baseline").llm_engine.worker.dtype is torch.float32

@@ -1,0 +1,163 @@
+"""Every engine option, declared once.
+
+``EngineArgs`` is the one place an option is named, typed, defaulted and documented. Everything
+else is derived from it: the ``LLM`` keywords (``LLM(model, **options)`` builds an
+``EngineArgs``), the engine flags of ``pagellm serve`` / ``generate`` and of the benchmarks
+(:func:`add_engine_args`), and the validated :class:`~pagellm.config.EngineConfig` the engine
+runs on (:meth:`EngineArgs.create_engine_config`, where every value is checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable, Mapping
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+
+from pagellm.config import (
+    GEMM_CHOICES,
+    ISA_CHOICES,
+    KV_CACHE_DTYPE_CHOICES,
+    QUANTIZATION_CHOICES,
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    KernelConfig,
+    LimitsConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from pagellm.model.default_model import DEFAULT_MODEL_NAME
+
+# CLI argument groups, in the order the help shows them.
+ENGINE, KERNELS, LIMITS = "engine", "CPU kernels (the kernel plan; the start-up log and /version show it)", "request limits"
+
+
+def _option(help: str, group: str = ENGINE, kind: type | None = None, choices: tuple[str, ...] | None = None,
+            flag: bool = False) -> dict[str, Any]:
+    """A field's CLI description: ``kind`` parses the value (None: a string), ``flag`` makes a
+    ``--x / --no-x`` switch."""
+    return {"help": help, "group": group, "kind": kind, "choices": choices, "flag": flag}
+
+
+@dataclass
+class EngineArgs:
+    """The engine's options (see the module docstring). Values are checked by
+    :meth:`create_engine_config`; None for the CPU-kernel options means "the environment's"
+    (``KernelConfig.from_env``)."""
+
+    model: str | None = field(default=None, metadata=_option(
+        f"HF folder (config.json + safetensors) or .gguf file; default: {DEFAULT_MODEL_NAME}"))
+    dtype: str | torch.dtype = field(default="auto", metadata=_option(
+        "auto (bfloat16 for 16-bit/GGUF checkpoints where the kernel plan multiplies bf16 fast, else float32), "
+        "float32 or bfloat16"))
+    quantization: str = field(default="auto", metadata=_option(
+        "auto (a quantized GGUF's weights on integer kernels: Q4_0/Q4_1/Q8_0/Q4_K as they are, other types "
+        "re-quantized to int8 blocks; unless the dtype is float32), none (dequantized), gguf (as auto, required), "
+        "int8 (any checkpoint's linears to int8 blocks)", choices=QUANTIZATION_CHOICES))
+    block_size: int = field(default=16, metadata=_option("tokens per KV-cache block", kind=int))
+    kv_cache_memory: int | str = field(default="1GiB", metadata=_option("KV-cache budget, e.g. 512MiB or 2GiB"))
+    num_kv_blocks: int | None = field(default=None, metadata=_option(
+        "exact number of KV blocks (overrides the memory budget)", kind=int))
+    enable_prefix_caching: bool = field(default=True, metadata=_option(
+        "reuse the KV blocks of prompt prefixes already computed (default: on)", flag=True))
+    kv_cache_dtype: str = field(default="auto", metadata=_option(
+        "K/V storage: auto (the model's dtype) or fp8 (= fp8_e4m3: half the memory of bf16, rounded)",
+        choices=KV_CACHE_DTYPE_CHOICES))
+    max_num_seqs: int = field(default=128, metadata=_option("most sequences in one step", kind=int))
+    max_num_batched_tokens: int = field(default=2048, metadata=_option("most tokens computed in one step", kind=int))
+    max_model_len: int | None = field(default=None, metadata=_option("context limit (default: the model's)", kind=int))
+    seed: int = field(default=0, metadata=_option("seed for sampling without a per-request seed", kind=int))
+    device: str = field(default="cpu", metadata=_option("cpu (or cuda / mps where available)"))
+    attention_backend: str = field(default="auto", metadata=_option(
+        "auto (cpu_paged on CPU where its C++ kernels build, else torch_sdpa), cpu_paged, torch_sdpa or reference"))
+    chat_template: str | None = field(default=None, metadata=_option(
+        "Jinja file that replaces the model's chat template"))
+    num_threads: int | None = field(default=None, metadata=_option(
+        "torch threads (default: torch's choice)", kind=int))
+    max_n: int = field(default=128, metadata=_option(
+        "most samples (n, best_of) or beams one request may ask for; never above --max-num-seqs", LIMITS, int))
+    max_logprobs: int = field(default=20, metadata=_option(
+        "most top logprobs per position a request may ask for", LIMITS, int))
+    max_stop_strings: int = field(default=16, metadata=_option("most stop strings in one request", LIMITS, int))
+    cpu_isa: str | None = field(default=None, metadata=_option(
+        "highest ISA level the kernels may use (default: $PAGELLM_ISA, else auto: the CPU's)", KERNELS,
+        choices=ISA_CHOICES))
+    cpu_kernels: bool | None = field(default=None, metadata=_option(
+        "use pagellm's C++ CPU kernels (default: yes, unless $PAGELLM_CPU_KERNELS=0)", KERNELS, flag=True))
+    gemm: str | None = field(default=None, metadata=_option(
+        "GEMM of linear layers (16-bit; float32 on AVX2): auto, pagellm, onednn or torch", KERNELS,
+        choices=GEMM_CHOICES))
+
+    def create_engine_config(self) -> EngineConfig:
+        """The validated configuration (each part checks its own values)."""
+        return EngineConfig(
+            model=ModelConfig(
+                model=self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
+                chat_template=self.chat_template, quantization=self.quantization,
+            ),
+            cache=CacheConfig(
+                block_size=self.block_size, kv_cache_memory=self.kv_cache_memory, num_kv_blocks=self.num_kv_blocks,
+                enable_prefix_caching=self.enable_prefix_caching, kv_cache_dtype=self.kv_cache_dtype,
+            ),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens),
+            device=DeviceConfig(device=self.device, attention_backend=self.attention_backend,
+                                num_threads=self.num_threads),
+            limits=LimitsConfig(max_n=self.max_n, max_logprobs=self.max_logprobs,
+                                max_stop_strings=self.max_stop_strings),
+            kernels=KernelConfig.from_env(isa=self.cpu_isa, cpu_kernels=self.cpu_kernels, gemm=self.gemm),
+        )  # fmt: skip
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The options parsed by :func:`add_engine_args` (those it did not add keep their defaults)."""
+        return cls(**{name: getattr(args, name) for name in ENGINE_OPTION_NAMES if hasattr(args, name)})
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> EngineArgs:
+        """From a mapping of options where None means "the default" (benchmark configurations)."""
+        return cls(**{k: v for k, v in options.items() if v is not None})
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+ENGINE_OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(EngineArgs))
+
+
+def add_engine_args(
+    parser: argparse.ArgumentParser, names: Iterable[str] | None = None, defaults: Mapping[str, Any] | None = None,
+    positional_model: bool = True,
+) -> None:
+    """Add the flags of ``EngineArgs`` fields (``names``: a subset, in declaration order) to
+    ``parser``, in their groups; ``defaults`` replaces fields' defaults (None: "the engine's
+    default", for a benchmark that passes on only what was given); the model is a positional
+    argument unless ``positional_model`` is False (then ``--model``)."""
+    wanted = set(ENGINE_OPTION_NAMES if names is None else names)
+    unknown = wanted - set(ENGINE_OPTION_NAMES)
+    if unknown:
+        raise ValueError(f"not engine options: {sorted(unknown)}")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in fields(EngineArgs):
+        if f.name not in wanted:
+            continue
+        meta = f.metadata
+        default = f.default if f.default is not MISSING else None
+        if defaults is not None and f.name in defaults:
+            default = defaults[f.name]
+        if f.name == "model" and positional_model:
+            parser.add_argument("model", nargs="?", default=default, help=meta["help"])
+            continue
+        group = groups.get(meta["group"]) or groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
+        help = meta["help"] if default == f.default or default is None else f"{meta['help']} (default here: {default})"
+        kwargs: dict[str, Any] = {"default": default, "help": help}
+        if meta["flag"]:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            if meta["kind"] is not None:
+                kwargs["type"] = meta["kind"]
+            if meta["choices"] is not None:
+                kwargs["choices"] = meta["choices"]
+        group.add_argument("--" + f.name.replace("_", "-"), **kwargs)

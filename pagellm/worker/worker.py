@@ -1,0 +1,108 @@
+"""The worker: everything on the device side of the engine, set up once.
+
+It owns the device and its threads, the kernel plan and the dtype it fixes, the model and its
+weights, the KV cache's size and tensors, and the model runner that executes a step. The engine
+above it keeps only bookkeeping (schedule -> execute -> update -> output) and learns the
+worker's facts (blocks, context limit) from its attributes, so an executor can later drive
+several workers through the same two calls: construction and :meth:`Worker.execute`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from pagellm.attention import get_attention_backend
+from pagellm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, resolve_dtype, resolve_kv_cache_dtype
+from pagellm.kernels.plan import KernelPlan
+from pagellm.model.arch_config import ModelArchConfig
+from pagellm.model.loader import auto_dtype, load_model, requested_weights
+from pagellm.step import ModelRunnerOutput, SchedulerOutput
+from pagellm.worker.device import auto_dtype_downcasts_float32, configure_threads, resolve_device
+from pagellm.worker.kernel_plan import plan_kernels
+from pagellm.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_budget
+from pagellm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def engine_kernel_plan(config: EngineConfig, device: torch.device) -> KernelPlan:
+    """The kernel plan an engine with ``config`` runs on ``device``, its dtype resolved ("auto"
+    as in ``auto_dtype``, knowing whether the plan multiplies bf16 fast here)."""
+
+    def choose_dtype(bf16_is_fast: bool) -> torch.dtype:
+        return resolve_dtype(config.model.dtype) or auto_dtype(
+            config.model.model, bf16_is_fast, auto_dtype_downcasts_float32(device)
+        )
+
+    weights = requested_weights(config.model)
+    return plan_kernels(config.kernels, device, config.device.attention_backend, choose_dtype, weights)
+
+
+def engine_dtype(dtype: str | torch.dtype, model: str | None, device: torch.device) -> torch.dtype:
+    """The dtype an engine with default kernel options runs ``model`` in on ``device``."""
+    config = EngineConfig(model=ModelConfig(model=model, dtype=dtype), device=DeviceConfig(device=device.type))
+    return engine_kernel_plan(config, device).dtype
+
+
+def kv_cache_blocks(cache: CacheConfig, arch: ModelArchConfig, dtype: torch.dtype) -> int:
+    """The pool's block count: the exact number asked for, else what the memory budget holds."""
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    block_bytes = bytes_per_block(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
+                                  cache.block_size, dtype)  # fmt: skip
+    return num_blocks_for_budget(cache.kv_cache_bytes, block_bytes)
+
+
+def context_limit(requested: int | None, arch: ModelArchConfig, num_blocks: int, block_size: int) -> int:
+    """The model's limit (or the one asked for), never more than the KV pool holds for one
+    request; a request for more than either is an error naming both."""
+    pool_tokens = num_blocks * block_size
+    if requested is None:
+        return min(arch.max_position_embeddings, pool_tokens)
+    if requested > pool_tokens:
+        raise ValueError(
+            f"max_model_len={requested} does not fit in the KV cache ({num_blocks} blocks of {block_size} tokens = "
+            f"{pool_tokens} tokens); raise kv_cache_memory or lower max_model_len"
+        )
+    if requested > arch.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={requested} is longer than the model's context ({arch.max_position_embeddings} positions)"
+        )
+    return requested
+
+
+class Worker:
+    """The device side of one engine (see the module docstring). ``eos_token_ids``: the
+    model's and tokenizer's end-of-sequence ids, which ``min_tokens`` masks while sampling."""
+
+    def __init__(self, config: EngineConfig, eos_token_ids: Sequence[int]) -> None:
+        self.device = resolve_device(config.device.device)
+        configure_threads(self.device, config.device.num_threads)
+        torch.manual_seed(config.model.seed)
+        self.kernel_plan = engine_kernel_plan(config, self.device)
+        logger.info("kernel plan: %s", self.kernel_plan.describe())
+        attn_backend = get_attention_backend(self.kernel_plan.attention, self.device, self.kernel_plan.kernels)
+        model, self.arch = load_model(config.model.model, self.dtype, attn_backend, self.device, self.kernel_plan)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
+        self.block_size = config.cache.block_size
+        self.num_blocks = kv_cache_blocks(config.cache, self.arch, self.kv_cache_dtype)
+        self.max_model_len = context_limit(config.model.max_model_len, self.arch, self.num_blocks, self.block_size)
+        kv_cache = allocate_kv_cache(
+            self.arch.num_hidden_layers, self.num_blocks, self.block_size, self.arch.num_key_value_heads,
+            self.arch.head_dim, self.kv_cache_dtype, self.device,
+        )  # fmt: skip
+        self.model_runner = ModelRunner(
+            model, kv_cache, self.block_size, self.device, sorted(eos_token_ids), self.kernel_plan
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's compute dtype (the kernel plan's)."""
+        return self.kernel_plan.dtype
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step's model pass: block copies, forward, sampling."""
+        return self.model_runner.execute(scheduler_output)
