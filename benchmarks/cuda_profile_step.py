@@ -16,6 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from pagellm import LLM, SamplingParams
+from pagellm.engine.protocol import EngineRequest
 
 
 def main() -> None:
@@ -32,7 +33,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     for i in range(args.batch):
         ids = torch.randint(3, engine.worker.arch.vocab_size, (128,), generator=g).tolist()
-        engine.add_tokenized_request(f"r{i}", None, ids, params)
+        engine.add_engine_request(EngineRequest(f"r{i}", ids, params, stream=False))
     while engine.stats.num_generated_tokens < args.batch:  # prefills (and their first tokens)
         engine.step()
     for _ in range(5):  # warm-up decode steps

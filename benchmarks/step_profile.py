@@ -30,6 +30,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagellm import LLM, SamplingParams  # noqa: E402
+from pagellm.engine.protocol import EngineRequest  # noqa: E402
 from pagellm.kernels import KernelLibrary  # noqa: E402
 
 KERNELS = ("paged_attention", "write_kv", "add_rms_norm", "rotary_", "argmax_rows")
@@ -78,7 +79,7 @@ def main() -> None:
     vocab = engine.worker.arch.vocab_size
     for i in range(args.batch):
         ids = torch.randint(3, vocab, (args.input_len,), generator=g).tolist()
-        engine.add_tokenized_request(f"r{i}", None, ids, params)
+        engine.add_engine_request(EngineRequest(f"r{i}", ids, params, stream=False))
 
     prefill: list[dict[str, float]] = []
     decode: list[dict[str, float]] = []

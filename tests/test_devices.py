@@ -19,6 +19,7 @@ from pagellm.attention import ReferenceAttention, TorchSDPAAttention, get_attent
 from pagellm.benchmarks.random_model import write_random_model
 from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.engine.engine_process import EngineProcess
+from pagellm.engine.protocol import EngineRequest
 from pagellm.engine_args import EngineArgs
 from tests.attention.test_attention import HEADS, TOL, dense_expected, make_step, random_reqs
 from tests.hf_reference import hf_greedy, load_hf_model
@@ -192,8 +193,7 @@ def test_engine_process_on_device(tiny_models, device):
     config = EngineArgs(path, dtype="float32", device=device, num_kv_blocks=64, block_size=4).create_engine_config()
     proc = EngineProcess(config)
     try:
-        for i, ids in enumerate(PROMPTS[:3]):
-            proc.add_tokenized_request(f"r{i}", None, ids, GREEDY, stream=True)
+        assert proc.add_requests([EngineRequest(f"r{i}", ids, GREEDY) for i, ids in enumerate(PROMPTS[:3])]) == [None] * 3
         got: dict[str, list[int]] = {}
         while proc.has_unfinished_requests():
             for out in proc.step():

@@ -58,10 +58,11 @@ class LatencyConfig:
 def _time_one(engine: Any, request_id: str, prompt: list[int], output_len: int) -> dict[str, float]:
     """Run one request alone; seconds to the first token and for the rest."""
     from pagellm import SamplingParams
+    from pagellm.engine.protocol import EngineRequest
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
-    engine.add_tokenized_request(request_id, None, prompt, params, stream=True)
+    engine.add_engine_request(EngineRequest(request_id, prompt, params, stream=True))
     first = None
     generated = 0
     while engine.has_unfinished_requests():

@@ -20,9 +20,8 @@ from pagellm.step import ModelRunnerOutput, SampleFork, ScheduledRequest, Schedu
 
 @dataclass
 class SchedulerStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
+    """Cumulative counters only: the engine reads the queues' gauges when it reports them."""
+
     num_preemptions: int = 0  # cumulative
     num_prompt_tokens_computed: int = 0  # cumulative, recompute included
     num_generated_tokens: int = 0  # cumulative
@@ -130,7 +129,6 @@ class Scheduler:
 
         finished = self._finished_since_last_step
         self._finished_since_last_step = []
-        self._update_gauges()
         in_use = self.kv_cache_manager.num_blocks - self.kv_cache_manager.num_free_blocks
         self.stats.peak_blocks_in_use = max(self.stats.peak_blocks_in_use, in_use)
         return SchedulerOutput(
@@ -234,7 +232,6 @@ class Scheduler:
             children = self._fork_children(request, item) if item.forks else []
             for seq in [request, *children]:
                 self._append_token(seq, runner_output.sampled[seq.request_id], updated, finished)
-        self._update_gauges()
         return updated, finished
 
     def fork_request(self, parent_id: str, child: Request) -> None:
@@ -286,11 +283,6 @@ class Scheduler:
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
-
-    def _update_gauges(self) -> None:
-        self.stats.num_running = len(self.running)
-        self.stats.num_waiting = len(self.waiting)
-        self.stats.kv_cache_usage = self.kv_cache_manager.usage()
 
 
 def _insert_by_arrival(queue: list[Request] | deque[Request], request: Request) -> None:

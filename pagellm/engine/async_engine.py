@@ -41,7 +41,7 @@ from pagellm.engine.protocol import (
     EngineRequest,
     RequestFailedError,
     RequestMetrics,
-    SteppedEngine,
+    EngineClient,
 )
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -59,7 +59,7 @@ __all__ = [
     "LoopOptions",
     "RequestFailedError",
     "RequestStream",
-    "SteppedEngine",
+    "EngineClient",
 ]
 
 logger = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ class AsyncLLMEngine:
     """Serve many concurrent requests from one engine without blocking the event loop."""
 
     def __init__(
-        self, engine: SteppedEngine, metrics: RequestMetrics | None = None, options: LoopOptions | None = None
+        self, engine: EngineClient, metrics: RequestMetrics | None = None, options: LoopOptions | None = None
     ) -> None:
         self.engine = engine
         self._metrics: RequestMetrics = metrics or _NoMetrics()
@@ -401,8 +401,8 @@ class AsyncLLMEngine:
                 return
             self._batch = commands  # what is left of it if the engine dies while applying it
             while self._batch:
-                self._apply(self._batch[0])
-                self._batch.pop(0)
+                applied = self._apply(self._batch)
+                del self._batch[:applied]
             if self.engine.has_unfinished_requests():
                 self._deliver(self.engine.step())
 
@@ -441,38 +441,37 @@ class AsyncLLMEngine:
                 self._restarting = False
         return restarted
 
-    def _apply(self, command: _Command) -> None:
-        if isinstance(command, _Abort):
-            stream = self._streams.get(command.request_id)
-            if stream is not None:
-                now = time.monotonic()
-                outputs = self.engine.abort_request(command.request_id)
-                for output in outputs:
-                    self._record(output, now)
-                self._forget(command.request_id)
-                self._post({stream.loop: [(stream.queue, o) for o in outputs]})
-            return
-        request = command.request
-        try:
-            if isinstance(request.params, BeamSearchParams):
-                self.engine.add_beam_search_request(
-                    request.request_id, request.prompt, request.prompt_token_ids, request.params
-                )
-            else:
-                self.engine.add_tokenized_request(
-                    request.request_id,
-                    request.prompt,
-                    request.prompt_token_ids,
-                    request.params,
-                    stream=request.stream,
-                    cache_salt=request.cache_salt,
-                )
-        except ValueError as exc:
-            self._release(1)
-            self._post({command.stream.loop: [(command.stream.queue, exc)]})
-            return
-        self._streams[command.request_id] = command.stream
-        self._timings[command.request_id] = _Timing(command.arrival)
+    def _apply(self, commands: list[_Command]) -> int:
+        """Apply the first command, or the run of adds it starts, in one engine call (one round
+        trip to an engine process); returns how many commands that took."""
+        first = commands[0]
+        if isinstance(first, _Abort):
+            self._apply_abort(first)
+            return 1
+        adds: list[_Add] = []
+        for command in commands:
+            if not isinstance(command, _Add):
+                break
+            adds.append(command)
+        errors = self.engine.add_requests([add.request for add in adds])
+        for add, error in zip(adds, errors):
+            if error is not None:
+                self._release(1)
+                self._post({add.stream.loop: [(add.stream.queue, error)]})
+                continue
+            self._streams[add.request_id] = add.stream
+            self._timings[add.request_id] = _Timing(add.arrival)
+        return len(adds)
+
+    def _apply_abort(self, command: _Abort) -> None:
+        stream = self._streams.get(command.request_id)
+        if stream is not None:
+            now = time.monotonic()
+            outputs = self.engine.abort_request(command.request_id)
+            for output in outputs:
+                self._record(output, now)
+            self._forget(command.request_id)
+            self._post({stream.loop: [(stream.queue, o) for o in outputs]})
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Send one step's outputs to their streams: one wake-up per event loop, not per request."""

@@ -7,10 +7,11 @@ on the 2-core machine (4 req/s, 128/128 tokens, streaming, modes alternated): TP
 72-86 ms with the engine in a thread against 50-73 ms in its own process (vLLM splits its
 EngineCore off for the same reason). See benchmarks/NOTES.md, entry 15.
 
-The proxy is synchronous: each call sends ``(method, args, kwargs)`` over a pipe and blocks
-(without the lock) until the child answers ``("ok", (result, stats, has_unfinished))`` or
-``("error", exception)``; exceptions are re-raised here, so ``ValueError`` for a bad request
-behaves as in process. Requests, outputs and ``EngineStats`` cross the pipe pickled between our own two
+The proxy is synchronous: each call sends one typed message (a batch of requests to add, of
+ids to abort, or a step) over a pipe and blocks (without the lock) until the child answers
+``("ok", (result, stats, has_unfinished))`` or ``("error", exception)``; exceptions are
+re-raised here, and a batch's refused requests come back as their ``ValueError`` each, as in
+process. Requests, outputs and ``EngineStats`` cross the pipe pickled between our own two
 processes (no untrusted data is unpickled). The tokenizer and input checks stay in this
 process; the child sends what they need (``max_model_len``, vocabulary size) once it is ready.
 """
@@ -28,6 +29,7 @@ from typing import Any
 from pagellm.config import EngineConfig
 from pagellm.engine.input_processor import InputProcessor
 from pagellm.engine.llm_engine import EngineStats, LLMEngine
+from pagellm.engine.protocol import EngineRequest
 from pagellm.model.tokenizer import load_tokenizer
 from pagellm.outputs import RequestOutput
 from pagellm.utils import LOG_FORMAT
@@ -50,8 +52,35 @@ class _Ready:
 # How often a waiting call checks that the child is still alive.
 HEALTH_POLL_S = 1.0
 
-# The only methods the child runs; anything else is refused there.
-_METHODS = frozenset({"step", "add_tokenized_request", "add_beam_search_request", "abort_request"})
+# The calls the child serves, one message type each (anything else is refused there).
+
+
+@dataclass
+class _AddRequests:
+    requests: list[EngineRequest]
+
+
+@dataclass
+class _AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass
+class _Step:
+    pass
+
+
+_Call = _AddRequests | _AbortRequests | _Step
+
+
+def _serve_call(engine: LLMEngine, call: _Call) -> Any:
+    if isinstance(call, _AddRequests):
+        return engine.add_requests(call.requests)
+    if isinstance(call, _AbortRequests):
+        return engine.abort_request(call.request_ids)
+    if isinstance(call, _Step):
+        return engine.step()
+    raise TypeError(f"the engine process does not serve {type(call).__name__}")
 
 
 def _engine_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
@@ -73,18 +102,15 @@ def _engine_main(config: EngineConfig, conn: Connection, log_level: int) -> None
             return
         if call is None:
             return
-        method, args, kwargs = call
         try:
-            if method not in _METHODS:
-                raise AttributeError(f"the engine process does not serve {method!r}")
-            result = getattr(engine, method)(*args, **kwargs)
+            result = _serve_call(engine, call)
             conn.send(("ok", (result, engine.stats, engine.has_unfinished_requests())))
         except Exception as exc:  # noqa: BLE001 -- re-raised in the parent
             conn.send(("error", exc))
 
 
 class EngineProcess:
-    """Drop-in for the ``LLMEngine`` that ``AsyncLLMEngine`` steps, running in a child process.
+    """The ``EngineClient`` of an ``LLMEngine`` running in a child process.
 
     Not thread-safe: like ``LLMEngine``, exactly one thread (the step loop) may call it;
     ``tokenizer``, ``input_processor``, ``max_model_len`` and ``stats`` may be read anywhere.
@@ -159,30 +185,27 @@ class EngineProcess:
             raise payload
         return payload
 
-    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def _call(self, call: _Call) -> Any:
         try:
-            self._conn.send((method, args, kwargs))
+            self._conn.send(call)
         except (BrokenPipeError, OSError) as exc:
             raise EngineProcessError(f"the engine process died (exit code {self._proc.exitcode})") from exc
-        result, self.stats, self._unfinished = self._receive(self._call_timeout_s, method)
+        result, self.stats, self._unfinished = self._receive(self._call_timeout_s, type(call).__name__)
         return result
 
-    # ---- the stepping API of LLMEngine, as AsyncLLMEngine uses it --------------------------
+    # ---- EngineClient: one round trip per call ---------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        return self._call("step")
+        return self._call(_Step())
 
     def has_unfinished_requests(self) -> bool:
         return self._unfinished
 
-    def add_tokenized_request(self, *args: Any, **kwargs: Any) -> None:
-        self._call("add_tokenized_request", *args, **kwargs)
+    def add_requests(self, requests: list[EngineRequest]) -> list[ValueError | None]:
+        return self._call(_AddRequests(requests))
 
-    def add_beam_search_request(self, *args: Any, **kwargs: Any) -> None:
-        self._call("add_beam_search_request", *args, **kwargs)
-
-    def abort_request(self, *args: Any, **kwargs: Any) -> list[RequestOutput]:
-        return self._call("abort_request", *args, **kwargs)
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        return self._call(_AbortRequests([request_ids] if isinstance(request_ids, str) else list(request_ids)))
 
     def _kill(self) -> None:
         if self._proc.is_alive():

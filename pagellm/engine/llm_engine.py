@@ -20,6 +20,7 @@ from pagellm.core.scheduler import Scheduler
 from pagellm.engine.beam_search import Beam, BeamSearchGroup, BeamSearchParams, Continuation
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
+from pagellm.engine.protocol import EngineRequest
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.loader import load_arch_config
 from pagellm.model.tokenizer import load_tokenizer
@@ -115,38 +116,45 @@ class LLMEngine:
     def new_request_id(self) -> str:
         return str(next(self._request_counter))
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: PromptType,
-        params: SamplingParams,
-        stream: bool = False,
-    ) -> None:
-        """Validate and queue a request; raises ValueError on bad input (nothing is queued then)."""
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, stream: bool = False) -> None:
+        """Tokenize, validate and queue a prompt; raises ValueError on bad input (nothing is queued then)."""
         processed = self.input_processor.process_prompt(prompt)
-        self.add_tokenized_request(
-            request_id, processed.prompt, processed.prompt_token_ids, params, stream, processed.cache_salt
-        )
+        request = EngineRequest(request_id, processed.prompt_token_ids, params, processed.prompt,
+                                processed.cache_salt, stream)  # fmt: skip
+        self.add_engine_request(request)
 
-    def add_tokenized_request(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        stream: bool = False,
-        cache_salt: str | None = None,
-    ) -> None:
-        """Queue an already tokenized prompt (the path the server and ``LLM`` use)."""
-        if self.output_processor.has_request(request_id):
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self.input_processor.check_params(params)
-        if stream and params.best_of is not None and params.best_of > params.n:
+    def add_requests(self, requests: list[EngineRequest]) -> list[ValueError | None]:
+        """Queue each request (``EngineClient``); a refused one gets its ValueError in its place."""
+        errors: list[ValueError | None] = []
+        for request in requests:
+            try:
+                self.add_engine_request(request)
+                errors.append(None)
+            except ValueError as exc:
+                errors.append(exc)
+        return errors
+
+    def add_engine_request(self, request: EngineRequest) -> None:
+        """Validate and queue one tokenized request (sampling, or beam search); raises ValueError
+        on bad input (nothing is queued then)."""
+        if request.request_id in self.beam_groups or self.output_processor.has_request(request.request_id):
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.input_processor.check_params(request.params)
+        if isinstance(request.params, BeamSearchParams):
+            self._add_beam_search(request, request.params)
+        else:
+            self._add_sampling(request, request.params)
+
+    def _add_sampling(self, request: EngineRequest, params: SamplingParams) -> None:
+        """Queue the request's n (or best_of) samples: one prefill, the others fork from it."""
+        if request.stream and params.best_of is not None and params.best_of > params.n:
             raise ValueError("best_of > n cannot be streamed: the best samples are known only at the end")
+        prompt_token_ids = request.prompt_token_ids
         max_tokens = self.input_processor.resolve_max_tokens(params, len(prompt_token_ids))
         num_seqs = max(params.n, params.best_of or 0)
+        request_id = request.request_id
         seq_ids = [request_id] if num_seqs == 1 else [f"{request_id}#{i}" for i in range(num_seqs)]
-        self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, seq_ids, stream)
+        self.output_processor.add_request(request_id, request.prompt, prompt_token_ids, params, seq_ids, request.stream)
         arrival_time = time.monotonic()
         sequences = [
             Request(
@@ -156,7 +164,7 @@ class LLMEngine:
                 max_tokens=max_tokens,
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=arrival_time,
-                cache_salt=cache_salt,
+                cache_salt=request.cache_salt,
             )
             for i, seq_id in enumerate(seq_ids)
         ]
@@ -194,18 +202,15 @@ class LLMEngine:
 
     # ---- beam search -------------------------------------------------------------------
 
-    def add_beam_search_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: BeamSearchParams
-    ) -> None:
+    def _add_beam_search(self, request: EngineRequest, params: BeamSearchParams) -> None:
         """Queue a beam search; its result is one RequestOutput with the beams best first."""
-        if request_id in self.beam_groups or self.output_processor.has_request(request_id):
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self.input_processor.check_params(params)
+        prompt_token_ids = request.prompt_token_ids
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_token_ids))
-        group = BeamSearchGroup(request_id, prompt_token_ids, params, max_tokens, self.eos_token_ids, prompt=prompt)
+        group = BeamSearchGroup(request.request_id, prompt_token_ids, params, max_tokens, self.eos_token_ids,
+                                prompt=request.prompt)  # fmt: skip
         first = self._new_beam_request(group)
         group.beams = [Beam(first.request_id, 0.0, [])]
-        self.beam_groups[request_id] = group
+        self.beam_groups[request.request_id] = group
         self.scheduler.add_request(first)
 
     def _new_beam_request(self, group: BeamSearchGroup) -> Request:

@@ -1,5 +1,6 @@
-"""What the server's engine loop and its callers exchange: the engine it drives, where request
-metrics go, requests in and the errors that end them.
+"""The engine boundary: a request as the engine takes it (``EngineRequest``), the interface of
+every engine a caller drives (``EngineClient``), where request metrics go, and the errors that
+end requests.
 
 Kept apart from ``async_engine`` so entry points and tests can name these without the loop.
 """
@@ -29,26 +30,30 @@ class RequestFailedError(RuntimeError):
     """The engine failed this one request (the others go on); details are in the server log."""
 
 
-class SteppedEngine(Protocol):
-    """What the loop drives: ``LLMEngine`` in process, or ``EngineProcess`` in a child process."""
+@dataclass
+class EngineRequest:
+    """One tokenized request at the engine boundary, as every ``EngineClient`` takes it (and as
+    it crosses to an engine process); per-request extras (a grammar, say) become fields here."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams | BeamSearchParams
+    prompt: str | None = None
+    cache_salt: str | None = None  # isolates its prefix-cache entries (per tenant)
+    stream: bool = True  # deltas; False: one whole output at the end (what best_of needs)
+
+
+class EngineClient(Protocol):
+    """What drives an engine: ``LLMEngine`` in process, ``EngineProcess`` in a child process
+    (one round trip per call, so every call takes a batch), and the tests' fakes."""
 
     stats: EngineStats
     max_model_len: int
     kernel_plan_info: dict[str, str]  # KernelPlan.as_dict(): what runs where (/version)
 
-    def add_tokenized_request(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        stream: bool = False,
-        cache_salt: str | None = None,
-    ) -> None: ...
-
-    def add_beam_search_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: BeamSearchParams
-    ) -> None: ...
+    def add_requests(self, requests: list[EngineRequest]) -> list[ValueError | None]:
+        """Queue the requests in order; one refused for its input gets its ``ValueError`` in
+        its place (the others are queued). Any other exception means the engine failed."""
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]: ...
 
@@ -77,15 +82,3 @@ class RequestMetrics(Protocol):
     def count_rejected(self, reason: str) -> None: ...
 
     def count_engine_restart(self) -> None: ...
-
-
-@dataclass
-class EngineRequest:
-    """One request as the loop takes it: tokenized, its options checked."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams | BeamSearchParams
-    prompt: str | None = None
-    cache_salt: str | None = None  # isolates its prefix-cache entries (per tenant)
-    stream: bool = True  # deltas; False: one whole output at the end (what best_of needs)

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from pagellm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
+from pagellm.engine.protocol import EngineRequest
 from pagellm.engine_args import EngineArgs
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -85,7 +86,7 @@ class LLM:
         request_ids = []
         for item in processed:
             request_id = engine.new_request_id()
-            engine.add_beam_search_request(request_id, item.prompt, item.prompt_token_ids, params)
+            engine.add_engine_request(EngineRequest(request_id, item.prompt_token_ids, params, item.prompt))
             request_ids.append(request_id)
         results = self._run(request_ids, use_tqdm)
         return [
@@ -110,8 +111,8 @@ class LLM:
         request_ids = []
         for item, p in zip(processed, params):
             request_id = engine.new_request_id()
-            engine.add_tokenized_request(
-                request_id, item.prompt, item.prompt_token_ids, p, cache_salt=item.cache_salt
+            engine.add_engine_request(
+                EngineRequest(request_id, item.prompt_token_ids, p, item.prompt, item.cache_salt, stream=False)
             )
             request_ids.append(request_id)
         return request_ids

@@ -6,6 +6,7 @@ import pytest
 
 from pagellm import LLM, SamplingParams
 from pagellm.engine.engine_process import EngineProcess, EngineProcessError
+from pagellm.engine.protocol import EngineRequest
 from pagellm.engine_args import EngineArgs
 
 
@@ -27,8 +28,7 @@ def proc(tiny_llama_path):
 def test_same_tokens_as_in_process(proc, tiny_llama_path):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = [[5, 9, 200, 31], [400, 3, 3]]
-    for i, ids in enumerate(prompts):
-        proc.add_tokenized_request(f"r{i}", None, ids, params, stream=True)
+    assert proc.add_requests([EngineRequest(f"r{i}", ids, params) for i, ids in enumerate(prompts)]) == [None, None]
     assert proc.has_unfinished_requests()
     got = _drain(proc)
     expected = LLM(tiny_llama_path, num_kv_blocks=64, block_size=4).generate(
@@ -39,15 +39,17 @@ def test_same_tokens_as_in_process(proc, tiny_llama_path):
     assert proc.stats.num_generated_tokens >= 12  # stats come back with every call
 
 
-def test_bad_request_raises_value_error_and_engine_lives_on(proc):
-    with pytest.raises(ValueError, match="logprobs"):
-        proc.add_tokenized_request("bad", None, [1, 2], SamplingParams(max_tokens=4, logprobs=1000), stream=True)
-    proc.add_tokenized_request("ok", None, [7, 8, 9], SamplingParams(temperature=0, max_tokens=3), stream=True)
+def test_bad_request_gets_its_value_error_and_engine_lives_on(proc):
+    """In one batch: the bad request's ValueError comes back in its place, the good one runs."""
+    bad = EngineRequest("bad", [1, 2], SamplingParams(max_tokens=4, logprobs=1000))
+    ok = EngineRequest("ok", [7, 8, 9], SamplingParams(temperature=0, max_tokens=3))
+    errors = proc.add_requests([bad, ok])
+    assert isinstance(errors[0], ValueError) and "logprobs" in str(errors[0]) and errors[1] is None
     assert len(_drain(proc)["ok"]) == 3
 
 
 def test_abort_returns_outputs_and_frees_blocks(proc):
-    proc.add_tokenized_request("a", None, [1, 2, 3, 4, 5], SamplingParams(max_tokens=50, ignore_eos=True), stream=True)
+    assert proc.add_requests([EngineRequest("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=50, ignore_eos=True))]) == [None]
     proc.step()
     outputs = proc.abort_request("a")
     assert outputs and outputs[0].finished

@@ -12,6 +12,7 @@ import pytest
 
 from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagellm.engine.llm_engine import EngineStats
+from pagellm.engine.protocol import EngineRequest
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -31,24 +32,23 @@ class FakeEngine:
         self.thread_ids: set[int] = set()
         self.dead = False  # check_health raises (a dead engine process, seen while idle)
         self.restarts = 0
+        self.add_batches: list[list[str]] = []  # the request ids of each add_requests call
 
-    def add_tokenized_request(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        stream: bool,
-        cache_salt: str | None = None,
-    ) -> None:
+    def add_requests(self, requests: list[EngineRequest]) -> list[ValueError | None]:
         self.thread_ids.add(threading.get_ident())
-        assert stream
-        if params.max_tokens == 13:
-            raise ValueError("max_tokens=13 is unlucky")
-        if params.max_tokens == 14:
-            raise RuntimeError("add crashed")
-        self.requests[request_id] = params.max_tokens or 1
-        self.produced[request_id] = 0
+        self.add_batches.append([r.request_id for r in requests])
+        errors: list[ValueError | None] = []
+        for request in requests:
+            assert request.stream
+            if request.params.max_tokens == 13:
+                errors.append(ValueError("max_tokens=13 is unlucky"))
+                continue
+            if request.params.max_tokens == 14:
+                raise RuntimeError("add crashed")
+            self.requests[request.request_id] = request.params.max_tokens or 1
+            self.produced[request.request_id] = 0
+            errors.append(None)
+        return errors
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())
@@ -140,6 +140,21 @@ def test_many_concurrent_requests(engine: AsyncLLMEngine) -> None:
 
     results = asyncio.run(run())
     assert [len(r) for r in results] == [3 + i % 5 for i in range(50)]
+
+
+def test_requests_submitted_together_reach_the_engine_in_one_call(engine: AsyncLLMEngine, fake: FakeEngine) -> None:
+    """One engine call (one round trip to an engine process) for a batch of adds; the refused
+    one gets its error, the others run."""
+
+    async def run() -> list[list[RequestOutput] | BaseException]:
+        requests = [EngineRequest(f"b{i}", [1], SamplingParams(max_tokens=13 if i == 2 else 2)) for i in range(5)]
+        streams = engine.submit_all(requests)
+        return await asyncio.gather(*(collect(s) for s in streams), return_exceptions=True)
+
+    results = asyncio.run(run())
+    assert fake.add_batches == [[f"b{i}" for i in range(5)]]
+    assert isinstance(results[2], ValueError) and "unlucky" in str(results[2])
+    assert [len(r) for i, r in enumerate(results) if i != 2] == [2, 2, 2, 2]
 
 
 def test_idle_loop_sleeps(engine: AsyncLLMEngine, fake: FakeEngine) -> None:

@@ -22,7 +22,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagellm
-from pagellm.engine.async_engine import AsyncLLMEngine, LoopOptions, SteppedEngine
+from pagellm.engine.async_engine import AsyncLLMEngine, EngineClient, LoopOptions
 from pagellm.entrypoints.openai.errors import (
     AuthenticationError,
     RequestTooLargeError,
@@ -226,7 +226,7 @@ def _ignore_replayed_signals() -> None:
 
 
 def run_server(
-    llm_engine: SteppedEngine,
+    llm_engine: EngineClient,
     settings: ServerSettings,
     host: str = "127.0.0.1",
     port: int = 8000,
