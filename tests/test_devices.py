@@ -21,8 +21,8 @@ from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.engine.engine_process import EngineProcess
 from pagellm.engine.protocol import EngineRequest
 from pagellm.engine_args import EngineArgs
-from tests.attention.test_attention import HEADS, TOL, dense_expected, make_step, random_reqs
-from tests.hf_reference import hf_greedy, load_hf_model
+from tests.helpers.attention import HEADS, TOL, dense_expected, make_step, random_reqs
+from tests.helpers.hf_reference import hf_greedy, load_hf_model
 
 CUDA = pytest.param(
     "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")

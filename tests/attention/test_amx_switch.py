@@ -10,7 +10,7 @@ import torch
 from pagellm import kernels
 from pagellm.attention import CPUPagedAttention
 from pagellm.config import KernelConfig
-from tests.attention.test_attention import dense_expected, make_step
+from tests.helpers.attention import dense_expected, make_step
 
 AMX = kernels.load(KernelConfig(isa="amx"))
 AVX512 = kernels.load(KernelConfig(isa="avx512"))

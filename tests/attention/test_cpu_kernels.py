@@ -14,7 +14,7 @@ import torch
 from pagellm import kernels
 from pagellm.attention import CPUPagedAttention, write_kv
 from pagellm.kernels.isa import usable_cpu_flags
-from tests.attention.test_attention import (
+from tests.helpers.attention import (
     FP8,
     TOL,
     check_step,

@@ -7,7 +7,7 @@ import torch
 
 from pagellm.attention import TorchSDPAAttention
 from pagellm.attention.torch_sdpa import _build_plan, decode_attention_bmm, group_decode_rows
-from tests.attention.test_attention import check_step, make_step
+from tests.helpers.attention import check_step, make_step
 
 
 def test_group_decode_rows():

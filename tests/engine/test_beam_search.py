@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagellm import LLM, BeamSearchParams
-from tests.hf_reference import load_hf_gguf_reference, load_hf_model
+from tests.helpers.hf_reference import load_hf_gguf_reference, load_hf_model
 
 PROMPTS = ["The best thing about", "Once upon a time, in a land far", "1, 2, 3,"]
 

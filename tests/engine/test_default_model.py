@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagellm import LLM, SamplingParams
-from tests.hf_reference import hf_greedy, load_hf_gguf_reference
+from tests.helpers.hf_reference import hf_greedy, load_hf_gguf_reference
 
 pytestmark = pytest.mark.slow
 

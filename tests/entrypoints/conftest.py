@@ -8,19 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.utils import RemoteServer
-
-MODEL_NAME = "tiny"
-MODEL_ALIAS = "tiny-alias"
-MAX_MODEL_LEN = 256
-# A small KV pool starts fast; 4096 token slots still hold 32+ concurrent short requests.
-TINY_SERVER_ARGS = [
-    "--served-model-name", MODEL_NAME, MODEL_ALIAS,
-    "--num-kv-blocks", "256",
-    "--max-model-len", str(MAX_MODEL_LEN),
-    "--max-num-seqs", "64",
-]
-
+from tests.helpers.server import TINY_SERVER_ARGS, RemoteServer
 
 @pytest.fixture(scope="session")
 def server(tiny_llama_path: str) -> Iterator[RemoteServer]:

@@ -8,7 +8,7 @@ from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.engine.input_processor import InputProcessor
 from pagellm.entrypoints.openai.api_server import ServerSettings, build_app
 from pagellm.metrics.prometheus import PrometheusMetrics
-from tests.entrypoints.test_async_engine import FakeEngine
+from tests.helpers.fake_engine import FakeEngine
 
 
 class _TinyTokenizer:

@@ -3,104 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
 
 import pytest
 
 from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from pagellm.engine.llm_engine import EngineStats
 from pagellm.engine.protocol import EngineRequest
-from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
-
-
-class FakeEngine:
-    """Each request emits one token per step until max_tokens; records what the loop asked."""
-
-    def __init__(self) -> None:
-        self.requests: dict[str, int] = {}  # id -> tokens still to produce
-        self.produced: dict[str, int] = {}
-        self.aborted: list[str] = []
-        self.steps = 0
-        self.fail_on_step = False
-        self.stats = EngineStats()
-        self.max_model_len = 128
-        self.kernel_plan_info = {"device": "cpu"}
-        self.thread_ids: set[int] = set()
-        self.dead = False  # check_health raises (a dead engine process, seen while idle)
-        self.restarts = 0
-        self.add_batches: list[list[str]] = []  # the request ids of each add_requests call
-
-    def add_requests(self, requests: list[EngineRequest]) -> list[ValueError | None]:
-        self.thread_ids.add(threading.get_ident())
-        self.add_batches.append([r.request_id for r in requests])
-        errors: list[ValueError | None] = []
-        for request in requests:
-            assert request.stream
-            if request.params.max_tokens == 13:
-                errors.append(ValueError("max_tokens=13 is unlucky"))
-                continue
-            if request.params.max_tokens == 14:
-                raise RuntimeError("add crashed")
-            self.requests[request.request_id] = request.params.max_tokens or 1
-            self.produced[request.request_id] = 0
-            errors.append(None)
-        return errors
-
-    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
-        self.thread_ids.add(threading.get_ident())
-        ids = [request_ids] if isinstance(request_ids, str) else request_ids
-        outputs = []
-        for request_id in ids:
-            if self.requests.pop(request_id, None) is not None:
-                self.aborted.append(request_id)
-                outputs.append(_output(request_id, "", "abort"))
-        return outputs
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
-    def check_health(self) -> None:
-        if self.dead:
-            raise RuntimeError("the fake engine died")
-
-    def restart(self) -> bool:
-        self.restarts += 1
-        self.requests.clear()
-        self.fail_on_step = self.dead = False
-        return True
-
-    def step(self) -> list[RequestOutput]:
-        self.thread_ids.add(threading.get_ident())
-        self.steps += 1
-        if self.fail_on_step:
-            raise RuntimeError("boom")
-        time.sleep(0.001)
-        outputs = []
-        for request_id in list(self.requests):
-            self.requests[request_id] -= 1
-            self.produced[request_id] += 1
-            done = self.requests[request_id] == 0
-            if done:
-                del self.requests[request_id]
-            outputs.append(_output(request_id, f"t{self.produced[request_id]} ", "length" if done else None))
-        return outputs
-
-
-def _output(request_id: str, text: str, finish_reason: str | None) -> RequestOutput:
-    sample = CompletionOutput(index=0, text=text, token_ids=[1] if text else [], finish_reason=finish_reason)
-    return RequestOutput(request_id, None, [1, 2], [sample], finished=finish_reason is not None)
-
-
-class RecordingMetrics:
-    def __init__(self) -> None:
-        self.calls: dict[str, list[Any]] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args: self.calls.setdefault(name, []).append(args[0] if args else None)
+from tests.helpers.fake_engine import FakeEngine, RecordingMetrics, collect, wait_for
 
 
 @pytest.fixture
@@ -114,15 +26,6 @@ def engine(fake: FakeEngine) -> Iterator[AsyncLLMEngine]:
     async_engine.start()
     yield async_engine
     async_engine.shutdown(timeout=5)
-
-
-async def collect(stream: AsyncIterator[RequestOutput], timeout: float = 10.0) -> list[RequestOutput]:
-    """All of a stream's outputs; a hang fails the test instead of stalling the suite."""
-
-    async def drain() -> list[RequestOutput]:
-        return [item async for item in stream]
-
-    return await asyncio.wait_for(drain(), timeout)
 
 
 def test_deltas_until_finished(engine: AsyncLLMEngine, fake: FakeEngine) -> None:
@@ -180,7 +83,7 @@ def test_leaving_early_aborts(engine: AsyncLLMEngine, fake: FakeEngine) -> None:
         await stream.aclose()
 
     asyncio.run(take_two())
-    _wait_for(lambda: fake.aborted == ["long"])
+    wait_for(lambda: fake.aborted == ["long"])
     assert not fake.requests
 
 
@@ -193,7 +96,7 @@ def test_cancellation_aborts(engine: AsyncLLMEngine, fake: FakeEngine) -> None:
             await task
 
     asyncio.run(cancel_midway())
-    _wait_for(lambda: fake.aborted == ["c"])
+    wait_for(lambda: fake.aborted == ["c"])
 
 
 def test_loop_crash_fails_requests_and_health(engine: AsyncLLMEngine, fake: FakeEngine) -> None:
@@ -262,8 +165,3 @@ async def _enumerate(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[tupl
         i += 1
 
 
-def _wait_for(condition: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.utils import RemoteServer
+from tests.helpers.server import RemoteServer
 
 pytestmark = pytest.mark.slow
 

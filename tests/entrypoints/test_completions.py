@@ -6,8 +6,8 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.conftest import MODEL_ALIAS, MODEL_NAME
-from tests.entrypoints.utils import parse_sse
+from tests.helpers.server import MODEL_ALIAS, MODEL_NAME
+from tests.helpers.server import parse_sse
 
 pytestmark = pytest.mark.slow
 

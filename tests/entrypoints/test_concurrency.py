@@ -10,8 +10,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.entrypoints.conftest import MODEL_NAME
-from tests.entrypoints.utils import RemoteServer
+from tests.helpers.server import MODEL_NAME
+from tests.helpers.server import RemoteServer
 
 pytestmark = pytest.mark.slow
 

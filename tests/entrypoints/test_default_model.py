@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from pagellm.model.default_model import DEFAULT_MODEL_NAME
-from tests.entrypoints.utils import RemoteServer
+from tests.helpers.server import RemoteServer
 
 pytestmark = pytest.mark.slow
 

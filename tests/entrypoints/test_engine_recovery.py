@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from tests.entrypoints.utils import RemoteServer
+from tests.helpers.server import RemoteServer
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.conftest import MAX_MODEL_LEN, MODEL_NAME
+from tests.helpers.server import MAX_MODEL_LEN, MODEL_NAME
 
 pytestmark = pytest.mark.slow
 

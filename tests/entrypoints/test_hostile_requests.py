@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.entrypoints.conftest import MODEL_NAME
+from tests.helpers.server import MODEL_NAME
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from pagellm.engine.async_engine import (
 )
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
-from tests.entrypoints.test_async_engine import FakeEngine, RecordingMetrics, _output, _wait_for, collect
+from tests.helpers.fake_engine import FakeEngine, RecordingMetrics, collect, request_output, wait_for
 
 
 class FailingOneEngine(FakeEngine):
@@ -30,7 +30,7 @@ class FailingOneEngine(FakeEngine):
         for output in outputs:
             if output.request_id == "bad" and self.produced["bad"] == 2:
                 self.requests.pop("bad", None)
-                failed = _output("bad", "", "error")
+                failed = request_output("bad", "", "error")
                 failed.error = "internal error while processing this request"
                 outputs[outputs.index(output)] = failed
         return outputs
@@ -71,7 +71,7 @@ def test_admission_is_bounded_and_slots_come_back(fake: FakeEngine, stopper: lis
         await first.aclose()  # leaving early aborts and frees the slot
 
     asyncio.run(run())
-    _wait_for(lambda: engine._admitted == 0)
+    wait_for(lambda: engine._admitted == 0)
     assert engine._metrics.calls["count_rejected"] == ["overloaded"]  # type: ignore[attr-defined]
 
 
@@ -95,7 +95,7 @@ def test_the_prompts_of_one_request_are_admitted_all_or_none(
             await stream.aclose()
 
     asyncio.run(run())
-    _wait_for(lambda: engine._admitted == 0 and sorted(fake.aborted) == ["held0", "held1"])
+    wait_for(lambda: engine._admitted == 0 and sorted(fake.aborted) == ["held0", "held1"])
 
 
 def test_a_stream_never_iterated_is_aborted(fake: FakeEngine, stopper: list[AsyncLLMEngine]) -> None:
@@ -107,7 +107,7 @@ def test_a_stream_never_iterated_is_aborted(fake: FakeEngine, stopper: list[Asyn
         gc.collect()
 
     asyncio.run(run())
-    _wait_for(lambda: fake.aborted == ["dropped"] and engine._admitted == 0)
+    wait_for(lambda: fake.aborted == ["dropped"] and engine._admitted == 0)
 
 
 def test_a_failed_request_fails_alone(stopper: list[AsyncLLMEngine]) -> None:
@@ -135,8 +135,8 @@ def test_a_dead_engine_is_noticed_while_idle_and_restarted(fake: FakeEngine, sto
     stopper.append(engine)
     assert len(asyncio.run(collect(engine.generate([1], SamplingParams(max_tokens=2), "a")))) == 2
     fake.dead = True  # nothing is running: only the idle check can notice
-    _wait_for(lambda: fake.restarts == 1, timeout=10)
-    _wait_for(lambda: engine.is_running)
+    wait_for(lambda: fake.restarts == 1, timeout=10)
+    wait_for(lambda: engine.is_running)
     assert len(asyncio.run(collect(engine.generate([1], SamplingParams(max_tokens=2), "b")))) == 2
     assert engine._metrics.calls["count_engine_restart"]  # type: ignore[attr-defined]
 
@@ -156,7 +156,7 @@ def test_a_crash_mid_step_fails_in_flight_requests_then_restarts(
                 pass
 
     asyncio.run(crash())
-    _wait_for(lambda: fake.restarts == 1 and engine.is_running)
+    wait_for(lambda: fake.restarts == 1 and engine.is_running)
     assert len(asyncio.run(collect(engine.generate([1], SamplingParams(max_tokens=3), "y")))) == 3
     assert engine._admitted == 0
 

@@ -8,7 +8,7 @@ import pytest
 
 import pagellm
 from pagellm.kernels.plan import GEMM_PATHS
-from tests.entrypoints.conftest import MAX_MODEL_LEN, MODEL_ALIAS, MODEL_NAME
+from tests.helpers.server import MAX_MODEL_LEN, MODEL_ALIAS, MODEL_NAME
 
 pytestmark = pytest.mark.slow
 

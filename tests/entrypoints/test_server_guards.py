@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.entrypoints.utils import RemoteServer
+from tests.helpers.server import RemoteServer
 
 pytestmark = pytest.mark.slow
 

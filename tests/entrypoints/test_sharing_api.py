@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from pagellm import LLM, BeamSearchParams
-from tests.entrypoints.conftest import MODEL_NAME
+from tests.helpers.server import MODEL_NAME
 
 PROMPT = "The old lighthouse keeper"
 

@@ -8,7 +8,7 @@ import threading
 import httpx
 import pytest
 
-from tests.entrypoints.utils import RemoteServer, parse_sse
+from tests.helpers.server import RemoteServer, parse_sse
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from pagellm.model.cpu_linear import (
 )
 from pagellm.model.layers import RMSNorm, SiluAndMul
 from pagellm.model.loader import load_model
-from tests.model.paged_runner import PagedRunner
+from tests.helpers.paged_runner import PagedRunner
 
 needs_packed_bf16 = pytest.mark.skipif(
     not packed_ops_supported(torch.bfloat16),

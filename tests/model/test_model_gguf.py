@@ -1,19 +1,19 @@
 """The default GGUF model: our loader must equal Hugging Face's GGUF loader on dequantized weights.
 
-Reference: transformers' own GGUF reader, see ``tests.hf_reference.load_hf_gguf_reference``.
+Reference: transformers' own GGUF reader, see ``tests.helpers.hf_reference.load_hf_gguf_reference``.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from paged_runner import PagedRunner
 
 from pagellm.attention.reference import ReferenceAttention
 from pagellm.model import load_arch_config, load_model
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.llama import LlamaForCausalLM
-from tests.hf_reference import load_hf_gguf_reference
+from tests.helpers.hf_reference import load_hf_gguf_reference
+from tests.helpers.paged_runner import PagedRunner
 
 pytestmark = pytest.mark.slow
 

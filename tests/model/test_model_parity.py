@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_runner import PagedRunner
 
 from pagellm.attention.reference import ReferenceAttention
 from pagellm.model import load_model
 from pagellm.model.llama import LlamaForCausalLM
+from tests.helpers.paged_runner import PagedRunner
 
 TINY_MODELS = ["tiny_llama_path", "tiny_qwen2_path"]
 

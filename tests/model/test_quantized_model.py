@@ -247,11 +247,11 @@ def test_layers_with_biases_the_call_does_not_take_run_as_modules(tmp_path, defa
     with SiLU-and-mul unfused (its gate has a bias)."""
     from transformers import LlamaConfig
 
-    from tests.conftest import TINY_SHAPE, _token_ids, _write_tiny_model
+    from tests.helpers.tiny_models import TINY_SHAPE, token_ids, write_tiny_model
 
-    config = LlamaConfig(**TINY_SHAPE, **_token_ids(default_tokenizer), attention_bias=True, mlp_bias=True,
+    config = LlamaConfig(**TINY_SHAPE, **token_ids(default_tokenizer), attention_bias=True, mlp_bias=True,
                          initializer_range=0.1)  # fmt: skip
-    path = _write_tiny_model(tmp_path / "biased", config, default_tokenizer)
+    path = write_tiny_model(tmp_path / "biased", config, default_tokenizer)
     dense = LLM(path, dtype="float32", num_kv_blocks=64)
     quantized = LLM(path, dtype="float32", quantization="int8", num_kv_blocks=64)
     assert quantized.llm_engine.worker.kernel_plan.decoder == "fused"

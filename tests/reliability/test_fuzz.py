@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import Case, GenerationMode
 
-from tests.entrypoints.utils import RemoteServer
-from tests.reliability.hostile import HOSTILE, MODEL, describe
-from tests.reliability.utils import scrape
+from tests.helpers.server import RemoteServer
+from tests.helpers.hostile import HOSTILE, MODEL, describe
+from tests.helpers.load import scrape
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.entrypoints.utils import RemoteServer
-from tests.reliability.utils import PREEMPTIONS, is_idle, load, poll_metrics, scrape
+from tests.helpers.server import RemoteServer
+from tests.helpers.load import PREEMPTIONS, is_idle, load, poll_metrics, scrape
 
 pytestmark = pytest.mark.slow
 

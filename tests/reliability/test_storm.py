@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.entrypoints.utils import RemoteServer
-from tests.reliability.utils import ABORTED, LENGTH, is_idle, load, percentile, poll_metrics, scrape
+from tests.helpers.server import RemoteServer
+from tests.helpers.load import ABORTED, LENGTH, is_idle, load, percentile, poll_metrics, scrape
 
 pytestmark = pytest.mark.slow
 

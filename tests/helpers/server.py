@@ -131,3 +131,16 @@ def parse_sse(text: str) -> list[dict | str]:
     assert events and events[-1] == "[DONE]", "a stream must end with data: [DONE]"
     assert events.count("[DONE]") == 1
     return events
+
+
+# The shared tiny-model server of the protocol tests (tests/entrypoints/conftest.py).
+MODEL_NAME = "tiny"
+MODEL_ALIAS = "tiny-alias"
+MAX_MODEL_LEN = 256
+# A small KV pool starts fast; 4096 token slots still hold 32+ concurrent short requests.
+TINY_SERVER_ARGS = [
+    "--served-model-name", MODEL_NAME, MODEL_ALIAS,
+    "--num-kv-blocks", "256",
+    "--max-model-len", str(MAX_MODEL_LEN),
+    "--max-num-seqs", "64",
+]
