@@ -219,14 +219,17 @@ def _to(step, device: str):
     return step
 
 
-@pytest.mark.parametrize("device", DEVICES)
+# tests/attention covers the CPU backends; one kind checks this test there. Every kind on CUDA.
+DEVICE_KINDS = [("cpu", "mixed")] + [
+    pytest.param("cuda", kind, marks=CUDA.marks) for kind in ("decode", "prefill", "mixed", "mixed_decode_first")
+]
+
+
+@pytest.mark.parametrize("device,kind", DEVICE_KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", ["mha", "gqa"])
 @pytest.mark.parametrize("block_size", [1, 16])
-@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed", "mixed_decode_first"])
 def test_paged_attention_matches_reference(device, kind, block_size, heads, dtype):
-    if device == "cpu" and kind != "mixed":
-        pytest.skip("tests/attention covers the CPU backends; one kind checks this test here")
     num_heads, num_kv_heads = HEADS[heads]
     reqs = random_reqs(kind, n=9, seed=sum(map(ord, kind)) + block_size + num_kv_heads)
     step = make_step(reqs, block_size, num_heads, num_kv_heads, head_dim=64, dtype=dtype, seed=block_size)

@@ -58,8 +58,6 @@ class Request:
     cache_salt: str | None = None
     block_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int = -1
-    # A beam of a beam search: the engine, not the scheduler, picks its next token.
-    is_beam: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

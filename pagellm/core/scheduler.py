@@ -227,7 +227,7 @@ class Scheduler:
                 start, prompt_len
             )
             token_id = runner_output.sampled.get(item.request_id)
-            if token_id is None or request.is_beam:
+            if token_id is None:  # no sample this step (or one its owner takes: a beam's)
                 continue
             children = self._fork_children(request, item) if item.forks else []
             for seq in [request, *children]:
@@ -249,7 +249,7 @@ class Scheduler:
         _insert_by_arrival(self.running, child)
 
     def append_token(self, request_id: str, token_id: int) -> None:
-        """Give a beam its next token (chosen by the beam search, not by stop rules)."""
+        """Append a token chosen outside the sampler and the stop rules (a beam search's)."""
         self.requests[request_id].append_output_token(token_id)
         self.stats.num_generated_tokens += 1
 

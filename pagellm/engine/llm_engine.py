@@ -17,14 +17,15 @@ from pagellm.config import EngineConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler
-from pagellm.engine.beam_search import Beam, BeamSearchGroup, BeamSearchParams, Continuation
+from pagellm.engine.beam_controller import BeamSearchController
+from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.protocol import EngineRequest
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.loader import load_arch_config
 from pagellm.model.tokenizer import load_tokenizer
-from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.worker.worker import Worker
 
@@ -88,9 +89,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._request_counter = itertools.count()
-        self.beam_groups: dict[str, BeamSearchGroup] = {}
-        self._beam_of_seq: dict[str, str] = {}  # beam sequence id -> beam search request id
-        self._beam_counter = itertools.count()
+        self.beams = BeamSearchController(self.scheduler, self.tokenizer, self.eos_token_ids)
         logger.info(
             "engine ready in %.1fs: %s, %d KV blocks of %d tokens (%s), max_model_len %d",
             time.monotonic() - start,
@@ -137,11 +136,12 @@ class LLMEngine:
     def add_engine_request(self, request: EngineRequest) -> None:
         """Validate and queue one tokenized request (sampling, or beam search); raises ValueError
         on bad input (nothing is queued then)."""
-        if request.request_id in self.beam_groups or self.output_processor.has_request(request.request_id):
+        if request.request_id in self.beams or self.output_processor.has_request(request.request_id):
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.input_processor.check_params(request.params)
         if isinstance(request.params, BeamSearchParams):
-            self._add_beam_search(request, request.params)
+            max_tokens = min(request.params.max_tokens, self.max_model_len - len(request.prompt_token_ids))
+            self.beams.add(request.request_id, request.prompt, request.prompt_token_ids, request.params, max_tokens)
         else:
             self._add_sampling(request, request.params)
 
@@ -189,9 +189,8 @@ class LLMEngine:
             request_ids = [request_ids]
         outputs = []
         for request_id in request_ids:
-            group = self.beam_groups.get(request_id)
-            if group is not None:
-                outputs.append(self._end_beam_search(group))
+            if request_id in self.beams:
+                outputs.append(self.beams.abort(request_id))
                 continue
             self.scheduler.finish_requests(self.output_processor.seq_ids(request_id), RequestStatus.FINISHED_ABORTED)
             output = self.output_processor.abort(request_id)
@@ -199,107 +198,6 @@ class LLMEngine:
                 outputs.append(output)
         self._refresh_stats()
         return outputs
-
-    # ---- beam search -------------------------------------------------------------------
-
-    def _add_beam_search(self, request: EngineRequest, params: BeamSearchParams) -> None:
-        """Queue a beam search; its result is one RequestOutput with the beams best first."""
-        prompt_token_ids = request.prompt_token_ids
-        max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_token_ids))
-        group = BeamSearchGroup(request.request_id, prompt_token_ids, params, max_tokens, self.eos_token_ids,
-                                prompt=request.prompt)  # fmt: skip
-        first = self._new_beam_request(group)
-        group.beams = [Beam(first.request_id, 0.0, [])]
-        self.beam_groups[request.request_id] = group
-        self.scheduler.add_request(first)
-
-    def _new_beam_request(self, group: BeamSearchGroup) -> Request:
-        seq_id = f"{group.request_id}#beam{next(self._beam_counter)}"
-        self._beam_of_seq[seq_id] = group.request_id
-        # Greedy sampling with the top 2W logprobs: the group, not the sampler, picks tokens.
-        params = SamplingParams(temperature=0, max_tokens=group.max_tokens, logprobs=group.params.num_candidates)
-        return Request(
-            seq_id,
-            group.prompt_token_ids,
-            params,
-            max_tokens=group.max_tokens,
-            eos_token_ids=self.eos_token_ids,
-            arrival_time=group.arrival_time,
-            is_beam=True,
-        )
-
-    def _advance_beam_searches(self, logprobs: dict[str, list], failed: dict[str, str]) -> list[RequestOutput]:
-        """Advance every group whose beams all reported; a group that fails is recorded in ``failed``."""
-        ready: dict[str, BeamSearchGroup] = {}
-        for seq_id, row in logprobs.items():
-            group = self.beam_groups.get(self._beam_of_seq.get(seq_id, ""))
-            if group is not None and seq_id not in failed and group.report(seq_id, row):
-                ready[group.request_id] = group
-        outputs = []
-        for group in ready.values():
-            try:
-                continuations = group.advance()
-                if group.done:
-                    outputs.append(self._end_beam_search(group))
-                else:
-                    self._continue_beams(group, continuations)
-            except Exception as exc:  # noqa: BLE001 -- this group's fault: fail it, keep the others
-                logger.exception("beam search %s failed", group.request_id)
-                failed[group.request_id] = f"{type(exc).__name__}: {exc}"
-        return outputs
-
-    def _continue_beams(self, group: BeamSearchGroup, continuations: list[Continuation]) -> None:
-        """Reuse each chosen beam once, fork it for further choices, free beams not chosen."""
-        seq_ids: list[str] = []
-        reused: set[str] = set()
-        for cont in continuations:  # all forks first: a fork copies its parent's tokens
-            parent_id = cont.parent.seq_id
-            if parent_id not in reused:
-                reused.add(parent_id)
-                seq_ids.append(parent_id)
-            else:
-                child = self._new_beam_request(group)
-                self.scheduler.fork_request(parent_id, child)
-                seq_ids.append(child.request_id)
-        for seq_id, cont in zip(seq_ids, continuations):
-            self.scheduler.append_token(seq_id, cont.token_id)
-        pruned = [beam.seq_id for beam in group.beams if beam.seq_id not in reused]
-        self._drop_beams(pruned)
-        group.beams = [
-            Beam(seq_id, cont.cum_logprob, cont.parent.generated + [cont.token_id])
-            for seq_id, cont in zip(seq_ids, continuations)
-        ]
-
-    def _drop_beams(self, seq_ids: list[str]) -> None:
-        self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
-        for seq_id in seq_ids:
-            self._beam_of_seq.pop(seq_id, None)
-
-    def _end_beam_search(self, group: BeamSearchGroup) -> RequestOutput:
-        self._drop_beams([beam.seq_id for beam in group.beams])
-        del self.beam_groups[group.request_id]
-        prompt_len = len(group.prompt_token_ids)
-        outputs = []
-        for index, seq in enumerate(group.finished):
-            generated = seq.tokens[prompt_len:]
-            seq.text = self.tokenizer.decode(generated, skip_special_tokens=True)
-            outputs.append(
-                CompletionOutput(
-                    index=index,
-                    text=seq.text,
-                    token_ids=generated,
-                    cumulative_logprob=seq.cum_logprob,
-                    finish_reason=seq.finish_reason if group.done else "abort",
-                )
-            )
-        self.stats.num_finished_requests += 1
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            outputs=outputs,
-            finished=True,
-        )
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -319,13 +217,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.worker.execute(scheduler_output)
+        if self.beams.groups:
+            self.beams.take_sampled(runner_output)  # beams append what the controller picks
         updated, finished = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, stopped = self.output_processor.process(runner_output, updated, finished)
         if stopped:
             # Stop strings are found in text, so the scheduler learns of them only now.
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        if self.beam_groups:
-            outputs.extend(self._advance_beam_searches(runner_output.logprobs, runner_output.failed))
+        if self.beams.groups:
+            outputs.extend(self.beams.advance(runner_output.logprobs, runner_output.failed))
         if runner_output.failed:
             outputs.extend(self._fail_requests(runner_output.failed))
         self.stats.num_steps += 1
@@ -337,7 +237,7 @@ class LLMEngine:
         """Finish the requests whose own part of a step failed, with an error; the others go on."""
         request_ids: dict[str, str] = {}
         for seq_id, message in failed.items():
-            owner = self.output_processor.seq_to_request.get(seq_id) or self._beam_of_seq.get(seq_id) or seq_id
+            owner = self.output_processor.seq_to_request.get(seq_id) or self.beams.owner(seq_id) or seq_id
             request_ids.setdefault(owner, message)
         outputs = []
         for request_id, message in request_ids.items():

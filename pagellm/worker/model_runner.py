@@ -9,8 +9,7 @@ import torch
 
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.kernels.plan import KernelPlan
-from pagellm.model.cpu_linear import pack_linear_layers
-from pagellm.model.loader import single_threaded
+from pagellm.model.interface import CausalLM
 from pagellm.sample.sampler import (
     Sampler,
     SamplerOutput,
@@ -43,16 +42,12 @@ class StepInputs:
 
 
 class ModelRunner:
-    """Owns the model, the KV cache tensors and per-request random generators.
-
-    The model's weights are repacked once, here, for the GEMM the kernel ``plan`` names
-    (on CPU: bf16/fp16, and float32 under the AVX2 GEMM: packed linears, the MLP activation
-    fused into its matmul).
-    """
+    """Runs steps: owns the model (loaded and repacked by the worker), the KV cache tensors and
+    per-request random generators."""
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: CausalLM,
         kv_cache: KVCache,
         block_size: int,
         device: torch.device,
@@ -67,13 +62,6 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.argmax_kernels = plan.library("argmax")
-        self.cpu_optimizations: dict[str, int] = {}
-        if device.type == "cpu":
-            optimize = getattr(model, "optimize_for_cpu_inference", None)
-            with single_threaded():
-                self.cpu_optimizations = (
-                    optimize(plan) if optimize is not None else {"packed_linears": pack_linear_layers(model, plan)}
-                )
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -18,7 +18,7 @@ from pagellm.attention import get_attention_backend
 from pagellm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, resolve_dtype, resolve_kv_cache_dtype
 from pagellm.kernels.plan import KernelPlan
 from pagellm.model.arch_config import ModelArchConfig
-from pagellm.model.loader import auto_dtype, load_model, requested_weights
+from pagellm.model.loader import auto_dtype, load_model, requested_weights, single_threaded
 from pagellm.step import ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.device import auto_dtype_downcasts_float32, configure_threads, resolve_device
 from pagellm.worker.kernel_plan import plan_kernels
@@ -86,6 +86,11 @@ class Worker:
         logger.info("kernel plan: %s", self.kernel_plan.describe())
         attn_backend = get_attention_backend(self.kernel_plan.attention, self.device, self.kernel_plan.kernels)
         model, self.arch = load_model(config.model.model, self.dtype, attn_backend, self.device, self.kernel_plan)
+        # The weights repacked once for the plan's CPU kernels (fused MLPs, packed linears).
+        self.cpu_optimizations: dict[str, int] = {}
+        if self.device.type == "cpu":
+            with single_threaded():
+                self.cpu_optimizations = model.optimize_for_cpu_inference(self.kernel_plan)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.block_size = config.cache.block_size
         self.num_blocks = kv_cache_blocks(config.cache, self.arch, self.kv_cache_dtype)

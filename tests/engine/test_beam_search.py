@@ -52,7 +52,7 @@ def test_best_beam_equals_hf_on_tiny_llama(tiny, width, length_penalty):
         assert best.text == tokenizer.decode(expected, skip_special_tokens=True)
     engine = llm.llm_engine
     assert engine.kv_cache_manager.num_free_blocks == engine.worker.num_blocks
-    assert not engine.beam_groups and not engine.has_unfinished_requests()
+    assert not engine.beams.groups and not engine.has_unfinished_requests()
 
 
 def test_beams_share_blocks_and_fork(tiny):

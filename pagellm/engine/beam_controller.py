@@ -1,0 +1,136 @@
+"""The engine's beam searches: one owner for their state, driving core through a narrow API.
+
+Each beam is a plain request in core (the scheduler knows nothing of beams). Every step its
+sampled token is taken back (:meth:`BeamSearchController.take_sampled`): the controller, not
+the scheduler's stop rules, decides what each beam appends, from the beams' reported
+logprobs, and then tells the scheduler to fork a beam chosen twice, append the chosen tokens
+and finish the beams not chosen (``fork_request``, ``append_token``, ``finish_requests``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+from transformers import PreTrainedTokenizerBase
+
+from pagellm.core.request import Request, RequestStatus
+from pagellm.core.scheduler import Scheduler
+from pagellm.engine.beam_search import Beam, BeamSearchGroup, BeamSearchParams, Continuation
+from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.sampling_params import SamplingParams
+from pagellm.step import ModelRunnerOutput, TokenLogprobs
+
+logger = logging.getLogger(__name__)
+
+
+class BeamSearchController:
+    """Every beam search of one engine: its groups and which beam sequence is whose."""
+
+    def __init__(self, scheduler: Scheduler, tokenizer: PreTrainedTokenizerBase, eos_token_ids: frozenset[int]) -> None:
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.groups: dict[str, BeamSearchGroup] = {}
+        self._owner: dict[str, str] = {}  # beam sequence id -> beam search request id
+        self._counter = itertools.count()
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.groups
+
+    def owner(self, seq_id: str) -> str | None:
+        """The beam search a sequence belongs to (None: not a beam)."""
+        return self._owner.get(seq_id)
+
+    def add(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: BeamSearchParams, max_tokens: int
+    ) -> None:
+        """Start a beam search (checked by the caller); its result is one output, beams best first."""
+        group = BeamSearchGroup(request_id, prompt_token_ids, params, max_tokens, self.eos_token_ids, prompt=prompt)
+        first = self._new_beam(group)
+        group.beams = [Beam(first.request_id, 0.0, [])]
+        self.groups[request_id] = group
+        self.scheduler.add_request(first)
+
+    def take_sampled(self, runner_output: ModelRunnerOutput) -> None:
+        """Remove the beams' sampled tokens from a step's output, before the scheduler appends
+        tokens: the beams' next tokens are chosen by :meth:`advance`."""
+        for seq_id in self._owner:
+            runner_output.sampled.pop(seq_id, None)
+
+    def advance(self, logprobs: dict[str, TokenLogprobs], failed: dict[str, str]) -> list[RequestOutput]:
+        """Advance every group whose beams all reported; a group that fails is recorded in ``failed``."""
+        ready: dict[str, BeamSearchGroup] = {}
+        for seq_id, row in logprobs.items():
+            group = self.groups.get(self._owner.get(seq_id, ""))
+            if group is not None and seq_id not in failed and group.report(seq_id, row):
+                ready[group.request_id] = group
+        outputs = []
+        for group in ready.values():
+            try:
+                continuations = group.advance()
+                if group.done:
+                    outputs.append(self._end(group))
+                else:
+                    self._continue(group, continuations)
+            except Exception as exc:  # noqa: BLE001 -- this group's fault: fail it, keep the others
+                logger.exception("beam search %s failed", group.request_id)
+                failed[group.request_id] = f"{type(exc).__name__}: {exc}"
+        return outputs
+
+    def abort(self, request_id: str) -> RequestOutput:
+        """End a beam search now; its output holds the hypotheses finished so far."""
+        return self._end(self.groups[request_id])
+
+    def _new_beam(self, group: BeamSearchGroup) -> Request:
+        seq_id = f"{group.request_id}#beam{next(self._counter)}"
+        self._owner[seq_id] = group.request_id
+        # Greedy sampling with the top 2W logprobs: the group, not the sampler, picks tokens.
+        params = SamplingParams(temperature=0, max_tokens=group.max_tokens, logprobs=group.params.num_candidates)
+        return Request(
+            seq_id, group.prompt_token_ids, params, max_tokens=group.max_tokens, eos_token_ids=self.eos_token_ids,
+            arrival_time=group.arrival_time,
+        )  # fmt: skip
+
+    def _continue(self, group: BeamSearchGroup, continuations: list[Continuation]) -> None:
+        """Reuse each chosen beam once, fork it for further choices, free beams not chosen."""
+        seq_ids: list[str] = []
+        reused: set[str] = set()
+        for cont in continuations:  # all forks first: a fork copies its parent's tokens
+            parent_id = cont.parent.seq_id
+            if parent_id not in reused:
+                reused.add(parent_id)
+                seq_ids.append(parent_id)
+            else:
+                child = self._new_beam(group)
+                self.scheduler.fork_request(parent_id, child)
+                seq_ids.append(child.request_id)
+        for seq_id, cont in zip(seq_ids, continuations):
+            self.scheduler.append_token(seq_id, cont.token_id)
+        self._drop([beam.seq_id for beam in group.beams if beam.seq_id not in reused])
+        group.beams = [
+            Beam(seq_id, cont.cum_logprob, cont.parent.generated + [cont.token_id])
+            for seq_id, cont in zip(seq_ids, continuations)
+        ]
+
+    def _drop(self, seq_ids: list[str]) -> None:
+        self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
+        for seq_id in seq_ids:
+            self._owner.pop(seq_id, None)
+
+    def _end(self, group: BeamSearchGroup) -> RequestOutput:
+        self._drop([beam.seq_id for beam in group.beams])
+        del self.groups[group.request_id]
+        prompt_len = len(group.prompt_token_ids)
+        outputs = []
+        for index, seq in enumerate(group.finished):
+            generated = seq.tokens[prompt_len:]
+            seq.text = self.tokenizer.decode(generated, skip_special_tokens=True)
+            outputs.append(CompletionOutput(
+                index=index, text=seq.text, token_ids=generated, cumulative_logprob=seq.cum_logprob,
+                finish_reason=seq.finish_reason if group.done else "abort",
+            ))  # fmt: skip
+        return RequestOutput(
+            request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids, outputs=outputs,
+            finished=True,
+        )  # fmt: skip

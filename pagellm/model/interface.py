@@ -1,0 +1,31 @@
+"""What the worker needs of a model family: the interface every causal LM here implements.
+
+One family implements it today (``llama.LlamaForCausalLM``: Llama, Mistral, Qwen2); the next
+implements the same three calls, so the worker and model runner never ask a model what it can do.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from pagellm.attention.backend import AttentionMetadata
+from pagellm.kernels.plan import KernelPlan
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (key_cache, value_cache)
+
+
+class CausalLM(Protocol):
+    """A decoder-only language model over a paged KV cache."""
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """Final-normed hidden states ``[T, hidden]`` for a flat batch of ``T`` tokens."""
+
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """Vocabulary logits for the rows to sample: float32, or the model dtype (``upcast=False``)."""
+
+    def optimize_for_cpu_inference(self, plan: KernelPlan) -> dict[str, int]:
+        """Repack the loaded weights once for the plan's CPU kernels; returns what was done (counts)."""
