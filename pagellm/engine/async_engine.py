@@ -442,17 +442,21 @@ class AsyncLLMEngine:
         return restarted
 
     def _apply(self, commands: list[_Command]) -> int:
-        """Apply the first command, or the run of adds it starts, in one engine call (one round
-        trip to an engine process); returns how many commands that took."""
-        first = commands[0]
-        if isinstance(first, _Abort):
-            self._apply_abort(first)
-            return 1
-        adds: list[_Add] = []
+        """Apply the run of adds, or of aborts, that starts the batch in one engine call (one
+        round trip to an engine process); returns how many commands that took."""
+        kind = type(commands[0])
+        run: list[_Command] = []
         for command in commands:
-            if not isinstance(command, _Add):
+            if type(command) is not kind:
                 break
-            adds.append(command)
+            run.append(command)
+        if kind is _Abort:
+            self._apply_aborts([c.request_id for c in run])
+        else:
+            self._apply_adds(run)  # type: ignore[arg-type]
+        return len(run)
+
+    def _apply_adds(self, adds: list[_Add]) -> None:
         errors = self.engine.add_requests([add.request for add in adds])
         for add, error in zip(adds, errors):
             if error is not None:
@@ -461,17 +465,23 @@ class AsyncLLMEngine:
                 continue
             self._streams[add.request_id] = add.stream
             self._timings[add.request_id] = _Timing(add.arrival)
-        return len(adds)
 
-    def _apply_abort(self, command: _Abort) -> None:
-        stream = self._streams.get(command.request_id)
-        if stream is not None:
-            now = time.monotonic()
-            outputs = self.engine.abort_request(command.request_id)
-            for output in outputs:
-                self._record(output, now)
-            self._forget(command.request_id)
-            self._post({stream.loop: [(stream.queue, o) for o in outputs]})
+    def _apply_aborts(self, request_ids: list[str]) -> None:
+        """Abort the requests still running (a finished one has no stream left) and send each its final output."""
+        streams = {rid: self._streams[rid] for rid in dict.fromkeys(request_ids) if rid in self._streams}
+        if not streams:
+            return
+        now = time.monotonic()
+        outputs = self.engine.abort_request(list(streams))
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[StreamItem], StreamItem]]] = {}
+        for output in outputs:
+            self._record(output, now)
+            stream = streams.get(output.request_id)
+            if stream is not None:
+                batches.setdefault(stream.loop, []).append((stream.queue, output))
+        for request_id in streams:
+            self._forget(request_id)
+        self._post(batches)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Send one step's outputs to their streams: one wake-up per event loop, not per request."""

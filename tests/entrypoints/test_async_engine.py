@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -58,6 +59,25 @@ def test_requests_submitted_together_reach_the_engine_in_one_call(engine: AsyncL
     assert fake.add_batches == [[f"b{i}" for i in range(5)]]
     assert isinstance(results[2], ValueError) and "unlucky" in str(results[2])
     assert [len(r) for i, r in enumerate(results) if i != 2] == [2, 2, 2, 2]
+
+
+def test_aborts_submitted_together_reach_the_engine_in_one_call(engine: AsyncLLMEngine, fake: FakeEngine) -> None:
+    """Aborts that wait while a step runs are applied in one engine call; each stream ends."""
+
+    async def run() -> list[list[RequestOutput]]:
+        streams = [engine.submit([1], SamplingParams(max_tokens=10_000), rid) for rid in "abc"]
+        for stream in streams:
+            await stream.__anext__()  # each is running
+        fake.gate = threading.Event()
+        await asyncio.to_thread(fake.in_step.wait, 10)  # the loop is inside a step now
+        for rid in "abc":
+            engine.abort(rid)
+        fake.gate.set()
+        return [await collect(stream) for stream in streams]
+
+    results = asyncio.run(run())
+    assert ["a", "b", "c"] in fake.abort_batches and fake.aborted == ["a", "b", "c"]
+    assert all(r and r[-1].finished and r[-1].outputs[0].finish_reason == "abort" for r in results)
 
 
 def test_idle_loop_sleeps(engine: AsyncLLMEngine, fake: FakeEngine) -> None:

@@ -30,6 +30,10 @@ class FakeEngine:
         self.dead = False  # check_health raises (a dead engine process, seen while idle)
         self.restarts = 0
         self.add_batches: list[list[str]] = []  # the request ids of each add_requests call
+        self.abort_batches: list[list[str]] = []  # the request ids of each abort_request call
+        # When set: step() signals `in_step`, then waits for `gate` (a test holds the loop there).
+        self.gate: threading.Event | None = None
+        self.in_step = threading.Event()
 
     def add_requests(self, requests: list[EngineRequest]) -> list[ValueError | None]:
         self.thread_ids.add(threading.get_ident())
@@ -50,6 +54,7 @@ class FakeEngine:
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        self.abort_batches.append(list(ids))
         outputs = []
         for request_id in ids:
             if self.requests.pop(request_id, None) is not None:
@@ -75,6 +80,9 @@ class FakeEngine:
         self.steps += 1
         if self.fail_on_step:
             raise RuntimeError("boom")
+        if self.gate is not None:
+            self.in_step.set()
+            assert self.gate.wait(10), "the test never opened the gate"
         time.sleep(0.001)
         outputs = []
         for request_id in list(self.requests):
