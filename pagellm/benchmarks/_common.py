@@ -25,12 +25,25 @@ def bench_extra(module: str, what: str) -> Any:
         raise RuntimeError(f"{what} needs {module.split('.')[0]}: pip install 'pagellm[bench]'") from None
 
 
-def engine_options(config: object) -> dict[str, Any]:
-    """The engine options (``EngineArgs`` fields) a benchmark configuration carries, None meaning
-    "the engine's default"; its ``seed`` seeds the workload, not the engine, and stays out."""
+def flat_config(config: Any) -> dict[str, Any]:
+    """A benchmark configuration for its JSON report: its engine options beside its own fields,
+    one flat mapping (as the reports have always carried them)."""
+    from dataclasses import asdict
+
+    fields = asdict(config)
+    return {**fields.pop("engine"), **fields}
+
+
+def bench_engine_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The engine options a benchmark passes to ``LLM``: ``EngineArgs`` fields (checked by
+    name), None dropped ("the engine's default"), bfloat16 unless a dtype is given (the dtype
+    of the figures in benchmarks/NOTES.md)."""
     from pagellm.engine_args import ENGINE_OPTION_NAMES
 
-    return {name: getattr(config, name) for name in ENGINE_OPTION_NAMES if name != "seed" and hasattr(config, name)}
+    unknown = sorted(set(options) - set(ENGINE_OPTION_NAMES))
+    if unknown:
+        raise ValueError(f"not engine options: {unknown}")
+    return {"dtype": "bfloat16", **{k: v for k, v in options.items() if v is not None}}
 
 
 # ---- memory --------------------------------------------------------------------------

@@ -56,6 +56,11 @@ _THROUGHPUT_ENGINE = ("model", "dtype", "quantization", "max_num_seqs", "max_num
 _LATENCY_ENGINE = ("model", "dtype", "quantization", "num_threads", "kv_cache_dtype", "attention_backend")
 
 
+def _engine_options(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:
+    """The engine flags given (None: not given, the engine's default)."""
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
 def _add_engine_args(parser: argparse.ArgumentParser, names: tuple[str, ...] = _THROUGHPUT_ENGINE) -> None:
     defaults = dict.fromkeys(names, None) | {"dtype": "bfloat16"}
     add_engine_args(parser, names, defaults, positional_model=False)
@@ -155,13 +160,9 @@ def bench_main(args: argparse.Namespace) -> int:
         from pagellm.benchmarks.throughput import ThroughputConfig, format_report, run_throughput
 
         cfg = ThroughputConfig(
-            workload=args.workload, model=args.model, num_prompts=args.num_prompts, input_len=args.input_len,
+            workload=args.workload, num_prompts=args.num_prompts, input_len=args.input_len,
             output_len=args.output_len, prefix_len=args.prefix_len, suffix_len=args.suffix_len, seed=args.seed,
-            dtype=args.dtype, quantization=args.quantization, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
-            enable_prefix_caching=args.enable_prefix_caching, num_threads=args.num_threads,
-            attention_backend=args.attention_backend, device=args.device, compare=list(dict.fromkeys(args.compare)),
+            engine=_engine_options(args, (*_THROUGHPUT_ENGINE, "device")), compare=list(dict.fromkeys(args.compare)),
             hf_batch_sizes=args.hf_batch_sizes, hf_max_requests=args.hf_max_requests, hf_attn=args.hf_attn,
             vllm_python=args.vllm_python,
             repeats=args.repeats, isolation=args.isolation, progress=args.progress,
@@ -173,9 +174,8 @@ def bench_main(args: argparse.Namespace) -> int:
         from pagellm.benchmarks.latency import LatencyConfig, format_report, run_latency
 
         report = run_latency(LatencyConfig(
-            model=args.model, dtype=args.dtype, quantization=args.quantization, input_len=args.input_len,
-            output_len=args.output_len, repeats=args.repeats, seed=args.seed, num_threads=args.num_threads,
-            kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend,
+            engine=_engine_options(args, _LATENCY_ENGINE), input_len=args.input_len,
+            output_len=args.output_len, repeats=args.repeats, seed=args.seed,
             compare=list(dict.fromkeys(args.compare)),
             llama_bench=args.llama_bench,
         ))
@@ -225,11 +225,8 @@ def _sweep(args: argparse.Namespace) -> int:
     from pagellm.benchmarks.memory import format_report as format_memory
     from pagellm.benchmarks.plot import format_sweep, plot_summary, run_sweep
 
-    engine = dict(
-        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-        block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
-        num_threads=args.num_threads, attention_backend=args.attention_backend, quantization=args.quantization,
-    )
+    engine = {k: v for k, v in _engine_options(args, _THROUGHPUT_ENGINE).items()
+              if k not in ("model", "dtype", "max_num_seqs")}  # fmt: skip  (the sweep sets those itself)
     sweep = run_sweep(
         args.concurrency, model=args.model, dtype=args.dtype, input_len=args.input_len, output_len=args.output_len,
         prompts_per_seq=args.prompts_per_seq, compare_hf=args.compare_hf, engine_options=engine,

@@ -20,10 +20,10 @@ import shutil
 import statistics
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
-from pagellm.benchmarks._common import engine_options, format_table, machine_info, model_token_facts, peak_rss_mib
+from pagellm.benchmarks._common import bench_engine_options, flat_config, format_table, machine_info, model_token_facts, peak_rss_mib
 from pagellm.benchmarks.workloads import fixed_workload
 
 COMPARE_CHOICES = ("llamacpp",)
@@ -34,25 +34,29 @@ _LLAMA_BENCH_INFO = ("build_commit", "build_number", "cpu_info", "backends", "mo
 
 @dataclass
 class LatencyConfig:
-    model: str | None = None
-    dtype: str = "bfloat16"
-    quantization: str | None = None  # None: the engine's (auto: a GGUF file's own blocks)
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineArgs fields (the rest: the engine's defaults)
     input_len: int = 128
     output_len: int = 256
     repeats: int = 3
-    seed: int = 0
-    num_threads: int | None = None
-    kv_cache_dtype: str | None = None
-    attention_backend: str | None = None
+    seed: int = 0  # the prompts'
     compare: list[str] = field(default_factory=list)  # "llamacpp": also run llama-bench on the same GGUF
     llama_bench: str | None = None  # the llama-bench executable, for compare=["llamacpp"]
 
     def __post_init__(self) -> None:
+        self.engine = bench_engine_options(self.engine)
         if self.input_len < 1 or self.output_len < 2 or self.repeats < 1:
             raise ValueError("latency needs input_len >= 1, output_len >= 2 and repeats >= 1")
         unknown = sorted(set(self.compare) - set(COMPARE_CHOICES))
         if unknown:
             raise ValueError(f"unknown latency compare system(s) {unknown}; choose from {list(COMPARE_CHOICES)}")
+
+    @property
+    def model(self) -> str | None:
+        return self.engine.get("model")
+
+    @property
+    def num_threads(self) -> int | None:
+        return self.engine.get("num_threads")
 
 
 def _time_one(engine: Any, request_id: str, prompt: list[int], output_len: int) -> dict[str, float]:
@@ -88,8 +92,7 @@ def run_latency(cfg: LatencyConfig) -> dict[str, Any]:
     # Checked first, so a missing binary or a non-GGUF model fails before minutes of pagellm timing.
     binary = llama_bench_binary(cfg.llama_bench) if "llamacpp" in cfg.compare else None
     gguf = gguf_model_path(cfg.model) if binary else None
-    options = engine_options(cfg) | dict(max_num_seqs=1, enable_prefix_caching=False)
-    llm = LLM(**{k: v for k, v in options.items() if v is not None})
+    llm = LLM(**(cfg.engine | dict(max_num_seqs=1, enable_prefix_caching=False)))
     engine = llm.llm_engine
     vocab_size, special = model_token_facts(cfg.model)
     prompts = fixed_workload(vocab_size, cfg.repeats + 1, cfg.input_len, cfg.output_len, cfg.seed, special)
@@ -97,7 +100,7 @@ def run_latency(cfg: LatencyConfig) -> dict[str, Any]:
     runs = [_time_one(engine, f"latency-{i}", r.prompt_token_ids, cfg.output_len)
             for i, r in enumerate(prompts.requests[1:])]
     medians = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
-    report = dict(config=asdict(cfg), machine=machine_info(), kernel_plan=engine.kernel_plan_info, runs=runs,
+    report = dict(config=flat_config(cfg), machine=machine_info(), kernel_plan=engine.kernel_plan_info, runs=runs,
                   median=medians, peak_rss_mib=peak_rss_mib())
     if binary and gguf:
         del llm, engine  # llama-bench should not share the machine with an idle engine's memory

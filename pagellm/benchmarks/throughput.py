@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from pagellm.benchmarks._common import (
-    engine_options,
+    bench_engine_options,
+    flat_config,
     format_table,
     machine_info,
     model_token_facts,
     peak_rss_mib,
     reset_peak_rss,
-    write_json,
 )
 from pagellm.benchmarks.workloads import BenchRequest, Workload, make_workload, workload_from_json, workload_to_json
 
@@ -360,24 +360,15 @@ def _job_main(argv: list[str]) -> None:
 @dataclass
 class ThroughputConfig:
     workload: str = "fixed"
-    model: str | None = None
     num_prompts: int | None = None
     input_len: int | None = None
     output_len: int | None = None
     prefix_len: int | None = None
     suffix_len: int | None = None
-    seed: int = 0
-    dtype: str = "bfloat16"
-    quantization: str | None = None  # None: the engine's (auto)
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    kv_cache_memory: str | None = None
-    block_size: int | None = None
-    kv_cache_dtype: str | None = None
-    enable_prefix_caching: bool | None = None
-    num_threads: int | None = None
-    attention_backend: str | None = None
-    device: str | None = None  # None: the engine's default (cpu); HF runs on the same device
+    seed: int = 0  # the workload's
+    # EngineArgs fields for pagellm (the rest: the engine's defaults), read by HF and vLLM runs
+    # too where they apply (model, dtype, device, max_num_seqs, kv_cache_dtype, ...).
+    engine: dict[str, Any] = field(default_factory=dict)
     compare: list[str] = field(default_factory=list)  # "hf", "vllm"
     hf_batch_sizes: list[int] = field(default_factory=lambda: [64])
     hf_max_requests: int | None = None
@@ -387,6 +378,13 @@ class ThroughputConfig:
     isolation: str = "process"  # or "none"
     progress: bool = True
     results_dir: str = "benchmarks/results"
+
+    def __post_init__(self) -> None:
+        self.engine = bench_engine_options(self.engine)
+
+    @property
+    def model(self) -> str | None:
+        return self.engine.get("model")
 
 
 def build_workload(cfg: ThroughputConfig) -> Workload:
@@ -422,7 +420,7 @@ def _median_result(runs: list[ThroughputResult]) -> ThroughputResult:
 def run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
     """Run the configured systems (interleaved when repeating); returns the JSON report."""
     workload = build_workload(cfg)
-    options = dict(engine_options(cfg), hf_attn=cfg.hf_attn, results_dir=cfg.results_dir)
+    options = dict(cfg.engine, hf_attn=cfg.hf_attn, results_dir=cfg.results_dir)
     jobs: list[dict[str, Any]] = [dict(system="pagellm")]
     skipped = []
     for other in cfg.compare:
@@ -483,7 +481,7 @@ def run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
     return dict(
         benchmark="throughput",
         workload=workload.describe(),
-        config=asdict(cfg),
+        config=flat_config(cfg),
         machine=machine_info(),
         skipped=skipped,
         results=rows,

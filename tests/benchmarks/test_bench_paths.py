@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagellm.benchmarks import throughput as tp
-from pagellm.benchmarks._common import engine_options
+from pagellm.engine_args import ENGINE_OPTION_NAMES
 from pagellm.benchmarks.cli import main as bench_cli
 from pagellm.benchmarks.hf_baseline import load_hf_model, run_static_batches, subset_indices
 from pagellm.benchmarks.serve import RequestResult, arrival_delays, run_serve, summarize
@@ -20,7 +20,8 @@ def _tiny_cfg(model: str, **kw) -> tp.ThroughputConfig:
     base = dict(model=model, workload="fixed", num_prompts=4, input_len=8, output_len=5, isolation="none",
                 progress=False, max_num_seqs=4)
     base.update(kw)
-    return tp.ThroughputConfig(**base)
+    engine = {k: base.pop(k) for k in list(base) if k in ENGINE_OPTION_NAMES and k != "seed"}
+    return tp.ThroughputConfig(**base, engine=engine)
 
 
 def test_throughput_ours_and_hf_in_process(tiny_llama_path):
@@ -228,7 +229,7 @@ def test_mixed_workload_through_engine(tiny_llama_path):
     # EOS allowed, per-request max_tokens: output tokens never exceed the budget.
     w = mixed_workload(1000, num_prompts=6, max_seq_len=200)
     cfg = _tiny_cfg(tiny_llama_path, workload="mixed", num_prompts=6)
-    result = tp.run_pagellm(w, engine_options(cfg), progress=False)
+    result = tp.run_pagellm(w, cfg.engine, progress=False)
     assert 0 < result.output_tokens <= w.max_output_tokens
 
 
