@@ -29,7 +29,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from pagellm.config import EngineConfig
@@ -118,13 +118,17 @@ class _Stream:
 
 @dataclass
 class _Add:
-    request: EngineRequest
+    request: EngineRequest  # its arrival_time set
     stream: _Stream
-    arrival: float
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def arrival(self) -> float:
+        assert self.request.arrival_time is not None
+        return self.request.arrival_time
 
 
 @dataclass
@@ -308,7 +312,7 @@ class AsyncLLMEngine:
         """
         loop = asyncio.get_running_loop()
         now = time.monotonic()
-        adds = [_Add(request, _Stream(loop), now) for request in requests]
+        adds = [_Add(replace(r, arrival_time=now) if r.arrival_time is None else r, _Stream(loop)) for r in requests]
         self._submit_adds(adds)
         return [RequestStream(add.stream, add.request_id, self.abort) for add in adds]
 

@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.beam_search import Beam, BeamSearchGroup, BeamSearchParams, Continuation
+from pagellm.engine.protocol import EngineRequest
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.step import ModelRunnerOutput, TokenLogprobs
@@ -42,14 +43,15 @@ class BeamSearchController:
         """The beam search a sequence belongs to (None: not a beam)."""
         return self._owner.get(seq_id)
 
-    def add(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: BeamSearchParams, max_tokens: int
-    ) -> None:
+    def add(self, request: EngineRequest, params: BeamSearchParams, max_tokens: int) -> None:
         """Start a beam search (checked by the caller); its result is one output, beams best first."""
-        group = BeamSearchGroup(request_id, prompt_token_ids, params, max_tokens, self.eos_token_ids, prompt=prompt)
+        group = BeamSearchGroup(request.request_id, request.prompt_token_ids, params, max_tokens, self.eos_token_ids,
+                                prompt=request.prompt)  # fmt: skip
+        if request.arrival_time is not None:
+            group.arrival_time = request.arrival_time
         first = self._new_beam(group)
         group.beams = [Beam(first.request_id, 0.0, [])]
-        self.groups[request_id] = group
+        self.groups[request.request_id] = group
         self.scheduler.add_request(first)
 
     def take_sampled(self, runner_output: ModelRunnerOutput) -> None:

@@ -141,7 +141,7 @@ class LLMEngine:
         self.input_processor.check_params(request.params)
         if isinstance(request.params, BeamSearchParams):
             max_tokens = min(request.params.max_tokens, self.max_model_len - len(request.prompt_token_ids))
-            self.beams.add(request.request_id, request.prompt, request.prompt_token_ids, request.params, max_tokens)
+            self.beams.add(request, request.params, max_tokens)
         else:
             self._add_sampling(request, request.params)
 
@@ -155,7 +155,7 @@ class LLMEngine:
         request_id = request.request_id
         seq_ids = [request_id] if num_seqs == 1 else [f"{request_id}#{i}" for i in range(num_seqs)]
         self.output_processor.add_request(request_id, request.prompt, prompt_token_ids, params, seq_ids, request.stream)
-        arrival_time = time.monotonic()
+        arrival_time = request.arrival_time if request.arrival_time is not None else time.monotonic()
         sequences = [
             Request(
                 request_id=seq_id,

@@ -41,6 +41,9 @@ class EngineRequest:
     prompt: str | None = None
     cache_salt: str | None = None  # isolates its prefix-cache entries (per tenant)
     stream: bool = True  # deltas; False: one whole output at the end (what best_of needs)
+    # time.monotonic() when the request arrived (one clock for every process of a machine); the
+    # scheduler serves in this order. None: when the engine takes it.
+    arrival_time: float | None = None
 
 
 class EngineClient(Protocol):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagellm import LLM, SamplingParams
+from pagellm.engine.protocol import EngineRequest
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +131,21 @@ def test_chat_applies_template(llm):
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     text = llm.get_tokenizer().decode(out.prompt_token_ids)
     assert "<|im_start|>user\nHi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_arrival_time_travels_with_the_request(llm):
+    """The front end's arrival time is the sequences' (queues are ordered by it); without one, the
+    engine stamps its own."""
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=2, n=2)
+    errors = engine.add_requests([EngineRequest("early", [5, 6, 7], params, arrival_time=12.5),
+                                  EngineRequest("now", [5, 6, 8], SamplingParams(max_tokens=2))])
+    assert errors == [None, None]
+    requests = engine.scheduler.requests
+    assert requests["early#0"].arrival_time == requests["early#1"].arrival_time == 12.5
+    assert requests["now"].arrival_time > 12.5
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def test_abort_frees_blocks_and_reports_abort(llm):
