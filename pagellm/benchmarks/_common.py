@@ -31,7 +31,8 @@ def flat_config(config: Any) -> dict[str, Any]:
     from dataclasses import asdict
 
     fields = asdict(config)
-    return {**fields.pop("engine"), **fields}
+    engine = {("engine_" + k if k in fields else k): v for k, v in fields.pop("engine").items()}
+    return {**engine, **fields}  # an engine seed beside the workload's: engine_seed
 
 
 def bench_engine_options(options: dict[str, Any]) -> dict[str, Any]:

@@ -462,7 +462,7 @@ class AsyncLLMEngine:
 
     def _apply_adds(self, adds: list[_Add]) -> None:
         errors = self.engine.add_requests([add.request for add in adds])
-        for add, error in zip(adds, errors):
+        for add, error in zip(adds, errors, strict=True):  # a short answer is an engine failure
             if error is not None:
                 self._release(1)
                 self._post({add.stream.loop: [(add.stream.queue, error)]})
@@ -544,9 +544,10 @@ class AsyncLLMEngine:
             self._metrics.count_finished(sample.finish_reason or "abort")
 
     def _fail_in_flight(self) -> None:
-        """The engine died: every request it held, or was being given, ends with EngineDeadError.
+        """The engine died: every request it held, and every request of the batch being applied
+        (given to it or not yet), ends with EngineDeadError.
 
-        Requests still in the inbox were never given to the engine; a restarted engine takes them.
+        Requests still in the inbox were not taken yet; a restarted engine takes them.
         """
         pending = [c.stream for c in self._batch if isinstance(c, _Add)]
         self._batch = []

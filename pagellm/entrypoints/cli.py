@@ -153,14 +153,15 @@ def _generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # imported only here: the server never loads the benchmarks
-        from pagellm.benchmarks.cli import main as bench_main
-
-        return bench_main(argv[1:], prog="pagellm bench")
-    args = build_parser().parse_args(argv)
+    bench = argv[:1] == ["bench"]  # parsed by its own module, imported only then
+    args = None if bench else build_parser().parse_args(argv)
     log_level = getattr(args, "log_level", "warning")
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     try:
+        if bench:
+            from pagellm.benchmarks.cli import main as bench_main
+
+            return bench_main(argv[1:], prog="pagellm bench")
         return args.handler(args)
     except (ValueError, FileNotFoundError) as exc:
         # Bad options or a missing model: one clear line, not a traceback.

@@ -59,3 +59,10 @@ def test_bad_engine_option_is_one_line_error(tiny_llama_path: str, caplog: pytes
     assert main(["generate", tiny_llama_path, "--prompt", "x", "--max-model-len", "100000",
                  "--num-kv-blocks", "4"]) == 1
     assert "max_model_len" in caplog.text
+
+
+def test_bench_errors_are_one_line_too(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    """``pagellm bench`` is parsed by its own module, but fails like the other subcommands."""
+    missing = str(tmp_path / "missing.gguf")
+    assert main(["bench", "latency", "--model", missing, "--output-len", "2", "--repeats", "1"]) == 1
+    assert "missing.gguf" in caplog.text

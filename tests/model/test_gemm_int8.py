@@ -76,6 +76,27 @@ def test_activation_quantization_is_exact(path_lib: KernelLibrary, dtype: torch.
     assert int(got[0].abs().max()) == 127
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vectorized_activation_quantization_equals_the_scalar_loop(dtype: torch.dtype) -> None:
+    """The AVX2 quantization (every path's) against the scalar loop of a build without AVX2,
+    bit for bit, on the awkward values: NaN, infinities, denormals, ties, zeros, a tail block."""
+    scalar, vector = _library(("-march=x86-64-v2",)), _library(PATHS[0][0])
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(8, 100, generator=g) * torch.logspace(-40, 30, 8).unsqueeze(1)  # denormal rows first
+    x[2, 5], x[3, 40], x[4, 70] = float("nan"), float("inf"), float("-inf")
+    x[5, :4] = torch.tensor([127.0, 0.5, 1.5, -2.5])  # scale 1: ties
+    x[6] = 0.0
+    x = x.to(dtype)
+    for a, b in zip(scalar.quantize_rows(x), vector.quantize_rows(x)):  # codes, scales (NaN bits too), sums
+        assert a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
+    scales = scalar.quantize_rows(x)[1]
+    assert bool(scales[2].isnan().any()) and bool(scales[3:5].isinf().any(dim=1).all())  # NaN and infinity rows
+
+
 @pytest.mark.parametrize("fmt", ["q4", "q8", "q4f"])
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_gemm_equals_reference(path_lib: KernelLibrary, fmt: str, m: int, k: int, n: int) -> None:

@@ -26,7 +26,8 @@
 // Paths, chosen at compile time: AVX-512 VNNI (a tile is one zmm); AVX-VNNI (vpdpbusd on two
 // ymm); AVX2 (vpmaddubsw + vpmaddwd). On AVX2, q4's int16 pair sums of a whole block stay in
 // int16 (|sum| <= 16 * 15 * 127 = 30480) and are widened once per block; q8's codes go through
-// |w| and sign(a, w), since (q_w + 128) * 127 * 2 would saturate vpmaddubsw's int16.
+// |w| and sign(a, w), since (q_w + 128) * 127 * 2 would saturate vpmaddubsw's int16. Where the
+// compiler targets AMX-INT8, the same sums also run on tiles for big batches (gemm_int8_amx.h).
 //
 // Epilogue silu_mul (an MLP's gate and up in one product): each tile holds 8 gate columns then
 // the same 8 up columns, and the tile's 8 outputs are silu(gate) * up, in fp32, rounded once.

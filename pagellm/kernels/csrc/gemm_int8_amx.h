@@ -13,7 +13,8 @@
 // unpacked once per column tile into a thread buffer (low nibbles of group g are k = 8g .. 8g + 3:
 // B row 2g; high nibbles B row 2g + 1). A tiles read the quantized rows in place (padded with zero
 // rows to a multiple of 16). A 16 x 16 output stays in 16 zmm over the blocks, so each block's
-// scaling is 2-3 vector operations a row; tiles 0-1 hold C, 4-5 A, 6-7 B, in two slots.
+// scaling is 2-3 vector operations a row. Four blocks are in flight: C tiles 0-3, one per
+// block, with A tiles 4-5 and B tiles 6-7 alternating.
 
 namespace qamx {
 
@@ -44,9 +45,9 @@ void unpack_codes(const uint8_t* tile, int64_t blocks, uint8_t* out) {
     }
 }
 
-// One block's product into C tile `slot` (A tile 4 + slot, B tile 6 + slot), stored to isum
-// [16][16]. Two slots let one block's tile work run while the previous block is scaled. (The
-// tile intrinsics take tile numbers as literals: one function a slot.)
+// One block's product into C tile `c` (A tile `ta`, B tile `tb`), stored to isum [16][16]. Four
+// slots let the next blocks' tile work run while a block is scaled. (The tile intrinsics take
+// tile numbers as literals: one function a slot.)
 #define PAGELLM_QAMX_BLOCK_PRODUCT(name, c, ta, tb)                                        \
     inline void name(const int8_t* a, int64_t lq, const uint8_t* b, int32_t* isum) {       \
         _tile_zero(c);                                                                     \
@@ -54,7 +55,7 @@ void unpack_codes(const uint8_t* tile, int64_t blocks, uint8_t* out) {
         _tile_loadd(tb, b, 64);                                                            \
         _tile_dpbsud(c, ta, tb);                                                           \
         _tile_stored(c, isum, 64);                                                         \
-        amx_memory_barrier(); /* stores are asm without a memory operand: reads stay after */ \
+        amx_memory_barrier(); /* the isum reads stay after the store, whatever the intrinsic declares */ \
     }
 PAGELLM_QAMX_BLOCK_PRODUCT(block_product_0, 0, 4, 6)
 PAGELLM_QAMX_BLOCK_PRODUCT(block_product_1, 1, 5, 7)
