@@ -113,18 +113,19 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         """The options parsed by :func:`add_engine_args` (those it did not add keep their defaults)."""
-        return cls(**{name: getattr(args, name) for name in ENGINE_OPTION_NAMES if hasattr(args, name)})
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> EngineArgs:
-        """From a mapping of options where None means "the default" (benchmark configurations)."""
-        return cls(**{k: v for k, v in options.items() if v is not None})
+        return cls(**cli_engine_options(args))
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 ENGINE_OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(EngineArgs))
+
+
+def cli_engine_options(args: argparse.Namespace, names: Iterable[str] = ENGINE_OPTION_NAMES) -> dict[str, Any]:
+    """The engine options among ``names`` that a parsed command line gave; None means not given
+    (the engine's default)."""
+    return {name: value for name in names if (value := getattr(args, name, None)) is not None}
 
 
 def add_engine_args(

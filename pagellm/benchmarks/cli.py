@@ -17,7 +17,7 @@ from typing import Any
 
 from pagellm.benchmarks._common import RESULTS_DIR, write_json
 from pagellm.benchmarks.workloads import WORKLOADS
-from pagellm.engine_args import add_engine_args
+from pagellm.engine_args import add_engine_args, cli_engine_options
 
 
 def _int_list(text: str) -> list[int]:
@@ -54,11 +54,6 @@ def _add_workload_args(parser: argparse.ArgumentParser, default: str) -> None:
 _THROUGHPUT_ENGINE = ("model", "dtype", "quantization", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
                       "block_size", "kv_cache_dtype", "enable_prefix_caching", "num_threads", "attention_backend")
 _LATENCY_ENGINE = ("model", "dtype", "quantization", "num_threads", "kv_cache_dtype", "attention_backend")
-
-
-def _engine_options(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:
-    """The engine flags given (None: not given, the engine's default)."""
-    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def _add_engine_args(parser: argparse.ArgumentParser, names: tuple[str, ...] = _THROUGHPUT_ENGINE) -> None:
@@ -162,7 +157,7 @@ def bench_main(args: argparse.Namespace) -> int:
         cfg = ThroughputConfig(
             workload=args.workload, num_prompts=args.num_prompts, input_len=args.input_len,
             output_len=args.output_len, prefix_len=args.prefix_len, suffix_len=args.suffix_len, seed=args.seed,
-            engine=_engine_options(args, (*_THROUGHPUT_ENGINE, "device")), compare=list(dict.fromkeys(args.compare)),
+            engine=cli_engine_options(args, (*_THROUGHPUT_ENGINE, "device")), compare=list(dict.fromkeys(args.compare)),
             hf_batch_sizes=args.hf_batch_sizes, hf_max_requests=args.hf_max_requests, hf_attn=args.hf_attn,
             vllm_python=args.vllm_python,
             repeats=args.repeats, isolation=args.isolation, progress=args.progress,
@@ -174,7 +169,7 @@ def bench_main(args: argparse.Namespace) -> int:
         from pagellm.benchmarks.latency import LatencyConfig, format_report, run_latency
 
         report = run_latency(LatencyConfig(
-            engine=_engine_options(args, _LATENCY_ENGINE), input_len=args.input_len,
+            engine=cli_engine_options(args, _LATENCY_ENGINE), input_len=args.input_len,
             output_len=args.output_len, repeats=args.repeats, seed=args.seed,
             compare=list(dict.fromkeys(args.compare)),
             llama_bench=args.llama_bench,
@@ -225,7 +220,7 @@ def _sweep(args: argparse.Namespace) -> int:
     from pagellm.benchmarks.memory import format_report as format_memory
     from pagellm.benchmarks.plot import format_sweep, plot_summary, run_sweep
 
-    engine = {k: v for k, v in _engine_options(args, _THROUGHPUT_ENGINE).items()
+    engine = {k: v for k, v in cli_engine_options(args, _THROUGHPUT_ENGINE).items()
               if k not in ("model", "dtype", "max_num_seqs")}  # fmt: skip  (the sweep sets those itself)
     sweep = run_sweep(
         args.concurrency, model=args.model, dtype=args.dtype, input_len=args.input_len, output_len=args.output_len,

@@ -22,8 +22,6 @@ from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.protocol import EngineRequest
-from pagellm.model.arch_config import ModelArchConfig
-from pagellm.model.loader import load_arch_config
 from pagellm.model.tokenizer import load_tokenizer
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -54,14 +52,6 @@ class EngineStats:
     kv_cache_usage: float = 0.0  # gauge: fraction of blocks in use
 
 
-def eos_token_ids(arch: ModelArchConfig, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
-    """The ids that end a sequence: the model's, and the tokenizer's own."""
-    ids = set(arch.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)
-
-
 class LLMEngine:
     """Bookkeeping around a :class:`~pagellm.worker.worker.Worker`: requests in, one step at a
     time (schedule -> execute -> update -> outputs), outputs out."""
@@ -70,9 +60,8 @@ class LLMEngine:
         start = time.monotonic()
         self.config = config
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(config.model.model, config.model.chat_template)
-        arch = load_arch_config(config.model.model)
-        self.eos_token_ids = eos_token_ids(arch, self.tokenizer)
-        self.worker = Worker(config, sorted(self.eos_token_ids))
+        self.worker = Worker(config, self.tokenizer.eos_token_id)
+        arch = self.worker.arch
         block_size = config.cache.block_size
         self.kv_cache_manager = KVCacheManager(
             self.worker.num_blocks, block_size, enable_caching=config.cache.enable_prefix_caching
@@ -89,7 +78,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._request_counter = itertools.count()
-        self.beams = BeamSearchController(self.scheduler, self.tokenizer, self.eos_token_ids)
+        self.beams = BeamSearchController(self.scheduler, self.tokenizer, self.worker.eos_token_ids)
         logger.info(
             "engine ready in %.1fs: %s, %d KV blocks of %d tokens (%s), max_model_len %d",
             time.monotonic() - start,
@@ -162,7 +151,7 @@ class LLMEngine:
                 prompt_token_ids=prompt_token_ids,
                 sampling_params=self._sequence_params(params, i, num_seqs),
                 max_tokens=max_tokens,
-                eos_token_ids=self.eos_token_ids,
+                eos_token_ids=self.worker.eos_token_ids,
                 arrival_time=arrival_time,
                 cache_salt=request.cache_salt,
             )

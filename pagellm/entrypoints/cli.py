@@ -24,11 +24,6 @@ logger = logging.getLogger("pagellm")
 API_KEY_ENV = "PAGELLM_API_KEY"
 
 
-def engine_args(args: argparse.Namespace) -> EngineArgs:
-    """The engine options the command line gave (flags from :func:`add_engine_args`)."""
-    return EngineArgs.from_cli_args(args)
-
-
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     add_engine_args(parser)
@@ -98,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _load_engine(args: argparse.Namespace) -> Any:
     from pagellm.entrypoints.llm import LLM
 
-    return LLM(**engine_args(args).as_dict())
+    return LLM(**EngineArgs.from_cli_args(args).as_dict())
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -115,7 +110,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     if args.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
-    config = engine_args(args).create_engine_config()
+    config = EngineArgs.from_cli_args(args).create_engine_config()
     if args.engine_process:
         engine: EngineProcess | LLMEngine = EngineProcess(config, call_timeout_s=args.engine_call_timeout)
     else:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
 from pagellm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence

@@ -10,8 +10,6 @@ several workers through the same two calls: construction and :meth:`Worker.execu
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-
 import torch
 
 from pagellm.attention import get_attention_backend
@@ -75,10 +73,10 @@ def context_limit(requested: int | None, arch: ModelArchConfig, num_blocks: int,
 
 
 class Worker:
-    """The device side of one engine (see the module docstring). ``eos_token_ids``: the
-    model's and tokenizer's end-of-sequence ids, which ``min_tokens`` masks while sampling."""
+    """The device side of one engine (see the module docstring). ``tokenizer_eos_token_id``:
+    the tokenizer's end-of-sequence id, if it has one, an EOS beside the model's own."""
 
-    def __init__(self, config: EngineConfig, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, config: EngineConfig, tokenizer_eos_token_id: int | None = None) -> None:
         self.device = resolve_device(config.device.device)
         configure_threads(self.device, config.device.num_threads)
         torch.manual_seed(config.model.seed)
@@ -91,6 +89,9 @@ class Worker:
         if self.device.type == "cpu":
             with single_threaded():
                 self.cpu_optimizations = model.optimize_for_cpu_inference(self.kernel_plan)
+        # The ids that end a sequence (min_tokens masks them while sampling): the model's and the tokenizer's.
+        extra = () if tokenizer_eos_token_id is None else (tokenizer_eos_token_id,)
+        self.eos_token_ids = frozenset((*self.arch.eos_token_ids, *extra))
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.block_size = config.cache.block_size
         self.num_blocks = kv_cache_blocks(config.cache, self.arch, self.kv_cache_dtype)
@@ -100,7 +101,7 @@ class Worker:
             self.arch.head_dim, self.kv_cache_dtype, self.device,
         )  # fmt: skip
         self.model_runner = ModelRunner(
-            model, kv_cache, self.block_size, self.device, sorted(eos_token_ids), self.kernel_plan
+            model, kv_cache, self.block_size, self.device, sorted(self.eos_token_ids), self.kernel_plan
         )
 
     @property

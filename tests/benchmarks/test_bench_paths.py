@@ -79,6 +79,13 @@ def test_repeats_report_median_and_spread(tiny_llama_path):
     assert extra["repeats"] == 2 and len(extra["output_tokens_per_s_runs"]) == 2 and extra["spread_pct"] >= 0
 
 
+def test_benchmark_engine_options_are_engine_args_fields():
+    with pytest.raises(ValueError, match="not engine options: \\['num_blocks'\\]"):
+        tp.ThroughputConfig(engine={"num_blocks": 8})
+    assert tp.ThroughputConfig(engine={"max_num_seqs": 4, "block_size": None}).engine == {"dtype": "bfloat16",
+                                                                                           "max_num_seqs": 4}
+
+
 def test_llm_kwargs_drops_unknown_and_none(capsys):
     kwargs = tp.llm_kwargs(dict(model=None, dtype="bfloat16", no_such_option=3, hf_attn="sdpa"))
     assert kwargs == {"dtype": "bfloat16"}

@@ -7,7 +7,8 @@ import torch
 
 from pagellm import LLM, SamplingParams
 from pagellm.config import CacheConfig
-from pagellm.entrypoints.cli import build_parser, engine_args
+from pagellm.engine_args import EngineArgs
+from pagellm.entrypoints.cli import build_parser
 
 PROMPT = [(11 * j) % 3000 + 200 for j in range(70)]  # more than four blocks
 
@@ -66,6 +67,6 @@ def test_kv_cache_dtype_is_validated_and_on_the_cli():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         CacheConfig(kv_cache_dtype="fp8_e5m2")
     args = build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"])
-    assert engine_args(args).kv_cache_dtype == "fp8"
+    assert EngineArgs.from_cli_args(args).kv_cache_dtype == "fp8"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--kv-cache-dtype", "int4"])

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from pagellm.entrypoints.cli import build_parser, engine_args, main
+from pagellm.engine_args import EngineArgs
+from pagellm.entrypoints.cli import build_parser, main
 
 
 def test_serve_defaults() -> None:
     args = build_parser().parse_args(["serve"])
     assert args.model is None and args.host == "127.0.0.1" and args.port == 8000
     assert args.api_key is None and args.served_model_name is None
-    assert engine_args(args).model is None  # LLM(model=None): the default model
+    assert EngineArgs.from_cli_args(args).model is None  # LLM(model=None): the default model
 
 
 def test_serve_options_map_to_the_engine() -> None:
@@ -22,7 +23,7 @@ def test_serve_options_map_to_the_engine() -> None:
         "--no-enable-prefix-caching", "--kv-cache-dtype", "fp8", "--max-n", "4", "--quantization", "int8",
     ])
     assert args.port == 9001 and args.served_model_name == ["a", "b"] and args.api_key == "k"
-    assert engine_args(args).as_dict() == {
+    assert EngineArgs.from_cli_args(args).as_dict() == {
         "model": "/models/x", "dtype": "bfloat16", "quantization": "int8", "block_size": 32, "kv_cache_memory": "2GiB",
         "num_kv_blocks": None, "enable_prefix_caching": False, "kv_cache_dtype": "fp8", "max_num_seqs": 8, "max_num_batched_tokens": 512, "max_model_len": 1024,
         "seed": 3, "device": "cpu", "attention_backend": "auto", "chat_template": "t.jinja", "num_threads": None,
