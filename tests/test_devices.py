@@ -85,7 +85,9 @@ def test_greedy_matches_hf(model_and_reference, device, engine_kwargs):
     llm = LLM(path, dtype="float32", device=device, **engine_kwargs)
     engine = llm.llm_engine
     assert engine.worker.model_runner.kv_cache[0][0].device.type == device
-    assert engine.worker.model_runner.model.lm_head.weight.device.type == device
+    # Every weight tensor (a KernelLinear holds its weight packed, not as .weight) is on the device.
+    weights = list(engine.worker.model_runner.model.parameters()) + list(engine.worker.model_runner.model.buffers())
+    assert weights and {w.device.type for w in weights} == {device}
     outputs = llm.generate(_ids(PROMPTS), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     if engine_kwargs.get("num_kv_blocks"):

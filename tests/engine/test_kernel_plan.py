@@ -10,6 +10,7 @@ import torch
 
 from pagellm import LLM, SamplingParams
 from pagellm.config import KernelConfig
+from pagellm.kernels import kernel_target
 from pagellm.kernels.isa import usable_cpu_flags
 from pagellm.kernels.plan import KernelPlan
 from pagellm.model.cpu_linear import KernelLinear
@@ -31,9 +32,13 @@ def test_an_avx2_plan_runs_pagellm_kernels_everywhere(dtype):
     assert plan.cpu.startswith("avx2+fma") and "avx512" not in plan.cpu
     assert (plan.gemm, plan.attention, plan.norm, plan.rotary, plan.argmax) == (
         "avx2", "cpu_paged", "kernel", "kernel", "kernel")
-    assert plan.kernels is not None and plan.kernels.march == ("-march=x86-64-v3",)
+    # x86-64-v3 below the host's level; -march=native where AVX2 is all the host has.
+    target = kernel_target(KernelConfig(isa="avx2"))
+    assert target in {("-march=x86-64-v3",), ("-march=native",)}
+    assert (target == ("-march=native",)) == (FLAGS == usable_cpu_flags("avx2"))
+    assert plan.kernels is not None and plan.kernels.march == target
     assert plan.describe() == (
-        f"cpu={plan.cpu} kernel_target=-march=x86-64-v3 dtype={str(dtype).removeprefix('torch.')} gemm=avx2 "
+        f"cpu={plan.cpu} kernel_target={' '.join(target)} dtype={str(dtype).removeprefix('torch.')} gemm=avx2 "
         "attention=cpu_paged norm=kernel rotary=kernel argmax=kernel weights=dense qgemm=none quant_max_rows=none "
         "quant_large=none decoder=fused"
     )

@@ -30,6 +30,12 @@ MAX_TOKENS = 24
 # one. The q4 weights are the dense model's exactly; what differs is the activations' int8
 # rounding (~0.4% a value), which moved the default model's logits by at most ~0.1 here.
 MARGIN = 0.5
+# In bfloat16 the quantized run also carries bf16's own rounding, which the float32 reference
+# does not: on a 400-token text the default model's per-token logprobs moved by up to 0.47 in
+# bf16 dense and 0.47 in bf16 q4 (0.37 in float32 q4) against float32 dense (AVX2-only EPYC),
+# so a top-2 margin can move by about twice that, and the runs part ways sooner (33 of the 96
+# tokens compared there): a wrong kernel still parts at a clear margin within a few tokens.
+MARGIN_BF16 = 1.0
 
 
 def _greedy_with_margins(llm: LLM) -> list[tuple[list[int], list[float]]]:
@@ -45,7 +51,9 @@ def _greedy_with_margins(llm: LLM) -> list[tuple[list[int], list[float]]]:
     return result
 
 
-def _assert_same_greedy_where_clear(dense: LLM, quantized: LLM, min_fraction: float = 0.5) -> None:
+def _assert_same_greedy_where_clear(
+    dense: LLM, quantized: LLM, min_fraction: float = 0.5, margin_limit: float = MARGIN
+) -> None:
     """Equal up to the first token whose dense margin is below MARGIN; at least ``min_fraction``
     of all tokens compared (random-weight models have small margins: they part ways sooner)."""
     compared = 0
@@ -53,7 +61,7 @@ def _assert_same_greedy_where_clear(dense: LLM, quantized: LLM, min_fraction: fl
         for position, (a, b) in enumerate(zip(ref, got)):
             if a != b:
                 margin = margins[position]
-                assert margin < MARGIN, f"token {position}: {b} instead of {a} at margin {margin:.3f}"
+                assert margin < margin_limit, f"token {position}: {b} instead of {a} at margin {margin:.3f}"
                 break
             compared += 1
     assert compared >= len(PROMPTS) * MAX_TOKENS * min_fraction
@@ -73,7 +81,10 @@ def test_default_gguf_in_its_own_blocks(dense_default: LLM, dtype: str) -> None:
     layer = quantized.llm_engine.worker.model_runner.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, QuantizedLinear) and layer.self_attn.qkv_proj.format == "q4"
     assert quantized.llm_engine.worker.model_runner.model.lm_head.format == "q8"  # tied to the Q8_0 embedding
-    _assert_same_greedy_where_clear(dense_default, quantized)
+    if dtype == "float32":
+        _assert_same_greedy_where_clear(dense_default, quantized)
+    else:
+        _assert_same_greedy_where_clear(dense_default, quantized, min_fraction=0.25, margin_limit=MARGIN_BF16)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_path", "tiny_qwen2_path"])
