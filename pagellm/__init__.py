@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from pagellm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagellm.sampling_params import SamplingParams
+from pagellm.structured_outputs_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from pagellm.entrypoints.llm import LLM
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LLM",
     "SamplingParams",
+    "StructuredOutputsParams",
     "BeamSearchParams",
     "BeamSearchOutput",
     "BeamSearchSequence",

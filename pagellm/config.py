@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagellm.utils import parse_memory_size
+from pagellm.utils import is_real, parse_memory_size
 
 _DTYPES = {
     "float32": torch.float32,
@@ -126,12 +126,17 @@ class LimitsConfig:
     max_logprobs: int = 20  # top alternatives per position (vLLM's default cap)
     max_stop_strings: int = 16
     max_stop_string_chars: int = 1024
+    # A structured-outputs constraint still compiling after this long fails its request.
+    grammar_compile_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("max_n", "max_logprobs", "max_stop_strings", "max_stop_string_chars"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "max_logprobs" else 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        timeout = self.grammar_compile_timeout_s
+        if not is_real(timeout) or not 0 < timeout < float("inf"):
+            raise ValueError(f"grammar_compile_timeout_s must be a positive number of seconds, got {timeout!r}")
 
 
 ISA_CHOICES = ("auto", "baseline", "avx2", "avx512", "amx")

@@ -82,6 +82,8 @@ class EngineArgs:
     max_logprobs: int = field(default=20, metadata=_option(
         "most top logprobs per position a request may ask for", LIMITS, int))
     max_stop_strings: int = field(default=16, metadata=_option("most stop strings in one request", LIMITS, int))
+    grammar_compile_timeout: float = field(default=10.0, metadata=_option(
+        "seconds a structured-outputs constraint may take to compile before its request fails", LIMITS, float))
     cpu_isa: str | None = field(default=None, metadata=_option(
         "highest ISA level the kernels may use (default: $PAGELLM_ISA, else auto: the CPU's)", KERNELS,
         choices=ISA_CHOICES))
@@ -106,7 +108,8 @@ class EngineArgs:
             device=DeviceConfig(device=self.device, attention_backend=self.attention_backend,
                                 num_threads=self.num_threads),
             limits=LimitsConfig(max_n=self.max_n, max_logprobs=self.max_logprobs,
-                                max_stop_strings=self.max_stop_strings),
+                                max_stop_strings=self.max_stop_strings,
+                                grammar_compile_timeout_s=self.grammar_compile_timeout),
             kernels=KernelConfig.from_env(isa=self.cpu_isa, cpu_kernels=self.cpu_kernels, gemm=self.gemm),
         )  # fmt: skip
 

@@ -9,7 +9,10 @@ import math
 import reprlib
 from dataclasses import dataclass, field
 
+from pagellm.structured_outputs_params import StructuredOutputsParams
 from pagellm.utils import is_int, is_real
+
+__all__ = ["SamplingParams", "StructuredOutputsParams"]
 
 _GREEDY_EPS = 1e-5
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -40,6 +43,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Constrain the output to a JSON schema, regex, choice or grammar (vLLM's field of that name).
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine, never by the user: the stop strings as a list.
     stop_list: list[str] = field(init=False, repr=False)
 
@@ -100,6 +105,8 @@ class SamplingParams:
             fail("stop", self.stop, "a non-empty string or a list of non-empty strings")
         if any(not is_int(t) or not 0 <= t <= _INT64_MAX for t in self.stop_token_ids or ()):
             fail("stop_token_ids", self.stop_token_ids, "a list of non-negative integers")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            fail("structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
 
     def _validate_seed(self) -> None:
         """Sample i of a request is seeded with ``seed + i``: all of them must fit a 64-bit generator seed."""

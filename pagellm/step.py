@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from pagellm.sampling_params import SamplingParams
 
 
@@ -54,6 +56,15 @@ class ScheduledRequest:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+@dataclass
+class GrammarBitmask:
+    """The tokens each constrained sequence may sample this step: bit ``t % 32`` of word
+    ``t // 32`` of its row is set when token ``t`` is allowed."""
+
+    rows: dict[str, int]  # sequence id -> its row of ``bitmask``
+    bitmask: torch.Tensor  # [rows, ceil(vocab / 32)] int32
 
 
 @dataclass

@@ -78,8 +78,9 @@ def _fill_bench_parser(bench: argparse.ArgumentParser) -> None:
     tp.add_argument("--device", choices=["cpu", "cuda"], default=None,
                     help="where pagellm (and --compare hf) run (default: cpu)")
     group = tp.add_argument_group("comparison")
-    group.add_argument("--compare", action="append", default=[], choices=["hf", "vllm"],
-                       help="also run HF static batching / vLLM (repeatable)")
+    group.add_argument("--compare", action="append", default=[], choices=["hf", "vllm", "json"],
+                       help="also run HF static batching / vLLM / pagellm with every request constrained to a "
+                            "JSON schema (repeatable)")
     group.add_argument("--hf-batch-sizes", type=_int_list, default=[64], help="e.g. 1,8,64")
     group.add_argument("--hf-max-requests", type=int, default=None,
                        help="run at most this many requests per HF batch size and extrapolate rates")

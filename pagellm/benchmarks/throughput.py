@@ -106,11 +106,29 @@ def _warmup_prompts(workload: Workload, count: int = 2) -> list[dict[str, list[i
     return prompts
 
 
-def run_pagellm(workload: Workload, options: dict[str, Any], progress: bool = True) -> ThroughputResult:
-    """Time ``LLM.generate`` over the whole workload (greedy, per-request max_tokens / ignore_eos)."""
+# ``--compare json``: every request constrained to a JSON array of objects that cannot close
+# within max_tokens, so each writes structured JSON for its whole max_tokens, exactly as many
+# tokens as unconstrained.
+JSON_BENCH_SCHEMA = {
+    "type": "array",
+    "minItems": 256,  # longer than any max_tokens here: the document never closes early
+    "items": {
+        "type": "object",
+        "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 16}, "ok": {"type": "boolean"}},
+        "required": ["id", "name", "ok"],
+        "additionalProperties": False,
+    },
+}
+
+
+def run_pagellm(
+    workload: Workload, options: dict[str, Any], progress: bool = True, structured: bool = False
+) -> ThroughputResult:
+    """Time ``LLM.generate`` over the whole workload (greedy, per-request max_tokens / ignore_eos),
+    each request constrained to ``JSON_BENCH_SCHEMA`` when ``structured``."""
     import torch
 
-    from pagellm import LLM, SamplingParams
+    from pagellm import LLM, SamplingParams, StructuredOutputsParams
 
     reset_peak_rss()
     kwargs = llm_kwargs(options)
@@ -121,17 +139,28 @@ def run_pagellm(workload: Workload, options: dict[str, Any], progress: bool = Tr
     llm.generate(_warmup_prompts(workload), warm, use_tqdm=False)
 
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
-    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos) for r in workload.requests]
+    constraint = StructuredOutputsParams(json=JSON_BENCH_SCHEMA) if structured else None
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos, structured_outputs=constraint)
+        for r in workload.requests
+    ]
     engine = llm.llm_engine
+    if structured:  # compile (and prepare the vocabulary) before the clock starts, as a warm server has
+        llm.generate(_warmup_prompts(workload, 1), [SamplingParams(max_tokens=2, structured_outputs=constraint)],
+                     use_tqdm=False)  # fmt: skip
     steps_before = engine.stats.num_steps
+    mask_s_before = engine.structured_output.mask_seconds
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=progress)
     elapsed = time.perf_counter() - t0
+    steps = engine.stats.num_steps - steps_before
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     cached = sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outputs)
     extra = dict(
         engine_kwargs={k: str(v) for k, v in kwargs.items()},
-        steps=engine.stats.num_steps - steps_before,
+        steps=steps,
+        # Time computing the grammars' masks (llguidance), per step; applying them is in the step.
+        mask_fill_ms_per_step=(engine.structured_output.mask_seconds - mask_s_before) * 1e3 / max(steps, 1),
         preemptions=engine.stats.num_preemptions,
         cached_prompt_tokens=cached,
         # Includes the warm-up, which is tiny; what the sharing issue asks to show.
@@ -141,7 +170,7 @@ def run_pagellm(workload: Workload, options: dict[str, Any], progress: bool = Tr
         kernel_plan=engine.kernel_plan_info,
     )
     return ThroughputResult(
-        system="pagellm",
+        system="pagellm-json" if structured else "pagellm",
         workload=workload.name,
         num_requests=len(workload),
         measured_requests=len(workload),
@@ -317,8 +346,8 @@ def run_vllm(workload: Workload, options: dict[str, Any], progress: bool = True)
 def run_job(job: dict[str, Any]) -> list[ThroughputResult]:
     workload = workload_from_json(job["workload"])
     system, options, progress = job["system"], job["options"], job.get("progress", True)
-    if system == "pagellm":
-        return [run_pagellm(workload, options, progress)]
+    if system in ("pagellm", "pagellm-json"):
+        return [run_pagellm(workload, options, progress, structured=system == "pagellm-json")]
     if system == "hf":
         return run_hf(workload, options, job["batch_sizes"], job.get("max_requests"), progress)
     if system == "vllm":
@@ -369,7 +398,7 @@ class ThroughputConfig:
     # EngineArgs fields for pagellm (the rest: the engine's defaults), read by HF and vLLM runs
     # too where they apply (model, dtype, device, max_num_seqs, kv_cache_dtype, ...).
     engine: dict[str, Any] = field(default_factory=dict)
-    compare: list[str] = field(default_factory=list)  # "hf", "vllm"
+    compare: list[str] = field(default_factory=list)  # "hf", "vllm", "json"
     hf_batch_sizes: list[int] = field(default_factory=lambda: [64])
     hf_max_requests: int | None = None
     hf_attn: str = "sdpa"
@@ -426,6 +455,8 @@ def run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
     for other in cfg.compare:
         if other == "hf":
             jobs.append(dict(system="hf", batch_sizes=cfg.hf_batch_sizes, max_requests=cfg.hf_max_requests))
+        elif other == "json":
+            jobs.append(dict(system="pagellm-json"))
         elif other == "vllm":
             if vllm_available(cfg.vllm_python):
                 job: dict[str, Any] = dict(system="vllm")
@@ -442,7 +473,7 @@ def run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
                 where = f"with {cfg.vllm_python}" if cfg.vllm_python else "here"
                 skipped.append(f"vllm: `import vllm` does not work {where} (docs/peers.md says how to install it)")
         else:
-            raise ValueError(f"unknown --compare system {other!r}; choose hf or vllm")
+            raise ValueError(f"unknown --compare system {other!r}; choose hf, vllm or json")
     for note in skipped:
         print(f"skipping {note}", file=sys.stderr)
 

@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerBase
 from pagellm.config import LimitsConfig
 from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.sampling_params import SamplingParams
+from pagellm.structured_output.grammar import check_grammar
 
 # A prompt is text, or vLLM's token form {"prompt_token_ids": [...]} (optionally with "prompt").
 PromptType = Union[str, Mapping[str, Any]]
@@ -86,6 +87,8 @@ class InputProcessor:
             if value is not None and value > self.limits.max_logprobs:
                 raise ValueError(f"{name} must be <= {self.limits.max_logprobs}, got {value}.")
         self._check_stop(params)
+        if params.structured_outputs is not None:
+            check_grammar(params.structured_outputs)
 
     def _check_stop(self, params: SamplingParams) -> None:
         limits = self.limits

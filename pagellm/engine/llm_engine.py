@@ -25,12 +25,15 @@ from pagellm.engine.protocol import EngineRequest
 from pagellm.model.tokenizer import load_tokenizer
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
+from pagellm.structured_output.manager import StructuredOutputManager
 from pagellm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
 # What a client is told when the engine fails its request; the details go to the server log.
 REQUEST_FAILED_MESSAGE = "internal error while processing this request (the server log has the details)"
+# How long a step with only compiling grammars to wait for blocks on them before returning.
+GRAMMAR_WAIT_S = 0.05
 
 
 @dataclass
@@ -79,6 +82,15 @@ class LLMEngine:
         self.stats = EngineStats()
         self._request_counter = itertools.count()
         self.beams = BeamSearchController(self.scheduler, self.tokenizer, self.worker.eos_token_ids)
+        eos = self.tokenizer.eos_token_id
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer,
+            arch.vocab_size,
+            eos if eos in self.worker.eos_token_ids else next(iter(self.worker.eos_token_ids), None),
+            config.limits.grammar_compile_timeout_s,
+        )
+        # Constrained requests whose grammar is still compiling: (first sequence, its forks).
+        self._awaiting_grammar: dict[str, tuple[Request, list[Request]]] = {}
         logger.info(
             "engine ready in %.1fs: %s, %d KV blocks of %d tokens (%s), max_model_len %d",
             time.monotonic() - start,
@@ -157,6 +169,11 @@ class LLMEngine:
             )
             for i, seq_id in enumerate(seq_ids)
         ]
+        if params.structured_outputs is not None:
+            # Compiled off the step loop: the request joins the scheduler when its grammar is ready.
+            self.structured_output.submit(request_id, seq_ids[0], params.structured_outputs)
+            self._awaiting_grammar[request_id] = (sequences[0], sequences[1:])
+            return
         # One prefill: samples 2..n fork from the first once its prompt is computed.
         self.scheduler.add_request(sequences[0], sequences[1:])
 
@@ -181,7 +198,11 @@ class LLMEngine:
             if request_id in self.beams:
                 outputs.append(self.beams.abort(request_id))
                 continue
-            self.scheduler.finish_requests(self.output_processor.seq_ids(request_id), RequestStatus.FINISHED_ABORTED)
+            seq_ids = self.output_processor.seq_ids(request_id)
+            self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
+            self.structured_output.remove(seq_ids)
+            if self._awaiting_grammar.pop(request_id, None) is not None:
+                self.structured_output.abort(request_id)
             output = self.output_processor.abort(request_id)
             if output is not None:
                 outputs.append(output)
@@ -189,7 +210,7 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._awaiting_grammar)
 
     def check_health(self) -> None:
         """In process, the engine is alive as long as its caller is (failures surface as exceptions)."""
@@ -199,20 +220,28 @@ class LLMEngine:
         return False
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.scheduler.requests)
+        return len(self.scheduler.requests) + len(self._awaiting_grammar)
 
     # ---- one step --------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        outputs = self._admit_compiled_grammars()
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.worker.execute(scheduler_output)
+        grammar = self.structured_output.masks(scheduler_output.scheduled)
+        runner_output = self.worker.execute(scheduler_output, grammar)
         if self.beams.groups:
             self.beams.take_sampled(runner_output)  # beams append what the controller picks
         updated, finished = self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs, stopped = self.output_processor.process(runner_output, updated, finished)
+        if grammar is not None:
+            complete, refused = self.structured_output.accept((r.request_id, r.output_token_ids[-1]) for r in updated)
+            finished.extend(self.scheduler.finish_requests(complete, RequestStatus.FINISHED_STOPPED))
+            runner_output.failed.update(refused)
+        step_outputs, stopped = self.output_processor.process(runner_output, updated, finished)
+        outputs.extend(step_outputs)
         if stopped:
             # Stop strings are found in text, so the scheduler learns of them only now.
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self.structured_output.remove([r.request_id for r in finished] + list(stopped))
         if self.beams.groups:
             outputs.extend(self.beams.advance(runner_output.logprobs, runner_output.failed))
         if runner_output.failed:
@@ -220,6 +249,28 @@ class LLMEngine:
         self.stats.num_steps += 1
         self.stats.num_finished_requests += sum(o.finished for o in outputs)
         self._refresh_stats()
+        return outputs
+
+    def _admit_compiled_grammars(self) -> list[RequestOutput]:
+        """Queue the constrained requests whose grammar compiled; finish those that did not, with
+        why. With nothing else to run, wait a little for a compile instead of spinning."""
+        if not self._awaiting_grammar:
+            return []
+        if not self.scheduler.has_unfinished_requests():
+            self.structured_output.wait(GRAMMAR_WAIT_S)
+        ready, failed = self.structured_output.poll()
+        for request_id in ready:
+            first, forks = self._awaiting_grammar.pop(request_id)
+            self.scheduler.add_request(first, forks)
+        outputs = []
+        for request_id, message in failed.items():
+            self._awaiting_grammar.pop(request_id, None)
+            logger.info("request %s refused: %s", request_id, message)
+            for output in self.abort_request(request_id):
+                output.error = message
+                for sample in output.outputs:
+                    sample.finish_reason = "error"
+                outputs.append(output)
         return outputs
 
     def _fail_requests(self, failed: dict[str, str]) -> list[RequestOutput]:

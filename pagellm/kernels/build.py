@@ -31,7 +31,7 @@ from pagellm.utils import owned_by_me, private_dir
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 10
+ABI_VERSION = 11
 _SOURCES = ("attention.cpp", "elementwise.cpp", "gemm_bf16.cpp", "gemm_avx2.cpp", "gemm_int8.cpp", "decoder_stack.cpp")
 _HEADERS = (
     "attention_avx2.h", "attention_avx512.h", "attention_common.h", "avx2_simd.h", "bf16_simd.h", "cpu_common.h",
@@ -122,6 +122,7 @@ _SIGNATURES: dict[str, tuple[type, list[type]]] = {
     "pagellm_add_rms_norm": (_I32, [_P, _P, _P, _P, _I64, _I64, _F32, _I32, _I32]),
     "pagellm_rotary": (_I32, [_P, _I64, _I64, _I64, _I64, _P, _P, _I32, _I32]),
     "pagellm_argmax_rows": (_I32, [_P, _I64, _I64, _I64, _P, _I32, _I32]),
+    "pagellm_apply_token_bitmask": (_I32, [_P, _I64, _I64, _I64, _P, _I64, _P, _I32, _I32]),
     "pagellm_gemm_bf16_available": (_I32, []),
     "pagellm_gemm_bf16": (_I32, [_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32, _I32, _I32]),
     "pagellm_gemm_bf16_amx_available": (_I32, []),

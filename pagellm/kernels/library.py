@@ -234,6 +234,31 @@ class KernelLibrary:
             raise RuntimeError(f"pagellm_argmax_rows failed with code {rc}")
         return out
 
+    def apply_token_bitmask_(self, logits: torch.Tensor, bitmask: torch.Tensor, mask_rows: torch.Tensor) -> None:
+        """Set to -inf, in place, the logits of tokens row ``r``'s grammar forbids: bit ``t % 32``
+        of word ``t // 32`` of ``bitmask[mask_rows[r]]`` clear (tokens past its words too); rows
+        with ``mask_rows[r] < 0`` are untouched. As ``sample.grammar_mask.apply_token_bitmask``."""
+        dtype = logits.dtype
+        if dtype not in DTYPE_CODES or logits.dim() != 2 or logits.device.type != "cpu":
+            raise ValueError("apply_token_bitmask_ takes 2-D CPU float32 or bfloat16 logits")
+        rows, n = logits.shape
+        if n == 0 or (rows > 1 and logits.stride(0) < n) or (n > 1 and logits.stride(1) != 1):
+            raise ValueError("apply_token_bitmask_ needs non-empty logits rows, each contiguous")
+        if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or not bitmask.is_contiguous() or bitmask.device.type != "cpu":
+            raise ValueError("the bitmask must be a contiguous 2-D CPU int32 tensor")
+        if mask_rows.dtype != torch.int64 or mask_rows.shape != (rows,) or not mask_rows.is_contiguous():
+            raise ValueError(f"mask_rows must be a contiguous int64 tensor of {rows} entries")
+        if rows == 0:
+            return
+        if int(mask_rows.max()) >= bitmask.shape[0]:
+            raise ValueError(f"mask_rows point past the bitmask's {bitmask.shape[0]} rows")
+        rc = self._lib.pagellm_apply_token_bitmask(
+            logits.data_ptr(), logits.stride(0), rows, n, bitmask.data_ptr(), bitmask.shape[1], mask_rows.data_ptr(),
+            DTYPE_CODES[dtype], torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"pagellm_apply_token_bitmask failed with code {rc}")
+
     def gemm_bf16(
         self,
         x: torch.Tensor, packed: torch.Tensor, out_features: int, epilogue: str = "none", amx: bool = False

@@ -10,6 +10,7 @@ import torch
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.kernels.plan import KernelPlan
 from pagellm.model.interface import CausalLM
+from pagellm.sample.grammar_mask import apply_token_bitmask
 from pagellm.sample.sampler import (
     Sampler,
     SamplerOutput,
@@ -19,6 +20,7 @@ from pagellm.sample.sampler import (
     is_plain_greedy,
 )
 from pagellm.step import (
+    GrammarBitmask,
     ModelRunnerOutput,
     PromptLogprobs,
     ScheduledRequest,
@@ -62,9 +64,12 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.argmax_kernels = plan.library("argmax")
+        self.logits_kernels = plan.kernels if plan.device == "cpu" else None  # structured outputs' mask
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(
+        self, scheduler_output: SchedulerOutput, grammar: GrammarBitmask | None = None
+    ) -> ModelRunnerOutput:
         for request_id in scheduler_output.finished_request_ids:
             self.generators.pop(request_id, None)
         copy_blocks(self.kv_cache, scheduler_output.block_copies)
@@ -77,14 +82,26 @@ class ModelRunner:
             rows = hidden[inputs.sample_indices]
             if all(is_plain_greedy(r.sampling_params, len(r.output_token_ids)) for r in inputs.sample_requests):
                 # Common case: argmax only. No float32 copy of the logits, no SamplingBatch.
-                tokens = greedy_sample(self.model.compute_logits(rows, upcast=False), self.argmax_kernels).tolist()
+                logits = self.model.compute_logits(rows, upcast=False)
+                self._apply_grammar(logits, inputs.sample_requests, grammar)
+                tokens = greedy_sample(logits, self.argmax_kernels).tolist()
                 output.sampled.update((r.request_id, t) for r, t in zip(inputs.sample_requests, tokens))
             else:
-                self._sample(self.model.compute_logits(rows), inputs.sample_requests, output)
+                logits = self.model.compute_logits(rows)
+                self._apply_grammar(logits, inputs.sample_requests, grammar)
+                self._sample(logits, inputs.sample_requests, output)
         if inputs.prompt_logprob_plan:
             logits = self.model.compute_logits(hidden[inputs.prompt_logprob_indices])
             self._prompt_logprobs(logits, inputs, output)
         return output
+
+    def _apply_grammar(
+        self, logits: torch.Tensor, requests: list[ScheduledRequest], grammar: GrammarBitmask | None
+    ) -> None:
+        """Forbid what each constrained row's grammar forbids (before sampling and logprobs)."""
+        if grammar is not None:
+            rows = [grammar.rows.get(r.request_id) for r in requests]
+            apply_token_bitmask(logits, grammar.bitmask, rows, self.logits_kernels)
 
     # ---- inputs ------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from pagellm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig,
 from pagellm.kernels.plan import KernelPlan
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.loader import auto_dtype, load_model, requested_weights, single_threaded
-from pagellm.step import ModelRunnerOutput, SchedulerOutput
+from pagellm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.device import auto_dtype_downcasts_float32, configure_threads, resolve_device
 from pagellm.worker.kernel_plan import plan_kernels
 from pagellm.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_budget
@@ -109,6 +109,9 @@ class Worker:
         """The model's compute dtype (the kernel plan's)."""
         return self.kernel_plan.dtype
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step's model pass: block copies, forward, sampling."""
-        return self.model_runner.execute(scheduler_output)
+    def execute(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
+    ) -> ModelRunnerOutput:
+        """Run one step's model pass: block copies, forward, sampling (within each constrained
+        sequence's allowed tokens)."""
+        return self.model_runner.execute(scheduler_output, grammar_bitmask)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from pagellm.model.default_model import DEFAULT_MODEL_NAME
 from tests.helpers.server import RemoteServer
@@ -52,3 +54,57 @@ def test_streamed_completion_matches(default_client: openai.OpenAI) -> None:
         choice.text for chunk in default_client.completions.create(stream=True, **kwargs) for choice in chunk.choices
     )
     assert streamed == whole and len(whole.split()) >= 3
+
+
+class Capital(BaseModel):
+    country: str
+    capital: str
+    # Bounded: JSON numbers may have any number of digits, and a 135M model greedily writes
+    # "11111..." for an unbounded float until max_tokens.
+    population_millions: int = Field(ge=0, le=2000)
+
+
+def test_structured_parse_with_a_pydantic_model(default_client: openai.OpenAI) -> None:
+    """The openai SDK's ``parse()``: a strict json_schema response format, parsed into the model."""
+    result = default_client.chat.completions.parse(
+        model=DEFAULT_MODEL_NAME,
+        messages=[{"role": "user", "content": "Give the country France, its capital and its population."}],
+        response_format=Capital,
+        max_tokens=64,
+        temperature=0.0,
+    )
+    choice = result.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, Capital) and choice.message.parsed.capital == "Paris"
+
+
+def test_a_schema_of_booleans_ends_instead_of_padding(default_client: openai.OpenAI) -> None:
+    """vLLM 0.32's default lets this model pad such a schema with newlines up to max_tokens."""
+    schema = {
+        "type": "object",
+        "properties": {k: {"type": "boolean"} for k in ("is_city", "is_large", "is_coastal")},
+        "required": ["is_city", "is_large", "is_coastal"],
+        "additionalProperties": False,
+    }
+    result = default_client.chat.completions.create(
+        model=DEFAULT_MODEL_NAME,
+        messages=[{"role": "user", "content": "Describe Paris with three booleans in JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "facts", "schema": schema}},
+        max_tokens=100,
+        temperature=0.0,
+    )
+    choice = result.choices[0]
+    assert choice.finish_reason == "stop"
+    assert set(json.loads(choice.message.content or "")) == set(schema["properties"])
+
+
+def test_json_object_mode(default_client: openai.OpenAI) -> None:
+    result = default_client.chat.completions.create(
+        model=DEFAULT_MODEL_NAME,
+        messages=[{"role": "user", "content": "Give a JSON object with a name and an age."}],
+        response_format={"type": "json_object"},
+        max_tokens=64,
+        temperature=0.0,
+    )
+    choice = result.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(json.loads(choice.message.content or ""), dict)

@@ -60,6 +60,32 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    """``response_format.json_schema`` as OpenAI defines it."""
+
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's ``structured_outputs`` request object (exactly one kind; checked when converted)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False
+
+
 class SamplingRequest(RequestBody):
     """The fields /v1/completions and /v1/chat/completions share (both become SamplingParams)."""
 
@@ -88,6 +114,15 @@ class SamplingRequest(RequestBody):
     cache_salt: str | None = None  # keeps this request's prefix-cache entries apart (per tenant)
     use_beam_search: bool = False  # n becomes the beam width; the n best beams are the choices
     length_penalty: float = 1.0  # beam search: score = cum_logprob / generated_len ** length_penalty
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields (at most one of them per request).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -133,7 +168,6 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     # vLLM extensions.
     add_generation_prompt: bool = True

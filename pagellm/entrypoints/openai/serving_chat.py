@@ -38,6 +38,7 @@ from pagellm.entrypoints.openai.serving_engine import (
     accumulate,
     collect_until_disconnect,
     guard_sse,
+    json_logprob,
     merge_async_iterators,
     new_request_id,
     sse_event,
@@ -62,7 +63,7 @@ def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], top_n
 
 def _chat_logprob(logprob: Logprob) -> ChatLogProb:
     token = logprob.decoded_token or ""
-    return ChatLogProb(token=token, logprob=logprob.logprob, bytes=list(token.encode("utf-8")))
+    return ChatLogProb(token=token, logprob=json_logprob(logprob.logprob), bytes=list(token.encode("utf-8")))
 
 
 # apply_chat_template's own arguments and the inputs other request fields own: a client may not
@@ -262,5 +263,3 @@ def _check_chat_options(request: ChatCompletionRequest, max_logprobs: int) -> No
             raise BadRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
     if request.tools:
         raise BadRequestError("tools are not supported", param="tools")
-    if request.response_format and request.response_format.get("type", "text") != "text":
-        raise BadRequestError("only response_format {'type': 'text'} is supported", param="response_format")

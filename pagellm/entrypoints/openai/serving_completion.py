@@ -32,6 +32,7 @@ from pagellm.entrypoints.openai.serving_engine import (
     accumulate,
     collect_until_disconnect,
     guard_sse,
+    json_logprob,
     merge_async_iterators,
     new_request_id,
     sse_event,
@@ -57,9 +58,9 @@ def completion_logprobs(
         chosen = position.get(token_id) if position is not None else None
         token = chosen.decoded_token if chosen is not None and chosen.decoded_token is not None else decode(token_id)
         result.tokens.append(token)
-        result.token_logprobs.append(chosen.logprob if chosen is not None else None)
+        result.token_logprobs.append(json_logprob(chosen.logprob) if chosen is not None else None)
         result.top_logprobs.append(
-            None if position is None else {(lp.decoded_token or ""): lp.logprob for lp in position.values()}
+            None if position is None else {(lp.decoded_token or ""): json_logprob(lp.logprob) for lp in position.values()}
         )
         result.text_offset.append(text_offset)
         text_offset += len(token)

@@ -38,6 +38,7 @@ from pagellm.entrypoints.openai.errors import (
     bad_request_from,
 )
 from pagellm.entrypoints.openai.protocol import SamplingRequest, UsageInfo
+from pagellm.entrypoints.openai.structured_outputs import structured_outputs_of
 from pagellm.outputs import PositionLogprobs, RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -287,6 +288,15 @@ def accumulate(
     return [results[i] for i in sorted(results)], first_outputs
 
 
+# A token a grammar forbids has logprob -inf, which JSON cannot carry: reported as vLLM does.
+MIN_JSON_LOGPROB = -9999.0
+
+
+def json_logprob(value: float) -> float:
+    """A logprob as a finite JSON number."""
+    return max(value, MIN_JSON_LOGPROB)
+
+
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -383,6 +393,7 @@ class OpenAIServing:
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
+            structured_outputs=structured_outputs_of(request),
         )
         try:
             return SamplingParams(**kwargs)
@@ -397,6 +408,7 @@ class OpenAIServing:
         prompt_logprobs: int | None,
         best_of: int | None,
     ) -> BeamSearchParams:
+        structured_outputs_of(request)  # refuses a constraint: beam search does not take one yet
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs), ("best_of", best_of)):
             if value is not None:
                 raise BadRequestError(f"{name} cannot be combined with use_beam_search.", param=name)

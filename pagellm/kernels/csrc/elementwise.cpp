@@ -1,5 +1,8 @@
 // Elementwise kernels of the model step: the K/V cache write (copied, or rounded to fp8),
-// RMSNorm with its residual add, rotary embedding and the greedy argmax over logits rows.
+// RMSNorm with its residual add, rotary embedding, the greedy argmax over logits rows and the
+// structured-outputs token mask applied to logits rows.
+
+#include <limits>
 
 #include "cpu_common.h"
 #include "exports.h"
@@ -213,11 +216,35 @@ void argmax_rows(const T* x, int64_t row_stride, int64_t rows, int64_t n, int64_
     for (int64_t r = 0; r < rows; ++r) out[r] = argmax_row(x + r * row_stride, n);
 }
 
+// Logits row r (n values) keeps token t where bit t % 32 of word t / 32 of bitmask row
+// mask_rows[r] is set (words_per_row words; tokens past them are forbidden); every other value
+// becomes -inf (float32 or bf16 bits: neg_inf). Rows with mask_rows[r] < 0 are left alone.
+template <typename T>
+void apply_token_bitmask(T* logits, int64_t row_stride, int64_t rows, int64_t n, const int32_t* bitmask,
+                         int64_t words_per_row, const int64_t* mask_rows, T neg_inf, int num_threads) {
+    const int64_t words = (n + 31) / 32;
+#pragma omp parallel for collapse(2) num_threads(num_threads) schedule(static) if (rows * n >= (int64_t{1} << 18))
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t w = 0; w < words; ++w) {
+            if (mask_rows[r] < 0) continue;
+            const uint32_t word = w < words_per_row ? static_cast<uint32_t>(bitmask[mask_rows[r] * words_per_row + w]) : 0u;
+            if (word == 0xFFFFFFFFu) continue;  // all 32 allowed
+            T* row = logits + r * row_stride + w * 32;
+            const int64_t count = std::min<int64_t>(32, n - w * 32);
+            if (word == 0u) {
+                std::fill(row, row + count, neg_inf);  // most words of a grammar's mask
+                continue;
+            }
+            for (int64_t b = 0; b < count; ++b) row[b] = ((word >> b) & 1u) ? row[b] : neg_inf;  // branch-free
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
 
-int pagellm_abi_version() { return 10; }
+int pagellm_abi_version() { return 11; }
 
 // key_cache[slot_mapping[t]] = key[t] (row_elems = num_kv_heads * head_dim elements), same for V.
 // dtype: 0 float32, 1 bfloat16, 2 bfloat16 K/V stored into an fp8 (e4m3) cache.
@@ -289,6 +316,23 @@ int pagellm_argmax_rows(const void* x, int64_t row_stride, int64_t rows, int64_t
         argmax_rows<float>(static_cast<const float*>(x), row_stride, rows, n, out, num_threads);
     } else if (dtype == 1) {
         argmax_rows<uint16_t>(static_cast<const uint16_t*>(x), row_stride, rows, n, out, num_threads);
+    } else {
+        return -1;
+    }
+    return 0;
+}
+
+// Structured outputs: forbid (set to -inf) the tokens each masked row's grammar does not allow.
+int pagellm_apply_token_bitmask(void* logits, int64_t row_stride, int64_t rows, int64_t n, const int32_t* bitmask,
+                                int64_t words_per_row, const int64_t* mask_rows, int dtype, int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+    if (n <= 0 || words_per_row < 0) return -1;
+    if (dtype == 0) {
+        apply_token_bitmask<float>(static_cast<float*>(logits), row_stride, rows, n, bitmask, words_per_row, mask_rows,
+                                   -std::numeric_limits<float>::infinity(), num_threads);
+    } else if (dtype == 1) {
+        apply_token_bitmask<uint16_t>(static_cast<uint16_t*>(logits), row_stride, rows, n, bitmask, words_per_row,
+                                      mask_rows, uint16_t{0xFF80}, num_threads);
     } else {
         return -1;
     }

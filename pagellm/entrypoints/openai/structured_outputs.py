@@ -1,0 +1,70 @@
+"""The request fields that constrain an output, as one ``StructuredOutputsParams``.
+
+Clients spell a constraint three ways: OpenAI's ``response_format``, vLLM's
+``structured_outputs`` object, and vLLM's older ``guided_*`` fields. A request may use one of
+them; a constraint that does not compile is a 400 naming the field it came from.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagellm.entrypoints.openai.errors import BadRequestError
+from pagellm.entrypoints.openai.protocol import SamplingRequest
+from pagellm.structured_output.grammar import check_grammar
+from pagellm.structured_outputs_params import StructuredOutputsParams
+
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def structured_outputs_of(request: SamplingRequest) -> StructuredOutputsParams | None:
+    """The request's constraint (None: free text), checked to compile; 400 otherwise."""
+    sources = _given_sources(request)
+    if not sources:
+        return None
+    if len(sources) > 1:
+        raise BadRequestError(
+            f"give one output constraint, not several: {', '.join(sources)}", param=sources[1]
+        )
+    param = sources[0]
+    try:
+        params = StructuredOutputsParams(**_fields(request, param))
+        check_grammar(params)
+    except ValueError as exc:
+        raise BadRequestError(f"{param}: {exc}", param=param) from exc
+    if request.use_beam_search:
+        raise BadRequestError(f"{param} cannot be combined with use_beam_search yet", param=param)
+    return params
+
+
+def _given_sources(request: SamplingRequest) -> list[str]:
+    sources = []
+    if request.response_format is not None and request.response_format.type != "text":
+        sources.append("response_format")
+    if request.structured_outputs is not None:
+        sources.append("structured_outputs")
+    sources.extend(name for name in _GUIDED if getattr(request, name) is not None)
+    return sources
+
+
+def _fields(request: SamplingRequest, param: str) -> dict[str, Any]:
+    """``StructuredOutputsParams`` keywords from the field the constraint came in."""
+    if param == "response_format":
+        response_format = request.response_format
+        assert response_format is not None
+        if response_format.type == "json_object":
+            return {"json_object": True}
+        spec = response_format.json_schema
+        if spec is None or spec.json_schema is None:
+            raise ValueError("a json_schema response format needs json_schema.schema")
+        return {"json": spec.json_schema}
+    if param == "structured_outputs":
+        so = request.structured_outputs
+        assert so is not None
+        return {
+            "json": so.json_, "json_object": so.json_object, "regex": so.regex, "choice": so.choice,
+            "grammar": so.grammar, "whitespace_pattern": so.whitespace_pattern,
+            "disable_any_whitespace": so.disable_any_whitespace,
+        }  # fmt: skip
+    kind = param.removeprefix("guided_")
+    return {kind: getattr(request, param), "whitespace_pattern": request.guided_whitespace_pattern}

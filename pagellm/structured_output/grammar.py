@@ -1,0 +1,124 @@
+"""The grammar engine behind structured outputs: llguidance.
+
+Why llguidance (measured in benchmarks/NOTES.md, entry 40): it compiles a JSON schema in about
+a millisecond, lazily (the token trie is walked per step, not turned into a whole-vocabulary
+automaton up front as outlines-core does), takes JSON schema, regex, Lark and GBNF, bounds its
+own work per compile and per step (``LLParserLimits``), has no runtime dependencies, and is the
+engine behind llama.cpp's and vLLM's ``guidance`` backend.
+
+``grammar_source`` turns a request's ``StructuredOutputsParams`` into llguidance's grammar text;
+``check_grammar`` says why one does not compile (a 400 at the boundary); ``GrammarCompiler``
+compiles off the caller's thread, keeps one compiled matcher per distinct constraint and hands
+each sequence a copy of it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import llguidance
+import llguidance.hf
+from llguidance import LLMatcher, LLParserLimits, LLTokenizer
+from transformers import PreTrainedTokenizerBase
+
+from pagellm.structured_outputs_params import StructuredOutputsParams
+
+# Bounds on one grammar's compile and on each step's mask (llguidance's own "fuel" units): a
+# hostile schema is refused with llguidance's message instead of stalling a step.
+_LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, max_grammar_size=500_000, verbose_errors=False)
+_CACHE_SIZE = 256
+
+
+def parser_limits() -> LLParserLimits:
+    return LLParserLimits(**_LIMITS)
+
+
+def _json_options(params: StructuredOutputsParams) -> dict[str, object]:
+    """Bounded whitespace unless the request says otherwise (see ``StructuredOutputsParams``)."""
+    if params.whitespace_pattern is not None:
+        return {"whitespace_flexible": True, "whitespace_pattern": params.whitespace_pattern}
+    if params.disable_any_whitespace:
+        return {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+    return {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def grammar_source(params: StructuredOutputsParams) -> str:
+    """llguidance's grammar text for ``params``; ValueError when it cannot even be read."""
+    kind = params.kind
+    try:
+        if kind in ("json", "json_object"):
+            schema = {"type": "object"} if kind == "json_object" else params.json
+            # The request's options override any "x-guidance" block a schema carries.
+            return LLMatcher.grammar_from_json_schema(schema, overrides=_json_options(params))  # type: ignore[arg-type]
+        if kind == "regex":
+            return LLMatcher.grammar_from_regex(params.regex or "")
+        if kind == "choice":
+            return llguidance.grammar_from("choice", json.dumps(params.choice))
+        return llguidance.grammar_from("grammar", params.grammar or "")
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"structured_outputs.{kind}: {exc}") from None
+
+
+def check_grammar(params: StructuredOutputsParams, tokenizer: LLTokenizer | None = None) -> None:
+    """ValueError naming what is wrong when the constraint does not compile (within the limits)."""
+    source = grammar_source(params)
+    error = LLMatcher.validate_grammar(source, tokenizer, limits=parser_limits())
+    if error:
+        raise ValueError(f"structured_outputs.{params.kind} does not compile: {error.strip()}")
+
+
+def llguidance_tokenizer(
+    tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_id: int | None
+) -> LLTokenizer:
+    """The vocabulary as llguidance sees it: ``vocab_size`` is the logits' width (the model's,
+    which may exceed the tokenizer's), EOS the token a finished grammar allows."""
+    if eos_token_id is None:
+        raise ValueError("structured outputs need a model with an end-of-sequence token; this one has none")
+    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token_id)
+
+
+class GrammarCompiler:
+    """Compiles constraints on one background thread, once each (LRU cache by ``cache_key``).
+
+    ``submit`` returns at once; the future gives a fresh matcher (a copy of the compiled one) or
+    raises ValueError naming why the constraint does not compile. The vocabulary is prepared on
+    that thread too, at the first compile (about a second for 49k tokens), so neither the
+    engine's start nor its step loop waits for it.
+    """
+
+    def __init__(self, make_tokenizer: Callable[[], LLTokenizer]) -> None:
+        self._make_tokenizer = make_tokenizer
+        self._tokenizer: LLTokenizer | None = None  # only the compile thread touches it
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-grammar")
+        self._lock = threading.Lock()
+        self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
+
+    def submit(self, params: StructuredOutputsParams) -> Future[LLMatcher]:
+        key = params.cache_key()
+        with self._lock:
+            prototype = self._compiled.get(key)
+            if prototype is not None:
+                self._compiled.move_to_end(key)
+                done: Future[LLMatcher] = Future()
+                done.set_result(prototype.deep_copy())
+                return done
+        return self._pool.submit(self._compile, key, params)
+
+    def _compile(self, key: str, params: StructuredOutputsParams) -> LLMatcher:
+        if self._tokenizer is None:
+            self._tokenizer = self._make_tokenizer()
+        matcher = LLMatcher(self._tokenizer, grammar_source(params), limits=parser_limits(), log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs.{params.kind} does not compile: {matcher.get_error().strip()}")
+        with self._lock:
+            self._compiled[key] = matcher
+            while len(self._compiled) > _CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        return matcher.deep_copy()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,163 @@
+"""Per-sequence grammar state for the engine: compiled off the step loop, one matcher per
+sequence, a packed mask per sampling row each step, advanced by every accepted token.
+
+The engine owns one manager. Its life cycle for a request:
+
+1. ``submit``: compilation starts on the compiler's thread; the engine keeps the request out of
+   the scheduler until ``poll`` reports it ready (or failed, or past its deadline).
+2. ``masks``: before a step runs, one bitmask row per sampling sequence with a grammar. Samples
+   2..n of a request (forks) get a copy of their parent's matcher the step they are born, so
+   each fork carries its own state from then on.
+3. ``accept``: each token the scheduler appended advances its sequence's matcher. Preemption
+   keeps the matcher: recompute rebuilds the KV of the same tokens, the grammar state is theirs.
+4. ``remove``: finished and aborted sequences drop their matcher.
+
+A sequence whose document is complete (nothing but EOS could follow) ends at once with "stop";
+one that ``max_tokens`` cuts first ends with "length" (its text is then a truncated document).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+
+import torch
+from llguidance import LLExecutor, LLMatcher
+from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_par
+from transformers import PreTrainedTokenizerBase
+
+from pagellm.step import GrammarBitmask, ScheduledRequest
+from pagellm.structured_output.grammar import GrammarCompiler, llguidance_tokenizer
+from pagellm.structured_outputs_params import StructuredOutputsParams
+
+
+@dataclass
+class _Pending:
+    future: Future[LLMatcher]
+    first_seq_id: str
+    deadline: float
+
+
+class StructuredOutputManager:
+    """Grammar matchers of the engine's constrained sequences (see the module docstring)."""
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_id: int | None, compile_timeout_s: float
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.compile_timeout_s = compile_timeout_s
+        self.compiler = GrammarCompiler(lambda: llguidance_tokenizer(tokenizer, vocab_size, eos_token_id))
+        self._executor: LLExecutor | None = None
+        self._pending: dict[str, _Pending] = {}
+        self._matchers: dict[str, LLMatcher] = {}
+        self.mask_seconds = 0.0  # cumulative time filling masks (benchmarks report it per step)
+
+    # ---- compile -------------------------------------------------------------------------
+
+    def submit(self, request_id: str, first_seq_id: str, params: StructuredOutputsParams) -> None:
+        """Start compiling ``params`` for a request whose first sequence is ``first_seq_id``."""
+        future = self.compiler.submit(params)
+        self._pending[request_id] = _Pending(future, first_seq_id, time.monotonic() + self.compile_timeout_s)
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def poll(self) -> tuple[list[str], dict[str, str]]:
+        """Requests whose grammar is ready (their first sequence now has its matcher), and the
+        ones that failed or ran past the deadline, with why."""
+        ready: list[str] = []
+        failed: dict[str, str] = {}
+        now = time.monotonic()
+        for request_id, pending in list(self._pending.items()):
+            if pending.future.done():
+                del self._pending[request_id]
+                try:
+                    self._matchers[pending.first_seq_id] = pending.future.result()
+                    ready.append(request_id)
+                except ValueError as exc:
+                    failed[request_id] = str(exc)
+                except Exception as exc:  # noqa: BLE001 - the compile thread's failure is this request's alone
+                    failed[request_id] = f"structured_outputs failed to compile: {exc!r}"
+            elif now > pending.deadline:
+                del self._pending[request_id]
+                pending.future.cancel()
+                failed[request_id] = (
+                    f"structured_outputs took longer than {self.compile_timeout_s:g} s to compile; simplify it"
+                )
+        return ready, failed
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until some pending compile finishes (or ``timeout_s``): for an engine with nothing
+        else to run."""
+        if self._pending:
+            wait([p.future for p in self._pending.values()], timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+    # ---- each step -----------------------------------------------------------------------
+
+    def masks(self, scheduled: list[ScheduledRequest]) -> GrammarBitmask | None:
+        """The allowed tokens of every constrained sequence that samples this step; None when
+        none does (unconstrained batches pay nothing)."""
+        if not self._matchers:
+            return None
+        rows: dict[str, int] = {}
+        matchers: list[tuple[LLMatcher, int]] = []
+        for item in scheduled:
+            matcher = self._matchers.get(item.request_id)
+            if matcher is None or not item.sample:
+                continue
+            for seq_id in [item.request_id, *(fork.request_id for fork in item.forks)]:
+                if seq_id != item.request_id:
+                    self._matchers[seq_id] = matcher.deep_copy()  # the fork's own state from here
+                rows[seq_id] = len(matchers)
+                matchers.append((self._matchers[seq_id], len(matchers)))
+        if not matchers:
+            return None
+        start = time.perf_counter()
+        bitmask = torch.empty(len(matchers), (self.vocab_size + 31) // 32, dtype=torch.int32)
+        if len(matchers) == 1:
+            fill_next_token_bitmask(matchers[0][0], bitmask, 0)
+        else:
+            if self._executor is None:
+                self._executor = LLExecutor()
+            fill_next_token_bitmask_par(self._executor, matchers, bitmask)
+        self.mask_seconds += time.perf_counter() - start
+        return GrammarBitmask(rows=rows, bitmask=bitmask)
+
+    def accept(self, tokens: Iterable[tuple[str, int]]) -> tuple[list[str], dict[str, str]]:
+        """Advance each constrained sequence by the token appended to it. Returns the sequences
+        whose document is now complete (nothing but EOS could follow: they end here, also with
+        ``ignore_eos``), and those whose matcher refused the token (which the mask should have
+        made impossible), with why."""
+        complete: list[str] = []
+        failed: dict[str, str] = {}
+        for seq_id, token_id in tokens:
+            matcher = self._matchers.get(seq_id)
+            if matcher is None:
+                continue
+            if not matcher.consume_token(token_id):
+                failed[seq_id] = f"the grammar refused token {token_id}: {matcher.get_error()}"
+            elif matcher.is_stopped():
+                complete.append(seq_id)
+        return complete, failed
+
+    def is_constrained(self, seq_id: str) -> bool:
+        return seq_id in self._matchers
+
+    def remove(self, seq_ids: Iterable[str]) -> None:
+        for seq_id in seq_ids:
+            self._matchers.pop(seq_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Forget a request still compiling (its compile finishes into the cache regardless)."""
+        self._pending.pop(request_id, None)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._matchers)
+
+    def shutdown(self) -> None:
+        if self._compiler is not None:
+            self._compiler.shutdown()
