@@ -49,3 +49,6 @@ class RequestOutput:
     # Set when the engine finished this request because its own processing failed; the
     # request's samples then end with finish_reason "error" and the engine goes on.
     error: str | None = None
+    # The failure is the request's (it cannot be served as asked, e.g. a constraint this
+    # model's vocabulary cannot spell): a client error (400) rather than a fault (500).
+    error_is_request: bool = False

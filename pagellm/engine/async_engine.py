@@ -41,6 +41,7 @@ from pagellm.engine.protocol import (
     EngineRequest,
     RequestFailedError,
     RequestMetrics,
+    RequestRejectedError,
     EngineClient,
 )
 from pagellm.outputs import RequestOutput
@@ -58,6 +59,7 @@ __all__ = [
     "EngineRequest",
     "LoopOptions",
     "RequestFailedError",
+    "RequestRejectedError",
     "RequestStream",
     "EngineClient",
 ]
@@ -498,7 +500,7 @@ class AsyncLLMEngine:
             self._record(output, now)
             item: StreamItem = output
             if output.error is not None:
-                item = RequestFailedError(output.error)
+                item = (RequestRejectedError if output.error_is_request else RequestFailedError)(output.error)
             if output.finished or output.error is not None:
                 self._forget(output.request_id)
             batches.setdefault(stream.loop, []).append((stream.queue, item))

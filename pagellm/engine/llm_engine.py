@@ -232,10 +232,10 @@ class LLMEngine:
         if self.beams.groups:
             self.beams.take_sampled(runner_output)  # beams append what the controller picks
         updated, finished = self.scheduler.update_from_output(scheduler_output, runner_output)
+        refused: dict[str, str] = {}
         if grammar is not None:
             complete, refused = self.structured_output.accept((r.request_id, r.output_token_ids[-1]) for r in updated)
             finished.extend(self.scheduler.finish_requests(complete, RequestStatus.FINISHED_STOPPED))
-            runner_output.failed.update(refused)
         step_outputs, stopped = self.output_processor.process(runner_output, updated, finished)
         outputs.extend(step_outputs)
         if stopped:
@@ -246,6 +246,8 @@ class LLMEngine:
             outputs.extend(self.beams.advance(runner_output.logprobs, runner_output.failed))
         if runner_output.failed:
             outputs.extend(self._fail_requests(runner_output.failed))
+        if refused:  # the constraint cannot be followed (e.g. this vocabulary cannot spell it)
+            outputs.extend(self._fail_requests(refused, request_error=True))
         self.stats.num_steps += 1
         self.stats.num_finished_requests += sum(o.finished for o in outputs)
         self._refresh_stats()
@@ -262,28 +264,29 @@ class LLMEngine:
         for request_id in ready:
             first, forks = self._awaiting_grammar.pop(request_id)
             self.scheduler.add_request(first, forks)
-        outputs = []
-        for request_id, message in failed.items():
+        for request_id in failed:
             self._awaiting_grammar.pop(request_id, None)
-            logger.info("request %s refused: %s", request_id, message)
-            for output in self.abort_request(request_id):
-                output.error = message
-                for sample in output.outputs:
-                    sample.finish_reason = "error"
-                outputs.append(output)
-        return outputs
+        return self._fail_requests(failed, request_error=True)
 
-    def _fail_requests(self, failed: dict[str, str]) -> list[RequestOutput]:
-        """Finish the requests whose own part of a step failed, with an error; the others go on."""
+    def _fail_requests(self, failed: dict[str, str], request_error: bool = False) -> list[RequestOutput]:
+        """Finish the requests whose own part of a step failed, with an error; the others go on.
+
+        ``failed`` maps sequence (or request) ids to what went wrong. A fault of the engine is
+        logged and the client told only that it failed; with ``request_error`` the request
+        itself cannot be served as asked, and the client is told why."""
         request_ids: dict[str, str] = {}
         for seq_id, message in failed.items():
             owner = self.output_processor.seq_to_request.get(seq_id) or self.beams.owner(seq_id) or seq_id
             request_ids.setdefault(owner, message)
         outputs = []
         for request_id, message in request_ids.items():
-            logger.error("request %s failed and was finished with an error: %s", request_id, message)
+            if request_error:
+                logger.info("request %s refused: %s", request_id, message)
+            else:
+                logger.error("request %s failed and was finished with an error: %s", request_id, message)
             for output in self.abort_request(request_id):
-                output.error = REQUEST_FAILED_MESSAGE
+                output.error = message if request_error else REQUEST_FAILED_MESSAGE
+                output.error_is_request = request_error
                 for sample in output.outputs:
                     sample.finish_reason = "error"
                 outputs.append(output)

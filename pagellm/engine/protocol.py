@@ -30,6 +30,10 @@ class RequestFailedError(RuntimeError):
     """The engine failed this one request (the others go on); details are in the server log."""
 
 
+class RequestRejectedError(ValueError):
+    """The engine could not serve this one request as asked (its own fault: a client error)."""
+
+
 @dataclass
 class EngineRequest:
     """One tokenized request at the engine boundary, as every ``EngineClient`` takes it (and as

@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from pagellm.engine_args import EngineArgs, add_engine_args
+from pagellm.entrypoints.openai.tool_calls.parsers import TOOL_PARSERS
 from pagellm.model.default_model import DEFAULT_MODEL_NAME
 from pagellm.utils import LOG_FORMAT
 
@@ -63,6 +64,15 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         help="let clients send a chat template of their own (chat_template_kwargs.chat_template); "
         "a template is a program that runs in the server",
     )
+    group.add_argument(
+        "--tool-call-parser", default="hermes", choices=list(TOOL_PARSERS),
+        help="the format the model writes tool calls in: hermes (<tool_call> blocks: Hermes, Qwen, and the "
+        "tools prompt pagellm writes for templates without tools, such as the default model's) or llama3_json",
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
+        help='tool_choice "auto": let the model choose to call tools, parsed from its text (default: on)',
+    )
     parser.set_defaults(handler=_serve)
 
 
@@ -107,6 +117,8 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=_api_key(args.api_key),
         trust_request_chat_template=args.trust_request_chat_template,
         max_request_body_bytes=parse_memory_size(args.max_request_body),
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
     if args.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")

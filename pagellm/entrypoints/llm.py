@@ -12,6 +12,7 @@ from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.protocol import EngineRequest
 from pagellm.engine_args import EngineArgs
+from pagellm.entrypoints.openai.tool_calls.prompt import template_renders_tools, write_tools_in
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -54,20 +55,29 @@ class LLM:
         continue_final_message: bool = False,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation, then generate.
+
+        ``tools`` (OpenAI tool objects) go to a template that renders them, else they are
+        written into the conversation as the server does (``tool_calls.prompt``); either way
+        the model answers with ``<tool_call>`` blocks when it calls one (hermes format), which
+        ``HermesToolParser().extract(text)`` reads."""
         if not messages:
             raise ValueError("messages must be a non-empty conversation or list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         processor = self.llm_engine.input_processor
-        prompts: list[PromptType] = [
-            {
-                "prompt_token_ids": processor.apply_chat_template(
-                    conv, add_generation_prompt, continue_final_message, chat_template, **(chat_template_kwargs or {})
-                )
-            }
-            for conv in conversations
-        ]
+        kwargs = dict(chat_template_kwargs or {})
+        functions = [t["function"] for t in tools or []]
+        renders_tools = template_renders_tools(chat_template or processor.tokenizer.chat_template)
+        if functions and renders_tools:
+            kwargs["tools"] = tools
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            if not renders_tools and (functions or any(m.get("role") == "tool" or m.get("tool_calls") for m in conv)):
+                conv = write_tools_in(list(conv), functions)
+            ids = processor.apply_chat_template(conv, add_generation_prompt, continue_final_message, chat_template, **kwargs)
+            prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(

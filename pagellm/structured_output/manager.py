@@ -85,7 +85,7 @@ class StructuredOutputManager:
                 del self._pending[request_id]
                 pending.future.cancel()
                 failed[request_id] = (
-                    f"structured_outputs took longer than {self.compile_timeout_s:g} s to compile; simplify it"
+                    f"structured_outputs is too slow to compile (over {self.compile_timeout_s:g} s); simplify it"
                 )
         return ready, failed
 
@@ -129,8 +129,8 @@ class StructuredOutputManager:
     def accept(self, tokens: Iterable[tuple[str, int]]) -> tuple[list[str], dict[str, str]]:
         """Advance each constrained sequence by the token appended to it. Returns the sequences
         whose document is now complete (nothing but EOS could follow: they end here, also with
-        ``ignore_eos``), and those whose matcher refused the token (which the mask should have
-        made impossible), with why."""
+        ``ignore_eos``), and those whose matcher refused the token its mask allowed (a
+        constraint needing bytes the vocabulary cannot spell: the request's failure), with why."""
         complete: list[str] = []
         failed: dict[str, str] = {}
         for seq_id, token_id in tokens:
@@ -138,7 +138,9 @@ class StructuredOutputManager:
             if matcher is None:
                 continue
             if not matcher.consume_token(token_id):
-                failed[seq_id] = f"the grammar refused token {token_id}: {matcher.get_error()}"
+                # The mask allowed it: the constraint needs bytes this vocabulary cannot spell.
+                reason = matcher.get_error().strip().splitlines()[0][:200]
+                failed[seq_id] = f"structured_outputs is impossible with this model's vocabulary ({reason})"
             elif matcher.is_stopped():
                 complete.append(seq_id)
         return complete, failed

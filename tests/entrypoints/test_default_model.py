@@ -108,3 +108,50 @@ def test_json_object_mode(default_client: openai.OpenAI) -> None:
     )
     choice = result.choices[0]
     assert choice.finish_reason == "stop" and isinstance(json.loads(choice.message.content or ""), dict)
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 40}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def _ask_weather(client: openai.OpenAI, tool_choice: str):
+    return client.chat.completions.create(
+        model=DEFAULT_MODEL_NAME,
+        messages=[{"role": "user", "content": "What is the weather like in Paris right now?"}],
+        tools=[WEATHER_TOOL],
+        tool_choice=tool_choice,
+        parallel_tool_calls=False,
+        max_tokens=64,
+        temperature=0.0,
+    ).choices[0]
+
+
+def test_a_required_tool_call_on_the_default_model(default_client: openai.OpenAI) -> None:
+    """The default model's template knows no tools: pagellm writes them into the prompt, and
+    the grammar makes the model's answer one call with valid arguments."""
+    choice = _ask_weather(default_client, "required")
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+def test_auto_tool_choice_on_the_default_model(default_client: openai.OpenAI) -> None:
+    """With "auto" the 135M model answers in text here (it is the model's choice); the answer
+    then has no calls and ends as text does."""
+    choice = _ask_weather(default_client, "auto")
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls"
+        assert all(c.function.name == "get_weather" for c in choice.message.tool_calls)
+    else:
+        assert choice.message.content and choice.finish_reason in ("stop", "length")

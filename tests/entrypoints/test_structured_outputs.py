@@ -119,3 +119,15 @@ def test_constraints_that_cannot_work_are_400s(http: httpx.Client, extra: dict, 
         error = response.json()["error"]
         assert error["param"] == param and message in error["message"], error
     assert http.get("/health").status_code == 200
+
+
+def test_a_constraint_the_vocabulary_cannot_spell_is_a_400(http: httpx.Client) -> None:
+    """U+4D4C2 has no exact spelling in this byte-level vocabulary: the grammar refuses the
+    token its own mask allowed. The request fails alone, as the client's error."""
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 8, "guided_choice": ["\U0004D4C2"]}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "structured_outputs" and "impossible with this model's vocabulary" in error["message"]
+    ok = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 4})
+    assert ok.status_code == 200 and http.get("/health").status_code == 200

@@ -184,8 +184,37 @@ def test_a_compile_past_its_deadline_fails_its_request_alone(tiny_llama_path: st
         while engine.has_unfinished_requests():
             outputs += [o for o in engine.step() if o.finished]
         by_id = {o.request_id: o for o in outputs}
-        assert by_id["slow"].error is not None and "longer than 0.2 s to compile" in by_id["slow"].error
-        assert by_id["slow"].outputs[0].finish_reason == "error"
+        assert by_id["slow"].error is not None and "too slow to compile (over 0.2 s)" in by_id["slow"].error
+        assert by_id["slow"].outputs[0].finish_reason == "error" and by_id["slow"].error_is_request
         assert by_id["plain"].error is None and len(by_id["plain"].outputs[0].token_ids) == 4
     finally:
         release.set()
+
+
+def test_offline_chat_with_tools_and_a_forced_call(llm: LLM) -> None:
+    """LLM.chat(tools=...) writes the tools into a template without them; a grammar from the
+    hermes parser forces a valid call, which the parser reads back."""
+    from pagellm.entrypoints.openai.tool_calls.parsers import HermesToolParser
+
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
+    parser = HermesToolParser()
+    params = SamplingParams(
+        temperature=0, max_tokens=40,
+        structured_outputs=StructuredOutputsParams(grammar=parser.grammar([tool["function"]], parallel=False)),
+    )  # fmt: skip
+    [output] = llm.chat([{"role": "user", "content": "What time is it?"}], params, use_tqdm=False, tools=[tool])
+    assert "get_time" in llm.get_tokenizer().decode(output.prompt_token_ids)  # the tools are in the prompt
+    extracted = parser.extract(output.outputs[0].text)
+    assert [(c.name, c.arguments) for c in extracted.calls] == [("get_time", "{}")]
+
+
+def test_a_constraint_the_vocabulary_cannot_spell_fails_its_request_alone(llm: LLM) -> None:
+    """U+4D4C2 has no exact spelling in this byte-level vocabulary: llguidance's mask allows a
+    token its matcher then refuses. That request ends as the client's error; the other runs on."""
+    impossible = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["\U0004D4C2"]))
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    bad, good = llm.generate(["Hi", "Hello"], [impossible, plain], use_tqdm=False)
+    assert bad.error_is_request and "impossible with this model's vocabulary" in (bad.error or "")
+    assert bad.outputs[0].finish_reason == "error"
+    assert good.error is None and len(good.outputs[0].token_ids) == 6
+    assert llm.llm_engine.structured_output.num_sequences == 0

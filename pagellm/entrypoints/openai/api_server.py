@@ -41,6 +41,7 @@ from pagellm.entrypoints.openai.protocol import (
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagellm.entrypoints.openai.tool_calls.parsers import tool_parser
 from pagellm.metrics.prometheus import PrometheusMetrics
 
 logger = logging.getLogger(__name__)
@@ -60,12 +61,15 @@ class ServerSettings:
     api_key: str | None = None
     trust_request_chat_template: bool = False  # let clients send chat templates (programs) of their own
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    tool_call_parser: str = "hermes"  # the format tool calls are written in (tool_calls/parsers.py)
+    enable_auto_tool_choice: bool = True  # tool_choice "auto": parse calls out of free text
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("the API key is empty: give a non-empty key, or none to serve without one")
         if self.max_request_body_bytes < 1:
             raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
+        tool_parser(self.tool_call_parser)  # a ValueError naming the choices
 
 
 class BodySizeLimitMiddleware:
@@ -158,7 +162,10 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)  # outermost: no body read before auth
     names = settings.served_model_names
     completion = OpenAIServingCompletion(engine, names)
-    chat = OpenAIServingChat(engine, names, settings.trust_request_chat_template)
+    chat = OpenAIServingChat(
+        engine, names, settings.trust_request_chat_template, tool_parser(settings.tool_call_parser),
+        settings.enable_auto_tool_choice,
+    )  # fmt: skip
     tokenization = OpenAIServingTokenization(engine, names)
 
     @app.get("/health")

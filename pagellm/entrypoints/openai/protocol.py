@@ -6,6 +6,7 @@ are checked here, value ranges by ``SamplingParams`` so each rule lives in one p
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -145,13 +146,29 @@ class TextContentPart(OpenAIBaseModel):
     text: str
 
 
+class FunctionCallParam(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallParam(OpenAIBaseModel):
+    """A call the assistant made earlier in the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessageParam(OpenAIBaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this result answers
 
     def to_template_dict(self) -> dict[str, Any]:
-        """The plain dict chat templates expect; content parts are joined as vLLM does."""
+        """The plain dict chat templates expect; content parts are joined as vLLM does, and
+        earlier calls' arguments are parsed (templates render them as JSON objects)."""
         if isinstance(self.content, list):
             content = "\n".join(part.text for part in self.content)
         else:
@@ -159,7 +176,44 @@ class ChatMessageParam(OpenAIBaseModel):
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _json_object(c.function.arguments)}}
+                for c in self.tool_calls
+            ]  # fmt: skip
         return message
+
+
+def _json_object(text: str) -> Any:
+    """A call's arguments as an object; ValueError (a 400) when they are not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise ValueError(f"tool call arguments must be JSON text, got {text[:80]!r}") from None
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None
+
+
+class ChatCompletionToolParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -168,7 +222,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatCompletionToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool = True
     # vLLM extensions.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -252,9 +308,21 @@ class ChatLogProbs(OpenAIBaseModel):
     content: list[ChatLogProbsContent] | None = None
 
 
+class FunctionCallOut(OpenAIBaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(OpenAIBaseModel):
@@ -274,9 +342,24 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo | None = None
 
 
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """A streamed piece of call ``index``: its id, type and name first, then its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:

@@ -44,6 +44,10 @@ from pagellm.entrypoints.openai.serving_engine import (
     sse_event,
     to_openai_error,
 )
+from pagellm.entrypoints.openai.tool_calls.output import ToolStreams, finish_reason_with_calls, tool_calls_out
+from pagellm.entrypoints.openai.tool_calls.parsers import HermesToolParser, ToolParser
+from pagellm.entrypoints.openai.tool_calls.prompt import template_renders_tools, write_tools_in
+from pagellm.entrypoints.openai.tool_calls.request import ToolPlan, plan_tools
 from pagellm.outputs import Logprob, PositionLogprobs, RequestOutput
 
 
@@ -107,11 +111,14 @@ def render_messages(
     add_generation_prompt: bool,
     continue_final_message: bool,
     template_kwargs: dict[str, Any],
+    functions: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """The conversation through the model's chat template; template failures are the client's 400.
 
-    ``template_kwargs`` must have passed ``check_template_kwargs``. Slow for long conversations:
-    callers on the event loop run it in a worker thread.
+    ``template_kwargs`` must have passed ``check_template_kwargs``; ``functions`` are the tools
+    shown to the model (given to a template that renders tools, else written into the
+    conversation: ``tool_calls.prompt``). Slow for long conversations: callers on the event loop
+    run it in a worker thread.
     """
     if not messages:
         raise BadRequestError("messages must be a non-empty list", param="messages")
@@ -119,7 +126,17 @@ def render_messages(
         raise BadRequestError("continue_final_message needs the last message to be from the assistant",
                               param="continue_final_message")
     processor = serving.engine.input_processor
-    dicts = [m.to_template_dict() for m in messages]
+    try:
+        dicts = [m.to_template_dict() for m in messages]
+    except ValueError as exc:
+        raise BadRequestError(str(exc), param="messages") from exc
+    has_tool_history = any(d["role"] == "tool" or d.get("tool_calls") for d in dicts)
+    if functions or has_tool_history:
+        if template_renders_tools(template_kwargs.get("chat_template") or processor.tokenizer.chat_template):
+            if functions:
+                template_kwargs = {**template_kwargs, "tools": [{"type": "function", "function": f} for f in functions]}
+        else:
+            dicts = write_tools_in(dicts, functions or [])
     total_chars = sum(len(m["content"]) for m in dicts)
     if total_chars > processor.max_prompt_chars:
         raise BadRequestError(
@@ -144,6 +161,7 @@ class _Context:
     request_id: str
     model: str
     created: int
+    tools: ToolPlan
 
     @property
     def top_n(self) -> int | None:
@@ -153,21 +171,29 @@ class _Context:
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(
-        self, engine: AsyncLLMEngine, served_model_names: list[str], trust_request_chat_template: bool = False
+        self,
+        engine: AsyncLLMEngine,
+        served_model_names: list[str],
+        trust_request_chat_template: bool = False,
+        tool_parser: ToolParser | None = None,
+        auto_tool_choice: bool = True,
     ) -> None:
         super().__init__(engine, served_model_names)
         self.trust_request_chat_template = trust_request_chat_template
+        self.tool_parser = tool_parser if tool_parser is not None else HermesToolParser()
+        self.auto_tool_choice = auto_tool_choice
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_alive()
         model = self.resolve_model(request.model)
         _check_chat_options(request, self.engine.input_processor.limits.max_logprobs)
-        ctx = _Context(request, new_request_id("chatcmpl"), model, int(time.time()))
+        tools = plan_tools(request, self.tool_parser, self.auto_tool_choice)
+        ctx = _Context(request, new_request_id("chatcmpl"), model, int(time.time()), tools)
         max_tokens = request.effective_max_tokens
-        params = self.sampling_params(request, max_tokens, ctx.top_n)
+        params = self.sampling_params(request, max_tokens, ctx.top_n, tool_constraint=tools.constraint)
         template_kwargs = check_template_kwargs(request.chat_template_kwargs, self.trust_request_chat_template)
         # Rendering and tokenizing take a while for long conversations: off the event loop.
-        prompt = await asyncio.to_thread(self._prompt, request, template_kwargs)
+        prompt = await asyncio.to_thread(self._prompt, request, template_kwargs, tools.functions)
         self.check_length(len(prompt.prompt_token_ids), max_tokens, "messages")
 
         tracker = ChoiceTracker(n=request.n, prompt_tokens=len(prompt.prompt_token_ids))
@@ -182,10 +208,13 @@ class OpenAIServingChat(OpenAIServing):
             raise to_openai_error(exc) from exc
         return JSONResponse(self._response(ctx, tracker, items).model_dump())
 
-    def _prompt(self, request: ChatCompletionRequest, template_kwargs: dict[str, Any]) -> ProcessedPrompt:
+    def _prompt(
+        self, request: ChatCompletionRequest, template_kwargs: dict[str, Any], functions: list[dict[str, Any]]
+    ) -> ProcessedPrompt:
         ids = render_messages(
-            self, request.messages, request.add_generation_prompt, request.continue_final_message, template_kwargs
-        )
+            self, request.messages, request.add_generation_prompt, request.continue_final_message, template_kwargs,
+            functions,
+        )  # fmt: skip
         return self.process_prompt({"prompt_token_ids": ids}, "messages", request.cache_salt)
 
     @staticmethod
@@ -198,16 +227,17 @@ class OpenAIServingChat(OpenAIServing):
         self, ctx: _Context, tracker: ChoiceTracker, items: list[tuple[int, RequestOutput]]
     ) -> ChatCompletionResponse:
         results, _ = accumulate(tracker, items, 1)
-        choices = [
-            ChatChoice(
-                index=r.index,
-                message=ChatMessage(role="assistant", content=r.text),
-                logprobs=self._logprobs(ctx, r.token_ids, r.logprobs),
-                finish_reason=r.finish_reason,
-                stop_reason=r.stop_reason,
-            )
-            for r in results
-        ]
+        choices = []
+        for r in results:
+            message, finish_reason = ChatMessage(role="assistant", content=r.text), r.finish_reason
+            if ctx.tools.parser is not None:
+                extracted = ctx.tools.parser.extract(r.text)
+                message = ChatMessage(content=extracted.content, tool_calls=tool_calls_out(extracted.calls))
+                finish_reason = finish_reason_with_calls(r.finish_reason, bool(extracted.calls))
+            choices.append(ChatChoice(
+                index=r.index, message=message, logprobs=self._logprobs(ctx, r.token_ids, r.logprobs),
+                finish_reason=finish_reason, stop_reason=r.stop_reason,
+            ))  # fmt: skip
         return ChatCompletionResponse(
             id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices, usage=tracker.usage()
         )
@@ -220,10 +250,10 @@ class OpenAIServingChat(OpenAIServing):
         for index in range(ctx.request.n):
             role_choice = ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
             yield sse_event(self._chunk(ctx, [role_choice]), exclude)
+        tool_streams = ToolStreams(ctx.tools.parser) if ctx.tools.parser is not None else None
         async for _, output in merged:
             for delta in tracker.deltas(0, output):
-                choice = self._stream_choice(ctx, delta)
-                if choice is not None:
+                for choice in self._stream_choices(ctx, delta, tool_streams):
                     yield sse_event(self._chunk(ctx, [choice]), exclude)
         if ctx.request.include_usage:
             yield sse_event(self._chunk(ctx, [], tracker))
@@ -237,19 +267,30 @@ class OpenAIServingChat(OpenAIServing):
             usage=tracker.usage() if tracker is not None else None,
         )
 
-    def _stream_choice(self, ctx: _Context, delta: ChoiceDelta) -> ChatStreamChoice | None:
-        """One chunk's choice, or None when there is nothing to send (no text, no logprobs, not final)."""
+    def _stream_choices(
+        self, ctx: _Context, delta: ChoiceDelta, tool_streams: ToolStreams | None
+    ) -> list[ChatStreamChoice]:
+        """The chunks' choices for one delta: its text (what is surely not part of a call, when
+        calls are parsed), then each completed call (name, then arguments); the last one carries
+        the finish reason. None at all when there is nothing to send."""
+        text, call_chunks, finish_reason = delta.text, [], delta.finish_reason
+        if tool_streams is not None:
+            stream = tool_streams.of(delta.index)
+            text, call_chunks = stream.feed(delta.text, final=delta.finish_reason is not None)
+            finish_reason = finish_reason_with_calls(delta.finish_reason, stream.num_calls > 0)
         logprobs = self._logprobs(ctx, delta.token_ids, delta.logprobs)
         has_logprobs = logprobs is not None and bool(logprobs.content)
-        if not delta.text and not has_logprobs and delta.finish_reason is None:
-            return None
-        return ChatStreamChoice(
-            index=delta.index,
-            delta=DeltaMessage(content=delta.text if delta.text or has_logprobs else None),
-            logprobs=logprobs,
-            finish_reason=delta.finish_reason,
-            stop_reason=delta.stop_reason,
+        choices = []
+        if text or has_logprobs:
+            choices.append(ChatStreamChoice(index=delta.index, delta=DeltaMessage(content=text), logprobs=logprobs))
+        choices.extend(
+            ChatStreamChoice(index=delta.index, delta=DeltaMessage(tool_calls=calls)) for calls in call_chunks
         )
+        if finish_reason is not None:
+            if not choices:
+                choices.append(ChatStreamChoice(index=delta.index, delta=DeltaMessage()))
+            choices[-1].finish_reason, choices[-1].stop_reason = finish_reason, delta.stop_reason
+        return choices
 
 
 def _check_chat_options(request: ChatCompletionRequest, max_logprobs: int) -> None:
@@ -261,5 +302,3 @@ def _check_chat_options(request: ChatCompletionRequest, max_logprobs: int) -> No
             )
         if request.top_logprobs > 0 and not request.logprobs:
             raise BadRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
-    if request.tools:
-        raise BadRequestError("tools are not supported", param="tools")

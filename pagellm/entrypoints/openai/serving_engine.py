@@ -41,6 +41,7 @@ from pagellm.entrypoints.openai.protocol import SamplingRequest, UsageInfo
 from pagellm.entrypoints.openai.structured_outputs import structured_outputs_of
 from pagellm.outputs import PositionLogprobs, RequestOutput
 from pagellm.sampling_params import SamplingParams
+from pagellm.structured_outputs_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -350,13 +351,15 @@ class OpenAIServing:
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         best_of: int | None = None,
+        tool_constraint: StructuredOutputsParams | None = None,
     ) -> SamplingParams | BeamSearchParams:
         """The one conversion both endpoints use; bad values become 400s naming the field."""
         check_unsupported(request)
+        constraint = structured_outputs_of(request, tool_constraint)  # refused with beam search (for now)
         params = (
             self._beam_search_params(request, max_tokens, logprobs, prompt_logprobs, best_of)
             if request.use_beam_search
-            else self._sampling_params(request, max_tokens, logprobs, prompt_logprobs, best_of)
+            else self._sampling_params(request, max_tokens, logprobs, prompt_logprobs, best_of, constraint)
         )
         try:
             self.engine.input_processor.check_params(params)
@@ -371,6 +374,7 @@ class OpenAIServing:
         logprobs: int | None,
         prompt_logprobs: int | None,
         best_of: int | None,
+        constraint: StructuredOutputsParams | None,
     ) -> SamplingParams:
         kwargs: dict[str, Any] = dict(
             n=request.n,
@@ -393,7 +397,7 @@ class OpenAIServing:
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
-            structured_outputs=structured_outputs_of(request),
+            structured_outputs=constraint,
         )
         try:
             return SamplingParams(**kwargs)
@@ -408,7 +412,6 @@ class OpenAIServing:
         prompt_logprobs: int | None,
         best_of: int | None,
     ) -> BeamSearchParams:
-        structured_outputs_of(request)  # refuses a constraint: beam search does not take one yet
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs), ("best_of", best_of)):
             if value is not None:
                 raise BadRequestError(f"{name} cannot be combined with use_beam_search.", param=name)

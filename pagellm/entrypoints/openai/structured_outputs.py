@@ -17,9 +17,12 @@ from pagellm.structured_outputs_params import StructuredOutputsParams
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
-def structured_outputs_of(request: SamplingRequest) -> StructuredOutputsParams | None:
-    """The request's constraint (None: free text), checked to compile; 400 otherwise."""
-    sources = _given_sources(request)
+def structured_outputs_of(
+    request: SamplingRequest, tool_constraint: StructuredOutputsParams | None = None
+) -> StructuredOutputsParams | None:
+    """The request's constraint (None: free text), checked to compile; 400 otherwise.
+    ``tool_constraint`` is the grammar a forced tool choice asks for (param ``tool_choice``)."""
+    sources = _given_sources(request) + (["tool_choice"] if tool_constraint is not None else [])
     if not sources:
         return None
     if len(sources) > 1:
@@ -28,7 +31,7 @@ def structured_outputs_of(request: SamplingRequest) -> StructuredOutputsParams |
         )
     param = sources[0]
     try:
-        params = StructuredOutputsParams(**_fields(request, param))
+        params = tool_constraint if tool_constraint is not None else StructuredOutputsParams(**_fields(request, param))
         check_grammar(params)
     except ValueError as exc:
         raise BadRequestError(f"{param}: {exc}", param=param) from exc

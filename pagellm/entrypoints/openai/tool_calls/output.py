@@ -1,0 +1,56 @@
+"""Calls in a chat answer as OpenAI returns them: whole (``message.tool_calls``) or streamed
+(``delta.tool_calls``: a call's id, type and name first, then its arguments)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagellm.entrypoints.openai.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCallOut, ToolCall
+from pagellm.entrypoints.openai.tool_calls.parsers import FunctionCall, ToolCallStreamer, ToolParser
+
+
+def tool_calls_out(calls: list[FunctionCall]) -> list[ToolCall]:
+    return [ToolCall(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls]
+
+
+def finish_reason_with_calls(finish_reason: str | None, has_calls: bool) -> str | None:
+    """OpenAI's ``tool_calls`` for an answer that ended by itself with calls in it."""
+    return "tool_calls" if has_calls and finish_reason == "stop" else finish_reason
+
+
+@dataclass
+class ChoiceToolStream:
+    """One streamed choice's parser state."""
+
+    streamer: ToolCallStreamer
+    num_calls: int = 0
+
+    @classmethod
+    def of(cls, parser: ToolParser) -> ChoiceToolStream:
+        return cls(parser.streamer())
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[list[DeltaToolCall]]]:
+        """The content to send now, and the tool-call deltas, one chunk's list each (for every
+        completed call: its name, then its arguments)."""
+        piece = self.streamer.feed(text, final)
+        chunks: list[list[DeltaToolCall]] = []
+        for call in piece.calls:
+            index = self.num_calls
+            self.num_calls += 1
+            chunks.append([DeltaToolCall(index=index, id=call.id, type="function",
+                                         function=DeltaFunctionCall(name=call.name, arguments=""))])  # fmt: skip
+            chunks.append([DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.arguments))])
+        return piece.content, chunks
+
+
+@dataclass
+class ToolStreams:
+    """Every streamed choice's parser state, made on first use."""
+
+    parser: ToolParser
+    choices: dict[int, ChoiceToolStream] = field(default_factory=dict)
+
+    def of(self, index: int) -> ChoiceToolStream:
+        if index not in self.choices:
+            self.choices[index] = ChoiceToolStream.of(self.parser)
+        return self.choices[index]
