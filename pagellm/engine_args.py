@@ -74,7 +74,7 @@ class EngineArgs:
     attention_backend: str = field(default="auto", metadata=_option(
         "auto (cpu_paged on CPU where its C++ kernels build, else torch_sdpa), cpu_paged, torch_sdpa or reference"))
     chat_template: str | None = field(default=None, metadata=_option(
-        "Jinja file that replaces the model's chat template"))
+        "Jinja file that replaces the model's chat template, or chatml-tools (shipped: ChatML with tools)"))
     num_threads: int | None = field(default=None, metadata=_option(
         "torch threads (default: torch's choice)", kind=int))
     max_n: int = field(default=128, metadata=_option(

@@ -100,8 +100,15 @@ def _gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def _read_template(chat_template_path: str) -> str:
-    """The override template's text; FileNotFoundError naming the path if absent."""
+# Templates shipped with pagellm, selected by name (--chat-template NAME) instead of a path.
+BUILTIN_CHAT_TEMPLATES = ("chatml-tools",)
+
+
+def read_chat_template(chat_template_path: str) -> str:
+    """The override template's text (a file, or a built-in template's name); FileNotFoundError
+    naming the path if absent."""
+    if chat_template_path in BUILTIN_CHAT_TEMPLATES:
+        return (Path(__file__).parent / "chat_templates" / f"{chat_template_path}.jinja").read_text()
     path = Path(chat_template_path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"chat template file not found: {path}")
@@ -120,5 +127,5 @@ def load_tokenizer(model: str | None, chat_template_path: str | None = None) -> 
     else:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if chat_template_path is not None:
-        tokenizer.chat_template = _read_template(chat_template_path)
+        tokenizer.chat_template = read_chat_template(chat_template_path)
     return tokenizer

@@ -14,6 +14,7 @@ from llguidance import LLMatcher
 
 from pagellm.entrypoints.openai.tool_calls.parsers import HermesToolParser, Llama3JsonToolParser, tool_parser
 from pagellm.entrypoints.openai.tool_calls.prompt import template_renders_tools, write_tools_in
+from pagellm.model.tokenizer import read_chat_template
 from pagellm.structured_output.grammar import llguidance_tokenizer
 from tests.helpers.server import MODEL_NAME
 
@@ -197,3 +198,28 @@ def test_tool_requests_that_cannot_work_are_400s(http: httpx.Client, extra: dict
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and message in error["message"], error
+
+
+@pytest.mark.parametrize("with_system", [True, False])
+def test_the_shipped_chatml_tools_template_renders_what_pagellm_writes(default_tokenizer, with_system: bool) -> None:
+    """--chat-template chatml-tools renders a tool conversation exactly as pagellm writes it into
+    the default model's own ChatML template."""
+    conversation = [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+            {"id": "2", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+        {"role": "tool", "content": "18 C", "tool_call_id": "1"},
+        {"role": "tool", "content": "21 C", "tool_call_id": "2"},
+    ]  # fmt: skip
+    if with_system:
+        conversation.insert(0, {"role": "system", "content": "Be brief."})
+    shipped = default_tokenizer.apply_chat_template(
+        conversation, tools=TOOLS, chat_template=read_chat_template("chatml-tools"), tokenize=False,
+        add_generation_prompt=True,
+    )  # fmt: skip
+    written = default_tokenizer.apply_chat_template(
+        write_tools_in(conversation, [t["function"] for t in TOOLS]), tokenize=False, add_generation_prompt=True
+    )
+    assert shipped == written and template_renders_tools(read_chat_template("chatml-tools"))
+    assert "<tool_response>\n21 C\n</tool_response>" in shipped and shipped.endswith("<|im_start|>assistant\n")

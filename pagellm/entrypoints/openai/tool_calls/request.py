@@ -50,5 +50,5 @@ def plan_tools(request: ChatCompletionRequest, parser: ToolParser, auto_enabled:
         allowed = [f for f in functions if f["name"] == choice.function.name]
         if not allowed:
             raise BadRequestError(f"tool_choice names {choice.function.name!r}, which is not in tools", param="tool_choice")
-    grammar = parser.grammar(allowed, parallel=request.parallel_tool_calls and len(allowed) >= 1 and choice == "required")
+    grammar = parser.grammar(allowed, parallel=request.parallel_tool_calls and choice == "required")
     return ToolPlan(functions, parser, StructuredOutputsParams(grammar=grammar))
