@@ -72,10 +72,6 @@ class StructuredOutputsParams:
         """Which constraint this is: json, json_object, regex, choice or grammar."""
         return next(k for k in _KINDS if getattr(self, k) not in (None, False))
 
-    @property
-    def is_json(self) -> bool:
-        return self.kind in ("json", "json_object")
-
     def cache_key(self) -> str:
         """The same constraint (as text) gives the same key: one compile serves them all."""
         value: Any = getattr(self, self.kind)

@@ -82,12 +82,11 @@ class LLMEngine:
         self.stats = EngineStats()
         self._request_counter = itertools.count()
         self.beams = BeamSearchController(self.scheduler, self.tokenizer, self.worker.eos_token_ids)
+        # The EOS a finished grammar allows: the tokenizer's, else the model's lowest.
         eos = self.tokenizer.eos_token_id
+        grammar_eos = eos if eos in self.worker.eos_token_ids else min(self.worker.eos_token_ids, default=None)
         self.structured_output = StructuredOutputManager(
-            self.tokenizer,
-            arch.vocab_size,
-            eos if eos in self.worker.eos_token_ids else next(iter(self.worker.eos_token_ids), None),
-            config.limits.grammar_compile_timeout_s,
+            self.tokenizer, arch.vocab_size, grammar_eos, config.limits.grammar_compile_timeout_s
         )
         # Constrained requests whose grammar is still compiling: (first sequence, its forks).
         self._awaiting_grammar: dict[str, tuple[Request, list[Request]]] = {}

@@ -28,6 +28,16 @@ CACHE_CODES = {(torch.float32, torch.float32): 0, (torch.bfloat16, torch.bfloat1
                (torch.bfloat16, torch.float8_e4m3fn): 2}
 
 
+def _check_logits_rows(name: str, x: torch.Tensor) -> tuple[int, int]:
+    """``x`` is 2-D float32/bfloat16 on CPU with non-empty rows, each contiguous; its shape."""
+    if x.dtype not in DTYPE_CODES or x.dim() != 2 or x.device.type != "cpu":
+        raise ValueError(f"{name} takes a 2-D CPU float32 or bfloat16 tensor")
+    rows, n = x.shape
+    if n == 0 or (rows > 1 and x.stride(0) < n) or (n > 1 and x.stride(1) != 1):
+        raise ValueError(f"{name} needs non-empty rows, each contiguous")
+    return rows, n
+
+
 def _check_rows(name: str, t: torch.Tensor, inner: tuple[int, ...], dtype: torch.dtype) -> None:
     """``t`` is [N, *inner] on CPU with contiguous inner dims (any row stride)."""
     if t.device.type != "cpu" or t.dtype != dtype:
@@ -219,11 +229,7 @@ class KernelLibrary:
         """Index of each row's first maximum (its first NaN if it holds one), as ``x.max(-1).indices``:
         one pass over 2-D float32/bfloat16 CPU rows (contiguous within a row) -> int64 [rows]."""
         dtype = x.dtype
-        if dtype not in DTYPE_CODES or x.dim() != 2 or x.device.type != "cpu":
-            raise ValueError("argmax_rows takes a 2-D CPU float32 or bfloat16 tensor")
-        rows, n = x.shape
-        if n == 0 or (rows > 1 and x.stride(0) < n) or (n > 1 and x.stride(1) != 1):
-            raise ValueError("argmax_rows needs non-empty rows, each contiguous")
+        rows, n = _check_logits_rows("argmax_rows", x)
         out = torch.empty(rows, dtype=torch.int64)
         if rows == 0:
             return out
@@ -239,11 +245,7 @@ class KernelLibrary:
         of word ``t // 32`` of ``bitmask[mask_rows[r]]`` clear (tokens past its words too); rows
         with ``mask_rows[r] < 0`` are untouched. As ``sample.grammar_mask.apply_token_bitmask``."""
         dtype = logits.dtype
-        if dtype not in DTYPE_CODES or logits.dim() != 2 or logits.device.type != "cpu":
-            raise ValueError("apply_token_bitmask_ takes 2-D CPU float32 or bfloat16 logits")
-        rows, n = logits.shape
-        if n == 0 or (rows > 1 and logits.stride(0) < n) or (n > 1 and logits.stride(1) != 1):
-            raise ValueError("apply_token_bitmask_ needs non-empty logits rows, each contiguous")
+        rows, n = _check_logits_rows("apply_token_bitmask_", logits)
         if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or not bitmask.is_contiguous() or bitmask.device.type != "cpu":
             raise ValueError("the bitmask must be a contiguous 2-D CPU int32 tensor")
         if mask_rows.dtype != torch.int64 or mask_rows.shape != (rows,) or not mask_rows.is_contiguous():

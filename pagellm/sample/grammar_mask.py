@@ -6,13 +6,11 @@ import torch
 
 from pagellm.kernels import KernelLibrary, supports_dtype
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[R, W] int32 words -> [R, vocab_size] bool, True where the token is allowed."""
     rows = bitmask.shape[0]
-    bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=bitmask.device)) & 1
     return bits.view(rows, -1)[:, :vocab_size].bool()
 
 

@@ -63,10 +63,10 @@ def grammar_source(params: StructuredOutputsParams) -> str:
         raise ValueError(f"structured_outputs.{kind}: {exc}") from None
 
 
-def check_grammar(params: StructuredOutputsParams, tokenizer: LLTokenizer | None = None) -> None:
+def check_grammar(params: StructuredOutputsParams) -> None:
     """ValueError naming what is wrong when the constraint does not compile (within the limits)."""
     source = grammar_source(params)
-    error = LLMatcher.validate_grammar(source, tokenizer, limits=parser_limits())
+    error = LLMatcher.validate_grammar(source, None, limits=parser_limits())
     if error:
         raise ValueError(f"structured_outputs.{params.kind} does not compile: {error.strip()}")
 

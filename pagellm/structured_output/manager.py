@@ -61,10 +61,6 @@ class StructuredOutputManager:
         future = self.compiler.submit(params)
         self._pending[request_id] = _Pending(future, first_seq_id, time.monotonic() + self.compile_timeout_s)
 
-    @property
-    def has_pending(self) -> bool:
-        return bool(self._pending)
-
     def poll(self) -> tuple[list[str], dict[str, str]]:
         """Requests whose grammar is ready (their first sequence now has its matcher), and the
         ones that failed or ran past the deadline, with why."""
@@ -145,9 +141,6 @@ class StructuredOutputManager:
                 complete.append(seq_id)
         return complete, failed
 
-    def is_constrained(self, seq_id: str) -> bool:
-        return seq_id in self._matchers
-
     def remove(self, seq_ids: Iterable[str]) -> None:
         for seq_id in seq_ids:
             self._matchers.pop(seq_id, None)
@@ -159,7 +152,3 @@ class StructuredOutputManager:
     @property
     def num_sequences(self) -> int:
         return len(self._matchers)
-
-    def shutdown(self) -> None:
-        if self._compiler is not None:
-            self._compiler.shutdown()

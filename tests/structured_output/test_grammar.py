@@ -15,7 +15,7 @@ from pagellm.structured_output.grammar import GrammarCompiler, check_grammar, ll
 
 def test_exactly_one_kind_of_constraint() -> None:
     assert StructuredOutputsParams(regex="a+").kind == "regex"
-    assert StructuredOutputsParams(json_object=True).is_json
+    assert StructuredOutputsParams(json_object=True).kind == "json_object"
     with pytest.raises(ValueError, match="exactly one of .*got none"):
         StructuredOutputsParams()
     with pytest.raises(ValueError, match="exactly one of .*got json, regex"):

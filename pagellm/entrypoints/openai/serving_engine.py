@@ -38,7 +38,7 @@ from pagellm.entrypoints.openai.errors import (
     bad_request_from,
 )
 from pagellm.entrypoints.openai.protocol import SamplingRequest, UsageInfo
-from pagellm.entrypoints.openai.structured_outputs import structured_outputs_of
+from pagellm.entrypoints.openai.structured_outputs import constraint_error, structured_outputs_of
 from pagellm.outputs import PositionLogprobs, RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.structured_outputs_params import StructuredOutputsParams
@@ -355,7 +355,7 @@ class OpenAIServing:
     ) -> SamplingParams | BeamSearchParams:
         """The one conversion both endpoints use; bad values become 400s naming the field."""
         check_unsupported(request)
-        constraint = structured_outputs_of(request, tool_constraint)  # refused with beam search (for now)
+        constraint, constraint_param = structured_outputs_of(request, tool_constraint)  # not with beam search (yet)
         params = (
             self._beam_search_params(request, max_tokens, logprobs, prompt_logprobs, best_of)
             if request.use_beam_search
@@ -364,6 +364,8 @@ class OpenAIServing:
         try:
             self.engine.input_processor.check_params(params)
         except ValueError as exc:
+            if constraint_param is not None and str(exc).startswith("structured_outputs."):
+                raise constraint_error(exc, constraint_param) from exc  # it does not compile
             raise (_beam_request_error(exc) if isinstance(params, BeamSearchParams) else bad_request_from(exc)) from exc
         return params
 

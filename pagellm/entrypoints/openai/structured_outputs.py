@@ -11,7 +11,6 @@ from typing import Any
 
 from pagellm.entrypoints.openai.errors import BadRequestError
 from pagellm.entrypoints.openai.protocol import SamplingRequest
-from pagellm.structured_output.grammar import check_grammar
 from pagellm.structured_outputs_params import StructuredOutputsParams
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -19,12 +18,14 @@ _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 def structured_outputs_of(
     request: SamplingRequest, tool_constraint: StructuredOutputsParams | None = None
-) -> StructuredOutputsParams | None:
-    """The request's constraint (None: free text), checked to compile; 400 otherwise.
-    ``tool_constraint`` is the grammar a forced tool choice asks for (param ``tool_choice``)."""
+) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's constraint (None: free text) and the field it came in; a 400 when its
+    fields are malformed. Whether it compiles is the engine's check (``check_params``): a
+    failure there is reported under that field (:func:`constraint_error`).
+    ``tool_constraint`` is the grammar a forced tool choice asks for (field ``tool_choice``)."""
     sources = _given_sources(request) + (["tool_choice"] if tool_constraint is not None else [])
     if not sources:
-        return None
+        return None, None
     if len(sources) > 1:
         raise BadRequestError(
             f"give one output constraint, not several: {', '.join(sources)}", param=sources[1]
@@ -32,12 +33,16 @@ def structured_outputs_of(
     param = sources[0]
     try:
         params = tool_constraint if tool_constraint is not None else StructuredOutputsParams(**_fields(request, param))
-        check_grammar(params)
     except ValueError as exc:
-        raise BadRequestError(f"{param}: {exc}", param=param) from exc
+        raise constraint_error(exc, param) from exc
     if request.use_beam_search:
         raise BadRequestError(f"{param} cannot be combined with use_beam_search yet", param=param)
-    return params
+    return params, param
+
+
+def constraint_error(error: ValueError, param: str) -> BadRequestError:
+    """A constraint's fault, named by the request field the constraint came in."""
+    return BadRequestError(f"{param}: {error}", param=param)
 
 
 def _given_sources(request: SamplingRequest) -> list[str]:

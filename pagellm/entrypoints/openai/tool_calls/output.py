@@ -25,10 +25,6 @@ class ChoiceToolStream:
     streamer: ToolCallStreamer
     num_calls: int = 0
 
-    @classmethod
-    def of(cls, parser: ToolParser) -> ChoiceToolStream:
-        return cls(parser.streamer())
-
     def feed(self, text: str, final: bool) -> tuple[str, list[list[DeltaToolCall]]]:
         """The content to send now, and the tool-call deltas, one chunk's list each (for every
         completed call: its name, then its arguments)."""
@@ -52,5 +48,5 @@ class ToolStreams:
 
     def of(self, index: int) -> ChoiceToolStream:
         if index not in self.choices:
-            self.choices[index] = ChoiceToolStream.of(self.parser)
+            self.choices[index] = ChoiceToolStream(self.parser.streamer())
         return self.choices[index]
