@@ -33,7 +33,7 @@ from pagellm import LLM, SamplingParams  # noqa: E402
 from pagellm.engine.protocol import EngineRequest  # noqa: E402
 from pagellm.kernels import KernelLibrary  # noqa: E402
 
-KERNELS = ("paged_attention", "write_kv", "add_rms_norm", "rotary_", "argmax_rows")
+KERNELS = ("decoder_stack", "paged_attention", "write_kv", "add_rms_norm", "rotary_", "argmax_rows")
 _times: defaultdict[str, float] = defaultdict(float)
 
 
@@ -86,10 +86,10 @@ def main() -> None:
     step_shape: list[tuple[int, int]] = []  # (tokens, requests) of the step being run
     execute = engine.worker.model_runner.execute
 
-    def counting_execute(scheduler_output: Any) -> Any:
+    def counting_execute(scheduler_output: Any, *rest: Any) -> Any:
         scheduled = scheduler_output.scheduled
         step_shape.append((sum(r.num_tokens for r in scheduled), len(scheduled)))
-        return execute(scheduler_output)
+        return execute(scheduler_output, *rest)
 
     engine.worker.model_runner.execute = counting_execute
     while engine.has_unfinished_requests():

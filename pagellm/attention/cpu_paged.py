@@ -22,9 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from pagellm.kernels.library import KernelLibrary, check_paged_attention_rows, check_slots
+from pagellm.kernels.library import KernelLibrary, check_block_tables, check_slots
 from pagellm.attention.backend import AttentionMetadata, attention_dtype, write_kv
 from pagellm.attention.torch_sdpa import TorchSDPAAttention
 
@@ -41,10 +42,11 @@ class _KernelRows:
     """Per-step index tensors for the kernel, shared by every layer of the step."""
 
     num_tokens: int
-    row_token: torch.Tensor  # int32 [N]: token row of each kernel row
-    row_req: torch.Tensor  # int32 [N]: its request (row of block_tables)
-    row_ctx: torch.Tensor  # int32 [N]: context positions it attends to (causal limit)
+    row_token: torch.Tensor  # int32 [N]: token row of each kernel row, 0 .. N - 1
+    row_req: torch.Tensor  # int32 [N]: its request (row of block_tables), 0 .. R - 1
+    row_ctx: torch.Tensor  # int32 [N]: context positions it attends to (causal limit), 1 .. max_context
     block_tables: torch.Tensor  # int64 [R, max_blocks], contiguous
+    max_context: int  # the longest seq_len
     # What the rows were built from (the metadata's own objects), so a changed metadata is noticed.
     source: tuple[torch.Tensor, torch.Tensor, list[int], list[int]]
     checked_for: tuple[int, int] | None = None  # (num_blocks, block_size) the indices were checked against
@@ -61,39 +63,44 @@ class _KernelRows:
 
 
 def build_kernel_rows(metadata: AttentionMetadata) -> _KernelRows:
-    """One kernel row per new token (its request and causal limit), built with tensor ops only."""
-    query_lens = torch.tensor(metadata.query_lens, dtype=torch.int64)
-    seq_lens = torch.tensor(metadata.seq_lens, dtype=torch.int64)
-    if bool(((query_lens < 0) | (query_lens > seq_lens)).any()):
+    """One kernel row per new token (its request and causal limit), built with array ops only
+    (numpy: torch's small ops cost ~10 us each, a step's worth at batch 1)."""
+    query_lens = np.asarray(metadata.query_lens, dtype=np.int64)
+    seq_lens = np.asarray(metadata.seq_lens, dtype=np.int64)
+    if query_lens.shape != seq_lens.shape or bool(((query_lens < 0) | (query_lens > seq_lens)).any()):
         raise ValueError("every query_len must be in [0, seq_len]")
     num_tokens = int(query_lens.sum())
-    row_req = torch.repeat_interleave(torch.arange(len(metadata.query_lens)), query_lens)
-    starts = torch.cumsum(query_lens, 0) - query_lens
-    row_token = torch.arange(num_tokens)
-    offset = row_token - starts[row_req]  # position among the request's new tokens
-    row_ctx = seq_lens[row_req] - query_lens[row_req] + offset + 1
+    row_req = np.repeat(np.arange(len(query_lens), dtype=np.int32), query_lens)
+    row_token = np.arange(num_tokens, dtype=np.int32)
+    # Token t of request r (its offset among the request's new tokens: t - start_r) sees the
+    # context up to seq_len - query_len + offset + 1.
+    first_ctx = seq_lens - query_lens - (np.cumsum(query_lens) - query_lens) + 1
+    row_ctx = (first_ctx[row_req] + row_token).astype(np.int32)
     block_tables = metadata.block_tables
     if block_tables.dtype != torch.int64 or block_tables.stride(-1) != 1:
         block_tables = block_tables.to(torch.int64).contiguous()
     source = (metadata.slot_mapping, metadata.block_tables, list(metadata.query_lens), list(metadata.seq_lens))
     return _KernelRows(
-        num_tokens, row_token.to(torch.int32), row_req.to(torch.int32), row_ctx.to(torch.int32), block_tables, source
+        num_tokens, torch.from_numpy(row_token), torch.from_numpy(row_req), torch.from_numpy(row_ctx), block_tables,
+        int(seq_lens.max(initial=0)), source,
     )
 
 
 def checked_kernel_rows(metadata: AttentionMetadata, key_cache: torch.Tensor) -> _KernelRows:
     """The step's kernel rows (built once a step, cached on the metadata), every index in them
-    and the slots checked against this cache's shape (once a step per cache shape)."""
+    and the slots checked against this cache's shape (once a step per cache shape). The rows
+    lie in range by construction (:func:`build_kernel_rows`); what can still be wrong is the
+    block tables and slots the scheduler sent."""
     rows = metadata.derived.get("cpu_paged")
     if not isinstance(rows, _KernelRows) or not rows.matches(metadata):
         rows = build_kernel_rows(metadata)
         metadata.derived["cpu_paged"] = rows
     cache_id = (key_cache.shape[0], key_cache.shape[1])
     if rows.checked_for != cache_id:
+        if rows.block_tables.shape[0] != len(metadata.query_lens):
+            raise ValueError(f"block_tables has {rows.block_tables.shape[0]} rows for {len(metadata.query_lens)} requests")
         check_slots(metadata.slot_mapping, key_cache)
-        check_paged_attention_rows(
-            rows.num_tokens, key_cache, rows.block_tables, rows.row_token, rows.row_req, rows.row_ctx
-        )
+        check_block_tables(rows.block_tables, key_cache, rows.max_context)
         rows.checked_for = cache_id
     return rows
 

@@ -7,9 +7,11 @@ tokens over the time after it. The engine is stepped directly, so the figures in
 scheduler, the output processing and detokenization, as a user of ``LLM`` sees them; the kernel
 plan is in the report. What single-user latency targets (issue P3) are measured with.
 
-With ``compare=["llamacpp"]`` the same GGUF file is then run through llama.cpp's ``llama-bench``
-(``-p input_len -n output_len -r repeats``, the same thread count, no GPU layers) as a reference,
-and the report gains pagellm-over-llama.cpp ratios. Building llama-bench: docs/llama-bench.md.
+With ``compare=["llamacpp"]`` the same GGUF file is also run through llama.cpp's ``llama-bench``
+(``-p input_len -n output_len -r 1``, the same thread count, no GPU layers) as a reference, once
+after each of pagellm's repeats, so that a shared machine's slow and fast phases fall on both
+systems alike; the report gains llama.cpp's mean over those runs and pagellm-over-llama.cpp
+ratios. Building llama-bench: docs/llama-bench.md.
 """
 
 from __future__ import annotations
@@ -97,14 +99,16 @@ def run_latency(cfg: LatencyConfig) -> dict[str, Any]:
     vocab_size, special = model_token_facts(cfg.model)
     prompts = fixed_workload(vocab_size, cfg.repeats + 1, cfg.input_len, cfg.output_len, cfg.seed, special)
     _time_one(engine, "warmup", prompts.requests[0].prompt_token_ids[:16], 4)
-    runs = [_time_one(engine, f"latency-{i}", r.prompt_token_ids, cfg.output_len)
-            for i, r in enumerate(prompts.requests[1:])]
+    runs, llama_runs = [], []
+    for i, r in enumerate(prompts.requests[1:]):
+        runs.append(_time_one(engine, f"latency-{i}", r.prompt_token_ids, cfg.output_len))
+        if binary and gguf:  # the idle engine only holds memory (135M parameters: a few hundred MiB)
+            llama_runs.append(run_llama_bench(llama_bench_command(binary, gguf, cfg, _pagellm_threads(cfg), repeats=1)))
     medians = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
     report = dict(config=flat_config(cfg), machine=machine_info(), kernel_plan=engine.kernel_plan_info, runs=runs,
                   median=medians, peak_rss_mib=peak_rss_mib())
-    if binary and gguf:
-        del llm, engine  # llama-bench should not share the machine with an idle engine's memory
-        report["llamacpp"] = run_llama_bench(llama_bench_command(binary, gguf, cfg, _pagellm_threads(cfg)))
+    if llama_runs:
+        report["llamacpp"] = combine_llama_runs(llama_runs)
         report["pagellm_over_llamacpp"] = llamacpp_ratios(medians, report["llamacpp"])
     return report
 
@@ -140,10 +144,24 @@ def _pagellm_threads(cfg: LatencyConfig) -> int:
     return cfg.num_threads or torch.get_num_threads()
 
 
-def llama_bench_command(binary: str, model_path: str, cfg: LatencyConfig, threads: int) -> list[str]:
-    """llama-bench arguments that mirror pagellm's run: same file, lengths, repeats and threads, CPU only."""
-    return [binary, "-m", model_path, "-p", str(cfg.input_len), "-n", str(cfg.output_len), "-r", str(cfg.repeats),
-            "-t", str(threads), "-ngl", "0", "-o", "json"]
+def llama_bench_command(
+    binary: str, model_path: str, cfg: LatencyConfig, threads: int, repeats: int | None = None
+) -> list[str]:
+    """llama-bench arguments that mirror pagellm's run: same file, lengths, threads and repeats
+    (or ``repeats``), CPU only."""
+    return [binary, "-m", model_path, "-p", str(cfg.input_len), "-n", str(cfg.output_len),
+            "-r", str(cfg.repeats if repeats is None else repeats), "-t", str(threads), "-ngl", "0", "-o", "json"]
+
+
+def combine_llama_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """llama.cpp's figures over several llama-bench runs: the mean of each phase's tok/s, their
+    spread across runs, and the first run's facts (lengths, build, command)."""
+    combined = dict(runs[0], runs=len(runs))
+    for phase in ("prefill", "decode"):
+        rates = [run[f"{phase}_tokens_per_s"] for run in runs]
+        combined[f"{phase}_tokens_per_s"] = statistics.fmean(rates)
+        combined[f"{phase}_stddev_tokens_per_s"] = statistics.stdev(rates) if len(rates) > 1 else 0.0
+    return combined
 
 
 def parse_llama_bench(text: str) -> dict[str, Any]:

@@ -40,11 +40,6 @@ from pagellm.model.quant_linear import QuantizedLinear
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-def _packed(module: nn.Module) -> torch.Tensor:
-    """The packed weight the call reads for a linear ``_linear_args`` takes."""
-    return module.packed if isinstance(module, QuantizedLinear) else module.packed_weight
-
-
 def _linear_args(module: nn.Module, big: bool) -> LinearArgs | None:
     """A linear the call multiplies (pagellm's integer, bf16 or AVX2 GEMM), or None; ``big``:
     for batches above the plan's ``quant_max_rows`` (quantized linears may use AMX tiles then)."""
@@ -84,12 +79,6 @@ class _LayerWeights:
         """Whether the call multiplies every linear, for small batches and big ones."""
         return all(_linear_args(m, dense) is not None for dense in (False, True) for m in self._side(dense))
 
-    def addresses(self, dense: bool) -> tuple[int, ...]:
-        """Where the tensors the call reads live now (a reload or a move changes them)."""
-        linears = tuple(_packed(m).data_ptr() for m in self._side(dense))
-        bias = 0 if self.qkv_bias is None else self.qkv_bias.data_ptr()
-        return (self.input_norm.data_ptr(), self.post_norm.data_ptr(), bias, *linears)
-
     def args(self, key_cache: torch.Tensor, value_cache: torch.Tensor, dense: bool) -> DecoderLayerArgs:
         """The C struct for this layer over these caches (``dense``: the big-batch side)."""
         bias = None if self.qkv_bias is None else self.qkv_bias.data_ptr()
@@ -126,6 +115,11 @@ def _layer_weights(layer: nn.Module, arch: ModelArchConfig, dtype: torch.dtype) 
     return weights if weights.fits() else None
 
 
+def _cache_addresses(kv_caches: list[KVCache]) -> tuple[int, ...]:
+    """Where each layer's key and value caches live (the worker allocates them once)."""
+    return tuple([t.data_ptr() for pair in kv_caches for t in pair])
+
+
 class FusedDecoderStack:
     """Runs a model's decoder layers in one kernel call (see the module docstring)."""
 
@@ -140,9 +134,10 @@ class FusedDecoderStack:
         self.max_rows = max_rows
         self.eps = float(arch.rms_norm_eps)
         self.steps = 0  # steps run here (the rest ran the Python layers)
-        # The per-layer C structs of each side (small batches, big ones), keyed by every address
-        # in them (caches and weights).
-        self._layer_args: dict[bool, tuple[tuple[int, ...], ctypes.Array[DecoderLayerArgs]]] = {}
+        # Per-layer C structs of each side (small batches, big ones) for the caches at these
+        # addresses (None: those caches do not fit the call). The weights do not move: the model
+        # is loaded and repacked before the stack is built, and a reload builds a new stack.
+        self._args: tuple[tuple[int, ...], dict[bool, ctypes.Array[DecoderLayerArgs]] | None] | None = None
 
     @classmethod
     def build(
@@ -157,16 +152,23 @@ class FusedDecoderStack:
             return None
         return cls([w for w in weights if w is not None], arch, lib, dtype, max_rows)
 
-    def applies(self, hidden: torch.Tensor, kv_caches: list[KVCache]) -> bool:
-        """Whether this step runs here: few enough rows, the model dtype, one cache shape and
-        dtype the kernels read, laid out as the model's KV heads."""
-        rows = hidden.shape[0]
+    def layer_args(self, hidden: torch.Tensor, kv_caches: list[KVCache]) -> ctypes.Array[DecoderLayerArgs] | None:
+        """The per-layer arguments of this step where it runs here (rows in the model dtype, a
+        cache pair per layer, of one shape and dtype the kernels read, laid out as the model's
+        KV heads), else None. Built and checked once per set of caches (once per engine)."""
+        if hidden.shape[0] == 0 or hidden.dtype != self.dtype or len(kv_caches) != len(self.weights):
+            return None
+        addresses = _cache_addresses(kv_caches)
+        if self._args is None or self._args[0] != addresses:
+            self._args = (addresses, self._build_args(kv_caches) if self._caches_fit(kv_caches) else None)
+        sides = self._args[1]
+        return None if sides is None else sides[self.max_rows is not None and hidden.shape[0] > self.max_rows]
+
+    def _caches_fit(self, kv_caches: list[KVCache]) -> bool:
         key_cache = kv_caches[0][0]
         layout = (self.arch.num_key_value_heads, self.arch.head_dim)
         return (
-            rows > 0
-            and hidden.dtype == self.dtype
-            and (self.dtype, key_cache.dtype) in CACHE_CODES
+            (self.dtype, key_cache.dtype) in CACHE_CODES
             and key_cache.dim() == 4 and tuple(key_cache.shape[2:]) == layout
             and all(
                 t.is_contiguous() and t.shape == key_cache.shape and t.dtype == key_cache.dtype
@@ -174,28 +176,22 @@ class FusedDecoderStack:
             )
         )  # fmt: skip
 
-    def _layers(self, kv_caches: list[KVCache], dense: bool) -> ctypes.Array[DecoderLayerArgs]:
-        """The per-layer arguments of one side, rebuilt whenever a cache or weight has moved
-        (once per engine in practice; the check costs ~0.1 ms a step for 30 layers)."""
-        key = tuple(t.data_ptr() for pair in kv_caches for t in pair)
-        key += tuple(address for w in self.weights for address in w.addresses(dense))
-        cached = self._layer_args.get(dense)
-        if cached is None or cached[0] != key:
+    def _build_args(self, kv_caches: list[KVCache]) -> dict[bool, ctypes.Array[DecoderLayerArgs]]:
+        """Each side's C structs over these caches (``True``: batches above ``max_rows``)."""
+        sides = {}
+        for dense in (False, True):
             layers = [w.args(k, v, dense) for w, (k, v) in zip(self.weights, kv_caches)]
-            cached = (key, (DecoderLayerArgs * len(layers))(*layers))
-            self._layer_args[dense] = cached
-        return cached[1]
+            sides[dense] = (DecoderLayerArgs * len(layers))(*layers)
+        return sides
 
     def __call__(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[KVCache],
-        metadata: AttentionMetadata,
+        layers: ctypes.Array[DecoderLayerArgs], metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(last layer's output, residual stream)`` for embeddings ``hidden`` [T, hidden]
-        (overwritten), as the Python layers return them."""
+        (overwritten), as the Python layers return them; ``layers``: :meth:`layer_args`."""
         arch = self.arch
         tokens = hidden.shape[0]
-        if len(kv_caches) != len(self.weights):
-            raise ValueError(f"expected {len(self.weights)} KV cache pairs, got {len(kv_caches)}")
         key_cache = kv_caches[0][0]
         rows = checked_kernel_rows(metadata, key_cache)
         if rows.num_tokens != tokens or metadata.slot_mapping.numel() != tokens:
@@ -209,9 +205,8 @@ class FusedDecoderStack:
         scratch = [torch.empty(tokens, width, dtype=self.dtype) for width in
                    (arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.q_size, arch.intermediate_size)]  # fmt: skip
         tables = rows.block_tables
-        dense = self.max_rows is not None and tokens > self.max_rows  # quantized linears' big-batch side
         args = DecoderStackArgs(
-            self._layers(kv_caches, dense), len(self.weights), tokens, arch.hidden_size, arch.num_attention_heads,
+            layers, len(self.weights), tokens, arch.hidden_size, arch.num_attention_heads,
             arch.num_key_value_heads, arch.head_dim, arch.intermediate_size, key_cache.shape[1], self.eps,
             arch.head_dim**-0.5, DTYPE_CODES[self.dtype], CACHE_CODES[(self.dtype, key_cache.dtype)],
             torch.get_num_threads(), 0, x.data_ptr(), residual.data_ptr(), cos.data_ptr(), sin.data_ptr(),

@@ -109,7 +109,9 @@ class RotaryEmbedding(nn.Module):
     """Produces per-token cos/sin tables from absolute positions (any position, no cache limit).
 
     The inverse frequencies are a plain attribute, not a buffer, so a model built on the
-    meta device and materialized with ``to_empty`` still gets correct values.
+    meta device and materialized with ``to_empty`` still gets correct values. Rows for
+    positions are looked up in a table of every position so far (grown by doubling): one
+    gather a step instead of six small ops, with the same values (each row is computed alone).
     """
 
     def __init__(self, head_dim: int, theta: float, rope_scaling: dict[str, Any] | None) -> None:
@@ -119,17 +121,29 @@ class RotaryEmbedding(nn.Module):
         self.rope_scaling = rope_scaling
         check_rope_scaling(rope_scaling)
         self._inv_freq: torch.Tensor | None = None
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}  # cos, sin
 
     def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
         if self._inv_freq is None or self._inv_freq.device != device:
             self._inv_freq = compute_inv_freq(self.head_dim, self.theta, self.rope_scaling).to(device)
         return self._inv_freq
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape ``[T, head_dim]`` (halves duplicated, HF layout) in ``dtype``."""
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of ``positions`` computed directly: ``[T, head_dim]`` (halves duplicated, HF layout)."""
         freqs = positions.to(torch.float32)[:, None] * self._inv_freq_on(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape ``[T, head_dim]`` in ``dtype``, equal to :meth:`cos_sin`'s."""
+        if positions.numel() == 0:
+            return self.cos_sin(positions, dtype)
+        key = (positions.device, dtype)
+        tables = self._tables.get(key)
+        last = int(positions.max())
+        if tables is None or last >= tables[0].shape[0]:
+            tables = self._tables[key] = self.cos_sin(torch.arange(1 << max(8, last.bit_length()), device=positions.device), dtype)
+        return tables[0][positions], tables[1][positions]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -193,8 +193,9 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, hidden.dtype)
         stack = self._decoder_stack()
-        if stack is not None and stack.applies(hidden, kv_caches):
-            hidden, residual = stack(hidden, cos, sin, kv_caches, attn_metadata)
+        layers = stack.layer_args(hidden, kv_caches) if stack is not None else None
+        if stack is not None and layers is not None:
+            hidden, residual = stack(hidden, cos, sin, kv_caches, layers, attn_metadata)
         else:
             residual = None
             for layer, kv_cache in zip(self.model.layers, kv_caches):

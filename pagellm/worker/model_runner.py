@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import chain
 
+import numpy as np
 import torch
 
 from pagellm.attention.backend import AttentionMetadata
@@ -106,27 +107,25 @@ class ModelRunner:
     # ---- inputs ------------------------------------------------------------------
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
-        """Flatten the step into one token batch; positions and slots come from tensor ops."""
+        """Flatten the step into one token batch; positions and slots come from array ops
+        (numpy: a few microseconds an op, where torch's small ops cost ~10 on these CPUs)."""
         num_reqs = len(scheduled)
-        query_lens = [r.num_tokens for r in scheduled]
-        starts = [r.start_position for r in scheduled]
-        seq_lens = [s + q for s, q in zip(starts, query_lens)]
-        input_ids = torch.tensor(list(chain.from_iterable(r.token_ids for r in scheduled)), dtype=torch.long)
-        query_lens_t = torch.tensor(query_lens, dtype=torch.long)
-        query_start_loc = torch.zeros(num_reqs + 1, dtype=torch.long)
-        torch.cumsum(query_lens_t, 0, out=query_start_loc[1:])
-        req_index = torch.repeat_interleave(torch.arange(num_reqs), query_lens_t)
-        offset = torch.tensor(starts, dtype=torch.long) - query_start_loc[:-1]
-        positions = torch.arange(input_ids.numel()) + offset[req_index]
-        max_blocks = max(len(r.block_ids) for r in scheduled)
-        block_tables = torch.tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in scheduled])
-        slot_mapping = (
-            block_tables[req_index, positions // self.block_size] * self.block_size + positions % self.block_size
-        )
-
+        query_lens_np = np.fromiter((r.num_tokens for r in scheduled), np.int64, num_reqs)
+        starts_np = np.fromiter((r.start_position for r in scheduled), np.int64, num_reqs)
+        num_tokens = int(query_lens_np.sum())
+        ids = np.fromiter(chain.from_iterable(r.token_ids for r in scheduled), np.int64, num_tokens)
+        query_start_np = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(query_lens_np, out=query_start_np[1:])
+        req_index = np.repeat(np.arange(num_reqs), query_lens_np)
+        positions_np = np.arange(num_tokens, dtype=np.int64) + (starts_np - query_start_np[:-1])[req_index]
+        tables_np = np.zeros((num_reqs, max(len(r.block_ids) for r in scheduled)), dtype=np.int64)
+        for row, request in enumerate(scheduled):
+            tables_np[row, : len(request.block_ids)] = request.block_ids
+        slots_np = tables_np[req_index, positions_np // self.block_size] * self.block_size + positions_np % self.block_size
+        seq_lens_np = starts_np + query_lens_np
         sample_requests, sample_rows = self._sample_rows(scheduled)
-        sample_indices = (query_start_loc[1:] - 1)[torch.tensor(sample_rows, dtype=torch.long)]
-        plan, pl_indices, pl_targets = self._plan_prompt_logprobs(scheduled, query_start_loc.tolist())
+        sample_np = (query_start_np[1:] - 1)[np.asarray(sample_rows, dtype=np.int64)]
+        plan, pl_indices, pl_targets = self._plan_prompt_logprobs(scheduled, query_start_np.tolist())
 
         # All int64; on CUDA one pinned buffer and one asynchronous copy, on CPU the same tensors.
         (
@@ -134,12 +133,14 @@ class ModelRunner:
             pl_indices_t, pl_targets_t,
         ) = to_device(
             [
-                input_ids, positions, slot_mapping, block_tables, query_start_loc,
-                torch.tensor(seq_lens, dtype=torch.long), sample_indices,
-                torch.tensor(pl_indices, dtype=torch.long), torch.tensor(pl_targets, dtype=torch.long),
+                torch.from_numpy(array) for array in (
+                    ids, positions_np, slots_np, tables_np, query_start_np, seq_lens_np, sample_np,
+                    np.asarray(pl_indices, dtype=np.int64), np.asarray(pl_targets, dtype=np.int64),
+                )
             ],
             self.device,
-        )
+        )  # fmt: skip
+        query_lens, seq_lens = query_lens_np.tolist(), seq_lens_np.tolist()
         metadata = AttentionMetadata(
             slot_mapping=slot_mapping,
             block_tables=block_tables,

@@ -327,3 +327,27 @@ def test_rows_are_rebuilt_and_rechecked_when_the_metadata_changes():
     with pytest.raises(ValueError, match="slot_mapping values must lie in"):
         run_backend(CPUPagedAttention(KERNELS), step)
     assert step.metadata.derived["cpu_paged"] is not first
+
+
+@pytest.mark.parametrize("case", ["block id past the cache", "negative block id", "tables too narrow",
+                                  "query longer than its context", "a table row missing"])
+def test_the_step_check_rejects_what_the_rows_cannot_follow(case):
+    # The kernel rows are in range by construction; the block tables and lengths they are
+    # built from are checked once a step before any kernel reads them.
+    step = make_step([(10, 1), (4, 1)], 4, 4, 2, head_dim=32, dtype=torch.bfloat16)  # 3 and 2 blocks
+    meta = step.metadata
+    tables = meta.block_tables.clone()
+    if case == "block id past the cache":
+        tables[0, 0] = step.key_cache.shape[0]
+        meta.block_tables, match = tables, "block_tables entries must lie in"
+    elif case == "negative block id":
+        tables[1, 0] = -1
+        meta.block_tables, match = tables, "block_tables entries must lie in"
+    elif case == "tables too narrow":
+        meta.block_tables, match = tables[:, :1].contiguous(), "fewer than 11 tokens need"
+    elif case == "query longer than its context":
+        meta.query_lens, match = [meta.seq_lens[0] + 1, *meta.query_lens[1:]], "query_len must be in"
+    else:
+        meta.block_tables, match = tables[:1].contiguous(), "block_tables has 1 rows for 2 requests"
+    with pytest.raises(ValueError, match=match):
+        run_backend(CPUPagedAttention(KERNELS), step)

@@ -293,6 +293,7 @@ def _fake_llama_bench(tmp_path, stdout: str, exit_code: int = 0):
         f"#!{sys.executable}\nimport json, pathlib, sys\n"
         f"here = pathlib.Path({str(tmp_path)!r})\n"
         "(here / 'argv.json').write_text(json.dumps(sys.argv[1:]))\n"
+        "with open(here / 'calls.txt', 'a') as calls: calls.write('call\\n')\n"
         "sys.stdout.write((here / 'stdout.json').read_text())\n"
         f"sys.stderr.write('llama-bench log line\\n')\nsys.exit({exit_code})\n"
     )
@@ -325,6 +326,17 @@ def test_latency_parses_llama_bench_json_and_formats_the_ratio():
     assert "pagellm / llama.cpp (llama.cpp 0c1e570): prefill 0.50x, decode 2.00x" in text
     del report["llamacpp"]
     assert "llama.cpp" not in lat.format_report(report)
+
+
+def test_latency_combines_interleaved_llama_bench_runs():
+    from pagellm.benchmarks import latency as lat
+
+    runs = [lat.parse_llama_bench(_llama_bench_json(pp_ts=pp, tg_ts=tg)) for pp, tg in ((200.0, 60.0), (100.0, 80.0))]
+    combined = lat.combine_llama_runs(runs)
+    assert combined["prefill_tokens_per_s"] == 150.0 and combined["decode_tokens_per_s"] == 70.0
+    assert combined["prefill_stddev_tokens_per_s"] == pytest.approx(70.7107, rel=1e-4)
+    assert combined["decode_stddev_tokens_per_s"] == pytest.approx(14.1421, rel=1e-4)
+    assert combined["runs"] == 2 and combined["build"] == runs[0]["build"]
 
 
 def test_latency_llama_bench_command_and_failures(tmp_path):
@@ -365,12 +377,15 @@ def test_latency_compare_llamacpp_refuses_missing_binary_and_non_gguf(tiny_llama
 def test_latency_compare_llamacpp_end_to_end_with_a_fake_llama_bench(default_model_path_fixture, tmp_path, capsys):
     fake = _fake_llama_bench(tmp_path, _llama_bench_json(n_prompt=8, n_gen=3))
     out = tmp_path / "latency.json"
-    assert bench_cli(["latency", "--input-len", "8", "--output-len", "3", "--repeats", "1", "--num-threads", "1",
+    assert bench_cli(["latency", "--input-len", "8", "--output-len", "3", "--repeats", "2", "--num-threads", "1",
                       "--compare", "llamacpp", "--llama-bench", str(fake), "--output-json", str(out)]) == 0
     argv = json.loads((tmp_path / "argv.json").read_text())
     assert argv[:2] == ["-m", default_model_path_fixture] and argv[argv.index("-t") + 1] == "1"
+    # One llama-bench repetition after each of pagellm's repeats (interleaved).
+    assert argv[argv.index("-r") + 1] == "1" and (tmp_path / "calls.txt").read_text().count("call") == 2
     report = json.loads(out.read_text())
     assert report["config"]["compare"] == ["llamacpp"] and report["llamacpp"]["prefill_tokens_per_s"] == 256.122718
+    assert report["llamacpp"]["runs"] == 2 and report["llamacpp"]["decode_stddev_tokens_per_s"] == 0.0
     ours = report["median"]["decode_tokens_per_s"]
     assert report["pagellm_over_llamacpp"]["decode"] == pytest.approx(ours / 84.252079)
     assert "pagellm / llama.cpp" in capsys.readouterr().out

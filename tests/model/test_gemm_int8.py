@@ -136,9 +136,11 @@ def test_silu_mul_epilogue(path_lib: KernelLibrary, fmt: str, n: int) -> None:
 
 def test_extreme_codes_do_not_saturate(path_lib: KernelLibrary) -> None:
     """The AVX2 path's int16 sums at their bounds: q4 codes all 15, q8 codes -128 / 127, against
-    activations all +-127 (every block's amax repeated)."""
+    activations all +-127 (every block's amax repeated), mixed signs and all of one sign (a q4
+    block's 32 products then sum to 16 * 15 * 127 in each int16 lane)."""
     k, n = 128, 32
-    x = torch.where(torch.arange(k) % 3 == 0, -1.0, 1.0).repeat(3, 1) * torch.tensor([[1.0], [-1.0], [2.0]])
+    x = torch.where(torch.arange(k) % 3 == 0, -1.0, 1.0).repeat(5, 1) * torch.tensor([[1.0], [-1.0], [2.0], [0], [0]])
+    x[3], x[4] = 1.0, -3.0
     blocks = k // qf.BLOCK
     scale = torch.full((n, blocks), 0.01).half()
     q4 = qf.QuantizedWeight("q4", k, torch.full((n, k), 15, dtype=torch.uint8), scale, torch.zeros(n, blocks).half())

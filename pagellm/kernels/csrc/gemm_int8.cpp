@@ -24,8 +24,9 @@
 // of the quantized activation row adds four products into each column's int32 lane.
 //
 // Paths, chosen at compile time: AVX-512 VNNI (a tile is one zmm); AVX-VNNI (vpdpbusd on two
-// ymm); AVX2 (vpmaddubsw + vpmaddwd). On AVX2, q4's int16 pair sums of a whole block stay in
-// int16 (|sum| <= 16 * 15 * 127 = 30480) and are widened once per block; q8's codes go through
+// ymm); AVX2 (vpmaddubsw + vpmaddwd). On AVX2, q4's int16 pair sums of a whole block (both
+// nibbles in one chain) stay in int16 (|sum| <= 16 * 15 * 127 = 30480) and are widened once per
+// block (one chain measured 10-20% faster than two from L2, NOTES 42); q8's codes go through
 // |w| and sign(a, w), since (q_w + 128) * 127 * 2 would saturate vpmaddubsw's int16. Where the
 // compiler targets AMX-INT8, the same sums also run on tiles for big batches (gemm_int8_amx.h).
 //
@@ -220,6 +221,7 @@ struct Simd {
     using F = __m512;
     static constexpr int kVecs = 1;       // vectors per tile
     static constexpr int kQ8Offset = 128;  // q8 codes enter vpdpbusd as u8 = q + 128
+    static constexpr bool kOneQ4Chain = false;  // two chains hide vpdpbusd's latency
     static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
     static I set1(int32_t v) { return _mm512_set1_epi32(v); }
     static I zero() { return _mm512_setzero_si512(); }
@@ -255,11 +257,14 @@ struct Simd {
     static I low_nibbles(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
     static I high_nibbles(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)); }
 #if PAGELLM_QGEMM_ISA == 2
+    static constexpr bool kOneQ4Chain = false;  // two chains hide vpdpbusd's latency
     static I dot_q4(I acc, I w, I a) { return _mm256_dpbusd_avx_epi32(acc, w, a); }
     static I finish_q4(I acc) { return acc; }
     static I dot_q8(I acc, I w, I a) { return _mm256_dpbusd_avx_epi32(acc, w, a); }
 #else
-    // q4: int16 pair sums, widened by finish_q4 (bounded: see the header).
+    // q4: int16 pair sums, widened by finish_q4 (bounded: see the header), both nibbles of a
+    // block in one chain: fewer live registers than two (16 ymm in all; two chains spilled).
+    static constexpr bool kOneQ4Chain = true;
     static I dot_q4(I acc, I w, I a) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, a)); }
     static I finish_q4(I acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
     static I dot_q8(I acc, I w, I a) {
@@ -328,7 +333,9 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
                 const I a1 = Simd::set1(load4(ar + (kNibbles ? 8 * g + 4 : 4 * g + 4)));
 #pragma GCC unroll 8
                 for (int v = 0; v < V; ++v) {
-                    if constexpr (kNibbles) {
+                    if constexpr (kNibbles && Simd::kOneQ4Chain) {
+                        s0[r][v] = Simd::dot_q4(Simd::dot_q4(s0[r][v], lo[v], a0), hi[v], a1);
+                    } else if constexpr (kNibbles) {
                         s0[r][v] = Simd::dot_q4(s0[r][v], lo[v], a0);
                         s1[r][v] = Simd::dot_q4(s1[r][v], hi[v], a1);
                     } else {
@@ -356,7 +363,9 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
                 const int64_t ab = (r0 + r) * blocks + b;
                 const float da = qa.d[ab];
                 I isum;
-                if constexpr (kNibbles) {
+                if constexpr (kNibbles && Simd::kOneQ4Chain) {
+                    isum = Simd::finish_q4(s0[r][v]);
+                } else if constexpr (kNibbles) {
                     isum = Simd::add(Simd::finish_q4(s0[r][v]), Simd::finish_q4(s1[r][v]));
                 } else {
                     isum = Simd::add(s0[r][v], s1[r][v]);
