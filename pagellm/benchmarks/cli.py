@@ -87,6 +87,9 @@ def _fill_bench_parser(bench: argparse.ArgumentParser) -> None:
     group.add_argument("--hf-attn", default="sdpa", help="HF attention implementation (sdpa, eager)")
     group.add_argument("--vllm-python", default=None,
                        help="python of a venv with vLLM's CPU build, for --compare vllm (default: this one)")
+    group.add_argument("--vllm-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                       help="vLLM's dtype for --compare vllm (default: pagellm's --dtype), e.g. float32 where "
+                            "the CPU has no AVX-512 BF16 and vLLM's bf16 is emulated")
     group.add_argument("--repeats", type=int, default=1, help="run everything N times (interleaved); report medians")
     group.add_argument("--isolation", choices=["process", "none"], default="process",
                        help="one child process per system (default) or everything in this process")
@@ -160,7 +163,7 @@ def bench_main(args: argparse.Namespace) -> int:
             output_len=args.output_len, prefix_len=args.prefix_len, suffix_len=args.suffix_len, seed=args.seed,
             engine=cli_engine_options(args, (*_THROUGHPUT_ENGINE, "device")), compare=list(dict.fromkeys(args.compare)),
             hf_batch_sizes=args.hf_batch_sizes, hf_max_requests=args.hf_max_requests, hf_attn=args.hf_attn,
-            vllm_python=args.vllm_python,
+            vllm_python=args.vllm_python, vllm_dtype=args.vllm_dtype,
             repeats=args.repeats, isolation=args.isolation, progress=args.progress,
         )
         report = run_throughput(cfg)

@@ -78,7 +78,7 @@ class ThroughputResult:
 
 
 # Options of the benchmark that are not engine options.
-_NOT_ENGINE = frozenset({"hf_attn", "results_dir", "vllm_model_dir"})
+_NOT_ENGINE = frozenset({"hf_attn", "results_dir", "vllm_model_dir", "vllm_dtype"})
 
 
 def llm_kwargs(options: dict[str, Any]) -> dict[str, Any]:
@@ -306,7 +306,8 @@ def run_vllm(workload: Workload, options: dict[str, Any], progress: bool = True)
         if is_gguf(path):
             path = str(export_hf_folder(options.get("model"), Path(options["results_dir"]) / "hf_export"))
     reset_peak_rss()
-    kwargs: dict[str, Any] = dict(model=path, dtype=options.get("dtype") or "bfloat16", seed=0)
+    dtype = options.get("vllm_dtype") or options.get("dtype") or "bfloat16"
+    kwargs: dict[str, Any] = dict(model=path, dtype=dtype, seed=0)
     if options.get("max_num_seqs"):
         kwargs["max_num_seqs"] = options["max_num_seqs"]
     if options.get("max_num_batched_tokens"):
@@ -336,7 +337,7 @@ def run_vllm(workload: Workload, options: dict[str, Any], progress: bool = True)
         output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
         start_s=start_s,
         peak_rss_mib=peak_rss_mib(),  # this process only: vLLM's engine-core child is not counted
-        extra=dict(note="peak RSS excludes vLLM's engine-core process"),
+        extra=dict(note="peak RSS excludes vLLM's engine-core process", dtype=dtype),
     )
 
 
@@ -403,6 +404,9 @@ class ThroughputConfig:
     hf_max_requests: int | None = None
     hf_attn: str = "sdpa"
     vllm_python: str | None = None  # interpreter of a venv where `import vllm` works
+    # vLLM's dtype where it differs from pagellm's (default: pagellm's, else bfloat16): a CPU
+    # without AVX-512 BF16 runs vLLM fastest in float32, pagellm in its own quantized format.
+    vllm_dtype: str | None = None
     repeats: int = 1
     isolation: str = "process"  # or "none"
     progress: bool = True
@@ -449,7 +453,7 @@ def _median_result(runs: list[ThroughputResult]) -> ThroughputResult:
 def run_throughput(cfg: ThroughputConfig) -> dict[str, Any]:
     """Run the configured systems (interleaved when repeating); returns the JSON report."""
     workload = build_workload(cfg)
-    options = dict(cfg.engine, hf_attn=cfg.hf_attn, results_dir=cfg.results_dir)
+    options = dict(cfg.engine, hf_attn=cfg.hf_attn, results_dir=cfg.results_dir, vllm_dtype=cfg.vllm_dtype)
     jobs: list[dict[str, Any]] = [dict(system="pagellm")]
     skipped = []
     for other in cfg.compare:

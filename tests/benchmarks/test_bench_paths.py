@@ -54,6 +54,31 @@ def test_throughput_isolated_child_and_vllm_skip(tiny_llama_path, monkeypatch, c
     assert "skipping vllm" in capsys.readouterr().err
 
 
+def test_vllm_runs_in_its_own_dtype_where_asked(tiny_llama_path, monkeypatch):
+    # --vllm-dtype float32 next to pagellm's auto: vLLM's fastest on a CPU without AVX-512 BF16.
+    import sys
+    import types
+
+    made: list[dict] = []
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            made.append(kwargs)
+
+        def generate(self, prompts, params, use_tqdm=False):
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[1] * p.max_tokens)]) for p in params]
+
+    fake = types.SimpleNamespace(LLM=FakeLLM, SamplingParams=lambda **kw: types.SimpleNamespace(**kw))
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    cfg = _tiny_cfg(tiny_llama_path, dtype="auto", vllm_dtype="float32")
+    options = dict(cfg.engine, results_dir=cfg.results_dir, vllm_dtype=cfg.vllm_dtype)
+    result = tp.run_vllm(tp.build_workload(cfg), options, progress=False)
+    assert made[0]["dtype"] == "float32" and result.extra["dtype"] == "float32"
+    assert result.output_tokens == 4 * 5
+    options["vllm_dtype"] = None
+    assert tp.run_vllm(tp.build_workload(cfg), options, progress=False).extra["dtype"] == "auto"
+
+
 def test_vllm_child_env_preloads_what_vllm_recommends(tmp_path, monkeypatch):
     """vLLM's bundled libiomp5 plus tcmalloc are preloaded into its child when both exist, and
     never over a caller's own LD_PRELOAD; the CPU settings are defaults, not overrides."""
