@@ -5,6 +5,10 @@ sampled token is taken back (:meth:`BeamSearchController.take_sampled`): the con
 the scheduler's stop rules, decides what each beam appends, from the beams' reported
 logprobs, and then tells the scheduler to fork a beam chosen twice, append the chosen tokens
 and finish the beams not chosen (``fork_request``, ``append_token``, ``finish_requests``).
+
+Under a constraint (``BeamSearchParams.structured_outputs``) each beam is also a sequence of the
+engine's :class:`StructuredOutputManager`: its logprobs are reported after its own mask, a fork
+copies its parent's grammar state, and each chosen token advances the beam's state.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pagellm.engine.protocol import EngineRequest
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.step import ModelRunnerOutput, TokenLogprobs
+from pagellm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -28,10 +33,14 @@ logger = logging.getLogger(__name__)
 class BeamSearchController:
     """Every beam search of one engine: its groups and which beam sequence is whose."""
 
-    def __init__(self, scheduler: Scheduler, tokenizer: PreTrainedTokenizerBase, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self, scheduler: Scheduler, tokenizer: PreTrainedTokenizerBase, eos_token_ids: frozenset[int],
+        structured_output: StructuredOutputManager,
+    ) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        self.structured_output = structured_output
         self.groups: dict[str, BeamSearchGroup] = {}
         self._owner: dict[str, str] = {}  # beam sequence id -> beam search request id
         self._counter = itertools.count()
@@ -43,8 +52,9 @@ class BeamSearchController:
         """The beam search a sequence belongs to (None: not a beam)."""
         return self._owner.get(seq_id)
 
-    def add(self, request: EngineRequest, params: BeamSearchParams, max_tokens: int) -> None:
-        """Start a beam search (checked by the caller); its result is one output, beams best first."""
+    def add(self, request: EngineRequest, params: BeamSearchParams, max_tokens: int) -> Request:
+        """Start a beam search (checked by the caller); its result is one output, beams best first.
+        Returns the first beam, for the caller to schedule (at once, or once its grammar is ready)."""
         group = BeamSearchGroup(request.request_id, request.prompt_token_ids, params, max_tokens, self.eos_token_ids,
                                 prompt=request.prompt)  # fmt: skip
         if request.arrival_time is not None:
@@ -52,7 +62,7 @@ class BeamSearchController:
         first = self._new_beam(group)
         group.beams = [Beam(first.request_id, 0.0, [])]
         self.groups[request.request_id] = group
-        self.scheduler.add_request(first)
+        return first
 
     def take_sampled(self, runner_output: ModelRunnerOutput) -> None:
         """Remove the beams' sampled tokens from a step's output, before the scheduler appends
@@ -60,8 +70,11 @@ class BeamSearchController:
         for seq_id in self._owner:
             runner_output.sampled.pop(seq_id, None)
 
-    def advance(self, logprobs: dict[str, TokenLogprobs], failed: dict[str, str]) -> list[RequestOutput]:
-        """Advance every group whose beams all reported; a group that fails is recorded in ``failed``."""
+    def advance(
+        self, logprobs: dict[str, TokenLogprobs], failed: dict[str, str], refused: dict[str, str]
+    ) -> list[RequestOutput]:
+        """Advance every group whose beams all reported; a group that fails is recorded in
+        ``failed``, one whose constraint refused a token its mask allowed in ``refused``."""
         ready: dict[str, BeamSearchGroup] = {}
         for seq_id, row in logprobs.items():
             group = self.groups.get(self._owner.get(seq_id, ""))
@@ -74,7 +87,9 @@ class BeamSearchController:
                 if group.done:
                     outputs.append(self._end(group))
                 else:
-                    self._continue(group, continuations)
+                    reason = self._continue(group, continuations)
+                    if reason is not None:
+                        refused[group.request_id] = reason
             except Exception as exc:  # noqa: BLE001 -- this group's fault: fail it, keep the others
                 logger.exception("beam search %s failed", group.request_id)
                 failed[group.request_id] = f"{type(exc).__name__}: {exc}"
@@ -94,8 +109,9 @@ class BeamSearchController:
             arrival_time=group.arrival_time,
         )  # fmt: skip
 
-    def _continue(self, group: BeamSearchGroup, continuations: list[Continuation]) -> None:
-        """Reuse each chosen beam once, fork it for further choices, free beams not chosen."""
+    def _continue(self, group: BeamSearchGroup, continuations: list[Continuation]) -> str | None:
+        """Reuse each chosen beam once, fork it for further choices, free beams not chosen.
+        Returns why the group's constraint refused a chosen token, if it did."""
         seq_ids: list[str] = []
         reused: set[str] = set()
         for cont in continuations:  # all forks first: a fork copies its parent's tokens
@@ -106,17 +122,21 @@ class BeamSearchController:
             else:
                 child = self._new_beam(group)
                 self.scheduler.fork_request(parent_id, child)
+                self.structured_output.fork(parent_id, child.request_id)  # the parent's state before this token
                 seq_ids.append(child.request_id)
         for seq_id, cont in zip(seq_ids, continuations):
             self.scheduler.append_token(seq_id, cont.token_id)
+        _, refused = self.structured_output.accept((seq_id, cont.token_id) for seq_id, cont in zip(seq_ids, continuations))
         self._drop([beam.seq_id for beam in group.beams if beam.seq_id not in reused])
         group.beams = [
             Beam(seq_id, cont.cum_logprob, cont.parent.generated + [cont.token_id])
             for seq_id, cont in zip(seq_ids, continuations)
         ]
+        return next(iter(refused.values()), None)
 
     def _drop(self, seq_ids: list[str]) -> None:
         self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
+        self.structured_output.remove(seq_ids)
         for seq_id in seq_ids:
             self._owner.pop(seq_id, None)
 

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagellm.step import TokenLogprobs
+from pagellm.structured_outputs_params import StructuredOutputsParams
 from pagellm.utils import is_int
 
 MAX_BEAM_WIDTH = 10
@@ -40,6 +41,9 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    # Every beam follows this constraint (its own grammar state, forked with it); EOS then ends a
+    # beam also with ignore_eos, once the constraint is complete (the mask allows nothing else).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
@@ -51,6 +55,8 @@ class BeamSearchParams:
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
         if self.temperature != 0.0:
             raise ValueError("beam search is deterministic: temperature must be 0")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
 
     @property
     def num_candidates(self) -> int:
@@ -137,16 +143,20 @@ class BeamSearchGroup:
         return [] if self.done else running
 
     def _top_candidates(self) -> list[Continuation]:
+        # A token a beam's constraint forbids has logprob -inf: never a candidate.
         scored = [
             Continuation(beam, token_id, beam.cum_logprob + logprob)
             for beam in self.beams
             for token_id, logprob, _ in self.reports[beam.seq_id][1:]
+            if logprob != -math.inf
         ]
         scored.sort(key=lambda c: c.cum_logprob, reverse=True)
         return scored[: self.params.num_candidates]
 
     def _is_eos(self, token_id: int) -> bool:
-        return not self.params.ignore_eos and token_id in self.eos_token_ids
+        # Under a constraint EOS is allowed only once the document is complete: it ends the beam.
+        ends = not self.params.ignore_eos or self.params.structured_outputs is not None
+        return ends and token_id in self.eos_token_ids
 
     def _finished(self, cand: Continuation) -> BeamSearchSequence:
         generated = cand.parent.generated + [cand.token_id]

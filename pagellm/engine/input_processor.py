@@ -77,6 +77,8 @@ class InputProcessor:
         if isinstance(params, BeamSearchParams):
             if params.beam_width > self.max_n:
                 raise ValueError(f"beam_width must be <= {self.max_n}, got {params.beam_width}.")
+            if params.structured_outputs is not None:
+                check_grammar(params.structured_outputs)
             return
         for name in ("n", "best_of"):
             value = getattr(params, name)

@@ -81,13 +81,13 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._request_counter = itertools.count()
-        self.beams = BeamSearchController(self.scheduler, self.tokenizer, self.worker.eos_token_ids)
         # The EOS a finished grammar allows: the tokenizer's, else the model's lowest.
         eos = self.tokenizer.eos_token_id
         grammar_eos = eos if eos in self.worker.eos_token_ids else min(self.worker.eos_token_ids, default=None)
         self.structured_output = StructuredOutputManager(
             self.tokenizer, arch.vocab_size, grammar_eos, config.limits.grammar_compile_timeout_s
         )
+        self.beams = BeamSearchController(self.scheduler, self.tokenizer, self.worker.eos_token_ids, self.structured_output)
         # Constrained requests whose grammar is still compiling: (first sequence, its forks).
         self._awaiting_grammar: dict[str, tuple[Request, list[Request]]] = {}
         logger.info(
@@ -141,7 +141,12 @@ class LLMEngine:
         self.input_processor.check_params(request.params)
         if isinstance(request.params, BeamSearchParams):
             max_tokens = min(request.params.max_tokens, self.max_model_len - len(request.prompt_token_ids))
-            self.beams.add(request, request.params, max_tokens)
+            first = self.beams.add(request, request.params, max_tokens)
+            if request.params.structured_outputs is not None:  # every beam waits for the grammar
+                self.structured_output.submit(request.request_id, first.request_id, request.params.structured_outputs)
+                self._awaiting_grammar[request.request_id] = (first, [])
+            else:
+                self.scheduler.add_request(first)
         else:
             self._add_sampling(request, request.params)
 
@@ -195,6 +200,8 @@ class LLMEngine:
         outputs = []
         for request_id in request_ids:
             if request_id in self.beams:
+                if self._awaiting_grammar.pop(request_id, None) is not None:
+                    self.structured_output.abort(request_id)
                 outputs.append(self.beams.abort(request_id))
                 continue
             seq_ids = self.output_processor.seq_ids(request_id)
@@ -231,7 +238,7 @@ class LLMEngine:
         if self.beams.groups:
             self.beams.take_sampled(runner_output)  # beams append what the controller picks
         updated, finished = self.scheduler.update_from_output(scheduler_output, runner_output)
-        refused: dict[str, str] = {}
+        refused: dict[str, str] = {}  # sequences (or beam searches) whose constraint cannot be followed
         if grammar is not None:
             complete, refused = self.structured_output.accept((r.request_id, r.output_token_ids[-1]) for r in updated)
             finished.extend(self.scheduler.finish_requests(complete, RequestStatus.FINISHED_STOPPED))
@@ -242,7 +249,7 @@ class LLMEngine:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.structured_output.remove([r.request_id for r in finished] + list(stopped))
         if self.beams.groups:
-            outputs.extend(self.beams.advance(runner_output.logprobs, runner_output.failed))
+            outputs.extend(self.beams.advance(runner_output.logprobs, runner_output.failed, refused))
         if runner_output.failed:
             outputs.extend(self._fail_requests(runner_output.failed))
         if refused:  # the constraint cannot be followed (e.g. this vocabulary cannot spell it)

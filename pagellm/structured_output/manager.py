@@ -141,6 +141,13 @@ class StructuredOutputManager:
                 complete.append(seq_id)
         return complete, failed
 
+    def fork(self, parent_seq_id: str, child_seq_id: str) -> None:
+        """A new sequence continuing from ``parent_seq_id``'s tokens so far (a beam chosen twice)
+        gets a copy of its grammar state; a no-op for an unconstrained parent."""
+        matcher = self._matchers.get(parent_seq_id)
+        if matcher is not None:
+            self._matchers[child_seq_id] = matcher.deep_copy()
+
     def remove(self, seq_ids: Iterable[str]) -> None:
         for seq_id in seq_ids:
             self._matchers.pop(seq_id, None)

@@ -96,6 +96,18 @@ def test_logprobs_under_a_constraint_are_json_numbers(http: httpx.Client) -> Non
     assert events[-1] == "[DONE]"
 
 
+def test_beam_search_under_a_constraint(http: httpx.Client) -> None:
+    """use_beam_search with a constraint: every returned beam follows it, on both endpoints."""
+    choices = ["alpha", "beta", "gamma delta"]
+    for path, body in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "x"})):
+        response = http.post(path, json={"model": MODEL_NAME, "max_tokens": 16, "use_beam_search": True, "n": 2,
+                                         "guided_choice": choices, **body})  # fmt: skip
+        assert response.status_code == 200, response.text
+        result = response.json()["choices"]
+        texts = [c["message"]["content"] if "message" in c else c["text"] for c in result]
+        assert len(texts) == 2 and all(t in choices for t in texts), texts
+
+
 @pytest.mark.parametrize(
     ("extra", "param", "message"),
     [
@@ -109,7 +121,6 @@ def test_logprobs_under_a_constraint_are_json_numbers(http: httpx.Client) -> Non
         ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
         ({"structured_outputs": {"choice": []}}, "structured_outputs", "non-empty list"),
         ({"guided_grammar": "start: UNDEFINED"}, "guided_grammar", "UNDEFINED"),
-        ({"use_beam_search": True, "n": 2, "guided_regex": "a"}, "guided_regex", "use_beam_search"),
     ],
 )
 def test_constraints_that_cannot_work_are_400s(http: httpx.Client, extra: dict, param: str, message: str) -> None:

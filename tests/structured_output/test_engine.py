@@ -12,7 +12,8 @@ import threading
 import jsonschema
 import pytest
 
-from pagellm import LLM, SamplingParams, StructuredOutputsParams
+from pagellm import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
+from pagellm.engine.protocol import EngineRequest
 
 SCHEMAS = [
     {  # nested objects, required and optional fields, bounded strings, integer range
@@ -218,3 +219,46 @@ def test_a_constraint_the_vocabulary_cannot_spell_fails_its_request_alone(llm: L
     assert bad.outputs[0].finish_reason == "error"
     assert good.error is None and len(good.outputs[0].token_ids) == 6
     assert llm.llm_engine.structured_output.num_sequences == 0
+
+
+def _beams(llm: LLM, prompt: str, constraint: StructuredOutputsParams, width: int, **kwargs: object) -> list:
+    params = BeamSearchParams(beam_width=width, max_tokens=60, structured_outputs=constraint, **kwargs)  # type: ignore[arg-type]
+    [output] = llm.beam_search([prompt], params, use_tqdm=False)
+    return output.sequences
+
+
+def test_beam_search_of_width_one_is_the_greedy_constrained_answer(llm: LLM) -> None:
+    """One beam takes the best allowed token each step: greedy decoding under the same mask."""
+    for constraint in (StructuredOutputsParams(json=SCHEMAS[1]), StructuredOutputsParams(regex=r"[a-z]{3,6} [0-9]{2}")):
+        greedy = llm.generate(["Pick tags"], SamplingParams(temperature=0, max_tokens=60, structured_outputs=constraint),
+                              use_tqdm=False)[0].outputs[0]  # fmt: skip
+        [beam] = _beams(llm, "Pick tags", constraint, 1)
+        assert beam.text == greedy.text and beam.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_every_beam_follows_its_own_constraint(llm: LLM, ignore_eos: bool) -> None:
+    """Beams fork and die each step; each keeps its own grammar state (a fork copies its
+    parent's), so every hypothesis is a complete document, ended by EOS also with ignore_eos."""
+    choices = ["red", "green", "blue sky", "yellow", "grey"]
+    sequences = _beams(llm, "Colour:", StructuredOutputsParams(choice=choices), 4, ignore_eos=ignore_eos)
+    assert len(sequences) == 4 and all(s.text in choices and s.finish_reason == "stop" for s in sequences)
+    for sequence in _beams(llm, "Pick tags", StructuredOutputsParams(json=SCHEMAS[1]), 3):
+        jsonschema.validate(json.loads(sequence.text), SCHEMAS[1])
+    assert llm.llm_engine.structured_output.num_sequences == 0  # every beam's state dropped
+
+
+def test_a_constrained_beam_search_aborted_while_compiling_leaves_nothing(tiny_llama_path: str) -> None:
+    engine = LLM(tiny_llama_path, dtype="float32", num_kv_blocks=64).llm_engine
+    release = threading.Event()
+    compiler = engine.structured_output.compiler
+    make_tokenizer = compiler._make_tokenizer
+    compiler._make_tokenizer = lambda: (release.wait(), make_tokenizer())[1]
+    try:
+        params = BeamSearchParams(beam_width=2, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="a+"))
+        engine.add_engine_request(EngineRequest("beams", [5, 6, 7], params))
+        assert engine.has_unfinished_requests()
+        [output] = engine.abort_request("beams")
+        assert output.finished and not engine.has_unfinished_requests() and "beams" not in engine.beams
+    finally:
+        release.set()

@@ -355,9 +355,9 @@ class OpenAIServing:
     ) -> SamplingParams | BeamSearchParams:
         """The one conversion both endpoints use; bad values become 400s naming the field."""
         check_unsupported(request)
-        constraint, constraint_param = structured_outputs_of(request, tool_constraint)  # not with beam search (yet)
+        constraint, constraint_param = structured_outputs_of(request, tool_constraint)
         params = (
-            self._beam_search_params(request, max_tokens, logprobs, prompt_logprobs, best_of)
+            self._beam_search_params(request, max_tokens, logprobs, prompt_logprobs, best_of, constraint)
             if request.use_beam_search
             else self._sampling_params(request, max_tokens, logprobs, prompt_logprobs, best_of, constraint)
         )
@@ -413,6 +413,7 @@ class OpenAIServing:
         logprobs: int | None,
         prompt_logprobs: int | None,
         best_of: int | None,
+        constraint: StructuredOutputsParams | None,
     ) -> BeamSearchParams:
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs), ("best_of", best_of)):
             if value is not None:
@@ -423,6 +424,7 @@ class OpenAIServing:
                 max_tokens=max_tokens if max_tokens is not None else self.engine.max_model_len,
                 ignore_eos=request.ignore_eos,
                 length_penalty=request.length_penalty,
+                structured_outputs=constraint,
             )
         except ValueError as exc:
             raise _beam_request_error(exc) from exc

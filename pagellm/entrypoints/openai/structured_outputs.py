@@ -35,8 +35,6 @@ def structured_outputs_of(
         params = tool_constraint if tool_constraint is not None else StructuredOutputsParams(**_fields(request, param))
     except ValueError as exc:
         raise constraint_error(exc, param) from exc
-    if request.use_beam_search:
-        raise BadRequestError(f"{param} cannot be combined with use_beam_search yet", param=param)
     return params, param
 
 
