@@ -74,7 +74,42 @@ def test_streamed_equals_whole(parser, text: str) -> None:
         pieces = [streamer.feed(text[i : i + step], final=i + step >= len(text)) for i in range(0, len(text), step)]
         content = "".join(p.content for p in pieces)
         assert (content or None) == whole.content, (step, content)
-        assert [(c.name, c.arguments) for p in pieces for c in p.calls] == [(c.name, c.arguments) for c in whole.calls]
+        assert _reassembled([d for p in pieces for d in p.deltas]) == [(c.name, c.arguments) for c in whole.calls]
+
+
+def _reassembled(deltas: list) -> list[tuple[str, str]]:
+    """Streamed call pieces joined per call, in the order the calls started (a start first)."""
+    calls: dict[str, list[str]] = {}
+    for delta in deltas:
+        if delta.name is not None:
+            assert delta.call_id not in calls
+            calls[delta.call_id] = [delta.name, delta.arguments]
+        else:
+            calls[delta.call_id][1] += delta.arguments
+    return [(name, arguments) for name, arguments in calls.values()]
+
+
+def test_hermes_arguments_stream_as_they_are_written() -> None:
+    """The call starts once its head is written, and each token's worth of arguments follows
+    at once; the pieces are the model's text, which the whole answer returns too."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris}", "unit": "c"}}\n</tool_call>'
+    streamer = HermesToolParser().streamer()
+    seen = []
+    for i in range(len(text)):
+        for delta in streamer.feed(text[i], final=i == len(text) - 1).deltas:
+            seen.append((i, delta))
+    start_at = text.index('"arguments": ') + len('"arguments": ')
+    assert seen[0][1].name == "get_weather" and seen[0][0] == start_at  # at the argument's first character
+    arguments = [d.arguments for _, d in seen[1:]]
+    assert all(len(a) == 1 for a in arguments)  # one character in, one out
+    assert "".join(arguments) == '{"city": "Pa\\"ris}", "unit": "c"}'  # brackets in strings do not end it
+    [whole] = HermesToolParser().extract(text).calls
+    assert whole.arguments == "".join(arguments) and json.loads(whole.arguments) == {"city": 'Pa"ris}', "unit": "c"}
+    # A body of another shape (keys in the other order) is released whole at its end.
+    other = '<tool_call>{"arguments": {}, "name": "get_time"}</tool_call>'
+    streamer = HermesToolParser().streamer()
+    pieces = [streamer.feed(c, final=False) for c in other]
+    assert all(not p.deltas for p in pieces[:-1]) and _reassembled(pieces[-1].deltas) == [("get_time", "{}")]
 
 
 @pytest.mark.parametrize("parser", [HermesToolParser(), Llama3JsonToolParser()], ids=["hermes", "llama3_json"])

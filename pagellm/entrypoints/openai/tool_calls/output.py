@@ -1,5 +1,5 @@
 """Calls in a chat answer as OpenAI returns them: whole (``message.tool_calls``) or streamed
-(``delta.tool_calls``: a call's id, type and name first, then its arguments)."""
+(``delta.tool_calls``: a call's id, type and name first, then its arguments as they come)."""
 
 from __future__ import annotations
 
@@ -20,22 +20,28 @@ def finish_reason_with_calls(finish_reason: str | None, has_calls: bool) -> str 
 
 @dataclass
 class ChoiceToolStream:
-    """One streamed choice's parser state."""
+    """One streamed choice's parser state, and the index of each call it has started."""
 
     streamer: ToolCallStreamer
-    num_calls: int = 0
+    indices: dict[str, int] = field(default_factory=dict)  # call id -> its index in the answer
+
+    @property
+    def num_calls(self) -> int:
+        return len(self.indices)
 
     def feed(self, text: str, final: bool) -> tuple[str, list[list[DeltaToolCall]]]:
-        """The content to send now, and the tool-call deltas, one chunk's list each (for every
-        completed call: its name, then its arguments)."""
+        """The content to send now, and the tool-call deltas, one chunk's list each (a call's
+        id, type and name first, then its arguments as they come)."""
         piece = self.streamer.feed(text, final)
         chunks: list[list[DeltaToolCall]] = []
-        for call in piece.calls:
-            index = self.num_calls
-            self.num_calls += 1
-            chunks.append([DeltaToolCall(index=index, id=call.id, type="function",
-                                         function=DeltaFunctionCall(name=call.name, arguments=""))])  # fmt: skip
-            chunks.append([DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.arguments))])
+        for delta in piece.deltas:
+            if delta.name is not None:
+                index = self.indices[delta.call_id] = len(self.indices)
+                chunks.append([DeltaToolCall(index=index, id=delta.call_id, type="function",
+                                             function=DeltaFunctionCall(name=delta.name, arguments=delta.arguments))])  # fmt: skip
+            else:
+                chunks.append([DeltaToolCall(index=self.indices[delta.call_id],
+                                             function=DeltaFunctionCall(arguments=delta.arguments))])  # fmt: skip
         return piece.content, chunks
 
 

@@ -2,8 +2,9 @@
 write one.
 
 A parser turns a finished text into ``(content, calls)`` and, streamed, turns each new piece of
-text into the content that is surely not part of a call plus the calls completed so far. Two
-formats, named as vLLM names them (``--tool-call-parser``):
+text into the content that is surely not part of a call plus the pieces of calls written so far
+(a call's name once known, then its arguments as they come). Two formats, named as vLLM names
+them (``--tool-call-parser``):
 
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes,
   Qwen 2.5/3, and pagellm's own tools template for ChatML models such as the default model);
@@ -93,22 +94,72 @@ class ToolParser(Protocol):
 
 
 @dataclass
+class CallDelta:
+    """A piece of a streamed call: its start (``name`` set: the first piece of call ``call_id``),
+    or more of its arguments' JSON text. A call's pieces concatenate to the whole call."""
+
+    call_id: str
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass
 class StreamPiece:
     """What a new piece of streamed text releases: content surely outside any call, and the
-    calls completed by it."""
+    pieces of calls it completes or continues."""
 
     content: str = ""
-    calls: list[FunctionCall] = field(default_factory=list)
+    deltas: list[CallDelta] = field(default_factory=list)
+
+    def add_call(self, call: FunctionCall) -> None:
+        """A whole call at once: its start, then its arguments."""
+        self.deltas += [CallDelta(call.id, call.name), CallDelta(call.id, None, call.arguments)]
 
 
 class ToolCallStreamer(Protocol):
     def feed(self, text: str, final: bool) -> StreamPiece: ...
 
 
+class _ValueEnd:
+    """Where a JSON object (or array) that starts a text ends, found incrementally: text is fed
+    as it arrives, strings and escapes respected."""
+
+    def __init__(self) -> None:
+        self.scanned = 0  # characters seen
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.end: int | None = None  # the value's length, once its closing bracket is seen
+
+    def feed(self, text: str) -> int | None:
+        """Scan ``text`` (the value's whole text so far); returns the value's length once complete."""
+        while self.end is None and self.scanned < len(text):
+            char = text[self.scanned]
+            self.scanned += 1
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.end = self.scanned
+        return self.end
+
+
 class HermesToolParser:
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
     _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+    # A call body up to its arguments' value: what lets a streamed call start before it ends.
+    HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
 
     def extract(self, text: str) -> Extracted:
         """The calls, and the text around them (the whitespace next to a call goes with it)."""
@@ -128,12 +179,20 @@ class HermesToolParser:
         content = "".join(kept)
         return Extracted(content if content.strip() else None, calls)
 
-    @staticmethod
-    def _parse(body: str) -> FunctionCall | None:
+    @classmethod
+    def _parse(cls, body: str) -> FunctionCall | None:
+        """The call in a block's body; its arguments as the model wrote them (what streaming
+        sends piece by piece) where the body is ``{"name": ..., "arguments": {...}}``."""
         try:
-            return _call_from(json.loads(body), "arguments")
+            call = _call_from(json.loads(body), "arguments")
         except ValueError:
             return None
+        head = cls.HEAD.match(body)
+        if call is not None and head is not None and body.startswith("{", head.end()):
+            end = _ValueEnd().feed(body[head.end() :])
+            if end is not None:
+                call.arguments = body[head.end() : head.end() + end]
+        return call
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         start = r'start: call ("\n" call)*' if parallel else "start: call"
@@ -149,14 +208,22 @@ class HermesToolParser:
 
 class HermesStreamer:
     """Content streams as it comes, except what may be the start of a ``<tool_call>`` and
-    trailing whitespace (which goes with a call that may follow); a block is released as a call
-    when its ``</tool_call>`` arrives (or as content if it is no call). The content streamed
-    equals ``HermesToolParser.extract``'s."""
+    trailing whitespace (which goes with a call that may follow). Inside a block, the call
+    starts (id and name) once its head ``{"name": ..., "arguments": `` is written, and its
+    arguments stream as they come; a block of another shape is released whole when its
+    ``</tool_call>`` arrives (as a call, or as content if it is none). The content and calls
+    streamed equal ``HermesToolParser.extract``'s, except for a block that began as a call and
+    ends as none (cut by ``max_tokens``, or broken JSON after a valid head): streamed as far as
+    it got as a call, and content when whole."""
 
     def __init__(self, parser: HermesToolParser) -> None:
         self.parser = parser
-        self.pending = ""  # text not yet released
+        self.pending = ""  # text not yet released; starts with a block's <tool_call> while one is open
         self.after_call = False  # whitespace right after a call is dropped
+        self.open_call: FunctionCall | None = None  # the open block's call, once started
+        self.args_start = 0  # where its arguments begin in the block's body
+        self.args_sent = ""  # the arguments' text sent so far
+        self.args_end = _ValueEnd()
 
     def feed(self, text: str, final: bool) -> StreamPiece:
         self.pending += text
@@ -185,19 +252,51 @@ class HermesStreamer:
                 before = self.pending[:start].rstrip()
                 piece.content += before
                 self.pending = self.pending[len(before) :]
-                if final:  # an unclosed block: it was text after all
-                    piece.content += self.pending
+                if final:  # an unclosed block: it was text after all (unless it began as a call)
+                    if self.open_call is None:
+                        piece.content += self.pending
                     self.pending = ""
+                else:
+                    self._stream_open(self.pending[self.pending.find(HermesToolParser.START) + len(HermesToolParser.START) :], piece)
                 return piece
             block_end = end + len(HermesToolParser.END)
             extracted = self.parser.extract(self.pending[start:block_end])
             if extracted.calls:
                 piece.content += self.pending[:start].rstrip()
-                piece.calls.extend(extracted.calls)
+                self._finish(extracted.calls, piece)
                 self.after_call = True
             else:
                 piece.content += self.pending[:block_end]
             self.pending = self.pending[block_end:]
+            self.open_call, self.args_sent, self.args_end = None, "", _ValueEnd()
+
+    def _stream_open(self, body: str, piece: StreamPiece) -> None:
+        """Start the open block's call once its head is written; send its new argument text."""
+        if self.open_call is None:
+            head = HermesToolParser.HEAD.match(body)
+            if head is None or not body.startswith("{", head.end()):
+                return  # not (yet) a call's head: the block waits for its end
+            self.open_call = FunctionCall(json.loads(head.group(1)), "")
+            self.args_start = head.end()
+            piece.deltas.append(CallDelta(self.open_call.id, self.open_call.name))
+        arguments = body[self.args_start :]
+        end = self.args_end.feed(arguments)
+        new = arguments[len(self.args_sent) : len(arguments) if end is None else end]
+        if new:
+            piece.deltas.append(CallDelta(self.open_call.id, None, new))
+            self.args_sent += new
+
+    def _finish(self, calls: list[FunctionCall], piece: StreamPiece) -> None:
+        """A closed block's calls: the rest of the one already streaming, the others whole."""
+        if self.open_call is not None:
+            first, calls = calls[0], calls[1:]
+            # The same text: the whole call's arguments are the model's, as streamed.
+            if first.name == self.open_call.name and first.arguments.startswith(self.args_sent):
+                rest = first.arguments[len(self.args_sent) :]
+                if rest:
+                    piece.deltas.append(CallDelta(self.open_call.id, None, rest))
+        for call in calls:
+            piece.add_call(call)
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -265,7 +364,12 @@ class WholeTextStreamer:
             return StreamPiece()
         extracted = self.parser.extract(self.pending)
         released, self.pending = self.pending, ""
-        return StreamPiece(calls=extracted.calls) if extracted.calls else StreamPiece(content=released)
+        if not extracted.calls:
+            return StreamPiece(content=released)
+        piece = StreamPiece()
+        for call in extracted.calls:
+            piece.add_call(call)
+        return piece
 
 
 TOOL_PARSERS: dict[str, type[HermesToolParser] | type[Llama3JsonToolParser]] = {
