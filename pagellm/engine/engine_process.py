@@ -186,17 +186,31 @@ class EngineProcess:
         return payload
 
     def _call(self, call: _Call) -> Any:
+        self._send(call)
+        return self._answer(type(call).__name__)
+
+    def _send(self, call: _Call) -> None:
         try:
             self._conn.send(call)
         except (BrokenPipeError, OSError) as exc:
             raise EngineProcessError(f"the engine process died (exit code {self._proc.exitcode})") from exc
-        result, self.stats, self._unfinished = self._receive(self._call_timeout_s, type(call).__name__)
+
+    def _answer(self, what: str) -> Any:
+        result, self.stats, self._unfinished = self._receive(self._call_timeout_s, what)
         return result
 
     # ---- EngineClient: one round trip per call ---------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         return self._call(_Step())
+
+    def send_step(self) -> None:
+        """The first half of :meth:`step`: the child starts its step (several children then
+        compute at once: data parallelism); :meth:`receive_step` must follow."""
+        self._send(_Step())
+
+    def receive_step(self) -> list[RequestOutput]:
+        return self._answer("_Step")
 
     def has_unfinished_requests(self) -> bool:
         return self._unfinished

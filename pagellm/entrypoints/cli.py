@@ -46,6 +46,17 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         help="run the engine in its own process, apart from the HTTP event loop (default: on)",
     )
     group.add_argument(
+        "--data-parallel-size", type=int, default=1,
+        help="engine replicas, each in its own process with its share of the CPU threads, behind one API "
+        "server; a prompt goes to the replica that already holds its prefix in its cache unless that one is "
+        "busier than the least busy by more than --dp-balance-margin requests",
+    )
+    group.add_argument(
+        "--dp-balance-margin", type=int, default=8,
+        help="with --data-parallel-size: how many more unfinished requests the replica holding a prompt's "
+        "prefix may have than the least busy one and still get it",
+    )
+    group.add_argument(
         "--engine-restarts", type=int, default=3,
         help="how many times a failed engine process is replaced by a fresh one before the server exits "
         "with status 1 for its supervisor to restart (0: exit on the first failure, as vLLM)",
@@ -107,6 +118,7 @@ def _load_engine(args: argparse.Namespace) -> Any:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from pagellm.engine.data_parallel import DataParallelEngine, RouterOptions, replica_configs
     from pagellm.engine.engine_process import EngineProcess
     from pagellm.engine.llm_engine import LLMEngine
     from pagellm.entrypoints.openai.api_server import ServerSettings, run_server
@@ -123,18 +135,26 @@ def _serve(args: argparse.Namespace) -> int:
     if args.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
     config = EngineArgs.from_cli_args(args).create_engine_config()
-    if args.engine_process:
-        engine: EngineProcess | LLMEngine = EngineProcess(config, call_timeout_s=args.engine_call_timeout)
+    engine: DataParallelEngine | EngineProcess | LLMEngine
+    if args.data_parallel_size != 1:
+        if args.data_parallel_size < 1 or not args.engine_process:
+            raise ValueError("--data-parallel-size must be >= 1, and replicas need --engine-process")
+        options = RouterOptions(balance_margin=args.dp_balance_margin)
+        configs = replica_configs(config, args.data_parallel_size)
+        engine = DataParallelEngine.start(configs, options, call_timeout_s=args.engine_call_timeout)
+    elif args.engine_process:
+        engine = EngineProcess(config, call_timeout_s=args.engine_call_timeout)
     else:
         engine = LLMEngine(config)
+    replicas = args.data_parallel_size
     try:
         return run_server(
             engine, settings, host=args.host, port=args.port, log_level=args.log_level,
-            max_requests=config.scheduler.max_num_seqs + args.max_waiting_requests,
+            max_requests=replicas * config.scheduler.max_num_seqs + args.max_waiting_requests,
             max_restarts=args.engine_restarts if args.engine_process else 0,
         )
     finally:
-        if isinstance(engine, EngineProcess):
+        if isinstance(engine, (EngineProcess, DataParallelEngine)):
             engine.close()
 
 

@@ -39,14 +39,34 @@ class EngineStatsView(Protocol):
 
 
 class _EngineStatsCollector(Collector):
-    """Reads the engine's gauges and counters when Prometheus scrapes, never in between."""
+    """Reads the engine's gauges and counters when Prometheus scrapes, never in between. With
+    data-parallel replicas, each series is per replica (label ``engine``, as vLLM labels them)."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStatsView]) -> None:
+    def __init__(
+        self, model_name: str, stats: Callable[[], EngineStatsView],
+        replica_stats: Callable[[], list[EngineStatsView]] | None = None,
+    ) -> None:
         self._model_name = model_name
         self._stats = stats
+        self._replica_stats = replica_stats
 
     def collect(self) -> Iterator[Metric]:
-        s = self._stats()
+        if self._replica_stats is None:
+            series = [([self._model_name], self._stats())]
+            labels = ["model_name"]
+        else:
+            series = [([self._model_name, str(i)], s) for i, s in enumerate(self._replica_stats())]
+            labels = ["model_name", "engine"]
+        rows = [(label_values, self._families(stats)) for label_values, stats in series]
+        for index, (name, doc, kind, _) in enumerate(rows[0][1]):
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=labels)
+            for label_values, values in rows:
+                family.add_metric(label_values, float(values[index][3]))
+            yield family
+
+    @staticmethod
+    def _families(s: EngineStatsView) -> list[tuple[str, str, str, float]]:
+        """(name, help, kind, value) of every series read from one engine's stats."""
         gauges = [
             ("pagellm:num_requests_running", "Sequences being computed (running in the batch).", s.num_running),
             ("pagellm:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting),
@@ -63,20 +83,18 @@ class _EngineStatsCollector(Collector):
             ("pagellm:kv_cache_cow_copies", "KV blocks copied because a sequence wrote into a shared block.",
              s.num_cow_copies),
         ]
-        for name, doc, value in gauges:
-            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
-            gauge.add_metric([self._model_name], float(value))
-            yield gauge
-        for name, doc, value in counters:
-            counter = CounterMetricFamily(name, doc, labels=["model_name"])
-            counter.add_metric([self._model_name], float(value))
-            yield counter
+        return [(name, doc, "gauge", value) for name, doc, value in gauges] + [
+            (name, doc, "counter", value) for name, doc, value in counters
+        ]
 
 
 class PrometheusMetrics:
     """The server's metrics registry; the ``observe_*``/``count_*`` methods are thread-safe."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStatsView]) -> None:
+    def __init__(
+        self, model_name: str, stats: Callable[[], EngineStatsView],
+        replica_stats: Callable[[], list[EngineStatsView]] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         self._model_name = model_name
         self._ttft = Histogram(
@@ -103,7 +121,7 @@ class PrometheusMetrics:
             "pagellm:engine_restarts", "Times a failed engine was replaced by a fresh one.",
             ["model_name"], registry=self.registry,
         ).labels(model_name)
-        self.registry.register(_EngineStatsCollector(model_name, stats))
+        self.registry.register(_EngineStatsCollector(model_name, stats, replica_stats))
 
     def observe_time_to_first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)

@@ -248,7 +248,11 @@ def run_server(
     engine is restarted up to ``max_restarts`` times, after which the server stops so that a
     supervisor can start it anew (as vLLM does).
     """
-    metrics = PrometheusMetrics(settings.served_model_names[0], stats=lambda: llm_engine.stats)
+    replicas = getattr(llm_engine, "replica_stats", None)  # a data-parallel engine's: per-replica series
+    metrics = PrometheusMetrics(
+        settings.served_model_names[0], stats=lambda: llm_engine.stats,
+        replica_stats=(lambda: llm_engine.replica_stats) if replicas is not None else None,  # type: ignore[attr-defined]
+    )
     server: _Server | None = None
 
     def stop_serving() -> None:
