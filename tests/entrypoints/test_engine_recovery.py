@@ -100,3 +100,17 @@ def test_a_stuck_engine_is_killed_and_restarted(tiny_llama_path: str) -> None:
             assert "did not answer" in server.logs()
             wait_until(lambda: health(http) == 200 and len(engine_pids(server)) == 2, 120, "a restarted engine")
             assert completion_ok(http)
+
+
+def test_a_killed_replica_is_noticed_and_every_replica_restarted(tiny_llama_path: str) -> None:
+    """--data-parallel-size 2: one replica killed makes the engine unhealthy; the restart starts
+    both replicas anew (their requests were failed with the engine), and serving resumes."""
+    args = [*ARGS, "--engine-restarts", "1", "--num-threads", "2", "--data-parallel-size", "2"]
+    with RemoteServer(tiny_llama_path, args) as server, httpx.Client(base_url=server.base_url, timeout=60.0) as http:
+        assert completion_ok(http) and len(engine_pids(server)) == 2
+        os.kill(engine_pids(server)[1], signal.SIGKILL)
+        wait_until(lambda: health(http) == 503, 5, "/health 503 after a replica was killed")
+        wait_until(lambda: len(engine_pids(server)) == 4 and health(http) == 200, 120, "both replicas restarted")
+        assert completion_ok(http) and completion_ok(http)
+        text = http.get("/metrics").text
+        assert 'pagellm:engine_restarts_total{model_name="tiny"} 1.0' in text and 'engine="1"' in text
