@@ -262,3 +262,23 @@ def test_a_constrained_beam_search_aborted_while_compiling_leaves_nothing(tiny_l
         assert output.finished and not engine.has_unfinished_requests() and "beams" not in engine.beams
     finally:
         release.set()
+
+
+def test_a_constrained_beam_search_past_its_compile_deadline_fails_alone(tiny_llama_path: str) -> None:
+    engine = LLM(tiny_llama_path, dtype="float32", num_kv_blocks=64, grammar_compile_timeout=0.2).llm_engine
+    release = threading.Event()
+    compiler = engine.structured_output.compiler
+    make_tokenizer = compiler._make_tokenizer
+    compiler._make_tokenizer = lambda: (release.wait(), make_tokenizer())[1]
+    try:
+        params = BeamSearchParams(beam_width=2, max_tokens=4, structured_outputs=StructuredOutputsParams(regex="b+"))
+        engine.add_engine_request(EngineRequest("beams", [5, 6, 7], params))
+        engine.add_request("plain", "Hi", SamplingParams(max_tokens=4, ignore_eos=True))
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += [o for o in engine.step() if o.finished]
+        by_id = {o.request_id: o for o in outputs}
+        assert by_id["beams"].error_is_request and "too slow to compile" in (by_id["beams"].error or "")
+        assert len(by_id["plain"].outputs[0].token_ids) == 4 and "beams" not in engine.beams
+    finally:
+        release.set()
