@@ -187,7 +187,14 @@ class KernelConfig:
 class DeviceConfig:
     device: str = "cpu"
     attention_backend: str = "auto"
-    num_threads: int | None = None  # None: torch's default
+    num_threads: int | None = None  # None: torch's default (per rank: each rank's share)
+    tensor_parallel_size: int = 1  # ranks (processes) that each hold a share of every layer
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1 and self.device != "cpu":
+            raise ValueError("tensor parallelism runs on CPU (gloo) in this version; use device='cpu'")
 
 
 @dataclass

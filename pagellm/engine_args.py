@@ -76,7 +76,10 @@ class EngineArgs:
     chat_template: str | None = field(default=None, metadata=_option(
         "Jinja file that replaces the model's chat template, or chatml-tools (shipped: ChatML with tools)"))
     num_threads: int | None = field(default=None, metadata=_option(
-        "torch threads (default: torch's choice)", kind=int))
+        "torch threads (default: torch's choice), split evenly among tensor-parallel ranks", kind=int))
+    tensor_parallel_size: int = field(default=1, metadata=_option(
+        "processes that each hold a share of every layer (attention heads, MLP width), joined by an "
+        "all-reduce per layer half (CPU: gloo)", kind=int))
     max_n: int = field(default=128, metadata=_option(
         "most samples (n, best_of) or beams one request may ask for; never above --max-num-seqs", LIMITS, int))
     max_logprobs: int = field(default=20, metadata=_option(
@@ -106,7 +109,7 @@ class EngineArgs:
             ),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens),
             device=DeviceConfig(device=self.device, attention_backend=self.attention_backend,
-                                num_threads=self.num_threads),
+                                num_threads=self.num_threads, tensor_parallel_size=self.tensor_parallel_size),
             limits=LimitsConfig(max_n=self.max_n, max_logprobs=self.max_logprobs,
                                 max_stop_strings=self.max_stop_strings,
                                 grammar_compile_timeout_s=self.grammar_compile_timeout),

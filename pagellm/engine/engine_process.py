@@ -99,8 +99,9 @@ def _engine_main(config: EngineConfig, conn: Connection, log_level: int) -> None
         try:
             call = conn.recv()
         except (EOFError, OSError):  # the parent is gone
-            return
+            call = None
         if call is None:
+            engine.close()
             return
         try:
             result = _serve_call(engine, call)
@@ -141,7 +142,9 @@ class EngineProcess:
             target=_engine_main,
             args=(self.config, child_conn, logging.getLogger().getEffectiveLevel()),
             name="pagellm-engine",
-            daemon=True,
+            # A daemon may not start processes: tensor-parallel ranks need a plain child (which
+            # still ends when this process goes: its pipe closes).
+            daemon=self.config.device.tensor_parallel_size == 1,
         )
         self._proc.start()
         child_conn.close()

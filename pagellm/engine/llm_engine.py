@@ -26,6 +26,7 @@ from pagellm.model.tokenizer import load_tokenizer
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.structured_output.manager import StructuredOutputManager
+from pagellm.worker.tensor_parallel import TensorParallelWorkers
 from pagellm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,11 @@ class LLMEngine:
         start = time.monotonic()
         self.config = config
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(config.model.model, config.model.chat_template)
-        self.worker = Worker(config, self.tokenizer.eos_token_id)
+        self.worker: Worker | TensorParallelWorkers = (
+            TensorParallelWorkers(config, self.tokenizer.eos_token_id)
+            if config.device.tensor_parallel_size > 1
+            else Worker(config, self.tokenizer.eos_token_id)
+        )
         arch = self.worker.arch
         block_size = config.cache.block_size
         self.kv_cache_manager = KVCacheManager(
@@ -224,6 +229,10 @@ class LLMEngine:
     def restart(self) -> bool:
         """An in-process engine that failed mid-step may hold half-updated state: it is not restarted."""
         return False
+
+    def close(self) -> None:
+        """Release what lives outside this process (tensor-parallel ranks); the engine is done."""
+        self.worker.close()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.scheduler.requests) + len(self._awaiting_grammar)

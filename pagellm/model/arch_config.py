@@ -6,6 +6,7 @@ from ``config.json`` (+ ``generation_config.json``) or from GGUF metadata alone.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,21 @@ class ModelArchConfig:
     def q_size(self) -> int:
         """Width of the query projection output."""
         return self.num_attention_heads * self.head_dim
+
+    def shard(self, size: int) -> ModelArchConfig:
+        """What one of ``size`` tensor-parallel ranks holds of each layer: its share of the
+        attention heads, KV heads and MLP width (``pagellm.distributed.tensor_parallel``)."""
+        if size == 1:
+            return self
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            if getattr(self, name) % size:
+                raise ValueError(f"tensor_parallel_size={size} must divide the model's {name} ({getattr(self, name)})")
+        if self.o_proj_bias or self.mlp_bias:
+            raise ValueError("tensor parallelism does not support a bias on o_proj or the MLP yet")
+        return dataclasses.replace(
+            self, num_attention_heads=self.num_attention_heads // size,
+            num_key_value_heads=self.num_key_value_heads // size, intermediate_size=self.intermediate_size // size,
+        )  # fmt: skip
 
     @property
     def kv_size(self) -> int:

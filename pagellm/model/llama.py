@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.distributed.tensor_parallel import TensorParallel
 from pagellm.kernels.plan import KernelPlan
 from pagellm.kernels.quant_formats import QuantizedWeight
 from pagellm.model.arch_config import ModelArchConfig
@@ -41,10 +42,15 @@ _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 
 class LlamaAttention(nn.Module):
-    """Fused qkv projection, rotary, paged attention through the backend, output projection."""
+    """Fused qkv projection, rotary, paged attention through the backend, output projection
+    (under tensor parallelism: this rank's heads, its partial output summed over the ranks)."""
 
-    def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend, plan: KernelPlan | None) -> None:
+    def __init__(
+        self, arch: ModelArchConfig, attn_backend: AttentionBackend, plan: KernelPlan | None,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
+        self.tp = tp
         self.num_heads = arch.num_attention_heads
         self.num_kv_heads = arch.num_key_value_heads
         self.head_dim = arch.head_dim
@@ -77,14 +83,16 @@ class LlamaAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         out = self.attn_backend.forward(q, k, v, key_cache, value_cache, attn_metadata, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = self.o_proj(out.reshape(num_tokens, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce_(out)
 
 
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward with gate and up fused into one matmul."""
 
-    def __init__(self, arch: ModelArchConfig, plan: KernelPlan | None = None) -> None:
+    def __init__(self, arch: ModelArchConfig, plan: KernelPlan | None = None, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        self.tp = tp  # this rank's part of the intermediate width; the down projection's sums joined
         if arch.hidden_act != "silu":
             raise NotImplementedError(f"hidden_act {arch.hidden_act!r} is not supported; only 'silu'")
         self.intermediate_size = arch.intermediate_size
@@ -100,7 +108,8 @@ class LlamaMLP(nn.Module):
         return {"gate": slice(0, size), "up": slice(size, 2 * size)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        out = self.down_proj(self.act(self.gate_up_proj(x)))
+        return out if self.tp is None else self.tp.all_reduce_(out)
 
     def fuse_for_cpu(self, plan: KernelPlan, verify: bool = True) -> bool:
         """Swap gate_up + SiluAndMul for one fused packed module (bf16/fp16 on CPU); True if done."""
@@ -114,13 +123,16 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention block then pre-norm MLP block, each with a residual add."""
 
-    def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend, plan: KernelPlan | None) -> None:
+    def __init__(
+        self, arch: ModelArchConfig, attn_backend: AttentionBackend, plan: KernelPlan | None,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         norm_kernels = plan.library("norm") if plan is not None else None
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, norm_kernels)
-        self.self_attn = LlamaAttention(arch, attn_backend, plan)
+        self.self_attn = LlamaAttention(arch, attn_backend, plan, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, norm_kernels)
-        self.mlp = LlamaMLP(arch, plan)
+        self.mlp = LlamaMLP(arch, plan, tp)
 
     def forward(
         self,
@@ -145,10 +157,16 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder stack and final norm (HF's ``model.`` prefix)."""
 
-    def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend, plan: KernelPlan | None) -> None:
+    def __init__(
+        self, arch: ModelArchConfig, attn_backend: AttentionBackend, plan: KernelPlan | None,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, attn_backend, plan) for _ in range(arch.num_hidden_layers))
+        layer_arch = arch.shard(tp.size) if tp is not None else arch  # this rank's share of each layer
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(layer_arch, attn_backend, plan, tp) for _ in range(arch.num_hidden_layers)
+        )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, plan.library("norm") if plan is not None else None)
         self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling)
 
@@ -160,15 +178,20 @@ class LlamaForCausalLM(nn.Module):
     :meth:`optimize_for_cpu_inference` repacks the loaded weights for its GEMM.
     """
 
-    def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend, plan: KernelPlan | None = None) -> None:
+    def __init__(
+        self, arch: ModelArchConfig, attn_backend: AttentionBackend, plan: KernelPlan | None = None,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(arch, attn_backend, plan)
+        self.tp = tp  # tensor parallelism: this rank's share of each layer, whole HF weights cut on load
+        self.model = LlamaModel(arch, attn_backend, plan, tp)
         self.lm_head = linear_for_plan(arch.hidden_size, arch.vocab_size, False, plan)
         self.tie_weights()
         # plan.decoder == "fused": the layers run in one C++ call where a step fits it (built
         # from the loaded weights at the first forward).
-        fused = plan is not None and plan.decoder == "fused" and plan.kernels is not None
+        # (Not under tensor parallelism: the ranks' sums are joined between the kernels.)
+        fused = plan is not None and plan.decoder == "fused" and plan.kernels is not None and tp is None
         self.decoder_kernels = plan.kernels if fused and plan is not None else None
         self.decoder_max_rows = plan.quant_max_rows if plan is not None else None
         self._fused_stack: FusedDecoderStack | None = None
@@ -279,6 +302,8 @@ class LlamaForCausalLM(nn.Module):
     def _load_one(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor | QuantizedWeight) -> None:
         """Copy one HF tensor into its (possibly fused) destination rows (a quantized linear
         takes its weight as it comes; everything else is dense)."""
+        if self.tp is not None and not isinstance(tensor, QuantizedWeight):
+            tensor = self.tp.share(name, tensor)
         target_name, rows = self._destination(name)
         module_name, _, attr = target_name.rpartition(".")
         module = self._submodule_or_none(module_name) if target_name not in params else None

@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from pagellm.attention.backend import AttentionBackend
 from pagellm.config import ModelConfig
+from pagellm.distributed.tensor_parallel import TensorParallel
 from pagellm.kernels.plan import KernelPlan, WeightRequest
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.default_model import default_model_path
@@ -226,17 +227,18 @@ def _no_param_init(dtype: torch.dtype) -> Iterator[None]:
 
 def _empty_model(
     arch: ModelArchConfig, attn_backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
-    plan: KernelPlan | None,
+    plan: KernelPlan | None, tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
-    """Allocate the model in ``dtype`` on ``device`` without paying for random init."""
+    """Allocate the model in ``dtype`` on ``device`` without paying for random init (under
+    tensor parallelism: this rank's share of each layer)."""
     model_class = validate_arch_config(arch)
     if device.type == "cpu":
         with _no_param_init(dtype):
-            model = model_class(arch, attn_backend, plan)
+            model = model_class(arch, attn_backend, plan, tp)
         model.tie_weights()
         return model
     with torch.device("meta"):
-        model = model_class(arch, attn_backend, plan)
+        model = model_class(arch, attn_backend, plan, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()  # to_empty may replace the shared Parameter objects
     return model
@@ -248,9 +250,11 @@ def load_model(
     attn_backend: AttentionBackend,
     device: torch.device = torch.device("cpu"),
     plan: KernelPlan | None = None,
+    tp: TensorParallel | None = None,
 ) -> tuple[LlamaForCausalLM, ModelArchConfig]:
     """Build the model with its weights in ``dtype`` on ``device``, in eval mode, no grads,
-    with the kernels ``plan`` names (None: PyTorch everywhere)."""
+    with the kernels ``plan`` names (None: PyTorch everywhere); ``tp``: only this rank's share
+    of each layer (the whole arch is returned)."""
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}; use one of {', '.join(map(str, SUPPORTED_DTYPES))}")
     path = resolve_model_path(model)
@@ -263,7 +267,7 @@ def load_model(
         else:
             arch = _hf_arch_config(path)
             weights = _iter_safetensors(safetensors_files(path))
-        net = _empty_model(arch, attn_backend, dtype, device, plan)
+        net = _empty_model(arch, attn_backend, dtype, device, plan, tp)
         net.load_weights(weights)
     net.requires_grad_(False)
     return net.eval(), arch

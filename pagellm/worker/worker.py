@@ -14,6 +14,7 @@ import torch
 
 from pagellm.attention import get_attention_backend
 from pagellm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, resolve_dtype, resolve_kv_cache_dtype
+from pagellm.distributed.tensor_parallel import TensorParallel
 from pagellm.kernels.plan import KernelPlan
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.loader import auto_dtype, load_model, requested_weights, single_threaded
@@ -74,16 +75,26 @@ def context_limit(requested: int | None, arch: ModelArchConfig, num_blocks: int,
 
 class Worker:
     """The device side of one engine (see the module docstring). ``tokenizer_eos_token_id``:
-    the tokenizer's end-of-sequence id, if it has one, an EOS beside the model's own."""
+    the tokenizer's end-of-sequence id, if it has one, an EOS beside the model's own. ``tp``:
+    this worker is one tensor-parallel rank (its share of each layer, and of each KV block's
+    heads; ``worker/tensor_parallel.py`` starts the ranks)."""
 
-    def __init__(self, config: EngineConfig, tokenizer_eos_token_id: int | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, tokenizer_eos_token_id: int | None = None, tp: TensorParallel | None = None
+    ) -> None:
         self.device = resolve_device(config.device.device)
         configure_threads(self.device, config.device.num_threads)
         torch.manual_seed(config.model.seed)
         self.kernel_plan = engine_kernel_plan(config, self.device)
+        if tp is not None and self.kernel_plan.quantized:
+            raise ValueError(
+                "tensor parallelism runs dense weights in this version: pass dtype float32 or bfloat16 "
+                f"(this configuration keeps {self.kernel_plan.weights} weights quantized)"
+            )
         logger.info("kernel plan: %s", self.kernel_plan.describe())
         attn_backend = get_attention_backend(self.kernel_plan.attention, self.device, self.kernel_plan.kernels)
-        model, self.arch = load_model(config.model.model, self.dtype, attn_backend, self.device, self.kernel_plan)
+        model, self.arch = load_model(config.model.model, self.dtype, attn_backend, self.device, self.kernel_plan, tp)
+        shard = self.arch.shard(tp.size) if tp is not None else self.arch  # what this rank's KV blocks hold
         # The weights repacked once for the plan's CPU kernels (fused MLPs, packed linears).
         self.cpu_optimizations: dict[str, int] = {}
         if self.device.type == "cpu":
@@ -94,11 +105,11 @@ class Worker:
         self.eos_token_ids = frozenset((*self.arch.eos_token_ids, *extra))
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.block_size = config.cache.block_size
-        self.num_blocks = kv_cache_blocks(config.cache, self.arch, self.kv_cache_dtype)
+        self.num_blocks = kv_cache_blocks(config.cache, shard, self.kv_cache_dtype)
         self.max_model_len = context_limit(config.model.max_model_len, self.arch, self.num_blocks, self.block_size)
         kv_cache = allocate_kv_cache(
-            self.arch.num_hidden_layers, self.num_blocks, self.block_size, self.arch.num_key_value_heads,
-            self.arch.head_dim, self.kv_cache_dtype, self.device,
+            shard.num_hidden_layers, self.num_blocks, self.block_size, shard.num_key_value_heads, shard.head_dim,
+            self.kv_cache_dtype, self.device,
         )  # fmt: skip
         self.model_runner = ModelRunner(
             model, kv_cache, self.block_size, self.device, sorted(self.eos_token_ids), self.kernel_plan
@@ -115,3 +126,6 @@ class Worker:
         """Run one step's model pass: block copies, forward, sampling (within each constrained
         sequence's allowed tokens)."""
         return self.model_runner.execute(scheduler_output, grammar_bitmask)
+
+    def close(self) -> None:
+        """Nothing to release: the worker lives in this process (tensor-parallel ranks do not)."""

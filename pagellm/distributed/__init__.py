@@ -1,0 +1,1 @@
+"""Scale-out across processes over ``torch.distributed``."""

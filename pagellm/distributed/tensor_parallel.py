@@ -1,0 +1,80 @@
+"""Tensor parallelism (Megatron-style) over ``torch.distributed``: what one rank holds of a
+layer, and the all-reduce that joins the ranks' partial sums.
+
+Each rank holds its share of every layer: the attention heads and KV heads ``rank``-th of
+``size`` (so its KV cache blocks hold only those heads, with the same block ids on every rank),
+and the ``rank``-th part of the MLP's intermediate width. The q/k/v and gate/up projections
+are split by output rows (column-parallel: no communication); the output and down projections
+by input columns (row-parallel), each followed by one all-reduce of the ``[tokens, hidden]``
+partial sums. Embeddings, norms and the LM head are whole on every rank.
+
+On CPU the ranks are processes on one host joined by gloo over 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# HF weight names by how a rank takes its share: the rows of the output (column-parallel) or
+# the columns of the input (row-parallel).
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place among the ranks of one model."""
+
+    rank: int
+    size: int
+    group: Any = None  # the torch.distributed process group (None: the default one)
+
+    def all_reduce_(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' partial results in place (in float32 for 16-bit tensors: one rounding)."""
+        if partial.dtype in (torch.float32, torch.float64):
+            dist.all_reduce(partial, group=self.group)
+            return partial
+        total = partial.float()
+        dist.all_reduce(total, group=self.group)
+        return partial.copy_(total)
+
+    def share(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole HF weight (or bias) ``name``; the tensor itself if every
+        rank holds it whole."""
+        module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+        if module in COLUMN_PARALLEL:
+            return tensor.chunk(self.size, dim=0)[self.rank]
+        if module in ROW_PARALLEL and name.endswith(".weight"):
+            return tensor.chunk(self.size, dim=1)[self.rank]
+        return tensor
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for the ranks' rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def init_tensor_parallel(rank: int, size: int, port: int, timeout_s: float = 600.0) -> TensorParallel:
+    """Join the ranks' process group (gloo; every rank calls this with the same port). One
+    tensor-parallel engine per process: torch.distributed has one default group."""
+    if dist.is_initialized():
+        raise RuntimeError("this process already runs a tensor-parallel engine (close it first)")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+        timeout=timedelta(seconds=timeout_s),
+    )  # fmt: skip
+    return TensorParallel(rank, size)
+
+
+def close_tensor_parallel() -> None:
+    """Leave the process group (a new tensor-parallel engine may then start here)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

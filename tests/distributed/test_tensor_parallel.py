@@ -1,0 +1,91 @@
+"""Tensor parallelism on CPU: two ranks (processes joined by gloo) each holding half of every
+layer give what one process gives: greedy tokens equal, logprobs within float32 rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+from pagellm.distributed.tensor_parallel import TensorParallel
+from pagellm.model.arch_config import ModelArchConfig
+
+PROMPTS = [[5, 9, 200, 31], [400, 3, 3, 7, 8, 9, 10], list(range(100, 160))]  # the last: chunked, 2 steps
+OPTIONS = dict(dtype="float32", num_kv_blocks=64, block_size=4, num_threads=2, max_num_batched_tokens=32)
+
+
+def _run(path: str, tp: int, params: SamplingParams, **options: object) -> list:
+    llm = LLM(path, **{**OPTIONS, **options}, tensor_parallel_size=tp)
+    try:
+        return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    finally:
+        llm.llm_engine.close()
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_path", "tiny_qwen2_path"])
+def test_two_ranks_give_what_one_gives(request: pytest.FixtureRequest, model: str) -> None:
+    path = request.getfixturevalue(model)  # Llama (GQA, untied head); Qwen2 (q/k/v bias, tied)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3, prompt_logprobs=1)
+    one, two = _run(path, 1, params), _run(path, 2, params)
+    for a, b in zip(one, two):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for token, lp in step_a.items():
+                assert step_b[token].logprob == pytest.approx(lp.logprob, abs=1e-4)
+        for pos_a, pos_b in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            for token, lp in pos_a.items():
+                assert pos_b[token].logprob == pytest.approx(lp.logprob, abs=1e-4)
+
+
+def test_a_prefix_cache_hit_reads_every_ranks_heads(tiny_llama_path: str) -> None:
+    """The second request reuses the first's blocks: each rank must find its own heads in them."""
+    llm = LLM(tiny_llama_path, **OPTIONS, tensor_parallel_size=2)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        first = llm.generate([{"prompt_token_ids": PROMPTS[2]}], params, use_tqdm=False)[0].outputs[0].token_ids
+        again = llm.generate([{"prompt_token_ids": PROMPTS[2]}], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert llm.llm_engine.stats.prefix_cache_hits > 0 and again == first
+    finally:
+        llm.llm_engine.close()
+
+
+def test_shares_and_refusals(tiny_llama_path: str) -> None:
+    rank1 = TensorParallel(rank=1, size=2)
+    weight = torch.arange(24.0).view(4, 6)
+    assert torch.equal(rank1.share("model.layers.0.self_attn.k_proj.weight", weight), weight[2:])
+    assert torch.equal(rank1.share("model.layers.0.mlp.down_proj.weight", weight), weight[:, 3:])
+    assert torch.equal(rank1.share("model.layers.0.self_attn.q_proj.bias", weight[0]), weight[0, 3:])
+    assert rank1.share("model.norm.weight", weight) is weight and rank1.share("lm_head.weight", weight) is weight
+    arch = ModelArchConfig("LlamaForCausalLM", 100, 64, 128, 2, 4, 2, 16, 1e-5, 10000.0, None, 512, False, False, None)
+    assert (arch.shard(2).num_attention_heads, arch.shard(2).num_key_value_heads, arch.shard(2).intermediate_size) == (2, 1, 64)
+    with pytest.raises(ValueError, match="must divide the model's num_attention_heads"):
+        LLM(tiny_llama_path, **OPTIONS, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        LLM(tiny_llama_path, **OPTIONS, tensor_parallel_size=0)
+
+
+def test_quantized_weights_are_refused_with_a_way_out(default_model_path_fixture: str) -> None:
+    """The default model is a Q4_1 GGUF served quantized by default; the ranks take dense weights."""
+    with pytest.raises(ValueError, match="tensor parallelism runs dense weights in this version: pass dtype float32"):
+        LLM(default_model_path_fixture, num_threads=2, tensor_parallel_size=2)
+
+
+@pytest.mark.slow
+def test_serve_with_two_ranks(tiny_llama_path: str) -> None:
+    """pagellm serve --tensor-parallel-size 2: the engine process starts its second rank, serves
+    what one process serves, and stops it on shutdown."""
+    import httpx
+
+    from tests.helpers.server import MODEL_NAME, RemoteServer
+
+    body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    texts = []
+    for tp in ("1", "2"):
+        args = ["--served-model-name", MODEL_NAME, "--dtype", "float32", "--num-threads", "2",
+                "--tensor-parallel-size", tp]  # fmt: skip
+        with RemoteServer(tiny_llama_path, args) as server:
+            response = httpx.post(server.url("/v1/completions"), json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            texts.append(response.json()["choices"][0]["text"])
+            assert server.terminate() == 0
+    assert texts[0] == texts[1]
