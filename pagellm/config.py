@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -207,3 +207,11 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig.from_env)
+
+
+def split_threads(config: EngineConfig, parts: int) -> EngineConfig:
+    """``config`` for one of ``parts`` processes sharing this machine (data-parallel replicas,
+    tensor-parallel ranks): its share of the threads, the configured count or else this
+    machine's cores, split evenly (at least one each)."""
+    total = config.device.num_threads or os.cpu_count() or 1
+    return replace(config, device=replace(config.device, num_threads=max(1, total // parts)))

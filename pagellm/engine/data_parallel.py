@@ -14,12 +14,11 @@ by more than a set margin; otherwise (no useful match, or imbalance) to the leas
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
-from pagellm.config import EngineConfig
+from pagellm.config import EngineConfig, split_threads
 from pagellm.engine.engine_process import EngineProcess
 from pagellm.engine.llm_engine import EngineStats
 from pagellm.engine.protocol import EngineRequest
@@ -110,13 +109,8 @@ class PrefixCacheRouter:
 
 
 def replica_configs(config: EngineConfig, size: int) -> list[EngineConfig]:
-    """``size`` copies of an engine's configuration, each with its share of the threads (the
-    configured count, else this machine's cores, split evenly; at least one each)."""
-    total = config.device.num_threads or os.cpu_count() or 1
-    threads = max(1, total // size)
-    if total < size:
-        logger.warning("%d replicas share %d CPU threads: they will compete for cores", size, total)
-    return [replace(config, device=replace(config.device, num_threads=threads)) for _ in range(size)]
+    """``size`` copies of an engine's configuration, each with its share of the threads."""
+    return [split_threads(config, size) for _ in range(size)]
 
 
 def combined_stats(replicas: Sequence[EngineStats]) -> EngineStats:
@@ -228,7 +222,7 @@ class DataParallelEngine:
         for replica in self.replicas:
             replica.restart()
         self._owner.clear()
-        self.router.load = [0] * len(self.replicas)
+        self.router = PrefixCacheRouter(len(self.replicas), self.router.block_size, self.router.options)  # caches are empty
         return True
 
     def close(self) -> None:

@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
-from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
-from pagellm.config import EngineConfig
+from pagellm.config import EngineConfig, split_threads
 from pagellm.distributed.tensor_parallel import close_tensor_parallel, free_port, init_tensor_parallel
 from pagellm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.worker import Worker
@@ -31,14 +29,6 @@ logger = logging.getLogger(__name__)
 
 class TensorParallelError(RuntimeError):
     """A rank failed or died."""
-
-
-def rank_config(config: EngineConfig) -> EngineConfig:
-    """Each rank's configuration: its share of the threads (the configured count, else this
-    machine's cores, split evenly; at least one)."""
-    size = config.device.tensor_parallel_size
-    total = config.device.num_threads or os.cpu_count() or 1
-    return replace(config, device=replace(config.device, num_threads=max(1, total // size)))
 
 
 def _rank_main(config: EngineConfig, eos: int | None, rank: int, port: int, conn: Connection) -> None:
@@ -69,7 +59,7 @@ class TensorParallelWorkers:
 
     def __init__(self, config: EngineConfig, tokenizer_eos_token_id: int | None = None) -> None:
         size = config.device.tensor_parallel_size
-        config = rank_config(config)
+        config = split_threads(config, size)  # each rank's share of the threads
         port = free_port()
         ctx = mp.get_context("spawn")  # never fork a process that holds OpenMP/torch threads
         self._ranks: list[tuple[Any, Connection]] = []

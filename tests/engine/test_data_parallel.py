@@ -17,6 +17,7 @@ from pagellm.engine.data_parallel import (
 from pagellm.engine.llm_engine import EngineStats
 from pagellm.engine.protocol import EngineRequest
 from pagellm.engine_args import EngineArgs
+from tests.helpers.engine import drain
 
 SHARED = list(range(100, 116))  # four blocks of 4 tokens
 
@@ -85,13 +86,6 @@ def replicas(tiny_llama_path):
     engine.close()
 
 
-def _drain(engine) -> dict[str, list[int]]:
-    tokens: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
-    return tokens
-
 
 def test_replicas_give_what_one_engine_gives(replicas, tiny_llama_path) -> None:
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -101,7 +95,7 @@ def test_replicas_give_what_one_engine_gives(replicas, tiny_llama_path) -> None:
     placement = [replicas._owner[f"r{i}"] for i in range(4)]
     assert placement[0] == placement[2] and placement[1] != placement[0]  # the shared prefix stays together
     assert all(replicas.replicas[i].has_unfinished_requests() for i in (0, 1))  # both replicas work
-    got = _drain(replicas)
+    got = drain(replicas)
     expected = LLM(tiny_llama_path, num_kv_blocks=64, block_size=4).generate(
         [{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False
     )

@@ -8,14 +8,8 @@ from pagellm import LLM, SamplingParams
 from pagellm.engine.engine_process import EngineProcess, EngineProcessError
 from pagellm.engine.protocol import EngineRequest
 from pagellm.engine_args import EngineArgs
+from tests.helpers.engine import drain
 
-
-def _drain(engine) -> dict[str, list[int]]:
-    tokens: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
-    return tokens
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +24,7 @@ def test_same_tokens_as_in_process(proc, tiny_llama_path):
     prompts = [[5, 9, 200, 31], [400, 3, 3]]
     assert proc.add_requests([EngineRequest(f"r{i}", ids, params) for i, ids in enumerate(prompts)]) == [None, None]
     assert proc.has_unfinished_requests()
-    got = _drain(proc)
+    got = drain(proc)
     expected = LLM(tiny_llama_path, num_kv_blocks=64, block_size=4).generate(
         [{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False
     )
@@ -45,7 +39,7 @@ def test_bad_request_gets_its_value_error_and_engine_lives_on(proc):
     ok = EngineRequest("ok", [7, 8, 9], SamplingParams(temperature=0, max_tokens=3))
     errors = proc.add_requests([bad, ok])
     assert isinstance(errors[0], ValueError) and "logprobs" in str(errors[0]) and errors[1] is None
-    assert len(_drain(proc)["ok"]) == 3
+    assert len(drain(proc)["ok"]) == 3
 
 
 def test_abort_returns_outputs_and_frees_blocks(proc):

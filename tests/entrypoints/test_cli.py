@@ -72,3 +72,12 @@ def test_bench_errors_are_one_line_too(tmp_path, caplog: pytest.LogCaptureFixtur
     missing = str(tmp_path / "missing.gguf")
     assert main(["bench", "latency", "--model", missing, "--output-len", "2", "--repeats", "1"]) == 1
     assert "missing.gguf" in caplog.text
+
+
+def test_bad_data_parallel_options_are_refused_before_any_engine_starts(
+    tiny_llama_path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    for extra in (["--data-parallel-size", "0"], ["--data-parallel-size", "2", "--no-engine-process"]):
+        assert main(["serve", tiny_llama_path, "--port", "1", *extra]) == 1
+        assert "--data-parallel-size must be >= 1, and replicas need --engine-process" in caplog.text
+        caplog.clear()

@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 
 from pagellm import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
+from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.protocol import EngineRequest
 
 SCHEMAS = [
@@ -56,6 +57,15 @@ PROMPTS = ["Tell me about the weather", "The answer is", "Once upon a time"]
 @pytest.fixture(scope="module")
 def llm(tiny_llama_path: str) -> LLM:
     return LLM(tiny_llama_path, dtype="float32", num_kv_blocks=256)
+
+
+def _hold_compiles(engine: LLMEngine) -> threading.Event:
+    """Keep every grammar compile of ``engine`` waiting until the returned event is set."""
+    release = threading.Event()
+    compiler = engine.structured_output.compiler
+    make_tokenizer = compiler._make_tokenizer
+    compiler._make_tokenizer = lambda: (release.wait(), make_tokenizer())[1]
+    return release
 
 
 def _json(schema: dict, **kwargs: object) -> SamplingParams:
@@ -155,10 +165,7 @@ def test_compiling_does_not_stall_other_requests(tiny_llama_path: str) -> None:
     """While a grammar compiles (held on an explicit signal), an unconstrained request runs to
     the end; the constrained one then starts and finishes."""
     engine = LLM(tiny_llama_path, dtype="float32", num_kv_blocks=64).llm_engine
-    release = threading.Event()
-    compiler = engine.structured_output.compiler
-    make_tokenizer = compiler._make_tokenizer
-    compiler._make_tokenizer = lambda: (release.wait(), make_tokenizer())[1]
+    release = _hold_compiles(engine)
     engine.add_request("constrained", "Hi", SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["a"])))
     engine.add_request("plain", "Hi", SamplingParams(max_tokens=8, ignore_eos=True))
     finished: list[str] = []
@@ -174,10 +181,7 @@ def test_compiling_does_not_stall_other_requests(tiny_llama_path: str) -> None:
 
 def test_a_compile_past_its_deadline_fails_its_request_alone(tiny_llama_path: str) -> None:
     engine = LLM(tiny_llama_path, dtype="float32", num_kv_blocks=64, grammar_compile_timeout=0.2).llm_engine
-    release = threading.Event()
-    compiler = engine.structured_output.compiler
-    make_tokenizer = compiler._make_tokenizer
-    compiler._make_tokenizer = lambda: (release.wait(), make_tokenizer())[1]
+    release = _hold_compiles(engine)
     try:
         engine.add_request("slow", "Hi", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="a+")))
         engine.add_request("plain", "Hi", SamplingParams(max_tokens=4, ignore_eos=True))
@@ -250,10 +254,7 @@ def test_every_beam_follows_its_own_constraint(llm: LLM, ignore_eos: bool) -> No
 
 def test_a_constrained_beam_search_aborted_while_compiling_leaves_nothing(tiny_llama_path: str) -> None:
     engine = LLM(tiny_llama_path, dtype="float32", num_kv_blocks=64).llm_engine
-    release = threading.Event()
-    compiler = engine.structured_output.compiler
-    make_tokenizer = compiler._make_tokenizer
-    compiler._make_tokenizer = lambda: (release.wait(), make_tokenizer())[1]
+    release = _hold_compiles(engine)
     try:
         params = BeamSearchParams(beam_width=2, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="a+"))
         engine.add_engine_request(EngineRequest("beams", [5, 6, 7], params))
@@ -266,10 +267,7 @@ def test_a_constrained_beam_search_aborted_while_compiling_leaves_nothing(tiny_l
 
 def test_a_constrained_beam_search_past_its_compile_deadline_fails_alone(tiny_llama_path: str) -> None:
     engine = LLM(tiny_llama_path, dtype="float32", num_kv_blocks=64, grammar_compile_timeout=0.2).llm_engine
-    release = threading.Event()
-    compiler = engine.structured_output.compiler
-    make_tokenizer = compiler._make_tokenizer
-    compiler._make_tokenizer = lambda: (release.wait(), make_tokenizer())[1]
+    release = _hold_compiles(engine)
     try:
         params = BeamSearchParams(beam_width=2, max_tokens=4, structured_outputs=StructuredOutputsParams(regex="b+"))
         engine.add_engine_request(EngineRequest("beams", [5, 6, 7], params))
