@@ -7,6 +7,10 @@ for each ``--rows``, integer (dot products; and on AMX tiles where usable) again
 tiles where usable, else AVX-512 BF16 dot products, else the AVX2 GEMM), in one run.
 
     python benchmarks/qgemm_micro.py [--rows 1,2,4,8,12,16,64] [--threads 2]
+
+``--formats q4,q4f,q5f,q6k,q8`` instead times every layer (LM head included) in each weight
+format on the integer GEMM's dot products, model ms per row count, with the bytes a format
+reads per weight: what GGUF's Q4_0/Q4_1, Q4_K, Q5_0/Q5_1/Q5_K, Q6_K and Q8_0 files cost.
 """
 
 from __future__ import annotations
@@ -48,15 +52,36 @@ def _quantized(name: str, weight: torch.Tensor) -> qf.QuantizedWeight:
     return qf.QuantizedWeight("q4", k, codes, torch.rand(n, blocks).half() * 0.01, torch.rand(n, blocks).half() * 0.01)
 
 
+def compare_formats(lib: kernels.KernelLibrary, formats: list[str], rows_list: list[int]) -> None:
+    """Model ms per format and row count, every linear in that format (dot products)."""
+    packed = {(fmt, name): qf.pack(qf.random_weight(fmt, n, k)) for fmt in formats for name, (n, k, _) in SHAPES.items()}
+    print("format  bits/weight  " + "  ".join(f"rows={r:<5}" for r in rows_list))
+    for fmt in formats:
+        times = []
+        for rows in rows_list:
+            total = 0.0
+            for name, (n, k, count) in SHAPES.items():
+                x, weight = torch.randn(rows, k).bfloat16(), packed[fmt, name]
+                total += _ms(lambda: lib.gemm_q(x, weight, fmt, n), 20 if name == "lm_head" else 100) * count
+            times.append(total)
+        bits = qf.RECORD_BYTES[fmt] * 8 / (qf.BLOCK * qf.TILE_COLS)
+        print(f"{fmt:<7} {bits:11.2f}  " + "  ".join(f"{t:10.2f}" for t in times))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default="1,2,4,8,12,16,64")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--formats", default=None, help="compare weight formats (comma-separated) instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     lib = kernels.default()
     if lib is None or lib.gemm_q_path == "none":
         raise SystemExit("no integer GEMM on this machine (needs the C++ kernels and AVX2)")
+    if args.formats:
+        print(f"integer GEMM: {lib.gemm_q_path}; {args.threads} threads; model ms (30 layers + lm_head)")
+        compare_formats(lib, args.formats.split(","), [int(r) for r in args.rows.split(",")])
+        return
     path = "amx" if lib.gemm_amx_available else "avx512-bf16" if lib.gemm_bf16_available else "avx2"
     amx = lib.gemm_q_amx_available
     print(f"integer GEMM: {lib.gemm_q_path}{' and amx' if amx else ''}; bf16 GEMM: {path}; {args.threads} threads; ms")

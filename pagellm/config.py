@@ -54,8 +54,8 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype | None:
     return _DTYPES[dtype]
 
 
-# --quantization: "auto" keeps a quantized GGUF file's blocks (Q4_0 / Q4_1 / Q8_0 / Q4_K as
-# they are, other types as int8 blocks) unless the dtype is float32 (then every weight is
+# --quantization: "auto" keeps a quantized GGUF file's blocks (Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1
+# and Q4_K / Q5_K / Q6_K as they are, other types as int8 blocks) unless the dtype is float32 (then every weight is
 # dequantized: the exact reference path); "none" dequantizes; "gguf" is auto made required;
 # "int8" quantizes any checkpoint's linears to int8 blocks at load.
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8")

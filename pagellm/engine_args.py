@@ -54,7 +54,7 @@ class EngineArgs:
         "auto (bfloat16 for 16-bit/GGUF checkpoints where the kernel plan multiplies bf16 fast, else float32), "
         "float32 or bfloat16"))
     quantization: str = field(default="auto", metadata=_option(
-        "auto (a quantized GGUF's weights on integer kernels: Q4_0/Q4_1/Q8_0/Q4_K as they are, other types "
+        "auto (a quantized GGUF's weights on integer kernels: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K as they are, other types "
         "re-quantized to int8 blocks; unless the dtype is float32), none (dequantized), gguf (as auto, required), "
         "int8 (any checkpoint's linears to int8 blocks)", choices=QUANTIZATION_CHOICES))
     block_size: int = field(default=16, metadata=_option("tokens per KV-cache block", kind=int))

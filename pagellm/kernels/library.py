@@ -18,7 +18,7 @@ from pagellm.kernels.packing import (
     avx2_packed_shape,
     gemm_epilogue,
 )
-from pagellm.kernels.quant_formats import BLOCK, FORMAT_CODES, packed_shape
+from pagellm.kernels.quant_formats import AMX_FORMATS, BLOCK, FORMAT_CODES, packed_shape
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # pagellm_gemm_q_isa() -> the integer GEMM's path name (kernel plan: ``qgemm``).
@@ -354,20 +354,23 @@ class KernelLibrary:
         self, x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int, epilogue: str = "none",
         amx: bool = False,
     ) -> torch.Tensor:
-        """``x [M, K] @ W.T`` for a quantized ``W`` (``quant_formats.pack``, format ``fmt``: q4, q8
-        or q4f), in integer dot products on activations quantized per block of 32 -> new
+        """``x [M, K] @ W.T`` for a quantized ``W`` (``quant_formats.pack``, format ``fmt``: q4, q8,
+        q4f, q5f or q6k), in integer dot products on activations quantized per block of 32 -> new
         ``[M, out_features]`` tensor of x's dtype (float32 or bf16). ``epilogue="silu_mul"``
         takes a ``quant_formats.pack_silu_mul`` weight and returns ``silu(x @ gate.T) * (x @ up.T)``.
-        ``amx`` computes the same bits on AMX tiles (``gemm_q_amx_available``)."""
+        ``amx`` computes the same bits on AMX tiles (``gemm_q_amx_available``; formats in
+        ``AMX_FORMATS``)."""
         if epilogue not in ("none", "silu_mul"):
             raise ValueError(f"epilogue must be 'none' or 'silu_mul', got {epilogue!r}")
         if self.gemm_q_path == "none":
             raise RuntimeError(f"the integer GEMM of this kernel build ({' '.join(self.march)}) does not run on this CPU "
                                f"(built: {self.gemm_q_built}; it needs AVX2, FMA and F16C at least)")
-        if amx and not self.gemm_q_amx_available:
-            raise RuntimeError(f"the integer GEMM on AMX tiles is not available in this kernel build ({' '.join(self.march)})")
         if fmt not in FORMAT_CODES:
             raise ValueError(f"format must be one of {sorted(FORMAT_CODES)}, got {fmt!r}")
+        if amx and fmt not in AMX_FORMATS:
+            raise ValueError(f"AMX tiles take {sorted(AMX_FORMATS)} weights, not {fmt}")
+        if amx and not self.gemm_q_amx_available:
+            raise RuntimeError(f"the integer GEMM on AMX tiles is not available in this kernel build ({' '.join(self.march)})")
         rows, k = _check_gemm_input(x)
         expected = packed_shape(fmt, out_features, k, silu_mul=epilogue == "silu_mul")
         if out_features <= 0 or packed.dtype != torch.uint8 or tuple(packed.shape) != expected or not packed.is_contiguous():

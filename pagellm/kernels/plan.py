@@ -18,8 +18,8 @@ from pagellm.kernels.library import KernelLibrary
 OWN_GEMM_PATHS = ("amx", "avx512-bf16", "avx2")  # pagellm's own GEMMs
 GEMM_PATHS = (*OWN_GEMM_PATHS, "onednn", "torch")  # and oneDNN packed, F.linear
 ELEMENTWISE_PATHS = ("kernel", "torch")  # norm, rotary, argmax: pagellm's C++ or PyTorch
-# How the linears' weights are held: dense (the compute dtype), gguf (the file's Q4_0 / Q4_1 /
-# Q8_0 / Q4_K blocks, other types as int8 blocks) or int8 (int8 blocks quantized at load); the
+# How the linears' weights are held: dense (the compute dtype), gguf (the file's blocks: Q4_0,
+# Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K as they are, other types as int8 blocks) or int8 (int8 blocks quantized at load); the
 # quantized ones run the integer GEMM.
 WEIGHT_FORMATS = ("dense", "gguf", "int8")
 DECODER_PATHS = ("layers", "fused")

@@ -1,15 +1,20 @@
 """Quantized weight formats of the integer GEMM (``csrc/gemm_int8.cpp``): unpacked, packed,
 converted from GGUF blocks or from dense weights, and a plain reference product.
 
-Two formats, 32 weights a block along a row (k):
+Five formats, 32 weights a block along a row (k):
 - ``q4``: codes 0..15 with a scale ``d`` and an offset ``m`` per block (weight = d * code + m):
   GGUF's Q4_1 as stored, and Q4_0 (d * (code - 8)) with m = -8 d (``model.gguf_loader``).
 - ``q8``: codes -128..127 (int8) with a scale per block: GGUF's Q8_0, and ``--quantization
   int8`` (each block of a dense weight scaled to its largest magnitude, -127..127).
 - ``q4f``: ``q4`` with float32 scales and offsets: GGUF's Q4_K, whose per-32 scales are an
   fp16 times a 6-bit integer (exact in float32, not in fp16).
-Scales and offsets are fp16 (``q4f``: float32). A weight whose k is not a multiple of 32 is padded
-with zero codes (q4: also zero scale and offset).
+- ``q5f``: codes 0..31 with float32 scales and offsets: GGUF's Q5_K (as Q4_K), Q5_1, and Q5_0
+  (d * (code - 16): offset -16 d).
+- ``q6k``: codes 0..63, weight = d * s * (code - 32) with an fp16 ``d`` per block and an int8
+  ``s`` per 16 weights (``sub_scale``): GGUF's Q6_K as stored.
+Scales and offsets are fp16 (``q4f``, ``q5f``: float32). A weight whose k is not a multiple of 32
+is padded with zero codes (q4: also zero scale and offset). AMX tiles take q4, q8 and q4f only
+(``AMX_FORMATS``); the others run the dot products at every batch size.
 """
 
 from __future__ import annotations
@@ -20,21 +25,26 @@ import torch
 
 BLOCK = 32
 TILE_COLS = 16
-RECORD_BYTES = {"q4": 256 + 64, "q8": 512 + 32, "q4f": 256 + 128}
-FORMAT_CODES = {"q4": 0, "q8": 1, "q4f": 2}
-_SCALE_DTYPES = {"q4": torch.float16, "q8": torch.float16, "q4f": torch.float32}
+RECORD_BYTES = {"q4": 256 + 64, "q8": 512 + 32, "q4f": 256 + 128, "q5f": 256 + 64 + 128, "q6k": 256 + 128 + 64}
+FORMAT_CODES = {"q4": 0, "q8": 1, "q4f": 2, "q5f": 3, "q6k": 4}
+AMX_FORMATS = frozenset({"q4", "q8", "q4f"})
+_SCALE_DTYPES = {"q4": torch.float16, "q8": torch.float16, "q4f": torch.float32, "q5f": torch.float32,
+                 "q6k": torch.float16}  # fmt: skip
+HALF = BLOCK // 2  # q6k's scale groups
 
 
 @dataclass
 class QuantizedWeight:
-    """A [rows, k] weight in one format, unpacked: ``codes`` [rows, blocks * 32] (uint8 for q4,
-    int8 for q8), ``scale`` and (q4) ``offset`` [rows, blocks] fp16. ``k`` is the true width."""
+    """A [rows, k] weight in one format, unpacked: ``codes`` [rows, blocks * 32] (int8 for q8,
+    else uint8), ``scale`` and (q4, q4f, q5f) ``offset`` [rows, blocks] (dtypes as in the module
+    docstring); q6k: ``sub_scale`` int8 [rows, blocks * 2]. ``k`` is the true width."""
 
     format: str
     k: int
     codes: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor | None = None
+    sub_scale: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -42,8 +52,14 @@ class QuantizedWeight:
         return self.codes.shape[0]
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 weight [rows, k] these codes stand for."""
+        """The float32 weight [rows, k] these codes stand for (bit for bit as gguf-py's
+        dequantization computes the GGUF types they come from)."""
         blocks = self.scale.shape[1]
+        if self.format == "q6k":
+            assert self.sub_scale is not None
+            codes = self.codes.float().view(self.rows, 2 * blocks, HALF) - 32
+            scale = self.scale.float().repeat_interleave(2, dim=1) * self.sub_scale.float()  # exact
+            return (codes * scale.unsqueeze(-1)).reshape(self.rows, blocks * BLOCK)[:, : self.k]
         codes = self.codes.float().view(self.rows, blocks, BLOCK)
         w = codes * self.scale.float().unsqueeze(-1)
         if self.offset is not None:
@@ -53,23 +69,33 @@ class QuantizedWeight:
     def select_rows(self, rows: torch.Tensor | slice) -> QuantizedWeight:
         """These rows only (a permutation or a slice), same format."""
         offset = None if self.offset is None else self.offset[rows]
-        return QuantizedWeight(self.format, self.k, self.codes[rows], self.scale[rows], offset)
+        sub = None if self.sub_scale is None else self.sub_scale[rows]
+        return QuantizedWeight(self.format, self.k, self.codes[rows], self.scale[rows], offset, sub)
+
+    def masked_rows(self, keep: torch.Tensor) -> QuantizedWeight:
+        """The rows where ``keep`` [rows, 1] is False set to zero weights (codes, scales, offsets)."""
+        def masked(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t * keep.to(t.dtype)
+        return QuantizedWeight(self.format, self.k, masked(self.codes), masked(self.scale), masked(self.offset),
+                               masked(self.sub_scale))  # type: ignore[arg-type]  # fmt: skip
 
 
 def common_format(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
-    """The shards of one linear in one format: as they are, q4 widened to q4f (exact) next to
-    q4f, else every shard re-quantized to q8 blocks."""
+    """The shards of one linear in one format: as they are; q4 and q4f widened (exactly) to the
+    widest of q4 < q4f < q5f among them; else every shard re-quantized to q8 blocks."""
     formats = {p.format for p in parts}
     if len(formats) == 1:
         return parts
-    if formats == {"q4", "q4f"}:
-        return [p if p.format == "q4f" else _widen_scales(p) for p in parts]
+    if formats <= {"q4", "q4f", "q5f"}:
+        target = "q5f" if "q5f" in formats else "q4f"
+        return [p if p.format == target else _widen(p, target) for p in parts]
     return [quantize_q8(p.dequantize()) for p in parts]
 
 
-def _widen_scales(weight: QuantizedWeight) -> QuantizedWeight:
+def _widen(weight: QuantizedWeight, fmt: str) -> QuantizedWeight:
+    """q4 / q4f codes under float32 scales and offsets: the same weights as q4f or q5f."""
     offset = None if weight.offset is None else weight.offset.float()
-    return QuantizedWeight("q4f", weight.k, weight.codes, weight.scale.float(), offset)
+    return QuantizedWeight(fmt, weight.k, weight.codes, weight.scale.float(), offset)
 
 
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -78,8 +104,9 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     if any(p.format != first.format or p.k != first.k for p in parts):
         raise ValueError("only weights of one format and width can be stacked")
     offset = None if first.offset is None else torch.cat([p.offset for p in parts])  # type: ignore[misc]
+    sub = None if first.sub_scale is None else torch.cat([p.sub_scale for p in parts])  # type: ignore[misc]
     return QuantizedWeight(first.format, first.k, torch.cat([p.codes for p in parts]),
-                           torch.cat([p.scale for p in parts]), offset)  # fmt: skip
+                           torch.cat([p.scale for p in parts]), offset, sub)  # fmt: skip
 
 
 def quantize_q8(weight: torch.Tensor) -> QuantizedWeight:
@@ -96,6 +123,23 @@ def quantize_q8(weight: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight("q8", k, codes.view(rows, blocks * BLOCK), scale)
 
 
+def random_weight(fmt: str, rows: int, k: int, generator: torch.Generator | None = None) -> QuantizedWeight:
+    """Random codes, scales and offsets in ``fmt`` (tests and benchmarks): every code value
+    occurs, scales of a size that keeps the products near 1."""
+    if fmt == "q8":
+        return quantize_q8(torch.randn(rows, k, generator=generator))
+    blocks = -(-k // BLOCK)
+    levels = {"q4": 16, "q4f": 16, "q5f": 32, "q6k": 64}[fmt]
+    codes = torch.randint(0, levels, (rows, blocks * BLOCK), generator=generator, dtype=torch.uint8)
+    codes[:, k:] = 0
+    if fmt == "q6k":
+        sub = torch.randint(-128, 128, (rows, 2 * blocks), generator=generator, dtype=torch.int8)
+        return QuantizedWeight(fmt, k, codes, (torch.rand(rows, blocks, generator=generator) * 1e-3).half(), sub_scale=sub)
+    scale = (torch.rand(rows, blocks, generator=generator) * 0.1).to(_SCALE_DTYPES[fmt])
+    offset = (torch.randn(rows, blocks, generator=generator) * 0.1).to(_SCALE_DTYPES[fmt])
+    return QuantizedWeight(fmt, k, codes, scale, offset)
+
+
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     """``t`` with zero rows appended up to ``rows`` (the last tile's missing columns)."""
     if t.shape[0] == rows:
@@ -108,24 +152,42 @@ def pack(weight: QuantizedWeight) -> torch.Tensor:
     fmt, blocks = weight.format, weight.scale.shape[1]
     if weight.scale.dtype != _SCALE_DTYPES[fmt] or (weight.offset is not None and weight.offset.dtype != weight.scale.dtype):
         raise ValueError(f"{fmt} scales and offsets are {_SCALE_DTYPES[fmt]}")
+    if (fmt == "q6k") != (weight.sub_scale is not None) or (fmt == "q6k" and weight.sub_scale.dtype != torch.int8):
+        raise ValueError("q6k weights, and only they, carry int8 sub-scales")
     tiles = -(-weight.rows // TILE_COLS)
     rows = tiles * TILE_COLS
     codes = _pad_rows(weight.codes.view(torch.uint8) if fmt == "q8" else weight.codes, rows)
     scale = _pad_rows(weight.scale, rows)
     # codes [tile, col, block, k] -> per (tile, block): the groups of 4 k for 16 columns.
     c = codes.view(tiles, TILE_COLS, blocks, BLOCK).permute(0, 2, 1, 3)  # [tiles, blocks, 16, 32]
-    if fmt in ("q4", "q4f"):
-        c = c.reshape(tiles, blocks, TILE_COLS, 4, 2, 4)  # k = 8 g + 4 h + j
-        code_bytes = c[..., 0, :] | (c[..., 1, :] << 4)  # [tiles, blocks, 16, g, j]
-        code_bytes = code_bytes.permute(0, 1, 3, 2, 4).reshape(tiles, blocks, 256)
-        offset = _pad_rows(weight.offset, rows)  # type: ignore[arg-type]
-        halves = [scale, offset]
-    else:
+    if fmt == "q8":
         c = c ^ 0x80  # u8 = q + 128
         code_bytes = c.reshape(tiles, blocks, TILE_COLS, 8, 4).permute(0, 1, 3, 2, 4).reshape(tiles, blocks, 512)
-        halves = [scale]
-    per_block = [h.view(tiles, TILE_COLS, blocks).permute(0, 2, 1).contiguous().view(torch.uint8) for h in halves]
-    return torch.cat([code_bytes.contiguous(), *per_block], dim=-1).contiguous()
+        return torch.cat([code_bytes, _per_column(scale, tiles, blocks)], dim=-1).contiguous()
+    c = c.reshape(tiles, blocks, TILE_COLS, 4, 2, 4)  # k = 8 g + 4 h + j
+    low = c & 0x0F
+    code_bytes = low[..., 0, :] | (low[..., 1, :] << 4)  # [tiles, blocks, 16, g, j]
+    parts = [code_bytes.permute(0, 1, 3, 2, 4).reshape(tiles, blocks, 256)]
+    if fmt == "q5f":  # fifth bits: bit 2 g + h of a group byte's plane byte
+        shifts = (2 * torch.arange(4).view(4, 1, 1) + torch.arange(2).view(1, 2, 1)).to(torch.uint8)
+        parts.append((((c >> 4) & 1) << shifts).sum(dim=(3, 4), dtype=torch.uint8).reshape(tiles, blocks, 64))
+    if fmt == "q6k":  # top two bits: plane g // 2, bits 4 (g % 2) + 2 h
+        top = ((c >> 4) & 3).view(tiles, blocks, TILE_COLS, 2, 2, 2, 4)  # [.., col, p, e, h, j]
+        shifts = (4 * torch.arange(2).view(2, 1, 1) + 2 * torch.arange(2).view(1, 2, 1)).to(torch.uint8)
+        planes = (top << shifts).sum(dim=(4, 5), dtype=torch.uint8)  # [tiles, blocks, col, p, j]
+        parts.append(planes.permute(0, 1, 3, 2, 4).reshape(tiles, blocks, 128))
+        sub = _pad_rows(weight.sub_scale, rows)  # type: ignore[arg-type]
+        parts.append(sub.view(tiles, TILE_COLS, blocks, 2).permute(0, 2, 3, 1).reshape(tiles, blocks, 32).view(torch.uint8))
+        parts.append(_per_column(scale, tiles, blocks))
+        return torch.cat([p.contiguous() for p in parts], dim=-1).contiguous()
+    offset = _pad_rows(weight.offset, rows)  # type: ignore[arg-type]
+    parts += [_per_column(scale, tiles, blocks), _per_column(offset, tiles, blocks)]
+    return torch.cat([p.contiguous() for p in parts], dim=-1).contiguous()
+
+
+def _per_column(values: torch.Tensor, tiles: int, blocks: int) -> torch.Tensor:
+    """[tiles * 16, blocks] per-column values as each (tile, block) record's bytes."""
+    return values.view(tiles, TILE_COLS, blocks).permute(0, 2, 1).contiguous().view(torch.uint8)
 
 
 def pack_silu_mul(gate_up: QuantizedWeight) -> torch.Tensor:
@@ -138,10 +200,7 @@ def pack_silu_mul(gate_up: QuantizedWeight) -> torch.Tensor:
     real = torch.cat([column, column], dim=1).flatten() < half
     gathered = gate_up.select_rows(torch.where(real, source, torch.zeros_like(source)))
     if not bool(real.all()):
-        keep = real.unsqueeze(1)
-        offset = None if gathered.offset is None else gathered.offset * keep
-        gathered = QuantizedWeight(gathered.format, gathered.k, gathered.codes * keep.to(gathered.codes.dtype),
-                                   gathered.scale * keep, offset)  # fmt: skip
+        gathered = gathered.masked_rows(real.unsqueeze(1))
     return pack(gathered)
 
 
@@ -170,11 +229,18 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 def reference_gemm(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """What the kernel computes, in float64 from the same integers: [M, rows] float64."""
     q, d, _ = quantize_activations(x)
-    rows, blocks = weight.rows, weight.scale.shape[1]
-    qa = q.double().view(-1, blocks, BLOCK)
-    qw = weight.codes.double().view(rows, blocks, BLOCK)
+    scale, offset = weight.scale.double(), None if weight.offset is None else weight.offset.double()
+    size = BLOCK
+    if weight.format == "q6k":  # groups of 16: scale d * s, offset -32 d * s
+        assert weight.sub_scale is not None
+        size, d = HALF, d.repeat_interleave(2, dim=1)
+        scale = scale.repeat_interleave(2, dim=1) * weight.sub_scale.double()
+        offset = -32 * scale
+    groups = scale.shape[1]
+    qa = q.double().view(-1, groups, size)
+    qw = weight.codes.double().view(weight.rows, groups, size)
     isum = torch.einsum("mbk,nbk->mnb", qa, qw)  # exact: integers below 2**53
-    out = isum * weight.scale.double().unsqueeze(0) * d.double().unsqueeze(1)
-    if weight.offset is not None:
-        out = out + weight.offset.double().unsqueeze(0) * (d.double() * qa.sum(-1)).unsqueeze(1)
+    out = isum * scale.unsqueeze(0) * d.double().unsqueeze(1)
+    if offset is not None:
+        out = out + offset.unsqueeze(0) * (d.double() * qa.sum(-1)).unsqueeze(1)
     return out.sum(-1)

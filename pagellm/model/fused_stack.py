@@ -45,7 +45,7 @@ def _linear_args(module: nn.Module, big: bool) -> LinearArgs | None:
     for batches above the plan's ``quant_max_rows`` (quantized linears may use AMX tiles then)."""
     if isinstance(module, QuantizedLinear):
         epilogue = 1 if module.silu_mul else 0
-        kind = LINEAR_KINDS["integer-amx" if big and module.amx_above_rows is not None else "integer"]
+        kind = LINEAR_KINDS["integer-amx" if big and module.big_batches_on_amx else "integer"]
         return LinearArgs(module.packed.data_ptr(), kind, FORMAT_CODES[module.format], epilogue, 0)
     if not isinstance(module, (KernelLinear, KernelSiluAndMulLinear)) or module.path not in LINEAR_KINDS:
         return None

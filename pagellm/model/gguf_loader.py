@@ -21,8 +21,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize, quant_shape_to_byte_shape
 
-from pagellm.kernels.quant_formats import BLOCK, QuantizedWeight
+from pagellm.kernels.quant_formats import QuantizedWeight
 from pagellm.model.arch_config import ModelArchConfig
+from pagellm.model.gguf_blocks import GGUF_FORMATS, from_gguf_blocks
 
 # GGUF general.architecture -> (HF architecture, q/k/v bias, q/k rows permuted by the converter).
 _GGUF_ARCHS: dict[str, tuple[str, bool, bool]] = {
@@ -45,13 +46,6 @@ _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-# GGUF types whose blocks the integer GEMM takes as they are (the rest are dequantized when
-# loaded, and re-quantized to int8 blocks where they feed a quantized linear).
-GGUF_FORMATS = {
-    GGMLQuantizationType.Q4_0: "q4", GGMLQuantizationType.Q4_1: "q4", GGMLQuantizationType.Q8_0: "q8",
-    GGMLQuantizationType.Q4_K: "q4f",
-}
-_Q4_K_SUPER = 256  # Q4_K: 8 sub-blocks of 32 under one fp16 scale and min (144 bytes)
 _BLOCK_TENSOR = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<name>\w+)\.(?P<kind>weight|bias)$")
 _MISSING = object()
 
@@ -363,55 +357,8 @@ def _dequantized(tensor: Any) -> torch.Tensor:
     return torch.from_numpy(data).reshape(shape)
 
 
-def from_gguf_blocks(raw: np.ndarray, qtype: GGMLQuantizationType, k: int) -> QuantizedWeight:
-    """GGUF's bytes of a [rows, k] tensor (``raw``: [rows, bytes per row]) in their own format:
-    Q4_0 and Q4_1 as q4, Q8_0 as q8, Q4_K as q4f, without changing the codes' meaning."""
-    rows = raw.shape[0]
-    fmt = GGUF_FORMATS.get(qtype)
-    if fmt is None or k % (_Q4_K_SUPER if fmt == "q4f" else BLOCK) != 0:
-        raise ValueError(f"GGUF type {qtype.name} with k={k} is not kept packed")
-    if fmt == "q4f":
-        return _from_q4_k(np.ascontiguousarray(raw).reshape(rows, k // _Q4_K_SUPER, 144), k)
-    blocks = k // BLOCK
-    data = np.ascontiguousarray(raw).reshape(rows, blocks, -1)
-    scale = torch.from_numpy(data[..., :2].copy().view(np.float16).reshape(rows, blocks))
-    if fmt == "q8":
-        codes = torch.from_numpy(data[..., 2:].copy().view(np.int8).reshape(rows, k))
-        return QuantizedWeight("q8", k, codes, scale)
-    if qtype == GGMLQuantizationType.Q4_1:
-        offset = torch.from_numpy(data[..., 2:4].copy().view(np.float16).reshape(rows, blocks))
-        nibbles = data[..., 4:]
-    else:
-        if not torch.isfinite(scale.float() * -8).all() or (scale.float().abs() * 8 > 65504).any():
-            raise ValueError("a Q4_0 scale too large for the q4 offset (-8 d) in fp16")
-        offset = (scale.float() * -8).to(torch.float16)  # exact: a power-of-two multiple
-        nibbles = data[..., 2:]
-    # Each block's byte j holds element j (low nibble) and element j + 16 (high nibble).
-    codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, k)
-    return QuantizedWeight("q4", k, torch.from_numpy(codes.astype(np.uint8)), scale, offset)
-
-
-def _from_q4_k(data: np.ndarray, k: int) -> QuantizedWeight:
-    """Q4_K super-blocks ([rows, supers, 144]: d, dmin fp16, 12 bytes of 6-bit scales and mins,
-    128 bytes of nibbles) as q4f: per 32 weights scale d * sc and offset -(dmin * m) in float32,
-    as gguf-py's dequantization computes them."""
-    rows, supers = data.shape[:2]
-    d = data[..., 0:2].copy().view(np.float16).astype(np.float32)  # [rows, supers, 1]
-    dmin = data[..., 2:4].copy().view(np.float16).astype(np.float32)
-    packed = data[..., 4:16].reshape(rows, supers, 3, 4)
-    low, high, extra = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
-    sc = np.concatenate([low & 0x3F, (extra & 0x0F) | ((low >> 2) & 0x30)], axis=-1).astype(np.float32)
-    mins = np.concatenate([high & 0x3F, (extra >> 4) | ((high >> 2) & 0x30)], axis=-1).astype(np.float32)
-    scale = torch.from_numpy((d * sc).reshape(rows, supers * 8))
-    offset = torch.from_numpy(-(dmin * mins).reshape(rows, supers * 8))
-    # Each 32-byte group p of the nibbles: sub-block 2p in the low nibbles, 2p + 1 in the high.
-    nibbles = data[..., 16:].reshape(rows, supers, 4, 1, 32)
-    codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=3).reshape(rows, k)
-    return QuantizedWeight("q4f", k, torch.from_numpy(codes.astype(np.uint8)), scale, offset)
-
-
 def _kept_blocks(tensor: Any) -> QuantizedWeight | None:
-    """A 2-D Q4_0 / Q4_1 / Q8_0 / Q4_K tensor's blocks as they are; None for other tensors, and
+    """A 2-D tensor of a type in ``GGUF_FORMATS`` as its blocks; None for other tensors, and
     for a Q4_0 whose scales overflow the q4 offset (it is then dequantized like other types)."""
     if tensor.tensor_type not in GGUF_FORMATS or len(tensor.shape) != 2:
         return None
@@ -430,7 +377,7 @@ def iter_gguf_weights(
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Yield ``(hf_name, tensor)`` for every tensor, dequantized into ``dtype`` (float32 with
     ``keep_float32``: for a caller that casts while copying), one at a time; with
-    ``keep_quantized``, 2-D Q4_0 / Q4_1 / Q8_0 / Q4_K tensors come as their blocks (a
+    ``keep_quantized``, 2-D tensors of the types in ``GGUF_FORMATS`` come as their blocks (a
     :class:`QuantizedWeight`), not dequantized."""
     _, _, _, permuted = _gguf_arch(reader)
     heads_for = {"q_proj": arch.num_attention_heads, "k_proj": arch.num_key_value_heads}

@@ -127,8 +127,8 @@ def auto_dtype(model: str | None, bf16_is_fast: bool, downcast_float32: bool = F
 
 
 def has_quantized_gguf_weights(model: str | None) -> bool:
-    """Whether the checkpoint is a GGUF file with quantized decoder weights: Q4_0 / Q4_1 / Q8_0 /
-    Q4_K blocks the integer GEMM takes as they are, or other block types (Q5_K, Q6_K, ...) it
+    """Whether the checkpoint is a GGUF file with quantized decoder weights: blocks the integer
+    GEMM takes as they are (``model.gguf_blocks``), or other block types (Q2_K, Q3_K, ...) it
     takes re-quantized to int8 blocks."""
     path = resolve_model_path(model)
     return is_gguf(path) and has_quantized_linears(open_gguf(path))

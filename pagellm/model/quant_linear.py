@@ -19,7 +19,7 @@ from torch.nn.utils import skip_init
 from pagellm.kernels import quant_formats
 from pagellm.kernels.library import KernelLibrary
 from pagellm.kernels.plan import KernelPlan
-from pagellm.kernels.quant_formats import QuantizedWeight, common_format, concat_rows, quantize_q8
+from pagellm.kernels.quant_formats import AMX_FORMATS, QuantizedWeight, common_format, concat_rows, quantize_q8
 from pagellm.model.cpu_linear import KernelLinear, KernelSiluAndMulLinear, kernel_gemm_fits
 
 
@@ -107,9 +107,15 @@ class QuantizedLinear(nn.Module):
             out = self.kernels.gemm_q(x, self.packed, self.format, self.out_features, epilogue, self.uses_amx(x.shape[0]))
         return out if self.bias is None else out.add_(self.bias)
 
+    @property
+    def big_batches_on_amx(self) -> bool:
+        """Whether batches above ``amx_above_rows`` run on AMX tiles: the plan's choice, where
+        the tiles take this weight's format (q5f and q6k stay on the dot products)."""
+        return self.amx_above_rows is not None and self.format in AMX_FORMATS
+
     def uses_amx(self, rows: int) -> bool:
         """Whether a batch of ``rows`` runs the integer GEMM on AMX tiles."""
-        return self.amx_above_rows is not None and rows > self.amx_above_rows
+        return self.big_batches_on_amx and rows > self.amx_above_rows  # type: ignore[operator]
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -1,5 +1,6 @@
 """pagellm's integer GEMM (``gemm_int8.cpp``): quantized weights (q4: GGUF Q4_0 / Q4_1, q8:
-Q8_0 and --quantization int8) times activations quantized per block of 32.
+Q8_0 and --quantization int8, q4f: Q4_K, q5f: Q5_0 / Q5_1 / Q5_K, q6k: Q6_K) times activations
+quantized per block of 32.
 
 Each ISA path this CPU can run is built and checked against the plain reference
 (``quant_formats``): the activation quantization exactly, the product within float32 rounding of
@@ -19,7 +20,7 @@ from pagellm.kernels import quant_formats as qf
 from pagellm.kernels.build import load_library
 from pagellm.kernels.isa import usable_cpu_flags
 from pagellm.kernels.library import KernelLibrary
-from pagellm.model.gguf_loader import from_gguf_blocks
+from pagellm.model.gguf_blocks import from_gguf_blocks
 
 # (compiler flags, CPU flags the path needs to run, the path the build reports)
 PATHS = [
@@ -28,6 +29,7 @@ PATHS = [
     (("-march=x86-64-v4", "-mavx512vnni"), {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, "avx512-vnni"),
 ]
 SHAPES = [(1, 64, 16), (2, 96, 40), (3, 576, 192), (5, 100, 33), (17, 1536, 48), (0, 64, 16)]
+FORMATS = sorted(qf.FORMAT_CODES)
 
 
 def _library(march: tuple[str, ...]) -> KernelLibrary:
@@ -50,16 +52,7 @@ def path_lib(request) -> KernelLibrary:
     return lib
 
 
-def _random_weight(fmt: str, n: int, k: int, g: torch.Generator) -> qf.QuantizedWeight:
-    if fmt == "q8":
-        return qf.quantize_q8(torch.randn(n, k, generator=g))
-    blocks = -(-k // qf.BLOCK)
-    codes = torch.randint(0, 16, (n, blocks * qf.BLOCK), generator=g, dtype=torch.uint8)
-    codes[:, k:] = 0
-    scale_dtype = torch.float32 if fmt == "q4f" else torch.float16
-    scale = (torch.rand(n, blocks, generator=g) * 0.1).to(scale_dtype)
-    offset = (torch.randn(n, blocks, generator=g) * 0.1).to(scale_dtype)
-    return qf.QuantizedWeight(fmt, k, codes, scale, offset)
+_random_weight = qf.random_weight
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -97,7 +90,7 @@ def test_vectorized_activation_quantization_equals_the_scalar_loop(dtype: torch.
     assert bool(scales[2].isnan().any()) and bool(scales[3:5].isinf().any(dim=1).all())  # NaN and infinity rows
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8", "q4f"])
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_gemm_equals_reference(path_lib: KernelLibrary, fmt: str, m: int, k: int, n: int) -> None:
     g = torch.Generator().manual_seed(m * 1000 + k + n)
@@ -120,7 +113,7 @@ def test_gemm_equals_reference(path_lib: KernelLibrary, fmt: str, m: int, k: int
         assert torch.equal(path_lib.gemm_q(x[-1:], packed, fmt, n), got[-1:])
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8", "q4f"])
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n", [8, 20, 48])
 def test_silu_mul_epilogue(path_lib: KernelLibrary, fmt: str, n: int) -> None:
     """silu(gate) * up from one product over a [gate; up] weight, ragged n included."""
@@ -135,9 +128,10 @@ def test_silu_mul_epilogue(path_lib: KernelLibrary, fmt: str, n: int) -> None:
 
 
 def test_extreme_codes_do_not_saturate(path_lib: KernelLibrary) -> None:
-    """The AVX2 path's int16 sums at their bounds: q4 codes all 15, q8 codes -128 / 127, against
-    activations all +-127 (every block's amax repeated), mixed signs and all of one sign (a q4
-    block's 32 products then sum to 16 * 15 * 127 in each int16 lane)."""
+    """The AVX2 path's int16 sums at their bounds: q4 codes all 15, q5f 31, q6k 63 (under int8
+    sub-scales -128 and 127), q8 codes -128 / 127, against activations all +-127 (every block's
+    amax repeated), mixed signs and all of one sign (a q4 block's 32 products then sum to
+    16 * 15 * 127 in each int16 lane; a q6k group's 8 to 8 * 63 * 127)."""
     k, n = 128, 32
     x = torch.where(torch.arange(k) % 3 == 0, -1.0, 1.0).repeat(5, 1) * torch.tensor([[1.0], [-1.0], [2.0], [0], [0]])
     x[3], x[4] = 1.0, -3.0
@@ -146,7 +140,11 @@ def test_extreme_codes_do_not_saturate(path_lib: KernelLibrary) -> None:
     q4 = qf.QuantizedWeight("q4", k, torch.full((n, k), 15, dtype=torch.uint8), scale, torch.zeros(n, blocks).half())
     q8_codes = torch.where(torch.arange(n * k).view(n, k) % 2 == 0, -128, 127).to(torch.int8)
     q8 = qf.QuantizedWeight("q8", k, q8_codes, scale)
-    for fmt, weight in (("q4", q4), ("q8", q8)):
+    q5f = qf.QuantizedWeight("q5f", k, torch.full((n, k), 31, dtype=torch.uint8), scale.float(), scale.float() * 0)
+    sub = torch.where(torch.arange(2 * blocks) % 2 == 0, -128, 127).to(torch.int8).repeat(n, 1)
+    q6k = qf.QuantizedWeight("q6k", k, torch.full((n, k), 63, dtype=torch.uint8), scale, sub_scale=sub)
+    q6k_low = qf.QuantizedWeight("q6k", k, torch.zeros(n, k, dtype=torch.uint8), scale, sub_scale=sub)
+    for fmt, weight in (("q4", q4), ("q8", q8), ("q5f", q5f), ("q6k", q6k), ("q6k", q6k_low)):
         expected = qf.reference_gemm(x, weight)
         got = path_lib.gemm_q(x, qf.pack(weight), fmt, n)
         torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()))
@@ -165,7 +163,7 @@ def test_paths_agree_bit_for_bit() -> None:
     libraries = [_library(march) for march, needs, _ in PATHS if needs <= usable_cpu_flags("amx")]
     runnable = [lib for lib in libraries if lib.gemm_q_path != "none"]
     g = torch.Generator().manual_seed(3)
-    for fmt in ("q4", "q8", "q4f"):
+    for fmt in FORMATS:
         weight = _random_weight(fmt, 80, 320, g)
         packed = qf.pack(weight)
         x = torch.randn(9, 320, generator=g)
@@ -182,7 +180,7 @@ def amx_lib() -> KernelLibrary:
     return lib
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8", "q4f"])
+@pytest.mark.parametrize("fmt", sorted(qf.AMX_FORMATS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,k,n", [(1, 64, 16), (15, 96, 40), (16, 576, 48), (17, 100, 33), (45, 1536, 160)])
 def test_amx_tiles_equal_the_dot_products(amx_lib: KernelLibrary, fmt: str, dtype: torch.dtype, m: int, k: int,
@@ -208,33 +206,75 @@ def test_amx_tiles_are_refused_where_the_build_has_none() -> None:
         lib.gemm_q(torch.randn(2, 64), qf.pack(weight), "q4", 16, amx=True)
 
 
-@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0])
+@pytest.mark.parametrize("fmt", sorted(set(qf.FORMAT_CODES) - qf.AMX_FORMATS))
+def test_amx_tiles_are_refused_for_formats_they_do_not_take(fmt: str) -> None:
+    lib = _library(PATHS[0][0])
+    weight = _random_weight(fmt, 16, 64, torch.Generator().manual_seed(8))
+    with pytest.raises(ValueError, match="AMX tiles take"):
+        lib.gemm_q(torch.randn(2, 64), qf.pack(weight), fmt, 16, amx=True)
+
+
+LEGACY = {GGMLQuantizationType.Q4_0: "q4", GGMLQuantizationType.Q4_1: "q4", GGMLQuantizationType.Q8_0: "q8",
+          GGMLQuantizationType.Q5_0: "q5f", GGMLQuantizationType.Q5_1: "q5f"}  # fmt: skip
+
+
+@pytest.mark.parametrize("qtype", list(LEGACY), ids=[t.name for t in LEGACY])
 def test_gguf_blocks_mean_what_gguf_says(qtype: GGMLQuantizationType) -> None:
     rng = np.random.default_rng(0)
     dense = rng.standard_normal((24, 96)).astype(np.float32)
     raw = quantize(dense, qtype)
     weight = from_gguf_blocks(raw, qtype, 96)
-    assert weight.format == ("q8" if qtype == GGMLQuantizationType.Q8_0 else "q4")
+    assert weight.format == LEGACY[qtype]
     assert torch.equal(weight.dequantize(), torch.from_numpy(dequantize(raw, qtype)))
     permutation = torch.randperm(24, generator=torch.Generator().manual_seed(0))
     assert torch.equal(weight.select_rows(permutation).dequantize(), weight.dequantize()[permutation])
 
 
-def test_q4_k_blocks_mean_what_gguf_says() -> None:
-    """Q4_K (no quantizer in gguf-py: random super-blocks with sane scales) kept as q4f, exactly
-    gguf-py's dequantization; next to a q4 shard it widens, not re-quantizes."""
+def _half_bytes(value: float) -> np.ndarray:
+    return np.frombuffer(np.array([value], dtype=np.float16).tobytes(), dtype=np.uint8)
+
+
+def random_k_quant(qtype: GGMLQuantizationType, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant super-blocks (gguf-py has no quantizer for them) with sane fp16 scales."""
+    size = {GGMLQuantizationType.Q4_K: 144, GGMLQuantizationType.Q5_K: 176, GGMLQuantizationType.Q6_K: 210}[qtype]
+    raw = rng.integers(0, 256, (rows, k // 256 * size), dtype=np.uint8)
+    supers = raw.reshape(rows, k // 256, size)
+    if qtype == GGMLQuantizationType.Q6_K:
+        supers[..., 208:210] = _half_bytes(0.0021)
+    else:
+        supers[..., 0:2], supers[..., 2:4] = _half_bytes(0.0123), _half_bytes(0.0047)
+    return raw
+
+
+K_QUANTS = {GGMLQuantizationType.Q4_K: "q4f", GGMLQuantizationType.Q5_K: "q5f", GGMLQuantizationType.Q6_K: "q6k"}
+
+
+@pytest.mark.parametrize("qtype", list(K_QUANTS), ids=[t.name for t in K_QUANTS])
+def test_k_quant_blocks_mean_what_gguf_says(qtype: GGMLQuantizationType) -> None:
+    """Q4_K, Q5_K and Q6_K kept in their own formats: exactly gguf-py's dequantization, and the
+    kernel's product equals the reference on them."""
+    raw = random_k_quant(qtype, 24, 512, np.random.default_rng(1))
+    weight = from_gguf_blocks(raw, qtype, 512)
+    assert weight.format == K_QUANTS[qtype]
+    assert torch.equal(weight.dequantize(), torch.from_numpy(dequantize(raw, qtype)))
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(2))
+    expected = qf.reference_gemm(x, weight)
+    torch.testing.assert_close(x.double() @ weight.dequantize().double().T, expected, rtol=0.05, atol=0.05 * float(expected.abs().max()))
+
+
+def test_mixed_shards_widen_exactly() -> None:
+    """q4 next to q4f widens to q4f, next to q5f to q5f (the same weights); q6k next to another
+    format is re-quantized to q8."""
     rng = np.random.default_rng(1)
-    raw = rng.integers(0, 256, (24, 2 * 144), dtype=np.uint8)
-    supers = raw.reshape(24, 2, 144)
-    supers[..., 0:2] = np.frombuffer(np.array([0.0123], dtype=np.float16).tobytes(), dtype=np.uint8)
-    supers[..., 2:4] = np.frombuffer(np.array([0.0047], dtype=np.float16).tobytes(), dtype=np.uint8)
-    weight = from_gguf_blocks(raw, GGMLQuantizationType.Q4_K, 512)
-    assert weight.format == "q4f"
-    assert torch.equal(weight.dequantize(), torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_K)))
     q4 = from_gguf_blocks(quantize(rng.standard_normal((8, 512)).astype(np.float32), GGMLQuantizationType.Q4_1),
                           GGMLQuantizationType.Q4_1, 512)  # fmt: skip
-    both = qf.concat_rows(qf.common_format([weight, q4]))
-    assert both.format == "q4f" and torch.equal(both.dequantize(), torch.cat([weight.dequantize(), q4.dequantize()]))
+    shards = {fmt: from_gguf_blocks(random_k_quant(qtype, 24, 512, rng), qtype, 512) for qtype, fmt in K_QUANTS.items()}
+    for other in ("q4f", "q5f"):
+        both = qf.concat_rows(qf.common_format([shards[other], q4]))
+        assert both.format == other
+        assert torch.equal(both.dequantize(), torch.cat([shards[other].dequantize(), q4.dequantize()]))
+    assert qf.concat_rows(qf.common_format([shards["q4f"], shards["q5f"], q4])).format == "q5f"
+    assert {p.format for p in qf.common_format([shards["q6k"], q4])} == {"q8"}
 
 
 def test_int8_quantization_error_is_bounded() -> None:

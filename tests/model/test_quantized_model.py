@@ -87,6 +87,39 @@ def test_default_gguf_in_its_own_blocks(dense_default: LLM, dtype: str) -> None:
         _assert_same_greedy_where_clear(dense_default, quantized, min_fraction=0.25, margin_limit=MARGIN_BF16)
 
 
+@pytest.fixture(scope="module")
+def requantized_default(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The default model with its linears re-encoded (``pagellm.benchmarks.requantize``): Q5_1
+    with ffn_down in Q6_K, and Q5_0 with ffn_down in Q5_K (the K-quants need k % 256 == 0: only
+    ffn_down's 1,536 qualifies in this model)."""
+    from gguf import GGMLQuantizationType as T
+
+    from pagellm.benchmarks.requantize import requantize_gguf
+    from pagellm.model.default_model import default_model_path
+
+    folder = tmp_path_factory.mktemp("requantized")
+    files = {}
+    for name, linears, down in (("q5_1-q6_k", T.Q5_1, T.Q6_K), ("q5_0-q5_k", T.Q5_0, T.Q5_K)):
+        files[name] = str(folder / f"{name}.gguf")
+        changed = requantize_gguf(default_model_path(), files[name], linears, down)
+        assert set(changed.values()) == {linears.name, down.name}
+    return files
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,formats", [("q5_1-q6_k", ("q5f", "q6k")), ("q5_0-q5_k", ("q5f", "q5f"))])
+def test_k_quants_in_their_own_blocks(requantized_default: dict[str, str], name: str,
+                                      formats: tuple[str, str]) -> None:
+    """Q5_0 / Q5_1 / Q5_K / Q6_K weights served in their own blocks (one C++ call for the stack)
+    give the dense float32 model's greedy tokens wherever its margin is clear."""
+    path = requantized_default[name]
+    quantized = LLM(path, dtype="float32", quantization="gguf", num_kv_blocks=128)
+    layer = quantized.llm_engine.worker.model_runner.model.model.layers[0]
+    assert (layer.self_attn.qkv_proj.format, layer.mlp.down_proj.format) == formats
+    assert quantized.llm_engine.worker.kernel_plan.decoder == "fused"
+    _assert_same_greedy_where_clear(LLM(path, dtype="float32", num_kv_blocks=128), quantized)
+
+
 @pytest.mark.parametrize("fixture", ["tiny_llama_path", "tiny_qwen2_path"])
 def test_int8_on_a_float_checkpoint(request: pytest.FixtureRequest, fixture: str) -> None:
     path = request.getfixturevalue(fixture)
@@ -122,11 +155,13 @@ def test_plan_holds_what_was_asked(tiny_llama_path: str) -> None:
 def test_which_gguf_types_count_as_quantized() -> None:
     from gguf import GGMLQuantizationType as T
 
-    from pagellm.model.gguf_loader import GGUF_FORMATS, is_block_quantized
+    from pagellm.model.gguf_blocks import GGUF_FORMATS
+    from pagellm.model.gguf_loader import is_block_quantized
 
     assert all(is_block_quantized(t) for t in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K, T.Q5_0))
     assert not any(is_block_quantized(t) for t in (T.F32, T.F16, T.BF16, T.I8))
-    assert set(GGUF_FORMATS) == {T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K}  # kept as they are; the rest re-quantized
+    kept = {T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K}
+    assert set(GGUF_FORMATS) == kept  # kept as they are; the rest re-quantized
 
 
 def test_dense_copy_takes_batches_above_the_threshold(cpu_plan) -> None:
@@ -167,6 +202,13 @@ def test_amx_tiles_take_batches_above_the_threshold(cpu_plan) -> None:
     assert torch.equal(tiles(x), plain(x))
     with pytest.raises(ValueError, match="not both"):
         QuantizedLinear(64, 48, False, plan.kernels, dense_above_rows=2, amx_above_rows=2)
+    # Formats the tiles do not take (q6k here) run the dot products at every batch size.
+    q6k = qf.QuantizedWeight("q6k", 64, torch.randint(0, 64, (48, 64), dtype=torch.uint8),
+                             torch.full((48, 2), 1e-3).half(), sub_scale=torch.full((48, 4), 7, dtype=torch.int8))
+    dots = QuantizedLinear(64, 48, False, plan.kernels, amx_above_rows=2)
+    dots.load_rows(None, q6k)
+    assert dots.format == "q6k" and not dots.big_batches_on_amx and not dots.uses_amx(20)
+    torch.testing.assert_close(dots(x).double(), qf.reference_gemm(x, q6k), rtol=1e-2, atol=1e-2)
 
 
 def test_missing_rows_are_refused(cpu_plan) -> None:

@@ -1,6 +1,7 @@
 // Quantized weights times activations quantized on the fly, summed in integer dot products:
 // C[M, N] = A[M, K] @ W[N, K]^T, W held as 4- or 8-bit codes with a scale (and an offset) per
-// 32 weights of a row, as GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K store it (and --quantization int8).
+// 32 weights of a row, as GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q6_K store it
+// (and --quantization int8).
 //
 // Why: at batch 1 a step reads every weight once, so its bytes set the time (Q4_1 reads 0.625
 // bytes a weight against bf16's 2); at larger batches the integer dot products (vpdpbusd: 64
@@ -9,8 +10,12 @@
 // Activations: each row of A, cut into blocks of 32 along k (a tail padded with zeros), is
 // quantized per block to int8 as llama.cpp's Q8_0: d = amax / 127, q = round-half-even(x * (1/d)).
 // Per (row, column, block): isum = sum over the block of code * q, in int32, exact; then in fp32
-//   q4, q4f: acc += isum * (dw * da) + mw * (da * sum(q))  weight = dw * code + mw, code 0..15
+//   q4, q4f, q5f: acc += isum * (dw * da) + mw * (da * sum(q))  weight = dw * code + mw, code 0..15
+//                 (q5f: 0..31)
 //   q8: acc += (isum - 128 * sum(q)) * (dw * da)            code = q_w + 128 (u8 for vpdpbusd)
+//   q6k: two halves of 16 with int8 scales s0, s1 under one fp16 d (weight = d * s_h * (code - 32),
+//        code 0..63): acc += float(s0 * (isum0 - 32 * sum0(q)) + s1 * (isum1 - 32 * sum1(q))) * (d * da),
+//        the bracket exact in int32 (and in fp32: |it| <= 2 * 16 * 32 * 127 * 128 < 2^24)
 // (Q4_0's weight d * (code - 8) is q4 with mw = -8 d.)
 //
 // Packed weight: tiles of 16 columns, each tile's blocks in k order, one record per block:
@@ -20,6 +25,12 @@
 //   q4f: q4 with d[16] and m[16] as fp32: 384 bytes (GGUF Q4_K: fp16 x 6-bit scales, exact).
 //   q8: 512 bytes of codes, 8 groups (k = 4g .. 4g + 3) x 16 columns x 4 bytes; then d[16]
 //       fp16: 544 bytes per 512 weights.
+//   q5f: q4f's nibbles, then 64 bytes of fifth bits (byte i as a group's byte i: bit 2g the low
+//        nibble's of group g, bit 2g + 1 the high one's), then d[16], m[16] fp32: 448 bytes (GGUF
+//        Q5_K: fp16 x 6-bit scales; Q5_0 / Q5_1, exact).
+//   q6k: q4's nibbles, then two 64-byte planes of the top two bits (plane p, byte i: bits 4e ..
+//        4e + 1 the low nibble's of group 2p + e, bits 4e + 2 .. 4e + 3 the high one's), then
+//        s[2][16] int8 (half, column) and d[16] fp16: 448 bytes (GGUF Q6_K, exact).
 // One 64-byte group is 16 columns x 4 consecutive k: one vpdpbusd with a broadcast of 4 bytes
 // of the quantized activation row adds four products into each column's int32 lane.
 //
@@ -56,23 +67,27 @@ namespace {
 constexpr int kTileCols = 16;
 constexpr int kBlock = 32;
 // Weight formats (w_format): q4 (fp16 scale and offset), q8 (fp16 scale), q4f (q4 with fp32
-// scale and offset: GGUF's Q4_K, whose per-32 scales are fp16 x 6-bit products).
-constexpr int kQ4 = 0, kQ8 = 1, kQ4F = 2;
-constexpr int kRecordBytes[3] = {256 + 64, 512 + 32, 256 + 128};
+// scale and offset: GGUF's Q4_K, whose per-32 scales are fp16 x 6-bit products), q5f (5-bit codes,
+// fp32 scale and offset), q6k (6-bit codes, int8 scales per 16 under an fp16 scale).
+constexpr int kQ4 = 0, kQ8 = 1, kQ4F = 2, kQ5F = 3, kQ6K = 4;
+constexpr int kFormats = 5;
+constexpr int kRecordBytes[kFormats] = {256 + 64, 512 + 32, 256 + 128, 256 + 64 + 128, 256 + 128 + 32 + 32};
 constexpr int kMaxRows = 4;                 // rows of A per register tile
 constexpr int64_t kChunkBytes = 192 << 10;  // quantized rows of A kept in L2 while tiles pass
 
-// A's rows quantized: q [m][blocks * 32] int8, d [m][blocks] and sum(q) [m][blocks].
+// A's rows quantized: q [m][blocks * 32] int8, d [m][blocks], sum(q) [m][blocks] and the sum
+// of each block's first 16 (q6k's halves).
 struct QuantizedA {
     std::vector<int8_t> q;
     std::vector<float> d;
     std::vector<int32_t> sum;
+    std::vector<int32_t> sum_lo;
     int64_t blocks = 0;
 };
 
-// One block of 32 values (x, a tail padded with zeros) to int8: q, its scale (returned) and
-// sum(q) (`total`).
-inline float quantize_block(const float* x, int8_t* q, int32_t& total) {
+// One block of 32 values (x, a tail padded with zeros) to int8: q, its scale (returned), sum(q)
+// (`total`) and the sum of its first 16 (`low`).
+inline float quantize_block(const float* x, int8_t* q, int32_t& total, int32_t& low) {
     float amax = 0.0f;
     bool nan = false;
     for (int i = 0; i < kBlock; ++i) {
@@ -89,6 +104,7 @@ inline float quantize_block(const float* x, int8_t* q, int32_t& total) {
         const int32_t qi = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, v)));
         q[i] = static_cast<int8_t>(qi);
         total += qi;
+        if (i == kBlock / 2 - 1) low = total;
     }
     return scale;
 }
@@ -96,7 +112,7 @@ inline float quantize_block(const float* x, int8_t* q, int32_t& total) {
 #ifdef __AVX2__
 // The same, 8 lanes at a time, with the same operations (so the same bits): the scalar loop
 // took ~1 ns a value, a tenth of a small batch's GEMM time.
-inline float quantize_block_avx2(const float* x, int8_t* q, int32_t& total) {
+inline float quantize_block_avx2(const float* x, int8_t* q, int32_t& total, int32_t& low) {
     __m256 v[4];
     __m256 amax = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -112,29 +128,31 @@ inline float quantize_block_avx2(const float* x, int8_t* q, int32_t& total) {
     const bool nan = _mm256_movemask_ps(unordered) != 0;
     const float scale = nan ? std::numeric_limits<float>::quiet_NaN() : m / 127.0f;
     const float inv = !nan && scale != 0.0f ? 1.0f / scale : 0.0f;
-    __m256i c[4], sum = _mm256_setzero_si256();
+    __m256i c[4], sum = _mm256_setzero_si256(), sum_low = _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {
         const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         // max(r, -127) gives -127 for a NaN r, as std::max(-127.0f, r) does.
         const __m256 clamped = _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
         c[j] = _mm256_cvttps_epi32(clamped);
         sum = _mm256_add_epi32(sum, c[j]);
+        if (j == 1) sum_low = sum;
     }
     // int32 -> int8 packs interleave 4-value groups per 128-bit lane; the permute restores order.
     const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
                         _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    alignas(32) int32_t parts[8];
+    alignas(32) int32_t parts[8], low_parts[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(parts), sum);
-    total = 0;
-    for (int32_t p : parts) total += p;
+    _mm256_store_si256(reinterpret_cast<__m256i*>(low_parts), sum_low);
+    total = 0, low = 0;
+    for (int j = 0; j < 8; ++j) total += parts[j], low += low_parts[j];
     return scale;
 }
 #endif
 
 // One row of A (float32 or bf16, k values) to int8 blocks.
 template <bool kBf16>
-void quantize_row(const void* a, int64_t k, int64_t blocks, int8_t* q, float* d, int32_t* sum) {
+void quantize_row(const void* a, int64_t k, int64_t blocks, int8_t* q, float* d, int32_t* sum, int32_t* sum_lo) {
     alignas(32) float x[kBlock];
     for (int64_t b = 0; b < blocks; ++b) {
         const int64_t k0 = b * kBlock, n = std::min<int64_t>(kBlock, k - k0);
@@ -162,9 +180,9 @@ void quantize_row(const void* a, int64_t k, int64_t blocks, int8_t* q, float* d,
             block = static_cast<const float*>(a) + k0;
         }
 #ifdef __AVX2__
-        d[b] = quantize_block_avx2(block, q + b * kBlock, sum[b]);
+        d[b] = quantize_block_avx2(block, q + b * kBlock, sum[b], sum_lo[b]);
 #else
-        d[b] = quantize_block(block, q + b * kBlock, sum[b]);
+        d[b] = quantize_block(block, q + b * kBlock, sum[b], sum_lo[b]);
 #endif
     }
 }
@@ -178,15 +196,18 @@ void quantize_rows(const void* a, int64_t lda, int64_t m, int64_t k, bool bf16, 
     out.q.assign(static_cast<size_t>(rows * blocks * kBlock), 0);
     out.d.assign(static_cast<size_t>(rows * blocks), 0.0f);
     out.sum.assign(static_cast<size_t>(rows * blocks), 0);
+    out.sum_lo.assign(static_cast<size_t>(rows * blocks), 0);
     const int64_t elem = bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(threads) schedule(static) if (m * k >= (1 << 16))
     for (int64_t r = 0; r < m; ++r) {
         const void* row = static_cast<const char*>(a) + r * lda * elem;
         int8_t* q = out.q.data() + r * blocks * kBlock;
+        float* d = out.d.data() + r * blocks;
+        int32_t *sum = out.sum.data() + r * blocks, *sum_lo = out.sum_lo.data() + r * blocks;
         if (bf16) {
-            quantize_row<true>(row, k, blocks, q, out.d.data() + r * blocks, out.sum.data() + r * blocks);
+            quantize_row<true>(row, k, blocks, q, d, sum, sum_lo);
         } else {
-            quantize_row<false>(row, k, blocks, q, out.d.data() + r * blocks, out.sum.data() + r * blocks);
+            quantize_row<false>(row, k, blocks, q, d, sum, sum_lo);
         }
     }
 }
@@ -214,76 +235,7 @@ inline int32_t load4(const int8_t* p) {
 
 namespace {
 
-#if PAGELLM_QGEMM_ISA == 3
-// One zmm per tile of 16 columns.
-struct Simd {
-    using I = __m512i;
-    using F = __m512;
-    static constexpr int kVecs = 1;       // vectors per tile
-    static constexpr int kQ8Offset = 128;  // q8 codes enter vpdpbusd as u8 = q + 128
-    static constexpr bool kOneQ4Chain = false;  // two chains hide vpdpbusd's latency
-    static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
-    static I set1(int32_t v) { return _mm512_set1_epi32(v); }
-    static I zero() { return _mm512_setzero_si512(); }
-    static I low_nibbles(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
-    static I high_nibbles(I v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f)); }
-    static I dot_q4(I acc, I w, I a) { return _mm512_dpbusd_epi32(acc, w, a); }
-    static I finish_q4(I acc) { return acc; }
-    static I dot_q8(I acc, I w, I a) { return _mm512_dpbusd_epi32(acc, w, a); }
-    static I add(I x, I y) { return _mm512_add_epi32(x, y); }
-    static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
-    static F half(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-    static F load_float(const uint8_t* p) { return _mm512_loadu_ps(p); }
-    static F fset1(float v) { return _mm512_set1_ps(v); }
-    static F fzero() { return _mm512_setzero_ps(); }
-    static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-    static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-    static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
-};
-#else
-// Two ymm per tile of 16 columns.
-struct Simd {
-    using I = __m256i;
-    using F = __m256;
-    static constexpr int kVecs = 2;
-#if PAGELLM_QGEMM_ISA == 2
-    static constexpr int kQ8Offset = 128;
-#else
-    static constexpr int kQ8Offset = 0;  // the |w|, sign(a, w) form multiplies the signed codes
-#endif
-    static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-    static I set1(int32_t v) { return _mm256_set1_epi32(v); }
-    static I zero() { return _mm256_setzero_si256(); }
-    static I low_nibbles(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
-    static I high_nibbles(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)); }
-#if PAGELLM_QGEMM_ISA == 2
-    static constexpr bool kOneQ4Chain = false;  // two chains hide vpdpbusd's latency
-    static I dot_q4(I acc, I w, I a) { return _mm256_dpbusd_avx_epi32(acc, w, a); }
-    static I finish_q4(I acc) { return acc; }
-    static I dot_q8(I acc, I w, I a) { return _mm256_dpbusd_avx_epi32(acc, w, a); }
-#else
-    // q4: int16 pair sums, widened by finish_q4 (bounded: see the header), both nibbles of a
-    // block in one chain: fewer live registers than two (16 ymm in all; two chains spilled).
-    static constexpr bool kOneQ4Chain = true;
-    static I dot_q4(I acc, I w, I a) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, a)); }
-    static I finish_q4(I acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
-    static I dot_q8(I acc, I w, I a) {
-        const I signed_w = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
-        const I pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(signed_w), _mm256_sign_epi8(a, signed_w));
-        return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-    }
-#endif
-    static I add(I x, I y) { return _mm256_add_epi32(x, y); }
-    static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
-    static F half(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-    static F load_float(const uint8_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); }
-    static F fset1(float v) { return _mm256_set1_ps(v); }
-    static F fzero() { return _mm256_setzero_ps(); }
-    static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-    static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-    static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
-};
-#endif
+#include "gemm_int8_simd.h"
 
 constexpr int kLanes = kTileCols / Simd::kVecs;  // columns per vector
 constexpr int kGroupBytes = 64;
@@ -295,6 +247,8 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
     using F = typename Simd::F;
     constexpr int V = G * Simd::kVecs;  // vectors across the tiles
     constexpr bool kNibbles = kFmt != kQ8;
+    constexpr bool kWide = kFmt == kQ5F || kFmt == kQ6K;  // codes above 15: no int16 chain per block
+    constexpr bool kOneChain = kNibbles && !kWide && Simd::kOneQ4Chain;
     constexpr int kRecord = kRecordBytes[kFmt];
     constexpr int kGroups = kNibbles ? 4 : 8;
     const int64_t blocks = qa.blocks, lq = blocks * kBlock;
@@ -304,12 +258,23 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
 #pragma GCC unroll 8
         for (int v = 0; v < V; ++v) acc[r][v] = Simd::fzero();
     for (int64_t b = 0; b < blocks; ++b) {
-        I s0[R][V], s1[R][V];  // two chains per output vector (q4: low / high nibbles; q8: even / odd groups)
+        // Two chains per output vector (q4: low / high nibbles; q8: even / odd groups); q6k: its
+        // halves' low nibbles in s0 / s1, their high nibbles in s2 / s3 (dot products only).
+        I s0[R][V], s1[R][V], s2[R][V], s3[R][V];
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-            for (int v = 0; v < V; ++v) s0[r][v] = Simd::zero(), s1[r][v] = Simd::zero();
+            for (int v = 0; v < V; ++v) s0[r][v] = s1[r][v] = s2[r][v] = s3[r][v] = Simd::zero();
         const int8_t* a = qa.q.data() + r0 * lq + b * kBlock;
+        I planes[kFmt == kQ6K ? 2 : 1][V];  // the codes' bits above the nibbles (q5f, q6k)
+        if constexpr (kWide) {
+#pragma GCC unroll 8
+            for (int v = 0; v < V; ++v)
+#pragma GCC unroll 2
+                for (int p = 0; p < (kFmt == kQ6K ? 2 : 1); ++p)
+                    planes[p][v] = Simd::load(w + (v / Simd::kVecs) * tile_bytes + b * kRecord + 256 + p * kGroupBytes +
+                                              (v % Simd::kVecs) * (kGroupBytes / Simd::kVecs));
+        }
 #pragma GCC unroll 8
         for (int g = 0; g < kGroups; g += kNibbles ? 1 : 2) {
             I lo[V], hi[V];
@@ -321,6 +286,14 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
                     const I codes = Simd::load(rec + g * kGroupBytes + off);
                     lo[v] = Simd::low_nibbles(codes);
                     hi[v] = Simd::high_nibbles(codes);
+                    if constexpr (kFmt == kQ5F) {  // bit 2g (2g + 1) to bit 4
+                        lo[v] = Simd::or_(lo[v], Simd::bits(planes[0][v], 4 - 2 * g, 0x10));
+                        hi[v] = Simd::or_(hi[v], Simd::bits(planes[0][v], 3 - 2 * g, 0x10));
+                    } else if constexpr (kFmt == kQ6K) {  // bits 4e, 4e + 1 (+ 2) of plane g / 2 to bits 4, 5
+                        const int e = g % 2;
+                        lo[v] = Simd::or_(lo[v], Simd::bits(planes[g / 2][v], 4 - 4 * e, 0x30));
+                        hi[v] = Simd::or_(hi[v], Simd::bits(planes[g / 2][v], 2 - 4 * e, 0x30));
+                    }
                 } else {
                     lo[v] = Simd::load(rec + g * kGroupBytes + off);
                     hi[v] = Simd::load(rec + (g + 1) * kGroupBytes + off);
@@ -333,8 +306,22 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
                 const I a1 = Simd::set1(load4(ar + (kNibbles ? 8 * g + 4 : 4 * g + 4)));
 #pragma GCC unroll 8
                 for (int v = 0; v < V; ++v) {
-                    if constexpr (kNibbles && Simd::kOneQ4Chain) {
+                    if constexpr (kOneChain) {
                         s0[r][v] = Simd::dot_q4(Simd::dot_q4(s0[r][v], lo[v], a0), hi[v], a1);
+                    } else if constexpr (kWide && Simd::kOneQ4Chain) {
+                        // int16 pair sums of one group (|sum| <= 4 * 63 * 127), widened at once;
+                        // q6k's halves (groups 0-1, 2-3) apart.
+                        const I group = Simd::finish_q4(Simd::dot_q4(Simd::dot_q4(Simd::zero(), lo[v], a0), hi[v], a1));
+                        if (kFmt == kQ6K && g >= 2) {
+                            s1[r][v] = Simd::add(s1[r][v], group);
+                        } else {
+                            s0[r][v] = Simd::add(s0[r][v], group);
+                        }
+                    } else if constexpr (kFmt == kQ6K) {
+                        I& low = g < 2 ? s0[r][v] : s1[r][v];
+                        I& high = g < 2 ? s2[r][v] : s3[r][v];
+                        low = Simd::dot_q4(low, lo[v], a0);
+                        high = Simd::dot_q4(high, hi[v], a1);
                     } else if constexpr (kNibbles) {
                         s0[r][v] = Simd::dot_q4(s0[r][v], lo[v], a0);
                         s1[r][v] = Simd::dot_q4(s1[r][v], hi[v], a1);
@@ -351,9 +338,15 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
             const uint8_t* rec = w + (v / Simd::kVecs) * tile_bytes + b * kRecord;
             const int lane0 = (v % Simd::kVecs) * kLanes;
             F dw, mw;
-            if constexpr (kFmt == kQ4F) {
-                dw = Simd::load_float(rec + 256 + 4 * lane0);
-                mw = Simd::load_float(rec + 320 + 4 * lane0);
+            I sc0, sc1;
+            if constexpr (kFmt == kQ4F || kFmt == kQ5F) {
+                constexpr int kScales = kFmt == kQ4F ? 256 : 320;
+                dw = Simd::load_float(rec + kScales + 4 * lane0);
+                mw = Simd::load_float(rec + kScales + 64 + 4 * lane0);
+            } else if constexpr (kFmt == kQ6K) {
+                sc0 = Simd::int8_scales(rec + 384 + lane0);
+                sc1 = Simd::int8_scales(rec + 400 + lane0);
+                dw = Simd::half(rec + 416 + 2 * lane0);
             } else {
                 dw = Simd::half(rec + (kNibbles ? 256 : 512) + 2 * lane0);
                 mw = kNibbles ? Simd::half(rec + 288 + 2 * lane0) : Simd::fzero();
@@ -363,7 +356,14 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
                 const int64_t ab = (r0 + r) * blocks + b;
                 const float da = qa.d[ab];
                 I isum;
-                if constexpr (kNibbles && Simd::kOneQ4Chain) {
+                if constexpr (kFmt == kQ6K) {
+                    const int32_t low = qa.sum_lo[ab], high = qa.sum[ab] - low;
+                    I half0 = Simd::add(s0[r][v], Simd::set1(-32 * low)), half1 = Simd::add(s1[r][v], Simd::set1(-32 * high));
+                    if constexpr (!Simd::kOneQ4Chain) half0 = Simd::add(half0, s2[r][v]), half1 = Simd::add(half1, s3[r][v]);
+                    isum = Simd::add(Simd::mullo(sc0, half0), Simd::mullo(sc1, half1));
+                } else if constexpr (kWide) {
+                    isum = Simd::add(s0[r][v], s1[r][v]);  // int32 sums on every path
+                } else if constexpr (kOneChain) {
                     isum = Simd::finish_q4(s0[r][v]);
                 } else if constexpr (kNibbles) {
                     isum = Simd::add(Simd::finish_q4(s0[r][v]), Simd::finish_q4(s1[r][v]));
@@ -372,7 +372,7 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
                     if constexpr (Simd::kQ8Offset != 0) isum = Simd::add(isum, Simd::set1(-Simd::kQ8Offset * qa.sum[ab]));
                 }
                 acc[r][v] = Simd::fmadd(Simd::to_float(isum), Simd::mul(dw, Simd::fset1(da)), acc[r][v]);
-                if constexpr (kNibbles) acc[r][v] = Simd::fmadd(mw, Simd::fset1(da * static_cast<float>(qa.sum[ab])), acc[r][v]);
+                if constexpr (kNibbles && kFmt != kQ6K) acc[r][v] = Simd::fmadd(mw, Simd::fset1(da * static_cast<float>(qa.sum[ab])), acc[r][v]);
             }
         }
     }
@@ -507,16 +507,18 @@ int pagellm_quantize_rows(const void* a, int64_t lda, int64_t m, int64_t k, int 
     return 0;
 }
 
-// c[m, n] = a[m, k] @ W^T for a packed W (layout above; w_format 0 q4, 1 q8, 2 q4f) with k's blocks.
+// c[m, n] = a[m, k] @ W^T for a packed W (layout above; w_format 0 q4, 1 q8, 2 q4f, 3 q5f, 4 q6k)
+// with k's blocks.
 // a_dtype: 0 float32, 1 bf16 (c has a's dtype); epilogue 0 plain, 1 silu_mul (n = the gate / up
-// width); use_amx: on AMX tiles (pagellm_gemm_q_amx_available), same bits. Returns 0, -1 on a
+// width); use_amx: on AMX tiles (pagellm_gemm_q_amx_available; q4, q8, q4f), same bits. Returns 0, -1 on a
 // bad argument, -2 where the build has no integer path (or no AMX one, if asked).
 int pagellm_gemm_q(const void* a, int64_t lda, int64_t m, int64_t k, const void* packed, int64_t n, void* c,
                    int64_t ldc, int a_dtype, int w_format, int epilogue, int num_threads, int use_amx) {
 #if PAGELLM_QGEMM_ISA > 0
     if (m < 0 || k <= 0 || n <= 0 || lda < k || ldc < n) return -1;
-    if ((a_dtype != 0 && a_dtype != 1) || w_format < 0 || w_format > 2 || (epilogue != 0 && epilogue != 1))
+    if ((a_dtype != 0 && a_dtype != 1) || w_format < 0 || w_format >= kFormats || (epilogue != 0 && epilogue != 1))
         return -1;
+    if (use_amx && w_format > kQ4F) return -1;  // the tiles take q4, q8 and q4f
     if (use_amx && !pagellm_gemm_q_amx_available()) return -2;
     if (m == 0) return 0;
     if (num_threads < 1) num_threads = 1;
@@ -533,9 +535,11 @@ int pagellm_gemm_q(const void* a, int64_t lda, int64_t m, int64_t k, const void*
         return 0;
     }
 #endif
-    static constexpr Fn kGemm[3][2] = {{gemm<kQ4, false>, gemm<kQ4, true>},
-                                       {gemm<kQ8, false>, gemm<kQ8, true>},
-                                       {gemm<kQ4F, false>, gemm<kQ4F, true>}};
+    static constexpr Fn kGemm[kFormats][2] = {{gemm<kQ4, false>, gemm<kQ4, true>},
+                                              {gemm<kQ8, false>, gemm<kQ8, true>},
+                                              {gemm<kQ4F, false>, gemm<kQ4F, true>},
+                                              {gemm<kQ5F, false>, gemm<kQ5F, true>},
+                                              {gemm<kQ6K, false>, gemm<kQ6K, true>}};
     kGemm[w_format][a_dtype](qa, m, w, n, c, ldc, epilogue == 1, num_threads);
     return 0;
 #else

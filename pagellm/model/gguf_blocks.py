@@ -1,0 +1,132 @@
+"""GGUF's quantized blocks in the integer GEMM's formats (``kernels.quant_formats``), exactly.
+
+A GGUF tensor of a type in :data:`GGUF_FORMATS` keeps its codes, scales and offsets: the
+weights the kernel multiplies are bit for bit those gguf-py's dequantization gives (tested).
+Types not listed (Q2_K, Q3_K, the IQ types, ...) are dequantized at load and re-quantized to
+int8 blocks where they feed a quantized linear (``model.gguf_loader``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+
+from pagellm.kernels.quant_formats import BLOCK, QuantizedWeight
+
+GGUF_FORMATS = {
+    T.Q4_0: "q4", T.Q4_1: "q4", T.Q8_0: "q8", T.Q4_K: "q4f", T.Q5_0: "q5f", T.Q5_1: "q5f", T.Q5_K: "q5f",
+    T.Q6_K: "q6k",
+}
+_SUPER = 256  # K-quants: super-blocks of 256 weights
+_SUPER_BYTES = {T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}
+
+
+def from_gguf_blocks(raw: np.ndarray, qtype: T, k: int) -> QuantizedWeight:
+    """GGUF's bytes of a [rows, k] tensor (``raw``: [rows, bytes per row]) in their own format
+    (:data:`GGUF_FORMATS`), without changing the codes' meaning."""
+    rows = raw.shape[0]
+    if qtype not in GGUF_FORMATS or k % (_SUPER if qtype in _SUPER_BYTES else BLOCK) != 0:
+        raise ValueError(f"GGUF type {qtype.name} with k={k} is not kept packed")
+    data = np.ascontiguousarray(raw)
+    if qtype in _SUPER_BYTES:
+        supers = data.reshape(rows, k // _SUPER, _SUPER_BYTES[qtype])
+        return {T.Q4_K: _from_q4_k, T.Q5_K: _from_q5_k, T.Q6_K: _from_q6_k}[qtype](supers, k)
+    blocks = data.reshape(rows, k // BLOCK, -1)
+    scale = _halves(blocks[..., 0:2])
+    if qtype == T.Q8_0:
+        return QuantizedWeight("q8", k, torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(rows, k)), scale)
+    if qtype in (T.Q5_0, T.Q5_1):
+        return _from_q5(blocks, qtype, scale, k)
+    if qtype == T.Q4_1:
+        offset = _halves(blocks[..., 2:4])
+        nibbles = blocks[..., 4:]
+    else:
+        if not torch.isfinite(scale.float() * -8).all() or (scale.float().abs() * 8 > 65504).any():
+            raise ValueError("a Q4_0 scale too large for the q4 offset (-8 d) in fp16")
+        offset = (scale.float() * -8).to(torch.float16)  # exact: a power-of-two multiple
+        nibbles = blocks[..., 2:]
+    return QuantizedWeight("q4", k, _codes(_split_nibbles(nibbles), rows, k), scale, offset)
+
+
+def _halves(data: np.ndarray) -> torch.Tensor:
+    """[..., 2] bytes as fp16 values [...] (a copy)."""
+    return torch.from_numpy(data.copy().view(np.float16)[..., 0])
+
+
+def _codes(codes: np.ndarray, rows: int, k: int) -> torch.Tensor:
+    return torch.from_numpy(codes.astype(np.uint8).reshape(rows, k))
+
+
+def _split_nibbles(nibbles: np.ndarray) -> np.ndarray:
+    """A legacy block's 16 bytes: element j in byte j's low nibble, element j + 16 in its high."""
+    return np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
+
+
+def _from_q5(blocks: np.ndarray, qtype: T, scale: torch.Tensor, k: int) -> QuantizedWeight:
+    """Q5_0 (d, 4 bytes of fifth bits, 16 of nibbles: d * (code - 16)) and Q5_1 (d, m, ...:
+    d * code + m) as q5f, scales and offsets widened to float32 (d * code - 16 d is exact)."""
+    rows, count = blocks.shape[:2]
+    start = 2 if qtype == T.Q5_0 else 4
+    fifth = blocks[..., start : start + 4].copy().view(np.uint32)  # [rows, blocks, 1]
+    high = (fifth >> np.arange(BLOCK, dtype=np.uint32)) & 1
+    codes = _split_nibbles(blocks[..., start + 4 :]) | (high.astype(np.uint8) << 4)
+    d = scale.float()
+    offset = -16 * d if qtype == T.Q5_0 else _halves(blocks[..., 2:4]).float()
+    return QuantizedWeight("q5f", k, _codes(codes, rows, k), d, offset)
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes [..., 12] -> eight 6-bit scales and eight 6-bit mins, float32."""
+    low, high, extra = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([low & 0x3F, (extra & 0x0F) | ((low >> 2) & 0x30)], axis=-1)
+    mins = np.concatenate([high & 0x3F, (extra >> 4) | ((high >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.float32), mins.astype(np.float32)
+
+
+def _k_scale_offset(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: per 32 weights scale d * sc and offset -(dmin * m) in float32, as gguf-py's
+    dequantization computes them."""
+    rows, supers = data.shape[:2]
+    d = data[..., 0:2].copy().view(np.float16).astype(np.float32)  # [rows, supers, 1]
+    dmin = data[..., 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mins = _k_scales(data[..., 4:16])
+    return torch.from_numpy((d * sc).reshape(rows, supers * 8)), torch.from_numpy(-(dmin * mins).reshape(rows, supers * 8))
+
+
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """Q4_K / Q5_K's 128 bytes [rows, supers, 128]: each 32-byte group p holds sub-block 2p in its
+    low nibbles and 2p + 1 in its high ones -> [rows, supers, 8, 32]."""
+    rows, supers = qs.shape[:2]
+    groups = qs.reshape(rows, supers, 4, 1, 32)
+    return np.concatenate([groups & 0x0F, groups >> 4], axis=3).reshape(rows, supers, 8, 32)
+
+
+def _from_q4_k(data: np.ndarray, k: int) -> QuantizedWeight:
+    """Q4_K super-blocks ([rows, supers, 144]: d, dmin fp16, 12 bytes of 6-bit scales and mins,
+    128 bytes of nibbles) as q4f."""
+    scale, offset = _k_scale_offset(data)
+    return QuantizedWeight("q4f", k, _codes(_k_nibbles(data[..., 16:]), data.shape[0], k), scale, offset)
+
+
+def _from_q5_k(data: np.ndarray, k: int) -> QuantizedWeight:
+    """Q5_K super-blocks ([rows, supers, 176]: Q4_K's scales, then 32 bytes of fifth bits, bit i
+    of byte j for element j of sub-block i, then Q4_K's nibbles) as q5f."""
+    rows, supers = data.shape[:2]
+    scale, offset = _k_scale_offset(data)
+    high = (data[..., 16:48].reshape(rows, supers, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
+    codes = _k_nibbles(data[..., 48:]) | (high << 4)
+    return QuantizedWeight("q5f", k, _codes(codes, rows, k), scale, offset)
+
+
+def _from_q6_k(data: np.ndarray, k: int) -> QuantizedWeight:
+    """Q6_K super-blocks ([rows, supers, 210]: 128 bytes of low nibbles, 64 of top bit pairs, 16
+    int8 scales (one per 16 weights), d fp16) as q6k. Element 128 h + 32 s + j: low nibble
+    ``ql[64 h + 32 (s % 2) + j] >> 4 (s // 2)``, top bits ``qh[32 h + j] >> 2 s``."""
+    rows, supers = data.shape[:2]
+    ql = data[..., :128].reshape(rows, supers, 2, 1, 2, 32)  # [h, -, s % 2, j]
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=3).reshape(rows, supers, 2, 4, 32)  # s = 2 (s // 2) + s % 2
+    top = (data[..., 128:192].reshape(rows, supers, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 3
+    sub_scale = torch.from_numpy(data[..., 192:208].copy().view(np.int8).reshape(rows, supers * 16))
+    d = _halves(data[..., 208:210]).repeat_interleave(_SUPER // BLOCK, dim=1)  # [rows, blocks]
+    return QuantizedWeight("q6k", k, _codes(low | (top << 4), rows, k), d, sub_scale=sub_scale)
