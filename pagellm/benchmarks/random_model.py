@@ -32,6 +32,14 @@ SHAPES: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
         tie_word_embeddings=True,
     ),
+    # SmolLM2-135M's layers with 8 heads of 64 (4 KV heads): its 9 heads split only by 3; these
+    # split by 2 and 4 (tensor-parallel measurements, NOTES 46).
+    "smollm2-135m-8heads": dict(
+        architecture="llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=8, num_key_value_heads=4, vocab_size=49152, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        tie_word_embeddings=True,
+    ),
     # The tests' tiny shapes: GQA, untied Llama with llama3 rope scaling, tied Qwen2 with q/k/v bias.
     "tiny-llama": dict(
         architecture="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -387,6 +387,31 @@ class KernelLibrary:
         return out
 
 
+    def shm_region_bytes(self, ranks: int, slot_elems: int) -> int:
+        """Bytes of a shared-memory all-reduce region (``csrc/shm_all_reduce.cpp``)."""
+        return int(self._lib.pagellm_shm_region_bytes(ranks, slot_elems))
+
+    def shm_register(self, region: torch.Tensor, rank: int, pid: int) -> None:
+        """Record this rank's pid in the region (its peers watch it while they wait)."""
+        self._lib.pagellm_shm_register(region.data_ptr(), rank, pid)
+
+    def shm_all_reduce_(self, region: torch.Tensor, rank: int, ranks: int, data: torch.Tensor, slot_elems: int,
+                        seq: int, timeout_s: float) -> None:  # fmt: skip
+        """Sum the contiguous float32 ``data`` (at most ``slot_elems`` values) over the ranks
+        mapping ``region``, in place; call number ``seq`` (from 1, the same on every rank)."""
+        if data.dtype != torch.float32 or not data.is_contiguous() or data.numel() > slot_elems:
+            raise ValueError(f"shm_all_reduce_ takes a contiguous float32 tensor of at most {slot_elems} values")
+        if region.numel() < self.shm_region_bytes(ranks, slot_elems):
+            raise ValueError("the shared-memory region is smaller than its ranks and slots need")
+        rc = self._lib.pagellm_shm_all_reduce(region.data_ptr(), rank, ranks, data.data_ptr(), data.numel(), slot_elems,
+                                              seq, timeout_s)  # fmt: skip
+        if rc == -3:
+            raise TimeoutError(f"tensor-parallel all-reduce: a rank did not arrive within {timeout_s:g} s")
+        if rc == -4:
+            raise RuntimeError("tensor-parallel all-reduce: a rank's process is gone")
+        if rc != 0:
+            raise RuntimeError(f"pagellm_shm_all_reduce failed with code {rc}")
+
     def decoder_stack(self, stack: DecoderStackArgs) -> None:
         """Run ``stack.num_layers`` decoder layers in one call (``csrc/decoder_stack.cpp``).
 

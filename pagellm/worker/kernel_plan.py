@@ -2,7 +2,8 @@
 one :class:`KernelPlan` out (see :mod:`pagellm.kernels.plan`).
 
 Every choice between pagellm's kernels and PyTorch's is made here, once per engine:
-:func:`plan_kernels` is the only caller of :func:`pagellm.kernels.load` in the engine.
+:func:`plan_kernels` is the only caller of :func:`pagellm.kernels.load` in the engine besides the
+tensor-parallel ranks' start, which takes the same (cached) library for its all-reduce.
 """
 
 from __future__ import annotations

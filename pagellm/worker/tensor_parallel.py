@@ -19,6 +19,7 @@ import multiprocessing as mp
 from multiprocessing.connection import Connection
 from typing import Any
 
+from pagellm import kernels
 from pagellm.config import EngineConfig, split_threads
 from pagellm.distributed.tensor_parallel import close_tensor_parallel, free_port, init_tensor_parallel
 from pagellm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
@@ -34,7 +35,7 @@ class TensorParallelError(RuntimeError):
 def _rank_main(config: EngineConfig, eos: int | None, rank: int, port: int, conn: Connection) -> None:
     """A child rank: build its worker, then run every step it is sent until told to stop."""
     try:
-        tp = init_tensor_parallel(rank, config.device.tensor_parallel_size, port)
+        tp = init_tensor_parallel(rank, config.device.tensor_parallel_size, port, kernels.load(config.kernels))
         worker = Worker(config, eos, tp)
         conn.send(("ok", None))
     except BaseException as exc:  # noqa: BLE001 -- reported to rank 0, which fails the engine
@@ -71,7 +72,8 @@ class TensorParallelWorkers:
                 proc.start()
                 child.close()
                 self._ranks.append((proc, parent))
-            self.driver = Worker(config, tokenizer_eos_token_id, init_tensor_parallel(0, size, port))
+            tp = init_tensor_parallel(0, size, port, kernels.load(config.kernels))
+            self.driver = Worker(config, tokenizer_eos_token_id, tp)
             self._collect("start")
         except BaseException:
             self.close()

@@ -17,16 +17,21 @@ OPTIONS = dict(dtype="float32", num_kv_blocks=64, block_size=4, num_threads=2, m
 def _run(path: str, tp: int, params: SamplingParams, **options: object) -> list:
     llm = LLM(path, **{**OPTIONS, **options}, tensor_parallel_size=tp)
     try:
+        if tp > 1:  # the forward's all-reduces: shared memory where the kernels are built, else gloo
+            shm = llm.llm_engine.worker.model_runner.model.model.layers[0].self_attn.tp.shm
+            assert (shm is not None) == (llm.llm_engine.worker.kernel_plan.kernels is not None)
         return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     finally:
         llm.llm_engine.close()
 
 
-@pytest.mark.parametrize("model", ["tiny_llama_path", "tiny_qwen2_path"])
-def test_two_ranks_give_what_one_gives(request: pytest.FixtureRequest, model: str) -> None:
+@pytest.mark.parametrize("model,all_reduce", [("tiny_llama_path", "shm"), ("tiny_qwen2_path", "shm"),
+                                              ("tiny_llama_path", "gloo")])  # fmt: skip
+def test_two_ranks_give_what_one_gives(request: pytest.FixtureRequest, model: str, all_reduce: str) -> None:
     path = request.getfixturevalue(model)  # Llama (GQA, untied head); Qwen2 (q/k/v bias, tied)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3, prompt_logprobs=1)
-    one, two = _run(path, 1, params), _run(path, 2, params)
+    options = dict(cpu_kernels=False) if all_reduce == "gloo" else {}  # no kernel library: gloo's all-reduce
+    one, two = _run(path, 1, params, **options), _run(path, 2, params, **options)
     for a, b in zip(one, two):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
