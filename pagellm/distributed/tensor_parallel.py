@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from pagellm.distributed.shm_all_reduce import SharedMemoryAllReduce, create_region, region_path
 from pagellm.kernels.library import KernelLibrary
+from pagellm.kernels.quant_formats import BLOCK, QuantizedWeight
 
 # HF weight names by how a rank takes its share: the rows of the output (column-parallel) or
 # the columns of the input (row-parallel).
@@ -56,13 +57,24 @@ class TensorParallel:
             dist.all_reduce(total, group=self.group)
         return partial if total is partial else partial.copy_(total)
 
-    def share(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a whole HF weight (or bias) ``name``; the tensor itself if every
-        rank holds it whole."""
+    def share(self, name: str, tensor: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
+        """This rank's part of a whole HF weight (or bias) ``name``, dense or quantized (whole
+        blocks of 32 along k for a row-parallel one); the tensor itself if every rank holds it
+        whole."""
         module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
         if module in COLUMN_PARALLEL:
+            if isinstance(tensor, QuantizedWeight):
+                rows = tensor.rows // self.size  # divisibility checked with the model's shapes
+                return tensor.select_rows(slice(self.rank * rows, (self.rank + 1) * rows))
             return tensor.chunk(self.size, dim=0)[self.rank]
         if module in ROW_PARALLEL and name.endswith(".weight"):
+            if isinstance(tensor, QuantizedWeight):
+                if tensor.k % (BLOCK * self.size):
+                    raise ValueError(f"quantized {name} has {tensor.k} input columns: tensor parallelism over "
+                                     f"{self.size} ranks needs a multiple of {BLOCK * self.size} (whole blocks "
+                                     "of 32 per rank); serve it with --quantization none")  # fmt: skip
+                blocks = tensor.k // BLOCK // self.size
+                return tensor.select_blocks(self.rank * blocks, (self.rank + 1) * blocks)
             return tensor.chunk(self.size, dim=1)[self.rank]
         return tensor
 

@@ -72,6 +72,16 @@ class QuantizedWeight:
         sub = None if self.sub_scale is None else self.sub_scale[rows]
         return QuantizedWeight(self.format, self.k, self.codes[rows], self.scale[rows], offset, sub)
 
+    def select_blocks(self, start: int, stop: int) -> QuantizedWeight:
+        """The blocks ``start:stop`` along k (whole blocks: a row-parallel rank's columns)."""
+        if not 0 <= start < stop <= self.scale.shape[1] or (stop < self.scale.shape[1] and stop * BLOCK > self.k):
+            raise ValueError(f"blocks {start}:{stop} of a weight with {self.scale.shape[1]} blocks")
+        k = min(self.k, stop * BLOCK) - start * BLOCK
+        offset = None if self.offset is None else self.offset[:, start:stop]
+        sub = None if self.sub_scale is None else self.sub_scale[:, 2 * start : 2 * stop]
+        return QuantizedWeight(self.format, k, self.codes[:, start * BLOCK : stop * BLOCK], self.scale[:, start:stop],
+                               offset, sub)  # fmt: skip
+
     def masked_rows(self, keep: torch.Tensor) -> QuantizedWeight:
         """The rows where ``keep`` [rows, 1] is False set to zero weights (codes, scales, offsets)."""
         def masked(t: torch.Tensor | None) -> torch.Tensor | None:

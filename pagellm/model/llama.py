@@ -302,7 +302,7 @@ class LlamaForCausalLM(nn.Module):
     def _load_one(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor | QuantizedWeight) -> None:
         """Copy one HF tensor into its (possibly fused) destination rows (a quantized linear
         takes its weight as it comes; everything else is dense)."""
-        if self.tp is not None and not isinstance(tensor, QuantizedWeight):
+        if self.tp is not None:
             tensor = self.tp.share(name, tensor)
         target_name, rows = self._destination(name)
         module_name, _, attr = target_name.rpartition(".")

@@ -34,6 +34,7 @@ class TensorParallelError(RuntimeError):
 
 def _rank_main(config: EngineConfig, eos: int | None, rank: int, port: int, conn: Connection) -> None:
     """A child rank: build its worker, then run every step it is sent until told to stop."""
+    conn.send(("ok", None))  # started: rank 0 may now wait for it in the rendezvous
     try:
         tp = init_tensor_parallel(rank, config.device.tensor_parallel_size, port, kernels.load(config.kernels))
         worker = Worker(config, eos, tp)
@@ -72,6 +73,9 @@ class TensorParallelWorkers:
                 proc.start()
                 child.close()
                 self._ranks.append((proc, parent))
+            # A child that fails before joining (say, its interpreter cannot start) would leave
+            # rank 0 in the rendezvous until its timeout: wait for each to be running first.
+            self._collect("start-up")
             tp = init_tensor_parallel(0, size, port, kernels.load(config.kernels))
             self.driver = Worker(config, tokenizer_eos_token_id, tp)
             self._collect("start")

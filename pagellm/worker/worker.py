@@ -86,11 +86,6 @@ class Worker:
         configure_threads(self.device, config.device.num_threads)
         torch.manual_seed(config.model.seed)
         self.kernel_plan = engine_kernel_plan(config, self.device)
-        if tp is not None and self.kernel_plan.quantized:
-            raise ValueError(
-                "tensor parallelism runs dense weights in this version: pass dtype float32 or bfloat16 "
-                f"(this configuration keeps {self.kernel_plan.weights} weights quantized)"
-            )
         logger.info("kernel plan: %s", self.kernel_plan.describe())
         attn_backend = get_attention_backend(self.kernel_plan.attention, self.device, self.kernel_plan.kernels)
         model, self.arch = load_model(config.model.model, self.dtype, attn_backend, self.device, self.kernel_plan, tp)

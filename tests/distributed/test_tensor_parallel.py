@@ -8,6 +8,7 @@ import torch
 
 from pagellm import LLM, SamplingParams
 from pagellm.distributed.tensor_parallel import TensorParallel
+from pagellm.kernels import quant_formats as qf
 from pagellm.model.arch_config import ModelArchConfig
 
 PROMPTS = [[5, 9, 200, 31], [400, 3, 3, 7, 8, 9, 10], list(range(100, 160))]  # the last: chunked, 2 steps
@@ -25,12 +26,14 @@ def _run(path: str, tp: int, params: SamplingParams, **options: object) -> list:
         llm.llm_engine.close()
 
 
-@pytest.mark.parametrize("model,all_reduce", [("tiny_llama_path", "shm"), ("tiny_qwen2_path", "shm"),
-                                              ("tiny_llama_path", "gloo")])  # fmt: skip
-def test_two_ranks_give_what_one_gives(request: pytest.FixtureRequest, model: str, all_reduce: str) -> None:
+@pytest.mark.parametrize("model,variant", [("tiny_llama_path", "shm"), ("tiny_qwen2_path", "shm"),
+                                           ("tiny_llama_path", "gloo"), ("tiny_qwen2_path", "int8")])  # fmt: skip
+def test_two_ranks_give_what_one_gives(request: pytest.FixtureRequest, model: str, variant: str) -> None:
+    """Dense weights with the shared-memory all-reduce, with gloo's (no kernel library), and
+    int8 blocks on the integer GEMM (each rank's blocks are the whole model's: same integers)."""
     path = request.getfixturevalue(model)  # Llama (GQA, untied head); Qwen2 (q/k/v bias, tied)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3, prompt_logprobs=1)
-    options = dict(cpu_kernels=False) if all_reduce == "gloo" else {}  # no kernel library: gloo's all-reduce
+    options = {"gloo": dict(cpu_kernels=False), "int8": dict(quantization="int8")}.get(variant, {})
     one, two = _run(path, 1, params, **options), _run(path, 2, params, **options)
     for a, b in zip(one, two):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
@@ -69,10 +72,20 @@ def test_shares_and_refusals(tiny_llama_path: str) -> None:
         LLM(tiny_llama_path, **OPTIONS, tensor_parallel_size=0)
 
 
-def test_quantized_weights_are_refused_with_a_way_out(default_model_path_fixture: str) -> None:
-    """The default model is a Q4_1 GGUF served quantized by default; the ranks take dense weights."""
-    with pytest.raises(ValueError, match="tensor parallelism runs dense weights in this version: pass dtype float32"):
-        LLM(default_model_path_fixture, num_threads=2, tensor_parallel_size=2)
+def test_quantized_shares_are_whole_blocks() -> None:
+    """A quantized weight's share: its rows (column-parallel) or whole blocks of 32 along k
+    (row-parallel), meaning the dense share's weights exactly; k not splitting into whole blocks
+    per rank is refused with a way out."""
+    rank1 = TensorParallel(rank=1, size=2)
+    for fmt in ("q4", "q6k", "q8"):
+        weight = qf.random_weight(fmt, 48, 128, torch.Generator().manual_seed(0))
+        dense = weight.dequantize()
+        for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight"):
+            share = rank1.share(name, weight)
+            assert isinstance(share, qf.QuantizedWeight) and share.format == fmt
+            assert torch.equal(share.dequantize(), rank1.share(name, dense))
+    with pytest.raises(ValueError, match="needs a multiple of 64 .* --quantization none"):
+        rank1.share("model.layers.0.self_attn.o_proj.weight", qf.random_weight("q4", 16, 96))
 
 
 @pytest.mark.slow
@@ -94,3 +107,17 @@ def test_serve_with_two_ranks(tiny_llama_path: str) -> None:
             texts.append(response.json()["choices"][0]["text"])
             assert server.terminate() == 0
     assert texts[0] == texts[1]
+
+
+def test_a_rank_that_dies_before_joining_fails_the_start(tmp_path, tiny_llama_path: str) -> None:
+    """A script without a ``__main__`` guard: each spawned rank re-runs it while importing it and
+    dies. Rank 0 must report that, not wait in the rendezvous until its timeout (600 s)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from pagellm import LLM\nLLM({tiny_llama_path!r}, dtype='float32', num_kv_blocks=16, "
+                      "tensor_parallel_size=2)\n")  # fmt: skip
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "TensorParallelError: tensor-parallel rank pagellm-tp-rank1 died during start-up" in proc.stderr
