@@ -51,7 +51,14 @@ class SharedMemoryAllReduce:
         nbytes = lib.shm_region_bytes(size, self.slot_elems)
         self.region = torch.from_file(str(region_path(port)), shared=True, size=nbytes, dtype=torch.uint8)
         lib.shm_register(self.region, rank, os.getpid())
-        self.calls = 0  # the sequence number of the last call, the same on every rank
+        # The sequence number of the last call, the same on every rank; a tensor, so that the
+        # one-call decoder stack (csrc/decoder_stack.cpp) counts its own calls in it too.
+        self.counter = torch.zeros(1, dtype=torch.int64)
+
+    @property
+    def calls(self) -> int:
+        """All-reduce calls so far (each piece of a big tensor counts)."""
+        return int(self.counter[0])
 
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum a contiguous float32 tensor over the ranks, in place."""
@@ -59,7 +66,8 @@ class SharedMemoryAllReduce:
             raise ValueError(f"the shared-memory all-reduce takes contiguous float32 tensors, got {tensor.dtype}")
         flat = tensor.view(-1)
         for start in range(0, max(flat.numel(), 1), self.slot_elems):
-            self.calls += 1
+            seq = self.calls + 1
+            self.counter[0] = seq
             piece = flat[start : start + self.slot_elems]
-            self.lib.shm_all_reduce_(self.region, self.rank, self.size, piece, self.slot_elems, self.calls, self.timeout_s)
+            self.lib.shm_all_reduce_(self.region, self.rank, self.size, piece, self.slot_elems, seq, self.timeout_s)
         return tensor

@@ -405,12 +405,7 @@ class KernelLibrary:
             raise ValueError("the shared-memory region is smaller than its ranks and slots need")
         rc = self._lib.pagellm_shm_all_reduce(region.data_ptr(), rank, ranks, data.data_ptr(), data.numel(), slot_elems,
                                               seq, timeout_s)  # fmt: skip
-        if rc == -3:
-            raise TimeoutError(f"tensor-parallel all-reduce: a rank did not arrive within {timeout_s:g} s")
-        if rc == -4:
-            raise RuntimeError("tensor-parallel all-reduce: a rank's process is gone")
-        if rc != 0:
-            raise RuntimeError(f"pagellm_shm_all_reduce failed with code {rc}")
+        _raise_for("pagellm_shm_all_reduce", rc, timeout_s)
 
     def decoder_stack(self, stack: DecoderStackArgs) -> None:
         """Run ``stack.num_layers`` decoder layers in one call (``csrc/decoder_stack.cpp``).
@@ -419,8 +414,7 @@ class KernelLibrary:
         packed weights, whose shapes it checked, and the step's indices, checked once a step.
         """
         rc = self._lib.pagellm_decoder_stack(ctypes.byref(stack))
-        if rc != 0:
-            raise RuntimeError(f"pagellm_decoder_stack failed with code {rc}")
+        _raise_for("pagellm_decoder_stack", rc, stack.tp_timeout_s)
 
 
 _P = ctypes.c_void_p
@@ -461,8 +455,20 @@ class DecoderStackArgs(ctypes.Structure):
         ("num_threads", ctypes.c_int32), ("reserved", ctypes.c_int32), ("x", _P), ("residual", _P), ("cos", _P),
         ("sin", _P), ("slot_mapping", _P), ("block_tables", _P), ("block_table_stride", ctypes.c_int64),
         ("row_token", _P), ("row_req", _P), ("row_ctx", _P), ("num_rows", ctypes.c_int64), ("h", _P), ("qkv", _P),
-        ("attn", _P), ("act", _P),
+        ("attn", _P), ("act", _P), ("tp_region", _P), ("tp_calls", _P), ("tp_scratch", _P),
+        ("tp_slot_elems", ctypes.c_int64), ("tp_timeout_s", ctypes.c_double), ("tp_rank", ctypes.c_int32),
+        ("tp_size", ctypes.c_int32),
     ]  # fmt: skip
+
+
+def _raise_for(function: str, rc: int, timeout_s: float) -> None:
+    """The error a kernel's return code means (the all-reduce's own codes named), if any."""
+    if rc == -3:
+        raise TimeoutError(f"tensor-parallel all-reduce: a rank did not arrive within {timeout_s:g} s")
+    if rc == -4:
+        raise RuntimeError("tensor-parallel all-reduce: a rank's process is gone")
+    if rc != 0:
+        raise RuntimeError(f"{function} failed with code {rc}")
 
 
 def _check_gemm_input(x: torch.Tensor) -> tuple[int, int]:

@@ -21,6 +21,7 @@ from torch import nn
 
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.attention.cpu_paged import CPUPagedAttention, checked_kernel_rows
+from pagellm.distributed.tensor_parallel import TensorParallel
 from pagellm.kernels.library import (
     CACHE_CODES,
     DTYPE_CODES,
@@ -115,6 +116,10 @@ def _layer_weights(layer: nn.Module, arch: ModelArchConfig, dtype: torch.dtype) 
     return weights if weights.fits() else None
 
 
+# The call's tensor-parallel fields without tensor parallelism (one rank).
+_ONE_RANK = (None, None, None, 0, 0.0, 0, 1)
+
+
 def _cache_addresses(kv_caches: list[KVCache]) -> tuple[int, ...]:
     """Where each layer's key and value caches live (the worker allocates them once)."""
     return tuple([t.data_ptr() for pair in kv_caches for t in pair])
@@ -125,9 +130,12 @@ class FusedDecoderStack:
 
     def __init__(
         self, weights: list[_LayerWeights], arch: ModelArchConfig, lib: KernelLibrary, dtype: torch.dtype,
-        max_rows: int | None,
+        max_rows: int | None, tp: TensorParallel | None = None,
     ) -> None:
+        if tp is not None and tp.shm is None:
+            raise ValueError("the one-call decoder stack joins tensor-parallel ranks through shared memory only")
         self.weights = weights
+        self.tp = tp  # this rank's share of each layer (``arch`` is the share's)
         self.arch = arch
         self.kernels = lib
         self.dtype = dtype
@@ -141,16 +149,18 @@ class FusedDecoderStack:
 
     @classmethod
     def build(
-        cls, layers: nn.ModuleList, arch: ModelArchConfig, lib: KernelLibrary, max_rows: int | None
+        cls, layers: nn.ModuleList, arch: ModelArchConfig, lib: KernelLibrary, max_rows: int | None,
+        tp: TensorParallel | None = None,
     ) -> FusedDecoderStack | None:
-        """The stack for these layers, or None where any layer does not fit the call."""
+        """The stack for these layers (``arch``: a tensor-parallel rank's share, under ``tp``),
+        or None where any layer does not fit the call."""
         dtype = layers[0].input_layernorm.weight.dtype if len(layers) else None
         if dtype not in DTYPE_CODES:
             return None
         weights = [_layer_weights(layer, arch, dtype) for layer in layers]
         if any(w is None for w in weights):
             return None
-        return cls([w for w in weights if w is not None], arch, lib, dtype, max_rows)
+        return cls([w for w in weights if w is not None], arch, lib, dtype, max_rows, tp)
 
     def layer_args(self, hidden: torch.Tensor, kv_caches: list[KVCache]) -> ctypes.Array[DecoderLayerArgs] | None:
         """The per-layer arguments of this step where it runs here (rows in the model dtype, a
@@ -205,6 +215,7 @@ class FusedDecoderStack:
         scratch = [torch.empty(tokens, width, dtype=self.dtype) for width in
                    (arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.q_size, arch.intermediate_size)]  # fmt: skip
         tables = rows.block_tables
+        tp_args, tp_scratch = self._tensor_parallel_args(tokens)
         args = DecoderStackArgs(
             layers, len(self.weights), tokens, arch.hidden_size, arch.num_attention_heads,
             arch.num_key_value_heads, arch.head_dim, arch.intermediate_size, key_cache.shape[1], self.eps,
@@ -212,8 +223,19 @@ class FusedDecoderStack:
             torch.get_num_threads(), 0, x.data_ptr(), residual.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             metadata.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0), rows.row_token.data_ptr(),
             rows.row_req.data_ptr(), rows.row_ctx.data_ptr(), rows.row_token.numel(),
-            *(t.data_ptr() for t in scratch),
+            *(t.data_ptr() for t in scratch), *tp_args,
         )  # fmt: skip
         self.kernels.decoder_stack(args)
+        del tp_scratch  # alive until the call returned
         self.steps += 1
         return x, residual
+
+    def _tensor_parallel_args(self, tokens: int) -> tuple[tuple[object, ...], torch.Tensor | None]:
+        """The call's tensor-parallel fields, and the float32 scratch they point to (bf16)."""
+        if self.tp is None or self.tp.shm is None:
+            return _ONE_RANK, None
+        shm = self.tp.shm
+        scratch = torch.empty(tokens, self.arch.hidden_size) if self.dtype == torch.bfloat16 else None
+        fields = (shm.region.data_ptr(), shm.counter.data_ptr(), None if scratch is None else scratch.data_ptr(),
+                  shm.slot_elems, shm.timeout_s, self.tp.rank, self.tp.size)  # fmt: skip
+        return fields, scratch

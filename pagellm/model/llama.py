@@ -189,9 +189,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = linear_for_plan(arch.hidden_size, arch.vocab_size, False, plan)
         self.tie_weights()
         # plan.decoder == "fused": the layers run in one C++ call where a step fits it (built
-        # from the loaded weights at the first forward).
-        # (Not under tensor parallelism: the ranks' sums are joined between the kernels.)
-        fused = plan is not None and plan.decoder == "fused" and plan.kernels is not None and tp is None
+        # from the loaded weights at the first forward); under tensor parallelism where the
+        # ranks join their sums through shared memory (the call makes the all-reduces itself).
+        joinable = tp is None or tp.shm is not None
+        fused = plan is not None and plan.decoder == "fused" and plan.kernels is not None and joinable
         self.decoder_kernels = plan.kernels if fused and plan is not None else None
         self.decoder_max_rows = plan.quant_max_rows if plan is not None else None
         self._fused_stack: FusedDecoderStack | None = None
@@ -229,8 +230,9 @@ class LlamaForCausalLM(nn.Module):
     def _decoder_stack(self) -> FusedDecoderStack | None:
         """The one-call decoder stack where the plan asked for it and the loaded layers fit it."""
         if self.decoder_kernels is not None and not self._fused_stack_built:
-            self._fused_stack = FusedDecoderStack.build(self.model.layers, self.arch, self.decoder_kernels,
-                                                        self.decoder_max_rows)  # fmt: skip
+            layer_arch = self.arch if self.tp is None else self.arch.shard(self.tp.size)  # this rank's share
+            self._fused_stack = FusedDecoderStack.build(self.model.layers, layer_arch, self.decoder_kernels,
+                                                        self.decoder_max_rows, self.tp)  # fmt: skip
             self._fused_stack_built = True  # None: the layers do not fit, the Python layers run
         return self._fused_stack
 

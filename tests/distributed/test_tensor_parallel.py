@@ -45,6 +45,29 @@ def test_two_ranks_give_what_one_gives(request: pytest.FixtureRequest, model: st
                 assert pos_b[token].logprob == pytest.approx(lp.logprob, abs=1e-4)
 
 
+def test_the_one_call_stack_joins_ranks_as_the_layers_do(tiny_llama_path: str) -> None:
+    """Under tensor parallelism the one-call decoder stack makes the all-reduces itself (bf16
+    widened to float32 and rounded back once, as the Python layers do): rank 0 on the Python
+    layers beside a rank on the stack gives the all-stack run's tokens and logprobs exactly."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    runs = []
+    for rank0_layers in (False, True):
+        llm = LLM(tiny_llama_path, **{**OPTIONS, "dtype": "bfloat16"}, quantization="int8", tensor_parallel_size=2)
+        try:
+            model = llm.llm_engine.worker.model_runner.model
+            if llm.llm_engine.worker.kernel_plan.decoder != "fused" or model.model.layers[0].self_attn.tp.shm is None:
+                pytest.skip("no one-call decoder stack with the shared-memory all-reduce here")
+            if rank0_layers:
+                model.decoder_kernels = None
+            outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+            assert rank0_layers or model._fused_stack.steps > 0
+            runs.append([(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+                         for o in outputs])  # fmt: skip
+        finally:
+            llm.llm_engine.close()
+    assert runs[0] == runs[1]
+
+
 def test_a_prefix_cache_hit_reads_every_ranks_heads(tiny_llama_path: str) -> None:
     """The second request reuses the first's blocks: each rank must find its own heads in them."""
     llm = LLM(tiny_llama_path, **OPTIONS, tensor_parallel_size=2)

@@ -11,8 +11,11 @@
 //   h = rms_norm(x + residual) (residual updated; layer 0: residual = x)
 //   qkv = h @ Wqkv^T (+ bias); rotary on q and k; k, v into the cache; a = attention(q)
 //   x = a @ Wo^T; h = rms_norm(x + residual); x = down(silu(gate(h)) * up(h))
-// The final norm stays with the caller.
+// The final norm stays with the caller. Under tensor parallelism (tp_size > 1) each rank holds
+// its share of the heads and of the MLP width, and x is summed over the ranks after the o and
+// the down projections (shm_all_reduce.cpp, in float32 as the Python layers do it).
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -64,6 +67,15 @@ struct PagellmStack {
     void* qkv;           // scratch [T, W]
     void* attn;          // scratch [T, num_heads * head_dim]
     void* act;           // scratch [T, intermediate]
+    // Tensor parallelism (tp_size 1: none): the ranks' shared region, this rank, the calls so far
+    // (shared with the Python all-reduce: every rank counts the same calls), a float32 [T, H]
+    // scratch for bf16 activations.
+    void* tp_region;
+    uint64_t* tp_calls;
+    void* tp_scratch;
+    int64_t tp_slot_elems;
+    double tp_timeout_s;
+    int32_t tp_rank, tp_size;
 };
 
 namespace {
@@ -100,6 +112,27 @@ void add_bias(void* qkv, const void* bias, int64_t rows, int64_t width, bool bf1
     }
 }
 
+// x [T, H] summed over the ranks, in float32 (bf16 activations widened and rounded back once).
+int all_reduce(const PagellmStack& s) {
+    const int64_t n = s.tokens * s.hidden;
+    auto* sum = static_cast<float*>(s.dtype == 1 ? s.tp_scratch : s.x);
+    if (s.dtype == 1) {
+        const auto* x = static_cast<const uint16_t*>(s.x);
+        for (int64_t i = 0; i < n; ++i) sum[i] = bf16_to_float(x[i]);
+    }
+    for (int64_t start = 0; start < n; start += s.tp_slot_elems) {
+        const uint64_t seq = ++*s.tp_calls;
+        const int rc = pagellm_shm_all_reduce(s.tp_region, s.tp_rank, s.tp_size, sum + start,
+                                              std::min(s.tp_slot_elems, n - start), s.tp_slot_elems, seq, s.tp_timeout_s);
+        if (rc != 0) return rc;
+    }
+    if (s.dtype == 1) {
+        auto* x = static_cast<uint16_t*>(s.x);
+        for (int64_t i = 0; i < n; ++i) x[i] = float_to_bf16(sum[i]);
+    }
+    return 0;
+}
+
 int layer(const PagellmStack& s, const PagellmLayer& L, bool first) {
     const int64_t T = s.tokens, H = s.hidden, dh = s.head_dim;
     const int64_t q = s.num_heads * dh, kv = s.num_kv_heads * dh, W = q + 2 * kv;
@@ -119,9 +152,11 @@ int layer(const PagellmStack& s, const PagellmLayer& L, bool first) {
                                      s.block_table_stride, s.row_token, s.row_req, s.row_ctx, s.num_rows, s.num_heads,
                                      s.num_kv_heads, dh, s.block_size, s.scale, s.cache_code, th);
     if (rc == 0) rc = linear(L.o, s.attn, T, q, s.x, H, dt, th);
+    if (rc == 0 && s.tp_size > 1) rc = all_reduce(s);
     if (rc == 0) rc = pagellm_add_rms_norm(s.x, s.residual, L.post_norm, s.h, T, H, s.eps, dt, th);
     if (rc == 0) rc = linear(L.gate_up, s.h, T, H, s.act, s.intermediate, dt, th);
     if (rc == 0) rc = linear(L.down, s.act, T, s.intermediate, s.x, H, dt, th);
+    if (rc == 0 && s.tp_size > 1) rc = all_reduce(s);
     return rc;
 }
 
@@ -131,6 +166,9 @@ int layer(const PagellmStack& s, const PagellmLayer& L, bool first) {
 // first failing kernel's code.
 int pagellm_decoder_stack(const PagellmStack* s) {
     if (s == nullptr || s->layers == nullptr || s->num_layers <= 0 || s->tokens <= 0 || (s->dtype != 0 && s->dtype != 1))
+        return -1;
+    if (s->tp_size > 1 && (s->tp_region == nullptr || s->tp_calls == nullptr || s->tp_slot_elems <= 0 ||
+                           (s->dtype == 1 && s->tp_scratch == nullptr)))
         return -1;
     std::memcpy(s->residual, s->x, static_cast<size_t>(s->tokens * s->hidden * (s->dtype == 1 ? 2 : 4)));
     for (int64_t l = 0; l < s->num_layers; ++l) {
