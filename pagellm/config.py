@@ -183,14 +183,20 @@ class KernelConfig:
         return cls(**values)  # type: ignore[arg-type]
 
 
+CPU_BIND_CHOICES = ("auto", "none")
+
+
 @dataclass
 class DeviceConfig:
     device: str = "cpu"
     attention_backend: str = "auto"
     num_threads: int | None = None  # None: torch's default (per rank: each rank's share)
     tensor_parallel_size: int = 1  # ranks (processes) that each hold a share of every layer
+    cpu_bind: str = "auto"  # auto: each tensor-parallel rank on its own CPUs (a NUMA node each); none
 
     def __post_init__(self) -> None:
+        if self.cpu_bind not in CPU_BIND_CHOICES:
+            raise ValueError(f"cpu_bind must be one of {CPU_BIND_CHOICES}, got {self.cpu_bind!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.tensor_parallel_size > 1 and self.device != "cpu":

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from pagellm.config import (
+    CPU_BIND_CHOICES,
     GEMM_CHOICES,
     ISA_CHOICES,
     KV_CACHE_DTYPE_CHOICES,
@@ -79,7 +80,10 @@ class EngineArgs:
         "torch threads (default: torch's choice), split evenly among tensor-parallel ranks", kind=int))
     tensor_parallel_size: int = field(default=1, metadata=_option(
         "processes that each hold a share of every layer (attention heads, MLP width), joined by an "
-        "all-reduce per layer half (CPU: gloo)", kind=int))
+        "all-reduce per layer half (CPU: shared memory, or gloo)", kind=int))
+    cpu_bind: str = field(default="auto", metadata=_option(
+        "auto: bind each tensor-parallel rank's threads to its own CPUs (one NUMA node per rank where "
+        "there are enough, else an even split); none: leave them to the OS", choices=CPU_BIND_CHOICES))
     max_n: int = field(default=128, metadata=_option(
         "most samples (n, best_of) or beams one request may ask for; never above --max-num-seqs", LIMITS, int))
     max_logprobs: int = field(default=20, metadata=_option(
@@ -109,7 +113,8 @@ class EngineArgs:
             ),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens),
             device=DeviceConfig(device=self.device, attention_backend=self.attention_backend,
-                                num_threads=self.num_threads, tensor_parallel_size=self.tensor_parallel_size),
+                                num_threads=self.num_threads, tensor_parallel_size=self.tensor_parallel_size,
+                                cpu_bind=self.cpu_bind),
             limits=LimitsConfig(max_n=self.max_n, max_logprobs=self.max_logprobs,
                                 max_stop_strings=self.max_stop_strings,
                                 grammar_compile_timeout_s=self.grammar_compile_timeout),

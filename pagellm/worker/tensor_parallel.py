@@ -21,6 +21,7 @@ from typing import Any
 
 from pagellm import kernels
 from pagellm.config import EngineConfig, split_threads
+from pagellm.distributed.cpu_affinity import bind_process, bind_rank
 from pagellm.distributed.tensor_parallel import close_tensor_parallel, free_port, init_tensor_parallel
 from pagellm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.worker import Worker
@@ -36,6 +37,8 @@ def _rank_main(config: EngineConfig, eos: int | None, rank: int, port: int, conn
     """A child rank: build its worker, then run every step it is sent until told to stop."""
     conn.send(("ok", None))  # started: rank 0 may now wait for it in the rendezvous
     try:
+        if config.device.cpu_bind == "auto":
+            bind_rank(rank, config.device.tensor_parallel_size)
         tp = init_tensor_parallel(rank, config.device.tensor_parallel_size, port, kernels.load(config.kernels))
         worker = Worker(config, eos, tp)
         conn.send(("ok", None))
@@ -65,6 +68,7 @@ class TensorParallelWorkers:
         port = free_port()
         ctx = mp.get_context("spawn")  # never fork a process that holds OpenMP/torch threads
         self._ranks: list[tuple[Any, Connection]] = []
+        self._unbound: set[int] | None = None  # this process's CPUs before rank 0 was bound
         try:
             for rank in range(1, size):
                 parent, child = ctx.Pipe()
@@ -76,6 +80,8 @@ class TensorParallelWorkers:
             # A child that fails before joining (say, its interpreter cannot start) would leave
             # rank 0 in the rendezvous until its timeout: wait for each to be running first.
             self._collect("start-up")
+            if config.device.cpu_bind == "auto":  # after the children started: they split the same CPUs
+                self._unbound = bind_rank(0, size)
             tp = init_tensor_parallel(0, size, port, kernels.load(config.kernels))
             self.driver = Worker(config, tokenizer_eos_token_id, tp)
             self._collect("start")
@@ -130,3 +136,6 @@ class TensorParallelWorkers:
             conn.close()
         self._ranks = []
         close_tensor_parallel()
+        if self._unbound is not None:  # this process may run other work after the engine
+            bind_process(sorted(self._unbound))
+            self._unbound = None
