@@ -193,8 +193,14 @@ class DeviceConfig:
     num_threads: int | None = None  # None: torch's default (per rank: each rank's share)
     tensor_parallel_size: int = 1  # ranks (processes) that each hold a share of every layer
     cpu_bind: str = "auto"  # auto: each tensor-parallel rank on its own CPUs (a NUMA node each); none
+    # (index, count): this engine's share of the CPUs its process may use, under cpu_bind auto
+    # (data-parallel replicas take one share each; their tensor-parallel ranks split it).
+    cpu_share: tuple[int, int] = (0, 1)
 
     def __post_init__(self) -> None:
+        index, count = self.cpu_share
+        if not 0 <= index < count:
+            raise ValueError(f"cpu_share must be (index, count) with 0 <= index < count, got {self.cpu_share!r}")
         if self.cpu_bind not in CPU_BIND_CHOICES:
             raise ValueError(f"cpu_bind must be one of {CPU_BIND_CHOICES}, got {self.cpu_bind!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
@@ -221,3 +227,10 @@ def split_threads(config: EngineConfig, parts: int) -> EngineConfig:
     machine's cores, split evenly (at least one each)."""
     total = config.device.num_threads or os.cpu_count() or 1
     return replace(config, device=replace(config.device, num_threads=max(1, total // parts)))
+
+
+def replica_configs(config: EngineConfig, size: int) -> list[EngineConfig]:
+    """``size`` data-parallel replicas of an engine's configuration: each its share of the
+    threads, and (under cpu_bind auto) its own share of the CPUs."""
+    shares = [split_threads(config, size) for _ in range(size)]
+    return [replace(c, device=replace(c.device, cpu_share=(i, size))) for i, c in enumerate(shares)]

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from pagellm.config import EngineConfig, split_threads
+from pagellm.config import EngineConfig
 from pagellm.engine.engine_process import EngineProcess
 from pagellm.engine.llm_engine import EngineStats
 from pagellm.engine.protocol import EngineRequest
@@ -106,11 +106,6 @@ class PrefixCacheRouter:
             seen.move_to_end(h)
         while len(seen) > self.options.max_blocks_per_replica:
             seen.popitem(last=False)
-
-
-def replica_configs(config: EngineConfig, size: int) -> list[EngineConfig]:
-    """``size`` copies of an engine's configuration, each with its share of the threads."""
-    return [split_threads(config, size) for _ in range(size)]
 
 
 def combined_stats(replicas: Sequence[EngineStats]) -> EngineStats:

@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from pagellm.config import EngineConfig
+from pagellm.distributed.cpu_affinity import bind_rank
 from pagellm.engine.input_processor import InputProcessor
 from pagellm.engine.llm_engine import EngineStats, LLMEngine
 from pagellm.engine.protocol import EngineRequest
@@ -87,6 +88,8 @@ def _engine_main(config: EngineConfig, conn: Connection, log_level: int) -> None
     """The child: build the engine, then serve calls until the pipe closes or ``None`` arrives."""
     logging.basicConfig(level=log_level, format=LOG_FORMAT)
     try:
+        if config.device.cpu_bind == "auto" and config.device.cpu_share[1] > 1:
+            bind_rank(*config.device.cpu_share)  # a data-parallel replica: its share of the CPUs
         engine = LLMEngine(config)
     except BaseException as exc:  # start-up failures travel to the parent, which raises them
         conn.send(("error", exc))

@@ -118,7 +118,8 @@ def _load_engine(args: argparse.Namespace) -> Any:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from pagellm.engine.data_parallel import DataParallelEngine, RouterOptions, replica_configs
+    from pagellm.config import replica_configs
+    from pagellm.engine.data_parallel import DataParallelEngine, RouterOptions
     from pagellm.engine.engine_process import EngineProcess
     from pagellm.engine.llm_engine import LLMEngine
     from pagellm.entrypoints.openai.api_server import ServerSettings, run_server

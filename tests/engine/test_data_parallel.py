@@ -3,6 +3,8 @@ in their own processes giving what one engine gives, with shared prefixes kept t
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from pagellm import LLM, SamplingParams
@@ -12,8 +14,9 @@ from pagellm.engine.data_parallel import (
     RouterOptions,
     block_hashes,
     combined_stats,
-    replica_configs,
 )
+from pagellm.config import replica_configs
+from pagellm.distributed.cpu_affinity import numa_nodes, rank_cpus
 from pagellm.engine.llm_engine import EngineStats
 from pagellm.engine.protocol import EngineRequest
 from pagellm.engine_args import EngineArgs
@@ -81,6 +84,7 @@ def replicas(tiny_llama_path):
     config = EngineArgs(tiny_llama_path, num_kv_blocks=64, block_size=4, num_threads=2).create_engine_config()
     configs = replica_configs(config, 2)
     assert [c.device.num_threads for c in configs] == [1, 1]
+    assert [c.device.cpu_share for c in configs] == [(0, 2), (1, 2)]
     engine = DataParallelEngine.start(configs, RouterOptions(balance_margin=4))
     yield engine
     engine.close()
@@ -104,6 +108,16 @@ def test_replicas_give_what_one_engine_gives(replicas, tiny_llama_path) -> None:
     assert shared_replica.prefix_cache_hits >= len(SHARED)  # the second request reused the first's blocks
     assert replicas.stats.num_generated_tokens == sum(s.num_generated_tokens for s in replicas.replica_stats) >= 24
     assert replicas.router.load == [0, 0] and not replicas._owner
+
+
+def test_each_replica_runs_on_its_own_cpus(replicas) -> None:
+    """--cpu-bind auto (the default): replica i binds to the i-th share of the CPUs."""
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("one CPU: nothing to split")
+    got = [os.sched_getaffinity(r._proc.pid) for r in replicas.replicas]
+    assert got == [set(rank_cpus(i, 2, sorted(allowed), numa_nodes(allowed))) for i in range(2)]
+    assert not got[0] & got[1]
 
 
 def test_abort_and_bad_requests_reach_their_replica(replicas) -> None:
@@ -138,3 +152,22 @@ def test_serve_with_two_replicas(tiny_llama_path) -> None:
         for engine in ("0", "1"):
             assert f'pagellm:generation_tokens_total{{engine="{engine}",model_name="{MODEL_NAME}"}} 4.0' in metrics, metrics
         assert httpx.get(server.url("/version"), timeout=10).json()["kernel_plan"]["data_parallel_size"] == "2"
+
+
+def test_tensor_parallel_replicas(tiny_llama_path) -> None:
+    """Two replicas of two tensor-parallel ranks each (four processes): what one engine gives."""
+    config = EngineArgs(tiny_llama_path, num_kv_blocks=64, block_size=4, num_threads=2, dtype="float32",
+                        tensor_parallel_size=2).create_engine_config()  # fmt: skip
+    engine = DataParallelEngine.start(replica_configs(config, 2))
+    try:
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        prompts = [[5, 9, 200, 31], [400, 3, 3, 7, 8], list(range(100, 120))]
+        assert engine.add_requests([EngineRequest(f"r{i}", p, params) for i, p in enumerate(prompts)]) == [None] * 3
+        assert all(r.has_unfinished_requests() for r in engine.replicas)  # both replicas work
+        got = drain(engine)
+    finally:
+        engine.close()
+    expected = LLM(tiny_llama_path, num_kv_blocks=64, block_size=4, dtype="float32").generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+    )
+    assert [got[f"r{i}"] for i in range(3)] == [o.outputs[0].token_ids for o in expected]
