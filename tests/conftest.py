@@ -58,6 +58,23 @@ def tiny_qwen2_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer)
     return write_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), config, default_tokenizer)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny Qwen3 (per-head q/k RMSNorm, no q/k/v bias, head_dim 32: q is twice the hidden width)."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(
+        **TINY_SHAPE,
+        **token_ids(default_tokenizer),
+        head_dim=32,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        initializer_range=0.1,
+    )
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), config, default_tokenizer)
+
+
 @pytest.fixture
 def cpu_plan():
     """``cpu_plan(dtype, **kernel_options)``: the kernel plan an engine on this CPU would run

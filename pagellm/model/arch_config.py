@@ -17,11 +17,14 @@ _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 # Architectures whose q/k/v projections always carry a bias (no config flag for it).
 _ALWAYS_QKV_BIAS = {"Qwen2ForCausalLM"}
 # Architectures whose `attention_bias` flag also puts a bias on o_proj.
 _O_PROJ_FOLLOWS_ATTENTION_BIAS = {"LlamaForCausalLM"}
+# Architectures with an RMSNorm over each head of q and of k before the rotary embedding.
+_QK_NORM = {"Qwen3ForCausalLM"}
 
 
 @dataclass
@@ -48,6 +51,7 @@ class ModelArchConfig:
     mlp_bias: bool = False
     hidden_act: str = "silu"
     sliding_window: int | None = None  # effective window (None when the model attends to everything)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head (weights [head_dim]) before rotary
 
     @property
     def q_size(self) -> int:
@@ -117,6 +121,7 @@ class ModelArchConfig:
             bos_token_id=_optional_int(config.get("bos_token_id")),
             eos_token_ids=_merge_eos(config, generation_config),
             sliding_window=_effective_sliding_window(config),
+            qk_norm=architecture in _QK_NORM,
         )
 
 

@@ -97,6 +97,8 @@ def _layer_weights(layer: nn.Module, arch: ModelArchConfig, dtype: torch.dtype) 
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if not isinstance(attn.attn_backend, CPUPagedAttention) or attn.rotary_kernels is None:
         return None
+    if getattr(attn, "q_norm", None) is not None:  # per-head q/k norms (Qwen3): not in the call
+        return None
     if not all(isinstance(n, RMSNorm) and n.kernels is not None for n in norms):
         return None
     if not isinstance(mlp.act, nn.Identity):  # SiLU-and-mul not in gate_up's epilogue

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral without sliding window, Qwen2) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral without sliding window, Qwen2, Qwen3) over a paged KV cache.
 
 The forward takes ONE flat batch of tokens from many sequences (prefill chunks and decode
 tokens mixed). Every layer runs its projections over all tokens at once; only attention
@@ -61,6 +61,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = linear_for_plan(self.q_size, arch.hidden_size, arch.o_proj_bias, plan)
         self.attn_backend = attn_backend
         self.rotary_kernels = plan.library("rotary") if plan is not None else None
+        # Qwen3: each head of q and k RMS-normed (over head_dim) before the rotary embedding.
+        norm_kernels = plan.library("norm") if plan is not None else None
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, norm_kernels) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, norm_kernels) if arch.qk_norm else None
 
     def shard_slices(self) -> dict[str, slice]:
         """Rows of ``qkv_proj`` holding each of q, k, v."""
@@ -79,6 +83,10 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         # q and k rotated together (one set of elementwise ops; the same arithmetic per element).
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            heads = self.num_heads
+            qk[:, :heads] = self.q_norm(qk[:, :heads].reshape(-1, self.head_dim)).view(num_tokens, heads, -1)
+            qk[:, heads:] = self.k_norm(qk[:, heads:].reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, -1)
         q, k = apply_rotary_(qk, cos, sin, self.rotary_kernels).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
@@ -272,6 +280,8 @@ class LlamaForCausalLM(nn.Module):
                 names.add(prefix + "self_attn.o_proj.bias")
             if arch.mlp_bias:
                 names |= {f"{prefix}mlp.{p}_proj.bias" for p in ("gate", "up", "down")}
+            if arch.qk_norm:
+                names |= {prefix + "self_attn.q_norm.weight", prefix + "self_attn.k_norm.weight"}
         return names
 
     @torch.no_grad()

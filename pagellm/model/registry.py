@@ -6,11 +6,13 @@ from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.layers import check_rope_scaling
 from pagellm.model.llama import LlamaForCausalLM
 
-# Mistral is Llama without sliding window; Qwen2 is Llama with q/k/v bias (set in the arch config).
+# Mistral is Llama without sliding window; Qwen2 is Llama with q/k/v bias; Qwen3 is Llama with
+# per-head q/k norms (each set in the arch config).
 _MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
 }
 
 
