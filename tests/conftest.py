@@ -59,6 +59,28 @@ def tiny_qwen2_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer)
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_yarn_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny Qwen2 with YaRN rope scaling from a 32-token original context (as Qwen2.5 extends
+    its context), so short prompts cross the ramp and the attention factor scales cos/sin."""
+    from transformers import Qwen2Config
+
+    rope = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 32}
+    config = Qwen2Config(**TINY_SHAPE, **token_ids(default_tokenizer), rope_parameters=rope, tie_word_embeddings=True,
+                         use_sliding_window=False, initializer_range=0.1)  # fmt: skip
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_qwen2_yarn"), config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_linear_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny Llama with linear rope scaling (position interpolation by 4)."""
+    from transformers import LlamaConfig
+
+    rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+    config = LlamaConfig(**TINY_SHAPE, **token_ids(default_tokenizer), rope_parameters=rope, initializer_range=0.1)
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_llama_linear"), config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
     """Tiny Qwen3 (per-head q/k RMSNorm, no q/k/v bias, head_dim 32: q is twice the hidden width)."""
     from transformers import Qwen3Config

@@ -15,7 +15,7 @@ from torch import nn
 
 from pagellm.kernels import KernelLibrary, supports_dtype
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class RMSNorm(nn.Module):
@@ -96,12 +96,63 @@ def llama3_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict[str, Any]) -> tor
     return torch.where(is_medium, smoothed, scaled)
 
 
-def compute_inv_freq(head_dim: int, theta: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
+def yarn_inv_freq(head_dim: int, theta: float, rope_scaling: dict[str, Any], max_position: int) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): interpolate the low frequencies by ``factor``, keep the high ones,
+    a linear ramp between the dimensions that turn ``beta_slow`` and ``beta_fast`` times over the
+    original context (HF's arithmetic, float32)."""
+    factor = _yarn_factor(rope_scaling, max_position)
+    original = float(rope_scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = rope_scaling.get("beta_fast") or 32, rope_scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope_scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no empty ramp
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # the extrapolated (unscaled) share of each frequency
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).to(dtype=torch.float) / head_dim)
+    return 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+
+
+def _yarn_factor(rope_scaling: dict[str, Any], max_position: int) -> float:
+    factor = rope_scaling.get("factor")
+    return max_position / rope_scaling["original_max_position_embeddings"] if factor is None else float(factor)
+
+
+def rope_attention_factor(rope_scaling: dict[str, Any] | None, max_position: int) -> float:
+    """What the cos/sin tables are multiplied by: YaRN's attention temperature, else 1."""
+    if rope_scaling is None or rope_scaling.get("rope_type") != "yarn":
+        return 1.0
+    given = rope_scaling.get("attention_factor")
+    if given is not None:
+        return float(given)
+    factor, mscale, mscale_all_dim = _yarn_factor(rope_scaling, max_position), rope_scaling.get("mscale"), \
+        rope_scaling.get("mscale_all_dim")
+
+    def scale(m: float = 1) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    return float(scale(mscale) / scale(mscale_all_dim)) if mscale and mscale_all_dim else scale()
+
+
+def compute_inv_freq(
+    head_dim: int, theta: float, rope_scaling: dict[str, Any] | None, max_position: int = 2048
+) -> torch.Tensor:
     """Inverse frequencies for the configured rope variant."""
     check_rope_scaling(rope_scaling)
+    rope_type = (rope_scaling or {}).get("rope_type", "default")
+    if rope_type == "yarn":
+        return yarn_inv_freq(head_dim, theta, rope_scaling or {}, max_position)
     inv_freq = default_inv_freq(head_dim, theta)
-    if rope_scaling is not None and rope_scaling.get("rope_type") == "llama3":
-        inv_freq = llama3_inv_freq(inv_freq, rope_scaling)
+    if rope_type == "llama3":
+        inv_freq = llama3_inv_freq(inv_freq, rope_scaling or {})
+    elif rope_type == "linear":
+        inv_freq = inv_freq / float((rope_scaling or {})["factor"])
     return inv_freq
 
 
@@ -114,24 +165,30 @@ class RotaryEmbedding(nn.Module):
     gather a step instead of six small ops, with the same values (each row is computed alone).
     """
 
-    def __init__(self, head_dim: int, theta: float, rope_scaling: dict[str, Any] | None) -> None:
+    def __init__(
+        self, head_dim: int, theta: float, rope_scaling: dict[str, Any] | None, max_position: int = 2048
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
         self.rope_scaling = rope_scaling
+        self.max_position = max_position  # YaRN without a factor derives it from this
         check_rope_scaling(rope_scaling)
+        self.attention_factor = rope_attention_factor(rope_scaling, max_position)
         self._inv_freq: torch.Tensor | None = None
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}  # cos, sin
 
     def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
         if self._inv_freq is None or self._inv_freq.device != device:
-            self._inv_freq = compute_inv_freq(self.head_dim, self.theta, self.rope_scaling).to(device)
+            self._inv_freq = compute_inv_freq(self.head_dim, self.theta, self.rope_scaling, self.max_position).to(device)
         return self._inv_freq
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of ``positions`` computed directly: ``[T, head_dim]`` (halves duplicated, HF layout)."""
         freqs = positions.to(torch.float32)[:, None] * self._inv_freq_on(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
+        if self.attention_factor != 1.0:
+            return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -176,7 +176,7 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(layer_arch, attn_backend, plan, tp) for _ in range(arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, plan.library("norm") if plan is not None else None)
-        self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+        self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings)
 
 
 class LlamaForCausalLM(nn.Module):

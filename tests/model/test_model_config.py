@@ -82,6 +82,34 @@ def test_llama3_inv_freq_matches_hf(tiny_llama_path: str) -> None:
     assert not torch.equal(ours, default_inv_freq(arch.head_dim, arch.rope_theta))  # scaling is in effect
 
 
+ROPE_VARIANTS = {
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32},
+    "yarn-mscale": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64,
+                    "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16},
+    "yarn-no-factor": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": None,
+                       "original_max_position_embeddings": 128, "truncate": False},
+}
+
+
+@pytest.mark.parametrize("variant", list(ROPE_VARIANTS))
+def test_rope_variants_match_hf(variant: str) -> None:
+    """linear and YaRN inverse frequencies and attention factor: HF's, bit for bit."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from pagellm.model.layers import rope_attention_factor
+
+    rope = ROPE_VARIANTS[variant]
+    config = LlamaConfig(hidden_size=128, num_attention_heads=2, max_position_embeddings=512, rope_parameters=dict(rope))
+    reference, factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, torch.device("cpu"))
+    arch = ModelArchConfig.from_hf_config(config.to_dict())
+    ours = compute_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings)
+    torch.testing.assert_close(ours, reference, atol=0, rtol=0)
+    assert rope_attention_factor(arch.rope_scaling, arch.max_position_embeddings) == factor
+    assert not torch.equal(ours, default_inv_freq(arch.head_dim, arch.rope_theta))
+
+
 def test_unpermute_inverts_llama_cpp_permute() -> None:
     """llama.cpp's converter permute (copied from convert_hf_to_gguf.py), then ours, is the identity."""
     heads, head_dim, cols = 3, 8, 5
