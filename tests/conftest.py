@@ -81,6 +81,16 @@ def tiny_llama_linear_path(tmp_path_factory: pytest.TempPathFactory, default_tok
 
 
 @pytest.fixture(scope="session")
+def tiny_phi3_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny Phi-3 (q/k/v and gate/up stored fused in the checkpoint, untied head)."""
+    from transformers import Phi3Config
+
+    config = Phi3Config(**TINY_SHAPE, **token_ids(default_tokenizer), sliding_window=None, initializer_range=0.1,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})  # fmt: skip
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_phi3"), config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
     """Tiny Qwen3 (per-head q/k RMSNorm, no q/k/v bias, head_dim 32: q is twice the hidden width)."""
     from transformers import Qwen3Config

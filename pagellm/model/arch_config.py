@@ -18,6 +18,7 @@ _MODEL_TYPE_TO_ARCH = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # Architectures whose q/k/v projections always carry a bias (no config flag for it).
 _ALWAYS_QKV_BIAS = {"Qwen2ForCausalLM"}
@@ -52,6 +53,7 @@ class ModelArchConfig:
     hidden_act: str = "silu"
     sliding_window: int | None = None  # effective window (None when the model attends to everything)
     qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head (weights [head_dim]) before rotary
+    partial_rotary_factor: float = 1.0  # share of each head the rotary embedding turns (1: all; checked)
 
     @property
     def q_size(self) -> int:
@@ -122,6 +124,7 @@ class ModelArchConfig:
             eos_token_ids=_merge_eos(config, generation_config),
             sliding_window=_effective_sliding_window(config),
             qk_norm=architecture in _QK_NORM,
+            partial_rotary_factor=_partial_rotary_factor(config),
         )
 
 
@@ -145,6 +148,13 @@ def _rope_from_hf(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]
     if scaling.get("rope_type", "default") == "default":
         return theta, None
     return theta, scaling
+
+
+def _partial_rotary_factor(config: dict[str, Any]) -> float:
+    """The rotary share of each head, from the config or its rope parameters (default 1)."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    value = config.get("partial_rotary_factor", params.get("partial_rotary_factor"))
+    return 1.0 if value is None else float(value)
 
 
 def _optional_int(value: Any) -> int | None:

@@ -37,6 +37,9 @@ _FUSED_SHARDS = {
     "up_proj": ("gate_up_proj", "up"),
 }
 _FUSED_NAME = re.compile(r"^(?P<prefix>.*\.)(?P<sub>q_proj|k_proj|v_proj|gate_proj|up_proj)\.(?P<kind>weight|bias)$")
+# Checkpoints that store q/k/v or gate/up already fused (Phi-3): split into the HF parts on load,
+# so every later step (tensor-parallel shares, quantization, fusing) sees the usual names.
+_PREFUSED_NAME = re.compile(r"^(?P<prefix>.*\.)(?P<fused>qkv_proj|gate_up_proj)\.(?P<kind>weight|bias)$")
 # Checkpoint entries that are derived state, not parameters.
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
@@ -294,7 +297,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         tied_quantized = self.arch.tie_word_embeddings and isinstance(self.lm_head, QuantizedLinear)
-        for name, tensor in weights:
+        for name, tensor in (part for item in weights for part in self._split_prefused(*item)):
             if _IGNORED.search(name):
                 continue
             if name == "lm_head.weight" and self.arch.tie_word_embeddings:
@@ -331,6 +334,30 @@ class LlamaForCausalLM(nn.Module):
         if target.shape != tensor.shape:
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
         target.copy_(tensor)
+
+    def _split_prefused(
+        self, name: str, tensor: torch.Tensor | QuantizedWeight
+    ) -> Iterable[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """A fused checkpoint tensor (``qkv_proj``, ``gate_up_proj``) as its HF parts by rows;
+        any other tensor as it is."""
+        match = _PREFUSED_NAME.match(name)
+        if match is None:
+            return [(name, tensor)]
+        arch = self.arch
+        if match["fused"] == "qkv_proj":
+            parts = [("self_attn.q_proj", arch.q_size), ("self_attn.k_proj", arch.kv_size), ("self_attn.v_proj", arch.kv_size)]
+        else:
+            parts = [("mlp.gate_proj", arch.intermediate_size), ("mlp.up_proj", arch.intermediate_size)]
+        rows = tensor.rows if isinstance(tensor, QuantizedWeight) else tensor.shape[0]
+        if rows != sum(size for _, size in parts):
+            raise ValueError(f"weight {name!r} has {rows} rows, expected {sum(size for _, size in parts)}")
+        prefix = match["prefix"].rsplit(".", 2)[0] + "."  # "model.layers.N."
+        out, start = [], 0
+        for part, size in parts:
+            piece = tensor.select_rows(slice(start, start + size)) if isinstance(tensor, QuantizedWeight) else tensor[start : start + size]
+            out.append((f"{prefix}{part}.{match['kind']}", piece))
+            start += size
+        return out
 
     def _submodule_or_none(self, name: str) -> nn.Module | None:
         """The submodule called ``name`` (None for the model itself or an unknown name)."""

@@ -7,12 +7,14 @@ from pagellm.model.layers import check_rope_scaling
 from pagellm.model.llama import LlamaForCausalLM
 
 # Mistral is Llama without sliding window; Qwen2 is Llama with q/k/v bias; Qwen3 is Llama with
-# per-head q/k norms (each set in the arch config).
+# per-head q/k norms (each set in the arch config); Phi-3 is Llama whose checkpoints store q/k/v
+# and gate/up fused (split on load).
 _MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
 }
 
 
@@ -41,6 +43,9 @@ def validate_arch_config(arch: ModelArchConfig) -> type[LlamaForCausalLM]:
             f"{arch.max_position_embeddings}) is not supported: sliding-window attention is not implemented"
         )
     check_rope_scaling(arch.rope_scaling)
+    if arch.partial_rotary_factor != 1.0:
+        raise ValueError(f"{arch.architecture} with partial_rotary_factor={arch.partial_rotary_factor} is not "
+                         "supported: the rotary embedding turns whole heads only")  # fmt: skip
     if arch.num_attention_heads % arch.num_key_value_heads:
         raise ValueError(
             f"num_attention_heads={arch.num_attention_heads} is not a multiple of "

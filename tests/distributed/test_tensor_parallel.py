@@ -28,22 +28,26 @@ def _run(path: str, tp: int, params: SamplingParams, **options: object) -> list:
 
 @pytest.mark.parametrize("model,variant", [("tiny_llama_path", "shm"), ("tiny_qwen2_path", "shm"),
                                            ("tiny_llama_path", "gloo"), ("tiny_qwen2_path", "int8"),
-                                           ("tiny_qwen3_path", "shm")])  # fmt: skip
+                                           ("tiny_qwen3_path", "shm"), ("tiny_phi3_path", "int8")])  # fmt: skip
 def test_two_ranks_give_what_one_gives(request: pytest.FixtureRequest, model: str, variant: str) -> None:
     """Dense weights with the shared-memory all-reduce, with gloo's (no kernel library), and
     int8 blocks on the integer GEMM (each rank's blocks are the whole model's: same integers)."""
     path = request.getfixturevalue(model)  # Llama (GQA, untied head); Qwen2 (q/k/v bias, tied)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3, prompt_logprobs=1)
     options = {"gloo": dict(cpu_kernels=False), "int8": dict(quantization="int8")}.get(variant, {})
+    # The ranks' partial sums add in another order than one process's: float32 rounding (1e-4
+    # on a logprob). With int8 blocks that rounding can also move one activation's int8 code by
+    # one where it sat on a rounding boundary: ~1e-2 on the logprobs after it (seen once, tiny Phi-3).
+    tolerance = 0.05 if variant == "int8" else 1e-4
     one, two = _run(path, 1, params, **options), _run(path, 2, params, **options)
     for a, b in zip(one, two):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             for token, lp in step_a.items():
-                assert step_b[token].logprob == pytest.approx(lp.logprob, abs=1e-4)
+                assert step_b[token].logprob == pytest.approx(lp.logprob, abs=tolerance)
         for pos_a, pos_b in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
             for token, lp in pos_a.items():
-                assert pos_b[token].logprob == pytest.approx(lp.logprob, abs=1e-4)
+                assert pos_b[token].logprob == pytest.approx(lp.logprob, abs=tolerance)
 
 
 def test_the_one_call_stack_joins_ranks_as_the_layers_do(tiny_llama_path: str) -> None:

@@ -147,3 +147,15 @@ def test_model_path_forms(tmp_path: Path, tiny_llama_path: str) -> None:
     (tmp_path / "other.gguf").symlink_to(gguf)
     with pytest.raises(ValueError, match="several .gguf"):
         resolve_model_path(str(tmp_path))
+
+
+def test_partial_rotary_is_refused() -> None:
+    """A rotary embedding over part of each head (phi-4-mini, GPT-NeoX style) would run wrongly: refused."""
+    from pagellm.model.registry import validate_arch_config
+
+    config = dict(LLAMA31_CONFIG, architectures=["Phi3ForCausalLM"], rope_scaling=None,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75})  # fmt: skip
+    arch = ModelArchConfig.from_hf_config(config)
+    assert arch.partial_rotary_factor == 0.75
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.75 is not supported"):
+        validate_arch_config(arch)
