@@ -78,10 +78,10 @@ def test_mistral_sliding_window_is_refused(tmp_path: Path, tiny_llama_path: str)
 def test_unsupported_rope_scaling_is_named(tmp_path: Path, tiny_llama_path: str) -> None:
     folder = _copy_with_config(
         tiny_llama_path,
-        tmp_path / "yarn",
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0},
+        tmp_path / "dynamic",
+        rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
     )
-    with pytest.raises(NotImplementedError, match="yarn"):
+    with pytest.raises(NotImplementedError, match="dynamic"):
         load_arch_config(str(folder))
 
 
