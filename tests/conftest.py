@@ -91,6 +91,20 @@ def tiny_phi3_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) 
 
 
 @pytest.fixture(scope="session")
+def tiny_phi3_longrope_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny Phi-3 with LongRoPE (as Phi-3-mini-128k and Phi-3.5-mini): its short factors and
+    attention factor apply within the 64-token original context the tests stay in."""
+    from transformers import Phi3Config
+
+    half = TINY_SHAPE["hidden_size"] // TINY_SHAPE["num_attention_heads"] // 2
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.25 * i for i in range(half)],
+            "long_factor": [2.0 + i for i in range(half)], "original_max_position_embeddings": 64}  # fmt: skip
+    config = Phi3Config(**TINY_SHAPE, **token_ids(default_tokenizer), sliding_window=None, initializer_range=0.1,
+                        rope_parameters=rope, original_max_position_embeddings=64)  # fmt: skip
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_phi3_longrope"), config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
     """Tiny Qwen3 (per-head q/k RMSNorm, no q/k/v bias, head_dim 32: q is twice the hidden width)."""
     from transformers import Qwen3Config

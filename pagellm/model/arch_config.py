@@ -147,6 +147,8 @@ def _rope_from_hf(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]
         scaling["rope_type"] = scaling.pop("type")
     if scaling.get("rope_type", "default") == "default":
         return theta, None
+    if "original_max_position_embeddings" not in scaling and "original_max_position_embeddings" in config:
+        scaling["original_max_position_embeddings"] = config["original_max_position_embeddings"]  # Phi-3 keeps it here
     return theta, scaling
 
 

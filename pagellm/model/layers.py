@@ -15,7 +15,7 @@ from torch import nn
 
 from pagellm.kernels import KernelLibrary, supports_dtype
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 class RMSNorm(nn.Module):
@@ -119,18 +119,37 @@ def yarn_inv_freq(head_dim: int, theta: float, rope_scaling: dict[str, Any], max
     return 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
 
 
+def longrope_inv_freq(head_dim: int, theta: float, rope_scaling: dict[str, Any], long: bool) -> torch.Tensor:
+    """LongRoPE (Phi-3): each frequency divided by its own factor, the short list within the
+    original context, the long one beyond it (HF's arithmetic, float32)."""
+    factors = torch.tensor(rope_scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (factors * theta**shape)
+
+
+def _scale_factor(rope_scaling: dict[str, Any], max_position: int) -> float:
+    """YaRN's and LongRoPE's context factor: given, else the context's growth over the original."""
+    factor = rope_scaling.get("factor")
+    return max_position / rope_scaling["original_max_position_embeddings"] if factor is None else float(factor)
+
+
 def _yarn_factor(rope_scaling: dict[str, Any], max_position: int) -> float:
     factor = rope_scaling.get("factor")
     return max_position / rope_scaling["original_max_position_embeddings"] if factor is None else float(factor)
 
 
 def rope_attention_factor(rope_scaling: dict[str, Any] | None, max_position: int) -> float:
-    """What the cos/sin tables are multiplied by: YaRN's attention temperature, else 1."""
-    if rope_scaling is None or rope_scaling.get("rope_type") != "yarn":
+    """What the cos/sin tables are multiplied by: YaRN's and LongRoPE's attention temperature, else 1."""
+    rope_type = (rope_scaling or {}).get("rope_type")
+    if rope_scaling is None or rope_type not in ("yarn", "longrope"):
         return 1.0
     given = rope_scaling.get("attention_factor")
     if given is not None:
         return float(given)
+    if rope_type == "longrope":
+        factor = _scale_factor(rope_scaling, max_position)
+        original = rope_scaling["original_max_position_embeddings"]
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     factor, mscale, mscale_all_dim = _yarn_factor(rope_scaling, max_position), rope_scaling.get("mscale"), \
         rope_scaling.get("mscale_all_dim")
 
@@ -148,6 +167,8 @@ def compute_inv_freq(
     rope_type = (rope_scaling or {}).get("rope_type", "default")
     if rope_type == "yarn":
         return yarn_inv_freq(head_dim, theta, rope_scaling or {}, max_position)
+    if rope_type == "longrope":  # within the original context; RotaryEmbedding switches beyond it
+        return longrope_inv_freq(head_dim, theta, rope_scaling or {}, long=False)
     inv_freq = default_inv_freq(head_dim, theta)
     if rope_type == "llama3":
         inv_freq = llama3_inv_freq(inv_freq, rope_scaling or {})
@@ -175,6 +196,9 @@ class RotaryEmbedding(nn.Module):
         self.max_position = max_position  # YaRN without a factor derives it from this
         check_rope_scaling(rope_scaling)
         self.attention_factor = rope_attention_factor(rope_scaling, max_position)
+        # LongRoPE: positions from the original context on turn at the long factors' frequencies.
+        longrope = rope_scaling is not None and rope_scaling.get("rope_type") == "longrope"
+        self.long_from = int(rope_scaling["original_max_position_embeddings"]) if longrope else None  # type: ignore[index]
         self._inv_freq: torch.Tensor | None = None
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}  # cos, sin
 
@@ -185,7 +209,11 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of ``positions`` computed directly: ``[T, head_dim]`` (halves duplicated, HF layout)."""
-        freqs = positions.to(torch.float32)[:, None] * self._inv_freq_on(positions.device)[None, :]
+        inv_freq = self._inv_freq_on(positions.device)[None, :]
+        if self.long_from is not None:
+            long = longrope_inv_freq(self.head_dim, self.theta, self.rope_scaling or {}, long=True).to(positions.device)
+            inv_freq = torch.where((positions >= self.long_from)[:, None], long[None, :], inv_freq)
+        freqs = positions.to(torch.float32)[:, None] * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         if self.attention_factor != 1.0:
             return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from pagellm.attention.reference import ReferenceAttention
 from pagellm.model import ModelArchConfig, default_model_path, load_arch_config, load_model, resolve_model_path
 from pagellm.model.gguf_loader import unpermute_qk_rows
-from pagellm.model.layers import compute_inv_freq, default_inv_freq
+from pagellm.model.layers import RotaryEmbedding, compute_inv_freq, default_inv_freq
 
 LLAMA31_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -87,6 +87,8 @@ ROPE_VARIANTS = {
     "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32},
     "yarn-mscale": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64,
                     "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16},
+    "longrope": {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 128,
+                 "short_factor": [1.0 + 0.1 * i for i in range(32)], "long_factor": [1.5 + 0.5 * i for i in range(32)]},
     "yarn-no-factor": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": None,
                        "original_max_position_embeddings": 128, "truncate": False},
 }
@@ -108,6 +110,13 @@ def test_rope_variants_match_hf(variant: str) -> None:
     torch.testing.assert_close(ours, reference, atol=0, rtol=0)
     assert rope_attention_factor(arch.rope_scaling, arch.max_position_embeddings) == factor
     assert not torch.equal(ours, default_inv_freq(arch.head_dim, arch.rope_theta))
+    if rope["rope_type"] == "longrope":  # from the original context on: the long factors, per position
+        long, _ = ROPE_INIT_FUNCTIONS["longrope"](config, torch.device("cpu"), seq_len=129)
+        rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings)
+        cos, _ = rotary.cos_sin(torch.tensor([127, 128, 300]), torch.float32)
+        for row, position, inv in ((0, 127, reference), (1, 128, long), (2, 300, long)):
+            expected = torch.cat([position * inv, position * inv]).cos() * factor
+            assert torch.equal(cos[row], expected)
 
 
 def test_unpermute_inverts_llama_cpp_permute() -> None:

@@ -11,7 +11,7 @@ from pagellm.model.llama import LlamaForCausalLM
 from tests.helpers.paged_runner import PagedRunner
 
 TINY_MODELS = ["tiny_llama_path", "tiny_qwen2_path", "tiny_qwen3_path", "tiny_qwen2_yarn_path", "tiny_llama_linear_path",
-               "tiny_phi3_path"]
+               "tiny_phi3_path", "tiny_phi3_longrope_path"]
 
 
 def _prompts(vocab_size: int) -> tuple[list[int], list[int]]:
