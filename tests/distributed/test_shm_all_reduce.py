@@ -79,12 +79,20 @@ def test_every_rank_gets_the_sum(lib, size: int) -> None:
     assert shm.calls == len(SIZES) + 1  # the biggest took two slots' worth
 
 
-def test_a_dead_peer_is_an_error_not_a_hang(lib) -> None:
+def _with_stalled_peer(lib, timeout_s: float) -> tuple[SharedMemoryAllReduce, mp.Process, Connection]:
+    """Rank 0 of two, its peer registered but never calling."""
     port = free_port()
     create_region(lib, port, 2)
-    shm = SharedMemoryAllReduce(lib, port, 0, 2, timeout_s=600.0)
-    [(proc, _)] = _start(port, 2, "stall")
-    region_path(port).unlink()
+    try:
+        shm = SharedMemoryAllReduce(lib, port, 0, 2, timeout_s=timeout_s)
+        [(proc, conn)] = _start(port, 2, "stall")
+    finally:
+        region_path(port).unlink(missing_ok=True)
+    return shm, proc, conn
+
+
+def test_a_dead_peer_is_an_error_not_a_hang(lib) -> None:
+    shm, proc, _ = _with_stalled_peer(lib, timeout_s=600.0)
     proc.kill()  # a zombie until joined: still noticed as gone
     with pytest.raises(RuntimeError, match="process is gone"):
         shm.all_reduce_(torch.ones(16))
@@ -92,11 +100,7 @@ def test_a_dead_peer_is_an_error_not_a_hang(lib) -> None:
 
 
 def test_a_peer_that_never_arrives_times_out(lib) -> None:
-    port = free_port()
-    create_region(lib, port, 2)
-    shm = SharedMemoryAllReduce(lib, port, 0, 2, timeout_s=0.2)
-    [(proc, conn)] = _start(port, 2, "stall")
-    region_path(port).unlink()
+    shm, proc, conn = _with_stalled_peer(lib, timeout_s=0.2)
     with pytest.raises(TimeoutError, match="did not arrive"):
         shm.all_reduce_(torch.ones(16))
     conn.send("done")
