@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import ctypes
 import re
 from importlib import resources
 
 from pagellm.kernels.build import _SIGNATURES, _SOURCES
 
 
-def exported_prototypes() -> dict[str, int]:
-    """``int pagellm_x(...)`` definitions of the sources: name -> number of parameters."""
+RETURN_TYPES = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "void": None}
+
+
+def exported_prototypes() -> dict[str, tuple[object, int]]:
+    """``int / int64_t / void pagellm_x(...)`` definitions of the sources: name -> (ctypes return
+    type, number of parameters)."""
     folder = resources.files("pagellm.kernels").joinpath("csrc")
-    found: dict[str, int] = {}
+    found: dict[str, tuple[object, int]] = {}
     for source in _SOURCES:
         text = folder.joinpath(source).read_text(encoding="utf-8")
-        for name, params in re.findall(r"^int (pagellm_\w+)\(([^)]*)\)", text, flags=re.MULTILINE):
-            found[name] = 0 if not params.strip() else params.count(",") + 1
+        for kind, name, params in re.findall(r"^(int|int64_t|void) (pagellm_\w+)\(([^)]*)\)", text, flags=re.MULTILINE):
+            found[name] = (RETURN_TYPES[kind], 0 if not params.strip() else params.count(",") + 1)
     return found
 
 
@@ -23,5 +28,5 @@ def test_every_export_is_declared_with_its_arity() -> None:
     prototypes = exported_prototypes()
     assert prototypes, "no exported kernel found in the sources"
     assert set(prototypes) == set(_SIGNATURES)
-    for name, arity in prototypes.items():
-        assert len(_SIGNATURES[name][1]) == arity, name
+    for name, (restype, arity) in prototypes.items():
+        assert _SIGNATURES[name][0] == restype and len(_SIGNATURES[name][1]) == arity, name

@@ -50,6 +50,21 @@ SHAPES: dict[str, dict[str, Any]] = {
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
         },
     ),
+    # One tiny folder per further family (pagellm serve PATH on each; README "Models").
+    "tiny-qwen3": dict(
+        architecture="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1024, max_position_embeddings=512,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False, initializer_range=0.1,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "tiny-phi3-longrope": dict(
+        architecture="phi3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None, initializer_range=0.1,
+        original_max_position_embeddings=256,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 256,
+                         "short_factor": [1.0 + 0.25 * i for i in range(8)], "long_factor": [2.0 + i for i in range(8)]},
+    ),
     "tiny-qwen2": dict(
         architecture="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, max_position_embeddings=512,
@@ -80,10 +95,11 @@ def synthetic_tokenizer(vocab_size: int):
 
 
 def _hf_config(shape: dict[str, Any]):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     options = dict(shape)
-    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config}[options.pop("architecture")]
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "phi3": Phi3Config}
+    config_class = classes[options.pop("architecture")]
     return config_class(**options, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=0)
 
 

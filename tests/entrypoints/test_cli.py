@@ -31,7 +31,7 @@ def test_serve_options_map_to_the_engine() -> None:
         "model": "/models/x", "dtype": "bfloat16", "quantization": "int8", "block_size": 32, "kv_cache_memory": "2GiB",
         "num_kv_blocks": None, "enable_prefix_caching": False, "kv_cache_dtype": "fp8", "max_num_seqs": 8, "max_num_batched_tokens": 512, "max_model_len": 1024,
         "seed": 3, "device": "cpu", "attention_backend": "auto", "chat_template": "t.jinja", "num_threads": None,
-        "tensor_parallel_size": 2, "max_n": 4, "max_logprobs": 20, "max_stop_strings": 16, "grammar_compile_timeout": 2.5, "cpu_isa": None,
+        "tensor_parallel_size": 2, "cpu_bind": "auto", "max_n": 4, "max_logprobs": 20, "max_stop_strings": 16, "grammar_compile_timeout": 2.5, "cpu_isa": None,
         "cpu_kernels": None, "gemm": None,
     }
 
