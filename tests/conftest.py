@@ -105,6 +105,17 @@ def tiny_phi3_longrope_path(tmp_path_factory: pytest.TempPathFactory, default_to
 
 
 @pytest.fixture(scope="session")
+def tiny_mistral_window_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny Mistral with a sliding window of 8 positions: prompts longer than that attend to
+    their last 8 only."""
+    from transformers import MistralConfig
+
+    config = MistralConfig(**TINY_SHAPE, **token_ids(default_tokenizer), sliding_window=8, initializer_range=0.1,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})  # fmt: skip
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_mistral_window"), config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
     """Tiny Qwen3 (per-head q/k RMSNorm, no q/k/v bias, head_dim 32: q is twice the hidden width)."""
     from transformers import Qwen3Config

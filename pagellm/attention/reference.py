@@ -20,8 +20,11 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int)
     return indexable(cache).view(-1, *cache.shape[2:])[slots].view(cache.dtype)
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of q ([Q, H, D], the last Q positions) over k, v ([S, H_kv, D])."""
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None
+) -> torch.Tensor:
+    """Causal attention of q ([Q, H, D], the last Q positions) over k, v ([S, H_kv, D]); with a
+    ``window``, over each query's last ``window`` positions only."""
     q_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -30,13 +33,19 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
     k_pos = torch.arange(seq_len, device=q.device)[None, :]
-    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    hidden = k_pos > q_pos
+    if window is not None:
+        hidden |= k_pos <= q_pos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
 
 
 class ReferenceAttention(AttentionBackend):
     name = "reference"
+
+    def __init__(self, sliding_window: int | None = None) -> None:
+        self.sliding_window = sliding_window  # attend to the last this many positions (None: all)
 
     def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale):
         write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
@@ -45,6 +54,6 @@ class ReferenceAttention(AttentionBackend):
         for r, (q_len, seq_len) in enumerate(zip(metadata.query_lens, metadata.seq_lens)):
             k = gather_context(key_cache, metadata.block_tables[r], seq_len)
             v = gather_context(value_cache, metadata.block_tables[r], seq_len)
-            out[start : start + q_len] = dense_attention(query[start : start + q_len], k, v, scale)
+            out[start : start + q_len] = dense_attention(query[start : start + q_len], k, v, scale, self.sliding_window)
             start += q_len
         return out

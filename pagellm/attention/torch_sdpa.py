@@ -152,6 +152,7 @@ def _decode_group(
     block_size: int,
     num_reqs: int,
     device: torch.device,
+    window: int | None = None,
 ) -> _DecodePlan:
     num_rows = len(reqs)
     dec_seq = [seq_lens[r] for r in reqs]
@@ -171,12 +172,15 @@ def _decode_group(
     blocks = tables.long().gather(1, pos_c // block_size)
     slots = blocks * block_size + pos_c % block_size
     mask = None
-    if min(dec_seq) != s_max:
-        mask = (pos[None, :] < seq_t[:, None])[:, None, None, :]
+    if min(dec_seq) != s_max or (window is not None and s_max > window):
+        keep = pos[None, :] < seq_t[:, None]
+        if window is not None:  # the last `window` positions only (the query's own included)
+            keep &= pos[None, :] >= (seq_t - window)[:, None]
+        mask = keep[:, None, None, :]
     return _DecodePlan(num_rows, s_max, token_range, token_index, slots, mask)
 
 
-def _build_plan(metadata: AttentionMetadata, device: torch.device) -> _StepPlan:
+def _build_plan(metadata: AttentionMetadata, device: torch.device, window: int | None = None) -> _StepPlan:
     query_lens = list(metadata.query_lens)
     seq_lens = list(metadata.seq_lens)
     block_size = metadata.block_size
@@ -196,7 +200,7 @@ def _build_plan(metadata: AttentionMetadata, device: torch.device) -> _StepPlan:
 
     decode_reqs = [r for r, q_len in enumerate(query_lens) if q_len == 1]
     decodes = [
-        _decode_group(group, starts, seq_lens, block_tables, block_size, len(query_lens), device)
+        _decode_group(group, starts, seq_lens, block_tables, block_size, len(query_lens), device, window)
         for group in group_decode_rows(decode_reqs, seq_lens)
     ]
 
@@ -205,11 +209,13 @@ def _build_plan(metadata: AttentionMetadata, device: torch.device) -> _StepPlan:
         if q_len <= 1:
             continue
         slots = mask = None
+        pos = torch.arange(s_len, dtype=torch.long, device=device)
+        q_pos = torch.arange(s_len - q_len, s_len, dtype=torch.long, device=device)
         if s_len > q_len:
-            pos = torch.arange(s_len, dtype=torch.long, device=device)
             slots = block_tables[r].long()[pos // block_size] * block_size + pos % block_size
-            q_pos = torch.arange(s_len - q_len, s_len, dtype=torch.long, device=device)
             mask = pos[None, :] <= q_pos[:, None]
+        if window is not None and s_len > window:  # causal within the last `window` positions
+            mask = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
         prefills.append(_PrefillPlan(starts[r], q_len, s_len, slots, mask))
 
     return _StepPlan(query_lens, seq_lens, metadata.block_tables, device, num_tokens, decodes, prefills)
@@ -253,18 +259,18 @@ class TorchSDPAAttention(AttentionBackend):
     # How decode rows are computed: "bmm" (``decode_attention_bmm``) or "sdpa" (one masked SDPA call).
     decode_impl: str = "bmm"
 
-    def __init__(self) -> None:
+    def __init__(self, sliding_window: int | None = None) -> None:
+        self.sliding_window = sliding_window  # attend to the last this many positions (None: all)
         # (device, dtype) -> flat buffer the gathered K/V of a layer call are written into:
         # reusing it avoids allocating (and, for big CPU buffers, page-faulting in) tens of MB
         # per layer call.
         self._workspaces: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
-    @staticmethod
-    def _get_plan(metadata: AttentionMetadata, device: torch.device) -> _StepPlan:
-        key = ("torch_sdpa", device)
+    def _get_plan(self, metadata: AttentionMetadata, device: torch.device) -> _StepPlan:
+        key = ("torch_sdpa", device, self.sliding_window)
         plan = metadata.derived.get(key)
         if not isinstance(plan, _StepPlan) or not plan.matches(metadata, device):
-            plan = _build_plan(metadata, device)
+            plan = _build_plan(metadata, device, self.sliding_window)
             metadata.derived[key] = plan
         return plan
 

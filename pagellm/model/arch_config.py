@@ -56,6 +56,13 @@ class ModelArchConfig:
     partial_rotary_factor: float = 1.0  # share of each head the rotary embedding turns (1: all; checked)
 
     @property
+    def attention_window(self) -> int | None:
+        """Positions each query attends to (its own included) where a sliding window limits
+        them below the model's context; None where it attends to everything."""
+        window = self.sliding_window
+        return window if window is not None and window < self.max_position_embeddings else None
+
+    @property
     def q_size(self) -> int:
         """Width of the query projection output."""
         return self.num_attention_heads * self.head_dim

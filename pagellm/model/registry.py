@@ -36,12 +36,6 @@ def get_model_class(arch_name: str) -> type[LlamaForCausalLM]:
 def validate_arch_config(arch: ModelArchConfig) -> type[LlamaForCausalLM]:
     """Reject configs we would run incorrectly (sliding window, unknown rope); return the class."""
     model_class = get_model_class(arch.architecture)
-    window = arch.sliding_window
-    if window is not None and window < arch.max_position_embeddings:
-        raise ValueError(
-            f"{arch.architecture} with sliding_window={window} (< max_position_embeddings="
-            f"{arch.max_position_embeddings}) is not supported: sliding-window attention is not implemented"
-        )
     check_rope_scaling(arch.rope_scaling)
     if arch.partial_rotary_factor != 1.0:
         raise ValueError(f"{arch.architecture} with partial_rotary_factor={arch.partial_rotary_factor} is not "

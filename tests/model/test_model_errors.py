@@ -63,16 +63,23 @@ def test_missing_config_json_is_named(tmp_path: Path, tiny_llama_path: str) -> N
         load_arch_config(str(tmp_path))
 
 
-def test_mistral_sliding_window_is_refused(tmp_path: Path, tiny_llama_path: str) -> None:
+def test_a_sliding_window_runs_on_the_torch_attention(tmp_path: Path, tiny_llama_path: str) -> None:
+    """A window below the context: the plan's "auto" attention is torch_sdpa (the paged C++
+    kernel has no window yet), and asking for cpu_paged is refused with the way out."""
+    from pagellm import LLM
+
     windowed = _copy_with_config(
         tiny_llama_path, tmp_path / "mistral", architectures=["MistralForCausalLM"], sliding_window=128
     )
-    with pytest.raises(ValueError, match="sliding_window=128"):
-        load_arch_config(str(windowed))
+    assert load_arch_config(str(windowed)).attention_window == 128
+    llm = LLM(str(windowed), dtype="float32", num_kv_blocks=16)
+    assert llm.llm_engine.worker.kernel_plan.attention == "torch_sdpa"
+    with pytest.raises(ValueError, match="'cpu_paged' has no sliding window yet: use torch_sdpa"):
+        LLM(str(windowed), dtype="float32", num_kv_blocks=16, attention_backend="cpu_paged")
     unwindowed = _copy_with_config(
         tiny_llama_path, tmp_path / "mistral_full", architectures=["MistralForCausalLM"], sliding_window=None
     )
-    assert load_arch_config(str(unwindowed)).architecture == "MistralForCausalLM"
+    assert load_arch_config(str(unwindowed)).attention_window is None
 
 
 def test_unsupported_rope_scaling_is_named(tmp_path: Path, tiny_llama_path: str) -> None:
