@@ -56,8 +56,12 @@ class ModelRunner:
         device: torch.device,
         eos_token_ids: list[int],
         plan: KernelPlan,
+        samples: bool = True,
     ) -> None:
         self.model = model
+        # False on tensor-parallel ranks other than 0: they run the forward (their share of each
+        # layer and of its all-reduces) and leave the LM head, logprobs and sampling to rank 0.
+        self.samples = samples
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
@@ -79,6 +83,8 @@ class ModelRunner:
         inputs = self.prepare_inputs(scheduler_output.scheduled)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata)
         output = ModelRunnerOutput()
+        if not self.samples:
+            return output
         if inputs.sample_requests:
             rows = hidden[inputs.sample_indices]
             if all(is_plain_greedy(r.sampling_params, len(r.output_token_ids)) for r in inputs.sample_requests):

@@ -111,7 +111,8 @@ class Worker:
             self.kv_cache_dtype, self.device,
         )  # fmt: skip
         self.model_runner = ModelRunner(
-            model, kv_cache, self.block_size, self.device, sorted(self.eos_token_ids), self.kernel_plan
+            model, kv_cache, self.block_size, self.device, sorted(self.eos_token_ids), self.kernel_plan,
+            samples=tp is None or tp.rank == 0,  # the other ranks' logits would only be thrown away
         )
 
     @property
