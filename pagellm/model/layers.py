@@ -100,7 +100,7 @@ def yarn_inv_freq(head_dim: int, theta: float, rope_scaling: dict[str, Any], max
     """YaRN (arXiv 2309.00071): interpolate the low frequencies by ``factor``, keep the high ones,
     a linear ramp between the dimensions that turn ``beta_slow`` and ``beta_fast`` times over the
     original context (HF's arithmetic, float32)."""
-    factor = _yarn_factor(rope_scaling, max_position)
+    factor = _scale_factor(rope_scaling, max_position)
     original = float(rope_scaling["original_max_position_embeddings"])
     beta_fast, beta_slow = rope_scaling.get("beta_fast") or 32, rope_scaling.get("beta_slow") or 1
 
@@ -133,11 +133,6 @@ def _scale_factor(rope_scaling: dict[str, Any], max_position: int) -> float:
     return max_position / rope_scaling["original_max_position_embeddings"] if factor is None else float(factor)
 
 
-def _yarn_factor(rope_scaling: dict[str, Any], max_position: int) -> float:
-    factor = rope_scaling.get("factor")
-    return max_position / rope_scaling["original_max_position_embeddings"] if factor is None else float(factor)
-
-
 def rope_attention_factor(rope_scaling: dict[str, Any] | None, max_position: int) -> float:
     """What the cos/sin tables are multiplied by: YaRN's and LongRoPE's attention temperature, else 1."""
     rope_type = (rope_scaling or {}).get("rope_type")
@@ -150,7 +145,7 @@ def rope_attention_factor(rope_scaling: dict[str, Any] | None, max_position: int
         factor = _scale_factor(rope_scaling, max_position)
         original = rope_scaling["original_max_position_embeddings"]
         return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    factor, mscale, mscale_all_dim = _yarn_factor(rope_scaling, max_position), rope_scaling.get("mscale"), \
+    factor, mscale, mscale_all_dim = _scale_factor(rope_scaling, max_position), rope_scaling.get("mscale"), \
         rope_scaling.get("mscale_all_dim")
 
     def scale(m: float = 1) -> float:

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral without sliding window, Qwen2, Qwen3) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3) over a paged KV cache.
 
 The forward takes ONE flat batch of tokens from many sequences (prefill chunks and decode
 tokens mixed). Every layer runs its projections over all tokens at once; only attention

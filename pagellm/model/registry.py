@@ -34,7 +34,7 @@ def get_model_class(arch_name: str) -> type[LlamaForCausalLM]:
 
 
 def validate_arch_config(arch: ModelArchConfig) -> type[LlamaForCausalLM]:
-    """Reject configs we would run incorrectly (sliding window, unknown rope); return the class."""
+    """Reject configs we would run incorrectly (unknown rope, partial rotary, uneven GQA); return the class."""
     model_class = get_model_class(arch.architecture)
     check_rope_scaling(arch.rope_scaling)
     if arch.partial_rotary_factor != 1.0:
