@@ -192,10 +192,17 @@ class DeviceConfig:
     attention_backend: str = "auto"
     num_threads: int | None = None  # None: torch's default (per rank: each rank's share)
     tensor_parallel_size: int = 1  # ranks (processes) that each hold a share of every layer
+    pipeline_parallel_size: int = 1  # stages (groups of ranks) that each hold some of the layers
     cpu_bind: str = "auto"  # auto: each tensor-parallel rank on its own CPUs (a NUMA node each); none
     # (index, count): this engine's share of the CPUs its process may use, under cpu_bind auto
     # (data-parallel replicas take one share each; their tensor-parallel ranks split it).
     cpu_share: tuple[int, int] = (0, 1)
+    # Several nodes (hosts): the ranks split evenly among them, node ``node_rank`` holding the
+    # ``node_rank``-th share; every node's ranks meet at master_addr:master_port (node 0's).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # required with nnodes > 1 (one node: a free port is picked)
 
     def __post_init__(self) -> None:
         index, count = self.cpu_share
@@ -203,10 +210,41 @@ class DeviceConfig:
             raise ValueError(f"cpu_share must be (index, count) with 0 <= index < count, got {self.cpu_share!r}")
         if self.cpu_bind not in CPU_BIND_CHOICES:
             raise ValueError(f"cpu_bind must be one of {CPU_BIND_CHOICES}, got {self.cpu_bind!r}")
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
-        if self.tensor_parallel_size > 1 and self.device != "cpu":
-            raise ValueError("tensor parallelism runs on CPU (gloo) in this version; use device='cpu'")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.world_size > 1 and self.device != "cpu":
+            raise ValueError("tensor and pipeline parallelism run on CPU (gloo) in this version; use device='cpu'")
+        self._check_nodes()
+
+    def _check_nodes(self) -> None:
+        nnodes, port = self.nnodes, self.master_port
+        if not isinstance(nnodes, int) or isinstance(nnodes, bool) or nnodes < 1:
+            raise ValueError(f"nnodes must be an integer >= 1, got {nnodes!r}")
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={nnodes}), got {self.node_rank!r}")
+        if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535):
+            raise ValueError(f"master_port must be a TCP port (1-65535), got {port!r}")
+        if not self.master_addr or any(c.isspace() or c in "/@" for c in self.master_addr):
+            raise ValueError(f"master_addr must be a host name or address, got {self.master_addr!r}")
+        if nnodes == 1:
+            return
+        if port is None:
+            raise ValueError("several nodes need --master-port (the port node 0's ranks listen on)")
+        if self.world_size % nnodes or (self.world_size // nnodes) % self.tensor_parallel_size:
+            raise ValueError(f"the engine's {self.world_size} ranks (tensor x pipeline parallel) must split evenly "
+                             f"over {nnodes} nodes, each node holding whole tensor-parallel groups")  # fmt: skip
+
+    @property
+    def local_world_size(self) -> int:
+        """The ranks on this node."""
+        return self.world_size // self.nnodes
+
+    @property
+    def world_size(self) -> int:
+        """The engine's ranks (processes): tensor-parallel ranks times pipeline stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass

@@ -77,12 +77,22 @@ class EngineArgs:
     chat_template: str | None = field(default=None, metadata=_option(
         "Jinja file that replaces the model's chat template, or chatml-tools (shipped: ChatML with tools)"))
     num_threads: int | None = field(default=None, metadata=_option(
-        "torch threads (default: torch's choice), split evenly among tensor-parallel ranks", kind=int))
+        "torch threads (default: torch's choice), split evenly among the ranks (tensor and pipeline)", kind=int))
     tensor_parallel_size: int = field(default=1, metadata=_option(
         "processes that each hold a share of every layer (attention heads, MLP width), joined by an "
         "all-reduce per layer half (CPU: shared memory, or gloo)", kind=int))
+    pipeline_parallel_size: int = field(default=1, metadata=_option(
+        "stages (processes, or groups of tensor-parallel ranks) that each hold consecutive layers, "
+        "passing hidden states on; each step runs as micro-batches so the stages overlap", kind=int))
+    nnodes: int = field(default=1, metadata=_option(
+        "nodes (hosts) the engine's ranks spread over, evenly; each runs the same command with its --node-rank", kind=int))
+    node_rank: int = field(default=0, metadata=_option(
+        "this node's index: 0 serves the API; the others run their ranks headless", kind=int))
+    master_addr: str = field(default="127.0.0.1", metadata=_option("node 0's address, where every rank meets"))
+    master_port: int | None = field(default=None, metadata=_option(
+        "the TCP port on node 0 where every rank meets (required with --nnodes > 1)", kind=int))
     cpu_bind: str = field(default="auto", metadata=_option(
-        "auto: bind each tensor-parallel rank's threads to its own CPUs (one NUMA node per rank where "
+        "auto: bind each rank's threads (tensor and pipeline parallelism) to its own CPUs (one NUMA node per rank where "
         "there are enough, else an even split); none: leave them to the OS", choices=CPU_BIND_CHOICES))
     max_n: int = field(default=128, metadata=_option(
         "most samples (n, best_of) or beams one request may ask for; never above --max-num-seqs", LIMITS, int))
@@ -114,7 +124,9 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens),
             device=DeviceConfig(device=self.device, attention_backend=self.attention_backend,
                                 num_threads=self.num_threads, tensor_parallel_size=self.tensor_parallel_size,
-                                cpu_bind=self.cpu_bind),
+                                pipeline_parallel_size=self.pipeline_parallel_size, cpu_bind=self.cpu_bind,
+                                nnodes=self.nnodes, node_rank=self.node_rank, master_addr=self.master_addr,
+                                master_port=self.master_port),
             limits=LimitsConfig(max_n=self.max_n, max_logprobs=self.max_logprobs,
                                 max_stop_strings=self.max_stop_strings,
                                 grammar_compile_timeout_s=self.grammar_compile_timeout),

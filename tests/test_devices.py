@@ -84,15 +84,15 @@ def test_greedy_matches_hf(model_and_reference, device, engine_kwargs):
     path, expected, _ = model_and_reference
     llm = LLM(path, dtype="float32", device=device, **engine_kwargs)
     engine = llm.llm_engine
-    assert engine.worker.model_runner.kv_cache[0][0].device.type == device
+    assert engine.executor.model_runner.kv_cache[0][0].device.type == device
     # Every weight tensor (a KernelLinear holds its weight packed, not as .weight) is on the device.
-    weights = list(engine.worker.model_runner.model.parameters()) + list(engine.worker.model_runner.model.buffers())
+    weights = list(engine.executor.model_runner.model.parameters()) + list(engine.executor.model_runner.model.buffers())
     assert weights and {w.device.type for w in weights} == {device}
     outputs = llm.generate(_ids(PROMPTS), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     if engine_kwargs.get("num_kv_blocks"):
         assert engine.stats.num_preemptions > 0, "the small pool was meant to force preemption"
-    assert engine.kv_cache_manager.num_free_blocks == engine.worker.num_blocks
+    assert engine.kv_cache_manager.num_free_blocks == engine.executor.num_blocks
 
 
 def test_prefix_cache_hits_match_hf(model_and_reference, device):
@@ -139,7 +139,7 @@ def test_sampling_options_reproducible_with_caching_on_and_off(tiny_models, devi
         llm = LLM(path, dtype="float32", device=device, block_size=4, enable_prefix_caching=caching, **pool)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         engine = llm.llm_engine
-        assert engine.kv_cache_manager.num_free_blocks == engine.worker.num_blocks
+        assert engine.kv_cache_manager.num_free_blocks == engine.executor.num_blocks
         return outputs, engine.stats
 
     on, on_stats = run(True)
@@ -173,8 +173,8 @@ def test_auto_dtype_and_bf16_generation(tiny_models, device):
     path = tiny_models["tiny-llama"]
     llm = LLM(path, device=device, block_size=16, num_kv_blocks=64)
     want = torch.bfloat16 if device == "cuda" else torch.float32
-    assert llm.llm_engine.worker.dtype is want
-    assert llm.llm_engine.worker.model_runner.kv_cache[0][0].dtype is want
+    assert llm.llm_engine.executor.dtype is want
+    assert llm.llm_engine.executor.model_runner.kv_cache[0][0].dtype is want
     if want is not torch.bfloat16:
         return
     outputs = llm.generate(_ids(PROMPTS), GREEDY, use_tqdm=False)

@@ -4,8 +4,8 @@
 gloo's all-reduce crosses the TCP loopback: ~1.3 ms a call on the 2-core VMs (NOTES 44), two
 calls a layer. Through a region every rank maps, a call costs a copy, a flag and a sum.
 
-Rank 0 creates the region file (``/dev/shm`` where there is one) before the ranks meet; the
-others open it after the rendezvous, and rank 0 unlinks it once every rank has it mapped, so no
+The group's first rank creates the region file (``/dev/shm`` where there is one) before the
+ranks meet; the others open it after the rendezvous, and it unlinks it once every rank has it mapped, so no
 file outlives the engine, whatever way it ends. A peer that dies mid-call (or never arrives
 within ``timeout_s``) makes the call raise instead of hang.
 """
@@ -23,16 +23,18 @@ from pagellm.kernels.library import KernelLibrary
 SLOT_BYTES = 4 << 20  # per rank and slot: bigger tensors go through in pieces
 
 
-def region_path(port: int) -> Path:
-    """The region file of the engine whose ranks meet at ``port`` (unique on this host while
-    the engine runs: its rendezvous holds the port)."""
+def region_path(key: int | str) -> Path:
+    """The region file ``key`` names: the rendezvous port of the engine whose ranks use it,
+    with the pipeline stage where there are several (unique on this host while the engine
+    runs: its rendezvous holds the port)."""
     folder = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    return folder / f"pagellm-tp-{os.getuid()}-{port}"
+    return folder / f"pagellm-tp-{os.getuid()}-{key}"
 
 
-def create_region(lib: KernelLibrary, port: int, size: int) -> Path:
-    """Rank 0, before the rendezvous: a fresh, zeroed region file (a stale one is replaced)."""
-    path = region_path(port)
+def create_region(lib: KernelLibrary, key: int | str, size: int) -> Path:
+    """The group's first rank, before the rendezvous: a fresh, zeroed region file (a stale
+    one is replaced)."""
+    path = region_path(key)
     path.unlink(missing_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -45,11 +47,11 @@ def create_region(lib: KernelLibrary, port: int, size: int) -> Path:
 class SharedMemoryAllReduce:
     """Sum float32 tensors across the ranks of one host (every rank calls in the same order)."""
 
-    def __init__(self, lib: KernelLibrary, port: int, rank: int, size: int, timeout_s: float) -> None:
+    def __init__(self, lib: KernelLibrary, key: int | str, rank: int, size: int, timeout_s: float) -> None:
         self.lib, self.rank, self.size, self.timeout_s = lib, rank, size, timeout_s
         self.slot_elems = SLOT_BYTES // 4
         nbytes = lib.shm_region_bytes(size, self.slot_elems)
-        self.region = torch.from_file(str(region_path(port)), shared=True, size=nbytes, dtype=torch.uint8)
+        self.region = torch.from_file(str(region_path(key)), shared=True, size=nbytes, dtype=torch.uint8)
         lib.shm_register(self.region, rank, os.getpid())
         # The sequence number of the last call, the same on every rank; a tensor, so that the
         # one-call decoder stack (csrc/decoder_stack.cpp) counts its own calls in it too.

@@ -15,23 +15,19 @@ the forward pass go through shared memory where the kernel library is built
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pagellm.distributed.shm_all_reduce import SharedMemoryAllReduce, create_region, region_path
-from pagellm.kernels.library import KernelLibrary
+from pagellm.distributed.shm_all_reduce import SharedMemoryAllReduce
 from pagellm.kernels.quant_formats import BLOCK, QuantizedWeight
 
 # HF weight names by how a rank takes its share: the rows of the output (column-parallel) or
 # the columns of the input (row-parallel).
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
-STEP_TIMEOUT_S = 120.0  # a shared-memory all-reduce waits this long for a live but stuck peer
 
 
 @dataclass(frozen=True)
@@ -77,39 +73,3 @@ class TensorParallel:
                 return tensor.select_blocks(self.rank * blocks, (self.rank + 1) * blocks)
             return tensor.chunk(self.size, dim=1)[self.rank]
         return tensor
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for the ranks' rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def init_tensor_parallel(
-    rank: int, size: int, port: int, lib: KernelLibrary | None = None, timeout_s: float = 600.0
-) -> TensorParallel:
-    """Join the ranks' process group (gloo; every rank calls this with the same port and the
-    same ``lib`` choice: with a kernel library, the forward's all-reduces go through shared
-    memory). One tensor-parallel engine per process: torch.distributed has one default group."""
-    if dist.is_initialized():
-        raise RuntimeError("this process already runs a tensor-parallel engine (close it first)")
-    if lib is not None and rank == 0:
-        create_region(lib, port, size)  # before the rendezvous: the others open it after
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-            timeout=timedelta(seconds=timeout_s),
-        )  # fmt: skip
-        shm = None if lib is None else SharedMemoryAllReduce(lib, port, rank, size, STEP_TIMEOUT_S)
-        dist.barrier()  # every rank has the region mapped
-    finally:
-        if rank == 0:
-            region_path(port).unlink(missing_ok=True)
-    return TensorParallel(rank, size, shm=shm)
-
-
-def close_tensor_parallel() -> None:
-    """Leave the process group (a new tensor-parallel engine may then start here)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from pagellm.config import EngineConfig
@@ -94,6 +96,10 @@ def _engine_main(config: EngineConfig, conn: Connection, log_level: int) -> None
     except BaseException as exc:  # start-up failures travel to the parent, which raises them
         conn.send(("error", exc))
         return
+    closing = threading.Event()
+    sentinels = engine.executor.sentinels()
+    if sentinels:  # the engine's other ranks: one that dies, even while idle, takes the engine down
+        threading.Thread(target=_exit_when_a_rank_ends, args=(sentinels, closing), daemon=True).start()
     conn.send(("ok", _Ready(engine.max_model_len, engine.input_processor.vocab_size, engine.stats, engine.kernel_plan_info)))
     # Ctrl-C reaches the whole process group: the child leaves shutdown to the parent (which
     # closes the pipe), so a shutdown is never mistaken for a crash and restarted.
@@ -104,6 +110,7 @@ def _engine_main(config: EngineConfig, conn: Connection, log_level: int) -> None
         except (EOFError, OSError):  # the parent is gone
             call = None
         if call is None:
+            closing.set()
             engine.close()
             return
         try:
@@ -111,6 +118,16 @@ def _engine_main(config: EngineConfig, conn: Connection, log_level: int) -> None
             conn.send(("ok", (result, engine.stats, engine.has_unfinished_requests())))
         except Exception as exc:  # noqa: BLE001 -- re-raised in the parent
             conn.send(("error", exc))
+
+
+def _exit_when_a_rank_ends(sentinels: list[int], closing: threading.Event) -> None:
+    """Exit this engine process once any of its ranks' processes ends outside a shutdown: the
+    parent then sees a dead engine (``/health`` 503, in-flight requests failed, a restart),
+    as when this process itself dies, instead of an engine that looks idle and healthy."""
+    wait(sentinels)
+    if not closing.is_set():
+        logger.error("a rank of the engine ended: the engine process exits")
+        os._exit(1)
 
 
 class EngineProcess:
@@ -147,7 +164,7 @@ class EngineProcess:
             name="pagellm-engine",
             # A daemon may not start processes: tensor-parallel ranks need a plain child (which
             # still ends when this process goes: its pipe closes).
-            daemon=self.config.device.tensor_parallel_size == 1,
+            daemon=self.config.device.world_size == 1,
         )
         self._proc.start()
         child_conn.close()

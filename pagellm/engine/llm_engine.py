@@ -26,8 +26,7 @@ from pagellm.model.tokenizer import load_tokenizer
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.structured_output.manager import StructuredOutputManager
-from pagellm.worker.tensor_parallel import TensorParallelWorkers
-from pagellm.worker.worker import Worker
+from pagellm.worker.executor import Executor, make_executor
 
 logger = logging.getLogger(__name__)
 
@@ -57,63 +56,59 @@ class EngineStats:
 
 
 class LLMEngine:
-    """Bookkeeping around a :class:`~pagellm.worker.worker.Worker`: requests in, one step at a
+    """Bookkeeping around an :class:`~pagellm.worker.executor.Executor`: requests in, one step at a
     time (schedule -> execute -> update -> outputs), outputs out."""
 
     def __init__(self, config: EngineConfig) -> None:
         start = time.monotonic()
         self.config = config
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(config.model.model, config.model.chat_template)
-        self.worker: Worker | TensorParallelWorkers = (
-            TensorParallelWorkers(config, self.tokenizer.eos_token_id)
-            if config.device.tensor_parallel_size > 1
-            else Worker(config, self.tokenizer.eos_token_id)
-        )
-        arch = self.worker.arch
+        self.executor: Executor = make_executor(config, self.tokenizer.eos_token_id)
+        arch = self.executor.arch
         block_size = config.cache.block_size
         self.kv_cache_manager = KVCacheManager(
-            self.worker.num_blocks, block_size, enable_caching=config.cache.enable_prefix_caching
+            self.executor.num_blocks, block_size, enable_caching=config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             config.scheduler.max_num_seqs,
             config.scheduler.max_num_batched_tokens,
-            self.worker.max_model_len,
+            self.executor.max_model_len,
         )
         self.input_processor = InputProcessor(
-            self.tokenizer, arch.vocab_size, self.worker.max_model_len, config.limits, config.scheduler.max_num_seqs
+            self.tokenizer, arch.vocab_size, self.executor.max_model_len, config.limits, config.scheduler.max_num_seqs
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._request_counter = itertools.count()
         # The EOS a finished grammar allows: the tokenizer's, else the model's lowest.
         eos = self.tokenizer.eos_token_id
-        grammar_eos = eos if eos in self.worker.eos_token_ids else min(self.worker.eos_token_ids, default=None)
+        grammar_eos = eos if eos in self.executor.eos_token_ids else min(self.executor.eos_token_ids, default=None)
         self.structured_output = StructuredOutputManager(
             self.tokenizer, arch.vocab_size, grammar_eos, config.limits.grammar_compile_timeout_s
         )
-        self.beams = BeamSearchController(self.scheduler, self.tokenizer, self.worker.eos_token_ids, self.structured_output)
+        self.beams = BeamSearchController(self.scheduler, self.tokenizer, self.executor.eos_token_ids, self.structured_output)
         # Constrained requests whose grammar is still compiling: (first sequence, its forks).
         self._awaiting_grammar: dict[str, tuple[Request, list[Request]]] = {}
         logger.info(
             "engine ready in %.1fs: %s, %d KV blocks of %d tokens (%s), max_model_len %d",
             time.monotonic() - start,
             arch.architecture,
-            self.worker.num_blocks,
+            self.executor.num_blocks,
             block_size,
-            str(self.worker.kv_cache_dtype).removeprefix("torch."),
-            self.worker.max_model_len,
+            str(self.executor.kv_cache_dtype).removeprefix("torch."),
+            self.executor.max_model_len,
         )
 
     @property
     def max_model_len(self) -> int:
         """The context limit (the worker's: the model's, within the KV pool)."""
-        return self.worker.max_model_len
+        return self.executor.max_model_len
 
     @property
     def kernel_plan_info(self) -> dict[str, str]:
         """The kernel plan as plain strings (``/version``, benchmark reports)."""
-        return self.worker.kernel_plan.as_dict()
+        return self.executor.kernel_plan.as_dict()
 
     # ---- requests ------------------------------------------------------------------
 
@@ -172,7 +167,7 @@ class LLMEngine:
                 prompt_token_ids=prompt_token_ids,
                 sampling_params=self._sequence_params(params, i, num_seqs),
                 max_tokens=max_tokens,
-                eos_token_ids=self.worker.eos_token_ids,
+                eos_token_ids=self.executor.eos_token_ids,
                 arrival_time=arrival_time,
                 cache_salt=request.cache_salt,
             )
@@ -232,7 +227,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Release what lives outside this process (tensor-parallel ranks); the engine is done."""
-        self.worker.close()
+        self.executor.close()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.scheduler.requests) + len(self._awaiting_grammar)
@@ -243,7 +238,7 @@ class LLMEngine:
         outputs = self._admit_compiled_grammars()
         scheduler_output = self.scheduler.schedule()
         grammar = self.structured_output.masks(scheduler_output.scheduled)
-        runner_output = self.worker.execute(scheduler_output, grammar)
+        runner_output = self.executor.execute(scheduler_output, grammar)
         if self.beams.groups:
             self.beams.take_sampled(runner_output)  # beams append what the controller picks
         updated, finished = self.scheduler.update_from_output(scheduler_output, runner_output)

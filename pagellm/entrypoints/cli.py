@@ -136,6 +136,10 @@ def _serve(args: argparse.Namespace) -> int:
     if args.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
     config = EngineArgs.from_cli_args(args).create_engine_config()
+    if config.device.node_rank > 0:
+        return _serve_headless_node(config)
+    if config.device.nnodes > 1 and args.data_parallel_size != 1:
+        raise ValueError("--data-parallel-size with --nnodes > 1 is not supported yet")
     engine: DataParallelEngine | EngineProcess | LLMEngine
     if args.data_parallel_size != 1:
         if args.data_parallel_size < 1 or not args.engine_process:
@@ -157,6 +161,15 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         if isinstance(engine, (EngineProcess, DataParallelEngine)):
             engine.close()
+
+
+def _serve_headless_node(config: Any) -> int:
+    """A node other than 0 of a multi-node engine: its ranks, no API (node 0 serves it)."""
+    from pagellm.model.tokenizer import load_tokenizer
+    from pagellm.worker.multinode import run_node
+
+    tokenizer = load_tokenizer(config.model.model, config.model.chat_template)  # its EOS, as node 0's engine has
+    return run_node(config, tokenizer.eos_token_id)
 
 
 def _api_key(from_flag: str | None) -> str | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -374,15 +374,18 @@ def iter_gguf_weights(
     dtype: torch.dtype = torch.float32,
     keep_float32: bool = False,
     keep_quantized: bool = False,
+    keep: Callable[[str], bool] = lambda name: True,
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Yield ``(hf_name, tensor)`` for every tensor, dequantized into ``dtype`` (float32 with
     ``keep_float32``: for a caller that casts while copying), one at a time; with
     ``keep_quantized``, 2-D tensors of the types in ``GGUF_FORMATS`` come as their blocks (a
-    :class:`QuantizedWeight`), not dequantized."""
+    :class:`QuantizedWeight`), not dequantized; only the tensors ``keep`` names."""
     _, _, _, permuted = _gguf_arch(reader)
     heads_for = {"q_proj": arch.num_attention_heads, "k_proj": arch.num_key_value_heads}
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
+        if not keep(name):  # another pipeline stage's: never read
+            continue
         projection = name.split(".")[-2]
         unpermute = permuted and projection in heads_for
         blocks = _kept_blocks(tensor) if keep_quantized else None

@@ -20,9 +20,11 @@ class CausalLM(Protocol):
     """A decoder-only language model over a paged KV cache."""
 
     def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], attn_metadata: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata, stream: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final-normed hidden states ``[T, hidden]`` for a flat batch of ``T`` tokens."""
+        """Final-normed hidden states ``[T, hidden]`` for a flat batch of ``T`` tokens (a
+        pipeline stage: from and to the residual ``stream`` between stages)."""
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """Vocabulary logits for the rows to sample: float32, or the model dtype (``upcast=False``)."""

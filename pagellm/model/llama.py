@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.distributed.pipeline import PipelineStage
 from pagellm.distributed.tensor_parallel import TensorParallel
 from pagellm.kernels.plan import KernelPlan
 from pagellm.kernels.quant_formats import QuantizedWeight
@@ -40,6 +41,7 @@ _FUSED_NAME = re.compile(r"^(?P<prefix>.*\.)(?P<sub>q_proj|k_proj|v_proj|gate_pr
 # Checkpoints that store q/k/v or gate/up already fused (Phi-3): split into the HF parts on load,
 # so every later step (tensor-parallel shares, quantization, fusing) sees the usual names.
 _PREFUSED_NAME = re.compile(r"^(?P<prefix>.*\.)(?P<fused>qkv_proj|gate_up_proj)\.(?P<kind>weight|bias)$")
+_LAYER_NAME = re.compile(r"^model\.layers\.(?P<layer>\d+)\.")
 # Checkpoint entries that are derived state, not parameters.
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
@@ -170,16 +172,27 @@ class LlamaModel(nn.Module):
 
     def __init__(
         self, arch: ModelArchConfig, attn_backend: AttentionBackend, plan: KernelPlan | None,
-        tp: TensorParallel | None = None,
+        tp: TensorParallel | None = None, pp: PipelineStage | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # Under pipeline parallelism only stage 0 embeds token ids; the last stage keeps the
+        # embedding too where the LM head shares its matrix (tied weights).
+        embeds = pp is None or pp.is_first or (pp.is_last and arch.tie_word_embeddings)
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size) if embeds else None
         layer_arch = arch.shard(tp.size) if tp is not None else arch  # this rank's share of each layer
+        self.start, self.end = (pp.start, pp.end) if pp is not None else (0, arch.num_hidden_layers)
+        # Every layer index keeps its place (HF names: model.layers.N); another stage's is empty.
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(layer_arch, attn_backend, plan, tp) for _ in range(arch.num_hidden_layers)
+            LlamaDecoderLayer(layer_arch, attn_backend, plan, tp) if self.start <= i < self.end else nn.Module()
+            for i in range(arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, plan.library("norm") if plan is not None else None)
         self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings)
+
+    @property
+    def own_layers(self) -> nn.ModuleList:
+        """The decoder layers this model runs (all of them, or its pipeline stage's)."""
+        return self.layers[self.start : self.end]  # type: ignore[return-value]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -191,13 +204,15 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(
         self, arch: ModelArchConfig, attn_backend: AttentionBackend, plan: KernelPlan | None = None,
-        tp: TensorParallel | None = None,
+        tp: TensorParallel | None = None, pp: PipelineStage | None = None,
     ) -> None:
         super().__init__()
         self.arch = arch
         self.tp = tp  # tensor parallelism: this rank's share of each layer, whole HF weights cut on load
-        self.model = LlamaModel(arch, attn_backend, plan, tp)
-        self.lm_head = linear_for_plan(arch.hidden_size, arch.vocab_size, False, plan)
+        self.pp = pp  # pipeline parallelism: this stage's layers (and the embedding or the head)
+        self.model = LlamaModel(arch, attn_backend, plan, tp, pp)
+        heads = pp is None or pp.is_last
+        self.lm_head = linear_for_plan(arch.hidden_size, arch.vocab_size, False, plan) if heads else None
         self.tie_weights()
         # plan.decoder == "fused": the layers run in one C++ call where a step fits it (built
         # from the loaded weights at the first forward); under tensor parallelism where the
@@ -212,7 +227,7 @@ class LlamaForCausalLM(nn.Module):
     def tie_weights(self) -> None:
         """Share the embedding matrix with lm_head when the config says so (re-run after
         ``to_empty``); a quantized lm_head gets its own quantized copy while loading instead."""
-        if self.arch.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
+        if self.arch.tie_word_embeddings and isinstance(self.lm_head, nn.Linear) and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
@@ -221,20 +236,31 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
+        stream: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final-normed hidden states ``[T, hidden]`` for a flat batch of ``T`` tokens."""
-        if len(kv_caches) != len(self.model.layers):
-            raise ValueError(f"expected {len(self.model.layers)} KV cache pairs, got {len(kv_caches)}")
-        hidden = self.model.embed_tokens(input_ids)
+        """Final-normed hidden states ``[T, hidden]`` for a flat batch of ``T`` tokens; under
+        pipeline parallelism a stage after the first starts from the previous stage's residual
+        ``stream`` instead of the token ids, and a stage before the last returns its own."""
+        layers = self.model.own_layers
+        if len(kv_caches) != len(layers):
+            raise ValueError(f"expected {len(layers)} KV cache pairs, got {len(kv_caches)}")
+        if stream is not None:
+            hidden = stream
+        elif self.model.embed_tokens is not None and (self.pp is None or self.pp.is_first):
+            hidden = self.model.embed_tokens(input_ids)
+        else:
+            raise ValueError("a pipeline stage after the first starts from the previous stage's hidden states")
         cos, sin = self.model.rotary_emb(positions, hidden.dtype)
         stack = self._decoder_stack()
-        layers = stack.layer_args(hidden, kv_caches) if stack is not None else None
-        if stack is not None and layers is not None:
-            hidden, residual = stack(hidden, cos, sin, kv_caches, layers, attn_metadata)
+        stack_layers = stack.layer_args(hidden, kv_caches) if stack is not None else None
+        if stack is not None and stack_layers is not None:
+            hidden, residual = stack(hidden, cos, sin, kv_caches, stack_layers, attn_metadata)
         else:
             residual = None
-            for layer, kv_cache in zip(self.model.layers, kv_caches):
+            for layer, kv_cache in zip(layers, kv_caches):
                 hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn_metadata)
+        if self.pp is not None and not self.pp.is_last:
+            return hidden if residual is None else hidden + residual  # what the next layer's norm adds first
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
@@ -242,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
         """The one-call decoder stack where the plan asked for it and the loaded layers fit it."""
         if self.decoder_kernels is not None and not self._fused_stack_built:
             layer_arch = self.arch if self.tp is None else self.arch.shard(self.tp.size)  # this rank's share
-            self._fused_stack = FusedDecoderStack.build(self.model.layers, layer_arch, self.decoder_kernels,
+            self._fused_stack = FusedDecoderStack.build(self.model.own_layers, layer_arch, self.decoder_kernels,
                                                         self.decoder_max_rows, self.tp)  # fmt: skip
             self._fused_stack_built = True  # None: the layers do not fit, the Python layers run
         return self._fused_stack
@@ -254,7 +280,7 @@ class LlamaForCausalLM(nn.Module):
         Irreversible (loading weights afterwards is not supported); a no-op where the plan keeps
         torch's GEMM (float32 on AVX-512 CPUs: MKL/oneDNN).
         """
-        layers = list(self.model.layers)
+        layers = list(self.model.own_layers)
         fused = 0
         if layers and layers[0].mlp.fuse_for_cpu(plan, verify=True):  # one self-check for the model
             fused = 1 + sum(layer.mlp.fuse_for_cpu(plan, verify=False) for layer in layers[1:])
@@ -263,16 +289,20 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """Vocabulary logits ``[N, vocab]`` for the rows the sampler needs: float32, or the model
         dtype with ``upcast=False`` (enough for an argmax, which the upcast cannot change)."""
+        if self.lm_head is None:
+            raise RuntimeError("only the last pipeline stage holds the LM head")
         logits = self.lm_head(hidden)
         return logits.float() if upcast else logits
 
     def expected_weight_names(self) -> set[str]:
         """Every HF parameter name a complete checkpoint must provide for this config."""
         arch = self.arch
-        names = {"model.embed_tokens.weight", "model.norm.weight"}
-        if not arch.tie_word_embeddings:
+        names = {"model.norm.weight"}  # (every stage keeps the small final norm)
+        if self.model.embed_tokens is not None:
+            names.add("model.embed_tokens.weight")
+        if not arch.tie_word_embeddings and self.lm_head is not None:
             names.add("lm_head.weight")
-        for i in range(arch.num_hidden_layers):
+        for i in range(self.model.start, self.model.end):
             prefix = f"model.layers.{i}."
             names |= {prefix + "input_layernorm.weight", prefix + "post_attention_layernorm.weight"}
             names |= {f"{prefix}self_attn.{p}_proj.weight" for p in "qkvo"}
@@ -298,7 +328,7 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         tied_quantized = self.arch.tie_word_embeddings and isinstance(self.lm_head, QuantizedLinear)
         for name, tensor in (part for item in weights for part in self._split_prefused(*item)):
-            if _IGNORED.search(name):
+            if _IGNORED.search(name) or not self.holds_weight(name):
                 continue
             if name == "lm_head.weight" and self.arch.tie_word_embeddings:
                 continue  # some tied checkpoints still store it; the embedding is the source of truth
@@ -313,6 +343,18 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, QuantizedLinear):
                 module.finish_loading()
         self._fused_stack, self._fused_stack_built = None, False  # rebuilt from these weights when next used
+
+    def holds_weight(self, name: str) -> bool:
+        """Whether the HF tensor ``name`` has a place here (not another pipeline stage's)."""
+        match = _LAYER_NAME.match(name)
+        if match is not None:  # (a layer the model does not have is kept: refused as unexpected)
+            layer = int(match["layer"])
+            return self.model.start <= layer < self.model.end or layer >= self.arch.num_hidden_layers
+        if name == "model.embed_tokens.weight":
+            return self.model.embed_tokens is not None
+        if name == "lm_head.weight":
+            return self.lm_head is not None
+        return True
 
     def _load_one(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor | QuantizedWeight) -> None:
         """Copy one HF tensor into its (possibly fused) destination rows (a quantized linear

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,8 @@ from safetensors import safe_open
 
 from pagellm.attention.backend import AttentionBackend
 from pagellm.config import ModelConfig
+from pagellm.distributed.parallel_state import ParallelRank
+from pagellm.distributed.pipeline import PipelineStage
 from pagellm.distributed.tensor_parallel import TensorParallel
 from pagellm.kernels.plan import KernelPlan, WeightRequest
 from pagellm.model.arch_config import ModelArchConfig
@@ -169,12 +171,14 @@ def load_arch_config(model: str | None) -> ModelArchConfig:
     return arch
 
 
-def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream ``(name, tensor)`` from each shard without loading a whole shard at once."""
+def _iter_safetensors(files: list[Path], keep: Callable[[str], bool] = lambda name: True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream ``(name, tensor)`` from each shard without loading a whole shard at once (only
+    the tensors ``keep`` names: a pipeline stage never reads another stage's)."""
     for file in files:
         with safe_open(str(file), framework="pt") as shard:
             for name in shard.keys():
-                yield name, shard.get_tensor(name)
+                if keep(name):
+                    yield name, shard.get_tensor(name)
 
 
 @contextlib.contextmanager
@@ -227,18 +231,19 @@ def _no_param_init(dtype: torch.dtype) -> Iterator[None]:
 
 def _empty_model(
     arch: ModelArchConfig, attn_backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
-    plan: KernelPlan | None, tp: TensorParallel | None = None,
+    plan: KernelPlan | None, tp: TensorParallel | None = None, pp: PipelineStage | None = None,
 ) -> LlamaForCausalLM:
     """Allocate the model in ``dtype`` on ``device`` without paying for random init (under
-    tensor parallelism: this rank's share of each layer)."""
+    tensor parallelism: this rank's share of each layer; under pipeline parallelism: this
+    stage's layers)."""
     model_class = validate_arch_config(arch)
     if device.type == "cpu":
         with _no_param_init(dtype):
-            model = model_class(arch, attn_backend, plan, tp)
+            model = model_class(arch, attn_backend, plan, tp, pp)
         model.tie_weights()
         return model
     with torch.device("meta"):
-        model = model_class(arch, attn_backend, plan, tp)
+        model = model_class(arch, attn_backend, plan, tp, pp)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()  # to_empty may replace the shared Parameter objects
     return model
@@ -250,24 +255,27 @@ def load_model(
     attn_backend: AttentionBackend,
     device: torch.device = torch.device("cpu"),
     plan: KernelPlan | None = None,
-    tp: TensorParallel | None = None,
+    parallel: ParallelRank | None = None,
 ) -> tuple[LlamaForCausalLM, ModelArchConfig]:
     """Build the model with its weights in ``dtype`` on ``device``, in eval mode, no grads,
-    with the kernels ``plan`` names (None: PyTorch everywhere); ``tp``: only this rank's share
-    of each layer (the whole arch is returned)."""
+    with the kernels ``plan`` names (None: PyTorch everywhere); ``parallel``: only this rank's
+    share of each layer and its pipeline stage's layers, read from the checkpoint alone (the
+    whole arch is returned)."""
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}; use one of {', '.join(map(str, SUPPORTED_DTYPES))}")
     path = resolve_model_path(model)
     with single_threaded():
-        if is_gguf(path):
-            reader = open_gguf(path)
-            arch = arch_config_from_gguf(reader)
+        reader = open_gguf(path) if is_gguf(path) else None
+        arch = arch_config_from_gguf(reader) if reader is not None else _hf_arch_config(path)
+        tp = parallel.tp if parallel is not None else None
+        pp = parallel.stage(arch.num_hidden_layers) if parallel is not None else None
+        net = _empty_model(arch, attn_backend, dtype, device, plan, tp, pp)
+        if reader is not None:
             keep_quantized = plan is not None and plan.weights == "gguf"
-            weights = iter_gguf_weights(reader, arch, dtype, keep_float32=True, keep_quantized=keep_quantized)
+            weights = iter_gguf_weights(reader, arch, dtype, keep_float32=True, keep_quantized=keep_quantized,
+                                        keep=net.holds_weight)  # fmt: skip
         else:
-            arch = _hf_arch_config(path)
-            weights = _iter_safetensors(safetensors_files(path))
-        net = _empty_model(arch, attn_backend, dtype, device, plan, tp)
+            weights = _iter_safetensors(safetensors_files(path), keep=net.holds_weight)
         net.load_weights(weights)
     net.requires_grad_(False)
     return net.eval(), arch

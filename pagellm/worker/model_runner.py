@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from pagellm.attention.backend import AttentionMetadata
+from pagellm.distributed.pipeline import PipelineLink, micro_batches
 from pagellm.kernels.plan import KernelPlan
 from pagellm.model.interface import CausalLM
 from pagellm.sample.grammar_mask import apply_token_bitmask
@@ -57,11 +58,14 @@ class ModelRunner:
         eos_token_ids: list[int],
         plan: KernelPlan,
         samples: bool = True,
+        link: PipelineLink | None = None,
     ) -> None:
         self.model = model
-        # False on tensor-parallel ranks other than 0: they run the forward (their share of each
-        # layer and of its all-reduces) and leave the LM head, logprobs and sampling to rank 0.
+        # False on all ranks but one where there are several: tensor-parallel ranks other than 0
+        # run the forward (their share of each layer and of its all-reduces), pipeline stages
+        # before the last pass their hidden states on; one rank computes logits and samples.
         self.samples = samples
+        self.link = link  # pipeline parallelism: this stage's sends and receives (None: one stage)
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
@@ -78,13 +82,41 @@ class ModelRunner:
         for request_id in scheduler_output.finished_request_ids:
             self.generators.pop(request_id, None)
         copy_blocks(self.kv_cache, scheduler_output.block_copies)
-        if scheduler_output.is_empty:
-            return ModelRunnerOutput()
-        inputs = self.prepare_inputs(scheduler_output.scheduled)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata)
         output = ModelRunnerOutput()
-        if not self.samples:
+        if scheduler_output.is_empty:
             return output
+        if self.link is None:
+            inputs = self.prepare_inputs(scheduler_output.scheduled)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata)
+            if self.samples:
+                self._outputs(hidden, inputs, grammar, output)
+            return output
+        self._execute_stage(self.link, scheduler_output.scheduled, grammar, output)
+        return output
+
+    def _execute_stage(
+        self, link: PipelineLink, scheduled: list[ScheduledRequest], grammar: GrammarBitmask | None,
+        output: ModelRunnerOutput,
+    ) -> None:
+        """A pipeline stage's part of the step: micro-batches in the scheduler's order, each
+        received from the previous stage (or embedded) and sent on (or sampled), so that the
+        stages overlap (``distributed/pipeline.py``)."""
+        try:
+            for tag, batch in enumerate(micro_batches(scheduled, link.stage.size)):
+                inputs = self.prepare_inputs(batch)
+                stream = None if link.stage.is_first else link.recv(len(inputs.input_ids), tag)
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata, stream)
+                if not link.stage.is_last:
+                    link.send(hidden, tag)
+                elif self.samples:
+                    self._outputs(hidden, inputs, grammar, output)
+        finally:
+            link.flush()
+
+    def _outputs(
+        self, hidden: torch.Tensor, inputs: StepInputs, grammar: GrammarBitmask | None, output: ModelRunnerOutput
+    ) -> None:
+        """Sample (and score prompt tokens) from the final hidden states into ``output``."""
         if inputs.sample_requests:
             rows = hidden[inputs.sample_indices]
             if all(is_plain_greedy(r.sampling_params, len(r.output_token_ids)) for r in inputs.sample_requests):
@@ -100,7 +132,6 @@ class ModelRunner:
         if inputs.prompt_logprob_plan:
             logits = self.model.compute_logits(hidden[inputs.prompt_logprob_indices])
             self._prompt_logprobs(logits, inputs, output)
-        return output
 
     def _apply_grammar(
         self, logits: torch.Tensor, requests: list[ScheduledRequest], grammar: GrammarBitmask | None

@@ -9,12 +9,15 @@ several workers through the same two calls: construction and :meth:`Worker.execu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+
 import torch
 
 from pagellm.attention import get_attention_backend
 from pagellm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, resolve_dtype, resolve_kv_cache_dtype
-from pagellm.distributed.tensor_parallel import TensorParallel
+from pagellm.distributed.parallel_state import ParallelRank
+from pagellm.distributed.pipeline import stage_layers
 from pagellm.kernels.plan import KernelPlan
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.loader import auto_dtype, load_arch_config, load_model, requested_weights, single_threaded
@@ -58,6 +61,16 @@ def kv_cache_blocks(cache: CacheConfig, arch: ModelArchConfig, dtype: torch.dtyp
     return num_blocks_for_budget(cache.kv_cache_bytes, block_bytes)
 
 
+def rank_shard(arch: ModelArchConfig, parallel: ParallelRank | None) -> ModelArchConfig:
+    """What a rank's KV blocks are sized for: its tensor-parallel share of the heads, and the
+    layers of the biggest pipeline stage (the first)."""
+    if parallel is None:
+        return arch
+    shard = arch.shard(parallel.tp_size)
+    start, end = stage_layers(arch.num_hidden_layers, parallel.pp_size)[0]
+    return dataclasses.replace(shard, num_hidden_layers=end - start)
+
+
 def context_limit(requested: int | None, arch: ModelArchConfig, num_blocks: int, block_size: int) -> int:
     """The model's limit (or the one asked for), never more than the KV pool holds for one
     request; a request for more than either is an error naming both."""
@@ -78,12 +91,13 @@ def context_limit(requested: int | None, arch: ModelArchConfig, num_blocks: int,
 
 class Worker:
     """The device side of one engine (see the module docstring). ``tokenizer_eos_token_id``:
-    the tokenizer's end-of-sequence id, if it has one, an EOS beside the model's own. ``tp``:
-    this worker is one tensor-parallel rank (its share of each layer, and of each KV block's
-    heads; ``worker/tensor_parallel.py`` starts the ranks)."""
+    the tokenizer's end-of-sequence id, if it has one, an EOS beside the model's own.
+    ``parallel``: this worker is one rank of several (its share of each layer and of each KV
+    block's heads under tensor parallelism, its stage's layers under pipeline parallelism;
+    ``worker/multiproc_executor.py`` starts the ranks)."""
 
     def __init__(
-        self, config: EngineConfig, tokenizer_eos_token_id: int | None = None, tp: TensorParallel | None = None
+        self, config: EngineConfig, tokenizer_eos_token_id: int | None = None, parallel: ParallelRank | None = None
     ) -> None:
         self.device = resolve_device(config.device.device)
         configure_threads(self.device, config.device.num_threads)
@@ -92,8 +106,7 @@ class Worker:
         logger.info("kernel plan: %s", self.kernel_plan.describe())
         window = load_arch_config(config.model.model).attention_window
         attn_backend = get_attention_backend(self.kernel_plan.attention, self.device, self.kernel_plan.kernels, window)
-        model, self.arch = load_model(config.model.model, self.dtype, attn_backend, self.device, self.kernel_plan, tp)
-        shard = self.arch.shard(tp.size) if tp is not None else self.arch  # what this rank's KV blocks hold
+        model, self.arch = load_model(config.model.model, self.dtype, attn_backend, self.device, self.kernel_plan, parallel)
         # The weights repacked once for the plan's CPU kernels (fused MLPs, packed linears).
         self.cpu_optimizations: dict[str, int] = {}
         if self.device.type == "cpu":
@@ -104,15 +117,20 @@ class Worker:
         self.eos_token_ids = frozenset((*self.arch.eos_token_ids, *extra))
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.block_size = config.cache.block_size
+        # Every rank sizes its pool alike (the block ids are shared): for its heads and the
+        # biggest stage's layers.
+        shard = rank_shard(self.arch, parallel)
         self.num_blocks = kv_cache_blocks(config.cache, shard, self.kv_cache_dtype)
         self.max_model_len = context_limit(config.model.max_model_len, self.arch, self.num_blocks, self.block_size)
+        stage = parallel.stage(self.arch.num_hidden_layers) if parallel is not None else None
         kv_cache = allocate_kv_cache(
-            shard.num_hidden_layers, self.num_blocks, self.block_size, shard.num_key_value_heads, shard.head_dim,
-            self.kv_cache_dtype, self.device,
+            stage.num_layers if stage is not None else shard.num_hidden_layers, self.num_blocks, self.block_size,
+            shard.num_key_value_heads, shard.head_dim, self.kv_cache_dtype, self.device,
         )  # fmt: skip
+        link = parallel.link(self.arch.hidden_size, self.dtype, self.arch.num_hidden_layers) if parallel else None
         self.model_runner = ModelRunner(
             model, kv_cache, self.block_size, self.device, sorted(self.eos_token_ids), self.kernel_plan,
-            samples=tp is None or tp.rank == 0,  # the other ranks' logits would only be thrown away
+            samples=parallel is None or parallel.samples, link=link,
         )
 
     @property
@@ -127,5 +145,9 @@ class Worker:
         sequence's allowed tokens)."""
         return self.model_runner.execute(scheduler_output, grammar_bitmask)
 
+    def sentinels(self) -> list[int]:
+        """No other processes: nothing to watch."""
+        return []
+
     def close(self) -> None:
-        """Nothing to release: the worker lives in this process (tensor-parallel ranks do not)."""
+        """Nothing to release: the worker lives in this process (the other ranks' do not)."""

@@ -13,7 +13,7 @@ import torch
 
 from pagellm import kernels
 from pagellm.distributed.shm_all_reduce import SLOT_BYTES, SharedMemoryAllReduce, create_region, region_path
-from pagellm.distributed.tensor_parallel import free_port
+from pagellm.distributed.parallel_state import free_port
 
 SIZES = [1, 576, 64 * 576, SLOT_BYTES // 4 + 1000]  # the last one goes in two pieces
 

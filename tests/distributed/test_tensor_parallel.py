@@ -19,8 +19,8 @@ def _run(path: str, tp: int, params: SamplingParams, **options: object) -> list:
     llm = LLM(path, **{**OPTIONS, **options}, tensor_parallel_size=tp)
     try:
         if tp > 1:  # the forward's all-reduces: shared memory where the kernels are built, else gloo
-            shm = llm.llm_engine.worker.model_runner.model.model.layers[0].self_attn.tp.shm
-            assert (shm is not None) == (llm.llm_engine.worker.kernel_plan.kernels is not None)
+            shm = llm.llm_engine.executor.model_runner.model.model.layers[0].self_attn.tp.shm
+            assert (shm is not None) == (llm.llm_engine.executor.kernel_plan.kernels is not None)
         return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     finally:
         llm.llm_engine.close()
@@ -59,8 +59,8 @@ def test_the_one_call_stack_joins_ranks_as_the_layers_do(tiny_llama_path: str) -
     for rank0_layers in (False, True):
         llm = LLM(tiny_llama_path, **{**OPTIONS, "dtype": "bfloat16"}, quantization="int8", tensor_parallel_size=2)
         try:
-            model = llm.llm_engine.worker.model_runner.model
-            if llm.llm_engine.worker.kernel_plan.decoder != "fused" or model.model.layers[0].self_attn.tp.shm is None:
+            model = llm.llm_engine.executor.model_runner.model
+            if llm.llm_engine.executor.kernel_plan.decoder != "fused" or model.model.layers[0].self_attn.tp.shm is None:
                 pytest.skip("no one-call decoder stack with the shared-memory all-reduce here")
             if rank0_layers:
                 model.decoder_kernels = None
@@ -148,4 +148,4 @@ def test_a_rank_that_dies_before_joining_fails_the_start(tmp_path, tiny_llama_pa
                       "tensor_parallel_size=2)\n")  # fmt: skip
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
-    assert "TensorParallelError: tensor-parallel rank pagellm-tp-rank1 died during start-up" in proc.stderr
+    assert "RankError: pagellm-rank1 died during start-up" in proc.stderr

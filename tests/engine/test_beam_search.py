@@ -51,7 +51,7 @@ def test_best_beam_equals_hf_on_tiny_llama(tiny, width, length_penalty):
         assert scores == sorted(scores, reverse=True)
         assert best.text == tokenizer.decode(expected, skip_special_tokens=True)
     engine = llm.llm_engine
-    assert engine.kv_cache_manager.num_free_blocks == engine.worker.num_blocks
+    assert engine.kv_cache_manager.num_free_blocks == engine.executor.num_blocks
     assert not engine.beams.groups and not engine.has_unfinished_requests()
 
 

@@ -33,7 +33,7 @@ def hf_model(default_model_path_fixture):
 
 def test_generate_matches_hf(llm, hf_model):
     tokenizer = llm.get_tokenizer()
-    eos = set(llm.llm_engine.worker.eos_token_ids)
+    eos = set(llm.llm_engine.executor.eos_token_ids)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     for prompt, output in zip(PROMPTS, outputs):
         expected = hf_greedy(hf_model, tokenizer(prompt).input_ids, MAX_TOKENS, eos)
@@ -41,7 +41,7 @@ def test_generate_matches_hf(llm, hf_model):
 
 
 def test_chat_matches_hf_and_is_coherent(llm, hf_model):
-    eos = set(llm.llm_engine.worker.eos_token_ids)
+    eos = set(llm.llm_engine.executor.eos_token_ids)
     outputs = llm.chat(CHATS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     processor = llm.llm_engine.input_processor
     for chat, output in zip(CHATS, outputs):

@@ -49,4 +49,4 @@ def test_greedy_matches_hf(model_and_reference, engine_kwargs):
     engine = llm.llm_engine
     if engine_kwargs.get("num_kv_blocks"):
         assert engine.stats.num_preemptions > 0, "the small pool was meant to force preemption"
-    assert engine.kv_cache_manager.num_free_blocks == engine.worker.num_blocks
+    assert engine.kv_cache_manager.num_free_blocks == engine.executor.num_blocks

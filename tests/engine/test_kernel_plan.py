@@ -57,14 +57,14 @@ def test_without_kernels_the_plan_is_pytorch_and_bf16_is_not_fast():
 def test_the_model_is_built_on_the_plan_and_the_plan_is_logged(tiny_llama_path, caplog):
     with caplog.at_level(logging.INFO, logger="pagellm.worker.worker"):
         engine = LLM(tiny_llama_path, num_kv_blocks=32, dtype="float32").llm_engine
-    plan = engine.worker.kernel_plan
+    plan = engine.executor.kernel_plan
     assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("kernel plan:")] == [
         f"kernel plan: {plan.describe()}"]
-    assert engine.kernel_plan_info == plan.as_dict() and plan.dtype is engine.worker.dtype is torch.float32
-    norms = [m for m in engine.worker.model_runner.model.modules() if isinstance(m, RMSNorm)]
+    assert engine.kernel_plan_info == plan.as_dict() and plan.dtype is engine.executor.dtype is torch.float32
+    norms = [m for m in engine.executor.model_runner.model.modules() if isinstance(m, RMSNorm)]
     assert norms and all(m.kernels is plan.library("norm") for m in norms)  # given at construction
-    assert all(layer.self_attn.rotary_kernels is plan.library("rotary") for layer in engine.worker.model_runner.model.model.layers)
-    assert engine.worker.model_runner.argmax_kernels is plan.library("argmax")
+    assert all(layer.self_attn.rotary_kernels is plan.library("rotary") for layer in engine.executor.model_runner.model.model.layers)
+    assert engine.executor.model_runner.argmax_kernels is plan.library("argmax")
 
 
 @pytest.mark.skipif("avx512f" not in FLAGS or not {"avx2", "fma"} <= FLAGS,
@@ -74,10 +74,10 @@ def test_two_engines_with_different_plans_in_one_process(tiny_llama_path):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     native = LLM(tiny_llama_path, num_kv_blocks=32, dtype="float32")
     avx2 = LLM(tiny_llama_path, num_kv_blocks=32, dtype="float32", cpu_isa="avx2")
-    assert native.llm_engine.worker.kernel_plan.kernels is not avx2.llm_engine.worker.kernel_plan.kernels
-    assert avx2.llm_engine.worker.kernel_plan.gemm == "avx2"
-    assert any(isinstance(m, KernelLinear) and m.path == "avx2" for m in avx2.llm_engine.worker.model_runner.model.modules())
-    assert not any(isinstance(m, KernelLinear) for m in native.llm_engine.worker.model_runner.model.modules())  # float32: torch's GEMM
+    assert native.llm_engine.executor.kernel_plan.kernels is not avx2.llm_engine.executor.kernel_plan.kernels
+    assert avx2.llm_engine.executor.kernel_plan.gemm == "avx2"
+    assert any(isinstance(m, KernelLinear) and m.path == "avx2" for m in avx2.llm_engine.executor.model_runner.model.modules())
+    assert not any(isinstance(m, KernelLinear) for m in native.llm_engine.executor.model_runner.model.modules())  # float32: torch's GEMM
     first = [o.outputs[0].token_ids for o in native.generate(prompts, params, use_tqdm=False)]
     second = [o.outputs[0].token_ids for o in avx2.generate(prompts, params, use_tqdm=False)]
     again = [o.outputs[0].token_ids for o in native.generate(prompts, params, use_tqdm=False)]

@@ -31,9 +31,9 @@ def fp8_llm(tiny_llama_path):
 def test_fp8_cache_holds_twice_the_blocks_in_float8(fp8_llm, tiny_llama_path):
     bf16 = make_llm(tiny_llama_path, "auto")
     engine = fp8_llm.llm_engine
-    assert engine.worker.kv_cache_dtype == torch.float8_e4m3fn and bf16.llm_engine.worker.kv_cache_dtype == torch.bfloat16
-    assert engine.worker.num_blocks == 2 * bf16.llm_engine.worker.num_blocks
-    assert all(t.dtype == torch.float8_e4m3fn for pair in engine.worker.model_runner.kv_cache for t in pair)
+    assert engine.executor.kv_cache_dtype == torch.float8_e4m3fn and bf16.llm_engine.executor.kv_cache_dtype == torch.bfloat16
+    assert engine.executor.num_blocks == 2 * bf16.llm_engine.executor.num_blocks
+    assert all(t.dtype == torch.float8_e4m3fn for pair in engine.executor.model_runner.kv_cache for t in pair)
 
 
 def test_fp8_cache_stores_rounded_values_and_the_kernel_reads_them_as_the_oracle_does(fp8_llm, tiny_llama_path):

@@ -16,7 +16,7 @@ def llm(tiny_llama_path):
 def all_blocks_free(llm: LLM) -> bool:
     engine = llm.llm_engine
     manager = engine.kv_cache_manager
-    return manager.num_free_blocks == engine.worker.num_blocks and all(b.ref_cnt == 0 for b in manager.block_pool.blocks)
+    return manager.num_free_blocks == engine.executor.num_blocks and all(b.ref_cnt == 0 for b in manager.block_pool.blocks)
 
 
 def test_64_requests_of_128_tokens_finish_exactly_and_free_every_block(llm):
@@ -153,7 +153,7 @@ def test_abort_frees_blocks_and_reports_abort(llm):
     engine.add_request("keep", "a prompt that stays", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     engine.add_request("drop", "a prompt to abort", SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
-    assert engine.kv_cache_manager.num_free_blocks < engine.worker.num_blocks
+    assert engine.kv_cache_manager.num_free_blocks < engine.executor.num_blocks
     (aborted,) = engine.abort_request("drop")
     assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
     finished = {}

@@ -125,7 +125,7 @@ def test_a_fault_in_one_request_fails_it_alone(llm: LLM, monkeypatch: pytest.Mon
     assert finals["bystander"].error is None and finals["bystander"].outputs[0].finish_reason == "length"
     assert finals["seeded"].error is None
     manager = engine.kv_cache_manager
-    assert manager.num_free_blocks == engine.worker.num_blocks  # the failed request's blocks came back
+    assert manager.num_free_blocks == engine.executor.num_blocks  # the failed request's blocks came back
 
 
 def test_a_generator_that_cannot_be_seeded_fails_its_request_alone(llm: LLM) -> None:

@@ -17,7 +17,7 @@ def run(path, prompts, params, **kwargs):
     llm = LLM(path, **kwargs)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     engine = llm.llm_engine
-    assert engine.kv_cache_manager.num_free_blocks == engine.worker.num_blocks
+    assert engine.kv_cache_manager.num_free_blocks == engine.executor.num_blocks
     return [[c.token_ids for c in o.outputs] for o in outputs], engine.stats
 
 

@@ -61,9 +61,9 @@ def test_the_plan_says_where_bf16_is_fast():
 
 
 def test_engine_resolves_auto(tiny_llama_path, tmp_path):
-    assert LLM(tiny_llama_path, num_kv_blocks=8).llm_engine.worker.dtype is torch.float32  # float32 checkpoint
+    assert LLM(tiny_llama_path, num_kv_blocks=8).llm_engine.executor.dtype is torch.float32  # float32 checkpoint
     half = _with_dtype(tiny_llama_path, tmp_path / "bf16", "bfloat16")
     engine = LLM(half, num_kv_blocks=8).llm_engine
-    fast = engine.worker.kernel_plan.gemm in OWN_GEMM_PATHS or "avx512_bf16" in usable_cpu_flags()
-    assert engine.worker.dtype is (torch.bfloat16 if fast else torch.float32)
-    assert LLM(half, num_kv_blocks=8, cpu_isa="baseline").llm_engine.worker.dtype is torch.float32
+    fast = engine.executor.kernel_plan.gemm in OWN_GEMM_PATHS or "avx512_bf16" in usable_cpu_flags()
+    assert engine.executor.dtype is (torch.bfloat16 if fast else torch.float32)
+    assert LLM(half, num_kv_blocks=8, cpu_isa="baseline").llm_engine.executor.dtype is torch.float32

@@ -73,7 +73,7 @@ def test_a_sliding_window_runs_on_the_torch_attention(tmp_path: Path, tiny_llama
     )
     assert load_arch_config(str(windowed)).attention_window == 128
     llm = LLM(str(windowed), dtype="float32", num_kv_blocks=16)
-    assert llm.llm_engine.worker.kernel_plan.attention == "torch_sdpa"
+    assert llm.llm_engine.executor.kernel_plan.attention == "torch_sdpa"
     with pytest.raises(ValueError, match="'cpu_paged' has no sliding window yet: use torch_sdpa"):
         LLM(str(windowed), dtype="float32", num_kv_blocks=16, attention_backend="cpu_paged")
     unwindowed = _copy_with_config(

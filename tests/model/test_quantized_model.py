@@ -76,11 +76,11 @@ def dense_default() -> LLM:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_default_gguf_in_its_own_blocks(dense_default: LLM, dtype: str) -> None:
     quantized = LLM(dtype=dtype, quantization="gguf")
-    plan = quantized.llm_engine.worker.kernel_plan
+    plan = quantized.llm_engine.executor.kernel_plan
     assert plan.weights == "gguf" and plan.qgemm != "none"
-    layer = quantized.llm_engine.worker.model_runner.model.model.layers[0]
+    layer = quantized.llm_engine.executor.model_runner.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, QuantizedLinear) and layer.self_attn.qkv_proj.format == "q4"
-    assert quantized.llm_engine.worker.model_runner.model.lm_head.format == "q8"  # tied to the Q8_0 embedding
+    assert quantized.llm_engine.executor.model_runner.model.lm_head.format == "q8"  # tied to the Q8_0 embedding
     if dtype == "float32":
         _assert_same_greedy_where_clear(dense_default, quantized)
     else:
@@ -114,9 +114,9 @@ def test_k_quants_in_their_own_blocks(requantized_default: dict[str, str], name:
     give the dense float32 model's greedy tokens wherever its margin is clear."""
     path = requantized_default[name]
     quantized = LLM(path, dtype="float32", quantization="gguf", num_kv_blocks=128)
-    layer = quantized.llm_engine.worker.model_runner.model.model.layers[0]
+    layer = quantized.llm_engine.executor.model_runner.model.model.layers[0]
     assert (layer.self_attn.qkv_proj.format, layer.mlp.down_proj.format) == formats
-    assert quantized.llm_engine.worker.kernel_plan.decoder == "fused"
+    assert quantized.llm_engine.executor.kernel_plan.decoder == "fused"
     _assert_same_greedy_where_clear(LLM(path, dtype="float32", num_kv_blocks=128), quantized)
 
 
@@ -125,8 +125,8 @@ def test_int8_on_a_float_checkpoint(request: pytest.FixtureRequest, fixture: str
     path = request.getfixturevalue(fixture)
     dense = LLM(path, dtype="float32", num_kv_blocks=64)
     quantized = LLM(path, dtype="float32", quantization="int8", num_kv_blocks=64)
-    assert quantized.llm_engine.worker.kernel_plan.weights == "int8"
-    assert quantized.llm_engine.worker.model_runner.model.model.layers[0].mlp.down_proj.format == "q8"
+    assert quantized.llm_engine.executor.kernel_plan.weights == "int8"
+    assert quantized.llm_engine.executor.model_runner.model.model.layers[0].mlp.down_proj.format == "q8"
     _assert_same_greedy_where_clear(dense, quantized, min_fraction=0.2)
 
 
@@ -224,7 +224,7 @@ def test_missing_rows_are_refused(cpu_plan) -> None:
 
 
 def _generate_fused_or_not(llm: LLM, fused: bool) -> list[tuple[list[int], list[float]]]:
-    model = llm.llm_engine.worker.model_runner.model
+    model = llm.llm_engine.executor.model_runner.model
     if not fused:
         model.decoder_kernels = None  # the Python layers from here on
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
@@ -261,7 +261,7 @@ def test_fused_decoder_equals_the_layers(request: pytest.FixtureRequest, monkeyp
                                      cpu_isa="avx2"),
     }[case]
     fused_llm = LLM(num_kv_blocks=128, **options)
-    plan = fused_llm.llm_engine.worker.kernel_plan
+    plan = fused_llm.llm_engine.executor.kernel_plan
     assert plan.decoder == "fused"
     if case.endswith("amx-int8"):
         if plan.quant_large != "integer-amx":
@@ -269,7 +269,7 @@ def test_fused_decoder_equals_the_layers(request: pytest.FixtureRequest, monkeyp
         prompt_tokens = sum(len(fused_llm.get_tokenizer().encode(p)) for p in PROMPTS)  # the first step's rows
         assert plan.quant_max_rows is not None and prompt_tokens > plan.quant_max_rows
     fused = _generate_fused_or_not(fused_llm, True)
-    stack = fused_llm.llm_engine.worker.model_runner.model._fused_stack
+    stack = fused_llm.llm_engine.executor.model_runner.model._fused_stack
     assert stack is not None and stack.steps >= 11  # at least the decode steps ran on it
     layers = _generate_fused_or_not(LLM(num_kv_blocks=128, **options), False)
     assert fused == layers
@@ -307,7 +307,7 @@ def test_layers_with_biases_the_call_does_not_take_run_as_modules(tmp_path, defa
     path = write_tiny_model(tmp_path / "biased", config, default_tokenizer)
     dense = LLM(path, dtype="float32", num_kv_blocks=64)
     quantized = LLM(path, dtype="float32", quantization="int8", num_kv_blocks=64)
-    assert quantized.llm_engine.worker.kernel_plan.decoder == "fused"
+    assert quantized.llm_engine.executor.kernel_plan.decoder == "fused"
     _assert_same_greedy_where_clear(dense, quantized, min_fraction=0.2)
-    model = quantized.llm_engine.worker.model_runner.model
+    model = quantized.llm_engine.executor.model_runner.model
     assert model._fused_stack is None and not model.model.layers[0].mlp.gate_up_proj.silu_mul

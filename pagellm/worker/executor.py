@@ -1,0 +1,61 @@
+"""The executor seam: how the engine drives its worker(s), whatever their number.
+
+The engine keeps the scheduler and the KV bookkeeping; an executor takes each step's plain
+data and returns the sampled tokens. :class:`~pagellm.worker.worker.Worker` is the executor of a
+one-process engine; :class:`~pagellm.worker.multiproc_executor.MultiprocExecutor` runs one
+worker per rank (tensor and pipeline parallelism) behind the same calls, and
+:class:`~pagellm.worker.multinode.MultiNodeExecutor` those of several nodes.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from pagellm.config import EngineConfig
+from pagellm.kernels.plan import KernelPlan
+from pagellm.model.arch_config import ModelArchConfig
+from pagellm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from pagellm.worker.model_runner import ModelRunner
+
+
+class Executor(Protocol):
+    """What the engine reads of its workers (every rank has the same facts) and the two calls."""
+
+    arch: ModelArchConfig
+    eos_token_ids: frozenset[int]
+    kernel_plan: KernelPlan
+    kv_cache_dtype: torch.dtype
+    num_blocks: int
+    max_model_len: int
+    model_runner: ModelRunner  # this process's (rank 0's): for tests and diagnostics
+
+    def execute(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
+    ) -> ModelRunnerOutput:
+        """Run one step on every rank; the step's sampled tokens."""
+
+    def sentinels(self) -> list[int]:
+        """Handles that become ready when a rank's process ends (none in one process)."""
+
+    def close(self) -> None:
+        """Release the ranks (a no-op in one process)."""
+
+
+def make_executor(config: EngineConfig, tokenizer_eos_token_id: int | None = None) -> Executor:
+    """The executor ``config`` asks for: one worker here, one per rank, or one per rank of
+    several nodes (this being node 0: the others run ``multinode.run_node``)."""
+    if config.device.nnodes > 1:
+        if config.device.node_rank != 0:
+            raise ValueError("only node 0 runs the engine; the other nodes run `pagellm serve ... --node-rank R` headless")
+        from pagellm.worker.multinode import MultiNodeExecutor
+
+        return MultiNodeExecutor(config, tokenizer_eos_token_id)
+    if config.device.world_size > 1:
+        from pagellm.worker.multiproc_executor import MultiprocExecutor
+
+        return MultiprocExecutor(config, tokenizer_eos_token_id)
+    from pagellm.worker.worker import Worker
+
+    return Worker(config, tokenizer_eos_token_id)

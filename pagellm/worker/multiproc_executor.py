@@ -1,0 +1,166 @@
+"""The executor of an engine of several ranks (tensor and pipeline parallelism): rank 0 is a
+:class:`Worker` in this process, ranks 1..N-1 are workers in child processes joined by
+``torch.distributed`` (``pagellm.distributed.parallel_state``); each holds the layers of its
+pipeline stage, its tensor-parallel share of each of them, and that part of each KV block.
+
+The engine above sees one executor (the facts it reads and ``execute``): each step's
+plain-data ``SchedulerOutput`` (and grammar masks) goes to every child first, then rank 0 runs
+its part; the ranks meet in each layer's all-reduces and at the stage boundaries, and one rank
+(the first of the last stage) samples: its tokens are the step's. The block manager does not
+change: block ids are the same on every rank, only the heads and layers inside a block differ.
+
+A child that fails or dies is noticed at the end of the step (or within the collective
+timeout, if it dies mid-step), and the step fails: the engine is then unhealthy as a whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+from multiprocessing.connection import Connection
+from typing import Any
+
+from pagellm import kernels
+from pagellm.config import EngineConfig, split_threads
+from pagellm.distributed.cpu_affinity import bind_process, bind_rank
+from pagellm.distributed.parallel_state import ParallelRank, close_parallel, free_port, init_parallel
+from pagellm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from pagellm.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+class RankError(RuntimeError):
+    """A rank failed or died."""
+
+
+def _join(config: EngineConfig, rank: int, port: int) -> ParallelRank:
+    """Join the engine's ranks as rank ``rank``; this process's place among them."""
+    device = config.device
+    return init_parallel(rank, device.tensor_parallel_size, device.pipeline_parallel_size, port,
+                         kernels.load(config.kernels), master_addr=device.master_addr, nnodes=device.nnodes)  # fmt: skip
+
+
+def _rank_main(config: EngineConfig, eos: int | None, rank: int, port: int, conn: Connection) -> None:
+    """A child rank: build its worker, then run every step it is sent until told to stop
+    (answering with its output where it samples, else with None)."""
+    conn.send(("ok", None))  # started: the node's first rank may now wait for it in the rendezvous
+    try:
+        if config.device.cpu_bind == "auto":
+            bind_rank(rank % config.device.local_world_size, config.device.local_world_size)
+        parallel = _join(config, rank, port)
+        worker = Worker(config, eos, parallel)
+        samples = parallel.samples
+        conn.send(("ok", None))
+    except BaseException as exc:  # noqa: BLE001 -- reported to rank 0, which fails the engine
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # rank 0's process is gone
+            message = None
+        if message is None:
+            return
+        try:
+            output = worker.execute(*message)
+            conn.send(("ok", output if samples else None))
+        except BaseException as exc:  # noqa: BLE001
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+class MultiprocExecutor:
+    """This node's ranks of one engine behind a worker's interface (see the module docstring):
+    the node's first rank in this process, the others in child processes. ``samples``: whether
+    the step's sampling rank is on this node (else ``execute`` returns an empty output)."""
+
+    def __init__(self, config: EngineConfig, tokenizer_eos_token_id: int | None = None) -> None:
+        device = config.device
+        size = device.local_world_size
+        first = device.node_rank * size  # this node's ranks: first .. first + size - 1
+        config = split_threads(config, size)  # each rank's share of the node's threads
+        port = device.master_port if device.master_port is not None else free_port()
+        ctx = mp.get_context("spawn")  # never fork a process that holds OpenMP/torch threads
+        self._ranks: list[tuple[Any, Connection]] = []
+        self._unbound: set[int] | None = None  # this process's CPUs before it was bound
+        try:
+            for rank in range(first + 1, first + size):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_rank_main, args=(config, tokenizer_eos_token_id, rank, port, child),
+                                   name=f"pagellm-rank{rank}", daemon=True)  # fmt: skip
+                proc.start()
+                child.close()
+                logger.info("rank %d started (pid %d)", rank, proc.pid)
+                self._ranks.append((proc, parent))
+            # A child that fails before joining (say, its interpreter cannot start) would leave
+            # this rank in the rendezvous until its timeout: wait for each to be running first.
+            self._collect("start-up")
+            if config.device.cpu_bind == "auto":  # after the children started: they split the same CPUs
+                self._unbound = bind_rank(0, size)
+            self.parallel = _join(config, first, port)
+            self.driver = Worker(config, tokenizer_eos_token_id, self.parallel)
+            self._collect("start")
+        except BaseException:
+            self.close()
+            raise
+        # The rank whose output is the step's: the first of the last stage (here, a child, or elsewhere).
+        sampler = device.world_size - device.tensor_parallel_size
+        self.samples = first <= sampler < first + size
+        self._sampler = sampler - first - 1 if self.samples and sampler != first else None
+        # What the engine reads, from this node's first rank (every rank has the same).
+        self.arch = self.driver.arch
+        self.eos_token_ids = self.driver.eos_token_ids
+        self.kernel_plan = self.driver.kernel_plan
+        self.kv_cache_dtype = self.driver.kv_cache_dtype
+        self.num_blocks = self.driver.num_blocks
+        self.max_model_len = self.driver.max_model_len
+        self.model_runner = self.driver.model_runner
+
+    def execute(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
+    ) -> ModelRunnerOutput:
+        """One step on every rank; rank 0's sampled tokens."""
+        for proc, conn in self._ranks:
+            try:
+                conn.send((scheduler_output, grammar_bitmask))
+            except (BrokenPipeError, OSError) as exc:
+                raise RankError(f"{proc.name} died (exit code {proc.exitcode})") from exc
+        output = self.driver.execute(scheduler_output, grammar_bitmask)
+        answers = self._collect("step")
+        return answers[self._sampler] if self._sampler is not None else output
+
+    def _collect(self, what: str) -> list[Any]:
+        """Every child's answer to the last call; the first failure raises."""
+        answers = []
+        for proc, conn in self._ranks:
+            try:
+                status, message = conn.recv()
+            except (EOFError, OSError) as exc:
+                raise RankError(f"{proc.name} died during {what} (exit code {proc.exitcode})") from exc
+            if status != "ok":
+                raise RankError(f"{proc.name} failed during {what}: {message}")
+            answers.append(message)
+        return answers
+
+    def sentinels(self) -> list[int]:
+        """Handles that become ready when a child rank's process ends (``multiprocessing.connection.wait``)."""
+        return [proc.sentinel for proc, _ in self._ranks]
+
+    def close(self) -> None:
+        """Stop the children (politely, then by force)."""
+        for proc, conn in self._ranks:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc, conn in self._ranks:
+            proc.join(5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
+            conn.close()
+        self._ranks = []
+        close_parallel()
+        if self._unbound is not None:  # this process may run other work after the engine
+            bind_process(sorted(self._unbound))
+            self._unbound = None
