@@ -184,6 +184,7 @@ class KernelConfig:
 
 
 CPU_BIND_CHOICES = ("auto", "none")
+EXECUTOR_BACKENDS = ("mp", "ray")  # --distributed-executor-backend: processes here (and --nnodes), or Ray actors
 
 
 @dataclass
@@ -203,6 +204,7 @@ class DeviceConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # required with nnodes > 1 (one node: a free port is picked)
+    distributed_executor_backend: str = "mp"  # EXECUTOR_BACKENDS
 
     def __post_init__(self) -> None:
         index, count = self.cpu_share
@@ -217,6 +219,11 @@ class DeviceConfig:
         if self.world_size > 1 and self.device != "cpu":
             raise ValueError("tensor and pipeline parallelism run on CPU (gloo) in this version; use device='cpu'")
         self._check_nodes()
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
+                             f"got {self.distributed_executor_backend!r}")  # fmt: skip
+        if self.distributed_executor_backend == "ray" and self.nnodes > 1:
+            raise ValueError("with the ray backend, Ray places the ranks on its cluster's nodes: drop --nnodes")
 
     def _check_nodes(self) -> None:
         nnodes, port = self.nnodes, self.master_port

@@ -18,6 +18,7 @@ import torch
 
 from pagellm.config import (
     CPU_BIND_CHOICES,
+    EXECUTOR_BACKENDS,
     GEMM_CHOICES,
     ISA_CHOICES,
     KV_CACHE_DTYPE_CHOICES,
@@ -91,6 +92,9 @@ class EngineArgs:
     master_addr: str = field(default="127.0.0.1", metadata=_option("node 0's address, where every rank meets"))
     master_port: int | None = field(default=None, metadata=_option(
         "the TCP port on node 0 where every rank meets (required with --nnodes > 1)", kind=int))
+    distributed_executor_backend: str = field(default="mp", metadata=_option(
+        "how the ranks run: mp (processes of this host, and of the other --nnodes) or ray (actors "
+        "on a Ray cluster: pip install 'pagellm[ray]')", choices=EXECUTOR_BACKENDS))
     cpu_bind: str = field(default="auto", metadata=_option(
         "auto: bind each rank's threads (tensor and pipeline parallelism) to its own CPUs (one NUMA node per rank where "
         "there are enough, else an even split); none: leave them to the OS", choices=CPU_BIND_CHOICES))
@@ -126,7 +130,8 @@ class EngineArgs:
                                 num_threads=self.num_threads, tensor_parallel_size=self.tensor_parallel_size,
                                 pipeline_parallel_size=self.pipeline_parallel_size, cpu_bind=self.cpu_bind,
                                 nnodes=self.nnodes, node_rank=self.node_rank, master_addr=self.master_addr,
-                                master_port=self.master_port),
+                                master_port=self.master_port,
+                                distributed_executor_backend=self.distributed_executor_backend),
             limits=LimitsConfig(max_n=self.max_n, max_logprobs=self.max_logprobs,
                                 max_stop_strings=self.max_stop_strings,
                                 grammar_compile_timeout_s=self.grammar_compile_timeout),

@@ -108,7 +108,7 @@ class LLMEngine:
     @property
     def kernel_plan_info(self) -> dict[str, str]:
         """The kernel plan as plain strings (``/version``, benchmark reports)."""
-        return self.executor.kernel_plan.as_dict()
+        return self.executor.kernel_plan_info
 
     # ---- requests ------------------------------------------------------------------
 

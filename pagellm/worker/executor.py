@@ -4,7 +4,8 @@ The engine keeps the scheduler and the KV bookkeeping; an executor takes each st
 data and returns the sampled tokens. :class:`~pagellm.worker.worker.Worker` is the executor of a
 one-process engine; :class:`~pagellm.worker.multiproc_executor.MultiprocExecutor` runs one
 worker per rank (tensor and pipeline parallelism) behind the same calls, and
-:class:`~pagellm.worker.multinode.MultiNodeExecutor` those of several nodes.
+:class:`~pagellm.worker.multinode.MultiNodeExecutor` those of several nodes, and
+:class:`~pagellm.worker.ray_executor.RayExecutor` ranks as actors of a Ray cluster.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from typing import Protocol
 import torch
 
 from pagellm.config import EngineConfig
-from pagellm.kernels.plan import KernelPlan
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.model_runner import ModelRunner
@@ -25,11 +25,11 @@ class Executor(Protocol):
 
     arch: ModelArchConfig
     eos_token_ids: frozenset[int]
-    kernel_plan: KernelPlan
+    kernel_plan_info: dict[str, str]  # KernelPlan.as_dict() of the ranks' plan (the same on each)
     kv_cache_dtype: torch.dtype
     num_blocks: int
     max_model_len: int
-    model_runner: ModelRunner  # this process's (rank 0's): for tests and diagnostics
+    model_runner: ModelRunner | None  # this process's (rank 0's), for tests and diagnostics (None: no rank here)
 
     def execute(
         self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
@@ -46,6 +46,10 @@ class Executor(Protocol):
 def make_executor(config: EngineConfig, tokenizer_eos_token_id: int | None = None) -> Executor:
     """The executor ``config`` asks for: one worker here, one per rank, or one per rank of
     several nodes (this being node 0: the others run ``multinode.run_node``)."""
+    if config.device.distributed_executor_backend == "ray" and config.device.world_size > 1:
+        from pagellm.worker.ray_executor import RayExecutor
+
+        return RayExecutor(config, tokenizer_eos_token_id)
     if config.device.nnodes > 1:
         if config.device.node_rank != 0:
             raise ValueError("only node 0 runs the engine; the other nodes run `pagellm serve ... --node-rank R` headless")

@@ -75,7 +75,7 @@ class MultiNodeExecutor:
         self.link = _link(config, self.local)
         self.arch = self.local.arch
         self.eos_token_ids = self.local.eos_token_ids
-        self.kernel_plan = self.local.kernel_plan
+        self.kernel_plan_info = self.local.kernel_plan_info
         self.kv_cache_dtype = self.local.kv_cache_dtype
         self.num_blocks = self.local.num_blocks
         self.max_model_len = self.local.max_model_len

@@ -111,6 +111,7 @@ class MultiprocExecutor:
         self.arch = self.driver.arch
         self.eos_token_ids = self.driver.eos_token_ids
         self.kernel_plan = self.driver.kernel_plan
+        self.kernel_plan_info = self.driver.kernel_plan_info
         self.kv_cache_dtype = self.driver.kv_cache_dtype
         self.num_blocks = self.driver.num_blocks
         self.max_model_len = self.driver.max_model_len

@@ -134,6 +134,11 @@ class Worker:
         )
 
     @property
+    def kernel_plan_info(self) -> dict[str, str]:
+        """The kernel plan as plain strings."""
+        return self.kernel_plan.as_dict()
+
+    @property
     def dtype(self) -> torch.dtype:
         """The model's compute dtype (the kernel plan's)."""
         return self.kernel_plan.dtype

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shlex
 from collections.abc import Iterator
 
 import httpx
@@ -10,9 +12,15 @@ import pytest
 
 from tests.helpers.server import TINY_SERVER_ARGS, RemoteServer
 
+# Extra `pagellm serve` options for the shared server, e.g. "--pipeline-parallel-size 2": the
+# whole protocol suite then runs against that engine layout (README, "Several ranks").
+EXTRA_ARGS_ENV = "PAGELLM_TEST_SERVER_ARGS"
+
+
 @pytest.fixture(scope="session")
 def server(tiny_llama_path: str) -> Iterator[RemoteServer]:
-    with RemoteServer(tiny_llama_path, TINY_SERVER_ARGS) as remote:
+    extra = shlex.split(os.environ.get(EXTRA_ARGS_ENV, ""))
+    with RemoteServer(tiny_llama_path, [*TINY_SERVER_ARGS, *extra]) as remote:
         yield remote
 
 
