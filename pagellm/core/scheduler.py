@@ -99,33 +99,38 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, in_flight: frozenset[str] = frozenset(), max_seqs: int | None = None) -> SchedulerOutput:
         """Pick this step's work: running requests first (oldest first), then waiting ones.
 
         Both queues are kept in arrival order, and preemption always takes the youngest
         running request, so the oldest work makes progress whatever the load.
+
+        ``in_flight``: requests in steps not yet returned (a pipeline keeps several steps
+        going); they are neither scheduled again nor preempted. ``max_seqs``: at most this
+        many requests this step (so that the next step has some of its own).
         """
         budget = self.max_num_batched_tokens
+        seq_budget = self.max_num_seqs if max_seqs is None else max_seqs
         scheduled: list[ScheduledRequest] = []
         num_preemptions_before = self.stats.num_preemptions
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(scheduled) < seq_budget:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            if num_new <= 0 or request.request_id in in_flight:
                 i += 1
                 continue
-            if not self._allocate_or_preempt(request, num_new):
+            if not self._allocate_or_preempt(request, num_new, in_flight):
                 break  # the request itself was preempted: nothing younger is left to run
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             i += 1
         # Admitting new work right after preempting would only preempt again.
         if self.stats.num_preemptions == num_preemptions_before:
-            budget = self._admit_waiting(budget, scheduled)
-        if not scheduled and self.waiting and self._preempt_idle_younger_than(self.waiting[0]):
-            budget = self._admit_waiting(budget, scheduled)
+            budget = self._admit_waiting(budget, scheduled, seq_budget)
+        if not scheduled and self.waiting and self._preempt_idle_younger_than(self.waiting[0], in_flight):
+            budget = self._admit_waiting(budget, scheduled, seq_budget)
 
         finished = self._finished_since_last_step
         self._finished_since_last_step = []
@@ -137,10 +142,11 @@ class Scheduler:
             block_copies=self.kv_cache_manager.take_block_copies(),
         )
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest], seq_budget: int) -> int:
         """Move waiting requests to running while blocks, budget and max_num_seqs allow."""
         manager = self.kv_cache_manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and len(scheduled) < seq_budget):  # fmt: skip
             request = self.waiting[0]
             cached = manager.get_computed_blocks(request)
             num_cached = len(cached) * manager.block_size
@@ -157,15 +163,16 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _preempt_idle_younger_than(self, head: Request) -> bool:
+    def _preempt_idle_younger_than(self, head: Request, in_flight: frozenset[str]) -> bool:
         """Break a standstill: free idle running requests younger than the waiting head.
 
         Requests that wait on others (beams of a beam search waiting for their siblings)
         hold blocks while computing nothing; without this, the siblings could wait forever.
         """
         idle = [
-            r for r in self.running if r.num_computed_tokens == r.num_tokens and r.arrival_time > head.arrival_time
-        ]
+            r for r in self.running
+            if r.num_computed_tokens == r.num_tokens and r.arrival_time > head.arrival_time and r.request_id not in in_flight
+        ]  # fmt: skip
         for victim in reversed(idle):
             self.running.remove(victim)
             self._preempt(victim)
@@ -173,13 +180,15 @@ class Scheduler:
                 break
         return bool(idle)
 
-    def _allocate_or_preempt(self, request: Request, num_new: int) -> bool:
+    def _allocate_or_preempt(self, request: Request, num_new: int, in_flight: frozenset[str]) -> bool:
         """Allocate blocks for ``request``, preempting the newest running requests as needed.
 
         Returns False if ``request`` itself had to be preempted.
         """
         while not self.kv_cache_manager.allocate_slots(request, num_new):
-            victim = self.running.pop()
+            victims = [r for r in self.running if r.request_id not in in_flight]  # never a request in flight
+            victim = victims[-1]  # (``request`` itself at the latest)
+            self.running.remove(victim)
             self._preempt(victim)
             if victim is request:
                 return False

@@ -8,11 +8,14 @@ stream ``[tokens, hidden]`` (the layer output plus its residual, summed: what th
 input norm would add first), one tensor per micro-batch, through ``torch.distributed``'s
 point-to-point send and receive (gloo).
 
-A step is cut into micro-batches of whole requests, in the scheduler's order (a request may
-read blocks an earlier request of the same step writes: a prefix-cache hit on a block computed
-in this step; each stage runs its micro-batches in order, so the writes come first). While
-stage 1 runs micro-batch 1, stage 0 runs micro-batch 2: with ``m`` micro-batches over ``s``
-stages a step takes ``m + s - 1`` micro-batch slots instead of ``m * s``.
+The stages overlap in one of two ways. On one node the engine keeps a step in flight per stage
+(``LLMEngine._pipelined_step``): while the last stage finishes step n, stage 0 runs step n + 1.
+Across nodes and on Ray a step runs at a time, cut into micro-batches of whole requests in the
+scheduler's order: while stage 1 runs micro-batch 1, stage 0 runs micro-batch 2 (``m``
+micro-batches over ``s`` stages take ``m + s - 1`` slots instead of ``m * s``, with a bubble at
+each step's ends). Either way every stage runs its work in submission order, so a block written
+by an earlier step or micro-batch (a prefix-cache hit on a block computed in flight, a freed
+block handed on) is written before it is read.
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
+from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -26,7 +28,8 @@ from pagellm.model.tokenizer import load_tokenizer
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.structured_output.manager import StructuredOutputManager
-from pagellm.worker.executor import Executor, make_executor
+from pagellm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from pagellm.worker.executor import Executor, PipelinedExecutor, make_executor
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +91,8 @@ class LLMEngine:
             self.tokenizer, arch.vocab_size, grammar_eos, config.limits.grammar_compile_timeout_s
         )
         self.beams = BeamSearchController(self.scheduler, self.tokenizer, self.executor.eos_token_ids, self.structured_output)
+        # Steps submitted and not yet finished (pipeline parallelism), oldest first.
+        self._in_flight: deque[tuple[SchedulerOutput, GrammarBitmask | None]] = deque()
         # Constrained requests whose grammar is still compiling: (first sequence, its forks).
         self._awaiting_grammar: dict[str, tuple[Request, list[Request]]] = {}
         logger.info(
@@ -216,7 +221,7 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._awaiting_grammar)
+        return self.scheduler.has_unfinished_requests() or bool(self._awaiting_grammar) or bool(self._in_flight)
 
     def check_health(self) -> None:
         """In process, the engine is alive as long as its caller is (failures surface as exceptions)."""
@@ -236,9 +241,39 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs = self._admit_compiled_grammars()
+        if self.executor.pipeline_depth > 1:
+            return self._pipelined_step(outputs)
         scheduler_output = self.scheduler.schedule()
         grammar = self.structured_output.masks(scheduler_output.scheduled)
         runner_output = self.executor.execute(scheduler_output, grammar)
+        return self._finish_step(scheduler_output, grammar, runner_output, outputs)
+
+    def _pipelined_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Keep up to ``pipeline_depth`` steps in flight (each of about an equal share of the
+        requests, none in two), then finish the oldest: the pipeline's stages never wait for
+        the engine between steps."""
+        executor = cast(PipelinedExecutor, self.executor)
+        depth = executor.pipeline_depth
+        while len(self._in_flight) < depth:
+            in_flight = frozenset(r.request_id for step, _ in self._in_flight for r in step.scheduled)
+            share = -(-(len(self.scheduler.running) + len(self.scheduler.waiting)) // depth)  # ceil
+            scheduler_output = self.scheduler.schedule(in_flight, max(1, share))
+            if scheduler_output.is_empty and not scheduler_output.finished_request_ids:
+                break
+            grammar = self.structured_output.masks(scheduler_output.scheduled)
+            executor.submit(scheduler_output, grammar)
+            self._in_flight.append((scheduler_output, grammar))
+        if not self._in_flight:
+            self._refresh_stats()
+            return outputs
+        scheduler_output, grammar = self._in_flight.popleft()
+        return self._finish_step(scheduler_output, grammar, executor.collect(), outputs)
+
+    def _finish_step(
+        self, scheduler_output: SchedulerOutput, grammar: GrammarBitmask | None, runner_output: ModelRunnerOutput,
+        outputs: list[RequestOutput],
+    ) -> list[RequestOutput]:
+        """Update the requests from a step's sampled tokens; ``outputs`` with the step's added."""
         if self.beams.groups:
             self.beams.take_sampled(runner_output)  # beams append what the controller picks
         updated, finished = self.scheduler.update_from_output(scheduler_output, runner_output)

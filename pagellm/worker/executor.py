@@ -29,6 +29,7 @@ class Executor(Protocol):
     kv_cache_dtype: torch.dtype
     num_blocks: int
     max_model_len: int
+    pipeline_depth: int  # steps the engine may keep in flight (``submit``/``collect``); 1: ``execute`` only
     model_runner: ModelRunner | None  # this process's (rank 0's), for tests and diagnostics (None: no rank here)
 
     def execute(
@@ -41,6 +42,17 @@ class Executor(Protocol):
 
     def close(self) -> None:
         """Release the ranks (a no-op in one process)."""
+
+
+class PipelinedExecutor(Executor, Protocol):
+    """An executor that keeps several steps in flight (``pipeline_depth`` > 1): while the
+    last pipeline stage finishes one step, the first already runs the next."""
+
+    def submit(self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None) -> None:
+        """Start a step; :meth:`collect` returns its tokens (steps come back in order)."""
+
+    def collect(self) -> ModelRunnerOutput:
+        """The oldest submitted step's sampled tokens."""
 
 
 def make_executor(config: EngineConfig, tokenizer_eos_token_id: int | None = None) -> Executor:

@@ -59,6 +59,7 @@ class ModelRunner:
         plan: KernelPlan,
         samples: bool = True,
         link: PipelineLink | None = None,
+        micro_batches: int = 1,
     ) -> None:
         self.model = model
         # False on all ranks but one where there are several: tensor-parallel ranks other than 0
@@ -66,6 +67,9 @@ class ModelRunner:
         # before the last pass their hidden states on; one rank computes logits and samples.
         self.samples = samples
         self.link = link  # pipeline parallelism: this stage's sends and receives (None: one stage)
+        # A pipeline stage cuts each step into this many micro-batches (1 where the engine keeps
+        # several steps in flight instead: smaller batches cost more than they overlap).
+        self.num_micro_batches = micro_batches
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
@@ -101,17 +105,17 @@ class ModelRunner:
         """A pipeline stage's part of the step: micro-batches in the scheduler's order, each
         received from the previous stage (or embedded) and sent on (or sampled), so that the
         stages overlap (``distributed/pipeline.py``)."""
-        try:
-            for tag, batch in enumerate(micro_batches(scheduled, link.stage.size)):
-                inputs = self.prepare_inputs(batch)
-                stream = None if link.stage.is_first else link.recv(len(inputs.input_ids), tag)
-                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata, stream)
-                if not link.stage.is_last:
-                    link.send(hidden, tag)
-                elif self.samples:
-                    self._outputs(hidden, inputs, grammar, output)
-        finally:
-            link.flush()
+        # The previous step's sends first: done by now, unless the next stage is still busy with
+        # an earlier step (then this stage waits here, its own work being the next step's).
+        link.flush()
+        for tag, batch in enumerate(micro_batches(scheduled, self.num_micro_batches)):
+            inputs = self.prepare_inputs(batch)
+            stream = None if link.stage.is_first else link.recv(len(inputs.input_ids), tag)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata, stream)
+            if not link.stage.is_last:
+                link.send(hidden, tag)
+            elif self.samples:
+                self._outputs(hidden, inputs, grammar, output)
 
     def _outputs(
         self, hidden: torch.Tensor, inputs: StepInputs, grammar: GrammarBitmask | None, output: ModelRunnerOutput

@@ -71,13 +71,14 @@ class MultiNodeExecutor:
     """Node 0's executor: its own ranks, and the other nodes' through :class:`NodeLink`."""
 
     def __init__(self, config: EngineConfig, tokenizer_eos_token_id: int | None = None) -> None:
-        self.local = MultiprocExecutor(config, tokenizer_eos_token_id)
+        self.local = MultiprocExecutor(config, tokenizer_eos_token_id, steps_in_flight=False)
         self.link = _link(config, self.local)
         self.arch = self.local.arch
         self.eos_token_ids = self.local.eos_token_ids
         self.kernel_plan_info = self.local.kernel_plan_info
         self.kv_cache_dtype = self.local.kv_cache_dtype
         self.num_blocks = self.local.num_blocks
+        self.pipeline_depth = 1  # one step at a time, in micro-batches (steps in flight: not across nodes yet)
         self.max_model_len = self.local.max_model_len
         self.model_runner = self.local.model_runner
         self._closed = False
@@ -119,7 +120,7 @@ class MultiNodeExecutor:
 def run_node(config: EngineConfig, tokenizer_eos_token_id: int | None = None) -> int:
     """A node other than 0: join the engine with this node's ranks, run every step node 0
     broadcasts until it says stop (0) or the engine's group breaks (1)."""
-    local = MultiprocExecutor(config, tokenizer_eos_token_id)
+    local = MultiprocExecutor(config, tokenizer_eos_token_id, steps_in_flight=False)
     link = _link(config, local)
     logger.info("node %d of %d: ranks joined, serving steps", config.device.node_rank, config.device.nnodes)
     try:

@@ -16,6 +16,7 @@ timeout, if it dies mid-step), and the step fails: the engine is then unhealthy 
 from __future__ import annotations
 
 import logging
+from collections import deque
 import multiprocessing as mp
 from multiprocessing.connection import Connection
 from typing import Any
@@ -41,7 +42,7 @@ def _join(config: EngineConfig, rank: int, port: int) -> ParallelRank:
                          kernels.load(config.kernels), master_addr=device.master_addr, nnodes=device.nnodes)  # fmt: skip
 
 
-def _rank_main(config: EngineConfig, eos: int | None, rank: int, port: int, conn: Connection) -> None:
+def _rank_main(config: EngineConfig, eos: int | None, rank: int, port: int, micro_batches: int, conn: Connection) -> None:
     """A child rank: build its worker, then run every step it is sent until told to stop
     (answering with its output where it samples, else with None)."""
     conn.send(("ok", None))  # started: the node's first rank may now wait for it in the rendezvous
@@ -49,7 +50,7 @@ def _rank_main(config: EngineConfig, eos: int | None, rank: int, port: int, conn
         if config.device.cpu_bind == "auto":
             bind_rank(rank % config.device.local_world_size, config.device.local_world_size)
         parallel = _join(config, rank, port)
-        worker = Worker(config, eos, parallel)
+        worker = Worker(config, eos, parallel, micro_batches)
         samples = parallel.samples
         conn.send(("ok", None))
     except BaseException as exc:  # noqa: BLE001 -- reported to rank 0, which fails the engine
@@ -74,8 +75,14 @@ class MultiprocExecutor:
     the node's first rank in this process, the others in child processes. ``samples``: whether
     the step's sampling rank is on this node (else ``execute`` returns an empty output)."""
 
-    def __init__(self, config: EngineConfig, tokenizer_eos_token_id: int | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, tokenizer_eos_token_id: int | None = None, steps_in_flight: bool = True
+    ) -> None:
         device = config.device
+        # Pipeline stages overlap through steps in flight (the engine submits the next step while
+        # the last stage finishes one: ``pipeline_depth``), else through micro-batches of each step.
+        self.pipeline_depth = device.pipeline_parallel_size if steps_in_flight else 1
+        micro_batches = 1 if steps_in_flight else device.pipeline_parallel_size
         size = device.local_world_size
         first = device.node_rank * size  # this node's ranks: first .. first + size - 1
         config = split_threads(config, size)  # each rank's share of the node's threads
@@ -86,7 +93,7 @@ class MultiprocExecutor:
         try:
             for rank in range(first + 1, first + size):
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_rank_main, args=(config, tokenizer_eos_token_id, rank, port, child),
+                proc = ctx.Process(target=_rank_main, args=(config, tokenizer_eos_token_id, rank, port, micro_batches, child),
                                    name=f"pagellm-rank{rank}", daemon=True)  # fmt: skip
                 proc.start()
                 child.close()
@@ -98,7 +105,7 @@ class MultiprocExecutor:
             if config.device.cpu_bind == "auto":  # after the children started: they split the same CPUs
                 self._unbound = bind_rank(0, size)
             self.parallel = _join(config, first, port)
-            self.driver = Worker(config, tokenizer_eos_token_id, self.parallel)
+            self.driver = Worker(config, tokenizer_eos_token_id, self.parallel, micro_batches)
             self._collect("start")
         except BaseException:
             self.close()
@@ -116,17 +123,28 @@ class MultiprocExecutor:
         self.num_blocks = self.driver.num_blocks
         self.max_model_len = self.driver.max_model_len
         self.model_runner = self.driver.model_runner
+        self._outputs: deque[ModelRunnerOutput] = deque()  # this rank's output of each step in flight
 
     def execute(
         self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
     ) -> ModelRunnerOutput:
-        """One step on every rank; rank 0's sampled tokens."""
+        """One step on every rank; the sampling rank's tokens."""
+        self.submit(scheduler_output, grammar_bitmask)
+        return self.collect()
+
+    def submit(self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None) -> None:
+        """Start a step on every rank and run this rank's part (under pipeline parallelism
+        stage 0's: the later stages go on with it while the caller schedules the next step)."""
         for proc, conn in self._ranks:
             try:
                 conn.send((scheduler_output, grammar_bitmask))
             except (BrokenPipeError, OSError) as exc:
                 raise RankError(f"{proc.name} died (exit code {proc.exitcode})") from exc
-        output = self.driver.execute(scheduler_output, grammar_bitmask)
+        self._outputs.append(self.driver.execute(scheduler_output, grammar_bitmask))
+
+    def collect(self) -> ModelRunnerOutput:
+        """The oldest submitted step's sampled tokens, once every rank has finished it."""
+        output = self._outputs.popleft()
         answers = self._collect("step")
         return answers[self._sampler] if self._sampler is not None else output
 

@@ -59,7 +59,7 @@ class RayRank:
         device = self.config.device
         parallel = init_parallel(self.rank, device.tensor_parallel_size, device.pipeline_parallel_size, port,
                                  kernels.load(self.config.kernels), master_addr=master_addr)  # fmt: skip
-        self.worker = Worker(self.config, self.eos, parallel)
+        self.worker = Worker(self.config, self.eos, parallel, micro_batches=device.pipeline_parallel_size)
         self.samples = parallel.samples
         w = self.worker
         return {"arch": w.arch, "eos_token_ids": w.eos_token_ids, "kernel_plan_info": w.kernel_plan_info,
@@ -111,6 +111,7 @@ class RayExecutor:
         self.arch, self.eos_token_ids = facts["arch"], facts["eos_token_ids"]
         self.kernel_plan_info = facts["kernel_plan_info"]
         self.kv_cache_dtype, self.num_blocks = facts["kv_cache_dtype"], facts["num_blocks"]
+        self.pipeline_depth = 1  # one step at a time, in micro-batches (steps in flight: not on Ray yet)
         self.max_model_len = facts["max_model_len"]
         self.model_runner = None  # every rank runs in an actor
         self._sampler = (pp - 1) * tp

@@ -94,10 +94,12 @@ class Worker:
     the tokenizer's end-of-sequence id, if it has one, an EOS beside the model's own.
     ``parallel``: this worker is one rank of several (its share of each layer and of each KV
     block's heads under tensor parallelism, its stage's layers under pipeline parallelism;
-    ``worker/multiproc_executor.py`` starts the ranks)."""
+    ``worker/multiproc_executor.py`` starts the ranks). ``micro_batches``: what a pipeline
+    stage cuts each step into (``distributed/pipeline.py``)."""
 
     def __init__(
-        self, config: EngineConfig, tokenizer_eos_token_id: int | None = None, parallel: ParallelRank | None = None
+        self, config: EngineConfig, tokenizer_eos_token_id: int | None = None, parallel: ParallelRank | None = None,
+        micro_batches: int = 1,
     ) -> None:
         self.device = resolve_device(config.device.device)
         configure_threads(self.device, config.device.num_threads)
@@ -130,8 +132,10 @@ class Worker:
         link = parallel.link(self.arch.hidden_size, self.dtype, self.arch.num_hidden_layers) if parallel else None
         self.model_runner = ModelRunner(
             model, kv_cache, self.block_size, self.device, sorted(self.eos_token_ids), self.kernel_plan,
-            samples=parallel is None or parallel.samples, link=link,
+            samples=parallel is None or parallel.samples, link=link, micro_batches=micro_batches,
         )
+
+    pipeline_depth = 1  # one step at a time
 
     @property
     def kernel_plan_info(self) -> dict[str, str]:

@@ -235,3 +235,26 @@ def test_prefix_hit_after_preemption_resumes_from_cached_blocks():
             break
         s.update_from_output(out, fake_run(out))
     assert s.kv_cache_manager.stats.hits > hits_before
+
+
+def test_requests_in_flight_are_neither_scheduled_again_nor_preempted():
+    """A pipeline keeps steps in flight: their requests wait for their tokens (a chunked prompt
+    too: its next chunk starts where the step in flight ends only once it is back), and when
+    blocks run out the youngest request not in flight is preempted, or nothing."""
+    s = make_scheduler(num_blocks=4, block_size=2, max_model_len=8)
+    s.add_request(make_request("old", 3, max_tokens=4))
+    s.add_request(make_request("new", 3, max_tokens=4))
+    first = s.schedule(max_seqs=1)  # a share of the requests per step
+    assert [(r.request_id, r.block_ids) for r in first.scheduled] == [("old", [0, 1])]
+    second = s.schedule(in_flight=frozenset({"old"}))
+    assert [(r.request_id, r.block_ids) for r in second.scheduled] == [("new", [2, 3])]
+    assert s.schedule(in_flight=frozenset({"old", "new"})).scheduled == []
+    s.update_from_output(first, fake_run(first))
+    s.update_from_output(second, fake_run(second))
+    out = s.schedule()  # decode: position 3 fits in each second block
+    s.update_from_output(out, fake_run(out))
+    # Position 4 needs a new block each. With "new" in flight, "old" cannot take its blocks:
+    # "old" is preempted itself (the youngest not in flight), and "new" keeps its blocks.
+    out = s.schedule(in_flight=frozenset({"new"}))
+    assert out.scheduled == [] and s.requests["old"].status == RequestStatus.PREEMPTED
+    assert s.requests["new"].status == RequestStatus.RUNNING and s.kv_cache_manager.get_block_ids("new") == [2, 3]

@@ -19,6 +19,7 @@ from pagellm.sampling_params import StructuredOutputsParams
 from pagellm.step import GrammarBitmask, ModelRunnerOutput, PromptLogprobs, SampleFork, ScheduledRequest, SchedulerOutput
 from pagellm.step_codec import CodecError, decode_output, decode_step, encode_output, encode_step
 from pagellm.worker.multiproc_executor import RankError
+from tests.helpers.engine import assert_same_outputs
 
 PROMPTS = [[5, 9, 200, 31], [400, 3, 3, 7, 8, 9, 10], list(range(100, 160))]
 OPTIONS = dict(dtype="float32", num_kv_blocks=64, block_size=4, max_num_batched_tokens=32)
@@ -78,15 +79,7 @@ def test_two_nodes_give_what_one_process_gives(tiny_llama_path: str, parallel: d
         finally:
             llm.llm_engine.close()
         assert node1.wait(60) == 0  # told to stop
-    tolerance = 1e-4 if "tensor_parallel_size" in parallel else 1e-5
-    for a, b in zip(one, two, strict=True):
-        assert b.outputs[0].token_ids == a.outputs[0].token_ids
-        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
-            for token, lp in step_a.items():
-                assert step_b[token].logprob == pytest.approx(lp.logprob, abs=tolerance)
-        for pos_a, pos_b in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
-            for token, lp in pos_a.items():
-                assert pos_b[token].logprob == pytest.approx(lp.logprob, abs=tolerance)
+    assert_same_outputs(one, two, 1e-4 if "tensor_parallel_size" in parallel else 1e-5)
 
 
 def test_a_dead_node_is_noticed_on_either_side(tiny_llama_path: str) -> None:

@@ -1,5 +1,5 @@
 """Pipeline parallelism on CPU: stages (processes joined by gloo) each holding consecutive layers,
-a step run as micro-batches, give what one process gives (greedy tokens equal, logprobs within
+steps in flight (one per stage), give what one process gives (greedy tokens equal, logprobs within
 float32 rounding); each stage holds only its own layers; a rank that dies fails the engine."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pagellm.distributed.pipeline import micro_batches, pipeline_stage, stage_la
 from pagellm.sampling_params import SamplingParams as Params
 from pagellm.step import ScheduledRequest
 from pagellm.worker.multiproc_executor import RankError
+from tests.helpers.engine import assert_same_outputs
 
 PROMPTS = [[5, 9, 200, 31], [400, 3, 3, 7, 8, 9, 10], list(range(100, 160))]  # the last: chunked, 2 steps
 OPTIONS = dict(dtype="float32", num_kv_blocks=64, block_size=4, num_threads=2, max_num_batched_tokens=32)
@@ -28,17 +29,6 @@ def _generate(path: str, prompts: list[list[int]], params: SamplingParams, **opt
         return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False), llm
     finally:
         llm.llm_engine.close()
-
-
-def _assert_same(one: list, other: list, tolerance: float) -> None:
-    for a, b in zip(one, other, strict=True):
-        assert b.outputs[0].token_ids == a.outputs[0].token_ids
-        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
-            for token, lp in step_a.items():
-                assert step_b[token].logprob == pytest.approx(lp.logprob, abs=tolerance)
-        for pos_a, pos_b in zip((a.prompt_logprobs or [])[1:], (b.prompt_logprobs or [])[1:], strict=True):
-            for token, lp in pos_a.items():
-                assert pos_b[token].logprob == pytest.approx(lp.logprob, abs=tolerance)
 
 
 def test_stages_split_the_layers_evenly_first_stages_taking_the_rest() -> None:
@@ -82,7 +72,7 @@ def test_two_stages_give_what_one_process_gives(request: pytest.FixtureRequest, 
     two, _ = _generate(path, PROMPTS, params, pipeline_parallel_size=2, **options)
     # Each stage's sums are one process's (the same layers, the same order): exact but for int8
     # codes and the tensor-parallel all-reduce (see test_tensor_parallel.py).
-    _assert_same(one, two, 0.05 if "quantization" in options else 1e-4 if options else 1e-5)
+    assert_same_outputs(one, two, 0.05 if "quantization" in options else 1e-4 if options else 1e-5)
 
 
 def test_each_stage_holds_only_its_layers(tiny_llama_path: str) -> None:
@@ -100,15 +90,16 @@ def test_each_stage_holds_only_its_layers(tiny_llama_path: str) -> None:
         llm.llm_engine.close()
 
 
-def test_requests_of_one_step_that_share_blocks(tiny_llama_path: str) -> None:
-    """Two equal prompts in one step: the second hits blocks the first computes in the same step
-    (cached at allocation); it runs in a later micro-batch, after them, on every stage."""
+def test_requests_in_flight_that_share_blocks(tiny_llama_path: str) -> None:
+    """Two steps in flight: {A, C} then {A, A}. The later A's hit blocks the first A computes in
+    the step still in flight (cached at allocation); every stage runs the steps in order, so
+    those blocks are written before they are read."""
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
-    prompts = [PROMPTS[1] * 3, PROMPTS[1] * 3, PROMPTS[0]]
+    prompts = [PROMPTS[1] * 3, PROMPTS[0], PROMPTS[1] * 3, PROMPTS[1] * 3]
     one, _ = _generate(tiny_llama_path, prompts, params, max_num_batched_tokens=256)
     two, llm = _generate(tiny_llama_path, prompts, params, max_num_batched_tokens=256, pipeline_parallel_size=2)
     assert llm.llm_engine.stats.prefix_cache_hits > 0
-    _assert_same(one, two, 1e-5)
+    assert_same_outputs(one, two, 1e-5)
 
 
 def test_a_rank_that_dies_fails_the_engine_without_a_hang(tiny_llama_path: str) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from pagellm import LLM, SamplingParams
 from pagellm.worker.multiproc_executor import RankError
+from tests.helpers.engine import assert_same_outputs
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'pagellm[ray]'")
 
@@ -36,12 +37,7 @@ def test_ray_ranks_give_what_one_process_gives(local_cluster: None, tiny_llama_p
         two = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     finally:
         llm.llm_engine.close()
-    tolerance = 1e-4 if "tensor_parallel_size" in parallel else 1e-5
-    for a, b in zip(one, two, strict=True):
-        assert b.outputs[0].token_ids == a.outputs[0].token_ids
-        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
-            for token, lp in step_a.items():
-                assert step_b[token].logprob == pytest.approx(lp.logprob, abs=tolerance)
+    assert_same_outputs(one, two, 1e-4 if "tensor_parallel_size" in parallel else 1e-5)
 
 
 def test_a_dead_actor_fails_the_step(local_cluster: None, tiny_llama_path: str) -> None:
