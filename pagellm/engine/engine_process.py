@@ -162,7 +162,7 @@ class EngineProcess:
             target=_engine_main,
             args=(self.config, child_conn, logging.getLogger().getEffectiveLevel()),
             name="pagellm-engine",
-            # A daemon may not start processes: tensor-parallel ranks need a plain child (which
+            # A daemon may not start processes: an engine of several ranks needs a plain child (which
             # still ends when this process goes: its pipe closes).
             daemon=self.config.device.world_size == 1,
         )
