@@ -15,10 +15,11 @@ PROMPT = "The old lighthouse keeper"
 
 
 def metric(http: httpx.Client, name: str) -> float:
+    """The server's total: summed over the ``engine`` label of each data-parallel replica."""
     text = http.get("/metrics").text
-    match = re.search(rf"^{re.escape(name)}(?:_total)?\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
-    assert match, f"{name} missing from /metrics"
-    return float(match.group(1))
+    values = re.findall(rf"^{re.escape(name)}(?:_total)?\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
+    assert values, f"{name} missing from /metrics"
+    return sum(float(value) for value in values)
 
 
 def test_completion_beam_search_equals_offline(client: openai.OpenAI, tiny_llama_path: str) -> None:
