@@ -132,6 +132,58 @@ def tiny_qwen3_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer)
     return write_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), config, default_tokenizer)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny Qwen3-MoE: layer 0 routes each token to 2 of 8 experts (renormalised), layer 1 is
+    dense (``mlp_only_layers``)."""
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(**TINY_SHAPE, **token_ids(default_tokenizer), head_dim=32, moe_intermediate_size=32,
+                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+                            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                            tie_word_embeddings=True, initializer_range=0.1)  # fmt: skip
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"), config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny Mixtral: every layer routes each token to 2 of 4 experts (checkpoint names
+    ``block_sparse_moe.experts.E.w1/w2/w3``)."""
+    from transformers import MixtralConfig
+
+    shape = {**TINY_SHAPE, "intermediate_size": 48}  # each expert's width
+    config = MixtralConfig(**shape, **token_ids(default_tokenizer), num_local_experts=4, num_experts_per_tok=2,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                           initializer_range=0.1)  # fmt: skip
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_mixtral"), config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny Gemma 2: windowed (8 positions) and global layers alternating, capped attention
+    scores and logits (caps low enough to bite on random weights), a score scale of its own."""
+    from transformers import Gemma2Config
+
+    config = Gemma2Config(**TINY_SHAPE, **token_ids(default_tokenizer), head_dim=16, sliding_window=8,
+                          query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                          initializer_range=0.1)  # fmt: skip
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_gemma2"), config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny Gemma 3 (text): a windowed layer (8 positions, local rope base) then a global one
+    (linear rope scaling), q/k norms, no caps."""
+    from transformers import Gemma3TextConfig
+
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}  # fmt: skip
+    config = Gemma3TextConfig(**TINY_SHAPE, **token_ids(default_tokenizer), head_dim=16, sliding_window=8,
+                              query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"],
+                              rope_parameters=rope, initializer_range=0.1)  # fmt: skip
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_gemma3"), config, default_tokenizer)
+
+
 @pytest.fixture
 def cpu_plan():
     """``cpu_plan(dtype, **kernel_options)``: the kernel plan an engine on this CPU would run

@@ -29,25 +29,21 @@ ATTENTION_BACKEND_CHOICES: tuple[str, ...] = ("auto", *_BACKENDS)
 
 
 def get_attention_backend(
-    name: str = "auto", device: torch.device | str | None = None, lib: KernelLibrary | None = None,
-    sliding_window: int | None = None,
+    name: str = "auto", device: torch.device | str | None = None, lib: KernelLibrary | None = None
 ) -> AttentionBackend:
     """A new instance of the backend called ``name`` (see the module docstring) for ``device``
-    (default CPU), with kernel library ``lib`` for ``cpu_paged``; ``sliding_window``: each query
-    attends to its last that many positions (the torch backends; "auto" picks torch_sdpa then)."""
+    (default CPU), with kernel library ``lib`` for ``cpu_paged``."""
     key = name.strip().lower() if isinstance(name, str) else name
     if key == "auto":
         device_type = torch.device(device).type if device is not None else "cpu"
-        paged = device_type == "cpu" and lib is not None and sliding_window is None
+        paged = device_type == "cpu" and lib is not None
         key = CPUPagedAttention.name if paged else TorchSDPAAttention.name
     cls = _BACKENDS.get(key) if isinstance(key, str) else None
     if cls is None:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(ATTENTION_BACKEND_CHOICES)}")
     if cls is CPUPagedAttention:
-        if sliding_window is not None:
-            raise ValueError("attention backend 'cpu_paged' has no sliding window yet: use torch_sdpa (or auto)")
         return CPUPagedAttention(lib)
-    return cls(sliding_window)  # type: ignore[call-arg]
+    return cls()
 
 
 __all__ = [

@@ -105,5 +105,11 @@ class AttentionBackend(ABC):
         value_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [T, H, D]
+        """Attention of each query over its request's context: every position up to its own,
+        or with a ``window`` its last ``window`` positions (its own included); with a
+        ``softcap`` the scaled scores pass through ``softcap * tanh(score / softcap)`` first
+        (Gemma 2). Both are per layer: a model mixes windowed and global layers."""
         ...

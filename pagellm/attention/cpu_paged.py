@@ -107,7 +107,8 @@ def checked_kernel_rows(metadata: AttentionMetadata, key_cache: torch.Tensor) ->
 
 class CPUPagedAttention(TorchSDPAAttention):
     """Every row of a step through the C++ paged kernel (bf16, float32, an fp8 cache under bf16);
-    other dtype pairs through SDPA."""
+    other dtype pairs, and layers with a sliding window or capped scores (which the kernel does
+    not take yet), through SDPA."""
 
     name = "cpu_paged"
 
@@ -121,10 +122,12 @@ class CPUPagedAttention(TorchSDPAAttention):
             )
         self.kernels = lib
 
-    def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale):
+    def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale,
+                window=None, softcap=None):  # fmt: skip
         cdtype = attention_dtype(query.dtype, key_cache.dtype)
-        if query.device.type != "cpu" or (cdtype, key_cache.dtype) not in _KERNEL_PAIRS:
-            return super().forward(query, key, value, key_cache, value_cache, metadata, scale)
+        kernel = window is None and softcap is None and (cdtype, key_cache.dtype) in _KERNEL_PAIRS
+        if query.device.type != "cpu" or not kernel:
+            return super().forward(query, key, value, key_cache, value_cache, metadata, scale, window, softcap)
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = key_cache.shape[-2]
         if num_heads % num_kv_heads != 0:

@@ -21,16 +21,20 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int)
 
 
 def dense_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of q ([Q, H, D], the last Q positions) over k, v ([S, H_kv, D]); with a
-    ``window``, over each query's last ``window`` positions only."""
+    ``window``, over each query's last ``window`` positions only; with a ``softcap``, scores
+    capped by ``softcap * tanh(score / softcap)``."""
     q_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
     k_pos = torch.arange(seq_len, device=q.device)[None, :]
     hidden = k_pos > q_pos
@@ -44,16 +48,14 @@ def dense_attention(
 class ReferenceAttention(AttentionBackend):
     name = "reference"
 
-    def __init__(self, sliding_window: int | None = None) -> None:
-        self.sliding_window = sliding_window  # attend to the last this many positions (None: all)
-
-    def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale):
+    def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale,
+                window=None, softcap=None):  # fmt: skip
         write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
         out = torch.empty_like(query)
         start = 0
         for r, (q_len, seq_len) in enumerate(zip(metadata.query_lens, metadata.seq_lens)):
             k = gather_context(key_cache, metadata.block_tables[r], seq_len)
             v = gather_context(value_cache, metadata.block_tables[r], seq_len)
-            out[start : start + q_len] = dense_attention(query[start : start + q_len], k, v, scale, self.sliding_window)
+            out[start : start + q_len] = dense_attention(query[start : start + q_len], k, v, scale, window, softcap)
             start += q_len
         return out

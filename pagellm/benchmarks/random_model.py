@@ -65,6 +65,28 @@ SHAPES: dict[str, dict[str, Any]] = {
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 256,
                          "short_factor": [1.0 + 0.25 * i for i in range(8)], "long_factor": [2.0 + i for i in range(8)]},
     ),
+    "tiny-qwen3-moe": dict(
+        architecture="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1024,
+        max_position_embeddings=512, rms_norm_eps=1e-6, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        tie_word_embeddings=True, initializer_range=0.1, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "tiny-mixtral": dict(
+        architecture="mixtral", hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1024, max_position_embeddings=512, rms_norm_eps=1e-5, num_local_experts=4,
+        num_experts_per_tok=2, initializer_range=0.1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    "tiny-gemma2": dict(
+        architecture="gemma2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=1024, max_position_embeddings=512, rms_norm_eps=1e-6,
+        sliding_window=8, query_pre_attn_scalar=16, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        initializer_range=0.1,
+    ),
+    "tiny-gemma3": dict(
+        architecture="gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=1024, max_position_embeddings=512, rms_norm_eps=1e-6,
+        sliding_window=8, query_pre_attn_scalar=16, initializer_range=0.1,
+    ),
     "tiny-qwen2": dict(
         architecture="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, max_position_embeddings=512,
@@ -95,10 +117,14 @@ def synthetic_tokenizer(vocab_size: int):
 
 
 def _hf_config(shape: dict[str, Any]):
-    from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma2Config, Gemma3TextConfig, LlamaConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig,
+    )
 
     options = dict(shape)
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "phi3": Phi3Config}
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "phi3": Phi3Config,
+               "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig, "gemma2": Gemma2Config,
+               "gemma3_text": Gemma3TextConfig}  # fmt: skip
     config_class = classes[options.pop("architecture")]
     return config_class(**options, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=0)
 

@@ -106,7 +106,8 @@ def requantize_gguf(src: str, dst: str, linears: T | None, ffn_down: T | None = 
             writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
             continue
         dense = dequantize(tensor.data, tensor.tensor_type).reshape(-1, k).astype(np.float32)
-        writer.add_tensor(tensor.name, ENCODERS[target](dense), raw_dtype=target)
+        rows = tensor.data.shape[:-1]  # (experts, rows) for every expert in one tensor
+        writer.add_tensor(tensor.name, ENCODERS[target](dense).reshape(*rows, -1), raw_dtype=target)
         changed[tensor.name] = target.name
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -19,13 +19,28 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 # Architectures whose q/k/v projections always carry a bias (no config flag for it).
 _ALWAYS_QKV_BIAS = {"Qwen2ForCausalLM"}
 # Architectures whose `attention_bias` flag also puts a bias on o_proj.
 _O_PROJ_FOLLOWS_ATTENTION_BIAS = {"LlamaForCausalLM"}
 # Architectures with an RMSNorm over each head of q and of k before the rotary embedding.
-_QK_NORM = {"Qwen3ForCausalLM"}
+_QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"}
+# Gemma: RMSNorm scaled by (1 + weight), a norm after attention and around the MLP, embeddings
+# scaled by sqrt(hidden_size), windowed and global layers alternating (layer_types).
+_GEMMA = {"Gemma2ForCausalLM", "Gemma3ForCausalLM"}
+# Where a config without `layer_types` puts its global layers: every N-th (Gemma 2: 2, Gemma 3:
+# its `sliding_window_pattern`, 6 by default).
+_GLOBAL_LAYER_EVERY = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
+SLIDING, FULL = "sliding_attention", "full_attention"
+# Mixture-of-experts families; Mixtral scales each expert's output by its float32 routing
+# weight, Qwen3-MoE by the weight cast to the model dtype first (as the reference does).
+_MOE = {"Qwen3MoeForCausalLM", "MixtralForCausalLM"}
+_MOE_COMBINE_IN_FLOAT32 = {"MixtralForCausalLM"}
 
 
 @dataclass
@@ -54,6 +69,23 @@ class ModelArchConfig:
     sliding_window: int | None = None  # effective window (None when the model attends to everything)
     qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head (weights [head_dim]) before rotary
     partial_rotary_factor: float = 1.0  # share of each head the rotary embedding turns (1: all; checked)
+    # Mixture of experts (pagellm.model.moe): the layers whose MLP is a routed set of experts.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    norm_topk_prob: bool = False  # renormalise the chosen experts' probabilities to sum to 1
+    moe_combine_in_float32: bool = False
+    moe_layers: tuple[int, ...] = ()
+    # Per-layer attention (Gemma): "sliding_attention" / "full_attention" for each layer; empty
+    # where every layer attends alike (with `sliding_window`, if any, on all of them).
+    layer_types: tuple[str, ...] = ()
+    local_rope_theta: float | None = None  # Gemma 3: the windowed layers' rope base (no scaling)
+    attention_scale: float | None = None  # scores' scale (Gemma: query_pre_attn_scalar**-0.5); None: head_dim**-0.5
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores capped by c * tanh(s / c)
+    final_logit_softcapping: float | None = None  # Gemma 2: logits capped likewise
+    norm_unit_offset: bool = False  # Gemma: RMSNorm scales by (1 + weight), in float32
+    sandwich_norms: bool = False  # Gemma: norms after attention, and before and after the MLP
+    embedding_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
 
     @property
     def attention_window(self) -> int | None:
@@ -61,6 +93,16 @@ class ModelArchConfig:
         them below the model's context; None where it attends to everything."""
         window = self.sliding_window
         return window if window is not None and window < self.max_position_embeddings else None
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer ``layer``'s attention window (``attention_window``; None for a global layer)."""
+        if self.layer_types and self.layer_types[layer] != SLIDING:
+            return None
+        return self.attention_window
+
+    def layer_uses_local_rope(self, layer: int) -> bool:
+        """Whether layer ``layer`` turns q and k by the local rope base (Gemma 3's windowed layers)."""
+        return self.local_rope_theta is not None and bool(self.layer_types) and self.layer_types[layer] == SLIDING
 
     @property
     def q_size(self) -> int:
@@ -72,7 +114,7 @@ class ModelArchConfig:
         attention heads, KV heads and MLP width (``pagellm.distributed.tensor_parallel``)."""
         if size == 1:
             return self
-        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size"):
             if getattr(self, name) % size:
                 raise ValueError(f"tensor_parallel_size={size} must divide the model's {name} ({getattr(self, name)})")
         if self.o_proj_bias or self.mlp_bias:
@@ -80,6 +122,7 @@ class ModelArchConfig:
         return dataclasses.replace(
             self, num_attention_heads=self.num_attention_heads // size,
             num_key_value_heads=self.num_key_value_heads // size, intermediate_size=self.intermediate_size // size,
+            moe_intermediate_size=self.moe_intermediate_size // size,
         )  # fmt: skip
 
     @property
@@ -90,8 +133,10 @@ class ModelArchConfig:
     def linear_weight_count(self) -> int:
         """Weights of every linear layer (the decoder's and the LM head), biases aside."""
         hidden, inter = self.hidden_size, self.intermediate_size
-        per_layer = hidden * (self.q_size + 2 * self.kv_size) + self.q_size * hidden + 3 * hidden * inter
-        return self.num_hidden_layers * per_layer + self.vocab_size * hidden
+        attention = hidden * (self.q_size + 2 * self.kv_size) + self.q_size * hidden
+        moe = len(self.moe_layers) * self.num_experts * (3 * hidden * self.moe_intermediate_size + hidden)
+        dense = (self.num_hidden_layers - len(self.moe_layers)) * 3 * hidden * inter
+        return self.num_hidden_layers * attention + moe + dense + self.vocab_size * hidden
 
     def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
         """K+V bytes one token occupies across all layers (for sizing the paged cache)."""
@@ -126,12 +171,14 @@ class ModelArchConfig:
             o_proj_bias=bool(config.get("attention_bias", False))
             and architecture in _O_PROJ_FOLLOWS_ATTENTION_BIAS,
             mlp_bias=bool(config.get("mlp_bias", False)),
-            hidden_act=str(config.get("hidden_act", "silu")),
+            hidden_act=str(config.get("hidden_activation") or config.get("hidden_act") or "silu"),
             bos_token_id=_optional_int(config.get("bos_token_id")),
             eos_token_ids=_merge_eos(config, generation_config),
             sliding_window=_effective_sliding_window(config),
             qk_norm=architecture in _QK_NORM,
             partial_rotary_factor=_partial_rotary_factor(config),
+            **_moe_fields(architecture, config),
+            **_gemma_fields(architecture, config, hidden_size),
         )
 
 
@@ -145,8 +192,11 @@ def _architecture_name(config: dict[str, Any]) -> str:
 
 
 def _rope_from_hf(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from either ``rope_theta``/``rope_scaling`` or ``rope_parameters``."""
+    """(rope_theta, rope_scaling) from either ``rope_theta``/``rope_scaling`` or ``rope_parameters``
+    (per layer type in Gemma 3's: the global layers' here)."""
     params = dict(config.get("rope_parameters") or {})
+    if FULL in params:
+        params = dict(params[FULL] or {})
     scaling = dict(config.get("rope_scaling") or params)
     theta = float(config.get("rope_theta") or params.get("rope_theta") or scaling.get("rope_theta") or 10000.0)
     scaling.pop("rope_theta", None)
@@ -164,6 +214,60 @@ def _partial_rotary_factor(config: dict[str, Any]) -> float:
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     value = config.get("partial_rotary_factor", params.get("partial_rotary_factor"))
     return 1.0 if value is None else float(value)
+
+
+def _moe_fields(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields: which layers route to experts (Qwen3-MoE: every
+    ``decoder_sparse_step``-th layer not in ``mlp_only_layers``; Mixtral: all), and how."""
+    if architecture not in _MOE:
+        return {}
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    layers = int(config["num_hidden_layers"])
+    mixtral = architecture == "MixtralForCausalLM"  # every layer, experts as wide as intermediate_size
+    step = 1 if mixtral else int(config.get("decoder_sparse_step") or 1)
+    dense = set() if mixtral else set(config.get("mlp_only_layers") or [])
+    moe_layers = tuple(i for i in range(layers) if experts > 0 and i not in dense and (i + 1) % step == 0)
+    width = config["intermediate_size"] if mixtral else config.get("moe_intermediate_size") or config["intermediate_size"]
+    return dict(
+        num_experts=experts, num_experts_per_tok=int(config.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(width), norm_topk_prob=mixtral or bool(config.get("norm_topk_prob", False)),
+        moe_combine_in_float32=architecture in _MOE_COMBINE_IN_FLOAT32, moe_layers=moe_layers,
+    )  # fmt: skip
+
+
+def _gemma_fields(architecture: str, config: dict[str, Any], hidden_size: int) -> dict[str, Any]:
+    """Gemma's fields: its norms, scaled embeddings, score scale, soft caps, and which layers
+    are windowed (with Gemma 3's local rope base for them)."""
+    if architecture not in _GEMMA:
+        return {}
+    if config.get("use_bidirectional_attention"):
+        raise NotImplementedError(f"{architecture} with use_bidirectional_attention is not supported (a causal LM only)")
+    layers = int(config["num_hidden_layers"])
+    every = int(config.get("sliding_window_pattern") or _GLOBAL_LAYER_EVERY[architecture])
+    layer_types = config.get("layer_types") or [SLIDING if (i + 1) % every else FULL for i in range(layers)]
+    scalar = config.get("query_pre_attn_scalar")
+    return dict(
+        layer_types=tuple(str(t) for t in layer_types), local_rope_theta=_local_rope_theta(architecture, config),
+        attention_scale=None if scalar is None else float(scalar) ** -0.5,
+        attn_logit_softcapping=_optional_float(config.get("attn_logit_softcapping")),
+        final_logit_softcapping=_optional_float(config.get("final_logit_softcapping")),
+        norm_unit_offset=True, sandwich_norms=True, embedding_scale=hidden_size**0.5,
+    )  # fmt: skip
+
+
+def _local_rope_theta(architecture: str, config: dict[str, Any]) -> float | None:
+    """Gemma 3's rope base for windowed layers: ``rope_parameters["sliding_attention"]`` or the
+    older ``rope_local_base_freq`` (10000 by default)."""
+    if architecture != "Gemma3ForCausalLM":
+        return None
+    local = (config.get("rope_parameters") or {}).get(SLIDING) or {}
+    if local.get("rope_type", "default") != "default":
+        raise NotImplementedError(f"rope scaling of the sliding-window layers ({local['rope_type']!r}) is not supported")
+    return float(local.get("rope_theta") or config.get("rope_local_base_freq") or 10000.0)
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _optional_int(value: Any) -> int | None:

@@ -99,9 +99,13 @@ def _layer_weights(layer: nn.Module, arch: ModelArchConfig, dtype: torch.dtype) 
         return None
     if getattr(attn, "q_norm", None) is not None:  # per-head q/k norms (Qwen3): not in the call
         return None
+    if attn.window is not None or attn.softcap is not None or attn.scale != arch.head_dim**-0.5:
+        return None  # a sliding window, capped scores or another scale (Gemma): not in the call
+    if getattr(layer, "post_feedforward_layernorm", None) is not None:  # Gemma's sandwich norms
+        return None
     if not all(isinstance(n, RMSNorm) and n.kernels is not None for n in norms):
         return None
-    if not isinstance(mlp.act, nn.Identity):  # SiLU-and-mul not in gate_up's epilogue
+    if not isinstance(getattr(mlp, "act", None), nn.Identity):  # a mixture of experts, or SiLU-and-mul not fused
         return None
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     shapes = [(getattr(m, "in_features", None), getattr(m, "out_features", None)) for m in linears]

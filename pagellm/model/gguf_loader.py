@@ -1,15 +1,14 @@
-"""Read a GGUF file (llama.cpp format) as an HF-named, dequantized checkpoint.
+"""Read a GGUF file (llama.cpp format) as an HF-named checkpoint.
 
-We serve GGUF models with plain dense weights: every tensor is dequantized at load time
-with ``gguf.quants.dequantize`` and renamed to the Hugging Face layout, so the same
-``LlamaForCausalLM.load_weights`` handles both formats. llama.cpp's converter permutes
-the rows of q_proj/k_proj (for its interleaved rotary layout); we undo that permutation,
-as HF transformers' GGUF loader does, so our weights equal the HF model's.
+Every tensor is renamed to the Hugging Face layout (``gguf_families``: per family, with what
+the converter changed undone, e.g. the q/k row permutation for Llama's rotary layout, as HF
+transformers' GGUF loader does), so the same ``load_weights`` handles both formats and the
+weights equal the HF model's. Block-quantized 2-D tensors can stay in their blocks; others
+are dequantized at load time.
 """
 
 from __future__ import annotations
 
-import re
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,29 +23,8 @@ from gguf.quants import dequantize, quant_shape_to_byte_shape
 from pagellm.kernels.quant_formats import QuantizedWeight
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.gguf_blocks import GGUF_FORMATS, from_gguf_blocks
+from pagellm.model.gguf_families import architecture, family, hf_config, hf_tensor_name, hf_tensors
 
-# GGUF general.architecture -> (HF architecture, q/k/v bias, q/k rows permuted by the converter).
-_GGUF_ARCHS: dict[str, tuple[str, bool, bool]] = {
-    "llama": ("LlamaForCausalLM", False, True),
-    "qwen2": ("Qwen2ForCausalLM", True, False),
-}
-_TOP_LEVEL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_BLOCK_TENSOR = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<name>\w+)\.(?P<kind>weight|bias)$")
 _MISSING = object()
 
 
@@ -249,20 +227,17 @@ def read_metadata(reader: GGUFFile | _ReaderAdapter, key: str, default: Any = _M
     return value
 
 
-def _gguf_arch(reader: GGUFFile | _ReaderAdapter) -> tuple[str, str, bool, bool]:
-    """(gguf arch prefix, HF architecture, qkv bias, q/k permuted), rejecting unknown archs."""
-    gguf_arch = read_metadata(reader, "general.architecture")
-    if gguf_arch not in _GGUF_ARCHS:
-        raise ValueError(
-            f"unsupported GGUF architecture {gguf_arch!r}; supported: {', '.join(sorted(_GGUF_ARCHS))}"
-        )
-    return (gguf_arch, *_GGUF_ARCHS[gguf_arch])
+def _gguf_arch(reader: GGUFFile | _ReaderAdapter) -> str:
+    """``general.architecture``, refused where no family here reads it."""
+    gguf_arch = str(read_metadata(reader, "general.architecture"))
+    family(gguf_arch)
+    return gguf_arch
 
 
 def _check_rope(reader: GGUFFile | _ReaderAdapter, prefix: str, head_dim: int) -> None:
     """Refuse rope variants whose GGUF encoding we do not translate."""
     scaling = read_metadata(reader, f"{prefix}.rope.scaling.type", "none")
-    if scaling not in ("none", ""):
+    if scaling not in ("none", "", "linear"):
         raise NotImplementedError(f"GGUF rope scaling type {scaling!r} is not supported")
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise NotImplementedError("GGUF rope frequency factors (rope_freqs, Llama-3.1 style) are not supported")
@@ -287,15 +262,20 @@ def _vocab_size(reader: GGUFFile | _ReaderAdapter, prefix: str) -> int:
 
 
 def arch_config_from_gguf(reader: GGUFFile | _ReaderAdapter) -> ModelArchConfig:
-    """Build the model shape from GGUF metadata alone (no tensor data read)."""
-    prefix, architecture, qkv_bias, _ = _gguf_arch(reader)
+    """Build the model shape from GGUF metadata alone (no tensor data read), as the
+    ``config.json`` the file was converted from would give it."""
+    prefix = _gguf_arch(reader)
     hidden_size = int(read_metadata(reader, f"{prefix}.embedding_length"))
     num_heads = int(read_metadata(reader, f"{prefix}.attention.head_count"))
     head_dim = int(read_metadata(reader, f"{prefix}.attention.key_length", hidden_size // num_heads))
     _check_rope(reader, prefix, head_dim)
-    bos = read_metadata(reader, "tokenizer.ggml.bos_token_id", None)
-    return ModelArchConfig(
-        architecture=architecture,
+    scaling = read_metadata(reader, f"{prefix}.rope.scaling.type", "none")
+
+    def meta(key: str, default: Any) -> Any:
+        return read_metadata(reader, key, default)
+
+    config: dict[str, Any] = dict(
+        architectures=[architecture(prefix, meta)],
         vocab_size=_vocab_size(reader, prefix),
         hidden_size=hidden_size,
         intermediate_size=int(read_metadata(reader, f"{prefix}.feed_forward_length")),
@@ -305,13 +285,15 @@ def arch_config_from_gguf(reader: GGUFFile | _ReaderAdapter) -> ModelArchConfig:
         head_dim=head_dim,
         rms_norm_eps=float(read_metadata(reader, f"{prefix}.attention.layer_norm_rms_epsilon")),
         rope_theta=float(read_metadata(reader, f"{prefix}.rope.freq_base", 10000.0)),
-        rope_scaling=None,
         max_position_embeddings=int(read_metadata(reader, f"{prefix}.context_length")),
         tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
-        attention_bias=qkv_bias,
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=_eos_ids(reader),
+        bos_token_id=read_metadata(reader, "tokenizer.ggml.bos_token_id", None),
+        eos_token_id=_eos_ids(reader),
     )
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(read_metadata(reader, f"{prefix}.rope.scaling.factor"))}
+    config.update(hf_config(prefix, meta))
+    return ModelArchConfig.from_hf_config(config)
 
 
 def read_gguf_arch_config(path: str) -> ModelArchConfig:
@@ -324,26 +306,6 @@ def gguf_chat_template(path: str) -> str | None:
     return read_metadata(open_gguf(path), "tokenizer.chat_template", None)
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """GGUF tensor name -> HF parameter name; ValueError for names we do not know."""
-    if gguf_name in _TOP_LEVEL_NAMES:
-        return _TOP_LEVEL_NAMES[gguf_name]
-    match = _BLOCK_TENSOR.match(gguf_name)
-    if match is None or match["name"] not in _BLOCK_NAMES:
-        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
-    return f"model.layers.{match['layer']}.{_BLOCK_NAMES[match['name']]}.{match['kind']}"
-
-
-def unpermute_qk_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's per-head row permutation of q_proj/k_proj (weight or bias).
-
-    The converter maps each head's rows ``[half0 | half1]`` to interleaved pairs; reshaping
-    to ``(heads, half, 2, ...)`` and swapping the middle axes restores HF's rotate-half order.
-    """
-    rows = weight.shape[0]
-    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
-
-
 def _dequantized(tensor: Any) -> torch.Tensor:
     """One GGUF tensor as a float32 torch tensor in HF shape (GGUF lists dims reversed): the
     types the integer GEMM keeps through their blocks (torch ops, bit-identical to gguf-py's
@@ -351,19 +313,25 @@ def _dequantized(tensor: Any) -> torch.Tensor:
     gguf-py."""
     shape = tuple(reversed([int(d) for d in tensor.shape]))
     blocks = _kept_blocks(tensor)
+    if isinstance(blocks, list):
+        return torch.stack([expert.dequantize() for expert in blocks]).reshape(shape)
     if blocks is not None:
         return blocks.dequantize().reshape(shape)
     data = np.require(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32, requirements=["C", "W"])
     return torch.from_numpy(data).reshape(shape)
 
 
-def _kept_blocks(tensor: Any) -> QuantizedWeight | None:
-    """A 2-D tensor of a type in ``GGUF_FORMATS`` as its blocks; None for other tensors, and
-    for a Q4_0 whose scales overflow the q4 offset (it is then dequantized like other types)."""
-    if tensor.tensor_type not in GGUF_FORMATS or len(tensor.shape) != 2:
+def _kept_blocks(tensor: Any) -> QuantizedWeight | list[QuantizedWeight] | None:
+    """A 2-D tensor of a type in ``GGUF_FORMATS`` as its blocks (a 3-D one, every expert's
+    in one, as a list of each expert's); None for other tensors, and for a Q4_0 whose scales
+    overflow the q4 offset (it is then dequantized like other types)."""
+    if tensor.tensor_type not in GGUF_FORMATS or len(tensor.shape) not in (2, 3):
         return None
+    data, k = np.asarray(tensor.data), int(tensor.shape[0])
     try:
-        return from_gguf_blocks(np.asarray(tensor.data), tensor.tensor_type, int(tensor.shape[0]))
+        if len(tensor.shape) == 3:
+            return [from_gguf_blocks(data[expert], tensor.tensor_type, k) for expert in range(data.shape[0])]
+        return from_gguf_blocks(data, tensor.tensor_type, k)
     except ValueError:
         return None
 
@@ -380,23 +348,18 @@ def iter_gguf_weights(
     ``keep_float32``: for a caller that casts while copying), one at a time; with
     ``keep_quantized``, 2-D tensors of the types in ``GGUF_FORMATS`` come as their blocks (a
     :class:`QuantizedWeight`), not dequantized; only the tensors ``keep`` names."""
-    _, _, _, permuted = _gguf_arch(reader)
-    heads_for = {"q_proj": arch.num_attention_heads, "k_proj": arch.num_key_value_heads}
+    gguf_arch = _gguf_arch(reader)
+    heads = {"q_proj": arch.num_attention_heads, "k_proj": arch.num_key_value_heads}
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, gguf_arch)
         if not keep(name):  # another pipeline stage's: never read
             continue
-        projection = name.split(".")[-2]
-        unpermute = permuted and projection in heads_for
         blocks = _kept_blocks(tensor) if keep_quantized else None
         if blocks is not None:
-            if unpermute:
-                blocks = blocks.select_rows(unpermute_qk_rows(torch.arange(blocks.rows), heads_for[projection]))
-            yield name, blocks
+            yield from hf_tensors(name, blocks, gguf_arch, heads)
             continue
         weight = _dequantized(tensor)
-        if unpermute:
-            weight = unpermute_qk_rows(weight, heads_for[projection])
         # Float32 as dequantized: the copy into the model's parameter casts to its dtype in the
         # same pass (``dtype`` only matters to callers that keep the tensors themselves).
-        yield name, weight if dtype == torch.float32 or keep_float32 else weight.to(dtype)
+        weight = weight if dtype == torch.float32 or keep_float32 else weight.to(dtype)
+        yield from hf_tensors(name, weight, gguf_arch, heads)

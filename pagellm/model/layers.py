@@ -57,12 +57,43 @@ class RMSNorm(nn.Module):
         return self._norm(residual), residual
 
 
+class UnitOffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: scales by ``1 + weight`` (weights stored around 0), the product taken
+    in float32 before the cast back, as HF's Gemma2RMSNorm does. PyTorch only (the kernel
+    computes Llama's order)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__(hidden_size, eps, None)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).type_as(x)
+
+
+def make_rms_norm(hidden_size: int, eps: float, unit_offset: bool, lib: KernelLibrary | None) -> RMSNorm:
+    """The family's RMSNorm: Gemma's (``unit_offset``) or Llama's (on the kernel where ``lib``)."""
+    return UnitOffsetRMSNorm(hidden_size, eps) if unit_offset else RMSNorm(hidden_size, eps, lib)
+
+
 class SiluAndMul(nn.Module):
     """``silu(gate) * up`` on a fused ``[..., 2 * d]`` gate_up projection output."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """``gelu_tanh(gate) * up`` (GeGLU, Gemma's ``gelu_pytorch_tanh``) on a fused gate_up output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+# HF activation name -> the gated activation over a fused gate_up output.
+GATED_ACTIVATIONS: dict[str, type[nn.Module]] = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
 
 
 def check_rope_scaling(rope_scaling: dict[str, Any] | None) -> None:

@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3, and the mixtures of
+experts Qwen3-MoE and Mixtral) over a paged KV cache; what differs per family is read from
+the arch config (norms, activation, windowed layers, soft caps, expert layers).
 
 The forward takes ONE flat batch of tokens from many sequences (prefill chunks and decode
 tokens mixed). Every layer runs its projections over all tokens at once; only attention
@@ -22,10 +24,13 @@ from pagellm.distributed.tensor_parallel import TensorParallel
 from pagellm.kernels.plan import KernelPlan
 from pagellm.kernels.quant_formats import QuantizedWeight
 from pagellm.model.arch_config import ModelArchConfig
-from pagellm.model.cpu_linear import fuse_silu_and_mul, pack_linear_layers
+from pagellm.model.cpu_linear import pack_linear_layers
 from pagellm.model.fused_stack import FusedDecoderStack
-from pagellm.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_
-from pagellm.model.quant_linear import QuantizedLinear, linear_for_plan, quantized_plan
+from pagellm.model.layers import RotaryEmbedding, apply_rotary_, make_rms_norm
+from pagellm.model.mlp import LlamaMLP
+from pagellm.model.moe import SparseMoeBlock
+from pagellm.model.quant_linear import QuantizedLinear, linear_for_plan
+from pagellm.model.weight_names import checkpoint_parts, mlp_weight_names
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -38,9 +43,6 @@ _FUSED_SHARDS = {
     "up_proj": ("gate_up_proj", "up"),
 }
 _FUSED_NAME = re.compile(r"^(?P<prefix>.*\.)(?P<sub>q_proj|k_proj|v_proj|gate_proj|up_proj)\.(?P<kind>weight|bias)$")
-# Checkpoints that store q/k/v or gate/up already fused (Phi-3): split into the HF parts on load,
-# so every later step (tensor-parallel shares, quantization, fusing) sees the usual names.
-_PREFUSED_NAME = re.compile(r"^(?P<prefix>.*\.)(?P<fused>qkv_proj|gate_up_proj)\.(?P<kind>weight|bias)$")
 _LAYER_NAME = re.compile(r"^model\.layers\.(?P<layer>\d+)\.")
 # Checkpoint entries that are derived state, not parameters.
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
@@ -52,24 +54,28 @@ class LlamaAttention(nn.Module):
 
     def __init__(
         self, arch: ModelArchConfig, attn_backend: AttentionBackend, plan: KernelPlan | None,
-        tp: TensorParallel | None = None,
+        tp: TensorParallel | None = None, layer: int = 0,
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.window = arch.layer_window(layer)  # this layer's sliding window (None: global)
+        self.softcap = arch.attn_logit_softcapping
+        self.local_rope = arch.layer_uses_local_rope(layer)  # Gemma 3's windowed layers
         self.num_heads = arch.num_attention_heads
         self.num_kv_heads = arch.num_key_value_heads
         self.head_dim = arch.head_dim
         self.q_size = arch.q_size
         self.kv_size = arch.kv_size
-        self.scale = self.head_dim**-0.5
+        self.scale = arch.attention_scale or self.head_dim**-0.5
         self.qkv_proj = linear_for_plan(arch.hidden_size, self.q_size + 2 * self.kv_size, arch.attention_bias, plan)
         self.o_proj = linear_for_plan(self.q_size, arch.hidden_size, arch.o_proj_bias, plan)
         self.attn_backend = attn_backend
         self.rotary_kernels = plan.library("rotary") if plan is not None else None
-        # Qwen3: each head of q and k RMS-normed (over head_dim) before the rotary embedding.
+        # Qwen3, Gemma 3: each head of q and k RMS-normed (over head_dim) before the rotary embedding.
         norm_kernels = plan.library("norm") if plan is not None else None
-        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, norm_kernels) if arch.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, norm_kernels) if arch.qk_norm else None
+        eps, offset = arch.rms_norm_eps, arch.norm_unit_offset
+        self.q_norm = make_rms_norm(self.head_dim, eps, offset, norm_kernels) if arch.qk_norm else None
+        self.k_norm = make_rms_norm(self.head_dim, eps, offset, norm_kernels) if arch.qk_norm else None
 
     def shard_slices(self) -> dict[str, slice]:
         """Rows of ``qkv_proj`` holding each of q, k, v."""
@@ -95,57 +101,33 @@ class LlamaAttention(nn.Module):
         q, k = apply_rotary_(qk, cos, sin, self.rotary_kernels).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
-        out = self.attn_backend.forward(q, k, v, key_cache, value_cache, attn_metadata, self.scale)
+        out = self.attn_backend.forward(q, k, v, key_cache, value_cache, attn_metadata, self.scale, self.window,
+                                        self.softcap)  # fmt: skip
         out = self.o_proj(out.reshape(num_tokens, self.q_size))
         return out if self.tp is None else self.tp.all_reduce_(out)
 
 
-class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward with gate and up fused into one matmul."""
-
-    def __init__(self, arch: ModelArchConfig, plan: KernelPlan | None = None, tp: TensorParallel | None = None) -> None:
-        super().__init__()
-        self.tp = tp  # this rank's part of the intermediate width; the down projection's sums joined
-        if arch.hidden_act != "silu":
-            raise NotImplementedError(f"hidden_act {arch.hidden_act!r} is not supported; only 'silu'")
-        self.intermediate_size = arch.intermediate_size
-        # Quantized: the activation runs in the integer GEMM's epilogue (bias-free MLPs).
-        fused = quantized_plan(plan) and not arch.mlp_bias
-        self.gate_up_proj = linear_for_plan(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias, plan, fused)
-        self.act: nn.Module = nn.Identity() if fused else SiluAndMul()
-        self.down_proj = linear_for_plan(arch.intermediate_size, arch.hidden_size, arch.mlp_bias, plan)
-
-    def shard_slices(self) -> dict[str, slice]:
-        """Rows of ``gate_up_proj`` holding each of gate, up."""
-        size = self.intermediate_size
-        return {"gate": slice(0, size), "up": slice(size, 2 * size)}
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(self.act(self.gate_up_proj(x)))
-        return out if self.tp is None else self.tp.all_reduce_(out)
-
-    def fuse_for_cpu(self, plan: KernelPlan, verify: bool = True) -> bool:
-        """Swap gate_up + SiluAndMul for one fused packed module (bf16/fp16 on CPU); True if done."""
-        fused = fuse_silu_and_mul(self.gate_up_proj, self.intermediate_size, plan, verify)
-        if fused is None:
-            return False
-        self.gate_up_proj, self.act = fused, nn.Identity()
-        return True
-
-
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention block then pre-norm MLP block, each with a residual add."""
+    """Pre-norm attention block then pre-norm MLP block (dense, or a mixture of experts in the
+    config's expert layers), each with a residual add; Gemma's "sandwich" also norms each
+    block's output (``post_attention_layernorm``, ``post_feedforward_layernorm``)."""
 
     def __init__(
         self, arch: ModelArchConfig, attn_backend: AttentionBackend, plan: KernelPlan | None,
-        tp: TensorParallel | None = None,
+        tp: TensorParallel | None = None, layer: int = 0,
     ) -> None:
         super().__init__()
         norm_kernels = plan.library("norm") if plan is not None else None
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, norm_kernels)
-        self.self_attn = LlamaAttention(arch, attn_backend, plan, tp)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, norm_kernels)
-        self.mlp = LlamaMLP(arch, plan, tp)
+
+        def norm() -> nn.Module:
+            return make_rms_norm(arch.hidden_size, arch.rms_norm_eps, arch.norm_unit_offset, norm_kernels)
+
+        self.input_layernorm = norm()
+        self.self_attn = LlamaAttention(arch, attn_backend, plan, tp, layer)
+        self.post_attention_layernorm = norm()
+        self.mlp = SparseMoeBlock(arch, plan, tp) if layer in arch.moe_layers else LlamaMLP(arch, plan, tp)
+        self.pre_feedforward_layernorm = norm() if arch.sandwich_norms else None
+        self.post_feedforward_layernorm = norm() if arch.sandwich_norms else None
 
     def forward(
         self,
@@ -157,6 +139,8 @@ class LlamaDecoderLayer(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(block output, residual stream)``; the residual add happens inside the next norm."""
+        if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:
+            return self._sandwich(hidden, residual, cos, sin, kv_cache, attn_metadata)
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -165,6 +149,17 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(hidden, cos, sin, kv_cache, attn_metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def _sandwich(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+        kv_cache: KVCache, attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gemma's order: each block's output normed before its residual add."""
+        assert self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None
+        residual = hidden if residual is None else hidden + residual
+        attended = self.self_attn(self.input_layernorm(residual), cos, sin, kv_cache, attn_metadata)
+        residual = residual + self.post_attention_layernorm(attended)
+        return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(residual))), residual
 
 
 class LlamaModel(nn.Module):
@@ -183,11 +178,18 @@ class LlamaModel(nn.Module):
         self.start, self.end = (pp.start, pp.end) if pp is not None else (0, arch.num_hidden_layers)
         # Every layer index keeps its place (HF names: model.layers.N); another stage's is empty.
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(layer_arch, attn_backend, plan, tp) if self.start <= i < self.end else nn.Module()
+            LlamaDecoderLayer(layer_arch, attn_backend, plan, tp, i)
+            if self.start <= i < self.end else nn.Module()
             for i in range(arch.num_hidden_layers)
         )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, plan.library("norm") if plan is not None else None)
+        norm_kernels = plan.library("norm") if plan is not None else None
+        self.norm = make_rms_norm(arch.hidden_size, arch.rms_norm_eps, arch.norm_unit_offset, norm_kernels)
         self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings)
+        # Gemma 3: the windowed layers turn q and k by their own (local) base, unscaled.
+        local = arch.local_rope_theta
+        self.local_rotary_emb = (
+            RotaryEmbedding(arch.head_dim, local, None, arch.max_position_embeddings) if local is not None else None
+        )
 
     @property
     def own_layers(self) -> nn.ModuleList:
@@ -248,9 +250,13 @@ class LlamaForCausalLM(nn.Module):
             hidden = stream
         elif self.model.embed_tokens is not None and (self.pp is None or self.pp.is_first):
             hidden = self.model.embed_tokens(input_ids)
+            if self.arch.embedding_scale is not None:  # (the scale rounded to float32, then the dtype, as HF)
+                hidden = hidden * torch.tensor(self.arch.embedding_scale).to(hidden.dtype)
         else:
             raise ValueError("a pipeline stage after the first starts from the previous stage's hidden states")
         cos, sin = self.model.rotary_emb(positions, hidden.dtype)
+        local_rotary = self.model.local_rotary_emb
+        local = local_rotary(positions, hidden.dtype) if local_rotary is not None else (cos, sin)
         stack = self._decoder_stack()
         stack_layers = stack.layer_args(hidden, kv_caches) if stack is not None else None
         if stack is not None and stack_layers is not None:
@@ -258,7 +264,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             residual = None
             for layer, kv_cache in zip(layers, kv_caches):
-                hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn_metadata)
+                rope = local if layer.self_attn.local_rope else (cos, sin)
+                hidden, residual = layer(hidden, residual, *rope, kv_cache, attn_metadata)
         if self.pp is not None and not self.pp.is_last:
             return hidden if residual is None else hidden + residual  # what the next layer's norm adds first
         hidden, _ = self.model.norm(hidden, residual)
@@ -292,6 +299,9 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             raise RuntimeError("only the last pipeline stage holds the LM head")
         logits = self.lm_head(hidden)
+        cap = self.arch.final_logit_softcapping
+        if cap is not None:  # Gemma 2, in the model dtype as HF
+            logits = torch.tanh(logits / cap) * cap
         return logits.float() if upcast else logits
 
     def expected_weight_names(self) -> set[str]:
@@ -305,14 +315,14 @@ class LlamaForCausalLM(nn.Module):
         for i in range(self.model.start, self.model.end):
             prefix = f"model.layers.{i}."
             names |= {prefix + "input_layernorm.weight", prefix + "post_attention_layernorm.weight"}
+            if arch.sandwich_norms:
+                names |= {prefix + "pre_feedforward_layernorm.weight", prefix + "post_feedforward_layernorm.weight"}
             names |= {f"{prefix}self_attn.{p}_proj.weight" for p in "qkvo"}
-            names |= {f"{prefix}mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+            names |= mlp_weight_names(arch, i)
             if arch.attention_bias:
                 names |= {f"{prefix}self_attn.{p}_proj.bias" for p in "qkv"}
             if arch.o_proj_bias:
                 names.add(prefix + "self_attn.o_proj.bias")
-            if arch.mlp_bias:
-                names |= {f"{prefix}mlp.{p}_proj.bias" for p in ("gate", "up", "down")}
             if arch.qk_norm:
                 names |= {prefix + "self_attn.q_norm.weight", prefix + "self_attn.k_norm.weight"}
         return names
@@ -327,7 +337,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         tied_quantized = self.arch.tie_word_embeddings and isinstance(self.lm_head, QuantizedLinear)
-        for name, tensor in (part for item in weights for part in self._split_prefused(*item)):
+        for name, tensor in (part for item in weights for part in checkpoint_parts(self.arch, *item)):
             if _IGNORED.search(name) or not self.holds_weight(name):
                 continue
             if name == "lm_head.weight" and self.arch.tie_word_embeddings:
@@ -376,30 +386,6 @@ class LlamaForCausalLM(nn.Module):
         if target.shape != tensor.shape:
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
         target.copy_(tensor)
-
-    def _split_prefused(
-        self, name: str, tensor: torch.Tensor | QuantizedWeight
-    ) -> Iterable[tuple[str, torch.Tensor | QuantizedWeight]]:
-        """A fused checkpoint tensor (``qkv_proj``, ``gate_up_proj``) as its HF parts by rows;
-        any other tensor as it is."""
-        match = _PREFUSED_NAME.match(name)
-        if match is None:
-            return [(name, tensor)]
-        arch = self.arch
-        if match["fused"] == "qkv_proj":
-            parts = [("self_attn.q_proj", arch.q_size), ("self_attn.k_proj", arch.kv_size), ("self_attn.v_proj", arch.kv_size)]
-        else:
-            parts = [("mlp.gate_proj", arch.intermediate_size), ("mlp.up_proj", arch.intermediate_size)]
-        rows = tensor.rows if isinstance(tensor, QuantizedWeight) else tensor.shape[0]
-        if rows != sum(size for _, size in parts):
-            raise ValueError(f"weight {name!r} has {rows} rows, expected {sum(size for _, size in parts)}")
-        prefix = match["prefix"].rsplit(".", 2)[0] + "."  # "model.layers.N."
-        out, start = [], 0
-        for part, size in parts:
-            piece = tensor.select_rows(slice(start, start + size)) if isinstance(tensor, QuantizedWeight) else tensor[start : start + size]
-            out.append((f"{prefix}{part}.{match['kind']}", piece))
-            start += size
-        return out
 
     def _submodule_or_none(self, name: str) -> nn.Module | None:
         """The submodule called ``name`` (None for the model itself or an unknown name)."""

@@ -6,15 +6,22 @@ from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.layers import check_rope_scaling
 from pagellm.model.llama import LlamaForCausalLM
 
-# Mistral is Llama without sliding window; Qwen2 is Llama with q/k/v bias; Qwen3 is Llama with
-# per-head q/k norms (each set in the arch config); Phi-3 is Llama whose checkpoints store q/k/v
-# and gate/up fused (split on load).
+# Mistral is Llama (with or without a sliding window); Qwen2 is Llama with q/k/v bias; Qwen3 is
+# Llama with per-head q/k norms (each set in the arch config); Phi-3 is Llama whose checkpoints
+# store q/k/v and gate/up fused (split on load); Qwen3-MoE and Mixtral are Qwen3 and Mistral with
+# mixture-of-experts MLPs (pagellm.model.moe; checkpoint names mapped in weight_names); Gemma 2/3
+# are Llama with (1 + w) norms around each block, GeGLU, scaled embeddings, windowed and global
+# layers, soft caps (Gemma 2), q/k norms and a local rope base (Gemma 3), all arch-config fields.
 _MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": LlamaForCausalLM,
 }
 
 
@@ -34,7 +41,8 @@ def get_model_class(arch_name: str) -> type[LlamaForCausalLM]:
 
 
 def validate_arch_config(arch: ModelArchConfig) -> type[LlamaForCausalLM]:
-    """Reject configs we would run incorrectly (unknown rope, partial rotary, uneven GQA); return the class."""
+    """Reject configs we would run incorrectly (unknown rope, partial rotary, uneven GQA, a top-k
+    beyond the experts); return the class."""
     model_class = get_model_class(arch.architecture)
     check_rope_scaling(arch.rope_scaling)
     if arch.partial_rotary_factor != 1.0:
@@ -45,4 +53,7 @@ def validate_arch_config(arch: ModelArchConfig) -> type[LlamaForCausalLM]:
             f"num_attention_heads={arch.num_attention_heads} is not a multiple of "
             f"num_key_value_heads={arch.num_key_value_heads}"
         )
+    if arch.moe_layers and not 0 < arch.num_experts_per_tok <= arch.num_experts:
+        raise ValueError(f"num_experts_per_tok={arch.num_experts_per_tok} must be between 1 and the number of "
+                         f"experts ({arch.num_experts})")  # fmt: skip
     return model_class

@@ -20,7 +20,7 @@ from pagellm.distributed.parallel_state import ParallelRank
 from pagellm.distributed.pipeline import stage_layers
 from pagellm.kernels.plan import KernelPlan
 from pagellm.model.arch_config import ModelArchConfig
-from pagellm.model.loader import auto_dtype, load_arch_config, load_model, requested_weights, single_threaded
+from pagellm.model.loader import auto_dtype, load_model, requested_weights, single_threaded
 from pagellm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.device import auto_dtype_downcasts_float32, configure_threads, resolve_device
 from pagellm.worker.kernel_plan import plan_kernels
@@ -40,10 +40,7 @@ def engine_kernel_plan(config: EngineConfig, device: torch.device) -> KernelPlan
         )
 
     weights = requested_weights(config.model)
-    attention = config.device.attention_backend
-    if attention == "auto" and load_arch_config(config.model.model).attention_window is not None:
-        attention = "torch_sdpa"  # the paged C++ kernel has no sliding window yet
-    return plan_kernels(config.kernels, device, attention, choose_dtype, weights)
+    return plan_kernels(config.kernels, device, config.device.attention_backend, choose_dtype, weights)
 
 
 def engine_dtype(dtype: str | torch.dtype, model: str | None, device: torch.device) -> torch.dtype:
@@ -106,8 +103,7 @@ class Worker:
         torch.manual_seed(config.model.seed)
         self.kernel_plan = engine_kernel_plan(config, self.device)
         logger.info("kernel plan: %s", self.kernel_plan.describe())
-        window = load_arch_config(config.model.model).attention_window
-        attn_backend = get_attention_backend(self.kernel_plan.attention, self.device, self.kernel_plan.kernels, window)
+        attn_backend = get_attention_backend(self.kernel_plan.attention, self.device, self.kernel_plan.kernels)
         model, self.arch = load_model(config.model.model, self.dtype, attn_backend, self.device, self.kernel_plan, parallel)
         # The weights repacked once for the plan's CPU kernels (fused MLPs, packed linears).
         self.cpu_optimizations: dict[str, int] = {}

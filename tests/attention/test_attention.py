@@ -37,6 +37,19 @@ def test_matches_reference_and_dense(backend_cls, kind, block_size, heads, dtype
     check_step(step, backend_cls)
 
 
+@pytest.mark.parametrize("window,softcap", [(5, None), (None, 0.5), (17, 0.5)], ids=["window", "softcap", "both"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+@pytest.mark.parametrize("backend_cls", FAST_BACKENDS, ids=lambda c: c.name)
+def test_sliding_window_and_capped_scores(backend_cls, kind, dtype, window, softcap):
+    """A layer's window (each query over its last positions, its own included) and soft cap
+    (a cap low enough to bite on these scores), on decode rows, prefills with and without
+    context, of contexts below and beyond the window."""
+    reqs = random_reqs(kind, n=9, seed=7)
+    step = make_step(reqs, 4, 8, 2, dtype=dtype, seed=3)
+    check_step(step, backend_cls, window, softcap)
+
+
 @pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("kind", ["decode", "mixed", "mixed_decode_first"])
 @pytest.mark.parametrize("backend_cls", FAST_BACKENDS, ids=lambda c: c.name)

@@ -28,7 +28,9 @@ def _run(path: str, tp: int, params: SamplingParams, **options: object) -> list:
 
 @pytest.mark.parametrize("model,variant", [("tiny_llama_path", "shm"), ("tiny_qwen2_path", "shm"),
                                            ("tiny_llama_path", "gloo"), ("tiny_qwen2_path", "int8"),
-                                           ("tiny_qwen3_path", "shm"), ("tiny_phi3_path", "int8")])  # fmt: skip
+                                           ("tiny_qwen3_path", "shm"), ("tiny_phi3_path", "int8"),
+                                           ("tiny_mixtral_path", "shm"), ("tiny_qwen3_moe_path", "shm"),
+                                           ("tiny_gemma2_path", "shm")])  # fmt: skip
 def test_two_ranks_give_what_one_gives(request: pytest.FixtureRequest, model: str, variant: str) -> None:
     """Dense weights with the shared-memory all-reduce, with gloo's (no kernel library), and
     int8 blocks on the integer GEMM (each rank's blocks are the whole model's: same integers)."""

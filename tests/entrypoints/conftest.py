@@ -15,12 +15,21 @@ from tests.helpers.server import TINY_SERVER_ARGS, RemoteServer
 # Extra `pagellm serve` options for the shared server, e.g. "--pipeline-parallel-size 2": the
 # whole protocol suite then runs against that engine layout (README, "Several ranks").
 EXTRA_ARGS_ENV = "PAGELLM_TEST_SERVER_ARGS"
+# The tiny model it serves, by fixture name (tests/conftest.py), e.g. "tiny_mixtral_path": the
+# suite then runs against that family (README, "Models").
+MODEL_ENV = "PAGELLM_TEST_SERVER_MODEL"
 
 
 @pytest.fixture(scope="session")
-def server(tiny_llama_path: str) -> Iterator[RemoteServer]:
+def served_model_path(request: pytest.FixtureRequest) -> str:
+    """The folder the shared server serves (tiny Llama unless the environment names another)."""
+    return request.getfixturevalue(os.environ.get(MODEL_ENV, "tiny_llama_path"))
+
+
+@pytest.fixture(scope="session")
+def server(served_model_path: str) -> Iterator[RemoteServer]:
     extra = shlex.split(os.environ.get(EXTRA_ARGS_ENV, ""))
-    with RemoteServer(tiny_llama_path, [*TINY_SERVER_ARGS, *extra]) as remote:
+    with RemoteServer(served_model_path, [*TINY_SERVER_ARGS, *extra]) as remote:
         yield remote
 
 

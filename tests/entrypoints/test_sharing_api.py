@@ -22,12 +22,12 @@ def metric(http: httpx.Client, name: str) -> float:
     return sum(float(value) for value in values)
 
 
-def test_completion_beam_search_equals_offline(client: openai.OpenAI, tiny_llama_path: str) -> None:
+def test_completion_beam_search_equals_offline(client: openai.OpenAI, served_model_path: str) -> None:
     response = client.completions.create(
         model=MODEL_NAME, prompt=PROMPT, max_tokens=8, n=3, extra_body={"use_beam_search": True}
     )
     assert [c.index for c in response.choices] == [0, 1, 2]
-    offline = LLM(tiny_llama_path, num_kv_blocks=64).beam_search([PROMPT], BeamSearchParams(beam_width=3, max_tokens=8),
+    offline = LLM(served_model_path, num_kv_blocks=64).beam_search([PROMPT], BeamSearchParams(beam_width=3, max_tokens=8),
                                                                   use_tqdm=False)[0]
     assert [c.text for c in response.choices] == [s.text for s in offline.sequences]
     assert response.usage.completion_tokens == sum(

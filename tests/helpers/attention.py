@@ -125,8 +125,9 @@ def same_cache(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan], b[~nan])
 
 
-def dense_expected(step: Step) -> torch.Tensor:
-    """Causal softmax attention over each request's unpaged history, in float64."""
+def dense_expected(step: Step, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Causal softmax attention over each request's unpaged history, in float64 (each query
+    over its last ``window`` positions; scores capped by ``softcap * tanh(s / softcap)``)."""
     md = step.metadata
     num_heads = step.query.shape[1]
     group = num_heads // step.k_hist[0].shape[1]
@@ -141,16 +142,21 @@ def dense_expected(step: Step) -> torch.Tensor:
         for h in range(num_heads):
             kv = h // group
             scores = (q[:, h] @ k[:, kv].T) * step.scale  # [Q, S]
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
             q_pos = torch.arange(s_len - q_len, s_len)[:, None]
-            scores[torch.arange(s_len)[None, :] > q_pos] = float("-inf")
+            k_pos = torch.arange(s_len)[None, :]
+            scores[k_pos > q_pos] = float("-inf")
+            if window is not None:
+                scores[k_pos <= q_pos - window] = float("-inf")
             out[:, h] = torch.softmax(scores, dim=-1) @ v[:, kv]
         outs.append(out)
     return torch.cat(outs)
 
 
-def run_backend(backend, step: Step):
+def run_backend(backend, step: Step, window: int | None = None, softcap: float | None = None):
     kc, vc = step.key_cache.clone(), step.value_cache.clone()
-    out = backend.forward(step.query, step.key, step.value, kc, vc, step.metadata, step.scale)
+    out = backend.forward(step.query, step.key, step.value, kc, vc, step.metadata, step.scale, window, softcap)
     return out, kc, vc
 
 
@@ -163,16 +169,18 @@ cpu_paged_all_dtypes.name = "cpu_paged"
 FAST_BACKENDS = [TorchSDPAAttention, cpu_paged_all_dtypes]
 
 
-def check_step(step: Step, backend_cls: type = TorchSDPAAttention) -> None:
+def check_step(
+    step: Step, backend_cls: type = TorchSDPAAttention, window: int | None = None, softcap: float | None = None
+) -> None:
     # The arithmetic's dtype sets the tolerance (an fp8 cache is checked against its stored values).
     tol = TOL[attention_dtype(step.query.dtype, step.key_cache.dtype)]
-    out_ref, kc_ref, vc_ref = run_backend(ReferenceAttention(), step)
-    out, kc, vc = run_backend(backend_cls(), step)
+    out_ref, kc_ref, vc_ref = run_backend(ReferenceAttention(), step, window, softcap)
+    out, kc, vc = run_backend(backend_cls(), step, window, softcap)
 
     assert out.shape == step.query.shape and out.dtype == step.query.dtype
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, out_ref, **tol)
-    torch.testing.assert_close(out.double(), dense_expected(step), **tol)
+    torch.testing.assert_close(out.double(), dense_expected(step, window, softcap), **tol)
 
     # The new K/V landed at their slots, in the cache dtype, and nothing else changed.
     num_kv_heads, head_dim = kc.shape[-2:]

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from pagellm.attention.reference import ReferenceAttention
 from pagellm.model import ModelArchConfig, default_model_path, load_arch_config, load_model, resolve_model_path
-from pagellm.model.gguf_loader import unpermute_qk_rows
+from pagellm.model.gguf_families import unpermute_qk_rows
 from pagellm.model.layers import RotaryEmbedding, compute_inv_freq, default_inv_freq
 
 LLAMA31_CONFIG = {

@@ -63,23 +63,30 @@ def test_missing_config_json_is_named(tmp_path: Path, tiny_llama_path: str) -> N
         load_arch_config(str(tmp_path))
 
 
-def test_a_sliding_window_runs_on_the_torch_attention(tmp_path: Path, tiny_llama_path: str) -> None:
-    """A window below the context: the plan's "auto" attention is torch_sdpa (the paged C++
-    kernel has no window yet), and asking for cpu_paged is refused with the way out."""
-    from pagellm import LLM
+def test_a_sliding_window_reaches_every_layer(tmp_path: Path, tiny_llama_path: str) -> None:
+    """A window below the context: each layer attends through it (the paged C++ kernel takes
+    windowed layers through its torch path), whichever backend; a window past it is none."""
+    from pagellm import LLM, SamplingParams
 
     windowed = _copy_with_config(
-        tiny_llama_path, tmp_path / "mistral", architectures=["MistralForCausalLM"], sliding_window=128
+        tiny_llama_path, tmp_path / "mistral", architectures=["MistralForCausalLM"], sliding_window=6
     )
-    assert load_arch_config(str(windowed)).attention_window == 128
-    llm = LLM(str(windowed), dtype="float32", num_kv_blocks=16)
-    assert llm.llm_engine.executor.kernel_plan.attention == "torch_sdpa"
-    with pytest.raises(ValueError, match="'cpu_paged' has no sliding window yet: use torch_sdpa"):
-        LLM(str(windowed), dtype="float32", num_kv_blocks=16, attention_backend="cpu_paged")
+    assert load_arch_config(str(windowed)).attention_window == 6
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": list(range(200, 200 + n))} for n in (3, 20)]
+    outputs = {}
+    for backend in ("auto", "torch_sdpa", "reference"):
+        llm = LLM(str(windowed), dtype="float32", num_kv_blocks=16, attention_backend=backend)
+        model = llm.llm_engine.executor.model_runner.model
+        assert [layer.self_attn.window for layer in model.model.layers] == [6, 6]
+        outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outputs["auto"] == outputs["torch_sdpa"] == outputs["reference"]
     unwindowed = _copy_with_config(
         tiny_llama_path, tmp_path / "mistral_full", architectures=["MistralForCausalLM"], sliding_window=None
     )
     assert load_arch_config(str(unwindowed)).attention_window is None
+    full = LLM(str(unwindowed), dtype="float32", num_kv_blocks=16).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in full][1] != outputs["auto"][1]  # the window changed the long one
 
 
 def test_unsupported_rope_scaling_is_named(tmp_path: Path, tiny_llama_path: str) -> None:

@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from pagellm.attention.reference import ReferenceAttention
-from pagellm.model import load_arch_config, load_model
+from pagellm.model import load_model
 from pagellm.model.llama import LlamaForCausalLM
 from tests.helpers.paged_runner import PagedRunner
 
 TINY_MODELS = ["tiny_llama_path", "tiny_qwen2_path", "tiny_qwen3_path", "tiny_qwen2_yarn_path", "tiny_llama_linear_path",
-               "tiny_phi3_path", "tiny_phi3_longrope_path", "tiny_mistral_window_path"]
+               "tiny_phi3_path", "tiny_phi3_longrope_path", "tiny_mistral_window_path", "tiny_qwen3_moe_path",
+               "tiny_mixtral_path", "tiny_gemma2_path", "tiny_gemma3_path"]
 
 
 def _prompts(vocab_size: int) -> tuple[list[int], list[int]]:
@@ -41,7 +42,7 @@ def _close(ours: torch.Tensor, ref: torch.Tensor) -> None:
 def test_mixed_prefill_and_decode_match_hf(fixture: str, request: pytest.FixtureRequest) -> None:
     """Two requests in one flat batch: full prefill + prefill chunk, then decode + chunk rest, then decode."""
     path = request.getfixturevalue(fixture)
-    model, arch = load_model(path, torch.float32, ReferenceAttention(load_arch_config(path).attention_window))
+    model, arch = load_model(path, torch.float32, ReferenceAttention())
     hf = _hf_model(path)
     a, b = _prompts(arch.vocab_size)
     runner = PagedRunner(model, arch)

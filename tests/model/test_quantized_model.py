@@ -120,13 +120,15 @@ def test_k_quants_in_their_own_blocks(requantized_default: dict[str, str], name:
     _assert_same_greedy_where_clear(LLM(path, dtype="float32", num_kv_blocks=128), quantized)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_path", "tiny_qwen2_path"])
+@pytest.mark.parametrize("fixture", ["tiny_llama_path", "tiny_qwen2_path", "tiny_mixtral_path"])
 def test_int8_on_a_float_checkpoint(request: pytest.FixtureRequest, fixture: str) -> None:
+    """Dense layers, and each expert of a mixture of experts (on the same integer GEMM)."""
     path = request.getfixturevalue(fixture)
     dense = LLM(path, dtype="float32", num_kv_blocks=64)
     quantized = LLM(path, dtype="float32", quantization="int8", num_kv_blocks=64)
     assert quantized.llm_engine.executor.kernel_plan.weights == "int8"
-    assert quantized.llm_engine.executor.model_runner.model.model.layers[0].mlp.down_proj.format == "q8"
+    mlp = quantized.llm_engine.executor.model_runner.model.model.layers[0].mlp
+    assert all(m.down_proj.format == "q8" for m in getattr(mlp, "experts", [mlp]))
     _assert_same_greedy_where_clear(dense, quantized, min_fraction=0.2)
 
 

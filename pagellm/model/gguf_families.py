@@ -1,0 +1,172 @@
+"""What llama.cpp's converter writes per model family, read back as a Hugging Face config and
+HF tensor names.
+
+GGUF metadata (``{arch}.embedding_length``, ...) becomes a ``config.json``-shaped dict, so the
+same ``ModelArchConfig.from_hf_config`` derives every family's fields (expert layers, Gemma's
+windowed layers) for both formats. Where the converter changed a tensor (q/k rows permuted
+for Llama's rotary layout, Gemma's norm weights stored as ``1 + w``, experts stacked in one
+3-D tensor), :func:`hf_tensors` undoes it, so the model loads weights equal to the HF ones.
+Where llama.cpp decides something the file does not say (Gemma's score scale, Qwen3-MoE's
+renormalised routing), this module decides it the same way.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagellm.kernels.quant_formats import QuantizedWeight
+
+Tensor = torch.Tensor | QuantizedWeight
+Metadata = Callable[[str, Any], Any]  # (key, default) -> value
+
+
+@dataclass(frozen=True)
+class GGUFFamily:
+    """One ``general.architecture`` value as llama.cpp's converter writes it."""
+
+    hf_architecture: str
+    qk_permuted: bool = False  # q/k rows interleaved for llama.cpp's rotary layout
+    norm_plus_one: bool = False  # Gemma: norm weights stored as 1 + w
+    block_names: tuple[tuple[str, str], ...] = ()  # family-specific GGUF -> HF block names
+
+
+_GEMMA_NAMES = (("ffn_norm", "pre_feedforward_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
+                ("post_ffw_norm", "post_feedforward_layernorm"))  # fmt: skip
+FAMILIES: dict[str, GGUFFamily] = {
+    "llama": GGUFFamily("LlamaForCausalLM", qk_permuted=True),  # Mixtral too (with experts)
+    "qwen2": GGUFFamily("Qwen2ForCausalLM"),
+    "qwen3": GGUFFamily("Qwen3ForCausalLM"),
+    "qwen3moe": GGUFFamily("Qwen3MoeForCausalLM"),
+    "gemma2": GGUFFamily("Gemma2ForCausalLM", norm_plus_one=True, block_names=_GEMMA_NAMES),
+    "gemma3": GGUFFamily("Gemma3ForCausalLM", norm_plus_one=True, block_names=_GEMMA_NAMES),
+}
+_TOP_LEVEL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+# Every expert of a layer in one 3-D tensor [experts, rows, cols] (HF shape order).
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_BLOCK_TENSOR = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<name>\w+)\.(?P<kind>weight|bias)$")
+# llama.cpp's Gemma 27B (by layer count) scales scores by 1/sqrt(hidden / heads), others by
+# 1/sqrt(head_dim): the files do not say (HF's query_pre_attn_scalar).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def family(gguf_arch: str) -> GGUFFamily:
+    """The family of ``general.architecture``; ValueError naming the supported ones otherwise."""
+    if gguf_arch not in FAMILIES:
+        raise ValueError(f"unsupported GGUF architecture {gguf_arch!r}; supported: {', '.join(sorted(FAMILIES))}")
+    return FAMILIES[gguf_arch]
+
+
+def hf_config(gguf_arch: str, meta: Metadata) -> dict[str, Any]:
+    """The family-specific part of a ``config.json`` for this file (the common shape is the
+    caller's): experts, Gemma's windows, caps and score scale."""
+    prefix, config = gguf_arch, {}
+    experts = int(meta(f"{prefix}.expert_count", 0) or 0)
+    if experts:
+        config.update(num_experts=experts, num_experts_per_tok=int(meta(f"{prefix}.expert_used_count", 0)),
+                      moe_intermediate_size=meta(f"{prefix}.expert_feed_forward_length", None),
+                      norm_topk_prob=True)  # llama.cpp renormalises Qwen3-MoE's top-k (Mixtral always does)
+    if gguf_arch in _GEMMA_27B_LAYERS:
+        config.update(_gemma_config(gguf_arch, meta))
+    return config
+
+
+def architecture(gguf_arch: str, meta: Metadata) -> str:
+    """The HF architecture: a Llama file with experts is a Mixtral."""
+    if gguf_arch == "llama" and int(meta("llama.expert_count", 0) or 0):
+        return "MixtralForCausalLM"
+    return family(gguf_arch).hf_architecture
+
+
+def _gemma_config(gguf_arch: str, meta: Metadata) -> dict[str, Any]:
+    prefix = gguf_arch
+    layers = int(meta(f"{prefix}.block_count", 0))
+    hidden, heads = int(meta(f"{prefix}.embedding_length", 0)), int(meta(f"{prefix}.attention.head_count", 1))
+    head_dim = int(meta(f"{prefix}.attention.key_length", hidden // heads))
+    pattern = meta(f"{prefix}.attention.sliding_window_pattern", 2 if gguf_arch == "gemma2" else 6)
+    if isinstance(pattern, list):  # per layer: windowed or not
+        layer_types = ["sliding_attention" if swa else "full_attention" for swa in pattern]
+    else:
+        layer_types = ["sliding_attention" if i % int(pattern) < int(pattern) - 1 else "full_attention"
+                       for i in range(layers)]  # fmt: skip
+    window = meta(f"{prefix}.attention.sliding_window", None)
+    base = float(meta(f"{prefix}.rope.freq_base", 10000.0))
+    return dict(
+        sliding_window=None if not window else int(window), layer_types=layer_types if window else None,
+        sliding_window_pattern=None, rope_local_base_freq=float(meta(f"{prefix}.rope.freq_base_swa", base)),
+        query_pre_attn_scalar=hidden // heads if layers == _GEMMA_27B_LAYERS[gguf_arch] else head_dim,
+        attn_logit_softcapping=meta(f"{prefix}.attn_logit_softcapping", None) or None,
+        final_logit_softcapping=meta(f"{prefix}.final_logit_softcapping", None) or None,
+        hidden_activation="gelu_pytorch_tanh",
+    )  # fmt: skip
+
+
+def hf_tensor_name(gguf_name: str, gguf_arch: str = "llama") -> str:
+    """GGUF tensor name -> HF parameter name; ValueError for names we do not know."""
+    if gguf_name in _TOP_LEVEL_NAMES:
+        return _TOP_LEVEL_NAMES[gguf_name]
+    match = _BLOCK_TENSOR.match(gguf_name)
+    names = {**_BLOCK_NAMES, **dict(family(gguf_arch).block_names), **_EXPERT_NAMES}
+    if match is None or match["name"] not in names:
+        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+    if match["name"] in _EXPERT_NAMES:
+        return f"model.layers.{match['layer']}.mlp.experts.{_EXPERT_NAMES[match['name']]}"  # split by hf_tensors
+    return f"model.layers.{match['layer']}.{names[match['name']]}.{match['kind']}"
+
+
+def hf_tensors(
+    name: str, tensor: Tensor | list[QuantizedWeight], gguf_arch: str, heads: dict[str, int]
+) -> Iterator[tuple[str, Tensor]]:
+    """One GGUF tensor (already named by :func:`hf_tensor_name`) as the HF tensors it holds:
+    q/k rows back in HF's order, Gemma norms back to ``w``, stacked experts one by one (a
+    dense 3-D tensor, or each expert's blocks)."""
+    fam = family(gguf_arch)
+    projection = name.split(".")[-2]
+    if name.rsplit(".", 1)[-1] in _EXPERT_NAMES.values():
+        if not isinstance(tensor, list) and (isinstance(tensor, QuantizedWeight) or tensor.dim() != 3):
+            raise ValueError(f"GGUF experts {name!r}: expected a 3-D tensor")
+        prefix, part = name.rsplit(".", 1)
+        for expert in range(len(tensor)):
+            yield f"{prefix}.{expert}.{part}.weight", tensor[expert]
+        return
+    if isinstance(tensor, list):
+        raise ValueError(f"GGUF tensor {name!r} is 3-D; only experts are")
+    if fam.qk_permuted and projection in heads:
+        rows = tensor.rows if isinstance(tensor, QuantizedWeight) else tensor.shape[0]
+        order = unpermute_qk_rows(torch.arange(rows), heads[projection])
+        tensor = tensor.select_rows(order) if isinstance(tensor, QuantizedWeight) else tensor[order]
+    if fam.norm_plus_one and name.endswith("norm.weight") and isinstance(tensor, torch.Tensor):
+        tensor = tensor - 1
+    yield name, tensor
+
+
+def unpermute_qk_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head row permutation of q_proj/k_proj (weight or bias).
+
+    The converter maps each head's rows ``[half0 | half1]`` to interleaved pairs; reshaping
+    to ``(heads, half, 2, ...)`` and swapping the middle axes restores HF's rotate-half order.
+    """
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)

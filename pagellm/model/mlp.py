@@ -1,0 +1,50 @@
+"""The SwiGLU feed-forward of the Llama family: a dense layer's MLP, and each expert of a
+mixture-of-experts block (``pagellm.model.moe``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagellm.distributed.tensor_parallel import TensorParallel
+from pagellm.kernels.plan import KernelPlan
+from pagellm.model.arch_config import ModelArchConfig
+from pagellm.model.cpu_linear import fuse_silu_and_mul
+from pagellm.model.layers import GATED_ACTIVATIONS
+from pagellm.model.quant_linear import linear_for_plan, quantized_plan
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward with gate and up fused into one matmul."""
+
+    def __init__(self, arch: ModelArchConfig, plan: KernelPlan | None = None, tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        self.tp = tp  # this rank's part of the intermediate width; the down projection's sums joined
+        if arch.hidden_act not in GATED_ACTIVATIONS:
+            raise NotImplementedError(f"hidden_act {arch.hidden_act!r} is not supported; supported: "
+                                      f"{', '.join(GATED_ACTIVATIONS)}")  # fmt: skip
+        self.intermediate_size = arch.intermediate_size
+        self.silu = arch.hidden_act == "silu"  # the kernels fuse SiLU-and-mul only
+        # Quantized: SiLU-and-mul runs in the integer GEMM's epilogue (bias-free MLPs).
+        fused = quantized_plan(plan) and not arch.mlp_bias and self.silu
+        self.gate_up_proj = linear_for_plan(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias, plan, fused)
+        self.act: nn.Module = nn.Identity() if fused else GATED_ACTIVATIONS[arch.hidden_act]()
+        self.down_proj = linear_for_plan(arch.intermediate_size, arch.hidden_size, arch.mlp_bias, plan)
+
+    def shard_slices(self) -> dict[str, slice]:
+        """Rows of ``gate_up_proj`` holding each of gate, up."""
+        size = self.intermediate_size
+        return {"gate": slice(0, size), "up": slice(size, 2 * size)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.down_proj(self.act(self.gate_up_proj(x)))
+        return out if self.tp is None else self.tp.all_reduce_(out)
+
+    def fuse_for_cpu(self, plan: KernelPlan, verify: bool = True) -> bool:
+        """Swap gate_up + SiluAndMul for one fused packed module (bf16/fp16 on CPU); True if done
+        (never for another activation: the GEMM's epilogue is SiLU's)."""
+        fused = fuse_silu_and_mul(self.gate_up_proj, self.intermediate_size, plan, verify) if self.silu else None
+        if fused is None:
+            return False
+        self.gate_up_proj, self.act = fused, nn.Identity()
+        return True

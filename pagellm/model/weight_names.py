@@ -1,0 +1,96 @@
+"""Checkpoint tensor names per family, mapped to the names the Llama-family modules load.
+
+Every family's checkpoint is brought to one naming before it reaches a module: Llama's
+(``model.layers.N.self_attn.q_proj``, ``mlp.gate_proj``, ``mlp.experts.E.gate_proj``, ...).
+So tensor-parallel shares, quantization and q/k/v and gate/up fusing see the same names
+whatever the family. What differs per family is in one table (:data:`_RENAMES`) plus the
+fused layouts some checkpoints store, which are split here by rows.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from pagellm.kernels.quant_formats import QuantizedWeight
+from pagellm.model.arch_config import ModelArchConfig
+
+Tensor = torch.Tensor | QuantizedWeight
+
+# Architecture -> (pattern, replacement) applied to each checkpoint name in order.
+_RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
+    # Mixtral: the MoE block is `block_sparse_moe`, its experts' w1/w3/w2 are gate/up/down.
+    "MixtralForCausalLM": (
+        (re.compile(r"\.block_sparse_moe\."), ".mlp."),
+        (re.compile(r"\.experts\.(\d+)\.w1\."), r".experts.\1.gate_proj."),
+        (re.compile(r"\.experts\.(\d+)\.w3\."), r".experts.\1.up_proj."),
+        (re.compile(r"\.experts\.(\d+)\.w2\."), r".experts.\1.down_proj."),
+    ),
+}
+# q/k/v or gate/up stored fused (Phi-3): split into the parts by rows.
+_PREFUSED = re.compile(r"^(?P<prefix>.*\.)(?P<fused>qkv_proj|gate_up_proj)\.(?P<kind>weight|bias)$")
+# Every expert in one 3-D tensor (transformers 5's own layout: gate_up [E, 2I, H], down [E, H, I]).
+_STACKED_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts\.)(?P<fused>gate_up_proj|down_proj)$")
+
+
+def checkpoint_parts(arch: ModelArchConfig, name: str, tensor: Tensor) -> list[tuple[str, Tensor]]:
+    """The tensor ``name`` of ``arch``'s checkpoint as ``(Llama name, tensor)`` parts: renamed,
+    and split where the checkpoint stores several weights in one tensor."""
+    for pattern, replacement in _RENAMES.get(arch.architecture, ()):
+        name = pattern.sub(replacement, name)
+    if (match := _PREFUSED.match(name)) is not None:
+        return _split_prefused(arch, match, tensor)
+    if (match := _STACKED_EXPERTS.match(name)) is not None:
+        return _split_stacked_experts(arch, match, tensor)
+    return [(name, tensor)]
+
+
+def mlp_weight_names(arch: ModelArchConfig, layer: int) -> set[str]:
+    """The MLP weights layer ``layer`` must load: gate/up/down (with biases where the config
+    says), or the router and each expert's gate/up/down in a mixture-of-experts layer."""
+    prefix = f"model.layers.{layer}.mlp."
+    parts = ("gate_proj", "up_proj", "down_proj")
+    if layer in arch.moe_layers:
+        experts = {f"{prefix}experts.{e}.{p}.weight" for e in range(arch.num_experts) for p in parts}
+        return experts | {prefix + "gate.weight"}
+    kinds = ("weight", "bias") if arch.mlp_bias else ("weight",)
+    return {f"{prefix}{p}.{kind}" for p in parts for kind in kinds}
+
+
+def _split_prefused(arch: ModelArchConfig, match: re.Match[str], tensor: Tensor) -> list[tuple[str, Tensor]]:
+    """A fused ``qkv_proj`` / ``gate_up_proj`` as its q, k, v / gate, up parts by rows."""
+    if match["fused"] == "qkv_proj":
+        parts = [("self_attn.q_proj", arch.q_size), ("self_attn.k_proj", arch.kv_size), ("self_attn.v_proj", arch.kv_size)]
+    else:
+        parts = [("mlp.gate_proj", arch.intermediate_size), ("mlp.up_proj", arch.intermediate_size)]
+    name = match.string
+    rows = tensor.rows if isinstance(tensor, QuantizedWeight) else tensor.shape[0]
+    if rows != sum(size for _, size in parts):
+        raise ValueError(f"weight {name!r} has {rows} rows, expected {sum(size for _, size in parts)}")
+    prefix = match["prefix"].rsplit(".", 2)[0] + "."  # "model.layers.N."
+    out, start = [], 0
+    for part, size in parts:
+        rows_slice = slice(start, start + size)
+        piece = tensor.select_rows(rows_slice) if isinstance(tensor, QuantizedWeight) else tensor[rows_slice]
+        out.append((f"{prefix}{part}.{match['kind']}", piece))
+        start += size
+    return out
+
+
+def _split_stacked_experts(arch: ModelArchConfig, match: re.Match[str], tensor: Tensor) -> list[tuple[str, Tensor]]:
+    """``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I] as each expert's
+    gate and up / down weight."""
+    name, inter, hidden = match.string, arch.moe_intermediate_size, arch.hidden_size
+    expected = (arch.num_experts, 2 * inter, hidden) if match["fused"] == "gate_up_proj" else (arch.num_experts, hidden, inter)
+    if isinstance(tensor, QuantizedWeight) or tuple(tensor.shape) != expected:
+        shape = "quantized" if isinstance(tensor, QuantizedWeight) else tuple(tensor.shape)
+        raise ValueError(f"weight {name!r} is {shape}, expected a dense tensor of shape {expected}")
+    prefix = match["prefix"]
+    if match["fused"] == "down_proj":
+        return [(f"{prefix}{e}.down_proj.weight", tensor[e]) for e in range(arch.num_experts)]
+    return [
+        (f"{prefix}{e}.{part}.weight", tensor[e, rows])
+        for e in range(arch.num_experts)
+        for part, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter)))
+    ]

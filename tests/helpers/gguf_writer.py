@@ -1,0 +1,133 @@
+"""A tiny HF folder written as a float32 GGUF file the way llama.cpp's converter
+(``convert_hf_to_gguf.py``) writes its family: the same metadata keys, tensor names and
+changes (Llama's q/k rows permuted, Gemma's norms stored as 1 + w, experts stacked in 3-D
+tensors). Checked against that converter's own output for Qwen3, Qwen3-MoE, Mixtral and
+Gemma 3 (NOTES 48); the tests cannot run the converter (it is not in this repository).
+
+The tokenizer comes from the default model's GGUF (the tiny models share its vocabulary).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from safetensors.torch import load_file
+
+# HF block tensor (after "model.layers.N.") -> GGUF block tensor name.
+_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}  # fmt: skip
+_GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}  # fmt: skip
+_EXPERT_PARTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                 "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}  # fmt: skip
+_ARCHS = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
+          "Qwen3MoeForCausalLM": "qwen3moe", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}  # fmt: skip
+
+
+def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's q/k row order for its rotary layout (the converter's ``permute``)."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _metadata(writer: GGUFWriter, arch: str, config: dict) -> None:
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if arch == "llama":  # (the converter's Llama writes these instead of the key/value lengths)
+        writer.add_vocab_size(config["vocab_size"])
+        writer.add_rope_dimension_count(head_dim)
+    else:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    rope = config.get("rope_parameters") or {}
+    full, local = rope.get("full_attention", rope), rope.get("sliding_attention")
+    writer.add_rope_freq_base(full.get("rope_theta", 10000.0))
+    if full.get("rope_type") == "linear":
+        writer.add_string(f"{arch}.rope.scaling.type", "linear")
+        writer.add_float32(f"{arch}.rope.scaling.factor", full["factor"])
+    if local is not None:
+        writer.add_float32(f"{arch}.rope.freq_base_swa", local["rope_theta"])
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if "moe_intermediate_size" in config:
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if arch.startswith("gemma"):
+        writer.add_sliding_window(config["sliding_window"])
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if config.get(key):
+                writer.add_float32(f"{arch}.{key}", config[key])
+
+
+def _copy_tokenizer(writer: GGUFWriter, tokenizer_gguf: str) -> None:
+    for field in GGUFReader(tokenizer_gguf).fields.values():
+        if field.name.startswith("tokenizer."):
+            sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
+
+
+def _block_tensors(name: str, tensor: torch.Tensor, arch: str, config: dict) -> tuple[str, torch.Tensor]:
+    """The GGUF name and data of one HF block tensor (experts are gathered by the caller)."""
+    layer, rest = name.removeprefix("model.layers.").split(".", 1)
+    module, kind = rest.rsplit(".", 1)
+    names = {**_NAMES, **(_GEMMA_NAMES if arch.startswith("gemma") else {})}
+    if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+        heads = config["num_attention_heads"] if module.endswith("q_proj") else config["num_key_value_heads"]
+        tensor = _permute(tensor, heads)
+    if arch.startswith("gemma") and module.endswith("norm"):
+        tensor = tensor + 1
+    return f"blk.{layer}.{names[module]}.{kind}", tensor
+
+
+def write_gguf(hf_folder: str, out: Path, tokenizer_gguf: str) -> str:
+    """Write ``hf_folder``'s model (float32) to ``out`` as llama.cpp's converter would."""
+    config = json.loads((Path(hf_folder) / "config.json").read_text())
+    arch = _ARCHS[config["architectures"][0]]
+    tensors = load_file(str(Path(hf_folder) / "model.safetensors"))
+    writer = GGUFWriter(str(out), arch)
+    _metadata(writer, arch, config)
+    _copy_tokenizer(writer, tokenizer_gguf)
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}  # fmt: skip
+    for name, tensor in tensors.items():
+        tensor = tensor.float()
+        if name in top:
+            data = tensor + 1 if arch.startswith("gemma") and name == "model.norm.weight" else tensor
+            if name != "lm_head.weight" or not config.get("tie_word_embeddings"):
+                writer.add_tensor(top[name], data.numpy())
+            continue
+        if ".experts." in name:  # model.layers.N.<mlp|block_sparse_moe>.experts.E.<part>.weight
+            layer = name.split(".")[2]
+            expert, part = name.split(".experts.")[1].split(".")[:2]
+            experts.setdefault((layer, _EXPERT_PARTS[part]), {})[int(expert)] = tensor
+            continue
+        gguf_name, data = _block_tensors(name, tensor, arch, config)
+        writer.add_tensor(gguf_name, data.numpy())
+    for (layer, part), by_expert in sorted(experts.items()):
+        writer.add_tensor(f"blk.{layer}.{part}.weight", torch.stack([by_expert[e] for e in sorted(by_expert)]).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(out)
+
+
+def gguf_tensors(path: str) -> dict[str, np.ndarray]:
+    """Every tensor of a GGUF file by name (for comparing two files)."""
+    return {t.name: np.asarray(t.data) for t in GGUFReader(path).tensors}
