@@ -15,6 +15,14 @@ Block table of one request, and what ``allocate_slots`` does to it::
     | cached/computed (read only) | partial last block | new blocks ...
                                   ^ num_computed_tokens: writes start here;
                                     if this block is shared, it is copied first
+
+With a sliding window that every layer keeps (``sliding_window``: each query attends to its
+last W positions), the blocks wholly before the window of the step's first query are
+released as the request moves on: no later query reads them. Their entries stay in the
+block table (positions keep their index) but are no longer the request's; the attention
+masks those positions, so what another request writes there later is never used::
+
+    | released (stale ids) | blocks the window still reads | partial last block | new ...
 """
 
 from __future__ import annotations
@@ -39,13 +47,19 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, sliding_window: int | None = None
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_released: dict[str, int] = {}  # leading table entries released (window); absent: 0
         self.stats = PrefixCacheStats()
         self._pending_copies: list[tuple[int, int]] = []
 
@@ -111,7 +125,8 @@ class KVCacheManager:
         self.update_block_hashes(request)
         blocks = self.req_to_blocks.get(request.request_id, [])
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
-        for block, block_hash in zip(blocks[:num_full], request.block_hashes[:num_full]):
+        start = self.num_released.get(request.request_id, 0)  # (released: cached when they filled)
+        for block, block_hash in zip(blocks[start:num_full], request.block_hashes[start:num_full]):
             self.block_pool.cache_full_block(block, block_hash)
 
     # ---- allocation -------------------------------------------------------------------
@@ -145,7 +160,20 @@ class KVCacheManager:
         if num_new_blocks:
             blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
         self.cache_blocks(request, num_computed + num_new_tokens)
+        self._release_outside_window(request.request_id, blocks, num_computed)
         return True
+
+    def _release_outside_window(self, request_id: str, blocks: list[KVCacheBlock], first_query: int) -> None:
+        """Release the blocks wholly before the window of position ``first_query`` (the step's
+        first query; later queries see even less)."""
+        if self.sliding_window is None:
+            return
+        first_needed = first_query - self.sliding_window + 1
+        end = min(max(0, first_needed) // self.block_size, len(blocks))
+        start = self.num_released.get(request_id, 0)
+        if end > start:
+            self.block_pool.free_blocks(blocks[start:end])
+            self.num_released[request_id] = end
 
     def _cow_index(self, blocks: list[KVCacheBlock], num_computed: int, num_new_tokens: int) -> int | None:
         """Index of the partly written block this step writes into, if another sequence shares it."""
@@ -172,8 +200,11 @@ class KVCacheManager:
         if child.request_id in self.req_to_blocks:
             raise ValueError(f"request {child.request_id!r} already holds blocks; only a new sequence can fork")
         blocks = list(self.req_to_blocks.get(parent.request_id, ()))
-        self.block_pool.touch(blocks)
+        released = self.num_released.get(parent.request_id, 0)
+        self.block_pool.touch(blocks[released:])
         self.req_to_blocks[child.request_id] = blocks
+        if released:
+            self.num_released[child.request_id] = released
         child.num_computed_tokens = parent.num_computed_tokens
         # Only blocks inside the shared (computed) prefix have keys valid for both.
         child.block_hashes = parent.block_hashes[: parent.num_computed_tokens // self.block_size]
@@ -182,10 +213,16 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Drop all of a request's blocks, last block first so tails are reused first."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.block_pool.free_blocks(reversed(blocks))
+        released = self.num_released.pop(request.request_id, 0)
+        self.block_pool.free_blocks(reversed(blocks[released:]))
 
     def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (released entries keep their stale ids: masked positions)."""
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds a reference to (its table less the released entries)."""
+        return len(self.req_to_blocks.get(request_id, ())) - self.num_released.get(request_id, 0)
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         """How many more blocks ``request`` needs to also hold ``num_new_tokens`` tokens."""

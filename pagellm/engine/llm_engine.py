@@ -70,7 +70,8 @@ class LLMEngine:
         arch = self.executor.arch
         block_size = config.cache.block_size
         self.kv_cache_manager = KVCacheManager(
-            self.executor.num_blocks, block_size, enable_caching=config.cache.enable_prefix_caching
+            self.executor.num_blocks, block_size, enable_caching=config.cache.enable_prefix_caching,
+            sliding_window=arch.window_of_every_layer,
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,

@@ -100,6 +100,13 @@ class ModelArchConfig:
             return None
         return self.attention_window
 
+    @property
+    def window_of_every_layer(self) -> int | None:
+        """The window where every layer keeps one (KV blocks before it can be released, as no
+        layer reads them again); None where any layer attends to everything."""
+        windows = {self.layer_window(i) for i in range(self.num_hidden_layers)}
+        return windows.pop() if len(windows) == 1 else None
+
     def layer_uses_local_rope(self, layer: int) -> bool:
         """Whether layer ``layer`` turns q and k by the local rope base (Gemma 3's windowed layers)."""
         return self.local_rope_theta is not None and bool(self.layer_types) and self.layer_types[layer] == SLIDING

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagellm import LLM, SamplingParams
+from pagellm.model import load_arch_config
 from tests.helpers.hf_reference import hf_greedy, load_hf_model
 
 PROMPTS = [
@@ -43,6 +44,9 @@ def model_and_reference(request, default_tokenizer):
 )
 def test_greedy_matches_hf(model_and_reference, engine_kwargs):
     path, expected = model_and_reference
+    if engine_kwargs.get("num_kv_blocks") and load_arch_config(path).window_of_every_layer:
+        # Blocks before every layer's window are released: a smaller pool still forces preemption.
+        engine_kwargs = {**engine_kwargs, "num_kv_blocks": 13, "max_model_len": 52}
     llm = LLM(path, dtype="float32", **engine_kwargs)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -51,4 +55,20 @@ def test_greedy_matches_hf(model_and_reference, engine_kwargs):
     engine = llm.llm_engine
     if engine_kwargs.get("num_kv_blocks"):
         assert engine.stats.num_preemptions > 0, "the small pool was meant to force preemption"
+    assert engine.kv_cache_manager.num_free_blocks == engine.executor.num_blocks
+
+
+def test_a_window_every_layer_keeps_holds_only_its_blocks(tiny_mistral_window_path: str):
+    """Window 8, blocks of 4, prompts one at a time (prefill of up to 16 tokens a step): a
+    request holds at most the blocks its window and one step's tokens span, while a model
+    without the window holds its whole history; the tokens are the same as unbounded ones'
+    (greedy equality with transformers is above)."""
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    llm = LLM(tiny_mistral_window_path, dtype="float32", block_size=4, max_num_seqs=1, max_num_batched_tokens=16)
+    llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    engine = llm.llm_engine
+    assert engine.kv_cache_manager.sliding_window == 8
+    longest = max(len(p) for p in engine.tokenizer(PROMPTS[:2]).input_ids)
+    # (prefill: every prompt block at once; decode: 8 positions + the new one span <= 4 blocks)
+    assert engine.stats.peak_blocks_in_use <= max(-(-longest // 4), 4)
     assert engine.kv_cache_manager.num_free_blocks == engine.executor.num_blocks
