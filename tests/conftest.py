@@ -133,6 +133,17 @@ def tiny_qwen3_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer)
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_dynamic_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny Llama with dynamic NTK rope over a context of 16 (served to 64): prompts pass it."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**{**TINY_SHAPE, "max_position_embeddings": 16}, **token_ids(default_tokenizer),
+                         rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
+                         initializer_range=0.1)  # fmt: skip
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_llama_dynamic"), config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_moe_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
     """Tiny Qwen3-MoE: layer 0 routes each token to 2 of 8 experts (renormalised), layer 1 is
     dense (``mlp_only_layers``)."""

@@ -112,6 +112,15 @@ class ModelArchConfig:
         return self.local_rope_theta is not None and bool(self.layer_types) and self.layer_types[layer] == SLIDING
 
     @property
+    def context_length(self) -> int:
+        """Positions the model serves: its ``max_position_embeddings``, times the factor under
+        dynamic NTK rope (which exists to stretch it; vLLM derives its limit the same way)."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") == "dynamic":
+            return int(self.max_position_embeddings * float(scaling["factor"]))
+        return self.max_position_embeddings
+
+    @property
     def q_size(self) -> int:
         """Width of the query projection output."""
         return self.num_attention_heads * self.head_dim

@@ -15,7 +15,7 @@ from torch import nn
 
 from pagellm.kernels import KernelLibrary, supports_dtype
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "longrope", "yarn")
 
 
 class RMSNorm(nn.Module):
@@ -185,6 +185,16 @@ def rope_attention_factor(rope_scaling: dict[str, Any] | None, max_position: int
     return float(scale(mscale) / scale(mscale_all_dim)) if mscale and mscale_all_dim else scale()
 
 
+def dynamic_ntk_inv_freq(head_dim: int, theta: float, factor: float, max_position: int, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Dynamic NTK scaling: the base grows with the sequence's length once it passes the
+    context, one row of frequencies per entry of ``seq_lens`` ([N] -> [N, head_dim / 2]); HF's
+    float32 arithmetic, element by element."""
+    length = torch.clamp(seq_lens.to(torch.int64), min=max_position)
+    base = theta * ((factor * length / max_position) - (factor - 1)) ** (head_dim / (head_dim - 2))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(device=seq_lens.device, dtype=torch.float) / head_dim
+    return 1.0 / (base[:, None] ** exponents[None, :])
+
+
 def compute_inv_freq(
     head_dim: int, theta: float, rope_scaling: dict[str, Any] | None, max_position: int = 2048
 ) -> torch.Tensor:
@@ -195,6 +205,7 @@ def compute_inv_freq(
         return yarn_inv_freq(head_dim, theta, rope_scaling or {}, max_position)
     if rope_type == "longrope":  # within the original context; RotaryEmbedding switches beyond it
         return longrope_inv_freq(head_dim, theta, rope_scaling or {}, long=False)
+    # (dynamic: the plain frequencies within the context; RotaryEmbedding rescales beyond it)
     inv_freq = default_inv_freq(head_dim, theta)
     if rope_type == "llama3":
         inv_freq = llama3_inv_freq(inv_freq, rope_scaling or {})
@@ -225,6 +236,10 @@ class RotaryEmbedding(nn.Module):
         # LongRoPE: positions from the original context on turn at the long factors' frequencies.
         longrope = rope_scaling is not None and rope_scaling.get("rope_type") == "longrope"
         self.long_from = int(rope_scaling["original_max_position_embeddings"]) if longrope else None  # type: ignore[index]
+        # Dynamic NTK: each token turns by the base of its sequence's length in the step that
+        # computes it (as HF's per-forward update does for one sequence), beyond the context.
+        dynamic = rope_scaling is not None and rope_scaling.get("rope_type") == "dynamic"
+        self.dynamic_factor = float(rope_scaling["factor"]) if dynamic else None  # type: ignore[index]
         self._inv_freq: torch.Tensor | None = None
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}  # cos, sin
 
@@ -245,8 +260,23 @@ class RotaryEmbedding(nn.Module):
             return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape ``[T, head_dim]`` in ``dtype``, equal to :meth:`cos_sin`'s."""
+    def dynamic_cos_sin(
+        self, positions: torch.Tensor, seq_lens: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dynamic NTK's cos, sin: each token by the base of its sequence's length (``seq_lens``, per token)."""
+        assert self.dynamic_factor is not None
+        inv_freq = dynamic_ntk_inv_freq(self.head_dim, self.theta, self.dynamic_factor, self.max_position, seq_lens)
+        freqs = positions.to(torch.float32)[:, None] * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype, seq_lens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape ``[T, head_dim]`` in ``dtype``, equal to :meth:`cos_sin`'s (dynamic
+        NTK: each token's sequence length in ``seq_lens`` chooses its base past the context)."""
+        if self.dynamic_factor is not None and seq_lens is not None and bool((seq_lens > self.max_position).any()):
+            return self.dynamic_cos_sin(positions, seq_lens, dtype)
         if positions.numel() == 0:
             return self.cos_sin(positions, dtype)
         key = (positions.device, dtype)

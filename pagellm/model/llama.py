@@ -48,6 +48,14 @@ _LAYER_NAME = re.compile(r"^model\.layers\.(?P<layer>\d+)\.")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 
+def _token_seq_lens(rotary: RotaryEmbedding, metadata: AttentionMetadata, device: torch.device) -> torch.Tensor | None:
+    """Each token's sequence length in this step (dynamic NTK rope only; None otherwise)."""
+    if rotary.dynamic_factor is None:
+        return None
+    lengths = torch.tensor(metadata.seq_lens, device=device)
+    return torch.repeat_interleave(lengths, torch.tensor(metadata.query_lens, device=device))
+
+
 class LlamaAttention(nn.Module):
     """Fused qkv projection, rotary, paged attention through the backend, output projection
     (under tensor parallelism: this rank's heads, its partial output summed over the ranks)."""
@@ -254,7 +262,8 @@ class LlamaForCausalLM(nn.Module):
                 hidden = hidden * torch.tensor(self.arch.embedding_scale).to(hidden.dtype)
         else:
             raise ValueError("a pipeline stage after the first starts from the previous stage's hidden states")
-        cos, sin = self.model.rotary_emb(positions, hidden.dtype)
+        seq_lens = _token_seq_lens(self.model.rotary_emb, attn_metadata, positions.device)
+        cos, sin = self.model.rotary_emb(positions, hidden.dtype, seq_lens)
         local_rotary = self.model.local_rotary_emb
         local = local_rotary(positions, hidden.dtype) if local_rotary is not None else (cos, sin)
         stack = self._decoder_stack()

@@ -73,16 +73,14 @@ def context_limit(requested: int | None, arch: ModelArchConfig, num_blocks: int,
     request; a request for more than either is an error naming both."""
     pool_tokens = num_blocks * block_size
     if requested is None:
-        return min(arch.max_position_embeddings, pool_tokens)
+        return min(arch.context_length, pool_tokens)
     if requested > pool_tokens:
         raise ValueError(
             f"max_model_len={requested} does not fit in the KV cache ({num_blocks} blocks of {block_size} tokens = "
             f"{pool_tokens} tokens); raise kv_cache_memory or lower max_model_len"
         )
-    if requested > arch.max_position_embeddings:
-        raise ValueError(
-            f"max_model_len={requested} is longer than the model's context ({arch.max_position_embeddings} positions)"
-        )
+    if requested > arch.context_length:
+        raise ValueError(f"max_model_len={requested} is longer than the model's context ({arch.context_length} positions)")
     return requested
 
 

@@ -72,3 +72,17 @@ def test_a_window_every_layer_keeps_holds_only_its_blocks(tiny_mistral_window_pa
     # (prefill: every prompt block at once; decode: 8 positions + the new one span <= 4 blocks)
     assert engine.stats.peak_blocks_in_use <= max(-(-longest // 4), 4)
     assert engine.kv_cache_manager.num_free_blocks == engine.executor.num_blocks
+
+
+@pytest.mark.parametrize("block_size", [16, 1])
+def test_dynamic_rope_past_the_context_matches_hf(tiny_llama_dynamic_path: str, default_tokenizer, block_size: int):
+    """Dynamic NTK: each token turns by the base of its sequence's length when computed, as HF's
+    per-forward update does for one sequence (a fresh HF model per prompt: its rotary keeps
+    the longest length it saw). Whole prompts in one step: a chunked prefill would turn the
+    first chunk by its own, shorter length."""
+    expected = [hf_greedy(load_hf_model(tiny_llama_dynamic_path), default_tokenizer(p).input_ids, MAX_TOKENS)
+                for p in PROMPTS]  # fmt: skip
+    llm = LLM(tiny_llama_dynamic_path, dtype="float32", block_size=block_size)
+    assert llm.llm_engine.max_model_len == 64  # the context of 16, times the factor
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == expected

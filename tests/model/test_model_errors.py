@@ -92,10 +92,10 @@ def test_a_sliding_window_reaches_every_layer(tmp_path: Path, tiny_llama_path: s
 def test_unsupported_rope_scaling_is_named(tmp_path: Path, tiny_llama_path: str) -> None:
     folder = _copy_with_config(
         tiny_llama_path,
-        tmp_path / "dynamic",
-        rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
+        tmp_path / "su",
+        rope_parameters={"rope_type": "su", "factor": 4.0, "rope_theta": 10000.0},
     )
-    with pytest.raises(NotImplementedError, match="dynamic"):
+    with pytest.raises(NotImplementedError, match="'su'"):
         load_arch_config(str(folder))
 
 
