@@ -167,17 +167,18 @@ def _decode_group(
     else:
         tables = block_tables.index_select(0, torch.tensor(reqs, dtype=torch.long, device=device))
     seq_t = torch.tensor(dec_seq, dtype=torch.long, device=device)
-    pos = torch.arange(s_max, dtype=torch.long, device=device)
-    pos_c = torch.minimum(pos[None, :], (seq_t - 1)[:, None])  # padding -> last valid position
+    # Each row's last `window` positions only (its own included): positions before them are
+    # never gathered (where every layer keeps the window their blocks may be another's now).
+    count = seq_t if window is None else torch.clamp(seq_t, max=window)
+    width = s_max if window is None else min(s_max, window)
+    j = torch.arange(width, dtype=torch.long, device=device)
+    pos_c = (seq_t - count)[:, None] + torch.minimum(j[None, :], (count - 1)[:, None])  # padding -> last position
     blocks = tables.long().gather(1, pos_c // block_size)
     slots = blocks * block_size + pos_c % block_size
     mask = None
-    if min(dec_seq) != s_max or (window is not None and s_max > window):
-        keep = pos[None, :] < seq_t[:, None]
-        if window is not None:  # the last `window` positions only (the query's own included)
-            keep &= pos[None, :] >= (seq_t - window)[:, None]
-        mask = keep[:, None, None, :]
-    return _DecodePlan(num_rows, s_max, token_range, token_index, slots, mask)
+    if min(min(dec_seq), width) != width:
+        mask = (j[None, :] < count[:, None])[:, None, None, :]
+    return _DecodePlan(num_rows, width, token_range, token_index, slots, mask)
 
 
 def _build_plan(metadata: AttentionMetadata, device: torch.device, window: int | None = None) -> _StepPlan:
@@ -209,7 +210,9 @@ def _build_plan(metadata: AttentionMetadata, device: torch.device, window: int |
         if q_len <= 1:
             continue
         slots = mask = None
-        pos = torch.arange(s_len, dtype=torch.long, device=device)
+        # With a window, context from the first query's window on (earlier positions are never read).
+        first = 0 if window is None else max(0, s_len - q_len - window + 1)
+        pos = torch.arange(first, s_len, dtype=torch.long, device=device)
         q_pos = torch.arange(s_len - q_len, s_len, dtype=torch.long, device=device)
         if s_len > q_len:
             slots = block_tables[r].long()[pos // block_size] * block_size + pos % block_size

@@ -44,7 +44,11 @@ FAMILIES: dict[str, GGUFFamily] = {
     "qwen3moe": GGUFFamily("Qwen3MoeForCausalLM"),
     "gemma2": GGUFFamily("Gemma2ForCausalLM", norm_plus_one=True, block_names=_GEMMA_NAMES),
     "gemma3": GGUFFamily("Gemma3ForCausalLM", norm_plus_one=True, block_names=_GEMMA_NAMES),
+    # Phi-3: q/k/v in one tensor, gate and up in `ffn_up` (split by rows on load).
+    "phi3": GGUFFamily("Phi3ForCausalLM", block_names=(("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj"))),
 }
+# Not weights: LongRoPE's factors (read into the rope config by the loader).
+ROPE_FACTOR_TENSORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 _TOP_LEVEL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -90,6 +94,9 @@ def hf_config(gguf_arch: str, meta: Metadata) -> dict[str, Any]:
                       norm_topk_prob=True)  # llama.cpp renormalises Qwen3-MoE's top-k (Mixtral always does)
     if gguf_arch in _GEMMA_27B_LAYERS:
         config.update(_gemma_config(gguf_arch, meta))
+    if gguf_arch == "phi3":  # (a window of 0: none, as the converter writes Phi-4's)
+        config.update(sliding_window=meta(f"{prefix}.attention.sliding_window", 0) or None,
+                      original_max_position_embeddings=meta(f"{prefix}.rope.scaling.original_context_length", None))
     return config
 
 

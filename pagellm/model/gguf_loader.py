@@ -23,7 +23,9 @@ from gguf.quants import dequantize, quant_shape_to_byte_shape
 from pagellm.kernels.quant_formats import QuantizedWeight
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.gguf_blocks import GGUF_FORMATS, from_gguf_blocks
-from pagellm.model.gguf_families import architecture, family, hf_config, hf_tensor_name, hf_tensors
+from pagellm.model.gguf_families import (
+    ROPE_FACTOR_TENSORS, architecture, family, hf_config, hf_tensor_name, hf_tensors,
+)
 
 _MISSING = object()
 
@@ -239,6 +241,9 @@ def _check_rope(reader: GGUFFile | _ReaderAdapter, prefix: str, head_dim: int) -
     scaling = read_metadata(reader, f"{prefix}.rope.scaling.type", "none")
     if scaling not in ("none", "", "linear"):
         raise NotImplementedError(f"GGUF rope scaling type {scaling!r} is not supported")
+    factors = [t.name for t in reader.tensors if t.name in ROPE_FACTOR_TENSORS]
+    if factors and prefix != "phi3":
+        raise NotImplementedError(f"GGUF rope factors ({factors[0]}) are read for Phi-3 only")
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise NotImplementedError("GGUF rope frequency factors (rope_freqs, Llama-3.1 style) are not supported")
     rope_dims = read_metadata(reader, f"{prefix}.rope.dimension_count", head_dim)
@@ -293,6 +298,10 @@ def arch_config_from_gguf(reader: GGUFFile | _ReaderAdapter) -> ModelArchConfig:
     if scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(read_metadata(reader, f"{prefix}.rope.scaling.factor"))}
     config.update(hf_config(prefix, meta))
+    factors = {ROPE_FACTOR_TENSORS[t.name]: _dequantized(t).tolist() for t in reader.tensors if t.name in ROPE_FACTOR_TENSORS}
+    if factors:  # Phi-3 LongRoPE (its attention factor follows from the two context lengths, as HF's)
+        config["rope_scaling"] = {"rope_type": "longrope", **factors,
+                                  "original_max_position_embeddings": config["original_max_position_embeddings"]}
     return ModelArchConfig.from_hf_config(config)
 
 
@@ -351,6 +360,8 @@ def iter_gguf_weights(
     gguf_arch = _gguf_arch(reader)
     heads = {"q_proj": arch.num_attention_heads, "k_proj": arch.num_key_value_heads}
     for tensor in reader.tensors:
+        if tensor.name in ROPE_FACTOR_TENSORS:  # (in the rope config)
+            continue
         name = hf_tensor_name(tensor.name, gguf_arch)
         if not keep(name):  # another pipeline stage's: never read
             continue

@@ -58,6 +58,18 @@ def test_greedy_matches_hf(model_and_reference, engine_kwargs):
     assert engine.kv_cache_manager.num_free_blocks == engine.executor.num_blocks
 
 
+def test_prefix_cache_hits_give_the_same_tokens(model_and_reference):
+    """The prompts again, in reverse order: their leading blocks come from the prefix cache
+    (released ones too, behind a window, while nobody has taken them)."""
+    path, expected = model_and_reference
+    llm = LLM(path, dtype="float32", block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == expected
+    again = llm.generate(PROMPTS[::-1], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == expected[::-1]
+    assert llm.llm_engine.stats.prefix_cache_hits > 0
+
+
 def test_a_window_every_layer_keeps_holds_only_its_blocks(tiny_mistral_window_path: str):
     """Window 8, blocks of 4, prompts one at a time (prefill of up to 16 tokens a step): a
     request holds at most the blocks its window and one step's tokens span, while a model

@@ -1,8 +1,10 @@
 """A tiny HF folder written as a float32 GGUF file the way llama.cpp's converter
 (``convert_hf_to_gguf.py``) writes its family: the same metadata keys, tensor names and
 changes (Llama's q/k rows permuted, Gemma's norms stored as 1 + w, experts stacked in 3-D
-tensors). Checked against that converter's own output for Qwen3, Qwen3-MoE, Mixtral and
-Gemma 3 (NOTES 48); the tests cannot run the converter (it is not in this repository).
+tensors, Phi-3's LongRoPE factors as tensors). Checked against that converter's own output
+for Qwen3, Qwen3-MoE, Mixtral and Gemma 3 (NOTES 48; Phi-3 and Gemma 2 from its code, as it
+needs a sentencepiece tokenizer for them); the tests cannot run the converter (it is not in
+this repository).
 
 The tokenizer comes from the default model's GGUF (the tiny models share its vocabulary).
 """
@@ -10,6 +12,7 @@ The tokenizer comes from the default model's GGUF (the tiny models share its voc
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +25,7 @@ _NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
     "block_sparse_moe.gate": "ffn_gate_inp", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
 }  # fmt: skip
 _GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
@@ -29,7 +33,8 @@ _GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforw
 _EXPERT_PARTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
                  "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}  # fmt: skip
 _ARCHS = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
-          "Qwen3MoeForCausalLM": "qwen3moe", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}  # fmt: skip
+          "Qwen3MoeForCausalLM": "qwen3moe", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+          "Phi3ForCausalLM": "phi3"}  # fmt: skip
 
 
 def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -47,8 +52,9 @@ def _metadata(writer: GGUFWriter, arch: str, config: dict) -> None:
     writer.add_head_count(heads)
     writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    if arch == "llama":  # (the converter's Llama writes these instead of the key/value lengths)
-        writer.add_vocab_size(config["vocab_size"])
+    if arch in ("llama", "phi3"):  # (the converter writes these instead of the key/value lengths)
+        if arch == "llama":
+            writer.add_vocab_size(config["vocab_size"])
         writer.add_rope_dimension_count(head_dim)
     else:
         writer.add_key_length(head_dim)
@@ -67,11 +73,25 @@ def _metadata(writer: GGUFWriter, arch: str, config: dict) -> None:
         writer.add_expert_used_count(config["num_experts_per_tok"])
         if "moe_intermediate_size" in config:
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if arch == "phi3":
+        _phi3_metadata(writer, config, full)
     if arch.startswith("gemma"):
         writer.add_sliding_window(config["sliding_window"])
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if config.get(key):
                 writer.add_float32(f"{arch}.{key}", config[key])
+
+
+def _phi3_metadata(writer: GGUFWriter, config: dict, rope: dict) -> None:
+    """Phi-3's: the original context, its window (0: none), LongRoPE's attention factor."""
+    original = rope.get("original_max_position_embeddings") or config["original_max_position_embeddings"]
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_sliding_window(config.get("sliding_window") or 0)
+    if rope.get("rope_type") == "longrope":
+        scale = config["max_position_embeddings"] / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
 
 
 def _copy_tokenizer(writer: GGUFWriter, tokenizer_gguf: str) -> None:

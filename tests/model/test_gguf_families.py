@@ -22,7 +22,8 @@ MAX_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def gguf_families(tmp_path_factory: pytest.TempPathFactory, default_tokenizer, default_model_path_fixture: str,
-                  tiny_qwen3_path: str, tiny_mixtral_path: str) -> dict[str, tuple[str, str]]:  # fmt: skip
+                  tiny_qwen3_path: str, tiny_mixtral_path: str, tiny_phi3_path: str,
+                  tiny_phi3_longrope_path: str) -> dict[str, tuple[str, str]]:  # fmt: skip
     """Family -> (HF folder, its GGUF file). Gemma's score scale is head_dim's, as llama.cpp
     reads a file without query_pre_attn_scalar; Gemma 3 keeps its default pattern of windowed
     layers (a file does not say another); Qwen3-MoE routes in every layer."""
@@ -40,7 +41,8 @@ def gguf_families(tmp_path_factory: pytest.TempPathFactory, default_tokenizer, d
                                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}),
     }  # fmt: skip
-    folders = {"qwen3": tiny_qwen3_path, "mixtral": tiny_mixtral_path}
+    folders = {"qwen3": tiny_qwen3_path, "mixtral": tiny_mixtral_path, "phi3": tiny_phi3_path,
+               "phi3-longrope": tiny_phi3_longrope_path}
     for name, config in built.items():
         folders[name] = write_tiny_model(tmp_path_factory.mktemp(f"hf_{name}"), config, default_tokenizer)
     out = tmp_path_factory.mktemp("gguf")
@@ -48,7 +50,7 @@ def gguf_families(tmp_path_factory: pytest.TempPathFactory, default_tokenizer, d
             for name, folder in folders.items()}  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3moe", "mixtral", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3moe", "mixtral", "gemma2", "gemma3", "phi3", "phi3-longrope"])
 def test_gguf_greedy_equals_hf(gguf_families: dict[str, tuple[str, str]], family: str) -> None:
     folder, gguf = gguf_families[family]
     expected = [hf_greedy(load_hf_model(folder), p, MAX_TOKENS) for p in PROMPTS]
