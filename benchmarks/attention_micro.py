@@ -4,11 +4,15 @@ Cases (9 query heads, 3 KV heads, head_dim 64, block_size 16, shuffled blocks):
   decode64x256  -- 64 decode rows, each with seq_len 256 (255 cached + 1 new token)
   prefill512    -- one fresh 512-token prefill (no cached context)
   chunk256+256  -- a 256-token prefill chunk on top of 256 cached tokens
+  decode32x2048 -- 32 decode rows of 2048 positions (a long context; with --window, a windowed layer's)
 
 For torch_sdpa, "warm" reuses the per-step plan (what layers 2..N of a model see) and
 "cold" rebuilds it every call (what layer 1 sees). Times are per layer call, in ms.
 
-    python benchmarks/attention_micro.py [--dtype float32|bfloat16|both] [--iters N] [--threads N] [--json]
+With ``--window W`` every call is a windowed layer's (each query over its last W positions):
+run with and without it to see what a window saves at the same context.
+
+    python benchmarks/attention_micro.py [--dtype float32|bfloat16|both] [--iters N] [--threads N] [--window W] [--json]
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ CASES = {
     "decode64x256": [(255, 1)] * 64,
     "prefill512": [(0, 512)],
     "chunk256+256": [(256, 256)],
+    "decode32x2048": [(2047, 1)] * 32,
 }
 
 
@@ -89,6 +94,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--window", type=int, default=None, help="each query over its last W positions")
     ap.add_argument("--json", action="store_true", help="print JSON to stdout instead of a table")
     args = ap.parse_args()
     if args.threads:
@@ -100,7 +106,7 @@ def main() -> None:
     for dname in dtypes:
         dtype = getattr(torch, dname)
         for case, reqs in CASES.items():
-            fargs = build(reqs, dtype)
+            fargs = (*build(reqs, dtype), args.window)
             out_ref = ref.forward(*fargs)
             out_sdpa = sdpa.forward(*fargs)
             err = (out_ref.float() - out_sdpa.float()).abs().max().item()
@@ -131,12 +137,14 @@ def main() -> None:
         torch=torch.__version__,
         threads=torch.get_num_threads(),
         iters=args.iters,
+        window=args.window,
         shape=dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE),
     )
     if args.json:
         print(json.dumps(dict(meta=meta, results=rows), indent=2))
         return
-    print(f"torch {meta['torch']}, {meta['threads']} threads, median of {args.iters} (ms per layer call)")
+    window = f", window {args.window}" if args.window else ""
+    print(f"torch {meta['torch']}, {meta['threads']} threads, median of {args.iters} (ms per layer call){window}")
     hdr = f"{'case':14s} {'dtype':9s} {'tokens':>6s} {'ref':>9s} {'sdpa warm':>10s} {'sdpa cold':>10s} {'speedup':>8s} {'max|diff|':>10s}"
     print(hdr)
     print("-" * len(hdr))

@@ -1,7 +1,8 @@
 """What the worker needs of a model family: the interface every causal LM here implements.
 
-One family implements it today (``llama.LlamaForCausalLM``: Llama, Mistral, Qwen2); the next
-implements the same three calls, so the worker and model runner never ask a model what it can do.
+One class implements it today (``llama.LlamaForCausalLM``, every family in ``registry``: what
+differs per family is arch-config data); a family that needs another composition implements the
+same three calls, so the worker and model runner never ask a model what it can do.
 """
 
 from __future__ import annotations
