@@ -40,6 +40,14 @@ SHAPES: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
         tie_word_embeddings=True,
     ),
+    # SmolLM2-135M's layers with a mixture of 8 experts of 768, top 2: the same MLP work per token
+    # as its dense 1536 (NOTES 48 compares the two).
+    "smollm2-135m-moe": dict(
+        architecture="mixtral", hidden_size=576, intermediate_size=768, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        tie_word_embeddings=True, num_local_experts=8, num_experts_per_tok=2,
+    ),
     # The tests' tiny shapes: GQA, untied Llama with llama3 rope scaling, tied Qwen2 with q/k/v bias.
     "tiny-llama": dict(
         architecture="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
