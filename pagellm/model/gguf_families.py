@@ -112,17 +112,16 @@ def _gemma_config(gguf_arch: str, meta: Metadata) -> dict[str, Any]:
     layers = int(meta(f"{prefix}.block_count", 0))
     hidden, heads = int(meta(f"{prefix}.embedding_length", 0)), int(meta(f"{prefix}.attention.head_count", 1))
     head_dim = int(meta(f"{prefix}.attention.key_length", hidden // heads))
-    pattern = meta(f"{prefix}.attention.sliding_window_pattern", 2 if gguf_arch == "gemma2" else 6)
-    if isinstance(pattern, list):  # per layer: windowed or not
-        layer_types = ["sliding_attention" if swa else "full_attention" for swa in pattern]
-    else:
-        layer_types = ["sliding_attention" if i % int(pattern) < int(pattern) - 1 else "full_attention"
-                       for i in range(layers)]  # fmt: skip
+    # Every N-th layer global (llama.cpp's default N is the config's, derived there), or per layer.
+    pattern = meta(f"{prefix}.attention.sliding_window_pattern", None)
+    per_layer = isinstance(pattern, list)
+    layer_types = ["sliding_attention" if swa else "full_attention" for swa in pattern] if per_layer else None
     window = meta(f"{prefix}.attention.sliding_window", None)
     base = float(meta(f"{prefix}.rope.freq_base", 10000.0))
     return dict(
-        sliding_window=None if not window else int(window), layer_types=layer_types if window else None,
-        sliding_window_pattern=None, rope_local_base_freq=float(meta(f"{prefix}.rope.freq_base_swa", base)),
+        sliding_window=None if not window else int(window), layer_types=layer_types,
+        sliding_window_pattern=None if per_layer else pattern,
+        rope_local_base_freq=float(meta(f"{prefix}.rope.freq_base_swa", base)),
         query_pre_attn_scalar=hidden // heads if layers == _GEMMA_27B_LAYERS[gguf_arch] else head_dim,
         attn_logit_softcapping=meta(f"{prefix}.attn_logit_softcapping", None) or None,
         final_logit_softcapping=meta(f"{prefix}.final_logit_softcapping", None) or None,

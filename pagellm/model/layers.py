@@ -248,35 +248,31 @@ class RotaryEmbedding(nn.Module):
             self._inv_freq = compute_inv_freq(self.head_dim, self.theta, self.rope_scaling, self.max_position).to(device)
         return self._inv_freq
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of ``positions`` computed directly: ``[T, head_dim]`` (halves duplicated, HF layout)."""
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype, seq_lens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of ``positions`` computed directly: ``[T, head_dim]`` (halves duplicated, HF
+        layout); under dynamic NTK, ``seq_lens`` (each token's sequence length) sets the base."""
         inv_freq = self._inv_freq_on(positions.device)[None, :]
         if self.long_from is not None:
             long = longrope_inv_freq(self.head_dim, self.theta, self.rope_scaling or {}, long=True).to(positions.device)
             inv_freq = torch.where((positions >= self.long_from)[:, None], long[None, :], inv_freq)
+        if self.dynamic_factor is not None and seq_lens is not None:
+            scaled = dynamic_ntk_inv_freq(self.head_dim, self.theta, self.dynamic_factor, self.max_position, seq_lens)
+            inv_freq = torch.where((seq_lens > self.max_position)[:, None], scaled, inv_freq)
         freqs = positions.to(torch.float32)[:, None] * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         if self.attention_factor != 1.0:
             return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def dynamic_cos_sin(
-        self, positions: torch.Tensor, seq_lens: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dynamic NTK's cos, sin: each token by the base of its sequence's length (``seq_lens``, per token)."""
-        assert self.dynamic_factor is not None
-        inv_freq = dynamic_ntk_inv_freq(self.head_dim, self.theta, self.dynamic_factor, self.max_position, seq_lens)
-        freqs = positions.to(torch.float32)[:, None] * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype, seq_lens: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape ``[T, head_dim]`` in ``dtype``, equal to :meth:`cos_sin`'s (dynamic
-        NTK: each token's sequence length in ``seq_lens`` chooses its base past the context)."""
-        if self.dynamic_factor is not None and seq_lens is not None and bool((seq_lens > self.max_position).any()):
-            return self.dynamic_cos_sin(positions, seq_lens, dtype)
+        NTK: ``seq_lens``, given where a sequence has passed the context, sets each token's base)."""
+        if seq_lens is not None:
+            return self.cos_sin(positions, dtype, seq_lens)
         if positions.numel() == 0:
             return self.cos_sin(positions, dtype)
         key = (positions.device, dtype)

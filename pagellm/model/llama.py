@@ -49,8 +49,9 @@ _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 
 def _token_seq_lens(rotary: RotaryEmbedding, metadata: AttentionMetadata, device: torch.device) -> torch.Tensor | None:
-    """Each token's sequence length in this step (dynamic NTK rope only; None otherwise)."""
-    if rotary.dynamic_factor is None:
+    """Each token's sequence length in this step, where dynamic NTK rope needs them (a sequence
+    past the context; decided from the step's lists, no device sync); None otherwise."""
+    if rotary.dynamic_factor is None or max(metadata.seq_lens, default=0) <= rotary.max_position:
         return None
     lengths = torch.tensor(metadata.seq_lens, device=device)
     return torch.repeat_interleave(lengths, torch.tensor(metadata.query_lens, device=device))

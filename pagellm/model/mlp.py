@@ -1,4 +1,4 @@
-"""The SwiGLU feed-forward of the Llama family: a dense layer's MLP, and each expert of a
+"""The gated feed-forward of the Llama family: a dense layer's MLP, and each expert of a
 mixture-of-experts block (``pagellm.model.moe``)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pagellm.model.quant_linear import linear_for_plan, quantized_plan
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward with gate and up fused into one matmul."""
+    """Gated feed-forward (SwiGLU, or GeGLU for Gemma) with gate and up fused into one matmul."""
 
     def __init__(self, arch: ModelArchConfig, plan: KernelPlan | None = None, tp: TensorParallel | None = None) -> None:
         super().__init__()

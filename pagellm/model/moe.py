@@ -12,6 +12,7 @@ activation in its epilogue) and loads through the same fused gate/up rows.
 from __future__ import annotations
 
 import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
