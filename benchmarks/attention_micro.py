@@ -1,6 +1,8 @@
-"""Micro-benchmark: ReferenceAttention vs TorchSDPAAttention on the default model's head shape.
+"""Micro-benchmark: ReferenceAttention vs TorchSDPAAttention vs the C++ paged kernel
+(CPUPagedAttention, where the kernels build), by default on the default model's head shape.
 
-Cases (9 query heads, 3 KV heads, head_dim 64, block_size 16, shuffled blocks):
+Cases (9 query heads, 3 KV heads, head_dim 64, block_size 16, shuffled blocks; ``--heads`` and
+``--head-dim`` change the shape, e.g. ``--heads 8,4 --head-dim 256`` for Gemma 2 2B):
   decode64x256  -- 64 decode rows, each with seq_len 256 (255 cached + 1 new token)
   prefill512    -- one fresh 512-token prefill (no cached context)
   chunk256+256  -- a 256-token prefill chunk on top of 256 cached tokens
@@ -10,9 +12,11 @@ For torch_sdpa, "warm" reuses the per-step plan (what layers 2..N of a model see
 "cold" rebuilds it every call (what layer 1 sees). Times are per layer call, in ms.
 
 With ``--window W`` every call is a windowed layer's (each query over its last W positions):
-run with and without it to see what a window saves at the same context.
+run with and without it to see what a window saves at the same context. ``--softcap C`` caps
+the scores as Gemma 2 does.
 
-    python benchmarks/attention_micro.py [--dtype float32|bfloat16|both] [--iters N] [--threads N] [--window W] [--json]
+    python benchmarks/attention_micro.py [--dtype float32|bfloat16|both] [--iters N] [--threads N]
+        [--window W] [--softcap C] [--heads H,KV] [--head-dim D] [--json]
 """
 
 from __future__ import annotations
@@ -28,13 +32,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pagellm.attention import AttentionMetadata, ReferenceAttention, TorchSDPAAttention  # noqa: E402
+from pagellm import kernels  # noqa: E402
+from pagellm.attention import (  # noqa: E402
+    AttentionMetadata,
+    CPUPagedAttention,
+    ReferenceAttention,
+    TorchSDPAAttention,
+)
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+BLOCK_SIZE = 16
 
 
-def build(reqs: list[tuple[int, int]], dtype: torch.dtype, seed: int = 0):
+def build(reqs: list[tuple[int, int]], dtype: torch.dtype, heads: tuple[int, int], head_dim: int, seed: int = 0):
     """reqs: (cached context, new tokens) per request -> (args for forward, metadata)."""
+    num_heads, num_kv_heads = heads
     g = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in reqs]
     nblk = [-(-s // BLOCK_SIZE) for s in seq_lens]
@@ -45,7 +56,7 @@ def build(reqs: list[tuple[int, int]], dtype: torch.dtype, seed: int = 0):
     for r, n in enumerate(nblk):
         block_tables[r, :n] = perm[off : off + n]
         off += n
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
     key_cache = torch.randn(shape, generator=g).to(dtype)
     value_cache = torch.randn(shape, generator=g).to(dtype)
     slots = []
@@ -64,10 +75,10 @@ def build(reqs: list[tuple[int, int]], dtype: torch.dtype, seed: int = 0):
         seq_lens_tensor=torch.tensor(seq_lens),
         block_size=BLOCK_SIZE,
     )
-    q = torch.randn(t, NUM_HEADS, HEAD_DIM, generator=g).to(dtype)
-    k = torch.randn(t, NUM_KV_HEADS, HEAD_DIM, generator=g).to(dtype)
-    v = torch.randn(t, NUM_KV_HEADS, HEAD_DIM, generator=g).to(dtype)
-    return (q, k, v, key_cache, value_cache, md, HEAD_DIM**-0.5)
+    q = torch.randn(t, num_heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(t, num_kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(t, num_kv_heads, head_dim, generator=g).to(dtype)
+    return (q, k, v, key_cache, value_cache, md, head_dim**-0.5)
 
 
 def time_ms(fn, iters: int) -> tuple[float, float]:
@@ -95,23 +106,33 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--window", type=int, default=None, help="each query over its last W positions")
+    ap.add_argument("--softcap", type=float, default=None, help="scores capped by C * tanh(score / C)")
+    ap.add_argument("--heads", default="9,3", help="query heads,KV heads")
+    ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--json", action="store_true", help="print JSON to stdout instead of a table")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
 
+    heads = tuple(int(h) for h in args.heads.split(","))
+    lib = kernels.default()
     ref, sdpa = ReferenceAttention(), TorchSDPAAttention()
+    paged = CPUPagedAttention(lib) if lib is not None else None
     rows = []
     for dname in dtypes:
         dtype = getattr(torch, dname)
         for case, reqs in CASES.items():
-            fargs = (*build(reqs, dtype), args.window)
+            fargs = (*build(reqs, dtype, heads, args.head_dim), args.window, args.softcap)
             out_ref = ref.forward(*fargs)
             out_sdpa = sdpa.forward(*fargs)
             err = (out_ref.float() - out_sdpa.float()).abs().max().item()
             ref_min, ref_med = time_ms(lambda: ref.forward(*fargs), args.iters)
             warm_min, warm_med = time_ms(lambda: sdpa.forward(*fargs), args.iters)
+            kernel_med, kernel_err = None, None
+            if paged is not None:
+                kernel_err = (out_ref.float() - paged.forward(*fargs).float()).abs().max().item()
+                kernel_med = round(time_ms(lambda: paged.forward(*fargs), args.iters)[1], 3)
 
             def cold():
                 fargs[5].derived.clear()  # the step plan kept on the metadata: built again
@@ -131,6 +152,8 @@ def main() -> None:
                     sdpa_cold_min_ms=round(cold_min, 3),
                     speedup_warm=round(ref_med / warm_med, 2),
                     max_abs_diff=err,
+                    kernel_ms=kernel_med,
+                    kernel_max_abs_diff=kernel_err,
                 )
             )
     meta = dict(
@@ -138,20 +161,27 @@ def main() -> None:
         threads=torch.get_num_threads(),
         iters=args.iters,
         window=args.window,
-        shape=dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE),
+        softcap=args.softcap,
+        kernels=None if lib is None else " ".join(lib.march),
+        shape=dict(num_heads=heads[0], num_kv_heads=heads[1], head_dim=args.head_dim, block_size=BLOCK_SIZE),
     )
     if args.json:
         print(json.dumps(dict(meta=meta, results=rows), indent=2))
         return
     window = f", window {args.window}" if args.window else ""
-    print(f"torch {meta['torch']}, {meta['threads']} threads, median of {args.iters} (ms per layer call){window}")
-    hdr = f"{'case':14s} {'dtype':9s} {'tokens':>6s} {'ref':>9s} {'sdpa warm':>10s} {'sdpa cold':>10s} {'speedup':>8s} {'max|diff|':>10s}"
+    window += f", softcap {args.softcap}" if args.softcap else ""
+    print(f"torch {meta['torch']}, {meta['threads']} threads, median of {args.iters} (ms per layer call){window}, "
+          f"heads {args.heads}, head_dim {args.head_dim}")  # fmt: skip
+    hdr = (f"{'case':14s} {'dtype':9s} {'tokens':>6s} {'ref':>9s} {'sdpa warm':>10s} {'sdpa cold':>10s} {'speedup':>8s} "
+           f"{'max|diff|':>10s} {'kernel':>9s} {'kernel diff':>11s}")  # fmt: skip
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         print(
             f"{r['case']:14s} {r['dtype']:9s} {r['tokens']:6d} {r['ref_ms']:9.3f} {r['sdpa_warm_ms']:10.3f} "
-            f"{r['sdpa_cold_ms']:10.3f} {r['speedup_warm']:7.1f}x {r['max_abs_diff']:10.2e}"
+            f"{r['sdpa_cold_ms']:10.3f} {r['speedup_warm']:7.1f}x {r['max_abs_diff']:10.2e} "
+            f"{r['kernel_ms'] if r['kernel_ms'] is not None else '-':>9} "
+            f"{r['kernel_max_abs_diff'] if r['kernel_max_abs_diff'] is not None else float('nan'):11.2e}"
         )
 
 

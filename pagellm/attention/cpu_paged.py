@@ -12,7 +12,10 @@ prefills, prefix-cache hits and fresh prompts alike (measured here, bf16, 2 thre
 1 x 4096 149 vs 156 ms). The new K/V are stored by the kernel library too. An fp8 (e4m3) cache
 under a bf16 model is read in place, each row widened to bf16 as it is loaded. float32 runs
 through the kernel too (head_dim 64/128 on its AVX2 path on any AVX2 CPU, else compiler-
-vectorized code); pairs the kernel does not take use :class:`TorchSDPAAttention`.
+vectorized code); pairs the kernel does not take use :class:`TorchSDPAAttention`. A sliding
+window gives each row its first position (``_KernelRows.start_for``): positions before it are
+never read, so blocks the block manager released behind the window may name anyone's data.
+Capped scores (Gemma 2) pass through ``cap * tanh(score / cap)`` in the kernel.
 
 ``ReferenceAttention`` stays the test oracle; the kernel plan decides whether this backend is
 used (it needs a kernel library: ``"auto"`` falls back to ``torch_sdpa`` without one).
@@ -20,7 +23,7 @@ used (it needs a kernel library: ``"auto"`` falls back to ``torch_sdpa`` without
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -50,6 +53,18 @@ class _KernelRows:
     # What the rows were built from (the metadata's own objects), so a changed metadata is noticed.
     source: tuple[torch.Tensor, torch.Tensor, list[int], list[int]]
     checked_for: tuple[int, int] | None = None  # (num_blocks, block_size) the indices were checked against
+    starts: dict[int, torch.Tensor] = field(default_factory=dict)  # per sliding window: int32 [N] first positions
+
+    def start_for(self, window: int | None) -> torch.Tensor | None:
+        """Each row's first position under a sliding ``window`` (its last ``window`` positions,
+        its own included: in [0, row_ctx)), built once a step per window; None without one."""
+        if window is None:
+            return None
+        start = self.starts.get(window)
+        if start is None:
+            start = torch.from_numpy(np.maximum(self.row_ctx.numpy() - window, 0).astype(np.int32))
+            self.starts[window] = start
+        return start
 
     def matches(self, metadata: AttentionMetadata) -> bool:
         """Still built from ``metadata``'s slots, block tables and lengths (the indices it checked)."""
@@ -106,9 +121,8 @@ def checked_kernel_rows(metadata: AttentionMetadata, key_cache: torch.Tensor) ->
 
 
 class CPUPagedAttention(TorchSDPAAttention):
-    """Every row of a step through the C++ paged kernel (bf16, float32, an fp8 cache under bf16);
-    other dtype pairs, and layers with a sliding window or capped scores (which the kernel does
-    not take yet), through SDPA."""
+    """Every row of a step through the C++ paged kernel (bf16, float32, an fp8 cache under bf16),
+    sliding windows and capped scores included; other dtype pairs through SDPA."""
 
     name = "cpu_paged"
 
@@ -125,8 +139,7 @@ class CPUPagedAttention(TorchSDPAAttention):
     def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale,
                 window=None, softcap=None):  # fmt: skip
         cdtype = attention_dtype(query.dtype, key_cache.dtype)
-        kernel = window is None and softcap is None and (cdtype, key_cache.dtype) in _KERNEL_PAIRS
-        if query.device.type != "cpu" or not kernel:
+        if query.device.type != "cpu" or (cdtype, key_cache.dtype) not in _KERNEL_PAIRS:
             return super().forward(query, key, value, key_cache, value_cache, metadata, scale, window, softcap)
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = key_cache.shape[-2]
@@ -149,6 +162,6 @@ class CPUPagedAttention(TorchSDPAAttention):
         if num_tokens:
             self.kernels.paged_attention(
                 q, out, key_cache, value_cache, plan.block_tables, plan.row_token, plan.row_req, plan.row_ctx, scale,
-                rows_checked=True,
+                row_start=plan.start_for(window), softcap=softcap, rows_checked=True,
             )
         return out if out.dtype == query.dtype else out.to(query.dtype)

@@ -60,12 +60,18 @@ def _check_int(name: str, t: torch.Tensor, dtype: torch.dtype, n: int | None = N
 
 def check_paged_attention_rows(
     num_tokens: int, key_cache: torch.Tensor, block_tables: torch.Tensor,
-    row_token: torch.Tensor, row_req: torch.Tensor, row_ctx: torch.Tensor,
+    row_token: torch.Tensor, row_req: torch.Tensor, row_ctx: torch.Tensor, row_start: torch.Tensor | None = None,
 ) -> None:
-    """Every index the kernel will follow is in range (one pass of min/max per tensor)."""
+    """Every index the kernel will follow is in range (one pass of min/max per tensor), and each
+    row's first position (``row_start``, where given) lies before its limit."""
     n = row_token.numel()
     for name, t in (("row_token", row_token), ("row_req", row_req), ("row_ctx", row_ctx)):
         _check_int(name, t, torch.int32, n)
+    if row_start is not None:
+        _check_int("row_start", row_start, torch.int32, n)
+        starts = row_start.numpy()
+        if n and (bool((starts < 0).any()) or bool((starts >= row_ctx.numpy()).any())):
+            raise ValueError("row_start values must lie in [0, row_ctx)")
     check_block_tables(block_tables, key_cache, 0)
     if n == 0:
         return
@@ -139,11 +145,15 @@ class KernelLibrary:
         row_ctx: torch.Tensor,
         scale: float,
         *,
+        row_start: torch.Tensor | None = None,
+        softcap: float | None = None,
         rows_checked: bool = False,
     ) -> None:
         """For each row r: ``out[row_token[r]]`` = attention of ``query[row_token[r]]`` ([H, D])
-        over the first ``row_ctx[r]`` positions of request ``row_req[r]``, read in place from the
-        paged cache ([num_blocks, block_size, H_kv, D]) through ``block_tables[row_req[r]]``.
+        over positions ``row_start[r]`` (0 without it: a sliding window's first) to
+        ``row_ctx[r] - 1`` of request ``row_req[r]``, read in place from the paged cache
+        ([num_blocks, block_size, H_kv, D]) through ``block_tables[row_req[r]]``; scores capped
+        by ``softcap * tanh(score / softcap)`` with a ``softcap``.
 
         Every index is range-checked (:func:`check_paged_attention_rows`) unless ``rows_checked``
         says the caller already did so for these exact index tensors (once per engine step).
@@ -157,14 +167,16 @@ class KernelLibrary:
         _check_rows("out", out, (num_heads, head_dim), query.dtype)
         if out.shape[0] != query.shape[0]:
             raise ValueError("out and query must have the same number of rows")
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap must be positive, got {softcap}")
         if not rows_checked:
-            check_paged_attention_rows(query.shape[0], key_cache, block_tables, row_token, row_req, row_ctx)
+            check_paged_attention_rows(query.shape[0], key_cache, block_tables, row_token, row_req, row_ctx, row_start)
         rc = self._lib.pagellm_paged_attention(
             query.data_ptr(), query.stride(0), out.data_ptr(), out.stride(0),
             key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-            row_token.data_ptr(), row_req.data_ptr(), row_ctx.data_ptr(),
-            row_token.numel(), num_heads, num_kv_heads, head_dim, block_size, float(scale), code,
-            torch.get_num_threads(),
+            row_token.data_ptr(), row_req.data_ptr(), None if row_start is None else row_start.data_ptr(),
+            row_ctx.data_ptr(), row_token.numel(), num_heads, num_kv_heads, head_dim, block_size, float(scale),
+            float(softcap or 0.0), code, torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"pagellm_paged_attention failed with code {rc}")
@@ -454,7 +466,8 @@ class DecoderStackArgs(ctypes.Structure):
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("dtype", ctypes.c_int32), ("cache_code", ctypes.c_int32),
         ("num_threads", ctypes.c_int32), ("reserved", ctypes.c_int32), ("x", _P), ("residual", _P), ("cos", _P),
         ("sin", _P), ("slot_mapping", _P), ("block_tables", _P), ("block_table_stride", ctypes.c_int64),
-        ("row_token", _P), ("row_req", _P), ("row_ctx", _P), ("num_rows", ctypes.c_int64), ("h", _P), ("qkv", _P),
+        ("row_token", _P), ("row_req", _P), ("row_start", _P), ("row_ctx", _P), ("num_rows", ctypes.c_int64),
+        ("h", _P), ("qkv", _P),
         ("attn", _P), ("act", _P), ("tp_region", _P), ("tp_calls", _P), ("tp_scratch", _P),
         ("tp_slot_elems", ctypes.c_int64), ("tp_timeout_s", ctypes.c_double), ("tp_rank", ctypes.c_int32),
         ("tp_size", ctypes.c_int32),

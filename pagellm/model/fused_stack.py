@@ -8,7 +8,8 @@ wrapper checks, ctypes: ~3 ms of a ~10 ms batch-1 step on the default model, ben
 37). The weights' shapes are checked when the stack is built; the step's indices once a step,
 as the attention backend checks them. Batches of more rows than the plan's ``quant_max_rows``
 use quantized linears' dense copies or AMX tiles, as the modules do; steps it does not take (a cache dtype
-the kernels do not read) run the Python layers.
+the kernels do not read) run the Python layers. A sliding window kept by every layer (Mistral)
+is in the call; capped scores, other score scales and Gemma's norms are not.
 """
 
 from __future__ import annotations
@@ -99,8 +100,8 @@ def _layer_weights(layer: nn.Module, arch: ModelArchConfig, dtype: torch.dtype) 
         return None
     if getattr(attn, "q_norm", None) is not None:  # per-head q/k norms (Qwen3): not in the call
         return None
-    if attn.window is not None or attn.softcap is not None or attn.scale != arch.head_dim**-0.5:
-        return None  # a sliding window, capped scores or another scale (Gemma): not in the call
+    if attn.softcap is not None or attn.scale != arch.head_dim**-0.5:
+        return None  # capped scores or another scale (Gemma): not in the call
     if getattr(layer, "post_feedforward_layernorm", None) is not None:  # Gemma's sandwich norms
         return None
     if not all(isinstance(n, RMSNorm) and n.kernels is not None for n in norms):
@@ -136,7 +137,7 @@ class FusedDecoderStack:
 
     def __init__(
         self, weights: list[_LayerWeights], arch: ModelArchConfig, lib: KernelLibrary, dtype: torch.dtype,
-        max_rows: int | None, tp: TensorParallel | None = None,
+        max_rows: int | None, tp: TensorParallel | None = None, window: int | None = None,
     ) -> None:
         if tp is not None and tp.shm is None:
             raise ValueError("the one-call decoder stack joins tensor-parallel ranks through shared memory only")
@@ -146,6 +147,7 @@ class FusedDecoderStack:
         self.kernels = lib
         self.dtype = dtype
         self.max_rows = max_rows
+        self.window = window  # every layer's sliding window (Mistral), or None
         self.eps = float(arch.rms_norm_eps)
         self.steps = 0  # steps run here (the rest ran the Python layers)
         # Per-layer C structs of each side (small batches, big ones) for the caches at these
@@ -159,14 +161,15 @@ class FusedDecoderStack:
         tp: TensorParallel | None = None,
     ) -> FusedDecoderStack | None:
         """The stack for these layers (``arch``: a tensor-parallel rank's share, under ``tp``),
-        or None where any layer does not fit the call."""
+        or None where any layer does not fit the call (or the layers' sliding windows differ)."""
         dtype = layers[0].input_layernorm.weight.dtype if len(layers) else None
         if dtype not in DTYPE_CODES:
             return None
         weights = [_layer_weights(layer, arch, dtype) for layer in layers]
-        if any(w is None for w in weights):
+        windows = {layer.self_attn.window for layer in layers}
+        if any(w is None for w in weights) or len(windows) != 1:
             return None
-        return cls([w for w in weights if w is not None], arch, lib, dtype, max_rows, tp)
+        return cls([w for w in weights if w is not None], arch, lib, dtype, max_rows, tp, windows.pop())
 
     def layer_args(self, hidden: torch.Tensor, kv_caches: list[KVCache]) -> ctypes.Array[DecoderLayerArgs] | None:
         """The per-layer arguments of this step where it runs here (rows in the model dtype, a
@@ -221,6 +224,7 @@ class FusedDecoderStack:
         scratch = [torch.empty(tokens, width, dtype=self.dtype) for width in
                    (arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.q_size, arch.intermediate_size)]  # fmt: skip
         tables = rows.block_tables
+        row_start = rows.start_for(self.window)
         tp_args, tp_scratch = self._tensor_parallel_args(tokens)
         args = DecoderStackArgs(
             layers, len(self.weights), tokens, arch.hidden_size, arch.num_attention_heads,
@@ -228,7 +232,8 @@ class FusedDecoderStack:
             arch.head_dim**-0.5, DTYPE_CODES[self.dtype], CACHE_CODES[(self.dtype, key_cache.dtype)],
             torch.get_num_threads(), 0, x.data_ptr(), residual.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             metadata.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0), rows.row_token.data_ptr(),
-            rows.row_req.data_ptr(), rows.row_ctx.data_ptr(), rows.row_token.numel(),
+            rows.row_req.data_ptr(), None if row_start is None else row_start.data_ptr(), rows.row_ctx.data_ptr(),
+            rows.row_token.numel(),
             *(t.data_ptr() for t in scratch), *tp_args,
         )  # fmt: skip
         self.kernels.decoder_stack(args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import shutil
@@ -51,6 +52,61 @@ def test_decode_and_context_prefill_match_dense(num_heads, num_kv_heads, head_di
     reqs = [(1030, 1), (5, 1), (0, 1), (77, 1), (40, 9), (0, 12), (16, 16), (300, 1)]
     step = make_step(reqs, 16, num_heads, num_kv_heads, head_dim=head_dim, dtype=dtype, seed=head_dim)
     check_step(step, cpu_paged_all_dtypes)
+
+
+def _release_before_windows(step, window: int):
+    """A copy of the step's metadata whose block-table entries wholly before each request's first
+    query's window name a never-written (NaN) block, as after the block manager released them
+    and handed them to others: the kernel must never read them."""
+    md = step.metadata
+    block_size = md.block_size
+    used = {int(b) for r, s in enumerate(md.seq_lens) for b in md.block_tables[r, : -(-s // block_size)]}
+    spare = next(b for b in range(step.key_cache.shape[0]) if b not in used)
+    tables = md.block_tables.clone()
+    released = 0
+    for r, (q_len, s_len) in enumerate(zip(md.query_lens, md.seq_lens)):
+        first_start = max(0, s_len - q_len + 1 - window)  # the first query's first visible position
+        tables[r, : first_start // block_size] = spare
+        released += first_start // block_size
+    return dataclasses.replace(md, block_tables=tables, derived={}), released
+
+
+# Decode rows far past the window and below it, prefills longer than the window (AMX tiles of
+# rows whose windows start apart), a chunk with context, on blocks of 16.
+WINDOW_REQS = [(1030, 1), (5, 1), (77, 1), (40, 9), (0, 40), (16, 16), (300, 1), (33, 20)]
+
+
+@pytest.mark.parametrize("window,softcap", [(37, None), (None, 2.0), (20, 2.0)], ids=["window", "softcap", "both"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8], ids=["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 4, 128), (4, 2, 256), (6, 3, 48)],
+    ids=["d64", "d128", "d256", "odd48"],
+)
+def test_window_and_softcap_match_dense(num_heads, num_kv_heads, head_dim, dtype, window, softcap):
+    # Every path of the kernel (AMX tiles and scores, AVX-512, AVX2 with head_dim 256, the
+    # generic one; in the portable builds too) over a sliding window and capped scores.
+    step = make_step(WINDOW_REQS, 16, num_heads, num_kv_heads, head_dim=head_dim,
+                     dtype=torch.bfloat16 if dtype == FP8 else dtype, seed=head_dim)  # fmt: skip
+    if dtype == FP8:
+        step = to_fp8_step(step)
+    check_step(step, cpu_paged_all_dtypes, window, softcap)
+    if window is None:
+        return
+    step.metadata, released = _release_before_windows(step, window)
+    assert released >= 60  # the 1030-position decode alone releases 62 blocks
+    out, _, _ = run_backend(cpu_paged_all_dtypes(), step, window, softcap)
+    tol = TOL[torch.float32 if dtype == torch.float32 else torch.bfloat16]
+    torch.testing.assert_close(out.double(), dense_expected(step, window, softcap), **tol)
+
+
+@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 30.0], ids=["tiny", "unit", "huge"])
+def test_softcap_on_tiny_and_huge_scores_match_dense(magnitude):
+    # The cap's vector tanh: its series below 1/16, exp-based above, saturated far out; a float32
+    # score is within float32 rounding of tanh's either way.
+    step = make_step([(300, 1), (40, 20)], 16, 4, 2, head_dim=64, dtype=torch.float32, seed=1)
+    step.query.mul_(magnitude)
+    out, _, _ = run_backend(cpu_paged_all_dtypes(), step, None, 2.0)
+    assert (out.double() - dense_expected(step, None, 2.0)).abs().max().item() < 1e-6
 
 
 def test_bf16_kernel_is_as_close_to_float64_as_the_float32_path():
@@ -126,6 +182,12 @@ BAD_ARGUMENTS = {
     "context past the block table": lambda a: dict(row_ctx=torch.tensor([21, 16 * a["block_tables"].shape[1] + 1], dtype=torch.int32)),
     "empty context": lambda a: dict(row_ctx=torch.tensor([21, 0], dtype=torch.int32)),
     "block id out of range": lambda a: dict(block_tables=a["block_tables"] + a["key_cache"].shape[0]),
+    "window start at its limit": lambda a: dict(row_start=torch.tensor([3, 4], dtype=torch.int32)),
+    "negative window start": lambda a: dict(row_start=torch.tensor([-1, 0], dtype=torch.int32)),
+    "int64 window starts": lambda a: dict(row_start=torch.tensor([0, 0])),
+    "window starts for one row": lambda a: dict(row_start=torch.tensor([0], dtype=torch.int32)),
+    "zero soft cap": lambda a: dict(softcap=0.0),
+    "negative soft cap": lambda a: dict(softcap=-5.0),
 }
 
 

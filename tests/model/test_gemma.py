@@ -79,7 +79,7 @@ def test_gemma_norms_scale_by_one_plus_weight() -> None:
 
 
 def test_bf16_gemma_runs_its_layers_as_modules(tiny_gemma2_path: str) -> None:
-    """The one-call decoder stack has no window, caps or sandwich norms: a bf16 Gemma runs its
+    """The one-call decoder stack has no caps, Gemma's score scale or sandwich norms: a bf16 Gemma runs its
     layers as modules and tracks float32 (same first token)."""
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=1)
     prompts = [{"prompt_token_ids": list(range(300, 300 + n))} for n in (4, 19)]

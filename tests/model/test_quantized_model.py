@@ -237,13 +237,13 @@ def _generate_fused_or_not(llm: LLM, fused: bool) -> list[tuple[list[int], list[
 
 @pytest.mark.parametrize("case", [
     "default-gguf-bf16", "default-gguf-bf16-amx-int8", "qwen2-int8-f32", "qwen2-int8-bf16", "llama-int8-bf16-fp8kv", "llama-dense-bf16",
-    "llama-dense-bf16-no-amx", "qwen2-dense-f32-avx2",
+    "llama-dense-bf16-no-amx", "qwen2-dense-f32-avx2", "mistral-window-bf16", "mistral-window-int8-f32",
 ])
 def test_fused_decoder_equals_the_layers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
                                          case: str) -> None:
     """One C++ call for the whole decoder stack gives the Python layers' results bit for bit
-    (qkv bias, an fp8 cache, float32, dense weights on pagellm's bf16 and AVX2 GEMMs, and
-    quantized ones on AMX tiles included)."""
+    (qkv bias, an fp8 cache, float32, dense weights on pagellm's bf16 and AVX2 GEMMs, quantized
+    ones on AMX tiles, and a sliding window of 8 over longer contexts included)."""
     if case.endswith("amx-int8"):  # no memory for dense copies: big batches on AMX tiles
         monkeypatch.setattr("pagellm.worker.kernel_plan.DENSE_COPY_MEMORY_SHARE", 0.0)
     options: dict[str, object] = {
@@ -261,6 +261,9 @@ def test_fused_decoder_equals_the_layers(request: pytest.FixtureRequest, monkeyp
                                         cpu_isa="avx512"),
         "qwen2-dense-f32-avx2": dict(model=request.getfixturevalue("tiny_qwen2_path"), dtype="float32",
                                      cpu_isa="avx2"),
+        "mistral-window-bf16": dict(model=request.getfixturevalue("tiny_mistral_window_path"), dtype="bfloat16"),
+        "mistral-window-int8-f32": dict(model=request.getfixturevalue("tiny_mistral_window_path"), dtype="float32",
+                                        quantization="int8"),
     }[case]
     fused_llm = LLM(num_kv_blocks=128, **options)
     plan = fused_llm.llm_engine.executor.kernel_plan
@@ -273,6 +276,7 @@ def test_fused_decoder_equals_the_layers(request: pytest.FixtureRequest, monkeyp
     fused = _generate_fused_or_not(fused_llm, True)
     stack = fused_llm.llm_engine.executor.model_runner.model._fused_stack
     assert stack is not None and stack.steps >= 11  # at least the decode steps ran on it
+    assert stack.window == (8 if case.startswith("mistral-window") else None)
     layers = _generate_fused_or_not(LLM(num_kv_blocks=128, **options), False)
     assert fused == layers
 

@@ -12,9 +12,16 @@ template <typename T, typename KV = T>
 void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_row_stride,
                      const KV* key_cache, const KV* value_cache, const int64_t* block_tables,
                      int64_t block_table_stride, const int32_t* row_token, const int32_t* row_req,
-                     const int32_t* row_ctx, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
-                     int64_t head_dim, int64_t block_size, float scale, int num_threads) {
+                     const int32_t* row_start, const int32_t* row_ctx, int64_t num_rows, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float softcap,
+                     int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
+    // Rows attend from position 0 unless a sliding window gives each its first position.
+    std::vector<int32_t> zeros;
+    if (row_start == nullptr) {
+        zeros.assign(static_cast<size_t>(num_rows), 0);
+        row_start = zeros.data();
+    }
     bool amx = false;
 #ifdef PAGELLM_AMX
     // The same condition as attend_one_avx512's (head_dim 64 or 128), so `amx` is never set
@@ -57,10 +64,12 @@ void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_r
                     const int64_t* table = block_tables + static_cast<int64_t>(row_req[r]) * block_table_stride;
                     if (head_dim == 64)
                         attend_tile_amx<2>(query, q_row_stride, out, out_row_stride, key_cache, value_cache, table,
-                                           row_token + r, row_ctx + r, n, kvh, group, num_kv_heads, scale, scores);
+                                           row_token + r, row_start + r, row_ctx + r, n, kvh, group, num_kv_heads,
+                                           scale, softcap, scores);
                     else
                         attend_tile_amx<4>(query, q_row_stride, out, out_row_stride, key_cache, value_cache, table,
-                                           row_token + r, row_ctx + r, n, kvh, group, num_kv_heads, scale, scores);
+                                           row_token + r, row_start + r, row_ctx + r, n, kvh, group, num_kv_heads,
+                                           scale, softcap, scores);
                     continue;
                 }
             }
@@ -71,34 +80,40 @@ void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_r
             const T* q_row = query + tok * q_row_stride;
             T* out_row = out + tok * out_row_stride;
             const int64_t* table = block_tables + static_cast<int64_t>(row_req[r]) * block_table_stride;
+            const int64_t start = row_start[r], ctx = row_ctx[r];
 #ifdef PAGELLM_AVX512_BF16
             if constexpr (std::is_same_v<T, uint16_t>) {
                 if (head_dim == 64) {
-                    attend_one_avx512<2, KV>(q_row, out_row, key_cache, value_cache, table, row_ctx[r], kvh, group,
-                                         num_kv_heads, block_size, scale, scores, work, amx, lone);
+                    attend_one_avx512<2, KV>(q_row, out_row, key_cache, value_cache, table, start, ctx, kvh, group,
+                                         num_kv_heads, block_size, scale, softcap, scores, work, amx, lone);
                     continue;
                 }
                 if (head_dim == 128) {
-                    attend_one_avx512<4, KV>(q_row, out_row, key_cache, value_cache, table, row_ctx[r], kvh, group,
-                                         num_kv_heads, block_size, scale, scores, work, amx, lone);
+                    attend_one_avx512<4, KV>(q_row, out_row, key_cache, value_cache, table, start, ctx, kvh, group,
+                                         num_kv_heads, block_size, scale, softcap, scores, work, amx, lone);
                     continue;
                 }
             }
 #endif
 #ifdef PAGELLM_ATTENTION_AVX2
             if (head_dim == 64) {
-                attend_one_avx2<64, T, KV>(q_row, out_row, key_cache, value_cache, table, row_ctx[r], kvh, group,
-                                           num_kv_heads, block_size, scale, scores, work, lone);
+                attend_one_avx2<64, T, KV>(q_row, out_row, key_cache, value_cache, table, start, ctx, kvh, group,
+                                           num_kv_heads, block_size, scale, softcap, scores, work, lone);
                 continue;
             }
             if (head_dim == 128) {
-                attend_one_avx2<128, T, KV>(q_row, out_row, key_cache, value_cache, table, row_ctx[r], kvh, group,
-                                            num_kv_heads, block_size, scale, scores, work, lone);
+                attend_one_avx2<128, T, KV>(q_row, out_row, key_cache, value_cache, table, start, ctx, kvh, group,
+                                            num_kv_heads, block_size, scale, softcap, scores, work, lone);
+                continue;
+            }
+            if (head_dim == 256) {  // Gemma 2 and 3
+                attend_one_avx2<256, T, KV>(q_row, out_row, key_cache, value_cache, table, start, ctx, kvh, group,
+                                            num_kv_heads, block_size, scale, softcap, scores, work, lone);
                 continue;
             }
 #endif
-            attend_one<T, KV>(q_row, out_row, key_cache, value_cache, table, row_ctx[r], kvh, group, num_kv_heads,
-                          head_dim, block_size, scale, scores, work);
+            attend_one<T, KV>(q_row, out_row, key_cache, value_cache, table, start, ctx, kvh, group, num_kv_heads,
+                          head_dim, block_size, scale, softcap, scores, work);
         }
 #ifdef PAGELLM_AMX
         if (amx) _tile_release();
@@ -110,37 +125,41 @@ void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_r
 
 extern "C" {
 
-// out[row_token[r], h, :] = attention of query[row_token[r], h, :] over the first row_ctx[r]
-// positions of request row_req[r] (block_tables row), for every row r and query head h.
-// dtype: 0 float32, 1 bfloat16, 2 bfloat16 query and out over an fp8 (e4m3) cache.
+// out[row_token[r], h, :] = attention of query[row_token[r], h, :] over positions
+// [row_start[r], row_ctx[r]) of request row_req[r] (block_tables row), for every row r and query
+// head h; row_start null: from 0. Scores are capped by softcap * tanh(score / softcap) where
+// softcap > 0 (0: no cap). dtype: 0 float32, 1 bfloat16, 2 bfloat16 query and out over an fp8
+// (e4m3) cache.
 // Returns 0 on success, -1 on an unsupported argument.
 int pagellm_paged_attention(const void* query, int64_t q_row_stride, void* out, int64_t out_row_stride,
                             const void* key_cache, const void* value_cache, const int64_t* block_tables,
                             int64_t block_table_stride, const int32_t* row_token, const int32_t* row_req,
-                            const int32_t* row_ctx, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, int64_t block_size, float scale, int dtype, int num_threads) {
+                            const int32_t* row_start, const int32_t* row_ctx, int64_t num_rows, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float softcap,
+                            int dtype, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0) return -1;
     if (num_threads < 1) num_threads = 1;
     if (dtype == 0) {
         paged_attention<float>(static_cast<const float*>(query), q_row_stride, static_cast<float*>(out),
                                out_row_stride, static_cast<const float*>(key_cache),
                                static_cast<const float*>(value_cache), block_tables, block_table_stride,
-                               row_token, row_req, row_ctx, num_rows, num_heads, num_kv_heads, head_dim,
-                               block_size, scale, num_threads);
+                               row_token, row_req, row_start, row_ctx, num_rows, num_heads, num_kv_heads,
+                               head_dim, block_size, scale, softcap, num_threads);
     } else if (dtype == 1) {
         paged_attention<uint16_t>(static_cast<const uint16_t*>(query), q_row_stride,
                                   static_cast<uint16_t*>(out), out_row_stride,
                                   static_cast<const uint16_t*>(key_cache),
                                   static_cast<const uint16_t*>(value_cache), block_tables,
-                                  block_table_stride, row_token, row_req, row_ctx, num_rows, num_heads,
-                                  num_kv_heads, head_dim, block_size, scale, num_threads);
+                                  block_table_stride, row_token, row_req, row_start, row_ctx, num_rows,
+                                  num_heads, num_kv_heads, head_dim, block_size, scale, softcap, num_threads);
     } else if (dtype == 2) {
         paged_attention<uint16_t, uint8_t>(static_cast<const uint16_t*>(query), q_row_stride,
                                            static_cast<uint16_t*>(out), out_row_stride,
                                            static_cast<const uint8_t*>(key_cache),
                                            static_cast<const uint8_t*>(value_cache), block_tables,
-                                           block_table_stride, row_token, row_req, row_ctx, num_rows, num_heads,
-                                           num_kv_heads, head_dim, block_size, scale, num_threads);
+                                           block_table_stride, row_token, row_req, row_start, row_ctx, num_rows,
+                                           num_heads, num_kv_heads, head_dim, block_size, scale, softcap,
+                                           num_threads);
     } else {
         return -1;
     }

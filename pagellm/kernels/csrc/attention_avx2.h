@@ -72,22 +72,22 @@ inline __m256 exp_nonpositive_x8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
-// The rows of one KV head's first ctx positions, kAvx2Tile at a time, through the block table.
+// The rows of one KV head's positions [start, ctx), kAvx2Tile at a time, through the block table.
 // Each row looked up prefetches the one kPrefetchDistance positions ahead (as
 // for_each_context_row), or, with `values` (see attend_one_avx2), the first rows up front and
 // each position's value row along with its key row, and the value pass's walk none.
 template <int D, typename KV>
 class ContextTiles {
   public:
-    ContextTiles(const KV* cache, const int64_t* table, int64_t ctx, int64_t block_size, int64_t row_stride,
-                 int64_t offset, bool ahead, const KV* values = nullptr)
+    ContextTiles(const KV* cache, const int64_t* table, int64_t start, int64_t ctx, int64_t block_size,
+                 int64_t row_stride, int64_t offset, bool ahead, const KV* values = nullptr)
         : cache_(cache + offset), values_(values ? values + offset : nullptr), table_(table), ctx_(ctx),
-          block_size_(block_size), row_stride_(row_stride), ahead_(ahead) {
-        int64_t block = 0, i = 0;
+          block_size_(block_size), row_stride_(row_stride), pos_(start), block_(start / block_size),
+          i_(start % block_size), ahead_block_((start + kPrefetchDistance) / block_size),
+          ahead_i_((start + kPrefetchDistance) % block_size), ahead_(ahead) {
+        int64_t block = block_, i = i_;
         if (values)
-            for (int64_t p = 0; p < ctx && p < kPrefetchDistance; ++p) prefetch(cache_ + index(block, i));
-        ahead_block_ = kPrefetchDistance / block_size;
-        ahead_i_ = kPrefetchDistance % block_size;
+            for (int64_t p = start; p < ctx && p < start + kPrefetchDistance; ++p) prefetch(cache_ + index(block, i));
     }
 
     // rows[0:n] = the next n = min(kAvx2Tile, positions left) rows; rows[n:round_up(n, 8)] = the
@@ -122,7 +122,7 @@ class ContextTiles {
     const KV* cache_;
     const KV* values_;
     const int64_t* table_;
-    int64_t ctx_, block_size_, row_stride_, pos_ = 0, block_ = 0, i_ = 0, ahead_block_, ahead_i_;
+    int64_t ctx_, block_size_, row_stride_, pos_, block_, i_, ahead_block_, ahead_i_;
     bool ahead_;
 };
 
@@ -239,16 +239,17 @@ inline const Row* const* tile_rows(const KV* const* rows, int64_t n, uint16_t* b
     }
 }
 
-// attend_one (same arguments, same three passes) for head_dim D = 64 or 128. Query heads are
+// attend_one (same arguments, same three passes) for head_dim D = 64, 128 or 256. Query heads are
 // taken 3 at a time (a last chunk of 1 or 2): scores for 4 positions at once (8 for a lone
 // head, so that 8 FMA chains stay in flight), value sums over 32 columns (64 for a lone head).
 template <int D, typename T, typename KV>
 void attend_one_avx2(const T* q_row, T* out_row, const KV* key_cache, const KV* value_cache,
-                     const int64_t* block_table, int64_t ctx, int64_t kvh, int64_t G, int64_t num_kv_heads,
-                     int64_t block_size, float scale, std::vector<float>& scores, std::vector<float>& work,
-                     bool lone) {
+                     const int64_t* block_table, int64_t start, int64_t ctx, int64_t kvh, int64_t G,
+                     int64_t num_kv_heads, int64_t block_size, float scale, float softcap,
+                     std::vector<float>& scores, std::vector<float>& work, bool lone) {
     static_assert(D % 64 == 0, "head_dim a multiple of 64");
-    const int64_t cs = (ctx + 7) & ~int64_t{7};
+    const int64_t len = ctx - start;  // positions attended (a sliding window's, or all)
+    const int64_t cs = (len + 7) & ~int64_t{7};
     scores.resize(static_cast<size_t>(G * cs));
     work.resize(static_cast<size_t>(2 * G * D + G));
     float* s = scores.data();   // [G, cs]
@@ -272,10 +273,10 @@ void attend_one_avx2(const T* q_row, T* out_row, const KV* key_cache, const KV* 
     // For a lone row (a decode) whose values fit in kFetchValuesMaxBytes, the key walk fetches
     // the value rows too, as attend_one_avx512 does (see there): decode, 1 thread, float32 /
     // bf16 / fp8 69.9 / 46.5 / 50.1 -> 66.5 / 40.3 / 44.3 ms.
-    const bool fetch_values = lone && ctx * D * int64_t{sizeof(KV)} <= kFetchValuesMaxBytes;
-    ContextTiles<D, KV> keys(key_cache, block_table, ctx, block_size, row_stride, kvh * D, true,
+    const bool fetch_values = lone && len * D * int64_t{sizeof(KV)} <= kFetchValuesMaxBytes;
+    ContextTiles<D, KV> keys(key_cache, block_table, start, ctx, block_size, row_stride, kvh * D, true,
                              fetch_values ? value_cache : nullptr);
-    for (int64_t p0 = 0; p0 < ctx; p0 += kAvx2Tile) {
+    for (int64_t p0 = 0; p0 < len; p0 += kAvx2Tile) {
         const int64_t n = keys.next(rows);
         const int64_t n8 = (n + 7) & ~int64_t{7};
         const Row* const* tile = tile_rows<D>(rows, n, buf, decoded);
@@ -291,11 +292,14 @@ void attend_one_avx2(const T* q_row, T* out_row, const KV* key_cache, const KV* 
         }
     }
 
-    for (int64_t g = 0; g < G; ++g) inv[g] = 1.f / exp_scores<std::is_same_v<T, float>>(s + g * cs, ctx, cs);
+    for (int64_t g = 0; g < G; ++g) {
+        cap_scores(s + g * cs, cs, softcap);  // the lanes past len are copies, dropped by exp_scores
+        inv[g] = 1.f / exp_scores<std::is_same_v<T, float>>(s + g * cs, len, cs);
+    }
 
     std::memset(acc, 0, sizeof(float) * static_cast<size_t>(G * D));
-    ContextTiles<D, KV> values(value_cache, block_table, ctx, block_size, row_stride, kvh * D, !fetch_values);
-    for (int64_t p0 = 0; p0 < ctx; p0 += kAvx2Tile) {
+    ContextTiles<D, KV> values(value_cache, block_table, start, ctx, block_size, row_stride, kvh * D, !fetch_values);
+    for (int64_t p0 = 0; p0 < len; p0 += kAvx2Tile) {
         const int64_t n = values.next(rows);
         const Row* const* tile = tile_rows<D>(rows, n, buf, decoded);
         for (int64_t g0 = 0; g0 < G; g0 += 3) {

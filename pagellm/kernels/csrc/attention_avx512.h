@@ -152,23 +152,23 @@ inline void load_f32_row(const uint8_t* p, __m512 (&v)[2 * C]) {
 template <int C>
 constexpr int64_t kValueRows = C <= 2 ? 4 : 3;
 
-// acc[j][0:D] = sum over p < ctx of w_j[p] * V[p] (D = 32 * C) for `rows` <= kValueRows<C>
-// weight rows w_j = w + j * w_stride; each value row is read once for all of them. kPrefetch:
-// prefetch the rows ahead (false where the caller already brought them in).
+// acc[j][0:D] = sum over start <= p < ctx of w_j[p - start] * V[p] (D = 32 * C) for `rows` <=
+// kValueRows<C> weight rows w_j = w + j * w_stride; each value row is read once for all of them.
+// kPrefetch: prefetch the rows ahead (false where the caller already brought them in).
 template <int C, bool kPrefetch = true, typename KV = uint16_t>
-inline void weighted_values(const KV* value_cache, const int64_t* block_table, int64_t ctx, int64_t block_size,
-                            int64_t row_stride, int64_t offset, const float* w, int64_t w_stride, int64_t rows,
-                            float* acc) {
+inline void weighted_values(const KV* value_cache, const int64_t* block_table, int64_t start, int64_t ctx,
+                            int64_t block_size, int64_t row_stride, int64_t offset, const float* w, int64_t w_stride,
+                            int64_t rows, float* acc) {
     constexpr int64_t D = 32 * C;
     __m512 a[kValueRows<C>][2 * C];
     for (int j = 0; j < kValueRows<C>; ++j)
         for (int c = 0; c < 2 * C; ++c) a[j][c] = _mm512_setzero_ps();
-    for_each_context_row<kPrefetch>(value_cache, block_table, ctx, block_size, row_stride, offset,
+    for_each_context_row<kPrefetch>(value_cache, block_table, start, ctx, block_size, row_stride, offset,
                                     D * int64_t{sizeof(KV)}, [&](int64_t p, const KV* vp) {
                                         __m512 v[2 * C];
                                         load_f32_row<C>(vp, v);
                                         for (int j = 0; j < rows; ++j) {
-                                            const __m512 wj = _mm512_set1_ps(w[j * w_stride + p]);
+                                            const __m512 wj = _mm512_set1_ps(w[j * w_stride + p - start]);
                                             for (int c = 0; c < 2 * C; ++c)
                                                 a[j][c] = _mm512_fmadd_ps(wj, v[c], a[j][c]);
                                         }
@@ -247,38 +247,47 @@ inline void block_scores(const uint16_t* key_cache, const int64_t* block_table, 
     _tile_stored(0, st, 64);
 }
 
+// s[g * (ctx - start) + p - start] = scale * q_g . K[p] for positions [start, ctx): whole
+// blocks of kAmxBlock from the one holding `start` (its rows before `start` are dropped).
 template <int C>
-void scores_amx(const uint16_t* q_row, const uint16_t* key_cache, const int64_t* block_table, int64_t ctx,
-                int64_t kvh, int64_t G, int64_t row_stride, float scale, float* s) {
+void scores_amx(const uint16_t* q_row, const uint16_t* key_cache, const int64_t* block_table, int64_t start,
+                int64_t ctx, int64_t kvh, int64_t G, int64_t row_stride, float scale, float* s) {
     static_assert(C >= 1 && C <= 4, "head_dim up to 128");
     constexpr int64_t D = 32 * C;
     alignas(64) uint16_t qb[C][16 * 16 * 2] = {};  // query head g is column g
     for (int64_t g = 0; g < G; ++g) put_query_column<C>(qb, q_row + (kvh * G + g) * D, g);
     load_query_tiles<C>(qb);
     alignas(64) float st[16][16];
-    for (int64_t p0 = 0; p0 < ctx; p0 += kAmxBlock) {
+    const int64_t len = ctx - start;
+    for (int64_t p0 = start - start % kAmxBlock; p0 < ctx; p0 += kAmxBlock) {
         block_scores<C>(key_cache, block_table, p0, ctx, kvh, row_stride, st);
         const int64_t n = ctx - p0 < kAmxBlock ? ctx - p0 : kAmxBlock;
-        for (int64_t i = 0; i < n; ++i)
-            for (int64_t g = 0; g < G; ++g) s[g * ctx + p0 + i] = st[i][g] * scale;
+        for (int64_t i = p0 < start ? start - p0 : 0; i < n; ++i)
+            for (int64_t g = 0; g < G; ++g) s[g * len + p0 + i - start] = st[i][g] * scale;
     }
 }
 
-// Up to 16 rows of one request (a prefill chunk, each row with its own causal limit
-// row_ctx[j]) and one KV head, one query head g at a time: the rows are the 16 query columns of
-// the score tiles, so each key block is multiplied once for all of them. Softmax per row, then
-// the value sums a few rows at a time (positions a row must not see get weight 0; every
-// position below the largest limit holds a written value row).
+// Up to 16 rows of one request (a prefill chunk, each row j attending to positions
+// [row_start[j], row_ctx[j])) and one KV head, one query head g at a time: the rows are the 16
+// query columns of the score tiles, so each key block is multiplied once for all of them.
+// Softmax per row, then the value sums a few rows at a time (positions a row must not see get
+// weight 0; every position from the first row's start to the largest limit holds a written
+// value row: a window releases only blocks before the step's first row's start).
 template <int C>
 void attend_tile_amx(const uint16_t* query, int64_t q_row_stride, uint16_t* out, int64_t out_row_stride,
                      const uint16_t* key_cache, const uint16_t* value_cache, const int64_t* block_table,
-                     const int32_t* row_token, const int32_t* row_ctx, int64_t n, int64_t kvh, int64_t G,
-                     int64_t num_kv_heads, float scale, std::vector<float>& scores) {
+                     const int32_t* row_token, const int32_t* row_start, const int32_t* row_ctx, int64_t n,
+                     int64_t kvh, int64_t G, int64_t num_kv_heads, float scale, float softcap,
+                     std::vector<float>& scores) {
     constexpr int64_t D = 32 * C;
     const int64_t row_stride = num_kv_heads * D;
-    int64_t ctx_max = 0;
-    for (int64_t j = 0; j < n; ++j) ctx_max = row_ctx[j] > ctx_max ? row_ctx[j] : ctx_max;
-    scores.resize(static_cast<size_t>(n * ctx_max));
+    int64_t ctx_max = 0, lo = INT64_MAX;
+    for (int64_t j = 0; j < n; ++j) {
+        ctx_max = row_ctx[j] > ctx_max ? row_ctx[j] : ctx_max;
+        lo = row_start[j] < lo ? row_start[j] : lo;
+    }
+    const int64_t width = ctx_max - lo;  // score row j holds positions lo .. ctx_max - 1
+    scores.resize(static_cast<size_t>(n * width));
     float* s = scores.data();
     alignas(64) uint16_t qb[C][16 * 16 * 2];
     alignas(64) float st[16][16];
@@ -288,22 +297,29 @@ void attend_tile_amx(const uint16_t* query, int64_t q_row_stride, uint16_t* out,
         for (int64_t j = 0; j < n; ++j)
             put_query_column<C>(qb, query + row_token[j] * q_row_stride + (kvh * G + g) * D, j);
         load_query_tiles<C>(qb);
-        for (int64_t p0 = 0; p0 < ctx_max; p0 += kAmxBlock) {
+        for (int64_t p0 = lo - lo % kAmxBlock; p0 < ctx_max; p0 += kAmxBlock) {
             block_scores<C>(key_cache, block_table, p0, ctx_max, kvh, row_stride, st);
             const int64_t np = ctx_max - p0 < kAmxBlock ? ctx_max - p0 : kAmxBlock;
-            for (int64_t i = 0; i < np; ++i)
-                for (int64_t j = 0; j < n; ++j) s[j * ctx_max + p0 + i] = st[i][j] * scale;
+            for (int64_t i = p0 < lo ? lo - p0 : 0; i < np; ++i)
+                for (int64_t j = 0; j < n; ++j) s[j * width + p0 + i - lo] = st[i][j] * scale;
         }
         for (int64_t j = 0; j < n; ++j) {
-            softmax_avx512(s + j * ctx_max, row_ctx[j]);
-            std::fill(s + j * ctx_max + row_ctx[j], s + (j + 1) * ctx_max, 0.0f);
+            float* sj = s + j * width;
+            const int64_t a = row_start[j] - lo, b = row_ctx[j] - lo;
+            cap_scores(sj + a, b - a, softcap);
+            softmax_avx512(sj + a, b - a);
+            std::fill(sj, sj + a, 0.0f);
+            std::fill(sj + b, sj + width, 0.0f);
         }
         for (int64_t j0 = 0; j0 < n; j0 += kValueRows<C>) {
             const int64_t jn = n - j0 < kValueRows<C> ? n - j0 : kValueRows<C>;
-            int64_t hi = 0;
-            for (int64_t j = j0; j < j0 + jn; ++j) hi = row_ctx[j] > hi ? row_ctx[j] : hi;
-            weighted_values<C>(value_cache, block_table, hi, kAmxBlock, row_stride, kvh * D, s + j0 * ctx_max, ctx_max,
-                               jn, acc);
+            int64_t hi = 0, first = INT64_MAX;
+            for (int64_t j = j0; j < j0 + jn; ++j) {
+                hi = row_ctx[j] > hi ? row_ctx[j] : hi;
+                first = row_start[j] < first ? row_start[j] : first;
+            }
+            weighted_values<C>(value_cache, block_table, first, hi, kAmxBlock, row_stride, kvh * D,
+                               s + j0 * width + (first - lo), width, jn, acc);
             for (int64_t j = 0; j < jn; ++j) {
                 uint16_t* o = out + row_token[j0 + j] * out_row_stride + (kvh * G + g) * D;
                 for (int64_t d = 0; d < D; ++d) o[d] = float_to_bf16(acc[j * D + d]);
@@ -315,12 +331,13 @@ void attend_tile_amx(const uint16_t* query, int64_t q_row_stride, uint16_t* out,
 
 template <int C, typename KV = uint16_t>
 void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const KV* key_cache,
-                       const KV* value_cache, const int64_t* block_table, int64_t ctx, int64_t kvh,
-                       int64_t group, int64_t num_kv_heads, int64_t block_size, float scale,
-                       std::vector<float>& scores, std::vector<float>& work, bool amx, bool lone) {
+                       const KV* value_cache, const int64_t* block_table, int64_t start, int64_t ctx,
+                       int64_t kvh, int64_t group, int64_t num_kv_heads, int64_t block_size, float scale,
+                       float softcap, std::vector<float>& scores, std::vector<float>& work, bool amx, bool lone) {
     constexpr int64_t D = 32 * C;
     const int64_t G = group;
-    scores.resize(static_cast<size_t>(G * ctx));
+    const int64_t len = ctx - start;  // positions attended (a sliding window's, or all)
+    scores.resize(static_cast<size_t>(G * len));
     work.resize(static_cast<size_t>(G * D));
     float* s = scores.data();
     float* acc = work.data();
@@ -330,7 +347,7 @@ void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const KV* key_c
     amx = amx && std::is_same_v<KV, uint16_t>;
 #ifdef PAGELLM_AMX
     if constexpr (std::is_same_v<KV, uint16_t>)
-        if (amx) scores_amx<C>(q_row, key_cache, block_table, ctx, kvh, G, row_stride, scale, s);
+        if (amx) scores_amx<C>(q_row, key_cache, block_table, start, ctx, kvh, G, row_stride, scale, s);
 #else
     (void)amx;
 #endif
@@ -343,9 +360,9 @@ void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const KV* key_c
     // value pass reaches them (64 rows x 1024 positions: 14.6 -> 15.4 ms; 4 x 8192: 6.9 -> 8.2).
     // A prefill row's context mostly comes from cache (the rows before it read it), where the
     // extra prefetches only cost.
-    const bool fetch_values = !amx && lone && ctx * D * int64_t{sizeof(KV)} <= kFetchValuesMaxBytes;
+    const bool fetch_values = !amx && lone && len * D * int64_t{sizeof(KV)} <= kFetchValuesMaxBytes;
     if (fetch_values)
-        for (int64_t p = 0; p < ctx && p < kPrefetchDistance; ++p)
+        for (int64_t p = start; p < ctx && p < start + kPrefetchDistance; ++p)
             prefetch_row(key_cache, block_table, p, block_size, row_stride, kvh * D, D * int64_t{sizeof(KV)});
     for (int64_t g0 = 0; g0 < G && !amx; g0 += 4) {
         const int64_t gn = G - g0 < 4 ? G - g0 : 4;
@@ -353,7 +370,7 @@ void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const KV* key_c
         for (int j = 0; j < gn; ++j)
             for (int c = 0; c < C; ++c)
                 q[j][c] = (__m512bh)_mm512_loadu_si512(q_row + (kvh * G + g0 + j) * D + 32 * c);
-        for_each_context_row(key_cache, block_table, ctx, block_size, row_stride, kvh * D, D * int64_t{sizeof(KV)},
+        for_each_context_row(key_cache, block_table, start, ctx, block_size, row_stride, kvh * D, D * int64_t{sizeof(KV)},
                              [&](int64_t p, const KV* kp) {
                                  if (fetch_values && g0 == 0)
                                      prefetch_row(value_cache, block_table, p, block_size, row_stride, kvh * D,
@@ -363,17 +380,20 @@ void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const KV* key_c
                                  for (int j = 0; j < gn; ++j) {
                                      __m512 a = _mm512_setzero_ps();
                                      for (int c = 0; c < C; ++c) a = _mm512_dpbf16_ps(a, q[j][c], k[c]);
-                                     s[(g0 + j) * ctx + p] = _mm512_reduce_add_ps(a) * scale;
+                                     s[(g0 + j) * len + p - start] = _mm512_reduce_add_ps(a) * scale;
                                  }
                              });
     }
 
-    for (int64_t g = 0; g < G; ++g) softmax_avx512(s + g * ctx, ctx);
+    for (int64_t g = 0; g < G; ++g) {
+        cap_scores(s + g * len, len, softcap);
+        softmax_avx512(s + g * len, len);
+    }
 
     // Value sums, a few query heads at a time so the accumulators stay in registers.
     const auto values = fetch_values ? weighted_values<C, false, KV> : weighted_values<C, true, KV>;
     for (int64_t g0 = 0; g0 < G; g0 += kValueRows<C>)
-        values(value_cache, block_table, ctx, block_size, row_stride, kvh * D, s + g0 * ctx, ctx,
+        values(value_cache, block_table, start, ctx, block_size, row_stride, kvh * D, s + g0 * len, len,
                G - g0 < kValueRows<C> ? G - g0 : kValueRows<C>, acc + g0 * D);
     for (int64_t g = 0; g < G; ++g) {
         uint16_t* oh = out_row + (kvh * G + g) * D;

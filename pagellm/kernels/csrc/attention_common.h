@@ -3,6 +3,7 @@
 // attention.cpp and its ISA paths (attention_avx512.h, attention_avx2.h).
 #pragma once
 
+#include "avx2_simd.h"
 #include "cpu_common.h"
 
 namespace {
@@ -31,40 +32,60 @@ inline void prefetch_row(const T* cache, const int64_t* block_table, int64_t pos
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
 }
 
-// visit(position, row) for the first ctx positions of one KV head's context, walking the block
-// table and (kPrefetch) prefetching the row kPrefetchDistance positions ahead.
+// visit(position, row) for positions [start, ctx) of one KV head's context, walking the block
+// table and (kPrefetch) prefetching the row kPrefetchDistance positions ahead. A sliding window
+// starts the walk past 0: positions before it are never read (their blocks may be released).
 template <bool kPrefetch = true, typename T, typename F>
-inline void for_each_context_row(const T* cache, const int64_t* block_table, int64_t ctx, int64_t block_size,
-                                 int64_t row_stride, int64_t offset, int64_t row_bytes, F&& visit) {
-    for (int64_t p0 = 0; p0 < ctx; p0 += block_size) {
+inline void for_each_context_row(const T* cache, const int64_t* block_table, int64_t start, int64_t ctx,
+                                 int64_t block_size, int64_t row_stride, int64_t offset, int64_t row_bytes,
+                                 F&& visit) {
+    for (int64_t p0 = start; p0 < ctx;) {
+        const int64_t i0 = p0 % block_size;
         const T* base = cache + block_table[p0 / block_size] * block_size * row_stride + offset;
-        const int64_t n = ctx - p0 < block_size ? ctx - p0 : block_size;
+        const int64_t n = ctx - p0 < block_size - i0 ? ctx - p0 : block_size - i0;
         for (int64_t i = 0; i < n; ++i) {
             if (kPrefetch && p0 + i + kPrefetchDistance < ctx)
                 prefetch_row(cache, block_table, p0 + i + kPrefetchDistance, block_size, row_stride, offset, row_bytes);
-            visit(p0 + i, base + i * row_stride);
+            visit(p0 + i, base + (i0 + i) * row_stride);
         }
+        p0 += n;
     }
 }
 
-// One (query row, KV head) pair: the G query heads sharing KV head `kvh` attend over the
-// first `ctx` positions of request `req`'s context, read in place through its block table.
+// Scores capped as Gemma 2 caps them, cap * tanh(s / cap), between the scale and the softmax;
+// cap <= 0: none. 8 at a time where the build has AVX2 (a scalar tanh per score cost Gemma 2's
+// prefill attention more than its dot products).
+inline void cap_scores(float* s, int64_t n, float cap) {
+    if (!(cap > 0.f)) return;
+    int64_t p = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 vcap = _mm256_set1_ps(cap);
+    for (; p + 8 <= n; p += 8)
+        _mm256_storeu_ps(s + p, _mm256_mul_ps(tanh_x8(_mm256_div_ps(_mm256_loadu_ps(s + p), vcap)), vcap));
+#endif
+    for (; p < n; ++p) s[p] = std::tanh(s[p] / cap) * cap;
+}
+
+// One (query row, KV head) pair: the G query heads sharing KV head `kvh` attend over positions
+// [start, ctx) of the request's context (start > 0 under a sliding window), read in place
+// through its block table, scores capped by `softcap` where it is > 0.
 // Three passes over the context (scores, softmax, weighted values) keep K and V reads
 // sequential within each block and need no online-softmax rescaling. KV: the cache's element
 // type (T, or uint8_t for an fp8 cache).
 template <typename T, typename KV = T>
 void attend_one(const T* q_row, T* out_row, const KV* key_cache, const KV* value_cache,
-                const int64_t* block_table, int64_t ctx, int64_t kvh, int64_t group,
-                int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                const int64_t* block_table, int64_t start, int64_t ctx, int64_t kvh, int64_t group,
+                int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float softcap,
                 std::vector<float>& scores, std::vector<float>& work) {
     const int64_t D = head_dim;
+    const int64_t len = ctx - start;
     const int64_t G = group;
     work.resize(static_cast<size_t>(G * D * 2 + D));
     float* qf = work.data();       // [G, D] scaled queries
     float* acc = qf + G * D;       // [G, D] weighted value sums
     float* row = acc + G * D;      // [D] one key or value row in float32
-    scores.resize(static_cast<size_t>(G * ctx));
-    float* s = scores.data();      // [G, ctx]
+    scores.resize(static_cast<size_t>(G * len));
+    float* s = scores.data();      // [G, len]
 
     for (int64_t g = 0; g < G; ++g) {
         const T* qh = q_row + (kvh * G + g) * D;
@@ -72,7 +93,7 @@ void attend_one(const T* q_row, T* out_row, const KV* key_cache, const KV* value
     }
     const int64_t row_stride = num_kv_heads * D;  // elements between positions of one block
 
-    for_each_context_row(key_cache, block_table, ctx, block_size, row_stride, kvh * D, D * sizeof(KV),
+    for_each_context_row(key_cache, block_table, start, ctx, block_size, row_stride, kvh * D, D * sizeof(KV),
                          [&](int64_t p, const KV* kp) {
                              load_row(kp, row, D);
                              for (int64_t g = 0; g < G; ++g) {
@@ -80,7 +101,7 @@ void attend_one(const T* q_row, T* out_row, const KV* key_cache, const KV* value
                                  float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
                                  for (int64_t d = 0; d < D; ++d) dot += qg[d] * row[d];
-                                 s[g * ctx + p] = dot;
+                                 s[g * len + p - start] = dot;
                              }
                          });
 
@@ -92,12 +113,13 @@ void attend_one(const T* q_row, T* out_row, const KV* key_cache, const KV* value
         inv = inv_sum_big.data();
     }
     for (int64_t g = 0; g < G; ++g) {
-        float* sg = s + g * ctx;
+        float* sg = s + g * len;
+        cap_scores(sg, len, softcap);
         float m = -INFINITY;
-        for (int64_t p = 0; p < ctx; ++p) m = sg[p] > m ? sg[p] : m;
+        for (int64_t p = 0; p < len; ++p) m = sg[p] > m ? sg[p] : m;
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t p = 0; p < ctx; ++p) {
+        for (int64_t p = 0; p < len; ++p) {
             const float e = std::is_same_v<T, float> ? exp_nonpositive_precise(sg[p] - m) : exp_nonpositive(sg[p] - m);
             sg[p] = e;
             sum += e;
@@ -106,11 +128,11 @@ void attend_one(const T* q_row, T* out_row, const KV* key_cache, const KV* value
     }
 
     std::memset(acc, 0, sizeof(float) * static_cast<size_t>(G * D));
-    for_each_context_row(value_cache, block_table, ctx, block_size, row_stride, kvh * D, D * sizeof(KV),
+    for_each_context_row(value_cache, block_table, start, ctx, block_size, row_stride, kvh * D, D * sizeof(KV),
                          [&](int64_t p, const KV* vp) {
                              load_row(vp, row, D);
                              for (int64_t g = 0; g < G; ++g) {
-                                 const float w = s[g * ctx + p];
+                                 const float w = s[g * len + p - start];
                                  float* ag = acc + g * D;
 #pragma omp simd
                                  for (int64_t d = 0; d < D; ++d) ag[d] += w * row[d];

@@ -35,6 +35,21 @@ inline __m256 exp_x8(__m256 x) {
     return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
 }
 
+// tanh(x) on 8 lanes: sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) (exp_x8), and below
+// |x| = 1/16, where 1 - e would cancel, its odd series to x^7: within a few float32 ulps of
+// tanhf (attention scores' soft cap). NaN stays NaN.
+inline __m256 tanh_x8(__m256 x) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    const __m256 ax = _mm256_andnot_ps(sign, x);
+    const __m256 e = exp_x8(_mm256_mul_ps(ax, _mm256_set1_ps(-2.0f)));
+    const __m256 big = _mm256_or_ps(_mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e)), _mm256_and_ps(x, sign));
+    const __m256 x2 = _mm256_mul_ps(x, x);
+    __m256 p = _mm256_fmadd_ps(x2, _mm256_set1_ps(-17.0f / 315.0f), _mm256_set1_ps(2.0f / 15.0f));
+    p = _mm256_fmadd_ps(x2, p, _mm256_set1_ps(-1.0f / 3.0f));
+    const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(x2, p), x, x);
+    return _mm256_blendv_ps(big, small, _mm256_cmp_ps(ax, _mm256_set1_ps(0.0625f), _CMP_LT_OQ));
+}
+
 // silu(x) = x / (1 + exp(-x)) on 8 lanes (the MLP activation of the GEMMs' silu_mul epilogues).
 inline __m256 silu_x8(__m256 x) {
     return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_x8(_mm256_sub_ps(_mm256_setzero_ps(), x))));

@@ -61,6 +61,7 @@ struct PagellmStack {
     int64_t block_table_stride;
     const int32_t* row_token;
     const int32_t* row_req;
+    const int32_t* row_start;  // each row's first position (a sliding window), or null: 0
     const int32_t* row_ctx;
     int64_t num_rows;
     void* h;             // scratch [T, H]
@@ -149,8 +150,8 @@ int layer(const PagellmStack& s, const PagellmLayer& L, bool first) {
                               T, kv, s.cache_code, th);
     if (rc == 0 && s.num_rows > 0)
         rc = pagellm_paged_attention(s.qkv, W, s.attn, q, L.key_cache, L.value_cache, s.block_tables,
-                                     s.block_table_stride, s.row_token, s.row_req, s.row_ctx, s.num_rows, s.num_heads,
-                                     s.num_kv_heads, dh, s.block_size, s.scale, s.cache_code, th);
+                                     s.block_table_stride, s.row_token, s.row_req, s.row_start, s.row_ctx, s.num_rows,
+                                     s.num_heads, s.num_kv_heads, dh, s.block_size, s.scale, 0.f, s.cache_code, th);
     if (rc == 0) rc = linear(L.o, s.attn, T, q, s.x, H, dt, th);
     if (rc == 0 && s.tp_size > 1) rc = all_reduce(s);
     if (rc == 0) rc = pagellm_add_rms_norm(s.x, s.residual, L.post_norm, s.h, T, H, s.eps, dt, th);
