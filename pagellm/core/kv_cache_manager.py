@@ -23,6 +23,10 @@ block table (positions keep their index) but are no longer the request's; the at
 masks those positions, so what another request writes there later is never used::
 
     | released (stale ids) | blocks the window still reads | partial last block | new ...
+
+Prefix-cache hits before the window of a request's first new token are taken as released
+entries at once (never revived): a prompt longer than the pool then fits, as the request
+never holds more than its window and one step's tokens span.
 """
 
 from __future__ import annotations
@@ -145,14 +149,19 @@ class KVCacheManager:
         num_held = len(blocks) + len(computed_blocks)
         num_new_blocks = max(0, cdiv(num_computed + num_new_tokens, self.block_size) - num_held)
         cow_index = self._cow_index(blocks, num_computed, num_new_tokens)
+        # Hits before the window of the first new token enter the table released (not held).
+        skipped = self._blocks_before_window(num_computed) if computed_blocks else 0
+        live_hits = computed_blocks[skipped:]
         # Reviving a cached block takes it out of the free queue too.
-        num_revived = sum(1 for block in computed_blocks if block.ref_cnt == 0)
+        num_revived = sum(1 for block in live_hits if block.ref_cnt == 0)
         if num_new_blocks + (cow_index is not None) + num_revived > self.block_pool.num_free_blocks:
             return False
 
         if computed_blocks:
-            self.block_pool.touch(computed_blocks)
+            self.block_pool.touch(live_hits)
             request.num_computed_tokens = num_computed
+            if skipped:
+                self.num_released[request.request_id] = skipped
         blocks = self.req_to_blocks.setdefault(request.request_id, blocks)
         blocks.extend(computed_blocks)
         if cow_index is not None:
@@ -163,13 +172,17 @@ class KVCacheManager:
         self._release_outside_window(request.request_id, blocks, num_computed)
         return True
 
+    def _blocks_before_window(self, first_query: int) -> int:
+        """How many leading blocks lie wholly before the window of position ``first_query`` (0
+        without a window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, first_query - self.sliding_window + 1) // self.block_size
+
     def _release_outside_window(self, request_id: str, blocks: list[KVCacheBlock], first_query: int) -> None:
         """Release the blocks wholly before the window of position ``first_query`` (the step's
         first query; later queries see even less)."""
-        if self.sliding_window is None:
-            return
-        first_needed = first_query - self.sliding_window + 1
-        end = min(max(0, first_needed) // self.block_size, len(blocks))
+        end = min(self._blocks_before_window(first_query), len(blocks))
         start = self.num_released.get(request_id, 0)
         if end > start:
             self.block_pool.free_blocks(blocks[start:end])

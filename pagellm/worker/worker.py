@@ -22,6 +22,7 @@ from pagellm.kernels.plan import KernelPlan
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.loader import auto_dtype, load_model, requested_weights, single_threaded
 from pagellm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from pagellm.utils import cdiv
 from pagellm.worker.device import auto_dtype_downcasts_float32, configure_threads, resolve_device
 from pagellm.worker.kernel_plan import plan_kernels
 from pagellm.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_budget
@@ -68,10 +69,18 @@ def rank_shard(arch: ModelArchConfig, parallel: ParallelRank | None) -> ModelArc
     return dataclasses.replace(shard, num_hidden_layers=end - start)
 
 
-def context_limit(requested: int | None, arch: ModelArchConfig, num_blocks: int, block_size: int) -> int:
+def context_limit(
+    requested: int | None, arch: ModelArchConfig, num_blocks: int, block_size: int, step_tokens: int
+) -> int:
     """The model's limit (or the one asked for), never more than the KV pool holds for one
-    request; a request for more than either is an error naming both."""
+    request; a request for more than either is an error naming both. Where every layer keeps
+    one sliding window, a request holds only the blocks its window and one step's new tokens
+    (at most ``step_tokens``) span, the rest released behind it: once the pool holds those,
+    it bounds nothing."""
     pool_tokens = num_blocks * block_size
+    window = arch.window_of_every_layer
+    if window is not None and cdiv(window - 1 + step_tokens, block_size) + 1 <= num_blocks:
+        pool_tokens = max(pool_tokens, arch.context_length)
     if requested is None:
         return min(arch.context_length, pool_tokens)
     if requested > pool_tokens:
@@ -117,7 +126,8 @@ class Worker:
         # biggest stage's layers.
         shard = rank_shard(self.arch, parallel)
         self.num_blocks = kv_cache_blocks(config.cache, shard, self.kv_cache_dtype)
-        self.max_model_len = context_limit(config.model.max_model_len, self.arch, self.num_blocks, self.block_size)
+        self.max_model_len = context_limit(config.model.max_model_len, self.arch, self.num_blocks, self.block_size,
+                                           config.scheduler.max_num_batched_tokens)  # fmt: skip
         stage = parallel.stage(self.arch.num_hidden_layers) if parallel is not None else None
         kv_cache = allocate_kv_cache(
             stage.num_layers if stage is not None else shard.num_hidden_layers, self.num_blocks, self.block_size,

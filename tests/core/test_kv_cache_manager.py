@@ -94,6 +94,28 @@ def test_a_released_block_goes_to_another_request_and_a_fork_shares_only_live_bl
     assert _refs(manager) == [0, 0, 0, 0, 1]
 
 
+def test_prefix_hits_before_the_window_enter_the_table_released():
+    """A repeated prompt: its hits before the first new token's window enter the table as
+    released entries, not revived, so only the window's blocks count against the pool (a
+    prompt longer than the pool then fits)."""
+    manager = KVCacheManager(num_blocks=8, block_size=2, sliding_window=3)
+    a = make_request("a", 11)
+    for _ in range(11):  # one token a step: each block is cached when it fills, released behind
+        _step(manager, a, 1)
+    assert manager.get_block_ids("a") == [0, 1, 2, 3, 4, 5] and manager.num_held_blocks("a") == 2
+    manager.free(a)
+    b = make_request("b", 11)  # the same tokens: positions 0-9 (5 full blocks) are hits
+    hits = manager.get_computed_blocks(b)
+    assert [block.block_id for block in hits] == [0, 1, 2, 3, 4]
+    assert manager.allocate_slots(b, 1, hits)
+    # Position 10's window reads 8-10: blocks 0-3 (positions 0-7) are released at once.
+    assert manager.get_block_ids("b") == [0, 1, 2, 3, 4, 6] and manager.num_released["b"] == 4
+    assert b.num_computed_tokens == 10 and manager.num_held_blocks("b") == 2
+    assert _refs(manager) == [0, 0, 0, 0, 1, 0, 1, 0] and manager.num_free_blocks == 6
+    manager.free(b)
+    assert manager.num_free_blocks == 8 and _refs(manager) == [0] * 8
+
+
 def test_released_entries_are_never_cached_under_the_request_s_hashes():
     """A released block may now hold another request's tokens: the request's later prefix-cache
     registrations skip it (blocks are registered when they fill, before they are released)."""

@@ -86,6 +86,28 @@ def test_a_window_every_layer_keeps_holds_only_its_blocks(tiny_mistral_window_pa
     assert engine.kv_cache_manager.num_free_blocks == engine.executor.num_blocks
 
 
+def test_a_window_every_layer_keeps_serves_contexts_longer_than_the_pool(tiny_mistral_window_path: str,
+                                                                        tiny_llama_path: str, default_tokenizer):
+    """Window 8, blocks of 4, 6 blocks (24 tokens), steps of up to 8 tokens: a request never
+    holds more than 5 blocks, so max_model_len is the model's 512, and prompts and outputs far
+    longer than the pool (run twice: the second time their prefix hits before the window are
+    never revived) give transformers' tokens; a model without the window is held to the pool."""
+    prompts = [" ".join(PROMPTS) * 2, PROMPTS[2]]
+    ids = [default_tokenizer(p).input_ids for p in prompts]
+    assert len(ids[0]) > 24
+    expected = [hf_greedy(load_hf_model(tiny_mistral_window_path), i, 60) for i in ids]
+    llm = LLM(tiny_mistral_window_path, dtype="float32", block_size=4, num_kv_blocks=6, max_num_batched_tokens=8)
+    assert llm.llm_engine.max_model_len == 512
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    for _ in range(2):
+        outputs = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+    engine = llm.llm_engine
+    assert engine.stats.prefix_cache_hits > 0 and engine.stats.peak_blocks_in_use <= 6
+    assert engine.kv_cache_manager.num_free_blocks == 6
+    assert LLM(tiny_llama_path, dtype="float32", block_size=4, num_kv_blocks=6).llm_engine.max_model_len == 24
+
+
 @pytest.mark.parametrize("block_size", [16, 1])
 def test_dynamic_rope_past_the_context_matches_hf(tiny_llama_dynamic_path: str, default_tokenizer, block_size: int):
     """Dynamic NTK: each token turns by the base of its sequence's length when computed, as HF's
