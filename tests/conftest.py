@@ -6,6 +6,8 @@ tests can push text prompts through them, while weights stay small enough to bui
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -193,6 +195,35 @@ def tiny_gemma3_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer
                               query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"],
                               rope_parameters=rope, initializer_range=0.1)  # fmt: skip
     return write_tiny_model(tmp_path_factory.mktemp("tiny_gemma3"), config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_multimodal_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny Gemma 3 as the 4B+ checkpoints are published (Gemma3ForConditionalGeneration: the text
+    model of tiny_gemma3 under ``language_model``, a SigLIP vision tower and a projector); the
+    text config lists only what differs from transformers' defaults, as on the Hub."""
+    import json
+
+    from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
+
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}  # fmt: skip
+    text = Gemma3TextConfig(**TINY_SHAPE, **token_ids(default_tokenizer), head_dim=16, sliding_window=8,
+                            query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"],
+                            rope_parameters=rope, initializer_range=0.1)  # fmt: skip
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)  # fmt: skip
+    vocab = len(default_tokenizer)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=vocab - 1,
+                          boi_token_index=vocab - 3, eoi_token_index=vocab - 2,
+                          eos_token_id=default_tokenizer.eos_token_id)  # fmt: skip
+    path = write_tiny_model(tmp_path_factory.mktemp("tiny_gemma3_multimodal"), config, default_tokenizer)
+    config_file = Path(path) / "config.json"
+    saved = json.loads(config_file.read_text())
+    defaults = Gemma3TextConfig().to_dict()
+    saved["text_config"] = {k: v for k, v in saved["text_config"].items() if defaults.get(k) != v}
+    config_file.write_text(json.dumps(saved))
+    return path
 
 
 @pytest.fixture

@@ -163,7 +163,9 @@ class ModelArchConfig:
     def from_hf_config(
         cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None
     ) -> ModelArchConfig:
-        """Build from a parsed Hugging Face ``config.json`` (old and transformers-5 rope formats)."""
+        """Build from a parsed Hugging Face ``config.json`` (old and transformers-5 rope formats;
+        a multimodal checkpoint's text model, :func:`text_model_config`)."""
+        config = text_model_config(config)
         architecture = _architecture_name(config)
         hidden_size = int(config["hidden_size"])
         num_heads = int(config["num_attention_heads"])
@@ -196,6 +198,30 @@ class ModelArchConfig:
             **_moe_fields(architecture, config),
             **_gemma_fields(architecture, config, hidden_size),
         )
+
+
+# Multimodal checkpoints served as their text model: wrapper architecture -> (the text model's
+# architecture, the transformers config class whose defaults fill in its ``text_config``).
+_TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "Gemma3TextConfig")}
+
+
+def text_model_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config of a multimodal checkpoint served for text (Gemma 3 4B and up:
+    the vision tower is not loaded): its ``text_config`` with the defaults of transformers'
+    config class filled in (the Hub's files list only what differs from them) and the
+    wrapper's end-of-sequence ids. Any other config as it is."""
+    architectures = config.get("architectures") or []
+    if not architectures or architectures[0] not in _TEXT_OF_MULTIMODAL:
+        return config
+    import transformers
+
+    architecture, class_name = _TEXT_OF_MULTIMODAL[architectures[0]]
+    text = getattr(transformers, class_name)(**config.get("text_config", {})).to_dict()
+    text["architectures"] = [architecture]
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        if config.get(key) is not None:
+            text[key] = config[key]
+    return text
 
 
 def _architecture_name(config: dict[str, Any]) -> str:

@@ -27,6 +27,15 @@ _RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
         (re.compile(r"\.experts\.(\d+)\.w3\."), r".experts.\1.up_proj."),
         (re.compile(r"\.experts\.(\d+)\.w2\."), r".experts.\1.down_proj."),
     ),
+    # Gemma 3 4B and up (Gemma3ForConditionalGeneration): the text model under `language_model`.
+    "Gemma3ForCausalLM": (
+        (re.compile(r"^(language_model\.model|model\.language_model)\."), "model."),
+        (re.compile(r"^language_model\.lm_head\."), "lm_head."),
+    ),
+}
+# Architecture -> the checkpoint's tensors a text model does not load (a multimodal one's vision).
+_DROPPED: dict[str, re.Pattern[str]] = {
+    "Gemma3ForCausalLM": re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\."),
 }
 # q/k/v or gate/up stored fused (Phi-3): split into the parts by rows.
 _PREFUSED = re.compile(r"^(?P<prefix>.*\.)(?P<fused>qkv_proj|gate_up_proj)\.(?P<kind>weight|bias)$")
@@ -36,7 +45,11 @@ _STACKED_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts\.)(?P<fused>gate_up_proj
 
 def checkpoint_parts(arch: ModelArchConfig, name: str, tensor: Tensor) -> list[tuple[str, Tensor]]:
     """The tensor ``name`` of ``arch``'s checkpoint as ``(Llama name, tensor)`` parts: renamed,
-    and split where the checkpoint stores several weights in one tensor."""
+    split where the checkpoint stores several weights in one tensor, none where the text model
+    does not load it."""
+    dropped = _DROPPED.get(arch.architecture)
+    if dropped is not None and dropped.match(name):
+        return []
     for pattern, replacement in _RENAMES.get(arch.architecture, ()):
         name = pattern.sub(replacement, name)
     if (match := _PREFUSED.match(name)) is not None:

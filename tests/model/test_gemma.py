@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
+from pagellm.model import load_arch_config
 from pagellm.model.arch_config import FULL, SLIDING, ModelArchConfig
 from pagellm.model.layers import UnitOffsetRMSNorm
 
@@ -88,3 +89,25 @@ def test_bf16_gemma_runs_its_layers_as_modules(tiny_gemma2_path: str) -> None:
     fp32 = LLM(tiny_gemma2_path, dtype="float32")
     for a, b in zip(bf16.generate(prompts, params, use_tqdm=False), fp32.generate(prompts, params, use_tqdm=False)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_multimodal_gemma3_checkpoint_serves_its_text_model(tiny_gemma3_multimodal_path: str,
+                                                           default_tokenizer) -> None:
+    """A Gemma 3 4B+ checkpoint (Gemma3ForConditionalGeneration, a text config listing only
+    what differs from transformers' defaults): its text model gives transformers' greedy tokens
+    on text prompts, the vision tower left unloaded."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    from tests.helpers.hf_reference import hf_greedy
+
+    arch = load_arch_config(tiny_gemma3_multimodal_path)
+    assert arch.architecture == "Gemma3ForCausalLM" and arch.layer_window(0) == 8 and arch.layer_window(1) is None
+    assert arch.head_dim == 16 and arch.vocab_size == len(default_tokenizer)
+    hf = Gemma3ForConditionalGeneration.from_pretrained(tiny_gemma3_multimodal_path, dtype=torch.float32).eval()
+    prompts = ["The capital of France is", "In a hole in the ground there lived a hobbit, not a nasty one"]
+    ids = [default_tokenizer(p).input_ids for p in prompts]
+    expected = [hf_greedy(hf, i, 16) for i in ids]
+    llm = LLM(tiny_gemma3_multimodal_path, dtype="float32", block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
