@@ -267,6 +267,11 @@ class AsyncLLMEngine:
         return alive and not (self._stopping or self._restarting or self._error is not None)
 
     @property
+    def is_closing(self) -> bool:
+        """True once shutdown began: long-lived streams (the live page's) end then."""
+        return self._stopping or self._closed
+
+    @property
     def error(self) -> BaseException | None:
         """The exception that stopped the loop for good, if one did."""
         return self._error
