@@ -4,12 +4,29 @@
 
 export const OWNER_FREE = -1, OWNER_CACHED_FREE = -2, OWNER_UNLISTED = -3;
 
-// A stable colour per request id, so a request keeps its colour as others come and go.
-export function requestColour(id) {
-  let h = 2166136261;
-  for (let i = 0; i < id.length; i++) h = Math.imul(h ^ id.charCodeAt(i), 16777619);
-  const hue = ((h >>> 0) * 137.508) % 360;
-  return `hsl(${hue.toFixed(0)}, 70%, 58%)`;
+// A colour per request, kept while the request lives: hues handed out in order of first sight,
+// spread by the golden angle so that neighbours in time differ clearly.
+export class Palette {
+  constructor() {
+    this.colours = new Map();
+    this.next = 0;
+  }
+
+  colour(id) {
+    let colour = this.colours.get(id);
+    if (!colour) {
+      const hue = (this.next++ * 137.508 + 200) % 360;
+      colour = `hsl(${hue.toFixed(0)}, 68%, ${this.next % 2 ? 60 : 52}%)`;
+      this.colours.set(id, colour);
+    }
+    return colour;
+  }
+
+  // Forget requests that are gone (the map stays as small as the listed requests).
+  keep(ids) {
+    const live = new Set(ids);
+    for (const id of this.colours.keys()) if (!live.has(id)) this.colours.delete(id);
+  }
 }
 
 // The payload's cell arrays: zlib + base64 -> position Int32, owner Int16, ref Uint8, cached Uint8.
@@ -29,8 +46,9 @@ export async function decodeCells(cells, numCells) {
 }
 
 export class BlockGrid {
-  constructor(canvas, tooltip) {
+  constructor(canvas, tooltip, palette) {
     this.canvas = canvas;
+    this.palette = palette;
     this.tooltip = tooltip;
     this.snapshot = null;
     this.cells = null;
@@ -81,7 +99,7 @@ export class BlockGrid {
     ctx.clearRect(0, 0, width, height);
     const { owner, ref, cached } = this.cells;
     const requests = this.snapshot.requests;
-    const colours = requests.map((r) => requestColour(r.id));
+    const colours = requests.map((r) => this.palette.colour(r.id));
     const size = this.cell, gap = size >= 6 ? 1 : 0, inner = size - gap;
     for (let i = 0; i < owner.length; i++) {
       const x = (i % this.cols) * size, y = Math.floor(i / this.cols) * size;
@@ -135,14 +153,19 @@ export class BlockGrid {
     if (per === 1) {
       const holders = snap.requests.filter((r) => r.table.includes(first));
       for (const r of holders.slice(0, 6)) {
-        lines.push(`<span class="chip" style="background:${requestColour(r.id)}"></span>${escapeHtml(r.id)} &middot; logical ${r.table.indexOf(first)}`);
+        lines.push(`<span class="chip" style="background:${this.palette.colour(r.id)}"></span>${escapeHtml(shortId(r.id))} &middot; logical ${r.table.indexOf(first)}`);
       }
       if (holders.length > 6) lines.push(`&hellip; and ${holders.length - 6} more`);
     } else if (o >= 0) {
-      lines.push(`<span class="chip" style="background:${requestColour(snap.requests[o].id)}"></span>${escapeHtml(snap.requests[o].id)}`);
+      lines.push(`<span class="chip" style="background:${this.palette.colour(snap.requests[o].id)}"></span>${escapeHtml(shortId(snap.requests[o].id))}`);
     }
     return lines.join("<br>");
   }
+}
+
+// Long request ids (chatcmpl-<32 hex>) shortened for tables and tooltips.
+export function shortId(id) {
+  return id.length > 22 ? id.slice(0, 12) + "…" + id.slice(-8) : id;
 }
 
 export function escapeHtml(text) {

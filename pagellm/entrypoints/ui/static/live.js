@@ -4,7 +4,7 @@
 
 import { apiFetch, errorText, sseData } from "./api.js";
 import { Chart } from "./charts.js";
-import { BlockGrid, decodeCells, escapeHtml, requestColour } from "./grid.js";
+import { BlockGrid, Palette, decodeCells, escapeHtml, shortId } from "./grid.js";
 
 const RATE_WINDOW_S = 5; // rates are averaged over this many seconds of snapshots
 const TABLE_CHIPS = 24; // block-table entries drawn per request
@@ -14,7 +14,8 @@ const pct = (v) => `${(v * 100).toFixed(0)}%`;
 
 export class LiveView {
   constructor() {
-    this.grid = new BlockGrid(document.getElementById("kv-grid"), document.getElementById("tooltip"));
+    this.palette = new Palette();
+    this.grid = new BlockGrid(document.getElementById("kv-grid"), document.getElementById("tooltip"), this.palette);
     this.replica = 0;
     this.history = []; // [{time, stats}] within RATE_WINDOW_S
     this.count = 0;
@@ -79,6 +80,7 @@ export class LiveView {
     }
     this.setStatus("live", "live");
     const cells = await decodeCells(snap.cells, snap.pool.num_cells);
+    this.palette.keep(snap.requests.map((r) => r.id));
     this.grid.update(snap, cells);
     this.showHeader(snap);
     this.showCharts(snap);
@@ -150,13 +152,13 @@ export class LiveView {
       `<span class="badge running">running ${q.running}</span><span class="badge waiting">waiting ${q.waiting - q.preempted}</span>` +
       `<span class="badge preempted">preempted ${q.preempted}</span>` + (q.forking ? `<span class="badge">forking ${q.forking}</span>` : "");
     const rows = snap.requests.map((r) => {
-      const colour = requestColour(r.id);
+      const colour = this.palette.colour(r.id);
       const done = r.tokens > 0 ? (100 * r.computed) / r.tokens : 0;
       const chips = r.table.slice(0, TABLE_CHIPS).map((b, i) =>
         `<span class="blk${i < r.released ? " released" : ""}" title="logical ${i} → physical ${b}" style="border-color:${colour}">${b}</span>`).join("");
       const more = r.blocks > TABLE_CHIPS ? `<span class="muted"> +${r.blocks - TABLE_CHIPS}</span>` : "";
       return `<tr data-request="${escapeHtml(r.id)}" data-status="${r.status}">
-        <td><span class="chip" style="background:${colour}"></span>${escapeHtml(r.id)}</td>
+        <td title="${escapeHtml(r.id)}"><span class="chip" style="background:${colour}"></span>${escapeHtml(shortId(r.id))}</td>
         <td><span class="badge ${r.status}">${r.status}</span></td>
         <td><div class="bar"><div style="width:${done.toFixed(1)}%;background:${colour}"></div></div>${r.computed} / ${r.tokens}</td>
         <td>${r.cached > 0 ? r.cached : "–"}</td><td>${r.preemptions || "–"}</td>
