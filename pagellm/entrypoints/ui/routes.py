@@ -41,7 +41,8 @@ def install_ui(app: FastAPI, feed: SnapshotFeed) -> None:
         return Response(await feed.payload(replica), media_type="application/json",
                         headers={"Cache-Control": "no-store"})  # fmt: skip
 
-    @app.get(API_PREFIX + "events")
+    # Not in /openapi.json: an endless stream is no operation a client (or the API fuzz) can call and finish.
+    @app.get(API_PREFIX + "events", include_in_schema=False)
     async def events(replica: int = 0) -> StreamingResponse:
         feed.check_replica(replica)  # a bad replica is a 400 now, not an endless stream of errors
         return StreamingResponse(
