@@ -1,8 +1,9 @@
 """A read-only picture of the scheduler and the KV block pool, for the server's live page.
 
-Built between steps (never inside one) from the core's own state, with array operations where
-the work grows with the pool: the cost is one pass over the blocks requests hold plus one over
-the prefix-cache map, never a pass over every request's tokens. The picture is bounded, whatever
+Built between steps (never inside one) from the core's own state: one pass over the blocks
+requests hold and one over the prefix-cache map (attribute reads in C, then array operations),
+never a pass over the free blocks or over requests' tokens. ``build_seconds`` says what it cost,
+so a caller can space its calls out (the server's feed does). The picture is bounded, whatever
 the load:
 
 - requests: at most ``max_requests`` are listed (running first, then waiting and preempted, each
@@ -18,10 +19,14 @@ the load:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.kv_cache_utils import KVCacheBlock
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler
 
@@ -33,6 +38,9 @@ OWNER_UNLISTED = -3  # held by a request beyond the listed ones
 DEFAULT_MAX_REQUESTS = 64
 DEFAULT_MAX_TABLE_BLOCKS = 256
 DEFAULT_MAX_CELLS = 16384
+
+_BLOCK_ID = attrgetter("block_id")
+_REF_CNT = attrgetter("ref_cnt")
 
 _STATUS_NAMES = {
     RequestStatus.RUNNING: "running",
@@ -84,6 +92,7 @@ class KVSnapshot:
     num_preempted: int
     num_forking: int
     requests: list[RequestView]
+    build_seconds: float = 0.0  # what taking it cost the engine
 
     @property
     def num_cells(self) -> int:
@@ -110,38 +119,26 @@ def take_kv_snapshot(
     """The snapshot (see the module docstring); reads the scheduler and its KV manager, changes nothing."""
     if max_requests < 0 or max_table_blocks < 0 or max_cells < 1:
         raise ValueError("snapshot bounds must be >= 0 (max_cells >= 1)")
+    started = time.perf_counter()
     manager = scheduler.kv_cache_manager
     pool = manager.block_pool
     num_blocks = pool.num_blocks
-    owner = np.full(num_blocks, OWNER_FREE, dtype=np.int16)
-    ref_cnt = np.zeros(num_blocks, dtype=np.int32)
-    cached = np.zeros(num_blocks, dtype=np.uint8)
-    position = np.full(num_blocks, -1, dtype=np.int32)
+    per_cell = -(-num_blocks // max_cells)
+    num_cells = -(-num_blocks // per_cell)
+    owner = np.full(num_cells, OWNER_FREE, dtype=np.int16)
+    ref_cnt = np.zeros(num_cells, dtype=np.int32)
+    cached = np.zeros(num_cells, dtype=np.uint8)
+    position = np.full(num_cells, -1, dtype=np.int32)
 
-    cached_ids = np.fromiter((b.block_id for b in pool.cached_blocks.values()), dtype=np.int64)
-    cached[cached_ids] = 1
-    owner[cached_ids] = OWNER_CACHED_FREE  # those in use are overwritten below
+    cached_blocks = list(pool.cached_blocks.values())
+    cached_ids = np.fromiter(map(_BLOCK_ID, cached_blocks), dtype=np.int64, count=len(cached_blocks))
+    cached_free = np.fromiter(map(_REF_CNT, cached_blocks), dtype=np.int32, count=len(cached_blocks)) == 0
+    cached[cached_ids // per_cell] = 1
+    owner[cached_ids[cached_free] // per_cell] = OWNER_CACHED_FREE  # held cells are overwritten below
 
     listed = listed_requests(scheduler, max_requests)
-    index = {request.request_id: i for i, request in enumerate(listed)}
-    # Unlisted holders first, then listed ones youngest first: the oldest listed holder is written last.
-    holders = sorted(manager.req_to_blocks.items(), key=lambda item: -index.get(item[0], len(listed)))
-    for request_id, blocks in holders:
-        released = manager.num_released.get(request_id, 0)
-        held = blocks[released:]
-        if not held:
-            continue
-        ids = np.fromiter((b.block_id for b in held), dtype=np.int64, count=len(held))
-        owner[ids] = index.get(request_id, OWNER_UNLISTED)
-        ref_cnt[ids] = np.fromiter((b.ref_cnt for b in held), dtype=np.int32, count=len(held))
-        position[ids] = np.arange(released, len(blocks), dtype=np.int32)
-
-    views = [_request_view(scheduler, request, max_table_blocks) for request in listed]
-    num_cached_free = int(np.count_nonzero(owner == OWNER_CACHED_FREE))
-    per_cell = -(-num_blocks // max_cells)
-    if per_cell > 1:
-        owner, ref_cnt, cached = _aggregate(owner, ref_cnt, cached, per_cell)
-        position = np.full(owner.shape[0], -1, dtype=np.int32)
+    _mark_holders(manager, {r.request_id: i for i, r in enumerate(listed)}, per_cell, owner, ref_cnt, position)
+    views = [_request_view(manager, request, max_table_blocks) for request in listed]
     preempted = sum(1 for r in scheduler.waiting if r.status == RequestStatus.PREEMPTED)
     return KVSnapshot(
         block_size=manager.block_size,
@@ -152,18 +149,57 @@ def take_kv_snapshot(
         cached=cached,
         position=position,
         num_free_blocks=pool.num_free_blocks,
-        num_cached_free_blocks=num_cached_free,
+        num_cached_free_blocks=int(np.count_nonzero(cached_free)),
         num_shared_blocks=pool.num_shared_blocks,
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
         num_preempted=preempted,
         num_forking=sum(len(children) for children in scheduler.pending_forks.values()),
         requests=views,
+        build_seconds=time.perf_counter() - started,
     )
 
 
-def _request_view(scheduler: Scheduler, request: Request, max_table_blocks: int) -> RequestView:
-    manager = scheduler.kv_cache_manager
+def _mark_holders(
+    manager: KVCacheManager, index: dict[str, int], per_cell: int, owner: np.ndarray, ref_cnt: np.ndarray,
+    position: np.ndarray,
+) -> None:
+    """Write each held cell's owner (the oldest listed holder of its blocks, else ``OWNER_UNLISTED``),
+    highest reference count and (one block per cell) position, from one flat list of the held blocks."""
+    unlisted = len(index)
+    held: list[KVCacheBlock] = []
+    keys: list[int] = []  # per holder: its listed index (unlisted: after every listed one)
+    lengths: list[int] = []
+    starts: list[int] = []  # per holder: the table index of its first held block
+    for request_id, blocks in manager.req_to_blocks.items():
+        released = manager.num_released.get(request_id, 0)
+        if len(blocks) <= released:
+            continue
+        held.extend(blocks[released:])
+        keys.append(index.get(request_id, unlisted))
+        lengths.append(len(blocks) - released)
+        starts.append(released)
+    if not held:
+        return
+    count = len(held)
+    cells = np.fromiter(map(_BLOCK_ID, held), dtype=np.int64, count=count) // per_cell
+    np.maximum.at(ref_cnt, cells, np.fromiter(map(_REF_CNT, held), dtype=np.int32, count=count))
+    repeat = np.asarray(lengths)
+    holder_key = np.repeat(np.asarray(keys), repeat)
+    # Per cell, the entry of the smallest key (the oldest listed holder): sort by (cell, key).
+    order = np.lexsort((holder_key, cells))
+    sorted_cells = cells[order]
+    first = np.ones(count, dtype=bool)
+    first[1:] = sorted_cells[1:] != sorted_cells[:-1]
+    winners = order[first]
+    owner[cells[winners]] = np.where(holder_key[winners] < unlisted, holder_key[winners], OWNER_UNLISTED)
+    if per_cell == 1:
+        offsets = np.cumsum(repeat) - repeat
+        entry_position = np.arange(count) - np.repeat(offsets - np.asarray(starts), repeat)
+        position[cells[winners]] = entry_position[winners]
+
+
+def _request_view(manager: KVCacheManager, request: Request, max_table_blocks: int) -> RequestView:
     blocks = manager.req_to_blocks.get(request.request_id, ())
     return RequestView(
         request_id=request.request_id,
@@ -175,22 +211,5 @@ def _request_view(scheduler: Scheduler, request: Request, max_table_blocks: int)
         num_preemptions=request.num_preemptions,
         num_blocks=len(blocks),
         num_released=manager.num_released.get(request.request_id, 0),
-        block_ids=[block.block_id for block in blocks[:max_table_blocks]],
+        block_ids=list(map(_BLOCK_ID, blocks[:max_table_blocks])),
     )
-
-
-def _aggregate(
-    owner: np.ndarray, ref_cnt: np.ndarray, cached: np.ndarray, per_cell: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Cells of ``per_cell`` consecutive blocks: the most telling owner, the highest count, any cached."""
-    num_cells = -(-owner.shape[0] // per_cell)
-    pad = num_cells * per_cell - owner.shape[0]
-    # Rank owners so that max() picks: listed (>= 0) > unlisted > cached-free > free.
-    rank = np.where(owner >= 0, owner, np.select(
-        [owner == OWNER_UNLISTED, owner == OWNER_CACHED_FREE], [-1, -2], default=-3)).astype(np.int16)
-    rank = np.pad(rank, (0, pad), constant_values=-3).reshape(num_cells, per_cell).max(axis=1)
-    cell_owner = np.select([rank >= 0, rank == -1, rank == -2], [rank, OWNER_UNLISTED, OWNER_CACHED_FREE],
-                           default=OWNER_FREE).astype(np.int16)  # fmt: skip
-    cell_ref = np.pad(ref_cnt, (0, pad)).reshape(num_cells, per_cell).max(axis=1)
-    cell_cached = np.pad(cached, (0, pad)).reshape(num_cells, per_cell).max(axis=1)
-    return cell_owner, cell_ref, cell_cached

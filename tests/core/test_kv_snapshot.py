@@ -119,6 +119,11 @@ def test_big_pool_is_aggregated_into_cells():
     assert (snap.blocks_per_cell, snap.num_cells) == (3, 4)
     assert snap.owner.tolist() == [0, 0, OWNER_FREE, OWNER_FREE]
     assert snap.ref_cnt.tolist() == [1, 1, 0, 0] and snap.position.tolist() == [-1] * 4
+    assert snap.num_cached_free_blocks == 0 and snap.build_seconds > 0
+    s.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)  # blocks 0 1 (cached) free: cell 0 cached-free
+    snap = take_kv_snapshot(s, max_cells=4)
+    assert snap.owner.tolist() == [OWNER_CACHED_FREE, OWNER_FREE, OWNER_FREE, OWNER_FREE]
+    assert snap.cached.tolist() == [1, 0, 0, 0] and snap.num_cached_free_blocks == 2
 
 
 def test_snapshot_changes_nothing_and_rejects_bad_bounds():

@@ -26,6 +26,7 @@ class SnapshotEngine(FakeEngine):
         self.snapshot_threads: set[int] = set()
         self.num_snapshot_calls = 0
         self.fail_snapshot = False
+        self.build_seconds = 0.0
 
     def snapshot(self, max_requests: int, replica: int = 0) -> KVSnapshot:
         self.snapshot_threads.add(threading.get_ident())
@@ -47,17 +48,17 @@ class SnapshotEngine(FakeEngine):
             block_size=4, num_blocks=8, blocks_per_cell=1, owner=owner, ref_cnt=ref,
             cached=np.zeros(8, np.uint8), position=np.full(8, -1, np.int32), num_free_blocks=8 - len(ids) - bool(ids),
             num_cached_free_blocks=0, num_shared_blocks=int(len(ids) > 1), num_running=len(ids), num_waiting=0,
-            num_preempted=0, num_forking=0, requests=views,
+            num_preempted=0, num_forking=0, requests=views, build_seconds=self.build_seconds,
         )  # fmt: skip
 
 
-def make_client(rate_hz: float, api_key: str | None = None) -> tuple[TestClient, SnapshotEngine, AsyncLLMEngine]:
+def make_client(rate_hz: float, api_key: str | None = None, **options: float) -> tuple[TestClient, SnapshotEngine, AsyncLLMEngine]:
     fake = SnapshotEngine()
     fake.tokenizer = TinyTokenizer()  # type: ignore[attr-defined]
     fake.input_processor = InputProcessor(fake.tokenizer, vocab_size=100, max_model_len=128)  # type: ignore[attr-defined]
     metrics = PrometheusMetrics("fake", stats=lambda: fake.stats)
     engine = AsyncLLMEngine(fake, metrics)  # type: ignore[arg-type]
-    settings = ServerSettings(served_model_names=["fake"], api_key=api_key, ui=FeedOptions(max_rate_hz=rate_hz))
+    settings = ServerSettings(served_model_names=["fake"], api_key=api_key, ui=FeedOptions(max_rate_hz=rate_hz, **options))
     return TestClient(build_app(engine, settings, metrics)), fake, engine
 
 
@@ -70,6 +71,17 @@ def test_many_readers_cost_one_snapshot_per_period() -> None:
         with client.stream("GET", "/ui/api/events") as events:
             line = next(line for line in events.iter_lines() if line.startswith("data: "))
         assert line[len("data: "):].encode() in payloads and fake.num_snapshot_calls == 1
+
+
+def test_costly_snapshots_are_spaced_out_to_cap_the_engines_share() -> None:
+    client, fake, _ = make_client(rate_hz=1000.0, max_engine_share=0.01)
+    with client:
+        fake.build_seconds = 0.5  # 0.5 s of engine time at 1%: the next one no sooner than 50 s later
+        first = client.get("/ui/api/snapshot").json()
+        assert first["build_seconds"] == 0.5
+        for _ in range(5):
+            assert client.get("/ui/api/snapshot").json()["time"] == first["time"]
+        assert fake.num_snapshot_calls == 1
 
 
 def test_snapshot_is_taken_between_steps_and_shows_running_requests() -> None:

@@ -1,6 +1,10 @@
 """The latest snapshot per replica, taken at most ``max_rate_hz`` times a second however many
 pages watch it: every open page reads the same encoded payload, so ten pages cost the engine
 what one does (one snapshot call between two steps per period, and only while someone reads).
+
+The engine's share is capped too: each snapshot says what it cost to build, and the next one is
+not asked for before ``cost / max_engine_share`` has passed (1 ms at 0.5%: 0.2 s), so a huge pool
+or thousands of requests slow the page down rather than the engine.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ class FeedOptions:
     """How often the engine is asked, how much it lists, how far back the latency percentiles look."""
 
     max_rate_hz: float = 4.0
+    max_engine_share: float = 0.005  # of the engine's time spent building snapshots, at most
     max_requests: int = 64
     latency_window_s: float = 60.0
     snapshot_timeout_s: float = 10.0  # a step can be long (a big prefill); beyond this, 503
@@ -30,6 +35,8 @@ class FeedOptions:
     def __post_init__(self) -> None:
         if not self.max_rate_hz > 0 or self.max_requests < 0 or not self.latency_window_s > 0:
             raise ValueError("the feed's rate and window must be > 0 and max_requests >= 0")
+        if not 0 < self.max_engine_share <= 1:
+            raise ValueError(f"max_engine_share must be in (0, 1], got {self.max_engine_share}")
 
     @property
     def period_s(self) -> float:
@@ -46,7 +53,7 @@ class SnapshotFeed:
         self.options = options or FeedOptions()
         self._metrics = metrics
         self._model = model
-        self._latest: dict[int, tuple[float, bytes]] = {}  # replica -> (monotonic time taken, payload)
+        self._latest: dict[int, tuple[float, bytes]] = {}  # replica -> (monotonic time it expires, payload)
         self._locks: dict[int, asyncio.Lock] = {}
         self._latency_readings: deque[tuple[float, dict[str, HistogramCounts]]] = deque()
         self.num_snapshots = 0  # snapshots asked of the engine (what the rate limit bounds)
@@ -70,17 +77,19 @@ class SnapshotFeed:
             fresh = self._fresh(replica)
             if fresh is not None:
                 return fresh
-            body = await self._take(replica)
-            self._latest[replica] = (time.monotonic(), body)
+            body, build_seconds = await self._take(replica)
+            wait = max(self.options.period_s, build_seconds / self.options.max_engine_share)
+            self._latest[replica] = (time.monotonic() + wait, body)
             return body
 
     def _fresh(self, replica: int) -> bytes | None:
         latest = self._latest.get(replica)
-        if latest is not None and time.monotonic() - latest[0] < self.options.period_s:
+        if latest is not None and time.monotonic() < latest[0]:
             return latest[1]
         return None
 
-    async def _take(self, replica: int) -> bytes:
+    async def _take(self, replica: int) -> tuple[bytes, float]:
+        """A new payload, and what its snapshot cost the engine (seconds)."""
         self.num_snapshots += 1
         try:
             snapshot = await asyncio.wait_for(
@@ -97,7 +106,7 @@ class SnapshotFeed:
             snapshot, stats[replica] if replica < len(stats) else self.engine.stats, replica,
             self.engine.num_replicas, self._model, self._latency(), time.time(),
         )  # fmt: skip
-        return json.dumps(payload, separators=(",", ":")).encode()
+        return json.dumps(payload, separators=(",", ":")).encode(), snapshot.build_seconds
 
     def _latency(self) -> dict[str, object]:
         """TTFT/TPOT percentiles over the last ``latency_window_s`` (the server's histograms, not a copy)."""

@@ -56,6 +56,7 @@ def build_payload(
     return {
         "version": 1,
         "time": now,
+        "build_seconds": snapshot.build_seconds,  # what the snapshot cost the engine
         "model": model,
         "replica": replica,
         "num_replicas": num_replicas,

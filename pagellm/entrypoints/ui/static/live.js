@@ -102,7 +102,8 @@ export class LiveView {
     document.getElementById("pool-summary").textContent =
       `${pool.num_blocks} blocks of ${pool.block_size} tokens` +
       (pool.blocks_per_cell > 1 ? ` (${pool.blocks_per_cell} per cell)` : "") +
-      ` · ${used} held · ${pool.num_shared} shared · ${pool.num_cached_free} cached-free · ${pool.num_free - pool.num_cached_free} empty`;
+      ` · ${used} held · ${pool.num_shared} shared · ${pool.num_cached_free} cached-free · ${pool.num_free - pool.num_cached_free} empty` +
+      ` · snapshot ${(snap.build_seconds * 1000).toFixed(2)} ms`;
   }
 
   rates(snap) {
