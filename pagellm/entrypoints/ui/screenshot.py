@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -61,6 +62,7 @@ def _chat(base_url: str, model: str, question: str, max_tokens: int, stop: threa
     """One streamed chat request, read until it ends or ``stop`` is set (which aborts it)."""
     body = {
         "model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0.7, "seed": len(question),
+        "ignore_eos": True,  # all run their full length: the picture does not depend on when each stops
         "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}],
     }  # fmt: skip
     try:
@@ -70,6 +72,19 @@ def _chat(base_url: str, model: str, question: str, max_tokens: int, stop: threa
                     return
     except httpx.HTTPError:
         pass
+
+
+def _wait_or_explain(page: Any, errors: list[str], condition: str) -> None:
+    """Wait for the page's condition; on a timeout, say what the page showed instead."""
+    try:
+        page.wait_for_function(condition)
+    except Exception:
+        state = page.evaluate(
+            "({snapshots: document.body.dataset.snapshots, grid: {...document.querySelector('#kv-grid').dataset},"
+            " output: {...document.querySelector('#output').dataset}, status: document.querySelector('#status').innerText,"
+            " running: document.querySelectorAll('#requests tr[data-status=running]').length})"
+        )
+        raise RuntimeError(f"the page never showed it: {state}; page errors: {errors}") from None
 
 
 def take_screenshot(out: Path, model: str | None, server_args: list[str], num_requests: int, max_tokens: int) -> None:
@@ -86,12 +101,15 @@ def take_screenshot(out: Path, model: str | None, server_args: list[str], num_re
             served = httpx.get(base_url + "/v1/models").json()["data"][0]["id"]
             with chromium_page(width=1440, height=1100) as page:
                 page.set_default_timeout(120_000)
+                errors: list[str] = []
+                page.on("pageerror", lambda error: errors.append(str(error)))
                 page.goto(base_url + "/")
                 page.wait_for_function("Number(document.body.dataset.snapshots) >= 1")
                 page.fill("#system", SYSTEM_PROMPT)
                 page.fill("#prompt", PLAYGROUND_MESSAGE)
                 page.fill("#max_tokens", str(max_tokens))
                 page.check("#logprobs")
+                page.check("#ignore_eos")
                 page.click("#send")
                 page.wait_for_function("Number(document.querySelector('#output').dataset.chars) > 0")
                 for i in range(num_requests):
@@ -100,7 +118,7 @@ def take_screenshot(out: Path, model: str | None, server_args: list[str], num_re
                     thread.start()
                     threads.append(thread)
                 seen = int(page.get_attribute("body", "data-snapshots"))
-                page.wait_for_function(  # all running, sharing, and a few seconds of charts
+                _wait_or_explain(page, errors,  # all running, sharing, and a few seconds of charts
                     f"document.querySelectorAll('#requests tr[data-status=running]').length >= {num_requests + 1}"
                     " && Number(document.querySelector('#kv-grid').dataset.shared) > 0"
                     " && Number(document.querySelector('#output').dataset.chars) > 200"
