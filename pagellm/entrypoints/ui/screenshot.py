@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("docs/ui.png"), help="the PNG to write")
     parser.add_argument("--model", default=None, help="what to serve (default: the default model)")
-    parser.add_argument("--requests", type=int, default=4, help="requests sharing the system prompt, besides the playground's")
+    parser.add_argument("--requests", type=int, default=4,
+                        help="requests sharing the system prompt, besides the playground's")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--server-args", default="--kv-cache-memory 160MiB",
                         help="more `pagellm serve` options (a small pool makes a readable grid)")
