@@ -37,10 +37,11 @@ def owned(page: Any) -> int:
     return int(page.get_attribute("#kv-grid", "data-owned"))
 
 
-def hover_block_zero(page: Any) -> str:
-    """The tooltip of the grid's first cell."""
+def hover_block(page: Any, block: int) -> str:
+    """The tooltip of a block's cell (one block per cell here), where the grid says it is drawn."""
+    cols, size = (int(page.get_attribute("#kv-grid", name)) for name in ("data-cols", "data-cell-size"))
     page.mouse.move(0, 0)
-    page.hover("#kv-grid", position={"x": 2, "y": 2})
+    page.hover("#kv-grid", position={"x": (block % cols) * size + 2, "y": (block // cols) * size + 2})
     page.wait_for_selector("#tooltip:not([hidden])")
     return page.inner_text("#tooltip")
 
@@ -68,8 +69,9 @@ def test_chat_streams_and_the_grid_follows_the_request(server: RemoteServer, pag
         " && document.querySelector('#output').dataset.state === 'streaming'"
     )
     assert page.locator("#requests tr[data-status]").count() >= 1
-    tooltip = hover_block_zero(page)
-    assert tooltip.startswith("block 0") and "reference count" in tooltip
+    first_block = int(page.inner_text("#requests tr[data-status] .blk"))  # the first request's logical block 0
+    tooltip = hover_block(page, first_block)
+    assert tooltip.startswith(f"block {first_block}") and "reference count" in tooltip
     page.wait_for_function("document.querySelector('#output').dataset.state === 'done'")
     assert int(page.get_attribute("#output", "data-chars")) > 0
     assert page.locator(".choice").count() == 2  # one panel per copy
@@ -77,7 +79,7 @@ def test_chat_streams_and_the_grid_follows_the_request(server: RemoteServer, pag
     # Once the requests are gone, the grid holds no block (their prompts' blocks stay cached-free).
     page.wait_for_function("Number(document.querySelector('#kv-grid').dataset.owned) === 0")
     assert int(page.get_attribute("#kv-grid", "data-cached-free")) > 0
-    tooltip = hover_block_zero(page)  # the system prompt's first block: its KV stays in the prefix cache
+    tooltip = hover_block(page, first_block)  # the system prompt's first block: its KV stays in the prefix cache
     assert "free, KV still in the prefix cache" in tooltip and "reference count 0, in prefix cache" in tooltip
     assert "no requests" in page.inner_text("#requests")
 

@@ -88,6 +88,7 @@ export class BlockGrid {
   draw() {
     if (!this.cells) return;
     const { width, height } = this.layout();
+    Object.assign(this.canvas.dataset, { cols: this.cols, cellSize: this.cell }); // where each cell is drawn
     const ratio = window.devicePixelRatio || 1;
     const canvas = this.canvas;
     canvas.style.width = width + "px";
