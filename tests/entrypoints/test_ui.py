@@ -148,3 +148,28 @@ def test_no_ui_serves_no_page(tiny_llama_path: str) -> None:
             assert response.status_code == 404, path
             assert "error" in response.json()
         assert httpx.get(remote.url("/health")).status_code == 200
+
+
+def test_an_open_page_does_not_hold_up_shutdown(tiny_llama_path: str) -> None:
+    """SIGTERM with an event stream open: the stream ends with the engine loop, so uvicorn's
+    graceful shutdown never has to cancel it at its timeout."""
+    with RemoteServer(tiny_llama_path, ["--num-kv-blocks", "32"]) as remote:
+        first_event = threading.Event()
+        ended = threading.Event()
+
+        def read() -> None:
+            try:
+                with httpx.stream("GET", remote.url("/ui/api/events"), timeout=60) as response:
+                    for line in response.iter_lines():
+                        if line.startswith("data: "):
+                            first_event.set()
+            except httpx.HTTPError:
+                pass
+            ended.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert first_event.wait(30)
+        assert remote.terminate() == 0
+        assert ended.wait(30)
+        assert "timeout graceful shutdown exceeded" not in remote.logs()
