@@ -41,6 +41,7 @@ DEFAULT_MAX_CELLS = 16384
 
 _BLOCK_ID = attrgetter("block_id")
 _REF_CNT = attrgetter("ref_cnt")
+_NO_HOLDER = np.iinfo(np.int64).max
 
 _STATUS_NAMES = {
     RequestStatus.RUNNING: "running",
@@ -165,7 +166,8 @@ def _mark_holders(
     position: np.ndarray,
 ) -> None:
     """Write each held cell's owner (the oldest listed holder of its blocks, else ``OWNER_UNLISTED``),
-    highest reference count and (one block per cell) position, from one flat list of the held blocks."""
+    highest reference count and (one block per cell) position, from one flat array of the held
+    blocks' ids (no sort by holder: one ``minimum.at`` over (holder, position) keys)."""
     unlisted = len(index)
     held: list[KVCacheBlock] = []
     keys: list[int] = []  # per holder: its listed index (unlisted: after every listed one)
@@ -182,21 +184,25 @@ def _mark_holders(
     if not held:
         return
     count = len(held)
-    cells = np.fromiter(map(_BLOCK_ID, held), dtype=np.int64, count=count) // per_cell
-    np.maximum.at(ref_cnt, cells, np.fromiter(map(_REF_CNT, held), dtype=np.int32, count=count))
+    ids = np.fromiter(map(_BLOCK_ID, held), dtype=np.int64, count=count)
+    # A block's reference count is the number of table entries that hold it (the allocator's
+    # invariant: every reference is one), so it comes from the ids alone.
+    blocks, references = np.unique(ids, return_counts=True)
+    np.maximum.at(ref_cnt, blocks // per_cell, references.astype(np.int32))
     repeat = np.asarray(lengths)
-    holder_key = np.repeat(np.asarray(keys), repeat)
-    # Per cell, the entry of the smallest key (the oldest listed holder): sort by (cell, key).
-    order = np.lexsort((holder_key, cells))
-    sorted_cells = cells[order]
-    first = np.ones(count, dtype=bool)
-    first[1:] = sorted_cells[1:] != sorted_cells[:-1]
-    winners = order[first]
-    owner[cells[winners]] = np.where(holder_key[winners] < unlisted, holder_key[winners], OWNER_UNLISTED)
+    entry_position = np.zeros(count, dtype=np.int64)
     if per_cell == 1:
         offsets = np.cumsum(repeat) - repeat
         entry_position = np.arange(count) - np.repeat(offsets - np.asarray(starts), repeat)
-        position[cells[winners]] = entry_position[winners]
+    # Per cell, the smallest (holder key, position): the oldest listed holder wins.
+    ranked = (np.repeat(np.asarray(keys, dtype=np.int64), repeat) << 32) | entry_position
+    best = np.full(owner.shape[0], _NO_HOLDER, dtype=np.int64)
+    np.minimum.at(best, ids // per_cell, ranked)
+    held_cells = np.flatnonzero(best != _NO_HOLDER)
+    winner = best[held_cells] >> 32
+    owner[held_cells] = np.where(winner < unlisted, winner, OWNER_UNLISTED)
+    if per_cell == 1:
+        position[held_cells] = best[held_cells] & 0xFFFFFFFF
 
 
 def _request_view(manager: KVCacheManager, request: Request, max_table_blocks: int) -> RequestView:

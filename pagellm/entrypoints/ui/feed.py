@@ -56,7 +56,6 @@ class SnapshotFeed:
         self._latest: dict[int, tuple[float, bytes]] = {}  # replica -> (monotonic time it expires, payload)
         self._locks: dict[int, asyncio.Lock] = {}
         self._latency_readings: deque[tuple[float, dict[str, HistogramCounts]]] = deque()
-        self.num_snapshots = 0  # snapshots asked of the engine (what the rate limit bounds)
 
     def check_replica(self, replica: int) -> None:
         """400 for a replica this server does not have."""
@@ -90,7 +89,6 @@ class SnapshotFeed:
 
     async def _take(self, replica: int) -> tuple[bytes, float]:
         """A new payload, and what its snapshot cost the engine (seconds)."""
-        self.num_snapshots += 1
         try:
             snapshot = await asyncio.wait_for(
                 self.engine.snapshot(self.options.max_requests, replica), self.options.snapshot_timeout_s
