@@ -106,6 +106,11 @@ def test_fork_shares_every_block_of_the_parent():
     snap = take_kv_snapshot(s)
     assert [(r.request_id, r.block_ids) for r in snap.requests] == [("p#0", [0, 1]), ("p#1", [0, 1])]
     assert snap.ref_cnt.tolist()[:2] == [2, 2] and snap.owner.tolist()[:2] == [0, 0]
+    step(s)  # both write their 8th token into the shared, partly full block 1: the first to write copies it
+    snap = take_kv_snapshot(s)
+    assert [r.block_ids for r in snap.requests] == [[0, 2], [0, 1]]
+    pool = s.kv_cache_manager.block_pool
+    assert snap.ref_cnt.tolist() == [b.ref_cnt for b in pool.blocks]  # counted from the tables: the same
 
 
 def test_big_pool_is_aggregated_into_cells():
