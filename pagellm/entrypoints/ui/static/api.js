@@ -22,6 +22,8 @@ export function askForKey(message) {
   const text = document.getElementById("key-message");
   if (message) text.textContent = message;
   dialog.hidden = false;
+  document.getElementById("status").dataset.state = "error";
+  document.getElementById("status-text").textContent = "API key needed";
   document.getElementById("key-input").focus();
   return new Promise((resolve) => keyWaiters.push(resolve));
 }
