@@ -7,8 +7,9 @@ import base64
 import json
 import re
 import threading
+import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import numpy as np
@@ -33,6 +34,16 @@ def cells_of(payload: dict) -> dict[str, np.ndarray]:
         "position": np.frombuffer(raw, "<i4", n, 0), "owner": np.frombuffer(raw, "<i2", n, 4 * n),
         "ref_cnt": np.frombuffer(raw, np.uint8, n, 6 * n), "cached": np.frombuffer(raw, np.uint8, n, 7 * n),
     }  # fmt: skip
+
+
+def poll_snapshot(http: httpx.Client, condition: Callable[[dict], bool], timeout_s: float = 30.0) -> dict:
+    """The first snapshot that meets ``condition`` (the last one seen when none does in time)."""
+    deadline = time.monotonic() + timeout_s
+    payload = http.get("/ui/api/snapshot").json()
+    while not condition(payload) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        payload = http.get("/ui/api/snapshot").json()
+    return payload
 
 
 def test_the_page_and_its_files_are_served(server: RemoteServer, http: httpx.Client) -> None:
@@ -77,11 +88,8 @@ def test_snapshot_shows_requests_sharing_a_prefix_while_they_run(server: RemoteS
         thread.start()
     try:
         assert all(event.wait(60) for event in first_token)
-        payload = http.get("/ui/api/snapshot").json()  # may be the cached one of the period: poll
-        for _ in range(100):
-            if len(payload["requests"]) == 2:
-                break
-            payload = http.get("/ui/api/snapshot").json()
+        # The first answer may be the period's cached picture, taken before they were admitted.
+        payload = poll_snapshot(http, lambda p: len(p["requests"]) == 2)
         running = [r for r in payload["requests"] if r["status"] == "running"]
         assert len(running) == 2
         cells = cells_of(payload)
@@ -97,11 +105,7 @@ def test_snapshot_shows_requests_sharing_a_prefix_while_they_run(server: RemoteS
         release.set()
         for thread in threads:
             thread.join(120)
-    done = http.get("/ui/api/snapshot").json()
-    for _ in range(100):
-        if not done["requests"]:
-            break
-        done = http.get("/ui/api/snapshot").json()
+    done = poll_snapshot(http, lambda p: not p["requests"])
     assert done["requests"] == [] and not (cells_of(done)["owner"] >= 0).any()
     assert done["pool"]["num_cached_free"] > 0  # the prompts' full blocks stay in the prefix cache
 
