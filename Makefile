@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pagellm-installed
 
-.PHONY: setup browser serve test bench clean
+.PHONY: setup browser serve test screenshot bench clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,10 @@ browser:
 
 test: setup browser
 	$(PY) -m pytest -q $(ARGS)
+
+# The README's picture of the web page (docs/ui.png), taken while several requests share a prefix.
+screenshot: setup browser
+	$(PY) -m pagellm.entrypoints.ui.screenshot --out docs/ui.png $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
