@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pagellm-installed
 
-.PHONY: setup serve test bench clean
+.PHONY: setup browser serve test screenshot bench clean
 
 setup: $(STAMP)
 
@@ -22,8 +22,20 @@ $(STAMP): pyproject.toml Makefile
 serve: setup
 	$(VENV)/bin/pagellm serve $(ARGS)
 
-test: setup
+# The web page's browser tests drive the system's Chromium (through Playwright, never a browser
+# it downloads). Best effort: installed with apt-get where we are root, else those tests skip.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1; }; }; } || \
+	  echo "Chromium could not be installed: the web page's browser tests will skip"
+
+test: setup browser
 	$(PY) -m pytest -q $(ARGS)
+
+# The README's picture of the web page (docs/ui.png), taken while several requests share a prefix.
+screenshot: setup browser
+	$(PY) -m pagellm.entrypoints.ui.screenshot --out docs/ui.png $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -19,6 +19,9 @@ engine is restarted (``engine.restart()``, an engine process started anew); othe
 stops for good and ``on_dead`` is called (the server then exits non-zero for its supervisor).
 Admission is bounded: beyond ``max_requests`` admitted and unfinished requests, new ones get
 ``EngineOverloadedError`` at once.
+
+``snapshot`` (the server's live page) rides the same inbox: the engine thread takes the picture
+between two steps, never inside one, and a snapshot that fails fails only its caller.
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ from pagellm.engine.protocol import (
     RequestMetrics,
     RequestRejectedError,
     EngineClient,
+    KVSnapshot,
 )
+from pagellm.engine.snapshot_call import SnapshotCall
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -138,7 +143,7 @@ class _Abort:
     request_id: str
 
 
-_Command = _Add | _Abort
+_Command = _Add | _Abort | SnapshotCall
 
 
 @dataclass
@@ -245,11 +250,26 @@ class AsyncLLMEngine:
         return self.engine.stats
 
     @property
+    def replica_stats(self) -> list[EngineStats]:
+        """Each replica's stats (one engine: its own, alone)."""
+        return list(getattr(self.engine, "replica_stats", None) or [self.engine.stats])
+
+    @property
+    def num_replicas(self) -> int:
+        """Engine replicas (data parallelism), each with its own KV pool and queues."""
+        return int(getattr(self.engine, "num_replicas", 1))
+
+    @property
     def is_running(self) -> bool:
         """True while the loop is alive, its engine serving and requests accepted (what /health reports)."""
         thread = self._thread
         alive = thread is not None and thread.is_alive()
         return alive and not (self._stopping or self._restarting or self._error is not None)
+
+    @property
+    def is_closing(self) -> bool:
+        """True once shutdown began: long-lived streams (the live page's) end then."""
+        return self._stopping or self._closed
 
     @property
     def error(self) -> BaseException | None:
@@ -335,6 +355,15 @@ class AsyncLLMEngine:
                 yield output
         finally:
             await outputs.aclose()
+
+    async def snapshot(self, max_requests: int, replica: int = 0) -> KVSnapshot:
+        """A picture of one replica's queues and KV pool, taken by the engine thread between two
+        steps. Raises EngineDeadError when the loop cannot serve, ValueError for a bad replica,
+        and whatever the engine raised while taking it (the engine itself goes on)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[KVSnapshot] = loop.create_future()
+        self._submit(SnapshotCall(max_requests, replica, loop, future))
+        return await future
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks at the top of the next loop iteration."""
@@ -458,6 +487,9 @@ class AsyncLLMEngine:
             run.append(command)
         if kind is _Abort:
             self._apply_aborts([c.request_id for c in run])
+        elif kind is SnapshotCall:
+            for command in run:
+                command.answer(self.engine)  # type: ignore[union-attr]
         else:
             self._apply_adds(run)  # type: ignore[arg-type]
         return len(run)
@@ -552,12 +584,19 @@ class AsyncLLMEngine:
         Requests still in the inbox were not taken yet; a restarted engine takes them.
         """
         pending = [c.stream for c in self._batch if isinstance(c, _Add)]
+        self._fail_snapshots(self._batch, EngineDeadError("the engine failed"))
         self._batch = []
         streams = [*self._streams.values(), *pending]
         self._post_error(streams, EngineDeadError("the engine failed while running this request; retry it"))
         self._release(len(streams))
         self._streams.clear()
         self._timings.clear()
+
+    @staticmethod
+    def _fail_snapshots(commands: list[_Command], error: BaseException) -> None:
+        for command in commands:
+            if isinstance(command, SnapshotCall):
+                command.settle(error)
 
     def _post_error(self, streams: list[_Stream], error: BaseException) -> None:
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[StreamItem], StreamItem]]] = {}
@@ -574,6 +613,7 @@ class AsyncLLMEngine:
         # Running requests, plus any not registered yet: a request that already has its answer
         # never reads its queue again, so an extra error there is harmless.
         pending = [c.stream for c in self._batch + leftovers if isinstance(c, _Add)]
+        self._fail_snapshots(self._batch + leftovers, EngineDeadError(message))
         self._post_error([*self._streams.values(), *pending], EngineDeadError(message))
         request_ids = list(self._streams)
         self._streams.clear()

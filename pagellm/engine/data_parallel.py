@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from pagellm.config import EngineConfig
+from pagellm.core.kv_snapshot import DEFAULT_MAX_REQUESTS, KVSnapshot
 from pagellm.engine.engine_process import EngineProcess
 from pagellm.engine.llm_engine import EngineStats
 from pagellm.engine.protocol import EngineRequest
@@ -159,6 +160,10 @@ class DataParallelEngine:
     def replica_stats(self) -> list[EngineStats]:
         return [replica.stats for replica in self.replicas]
 
+    @property
+    def num_replicas(self) -> int:
+        return len(self.replicas)
+
     # ---- EngineClient ---------------------------------------------------------------------
 
     def add_requests(self, requests: list[EngineRequest]) -> list[ValueError | None]:
@@ -207,6 +212,12 @@ class DataParallelEngine:
             if output.finished:
                 self._release(output.request_id)
         return outputs
+
+    def snapshot(self, max_requests: int = DEFAULT_MAX_REQUESTS, replica: int = 0) -> KVSnapshot:
+        """One replica's snapshot (each has its own pool and queues; the page shows one at a time)."""
+        if not 0 <= replica < len(self.replicas):
+            raise ValueError(f"replica must be in [0, {len(self.replicas) - 1}], got {replica}")
+        return self.replicas[replica].snapshot(max_requests)
 
     def check_health(self) -> None:
         for replica in self.replicas:

@@ -29,6 +29,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from pagellm.config import EngineConfig
+from pagellm.core.kv_snapshot import DEFAULT_MAX_REQUESTS, KVSnapshot
 from pagellm.distributed.cpu_affinity import bind_rank
 from pagellm.engine.input_processor import InputProcessor
 from pagellm.engine.llm_engine import EngineStats, LLMEngine
@@ -73,7 +74,14 @@ class _Step:
     pass
 
 
-_Call = _AddRequests | _AbortRequests | _Step
+@dataclass
+class _Snapshot:
+    """A read-only picture of the queues and the KV pool, taken between steps."""
+
+    max_requests: int
+
+
+_Call = _AddRequests | _AbortRequests | _Step | _Snapshot
 
 
 def _serve_call(engine: LLMEngine, call: _Call) -> Any:
@@ -83,6 +91,8 @@ def _serve_call(engine: LLMEngine, call: _Call) -> Any:
         return engine.abort_request(call.request_ids)
     if isinstance(call, _Step):
         return engine.step()
+    if isinstance(call, _Snapshot):
+        return engine.snapshot(call.max_requests)
     raise TypeError(f"the engine process does not serve {type(call).__name__}")
 
 
@@ -243,6 +253,12 @@ class EngineProcess:
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         return self._call(_AbortRequests([request_ids] if isinstance(request_ids, str) else list(request_ids)))
+
+    def snapshot(self, max_requests: int = DEFAULT_MAX_REQUESTS, replica: int = 0) -> KVSnapshot:
+        """The child engine's snapshot (``LLMEngine.snapshot``): one round trip between steps."""
+        if replica != 0:
+            raise ValueError(f"replica must be 0 (one engine), got {replica}")
+        return self._call(_Snapshot(max_requests))
 
     def _kill(self) -> None:
         if self._proc.is_alive():

@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from pagellm.config import EngineConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.kv_snapshot import DEFAULT_MAX_REQUESTS, KVSnapshot, take_kv_snapshot
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.beam_controller import BeamSearchController
@@ -234,6 +235,13 @@ class LLMEngine:
     def close(self) -> None:
         """Release what lives outside this process (tensor-parallel ranks); the engine is done."""
         self.executor.close()
+
+    def snapshot(self, max_requests: int = DEFAULT_MAX_REQUESTS, replica: int = 0) -> KVSnapshot:
+        """A bounded, read-only picture of the queues and the KV pool (the server's live page);
+        call it between steps, from the thread that steps the engine. One engine: replica 0 only."""
+        if replica != 0:
+            raise ValueError(f"replica must be 0 (one engine), got {replica}")
+        return take_kv_snapshot(self.scheduler, max_requests=max_requests)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.scheduler.requests) + len(self._awaiting_grammar)

@@ -2,6 +2,9 @@
 every engine a caller drives (``EngineClient``), where request metrics go, and the errors that
 end requests.
 
+``KVSnapshot`` (what ``snapshot`` returns) is re-exported here for the entry points, which name
+nothing below the engine.
+
 Kept apart from ``async_engine`` so entry points and tests can name these without the loop.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from pagellm.core.kv_snapshot import KVSnapshot, RequestView  # noqa: F401 -- re-exported
 from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -70,6 +74,10 @@ class EngineClient(Protocol):
 
     def check_health(self) -> None:
         """Raise if the engine can no longer serve (a dead engine process)."""
+
+    def snapshot(self, max_requests: int, replica: int = 0) -> KVSnapshot:
+        """A bounded, read-only picture of one replica's queues and KV pool, taken between
+        steps (one engine: replica 0 only; ValueError for another)."""
 
     def restart(self) -> bool:
         """Start a fresh engine in place of a dead one; False if this engine cannot."""

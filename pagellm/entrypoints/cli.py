@@ -84,6 +84,11 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         "--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
         help='tool_choice "auto": let the model choose to call tools, parsed from its text (default: on)',
     )
+    group.add_argument(
+        "--ui", action=argparse.BooleanOptionalAction, default=True,
+        help="serve the web page at / (live view of the queues and the KV block pool, and a playground); "
+        "with --api-key the page asks for the key (default: on)",
+    )
     parser.set_defaults(handler=_serve)
 
 
@@ -132,6 +137,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_request_body_bytes=parse_memory_size(args.max_request_body),
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        enable_ui=args.ui,
     )
     if args.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")

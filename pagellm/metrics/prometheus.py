@@ -15,6 +15,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pagellm.metrics.histogram import HistogramCounts
+
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0, 160.0, 640.0)
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -97,14 +99,16 @@ class PrometheusMetrics:
     ) -> None:
         self.registry = CollectorRegistry()
         self._model_name = model_name
-        self._ttft = Histogram(
+        self._ttft_family = Histogram(
             "pagellm:time_to_first_token_seconds", "Time from arrival to the first generated token.",
             ["model_name"], buckets=_TTFT_BUCKETS, registry=self.registry,
-        ).labels(model_name)
-        self._tpot = Histogram(
+        )
+        self._ttft = self._ttft_family.labels(model_name)
+        self._tpot_family = Histogram(
             "pagellm:time_per_output_token_seconds", "Mean time between output tokens of a request (after the first).",
             ["model_name"], buckets=_TPOT_BUCKETS, registry=self.registry,
-        ).labels(model_name)
+        )
+        self._tpot = self._tpot_family.labels(model_name)
         self._e2e = Histogram(
             "pagellm:e2e_request_latency_seconds", "Time from arrival to the last token of a request.",
             ["model_name"], buckets=_E2E_BUCKETS, registry=self.registry,
@@ -141,6 +145,23 @@ class PrometheusMetrics:
     def count_engine_restart(self) -> None:
         self._restarts.inc()
 
+    def latency_counts(self) -> dict[str, HistogramCounts]:
+        """The TTFT and TPOT histograms' bucket counts now (``ttft``, ``tpot``): the live page's
+        percentiles come from these, the counts ``/metrics`` exposes."""
+        return {"ttft": _bucket_counts(self._ttft_family), "tpot": _bucket_counts(self._tpot_family)}
+
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _bucket_counts(family: Histogram) -> HistogramCounts:
+    """One (single-label) histogram's cumulative bucket counts, read through its public samples."""
+    bounds: list[float] = []
+    counts: list[float] = []
+    for metric in family.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_bucket"):
+                bounds.append(float(sample.labels["le"]))
+                counts.append(sample.value)
+    return HistogramCounts(tuple(bounds), tuple(counts))

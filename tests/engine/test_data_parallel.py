@@ -133,6 +133,19 @@ def test_abort_and_bad_requests_reach_their_replica(replicas) -> None:
     replicas.check_health()
 
 
+def test_snapshot_of_each_replica(replicas) -> None:
+    """Each replica's own pool and queues; a replica that does not exist is a ValueError."""
+    long = SamplingParams(max_tokens=50, ignore_eos=True)
+    assert replicas.add_requests([EngineRequest("x", [1, 2, 3, 4, 5], long), EngineRequest("y", [6] * 7, long)]) == [None, None]
+    replicas.step()
+    listed = {i: [v.request_id for v in replicas.snapshot(8, replica=i).requests] for i in range(2)}
+    assert listed == {replicas._owner["x"]: ["x"], replicas._owner["y"]: ["y"]}
+    with pytest.raises(ValueError, match="replica"):
+        replicas.snapshot(8, replica=2)
+    replicas.abort_request(["x", "y"])
+    assert all(replicas.snapshot(8, replica=i).requests == [] for i in range(2))
+
+
 @pytest.mark.slow
 def test_serve_with_two_replicas(tiny_llama_path) -> None:
     """pagellm serve --data-parallel-size 2: completions from both replicas, and /metrics per
@@ -152,6 +165,11 @@ def test_serve_with_two_replicas(tiny_llama_path) -> None:
         for engine in ("0", "1"):
             assert f'pagellm:generation_tokens_total{{engine="{engine}",model_name="{MODEL_NAME}"}} 4.0' in metrics, metrics
         assert httpx.get(server.url("/version"), timeout=10).json()["kernel_plan"]["data_parallel_size"] == "2"
+        for replica in ("0", "1"):  # the web page's snapshot, one replica at a time
+            snapshot = httpx.get(server.url("/ui/api/snapshot"), params={"replica": replica}, timeout=30).json()
+            assert (snapshot["replica"], snapshot["num_replicas"]) == (int(replica), 2)
+            assert snapshot["stats"]["num_generated_tokens"] == 4
+        assert httpx.get(server.url("/ui/api/snapshot"), params={"replica": 2}, timeout=30).status_code == 400
 
 
 def test_tensor_parallel_replicas(tiny_llama_path) -> None:

@@ -51,6 +51,25 @@ def test_abort_returns_outputs_and_frees_blocks(proc):
     assert proc.stats.kv_cache_usage == 0.0
 
 
+def test_snapshot_crosses_the_pipe_between_steps(proc):
+    """The snapshot call message: the child's scheduler and pool as they stand between two steps."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    assert proc.add_requests([EngineRequest("s", list(range(10, 19)), params)]) == [None]
+    assert proc.snapshot(8).requests[0].status == "waiting"
+    proc.step()  # the 9-token prompt (3 blocks of 4) and the first sample
+    snap = proc.snapshot(8)
+    (view,) = snap.requests
+    assert (view.request_id, view.status, view.num_computed_tokens, view.num_tokens) == ("s", "running", 9, 10)
+    assert len(view.block_ids) == 3 and (snap.owner[view.block_ids] == 0).all()
+    assert (snap.num_blocks, snap.block_size, snap.num_running) == (64, 4, 1)
+    with pytest.raises(ValueError, match="replica"):
+        proc.snapshot(8, replica=1)
+    proc.abort_request("s")
+    assert proc.snapshot(8).requests == []
+    assert proc.add_requests([EngineRequest("after", [1, 2], SamplingParams(max_tokens=2))]) == [None]
+    assert len(drain(proc)["after"]) == 2  # the engine goes on as before
+
+
 def test_local_views(proc):
     assert proc.max_model_len > 0
     assert proc.input_processor.process_prompt("hello").prompt_token_ids == proc.tokenizer("hello").input_ids

@@ -8,24 +8,12 @@ from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.engine.input_processor import InputProcessor
 from pagellm.entrypoints.openai.api_server import ServerSettings, build_app
 from pagellm.metrics.prometheus import PrometheusMetrics
-from tests.helpers.fake_engine import FakeEngine
-
-
-class _TinyTokenizer:
-    """Just enough tokenizer for token-id prompts."""
-
-    eos_token_id = None
-
-    def decode(self, ids: list[int]) -> str:
-        return " ".join(map(str, ids))
-
-    def get_vocab(self) -> dict[str, int]:
-        return {str(i): i for i in range(100)}
+from tests.helpers.fake_engine import FakeEngine, TinyTokenizer
 
 
 def make_client() -> tuple[TestClient, FakeEngine]:
     fake = FakeEngine()
-    fake.tokenizer = _TinyTokenizer()  # type: ignore[attr-defined]
+    fake.tokenizer = TinyTokenizer()  # type: ignore[attr-defined]
     fake.input_processor = InputProcessor(fake.tokenizer, vocab_size=100, max_model_len=128)  # type: ignore[attr-defined]
     metrics = PrometheusMetrics("fake", stats=lambda: fake.stats)
     engine = AsyncLLMEngine(fake, metrics)  # type: ignore[arg-type]

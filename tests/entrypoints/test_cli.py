@@ -12,6 +12,7 @@ def test_serve_defaults() -> None:
     args = build_parser().parse_args(["serve"])
     assert args.model is None and args.host == "127.0.0.1" and args.port == 8000
     assert args.api_key is None and args.served_model_name is None
+    assert args.ui is True  # the web page at /
     assert EngineArgs.from_cli_args(args).model is None  # LLM(model=None): the default model
 
 
@@ -24,10 +25,11 @@ def test_serve_options_map_to_the_engine() -> None:
         "--grammar-compile-timeout", "2.5", "--tool-call-parser", "llama3_json", "--no-enable-auto-tool-choice",
         "--tensor-parallel-size", "2", "--data-parallel-size", "2", "--pipeline-parallel-size", "3",
         "--nnodes", "3", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29500",
-        "--distributed-executor-backend", "ray",
+        "--distributed-executor-backend", "ray", "--no-ui",
     ])
     assert args.port == 9001 and args.served_model_name == ["a", "b"] and args.api_key == "k"
     assert args.tool_call_parser == "llama3_json" and args.enable_auto_tool_choice is False
+    assert args.ui is False  # a server option: no web page
     assert args.data_parallel_size == 2  # a server option: replicas, each an engine of these options
     assert EngineArgs.from_cli_args(args).as_dict() == {
         "model": "/models/x", "dtype": "bfloat16", "quantization": "int8", "block_size": 32, "kv_cache_memory": "2GiB",

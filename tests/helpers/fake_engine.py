@@ -100,6 +100,18 @@ def request_output(request_id: str, text: str, finish_reason: str | None) -> Req
     return RequestOutput(request_id, None, [1, 2], [sample], finished=finish_reason is not None)
 
 
+class TinyTokenizer:
+    """Just enough tokenizer for token-id prompts (in-process apps over the fake engine)."""
+
+    eos_token_id = None
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(map(str, ids))
+
+    def get_vocab(self) -> dict[str, int]:
+        return {str(i): i for i in range(100)}
+
+
 class RecordingMetrics:
     def __init__(self) -> None:
         self.calls: dict[str, list[Any]] = {}

@@ -12,7 +12,7 @@ import logging
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 
 import uvicorn
@@ -42,12 +42,16 @@ from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagellm.entrypoints.openai.tool_calls.parsers import tool_parser
+from pagellm.entrypoints.ui.feed import FeedOptions, SnapshotFeed
+from pagellm.entrypoints.ui.routes import API_PREFIX as UI_API_PREFIX
+from pagellm.entrypoints.ui.routes import install_ui
 from pagellm.metrics.prometheus import PrometheusMetrics
 
 logger = logging.getLogger(__name__)
 
-# Paths that need the API key when one is set (as vLLM: the API, not health or metrics).
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+# Paths that need the API key when one is set (as vLLM: the API, not health or metrics; the web
+# page's snapshot API too, not its static files, so that the page can load and ask for the key).
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", UI_API_PREFIX)
 
 
 # Bodies larger than this are refused with 413 before they are read whole (the longest prompt
@@ -63,6 +67,8 @@ class ServerSettings:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     tool_call_parser: str = "hermes"  # the format tool calls are written in (tool_calls/parsers.py)
     enable_auto_tool_choice: bool = True  # tool_choice "auto": parse calls out of free text
+    enable_ui: bool = True  # the web page at / and its snapshot API (pagellm.entrypoints.ui)
+    ui: FeedOptions = field(default_factory=FeedOptions)  # how often the page's snapshots are taken
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -196,6 +202,9 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(request, raw_request)
+
+    if settings.enable_ui:
+        install_ui(app, SnapshotFeed(engine, metrics, names[0], settings.ui))
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> JSONResponse:

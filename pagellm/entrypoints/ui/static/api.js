@@ -1,0 +1,84 @@
+// Talking to the server: the API key (asked for on a 401, kept in sessionStorage, sent as a
+// header, never in a URL) and a reader of Server-Sent Events over fetch() (EventSource cannot
+// send headers).
+
+const KEY_NAME = "pagellm-api-key";
+let keyWaiters = [];
+
+export function apiKey() {
+  return sessionStorage.getItem(KEY_NAME) || "";
+}
+
+export function authHeaders(extra = {}) {
+  const headers = { ...extra };
+  const key = apiKey();
+  if (key) headers["Authorization"] = "Bearer " + key;
+  return headers;
+}
+
+// Show the key prompt (once, however many callers wait) and resolve when a key is entered.
+export function askForKey(message) {
+  const dialog = document.getElementById("key-dialog");
+  const text = document.getElementById("key-message");
+  if (message) text.textContent = message;
+  dialog.hidden = false;
+  document.getElementById("status").dataset.state = "error";
+  document.getElementById("status-text").textContent = "API key needed";
+  document.getElementById("key-input").focus();
+  return new Promise((resolve) => keyWaiters.push(resolve));
+}
+
+export function installKeyDialog() {
+  const form = document.getElementById("key-form");
+  form.addEventListener("submit", (event) => {
+    event.preventDefault();
+    const input = document.getElementById("key-input");
+    const key = input.value.trim();
+    if (!key) return;
+    sessionStorage.setItem(KEY_NAME, key);
+    input.value = "";
+    document.getElementById("key-dialog").hidden = true;
+    const waiters = keyWaiters;
+    keyWaiters = [];
+    waiters.forEach((resolve) => resolve(key));
+  });
+}
+
+// fetch() with the key; a 401 asks for the key and tries again.
+export async function apiFetch(path, options = {}) {
+  for (;;) {
+    const response = await fetch(path, { ...options, headers: authHeaders(options.headers || {}) });
+    if (response.status !== 401) return response;
+    const hadKey = Boolean(apiKey());
+    await askForKey(hadKey ? "That key was refused. Enter the server's API key." : undefined);
+  }
+}
+
+// The data of each event of an SSE response body, as strings, until the stream ends.
+export async function* sseData(response) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.search(/\r?\n\r?\n/)) >= 0) {
+      const block = buffer.slice(0, end);
+      buffer = buffer.slice(end).replace(/^\r?\n\r?\n/, "");
+      const data = block.split(/\r?\n/).filter((l) => l.startsWith("data:")).map((l) => l.slice(5).trimStart());
+      if (data.length) yield data.join("\n");
+    }
+  }
+}
+
+// An OpenAI-style error body as one line.
+export async function errorText(response) {
+  try {
+    const body = await response.json();
+    return (body.error && body.error.message) || JSON.stringify(body);
+  } catch {
+    return `HTTP ${response.status}`;
+  }
+}
