@@ -84,6 +84,23 @@ def test_costly_snapshots_are_spaced_out_to_cap_the_engines_share() -> None:
         assert fake.num_snapshot_calls == 1
 
 
+def test_one_slow_snapshot_among_cheap_ones_does_not_stall_the_page() -> None:
+    # Spacing follows the cheaper of the last two builds: a one-off 0.5 s build (at 1%: 50 s)
+    # after a cheap one does not hold the next snapshot back; two slow ones in a row do.
+    client, fake, _ = make_client(rate_hz=1000.0, max_engine_share=0.01)
+    with client:
+        client.get("/ui/api/snapshot")
+        fake.build_seconds = 0.5
+        for _ in range(200):  # each request takes longer than the 1 ms period
+            client.get("/ui/api/snapshot")
+            if fake.num_snapshot_calls == 3:
+                break
+        assert fake.num_snapshot_calls == 3  # the slow one, then a new one right after it
+        for _ in range(5):
+            client.get("/ui/api/snapshot")
+        assert fake.num_snapshot_calls == 3  # two slow ones in a row: spaced out
+
+
 def test_snapshot_is_taken_between_steps_and_shows_running_requests() -> None:
     client, fake, engine = make_client(rate_hz=1000.0)
     with client:

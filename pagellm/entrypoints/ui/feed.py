@@ -54,6 +54,7 @@ class SnapshotFeed:
         self._metrics = metrics
         self._model = model
         self._latest: dict[int, tuple[float, bytes]] = {}  # replica -> (monotonic time it expires, payload)
+        self._last_cost: dict[int, float] = {}  # replica -> what its last snapshot cost the engine (s)
         self._locks: dict[int, asyncio.Lock] = {}
         self._latency_readings: deque[tuple[float, dict[str, HistogramCounts]]] = deque()
 
@@ -77,7 +78,11 @@ class SnapshotFeed:
             if fresh is not None:
                 return fresh
             body, build_seconds = await self._take(replica)
-            wait = max(self.options.period_s, build_seconds / self.options.max_engine_share)
+            # The cheaper of the last two builds sets the spacing: a steadily costly snapshot is
+            # spaced out, one slow build (a pause of the engine process) does not stall the page.
+            cost = min(build_seconds, self._last_cost.get(replica, build_seconds))
+            self._last_cost[replica] = build_seconds
+            wait = max(self.options.period_s, cost / self.options.max_engine_share)
             self._latest[replica] = (time.monotonic() + wait, body)
             return body
 
