@@ -39,6 +39,17 @@ _KERNEL_PAIRS = frozenset({
     (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn), (torch.float32, torch.float32)
 })
 
+# Head dims whose prefill rows the kernel takes (AMX tiles of a chunk's rows, AVX-512 and AVX2
+# paths). For any other, each prefill row walks its context alone, and SDPA's blocked GEMMs win:
+# Gemma's 256 with a window of 512, one 512-token prefill 13.6 ms in SDPA against 24.8 in the
+# kernel (benchmarks/NOTES.md 49); the decode rows stay on the kernel (6.2 against 19.2 ms).
+_PREFILL_HEAD_DIMS = frozenset({64, 128})
+
+
+def prefill_on_kernel(head_dim: int) -> bool:
+    """Whether the kernel takes prefill rows of this head dim (else they go to SDPA)."""
+    return head_dim in _PREFILL_HEAD_DIMS
+
 
 @dataclass
 class _KernelRows:
@@ -50,10 +61,24 @@ class _KernelRows:
     row_ctx: torch.Tensor  # int32 [N]: context positions it attends to (causal limit), 1 .. max_context
     block_tables: torch.Tensor  # int64 [R, max_blocks], contiguous
     max_context: int  # the longest seq_len
+    has_prefill: bool  # some request has more than one new token
     # What the rows were built from (the metadata's own objects), so a changed metadata is noticed.
     source: tuple[torch.Tensor, torch.Tensor, list[int], list[int]]
     checked_for: tuple[int, int] | None = None  # (num_blocks, block_size) the indices were checked against
     starts: dict[int, torch.Tensor] = field(default_factory=dict)  # per sliding window: int32 [N] first positions
+    decode_subset: _KernelRows | None = None  # the rows of one-token requests (built on first use)
+
+    def decode_rows(self) -> _KernelRows:
+        """The rows of requests with one new token (decodes), built once a step; checked as the
+        whole step's rows were."""
+        if self.decode_subset is None:
+            query_lens = np.diff(np.searchsorted(self.row_req.numpy(), np.arange(self.block_tables.shape[0] + 1)))
+            keep = query_lens[self.row_req.numpy()] == 1
+            self.decode_subset = _KernelRows(
+                int(keep.sum()), self.row_token[keep], self.row_req[keep], self.row_ctx[keep], self.block_tables,
+                self.max_context, False, self.source, self.checked_for,
+            )  # fmt: skip
+        return self.decode_subset
 
     def start_for(self, window: int | None) -> torch.Tensor | None:
         """Each row's first position under a sliding ``window`` (its last ``window`` positions,
@@ -97,7 +122,7 @@ def build_kernel_rows(metadata: AttentionMetadata) -> _KernelRows:
     source = (metadata.slot_mapping, metadata.block_tables, list(metadata.query_lens), list(metadata.seq_lens))
     return _KernelRows(
         num_tokens, torch.from_numpy(row_token), torch.from_numpy(row_req), torch.from_numpy(row_ctx), block_tables,
-        int(seq_lens.max(initial=0)), source,
+        int(seq_lens.max(initial=0)), bool((query_lens > 1).any()), source,
     )
 
 
@@ -122,7 +147,8 @@ def checked_kernel_rows(metadata: AttentionMetadata, key_cache: torch.Tensor) ->
 
 class CPUPagedAttention(TorchSDPAAttention):
     """Every row of a step through the C++ paged kernel (bf16, float32, an fp8 cache under bf16),
-    sliding windows and capped scores included; other dtype pairs through SDPA."""
+    sliding windows and capped scores included; other dtype pairs through SDPA, and so are the
+    prefill rows of head dims the kernel has no fast path for (``_PREFILL_HEAD_DIMS``)."""
 
     name = "cpu_paged"
 
@@ -159,9 +185,15 @@ class CPUPagedAttention(TorchSDPAAttention):
         if q.stride(-1) != 1 or q.stride(-2) != head_dim:
             q = q.contiguous()
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=cdtype)
-        if num_tokens:
+        split = plan.has_prefill and not prefill_on_kernel(head_dim)
+        rows = plan.decode_rows() if split else plan
+        if rows.num_tokens:
             self.kernels.paged_attention(
-                q, out, key_cache, value_cache, plan.block_tables, plan.row_token, plan.row_req, plan.row_ctx, scale,
-                row_start=plan.start_for(window), softcap=softcap, rows_checked=True,
+                q, out, key_cache, value_cache, rows.block_tables, rows.row_token, rows.row_req, rows.row_ctx, scale,
+                row_start=rows.start_for(window), softcap=softcap, rows_checked=True,
             )
+        if split:  # the prefill requests through SDPA (their K/V are in the cache already)
+            group = num_heads // num_kv_heads
+            for p in self._get_plan(metadata, query.device, window).prefills:
+                self._prefill(q, key, value, key_cache, value_cache, p, out, num_kv_heads, group, head_dim, scale, softcap)
         return out if out.dtype == query.dtype else out.to(query.dtype)

@@ -8,7 +8,8 @@ wrapper checks, ctypes: ~3 ms of a ~10 ms batch-1 step on the default model, ben
 37). The weights' shapes are checked when the stack is built; the step's indices once a step,
 as the attention backend checks them. Batches of more rows than the plan's ``quant_max_rows``
 use quantized linears' dense copies or AMX tiles, as the modules do; steps it does not take (a cache dtype
-the kernels do not read) run the Python layers. A sliding window kept by every layer (Mistral)
+the kernels do not read; a prefill of a head dim whose prefill rows the attention backend sends to
+SDPA) run the Python layers. A sliding window kept by every layer (Mistral)
 is in the call; capped scores, other score scales and Gemma's norms are not.
 """
 
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from pagellm.attention.backend import AttentionMetadata
-from pagellm.attention.cpu_paged import CPUPagedAttention, checked_kernel_rows
+from pagellm.attention.cpu_paged import CPUPagedAttention, checked_kernel_rows, prefill_on_kernel
 from pagellm.distributed.tensor_parallel import TensorParallel
 from pagellm.kernels.library import (
     CACHE_CODES,
@@ -171,11 +172,16 @@ class FusedDecoderStack:
             return None
         return cls([w for w in weights if w is not None], arch, lib, dtype, max_rows, tp, windows.pop())
 
-    def layer_args(self, hidden: torch.Tensor, kv_caches: list[KVCache]) -> ctypes.Array[DecoderLayerArgs] | None:
+    def layer_args(
+        self, hidden: torch.Tensor, kv_caches: list[KVCache], metadata: AttentionMetadata
+    ) -> ctypes.Array[DecoderLayerArgs] | None:
         """The per-layer arguments of this step where it runs here (rows in the model dtype, a
         cache pair per layer, of one shape and dtype the kernels read, laid out as the model's
-        KV heads), else None. Built and checked once per set of caches (once per engine)."""
+        KV heads; prefill rows only for head dims the kernel takes them for, as the attention
+        backend decides), else None. Built and checked once per set of caches (once per engine)."""
         if hidden.shape[0] == 0 or hidden.dtype != self.dtype or len(kv_caches) != len(self.weights):
+            return None
+        if not prefill_on_kernel(self.arch.head_dim) and max(metadata.query_lens, default=0) > 1:
             return None
         addresses = _cache_addresses(kv_caches)
         if self._args is None or self._args[0] != addresses:

@@ -268,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
         local_rotary = self.model.local_rotary_emb
         local = local_rotary(positions, hidden.dtype) if local_rotary is not None else (cos, sin)
         stack = self._decoder_stack()
-        stack_layers = stack.layer_args(hidden, kv_caches) if stack is not None else None
+        stack_layers = stack.layer_args(hidden, kv_caches, attn_metadata) if stack is not None else None
         if stack is not None and stack_layers is not None:
             hidden, residual = stack(hidden, cos, sin, kv_caches, stack_layers, attn_metadata)
         else:

@@ -14,6 +14,7 @@ import torch
 
 from pagellm import kernels
 from pagellm.attention import CPUPagedAttention, write_kv
+from pagellm.attention.cpu_paged import build_kernel_rows
 from pagellm.kernels.isa import usable_cpu_flags
 from tests.helpers.attention import (
     FP8,
@@ -90,13 +91,34 @@ def test_window_and_softcap_match_dense(num_heads, num_kv_heads, head_dim, dtype
     if dtype == FP8:
         step = to_fp8_step(step)
     check_step(step, cpu_paged_all_dtypes, window, softcap)
+    # Every row through the kernel itself (the backend sends prefill rows of head dims other
+    # than 64 and 128 to SDPA).
+    kc, vc = step.key_cache.clone(), step.value_cache.clone()
+    write_kv(step.key, step.value, kc, vc, step.metadata.slot_mapping)
+    rows = build_kernel_rows(step.metadata)
+    out = torch.empty_like(step.query)
+    KERNELS.paged_attention(step.query, out, kc, vc, rows.block_tables, rows.row_token, rows.row_req, rows.row_ctx, step.scale,
+                            row_start=rows.start_for(window), softcap=softcap)  # fmt: skip
+    tol = TOL[torch.float32 if dtype == torch.float32 else torch.bfloat16]
+    torch.testing.assert_close(out.double(), dense_expected(step, window, softcap), **tol)
     if window is None:
         return
     step.metadata, released = _release_before_windows(step, window)
     assert released >= 60  # the 1030-position decode alone releases 62 blocks
     out, _, _ = run_backend(cpu_paged_all_dtypes(), step, window, softcap)
-    tol = TOL[torch.float32 if dtype == torch.float32 else torch.bfloat16]
     torch.testing.assert_close(out.double(), dense_expected(step, window, softcap), **tol)
+
+
+@pytest.mark.parametrize("head_dim,kernel_rows", [(64, 4 + 9 + 40 + 16 + 20), (256, 4), (48, 4)])
+def test_prefill_rows_of_head_dims_without_a_fast_path_go_to_sdpa(monkeypatch, head_dim, kernel_rows):
+    # Decode rows stay on the kernel whatever the head dim; prefill rows only for 64 and 128.
+    calls = []
+    real = KERNELS.paged_attention
+    monkeypatch.setattr(KERNELS, "paged_attention", lambda q, o, k, v, t, tok, *a, **kw: calls.append(tok.numel())
+                        or real(q, o, k, v, t, tok, *a, **kw))  # fmt: skip
+    step = make_step(WINDOW_REQS, 16, 4, 2, head_dim=head_dim, dtype=torch.bfloat16, seed=1)
+    check_step(step, cpu_paged_all_dtypes, 20, 2.0)
+    assert calls == [kernel_rows]
 
 
 @pytest.mark.parametrize("magnitude", [1e-3, 1.0, 30.0], ids=["tiny", "unit", "huge"])
