@@ -128,9 +128,12 @@ class LimitsConfig:
     max_stop_string_chars: int = 1024
     # A structured-outputs constraint still compiling after this long fails its request.
     grammar_compile_timeout_s: float = 10.0
+    # The most characters of one constraint (schema, regex, grammar, choices): bounds the grammar
+    # engine's time and recursion depth (pagellm.structured_output.grammar).
+    max_grammar_chars: int = 128 * 1024
 
     def __post_init__(self) -> None:
-        for name in ("max_n", "max_logprobs", "max_stop_strings", "max_stop_string_chars"):
+        for name in ("max_n", "max_logprobs", "max_stop_strings", "max_stop_string_chars", "max_grammar_chars"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "max_logprobs" else 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -105,6 +105,8 @@ class EngineArgs:
     max_stop_strings: int = field(default=16, metadata=_option("most stop strings in one request", LIMITS, int))
     grammar_compile_timeout: float = field(default=10.0, metadata=_option(
         "seconds a structured-outputs constraint may take to compile before its request fails", LIMITS, float))
+    max_grammar_chars: int = field(default=128 * 1024, metadata=_option(
+        "most characters of one structured-outputs constraint (JSON schema, regex, grammar, choices)", LIMITS, int))
     cpu_isa: str | None = field(default=None, metadata=_option(
         "highest ISA level the kernels may use (default: $PAGELLM_ISA, else auto: the CPU's)", KERNELS,
         choices=ISA_CHOICES))
@@ -134,7 +136,8 @@ class EngineArgs:
                                 distributed_executor_backend=self.distributed_executor_backend),
             limits=LimitsConfig(max_n=self.max_n, max_logprobs=self.max_logprobs,
                                 max_stop_strings=self.max_stop_strings,
-                                grammar_compile_timeout_s=self.grammar_compile_timeout),
+                                grammar_compile_timeout_s=self.grammar_compile_timeout,
+                                max_grammar_chars=self.max_grammar_chars),
             kernels=KernelConfig.from_env(isa=self.cpu_isa, cpu_kernels=self.cpu_kernels, gemm=self.gemm),
         )  # fmt: skip
 

@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from pagellm.bounded_json import check_json_depth, parse_json_text
+
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -44,12 +46,11 @@ class StructuredOutputsParams:
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError("structured_outputs.json must be a JSON schema: an object or its JSON text")
         if isinstance(self.json, str):
-            try:
-                parsed = json.loads(self.json)
-            except ValueError as exc:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            parsed = parse_json_text(self.json, "structured_outputs.json")
             if not isinstance(parsed, (dict, bool)):
                 raise ValueError("structured_outputs.json must be a JSON schema (an object)")
+        elif isinstance(self.json, dict):
+            check_json_depth(self.json, "structured_outputs.json")
         if self.json_object not in (None, True, False):
             raise ValueError("structured_outputs.json_object must be a boolean")
         for name in ("regex", "grammar", "whitespace_pattern"):
@@ -71,6 +72,15 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         """Which constraint this is: json, json_object, regex, choice or grammar."""
         return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    def num_chars(self) -> int:
+        """The size of the constraint as text (what bounds the grammar engine's work on it)."""
+        value: Any = getattr(self, self.kind)
+        if isinstance(value, str):
+            return len(value)
+        if isinstance(value, list):
+            return sum(len(c) + 1 for c in value)
+        return len(json.dumps(value)) if isinstance(value, dict) else 0
 
     def cache_key(self) -> str:
         """The same constraint (as text) gives the same key: one compile serves them all."""

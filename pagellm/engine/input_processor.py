@@ -12,6 +12,7 @@ from pagellm.config import LimitsConfig
 from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.sampling_params import SamplingParams
 from pagellm.structured_output.grammar import check_grammar
+from pagellm.structured_outputs_params import StructuredOutputsParams
 
 # A prompt is text, or vLLM's token form {"prompt_token_ids": [...]} (optionally with "prompt").
 PromptType = Union[str, Mapping[str, Any]]
@@ -78,7 +79,7 @@ class InputProcessor:
             if params.beam_width > self.max_n:
                 raise ValueError(f"beam_width must be <= {self.max_n}, got {params.beam_width}.")
             if params.structured_outputs is not None:
-                check_grammar(params.structured_outputs)
+                self._check_constraint(params.structured_outputs)
             return
         for name in ("n", "best_of"):
             value = getattr(params, name)
@@ -90,7 +91,18 @@ class InputProcessor:
                 raise ValueError(f"{name} must be <= {self.limits.max_logprobs}, got {value}.")
         self._check_stop(params)
         if params.structured_outputs is not None:
-            check_grammar(params.structured_outputs)
+            self._check_constraint(params.structured_outputs)
+
+    def _check_constraint(self, constraint: StructuredOutputsParams) -> None:
+        """Small enough for the grammar engine, then compiles (slow for big ones: callers on an
+        event loop run ``check_params`` in a worker thread)."""
+        size, limit = constraint.num_chars(), self.limits.max_grammar_chars
+        if size > limit:
+            raise ValueError(
+                f"structured_outputs.{constraint.kind} is {size} characters long, more than the server's "
+                f"limit of {limit} (max_grammar_chars)"
+            )
+        check_grammar(constraint, timeout_s=self.limits.grammar_compile_timeout_s)
 
     def _check_stop(self, params: SamplingParams) -> None:
         limits = self.limits

@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from pagellm.engine_args import EngineArgs, add_engine_args
+from pagellm.entrypoints.openai.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from pagellm.entrypoints.openai.tool_calls.parsers import TOOL_PARSERS
 from pagellm.model.default_model import DEFAULT_MODEL_NAME
 from pagellm.utils import LOG_FORMAT
@@ -70,6 +71,8 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         help="requests accepted beyond --max-num-seqs; more are refused with 503 and Retry-After",
     )
     group.add_argument("--max-request-body", default="32MiB", help="largest request body accepted (413 beyond)")
+    group.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                       help="most prompts one /v1/completions request may hold (400 beyond, before any is tokenized)")
     group.add_argument(
         "--trust-request-chat-template", action="store_true",
         help="let clients send a chat template of their own (chat_template_kwargs.chat_template); "
@@ -135,6 +138,7 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=_api_key(args.api_key),
         trust_request_chat_template=args.trust_request_chat_template,
         max_request_body_bytes=parse_memory_size(args.max_request_body),
+        max_prompts_per_request=args.max_prompts_per_request,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         enable_ui=args.ui,

@@ -10,15 +10,25 @@ engine behind llama.cpp's and vLLM's ``guidance`` backend.
 ``check_grammar`` says why one does not compile (a 400 at the boundary); ``GrammarCompiler``
 compiles off the caller's thread, keeps one compiled matcher per distinct constraint and hands
 each sequence a copy of it.
+
+llguidance recurses over a grammar's rules and a schema's ``$ref`` chains: on a thread's usual
+8 MiB stack a chain of about 3,000 Lark rules or 2,000 references overflows it and kills the
+process. Every llguidance call that reads a request's constraint therefore runs on a thread of
+its own with a deep stack (:func:`deep_stack_executor`), and the constraint's size is bounded
+before (``LimitsConfig.max_grammar_chars``), so the depth it can reach stays far below that
+stack's. llguidance releases the GIL while it works, so these threads never stall the server's
+event loop.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import llguidance
 import llguidance.hf
@@ -31,10 +41,57 @@ from pagellm.structured_outputs_params import StructuredOutputsParams
 # hostile schema is refused with llguidance's message instead of stalling a step.
 _LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, max_grammar_size=500_000, verbose_errors=False)
 _CACHE_SIZE = 256
+# The stack of the threads that run llguidance: measured, 256 MiB takes a chain of 100,000 Lark
+# rules (2 MB of grammar text), while the size bound keeps requests far below that. Only the
+# pages a deep grammar touches are ever mapped.
+GRAMMAR_STACK_BYTES = 256 << 20
+_stack_size_lock = threading.Lock()
+_checker_lock = threading.Lock()
+_checker: ThreadPoolExecutor | None = None
+# A Rust panic llguidance caught: "panic: ..." / "panicked at src/x.rs:1:2:", then a backtrace.
+_PANIC = re.compile(r"panicked at|panic\b:?|\S+\.rs(?::\d+)*:?", re.IGNORECASE)
+_BACKTRACE = re.compile(r"(?im)^\s*(?:stack )?backtrace|^\s*note: run with|^\s*0:\s")
 
 
 def parser_limits() -> LLParserLimits:
     return LLParserLimits(**_LIMITS)
+
+
+def deep_stack_executor(name: str) -> ThreadPoolExecutor:
+    """A one-thread pool whose thread has a ``GRAMMAR_STACK_BYTES`` stack.
+
+    ``threading.stack_size`` applies to threads started after it is set, so the pool's thread is
+    started here, under a lock, and the process's default is put back at once.
+    """
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+    with _stack_size_lock:
+        previous = threading.stack_size(GRAMMAR_STACK_BYTES)
+        try:
+            pool.submit(lambda: None).result()
+        finally:
+            threading.stack_size(previous)
+    return pool
+
+
+def _checker_pool() -> ThreadPoolExecutor:
+    """The pool ``check_grammar`` runs on, started at its first use (shared by every caller)."""
+    global _checker
+    with _checker_lock:
+        if _checker is None:
+            _checker = deep_stack_executor("pagellm-grammar-check")
+        return _checker
+
+
+def plain_error(error: str) -> str:
+    """llguidance's error text fit for a client: a Rust panic it caught (its source location and
+    backtrace) becomes a plain sentence; anything else is kept as it is."""
+    text = error.strip()
+    if not _PANIC.search(text):
+        return text
+    head = _BACKTRACE.split(text)[0]
+    reason = " ".join(_PANIC.sub(" ", head).split()).strip(" :")[:200]
+    detail = f" ({reason})" if reason else ""
+    return f"the grammar engine cannot handle this constraint{detail}: it is likely too large or too deeply nested"
 
 
 def _json_options(params: StructuredOutputsParams) -> dict[str, object]:
@@ -63,12 +120,25 @@ def grammar_source(params: StructuredOutputsParams) -> str:
         raise ValueError(f"structured_outputs.{kind}: {exc}") from None
 
 
-def check_grammar(params: StructuredOutputsParams) -> None:
-    """ValueError naming what is wrong when the constraint does not compile (within the limits)."""
-    source = grammar_source(params)
-    error = LLMatcher.validate_grammar(source, None, limits=parser_limits())
+def check_grammar(params: StructuredOutputsParams, timeout_s: float | None = None) -> None:
+    """ValueError naming what is wrong when the constraint does not compile (within the limits),
+    or when the check takes longer than ``timeout_s``. Runs on the deep-stack checker thread
+    (see the module docstring); the caller waits for it."""
+    future = _checker_pool().submit(_validate, params)
+    try:
+        error = future.result(timeout=timeout_s)
+    except FutureTimeout:
+        future.cancel()  # still queued behind another check: it never runs
+        raise ValueError(
+            f"structured_outputs.{params.kind} took longer than {timeout_s:g} s to check: make it smaller"
+        ) from None
     if error:
-        raise ValueError(f"structured_outputs.{params.kind} does not compile: {error.strip()}")
+        raise ValueError(f"structured_outputs.{params.kind} does not compile: {plain_error(error)}")
+
+
+def _validate(params: StructuredOutputsParams) -> str:
+    """llguidance's complaint about the constraint (empty: none)."""
+    return LLMatcher.validate_grammar(grammar_source(params), None, limits=parser_limits()) or ""
 
 
 def llguidance_tokenizer(
@@ -93,7 +163,7 @@ class GrammarCompiler:
     def __init__(self, make_tokenizer: Callable[[], LLTokenizer]) -> None:
         self._make_tokenizer = make_tokenizer
         self._tokenizer: LLTokenizer | None = None  # only the compile thread touches it
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-grammar")
+        self._pool = deep_stack_executor("pagellm-grammar")
         self._lock = threading.Lock()
         self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
 
@@ -113,7 +183,7 @@ class GrammarCompiler:
             self._tokenizer = self._make_tokenizer()
         matcher = LLMatcher(self._tokenizer, grammar_source(params), limits=parser_limits(), log_level=0)
         if matcher.is_error():
-            raise ValueError(f"structured_outputs.{params.kind} does not compile: {matcher.get_error().strip()}")
+            raise ValueError(f"structured_outputs.{params.kind} does not compile: {plain_error(matcher.get_error())}")
         with self._lock:
             self._compiled[key] = matcher
             while len(self._compiled) > _CACHE_SIZE:

@@ -224,7 +224,7 @@ def test_tool_results_in_the_history_are_rendered(client: openai.OpenAI) -> None
         ({"tools": TOOLS + TOOLS[:1]}, "tools", "distinct"),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", "pattern"),
         ({"messages": [{"role": "assistant", "tool_calls": [
-            {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, "messages", "JSON text"),
+            {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, "messages", "is not valid JSON"),
     ],
 )
 def test_tool_requests_that_cannot_work_are_400s(http: httpx.Client, extra: dict, param: str, message: str) -> None:

@@ -30,6 +30,7 @@ from pagellm.entrypoints.openai.errors import (
     error_response,
     install_error_handlers,
 )
+from pagellm.entrypoints.openai.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,6 +39,7 @@ from pagellm.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from pagellm.entrypoints.openai.request_body import add_body_schemas, body_openapi, parse_body
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
@@ -54,17 +56,13 @@ logger = logging.getLogger(__name__)
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", UI_API_PREFIX)
 
 
-# Bodies larger than this are refused with 413 before they are read whole (the longest prompt
-# a model takes is far smaller; a hostile body must not make the server parse gigabytes).
-DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
-
-
 @dataclass
 class ServerSettings:
     served_model_names: list[str]  # the first one names the model in responses
     api_key: str | None = None
     trust_request_chat_template: bool = False  # let clients send chat templates (programs) of their own
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST  # in one /v1/completions request
     tool_call_parser: str = "hermes"  # the format tool calls are written in (tool_calls/parsers.py)
     enable_auto_tool_choice: bool = True  # tool_choice "auto": parse calls out of free text
     enable_ui: bool = True  # the web page at / and its snapshot API (pagellm.entrypoints.ui)
@@ -75,6 +73,8 @@ class ServerSettings:
             raise ValueError("the API key is empty: give a non-empty key, or none to serve without one")
         if self.max_request_body_bytes < 1:
             raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
+        if self.max_prompts_per_request < 1:
+            raise ValueError(f"max_prompts_per_request must be >= 1, got {self.max_prompts_per_request}")
         tool_parser(self.tool_call_parser)  # a ValueError naming the choices
 
 
@@ -167,7 +167,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)  # outermost: no body read before auth
     names = settings.served_model_names
-    completion = OpenAIServingCompletion(engine, names)
+    completion = OpenAIServingCompletion(engine, names, settings.max_prompts_per_request)
     chat = OpenAIServingChat(
         engine, names, settings.trust_request_chat_template, tool_parser(settings.tool_call_parser),
         settings.enable_auto_tool_choice,
@@ -195,24 +195,31 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    @app.post("/v1/completions")
-    async def completions(request: CompletionRequest, raw_request: Request) -> Response:
+    # Bodies are parsed and validated in a worker thread (request_body.py), not by FastAPI.
+    add_body_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
+
+    @app.post("/v1/completions", openapi_extra=body_openapi(CompletionRequest))
+    async def completions(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, CompletionRequest)
         return await completion.create_completion(request, raw_request)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
+    @app.post("/v1/chat/completions", openapi_extra=body_openapi(ChatCompletionRequest))
+    async def chat_completions(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, ChatCompletionRequest)
         return await chat.create_chat_completion(request, raw_request)
 
     if settings.enable_ui:
         install_ui(app, SnapshotFeed(engine, metrics, names[0], settings.ui))
 
-    @app.post("/tokenize")
-    async def tokenize(request: TokenizeRequest) -> JSONResponse:
+    @app.post("/tokenize", openapi_extra=body_openapi(TokenizeRequest))
+    async def tokenize(raw_request: Request) -> JSONResponse:
+        request = await parse_body(raw_request, TokenizeRequest)
         response = await asyncio.to_thread(tokenization.tokenize, request)  # long texts: off the event loop
         return JSONResponse(response.model_dump(exclude_none=True))
 
-    @app.post("/detokenize")
-    async def detokenize(request: DetokenizeRequest) -> JSONResponse:
+    @app.post("/detokenize", openapi_extra=body_openapi(DetokenizeRequest))
+    async def detokenize(raw_request: Request) -> JSONResponse:
+        request = await parse_body(raw_request, DetokenizeRequest)
         response = await asyncio.to_thread(tokenization.detokenize, request)
         return JSONResponse(response.model_dump())
 

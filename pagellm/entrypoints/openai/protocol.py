@@ -6,12 +6,12 @@ are checked here, value ranges by ``SamplingParams`` so each rule lives in one p
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, model_serializer, model_validator
 
+from pagellm.bounded_json import parse_json_text
 from pagellm.engine.input_processor import check_text
 
 TokenIds = list[StrictInt]
@@ -45,12 +45,19 @@ def _check_strings(body: Any) -> Any:
     return body
 
 
+# Validation context key: True when the body's raw text was seen to hold no surrogate escape, so
+# that no string in it can be invalid (request_body.decode_body) and the walk is skipped.
+TEXT_CHECKED = "text_checked"
+
+
 class RequestBody(OpenAIBaseModel):
     """A top-level request: its raw JSON is checked for invalid text once, before field validation."""
 
     @model_validator(mode="before")
     @classmethod
-    def _valid_text(cls, data: Any) -> Any:
+    def _valid_text(cls, data: Any, info: ValidationInfo) -> Any:
+        if info.context and info.context.get(TEXT_CHECKED):
+            return data
         return _check_strings(data)
 
 
@@ -187,12 +194,12 @@ class ChatMessageParam(OpenAIBaseModel):
         return message
 
 
-def _json_object(text: str) -> Any:
-    """A call's arguments as an object; ValueError (a 400) when they are not JSON."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        raise ValueError(f"tool call arguments must be JSON text, got {text[:80]!r}") from None
+def _json_object(text: str) -> dict[str, Any]:
+    """A call's arguments as an object; ValueError (a 400) when they are not a JSON object's text."""
+    arguments = parse_json_text(text, "tool call arguments")
+    if not isinstance(arguments, dict):
+        raise ValueError(f"tool call arguments must be a JSON object, got {type(arguments).__name__} {text[:80]!r}")
+    return arguments
 
 
 class FunctionDefinition(OpenAIBaseModel):

@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagellm.engine.async_engine import AsyncLLMEngine
+from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.engine.input_processor import ProcessedPrompt
 from pagellm.entrypoints.openai.errors import BadRequestError
 from pagellm.entrypoints.openai.protocol import (
@@ -49,6 +50,7 @@ from pagellm.entrypoints.openai.tool_calls.parsers import HermesToolParser, Tool
 from pagellm.entrypoints.openai.tool_calls.prompt import template_renders_tools, write_tools_in
 from pagellm.entrypoints.openai.tool_calls.request import ToolPlan, plan_tools
 from pagellm.outputs import Logprob, PositionLogprobs, RequestOutput
+from pagellm.sampling_params import SamplingParams
 
 
 def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], top_n: int) -> ChatLogProbs:
@@ -122,21 +124,27 @@ def render_messages(
     """
     if not messages:
         raise BadRequestError("messages must be a non-empty list", param="messages")
+    processor = serving.engine.input_processor
+    if len(messages) > processor.max_model_len:  # every message renders to at least one token
+        raise BadRequestError(
+            f"messages holds {len(messages)} messages, more than fit in max_model_len={processor.max_model_len} tokens",
+            param="messages",
+        )
     if continue_final_message and messages[-1].role != "assistant":
         raise BadRequestError("continue_final_message needs the last message to be from the assistant",
                               param="continue_final_message")
-    processor = serving.engine.input_processor
     try:
         dicts = [m.to_template_dict() for m in messages]
+        has_tool_history = any(d["role"] == "tool" or d.get("tool_calls") for d in dicts)
+        if functions or has_tool_history:
+            if template_renders_tools(template_kwargs.get("chat_template") or processor.tokenizer.chat_template):
+                if functions:
+                    tools = [{"type": "function", "function": f} for f in functions]
+                    template_kwargs = {**template_kwargs, "tools": tools}
+            else:
+                dicts = write_tools_in(dicts, functions or [])
     except ValueError as exc:
         raise BadRequestError(str(exc), param="messages") from exc
-    has_tool_history = any(d["role"] == "tool" or d.get("tool_calls") for d in dicts)
-    if functions or has_tool_history:
-        if template_renders_tools(template_kwargs.get("chat_template") or processor.tokenizer.chat_template):
-            if functions:
-                template_kwargs = {**template_kwargs, "tools": [{"type": "function", "function": f} for f in functions]}
-        else:
-            dicts = write_tools_in(dicts, functions or [])
     total_chars = sum(len(m["content"]) for m in dicts)
     if total_chars > processor.max_prompt_chars:
         raise BadRequestError(
@@ -186,15 +194,10 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_alive()
         model = self.resolve_model(request.model)
-        _check_chat_options(request, self.engine.input_processor.limits.max_logprobs)
-        tools = plan_tools(request, self.tool_parser, self.auto_tool_choice)
+        # Checking options, compiling a constraint, rendering and tokenizing take a while for big
+        # requests: all of it off the event loop, so that every other route keeps answering.
+        tools, params, prompt = await asyncio.to_thread(self._prepare, request)
         ctx = _Context(request, new_request_id("chatcmpl"), model, int(time.time()), tools)
-        max_tokens = request.effective_max_tokens
-        params = self.sampling_params(request, max_tokens, ctx.top_n, tool_constraint=tools.constraint)
-        template_kwargs = check_template_kwargs(request.chat_template_kwargs, self.trust_request_chat_template)
-        # Rendering and tokenizing take a while for long conversations: off the event loop.
-        prompt = await asyncio.to_thread(self._prompt, request, template_kwargs, tools.functions)
-        self.check_length(len(prompt.prompt_token_ids), max_tokens, "messages")
 
         tracker = ChoiceTracker(n=request.n, prompt_tokens=len(prompt.prompt_token_ids))
         merged = merge_async_iterators(self.generators([prompt], params, ctx.request_id))
@@ -207,6 +210,20 @@ class OpenAIServingChat(OpenAIServing):
         except SERVING_ERRORS as exc:
             raise to_openai_error(exc) from exc
         return JSONResponse(self._response(ctx, tracker, items).model_dump())
+
+    def _prepare(
+        self, request: ChatCompletionRequest
+    ) -> tuple[ToolPlan, SamplingParams | BeamSearchParams, ProcessedPrompt]:
+        """Everything between the parsed body and the engine, cheapest checks first (a worker thread)."""
+        _check_chat_options(request, self.engine.input_processor.limits.max_logprobs)
+        tools = plan_tools(request, self.tool_parser, self.auto_tool_choice)
+        max_tokens = request.effective_max_tokens
+        top_n = (request.top_logprobs or 0) if request.logprobs else None
+        params = self.sampling_params(request, max_tokens, top_n, tool_constraint=tools.constraint)
+        template_kwargs = check_template_kwargs(request.chat_template_kwargs, self.trust_request_chat_template)
+        prompt = self._prompt(request, template_kwargs, tools.functions)
+        self.check_length(len(prompt.prompt_token_ids), max_tokens, "messages")
+        return tools, params, prompt
 
     def _prompt(
         self, request: ChatCompletionRequest, template_kwargs: dict[str, Any], functions: list[dict[str, Any]]

@@ -11,9 +11,12 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pagellm.engine.async_engine import AsyncLLMEngine
+from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.engine.detokenizer import decode_token
 from pagellm.engine.input_processor import ProcessedPrompt
 from pagellm.entrypoints.openai.errors import BadRequestError
+from pagellm.entrypoints.openai.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from pagellm.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -112,18 +115,19 @@ class _Context:
 
 
 class OpenAIServingCompletion(OpenAIServing):
+    def __init__(
+        self, engine: AsyncLLMEngine, served_model_names: list[str],
+        max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    ) -> None:  # fmt: skip
+        super().__init__(engine, served_model_names)
+        self.max_prompts_per_request = max_prompts_per_request
+
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         self.check_alive()
         model = self.resolve_model(request.model)
-        _check_completion_options(request)
-        echo_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
-        params = self.sampling_params(
-            request, request.max_tokens, request.logprobs, prompt_logprobs=echo_logprobs, best_of=request.best_of
-        )
-        # Tokenizing may take a while for long prompts: off the event loop, so other requests go on.
-        prompts = await asyncio.to_thread(self._prompts, request)
-        for prompt in prompts:
-            self.check_length(len(prompt.prompt_token_ids), request.max_tokens, "prompt")
+        # Checking options, compiling a constraint and tokenizing take a while for big requests:
+        # all of it off the event loop, so that every other route keeps answering.
+        params, prompts = await asyncio.to_thread(self._prepare, request)
 
         tokenizer = self.engine.tokenizer
         ctx = _Context(
@@ -149,10 +153,24 @@ class OpenAIServingCompletion(OpenAIServing):
             raise to_openai_error(exc) from exc
         return JSONResponse(self._response(ctx, tracker, items).model_dump())
 
+    def _prepare(self, request: CompletionRequest) -> tuple[SamplingParams | BeamSearchParams, list[ProcessedPrompt]]:
+        """Everything between the parsed body and the engine, cheapest checks first (a worker
+        thread): the number of prompts is checked before any of them is tokenized."""
+        _check_completion_options(request)
+        entries = self._entries(request)
+        echo_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
+        params = self.sampling_params(
+            request, request.max_tokens, request.logprobs, prompt_logprobs=echo_logprobs, best_of=request.best_of
+        )
+        prompts = [self._process_entry(entry, request) for entry in entries]
+        for prompt in prompts:
+            self.check_length(len(prompt.prompt_token_ids), request.max_tokens, "prompt")
+        return params, prompts
+
     # ---- prompts -------------------------------------------------------------------------------
 
-    def _prompts(self, request: CompletionRequest) -> list[ProcessedPrompt]:
-        """Normalize the four prompt forms to tokenized, checked prompts."""
+    def _entries(self, request: CompletionRequest) -> list[str | list[int]]:
+        """The four prompt forms as a list of prompts (text or token ids), each checked non-empty."""
         prompt = request.prompt
         if isinstance(prompt, str):
             entries: list[str | list[int]] = [prompt]
@@ -160,9 +178,15 @@ class OpenAIServingCompletion(OpenAIServing):
             entries = [prompt]  # type: ignore[list-item]
         else:
             entries = list(prompt)  # type: ignore[arg-type]
+        if len(entries) > self.max_prompts_per_request:
+            raise BadRequestError(
+                f"prompt holds {len(entries)} prompts, more than the server's limit of "
+                f"{self.max_prompts_per_request} (--max-prompts-per-request)",
+                param="prompt",
+            )
         if not entries or any(len(entry) == 0 for entry in entries):
             raise BadRequestError("prompt must not be empty", param="prompt")
-        return [self._process_entry(entry, request) for entry in entries]
+        return entries
 
     def _process_entry(self, entry: str | list[int], request: CompletionRequest) -> ProcessedPrompt:
         if isinstance(entry, str):

@@ -20,6 +20,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pagellm.bounded_json import parse_json_text
+
 
 @dataclass
 class FunctionCall:
@@ -45,7 +47,7 @@ def _call_from(obj: Any, arguments_key: str) -> FunctionCall | None:
     arguments = obj.get(arguments_key, obj.get("arguments", {}))
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = parse_json_text(arguments, "arguments")
         except ValueError:
             return None
     if not isinstance(arguments, dict):
@@ -184,7 +186,7 @@ class HermesToolParser:
         """The call in a block's body; its arguments as the model wrote them (what streaming
         sends piece by piece) where the body is ``{"name": ..., "arguments": {...}}``."""
         try:
-            call = _call_from(json.loads(body), "arguments")
+            call = _call_from(parse_json_text(body, "a tool call"), "arguments")
         except ValueError:
             return None
         head = cls.HEAD.match(body)

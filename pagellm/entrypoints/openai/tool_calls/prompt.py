@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pagellm.bounded_json import parse_json_text
+
 TOOLS_PREAMBLE = (
     "You can call functions to help answer. Their signatures follow between <tools> and </tools>, one JSON "
     "object per line:\n<tools>\n{tools}\n</tools>\n\nTo call a function, answer with one block per call, each "
@@ -33,10 +35,9 @@ def calls_text(tool_calls: list[dict[str, Any]]) -> str:
         function = call["function"]
         arguments = function.get("arguments") or {}
         if isinstance(arguments, str):  # OpenAI's wire form: JSON text
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                raise ValueError(f"tool call arguments must be JSON text, got {arguments[:80]!r}") from None
+            arguments = parse_json_text(arguments, "tool call arguments")
+        if not isinstance(arguments, dict):
+            raise ValueError("tool call arguments must be a JSON object")
         body = json.dumps({"name": function["name"], "arguments": arguments}, ensure_ascii=False)
         blocks.append(f"<tool_call>\n{body}\n</tool_call>")
     return "\n".join(blocks)

@@ -18,6 +18,10 @@ from pagellm.entrypoints.openai.tool_calls.parsers import ToolParser
 from pagellm.structured_outputs_params import StructuredOutputsParams
 
 
+# OpenAI's own limit on the tools of one request.
+MAX_TOOLS = 128
+
+
 @dataclass
 class ToolPlan:
     functions: list[dict[str, Any]]  # the tools shown to the model (OpenAI function objects)
@@ -29,6 +33,8 @@ def plan_tools(request: ChatCompletionRequest, parser: ToolParser, auto_enabled:
     """The request's tool plan; a 400 naming the field for a choice that cannot work."""
     tools = request.tools or []
     choice = request.tool_choice
+    if len(tools) > MAX_TOOLS:
+        raise BadRequestError(f"tools holds {len(tools)} tools, more than the {MAX_TOOLS} allowed", param="tools")
     if not tools:
         if choice not in (None, "none"):
             raise BadRequestError("tool_choice needs tools", param="tool_choice")
