@@ -50,11 +50,12 @@ def test_the_page_and_its_files_are_served(server: RemoteServer, http: httpx.Cli
     page = http.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert 'id="kv-grid"' in page.text and 'id="playground"' in page.text
-    for name in ("app.js", "api.js", "grid.js", "charts.js", "live.js", "playground.js", "style.css"):
+    for name in ("app.js", "api.js", "grid.js", "charts.js", "live.js", "playground.js", "style.css", "favicon.svg"):
         response = http.get(f"/ui/static/{name}")
         assert response.status_code == 200 and len(response.content) > 100, name
         assert not EXTERNAL.search(response.text), name  # nothing loaded from elsewhere (no CDN)
     assert http.get("/ui/static/missing.js").status_code == 404
+    assert http.get("/ui/config").json() == {"api_key_required": False}
 
 
 def test_snapshot_of_an_idle_server(http: httpx.Client) -> None:
@@ -137,6 +138,7 @@ def secured(tiny_llama_path: str) -> Iterator[RemoteServer]:
 def test_snapshot_api_needs_the_key_but_the_page_does_not(secured: RemoteServer) -> None:
     assert httpx.get(secured.url("/")).status_code == 200
     assert httpx.get(secured.url("/ui/static/app.js")).status_code == 200
+    assert httpx.get(secured.url("/ui/config")).json() == {"api_key_required": True}  # and nothing of the key
     for path in ("/ui/api/snapshot", "/ui/api/events"):
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             response = httpx.get(secured.url(path), headers=headers, timeout=30)
@@ -147,7 +149,7 @@ def test_snapshot_api_needs_the_key_but_the_page_does_not(secured: RemoteServer)
 
 def test_no_ui_serves_no_page(tiny_llama_path: str) -> None:
     with RemoteServer(tiny_llama_path, ["--num-kv-blocks", "32", "--no-ui"]) as remote:
-        for path in ("/", "/ui/static/app.js", "/ui/api/snapshot"):
+        for path in ("/", "/ui/static/app.js", "/ui/config", "/ui/api/snapshot"):
             response = httpx.get(remote.url(path), timeout=30)
             assert response.status_code == 404, path
             assert "error" in response.json()

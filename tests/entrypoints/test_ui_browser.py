@@ -2,6 +2,9 @@
 page, sends a chat message, sees the text stream in and the block grid fill while the request runs
 and empty after; with ``--api-key`` the page asks for the key and works once it is given.
 
+Every test also fails on any trouble the page has: a JavaScript error, a console error, a failed
+request or an HTTP error answer (``Problems``); one that provokes one on purpose says so.
+
 Every wait is on the page's own state (its ``data-*`` attributes), never on the clock. Skipped,
 saying why, where Chromium or Playwright is missing (``make test`` installs both where it can).
 """
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -20,17 +24,65 @@ _MISSING = missing_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_MISSING is not None, reason=f"browser tests: {_MISSING}")]
 
 KEY = "sk-browser-7"
+API_PATHS = ("/ui/api/", "/v1/", "/tokenize", "/detokenize")  # what needs the key
 TIMEOUT_MS = 60_000
 
 
+class Problems:
+    """What went wrong on a page, as lines: JavaScript errors, console errors, failed requests and
+    HTTP error answers. ``expect`` names the ones a test provokes on purpose (they must happen)."""
+
+    def __init__(self, page: Any) -> None:
+        self.seen: list[str] = []
+        self.expected: list[str] = []
+        self.requests: list[str] = []  # the path of every request, in order
+        page.on("pageerror", lambda error: self.seen.append(f"page error: {error}"))
+        page.on("console", self._on_console)
+        page.on("requestfailed", lambda r: self.seen.append(f"request failed: {r.method} {r.url} ({r.failure})"))
+        page.on("request", lambda r: self.requests.append(urlsplit(r.url).path))
+        page.on("response", self._on_response)
+
+    def _on_console(self, message: Any) -> None:
+        if message.type == "error":
+            self.seen.append(f"console error: {message.text} (at {message.location.get('url', '?')})")
+
+    def _on_response(self, response: Any) -> None:
+        if response.status >= 400:
+            self.seen.append(f"HTTP {response.status}: {response.request.method} {urlsplit(response.url).path}")
+
+    def expect(self, *lines: str) -> None:
+        self.expected.extend(lines)
+
+    def unexpected(self) -> list[str]:
+        """What was seen and not expected, plus what was expected and not seen (as 'missing: ...')."""
+        left = list(self.seen)
+        missing = []
+        for line in self.expected:
+            match = next((seen for seen in left if seen.startswith(line)), None)
+            if match is None:
+                missing.append(f"missing: {line}")
+            else:
+                left.remove(match)
+        return left + missing
+
+
 @pytest.fixture
-def page() -> Iterator[Any]:
+def browser_page() -> Iterator[tuple[Any, Problems]]:
     with chromium_page() as page:
-        errors: list[str] = []
-        page.on("pageerror", lambda error: errors.append(str(error)))
+        problems = Problems(page)
         page.set_default_timeout(TIMEOUT_MS)
-        yield page
-        assert errors == [], f"JavaScript errors on the page: {errors}"
+        yield page, problems
+        assert problems.unexpected() == [], "trouble on the page"
+
+
+@pytest.fixture
+def page(browser_page: tuple[Any, Problems]) -> Any:
+    return browser_page[0]
+
+
+@pytest.fixture
+def problems(browser_page: tuple[Any, Problems]) -> Problems:
+    return browser_page[1]
 
 
 def owned(page: Any) -> int:
@@ -103,13 +155,17 @@ def secured(tiny_llama_path: str) -> Iterator[RemoteServer]:
         yield remote
 
 
-def test_the_page_asks_for_the_api_key(secured: RemoteServer, page: Any) -> None:
+def test_the_page_asks_for_the_api_key(secured: RemoteServer, page: Any, problems: Problems) -> None:
     page.goto(secured.base_url + "/")
     page.wait_for_selector("#key-dialog:not([hidden])")
     assert page.get_attribute("body", "data-snapshots") == "0"
     page.fill("#key-input", "not-the-key")
     page.click("#key-submit")
     page.wait_for_function("document.querySelector('#key-message').textContent.includes('refused')")
+    # The wrong key's one refusal, on purpose: the browser reports it twice (the answer, its console line).
+    problems.expect(
+        "HTTP 401: GET /ui/api/events", "console error: Failed to load resource: the server responded with a status of 401"
+    )
     page.wait_for_selector("#key-dialog:not([hidden])")
     page.fill("#key-input", KEY)
     page.click("#key-submit")
@@ -119,3 +175,27 @@ def test_the_page_asks_for_the_api_key(secured: RemoteServer, page: Any) -> None
     send_chat(page, "Hi", max_tokens=4, ignore_eos=True)  # the playground's calls carry the key too
     page.wait_for_function("document.querySelector('#output').dataset.state === 'done'")
     assert page.locator(".turn.assistant").count() == 1 and page.is_hidden("#key-dialog")
+
+
+@pytest.fixture(params=["open", "secured"])
+def any_server(request: pytest.FixtureRequest) -> RemoteServer:
+    """The shared server, then the one with a key: this file's servers, no new one."""
+    return request.getfixturevalue("server" if request.param == "open" else "secured")
+
+
+def test_the_page_loads_without_trouble(any_server: RemoteServer, page: Any, problems: Problems) -> None:
+    """No error of any kind, with or without a key: with one, the page asks for it before any API call."""
+    page.goto(any_server.base_url + "/")
+    if any_server.api_key:
+        page.wait_for_selector("#key-dialog:not([hidden])")
+        assert [p for p in problems.requests if p.startswith(API_PATHS)] == [], "an API call before the key"
+        page.fill("#key-input", any_server.api_key)
+        page.click("#key-submit")
+    page.wait_for_function("Number(document.body.dataset.snapshots) >= 2")
+    assert page.is_hidden("#key-dialog") and page.get_attribute("#status", "data-state") == "live"
+    page.click(".tab[data-mode='completion']")  # the playground's calls too
+    page.fill("#prompt", "Hello")
+    page.fill("#max_tokens", "2")
+    page.click("#send")
+    page.wait_for_function("document.querySelector('#output').dataset.state === 'done'")
+    assert problems.unexpected() == []

@@ -209,7 +209,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
         return await chat.create_chat_completion(request, raw_request)
 
     if settings.enable_ui:
-        install_ui(app, SnapshotFeed(engine, metrics, names[0], settings.ui))
+        install_ui(app, SnapshotFeed(engine, metrics, names[0], settings.ui), api_key_required=bool(settings.api_key))
 
     @app.post("/tokenize", openapi_extra=body_openapi(TokenizeRequest))
     async def tokenize(raw_request: Request) -> JSONResponse:

@@ -1,6 +1,9 @@
-"""The page's routes: ``/`` (the page), ``/ui/static/*`` (its files), and the read-only snapshot
-API under ``/ui/api/`` (which needs the API key when the server has one; the static files do not,
-so the page can load and ask for the key).
+"""The page's routes: ``/`` (the page), ``/ui/static/*`` (its files), ``/ui/config`` (what the page
+must know before its first API call), and the read-only snapshot API under ``/ui/api/`` (which needs
+the API key when the server has one; the page, its files and its config do not, so the page can
+load and ask for the key before it calls anything that would refuse it).
+
+- ``GET /ui/config``: ``{"api_key_required": bool}``, nothing more (never the key, nor its length);
 
 - ``GET /ui/api/snapshot?replica=R``: one snapshot payload (JSON; ``pagellm.entrypoints.ui.payload``);
 - ``GET /ui/api/events?replica=R``: the same as Server-Sent Events, one ``data:`` event per
@@ -17,7 +20,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from fastapi import FastAPI
-from fastapi.responses import FileResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
 from pagellm.entrypoints.openai.errors import BadRequestError, ServiceUnavailableError
@@ -25,16 +28,22 @@ from pagellm.entrypoints.ui.feed import SnapshotFeed
 
 STATIC_DIR = Path(__file__).parent / "static"
 API_PREFIX = "/ui/api/"  # what the API key guards
+CONFIG_PATH = "/ui/config"  # outside API_PREFIX: readable without the key
 
 
-def install_ui(app: FastAPI, feed: SnapshotFeed) -> None:
-    """Add the page and its snapshot API to ``app``."""
+def install_ui(app: FastAPI, feed: SnapshotFeed, api_key_required: bool) -> None:
+    """Add the page, its config and its snapshot API to ``app``."""
 
     @app.get("/", include_in_schema=False)
     async def index() -> FileResponse:
         return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
     app.mount("/ui/static", StaticFiles(directory=STATIC_DIR), name="ui-static")
+
+    # Public, so that a page asks for the key first rather than learning of it from a 401.
+    @app.get(CONFIG_PATH, include_in_schema=False)
+    async def config() -> JSONResponse:
+        return JSONResponse({"api_key_required": api_key_required}, headers={"Cache-Control": "no-store"})
 
     @app.get(API_PREFIX + "snapshot")
     async def snapshot(replica: int = 0) -> Response:

@@ -1,9 +1,11 @@
-// Talking to the server: the API key (asked for on a 401, kept in sessionStorage, sent as a
-// header, never in a URL) and a reader of Server-Sent Events over fetch() (EventSource cannot
-// send headers).
+// Talking to the server: the API key (asked for before the first API call when /ui/config says
+// the server needs one, and again on a 401; kept in sessionStorage, sent as a header, never in a
+// URL) and a reader of Server-Sent Events over fetch() (EventSource cannot send headers).
 
 const KEY_NAME = "pagellm-api-key";
+const CONFIG_PATH = "/ui/config"; // public: whether a key is needed, nothing more
 let keyWaiters = [];
+let config = null; // the promise of /ui/config's answer, once one came
 
 export function apiKey() {
   return sessionStorage.getItem(KEY_NAME) || "";
@@ -44,8 +46,27 @@ export function installKeyDialog() {
   });
 }
 
-// fetch() with the key; a 401 asks for the key and tries again.
+// The server's page config; a failed fetch is not kept, so the next call asks again.
+function serverConfig() {
+  config = config || fetch(CONFIG_PATH)
+    .then((response) => (response.ok ? response.json() : {}))
+    .catch(() => {
+      config = null;
+      return {};
+    });
+  return config;
+}
+
+// Resolves once the page may call the API: at once without a key, else once one is entered, so
+// that no call goes out (and is refused) before the key is asked for.
+async function keyReady() {
+  const { api_key_required: required } = await serverConfig();
+  while (required && !apiKey()) await askForKey();
+}
+
+// fetch() with the key (asked for first where needed); a 401 asks for the key and tries again.
 export async function apiFetch(path, options = {}) {
+  await keyReady();
   for (;;) {
     const response = await fetch(path, { ...options, headers: authHeaders(options.headers || {}) });
     if (response.status !== 401) return response;
