@@ -10,7 +10,7 @@ import torch
 
 from pagellm import SamplingParams, StructuredOutputsParams, kernels
 from pagellm.sample.grammar_mask import apply_token_bitmask, unpack_bitmask
-from pagellm.structured_output.grammar import GrammarCompiler, check_grammar, llguidance_tokenizer
+from pagellm.structured_output.grammar import GrammarCompiler, check_grammar, llguidance_tokenizer, plain_error
 
 
 def test_exactly_one_kind_of_constraint() -> None:
@@ -149,3 +149,58 @@ def test_the_kernel_mask_equals_the_torch_one(dtype: torch.dtype, vocab: int) ->
     assert torch.equal(logits, expected)
     with pytest.raises(ValueError, match="point past the bitmask"):
         lib.apply_token_bitmask_(logits, bitmask, torch.tensor([0, 1, 2, 3, -1]))
+
+
+def test_a_deep_rule_chain_is_checked_on_a_deep_stack() -> None:
+    """3,000 chained Lark rules overflowed an 8 MiB thread stack inside llguidance (a crash of the
+    whole process); on the checker's deep stack they compile."""
+    chain = "start: r0\n" + "\n".join(f'r{i}: "a" r{i + 1}' for i in range(3000)) + '\nr3000: "b"'
+    check_grammar(StructuredOutputsParams(grammar=chain))
+    schema = {"$ref": "#/$defs/d0", "$defs": {
+        f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(2500)}}
+    schema["$defs"]["d2500"] = {"type": "string"}
+    check_grammar(StructuredOutputsParams(json=schema))
+
+
+def test_a_constraint_over_the_size_limit_is_refused_before_compiling() -> None:
+    from pagellm.engine.input_processor import InputProcessor
+    from pagellm.config import LimitsConfig
+
+    class Vocab:
+        def get_vocab(self) -> dict[str, int]:
+            return {"a": 0}
+
+    processor = InputProcessor(Vocab(), 10, 64, LimitsConfig(max_grammar_chars=100))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"choice is 2\d\d characters long.*max_grammar_chars"):
+        processor.check_params(SamplingParams(structured_outputs=StructuredOutputsParams(choice=["abcd"] * 50)))
+    processor.check_params(SamplingParams(structured_outputs=StructuredOutputsParams(choice=["abcd"] * 10)))
+
+
+def test_json_text_in_a_constraint_is_bounded() -> None:
+    with pytest.raises(ValueError, match="structured_outputs.json is nested deeper than 128 levels"):
+        StructuredOutputsParams(json="[" * 10_000 + "]" * 10_000)
+    with pytest.raises(ValueError, match="structured_outputs.json is nested deeper than 128 levels"):
+        StructuredOutputsParams(json="[" * 200 + "]" * 200)
+    deep: dict = {}
+    for _ in range(200):
+        deep = {"a": deep}
+    with pytest.raises(ValueError, match="structured_outputs.json is nested deeper"):
+        StructuredOutputsParams(json=deep)
+    with pytest.raises(ValueError, match="not valid JSON"):
+        StructuredOutputsParams(json='{"a": ' + "1" * 5000 + "}")  # past Python's integer digit limit
+
+
+@pytest.mark.parametrize(("raw", "reason"), [
+    ("panic: too many symbols: 70000 > 65535\nstack backtrace:\n   0: llguidance::x\n   at src/x.rs:1:2",
+     "(too many symbols: 70000 > 65535)"),
+    ("thread '<unnamed>' panicked at parser/src/earley/grammar.rs:120:9:\nsymbol limit\nnote: run with RUST_BACKTRACE",
+     "symbol limit"),
+])
+def test_a_caught_panic_is_reported_in_plain_words(raw: str, reason: str) -> None:
+    message = plain_error(raw)
+    assert message.startswith("the grammar engine cannot handle this constraint") and reason in message
+    assert "backtrace" not in message.lower() and ".rs" not in message and "panic" not in message
+
+
+def test_other_errors_are_kept() -> None:
+    assert plain_error("1(3): unknown rule foo\n") == "1(3): unknown rule foo"
