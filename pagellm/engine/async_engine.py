@@ -14,7 +14,8 @@ callers that want whole answers concatenate the deltas. ``stream=False`` (needed
 A request is the unit of failure: a request the engine fails alone (``RequestOutput.error``)
 raises ``RequestFailedError`` in its own stream and nowhere else. The engine is kept alive:
 the loop checks it at least once a second, also while idle (``check_health``); when it dies
-every in-flight request gets ``EngineDeadError`` and, while ``max_restarts`` allows, the
+every in-flight request gets ``EngineDeadError`` (naming the rank, node or Ray actor whose
+loss killed it, when that was the cause: ``DeadRankError``) and, while ``max_restarts`` allows, the
 engine is restarted (``engine.restart()``, an engine process started anew); otherwise the loop
 stops for good and ``on_dead`` is called (the server then exits non-zero for its supervisor).
 Admission is bounded: beyond ``max_requests`` admitted and unfinished requests, new ones get
@@ -51,6 +52,7 @@ from pagellm.engine.protocol import (
 from pagellm.engine.snapshot_call import SnapshotCall
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
+from pagellm.worker.errors import dead_rank_in
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -72,8 +74,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-# How often the loop checks the engine while it waits for work (a dead engine process is
-# noticed within this long even when no request is running).
+# How often the loop checks the engine while it waits for work (a dead engine process, rank,
+# node or Ray actor is noticed within this long, plus the check's own bound, even when no
+# request is running).
 HEALTH_CHECK_INTERVAL_S = 1.0
 
 
@@ -213,6 +216,7 @@ class AsyncLLMEngine:
         self._closed = False
         self._restarting = False
         self._error: BaseException | None = None
+        self._lost: str | None = None  # the rank, node or actor whose loss failed the engine last
         self._admitted = 0  # requests submitted and not yet finished
         self._restarts_left = self._options.max_restarts
         self._thread: threading.Thread | None = None
@@ -400,10 +404,11 @@ class AsyncLLMEngine:
             raise EngineDeadError(self._dead_message())
 
     def _dead_message(self) -> str:
+        lost = f" ({self._lost} is gone)" if self._lost else ""
         if self._restarting:
-            return "the engine failed and is restarting; retry shortly"
+            return f"the engine failed{lost} and is restarting; retry shortly"
         if self._error is not None:
-            return "the engine stopped after a failure (the server log has the details)"
+            return f"the engine stopped after a failure{lost} (the server log has the details)"
         return "the server is shutting down"
 
     # ---- the engine thread -----------------------------------------------------------------
@@ -415,6 +420,9 @@ class AsyncLLMEngine:
                 break  # asked to stop
             except BaseException as exc:  # any failure must reach every waiting request
                 logger.exception("the engine failed")
+                dead = dead_rank_in(exc)
+                with self._cond:
+                    self._lost = dead.who if dead is not None else None
                 restarting = not self._stopping and self._take_restart()
                 if not restarting:
                     with self._cond:
@@ -442,15 +450,20 @@ class AsyncLLMEngine:
                 self._deliver(self.engine.step())
 
     def _next_commands(self) -> list[_Command] | None:
-        """Block while idle (checking the engine every second); then take the whole inbox (None: shut down)."""
-        with self._cond:
-            while not (self._inbox or self._stopping or self.engine.has_unfinished_requests()):
-                if not self._cond.wait(HEALTH_CHECK_INTERVAL_S):
-                    self.engine.check_health()
-            if self._stopping:
-                return None
-            commands, self._inbox = self._inbox, []
-            return commands
+        """Block while idle, checking the engine every ``HEALTH_CHECK_INTERVAL_S``; then take the
+        whole inbox (None: shut down). The check runs outside the lock: it may take a round trip
+        (Ray's pings), and requests must still be submitted meanwhile."""
+        while True:
+            with self._cond:
+                if self._cond.wait_for(self._has_work, HEALTH_CHECK_INTERVAL_S):
+                    if self._stopping:
+                        return None
+                    commands, self._inbox = self._inbox, []
+                    return commands
+            self.engine.check_health()
+
+    def _has_work(self) -> bool:
+        return bool(self._inbox or self._stopping or self.engine.has_unfinished_requests())
 
     def _take_restart(self) -> bool:
         """Claim one of the restarts left; requests are refused (503) until ``_restart`` ends."""
@@ -473,7 +486,7 @@ class AsyncLLMEngine:
             self._metrics.count_engine_restart()
             logger.warning("the engine was restarted")
             with self._cond:
-                self._restarting = False
+                self._restarting, self._lost = False, None
         return restarted
 
     def _apply(self, commands: list[_Command]) -> int:
@@ -587,7 +600,9 @@ class AsyncLLMEngine:
         self._fail_snapshots(self._batch, EngineDeadError("the engine failed"))
         self._batch = []
         streams = [*self._streams.values(), *pending]
-        self._post_error(streams, EngineDeadError("the engine failed while running this request; retry it"))
+        with self._cond:
+            lost = f" ({self._lost} is gone)" if self._lost else ""
+        self._post_error(streams, EngineDeadError(f"the engine failed while running this request{lost}; retry it"))
         self._release(len(streams))
         self._streams.clear()
         self._timings.clear()

@@ -31,12 +31,14 @@ from typing import Any
 from pagellm.config import EngineConfig
 from pagellm.core.kv_snapshot import DEFAULT_MAX_REQUESTS, KVSnapshot
 from pagellm.distributed.cpu_affinity import bind_rank
+from pagellm.distributed.heartbeat import HEARTBEAT_PERIOD_S
 from pagellm.engine.input_processor import InputProcessor
 from pagellm.engine.llm_engine import EngineStats, LLMEngine
 from pagellm.engine.protocol import EngineRequest
 from pagellm.model.tokenizer import load_tokenizer
 from pagellm.outputs import RequestOutput
 from pagellm.utils import LOG_FORMAT
+from pagellm.worker.executor import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +109,11 @@ def _engine_main(config: EngineConfig, conn: Connection, log_level: int) -> None
         conn.send(("error", exc))
         return
     closing = threading.Event()
-    sentinels = engine.executor.sentinels()
-    if sentinels:  # the engine's other ranks: one that dies, even while idle, takes the engine down
-        threading.Thread(target=_exit_when_a_rank_ends, args=(sentinels, closing), daemon=True).start()
+    send_lock = threading.Lock()  # the watchdog's last answer must not cut into one of the loop's
+    if config.device.world_size > 1:  # the engine's other ranks: one gone, even while idle, takes it down
+        watchdog = threading.Thread(target=_watch_ranks, args=(engine.executor, conn, send_lock, closing),
+                                    name="pagellm-rank-watch", daemon=True)  # fmt: skip
+        watchdog.start()
     conn.send(("ok", _Ready(engine.max_model_len, engine.input_processor.vocab_size, engine.stats, engine.kernel_plan_info)))
     # Ctrl-C reaches the whole process group: the child leaves shutdown to the parent (which
     # closes the pipe), so a shutdown is never mistaken for a crash and restarted.
@@ -124,20 +128,41 @@ def _engine_main(config: EngineConfig, conn: Connection, log_level: int) -> None
             engine.close()
             return
         try:
-            result = _serve_call(engine, call)
-            conn.send(("ok", (result, engine.stats, engine.has_unfinished_requests())))
+            answer: tuple[str, Any] = ("ok", (_serve_call(engine, call), engine.stats, engine.has_unfinished_requests()))
         except Exception as exc:  # noqa: BLE001 -- re-raised in the parent
-            conn.send(("error", exc))
+            answer = ("error", exc)
+        with send_lock:
+            conn.send(answer)
 
 
-def _exit_when_a_rank_ends(sentinels: list[int], closing: threading.Event) -> None:
-    """Exit this engine process once any of its ranks' processes ends outside a shutdown: the
-    parent then sees a dead engine (``/health`` 503, in-flight requests failed, a restart),
-    as when this process itself dies, instead of an engine that looks idle and healthy."""
-    wait(sentinels)
-    if not closing.is_set():
-        logger.error("a rank of the engine ended: the engine process exits")
-        os._exit(1)
+def _watch_ranks(executor: Executor, conn: Connection, send_lock: threading.Lock, closing: threading.Event) -> None:
+    """Check the ranks every ``HEARTBEAT_PERIOD_S`` (a local rank's end at once, by its sentinel)
+    until shutdown; once one is gone, send the error naming it as this process's last answer
+    and exit. The parent then sees a dead engine (``/health`` 503, in-flight requests failed with
+    that error, a restart), as when this process itself dies, not an engine that looks idle and
+    healthy or a step that waits out gloo's timeout on a node that will never answer."""
+    sentinels = executor.sentinels()
+    while not closing.is_set():
+        if sentinels:
+            wait(sentinels, HEARTBEAT_PERIOD_S)
+        else:
+            closing.wait(HEARTBEAT_PERIOD_S)
+        if closing.is_set():
+            return
+        try:
+            executor.check_health()
+            continue
+        except Exception as exc:  # noqa: BLE001 -- whatever it is, the engine cannot go on
+            error = exc
+        if closing.is_set():  # the ranks were being stopped: no loss
+            return
+        logger.error("%s: the engine process exits", error)
+        with send_lock:  # held until the end: no answer of the loop's follows this one
+            try:
+                conn.send(("error", error))
+            except Exception:  # noqa: BLE001 -- the parent still sees the exit
+                pass
+            os._exit(1)
 
 
 class EngineProcess:
@@ -190,9 +215,21 @@ class EngineProcess:
         return ready
 
     def check_health(self) -> None:
-        """Raise ``EngineProcessError`` if the child has exited (also noticed while idle)."""
+        """Raise if the child has exited (the loop calls this while idle): the error the child
+        sent on its way out (a ``DeadRankError`` naming a lost rank), else ``EngineProcessError``."""
         if not self._proc.is_alive():
-            raise EngineProcessError(f"the engine process exited (exit code {self._proc.exitcode})")
+            raise self._last_words() or EngineProcessError(f"the engine process exited (exit code {self._proc.exitcode})")
+
+    def _last_words(self) -> BaseException | None:
+        """The error a dead child sent before it exited, if it sent one nobody read yet."""
+        try:
+            if self._conn.poll():
+                status, payload = self._conn.recv()
+                if status == "error" and isinstance(payload, BaseException):
+                    return payload
+        except (EOFError, OSError):
+            pass
+        return None
 
     def restart(self) -> bool:
         """Replace the child with a fresh engine (same configuration); its requests are gone."""
@@ -226,7 +263,9 @@ class EngineProcess:
         try:
             self._conn.send(call)
         except (BrokenPipeError, OSError) as exc:
-            raise EngineProcessError(f"the engine process died (exit code {self._proc.exitcode})") from exc
+            self._proc.join(1.0)  # its exit code
+            died = EngineProcessError(f"the engine process died (exit code {self._proc.exitcode})")
+            raise self._last_words() or died from exc
 
     def _answer(self, what: str) -> Any:
         result, self.stats, self._unfinished = self._receive(self._call_timeout_s, what)

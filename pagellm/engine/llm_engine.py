@@ -226,7 +226,9 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests() or bool(self._awaiting_grammar) or bool(self._in_flight)
 
     def check_health(self) -> None:
-        """In process, the engine is alive as long as its caller is (failures surface as exceptions)."""
+        """Raise ``DeadRankError`` if a rank, node or Ray actor of the executor is gone (the
+        step loop calls this while idle: no step would notice); one process: never."""
+        self.executor.check_health()
 
     def restart(self) -> bool:
         """An in-process engine that failed mid-step may hold half-updated state: it is not restarted."""

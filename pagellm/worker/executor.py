@@ -6,6 +6,11 @@ one-process engine; :class:`~pagellm.worker.multiproc_executor.MultiprocExecutor
 worker per rank (tensor and pipeline parallelism) behind the same calls, and
 :class:`~pagellm.worker.multinode.MultiNodeExecutor` those of several nodes, and
 :class:`~pagellm.worker.ray_executor.RayExecutor` ranks as actors of a Ray cluster.
+
+Liveness: a rank, node or actor may die between steps, when no step would notice. The engine
+calls ``check_health`` while idle (every second), and an engine in its own
+process also from a watchdog thread during steps (a step blocked on a silent node cannot notice
+by itself); a lost one raises :class:`~pagellm.worker.errors.DeadRankError` naming it.
 """
 
 from __future__ import annotations
@@ -39,6 +44,11 @@ class Executor(Protocol):
 
     def sentinels(self) -> list[int]:
         """Handles that become ready when a rank's process ends (none in one process)."""
+
+    def check_health(self) -> None:
+        """Raise ``DeadRankError`` if a rank, node or Ray actor is gone (else return). Takes at
+        most about ``HEARTBEAT_TIMEOUT_S`` and is safe to call from another thread while a step
+        runs."""
 
     def close(self) -> None:
         """Release the ranks (a no-op in one process)."""

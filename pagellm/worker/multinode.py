@@ -8,20 +8,29 @@ codec (``step_codec``: a port open to the network must never unpickle), each nod
 ranks, and each answers with its status and, on the node of the sampling rank, the step's output.
 An empty message tells the nodes to stop. A node whose process dies breaks the group: the step
 raises on node 0 (the engine is then dead, as with a rank on one node) and the other nodes exit.
+
+Beside the group, every other node keeps a heartbeat with node 0 (``distributed.heartbeat``):
+node 0's ``check_health`` then finds a node gone while the engine is idle (at once if its process
+ended, within ``HEARTBEAT_TIMEOUT_S`` if it hung or was cut off), a failed step names the node
+that broke it, and a node that loses node 0 (or a rank of its own) exits instead of waiting in
+gloo for a step that never comes.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from pagellm.config import EngineConfig
+from pagellm.distributed.heartbeat import HEARTBEAT_PERIOD_S, HEARTBEAT_TIMEOUT_S, Loss, NodeBeat, NodeWatch
 from pagellm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from pagellm.step_codec import decode_output, decode_step, encode_output, encode_step
-from pagellm.worker.multiproc_executor import MultiprocExecutor, RankError
+from pagellm.worker.errors import DeadRankError, RankError
+from pagellm.worker.multiproc_executor import MultiprocExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +82,17 @@ class MultiNodeExecutor:
     def __init__(self, config: EngineConfig, tokenizer_eos_token_id: int | None = None) -> None:
         self.local = MultiprocExecutor(config, tokenizer_eos_token_id, steps_in_flight=False)
         self.link = _link(config, self.local)
+        watch: NodeWatch | None = None
+        try:  # the heartbeat's port goes out as the group's first message; every node then connects
+            watch = NodeWatch(config.device.master_addr)
+            self.link.broadcast(str(watch.port).encode())
+            watch.accept(config.device.nnodes)
+        except BaseException as exc:
+            if watch is not None:
+                watch.close()
+            self.local.close()
+            raise RankError(f"the nodes could not open their heartbeat: {exc}") from exc
+        self.watch = watch
         self.arch = self.local.arch
         self.eos_token_ids = self.local.eos_token_ids
         self.kernel_plan_info = self.local.kernel_plan_info
@@ -90,26 +110,48 @@ class MultiNodeExecutor:
         try:
             self.link.broadcast(encode_step(scheduler_output, grammar_bitmask))
         except RuntimeError as exc:
-            raise RankError(f"a node of the engine is gone: {exc}") from exc
-        output = self.local.execute(scheduler_output, grammar_bitmask)
+            raise self._gone(HEARTBEAT_TIMEOUT_S) or RankError(f"a node of the engine is gone: {exc}") from exc
+        try:
+            output = self.local.execute(scheduler_output, grammar_bitmask)
+        except DeadRankError:
+            raise
+        except RuntimeError as exc:  # a send to a later stage's node that is gone, say
+            dead = self._gone(2 * HEARTBEAT_PERIOD_S)
+            if dead is None:
+                raise
+            raise dead from exc
         try:
             answers = [decode_output(answer) for answer in self.link.replies()]
         except RuntimeError as exc:
-            raise RankError(f"a node of the engine is gone: {exc}") from exc
+            raise self._gone(HEARTBEAT_TIMEOUT_S) or RankError(f"a node of the engine is gone: {exc}") from exc
         for node, (remote, error) in enumerate(answers, start=1):
             if error is not None:
-                raise RankError(f"node {node} failed the step: {error}")
+                raise self._gone(2 * HEARTBEAT_PERIOD_S) or RankError(f"node {node} failed the step: {error}")
             if remote is not None:
                 output = remote
         return output
 
+    def _gone(self, wait_s: float) -> DeadRankError | None:
+        """The node (or rank of one) the heartbeat finds gone within ``wait_s``: what a broken
+        link or a failed step is reported as, when it is one (the heartbeat tells them apart)."""
+        loss = self.watch.loss(wait_s)
+        return DeadRankError(loss.who, loss.detail) if loss is not None else None
+
     def sentinels(self) -> list[int]:
         return self.local.sentinels()
+
+    def check_health(self) -> None:
+        """This node's ranks, then the other nodes' heartbeats: a gone one raises ``DeadRankError``."""
+        self.local.check_health()
+        loss = self.watch.loss()
+        if loss is not None:
+            raise DeadRankError(loss.who, loss.detail)
 
     def close(self) -> None:
         """Tell the other nodes to stop (where they still listen), then stop this node's ranks."""
         if not self._closed:
             self._closed = True
+            self.watch.close()  # first: a node's heartbeat then ends quietly, not as a loss
             try:
                 self.link.broadcast(STOP)
             except RuntimeError:
@@ -119,9 +161,31 @@ class MultiNodeExecutor:
 
 def run_node(config: EngineConfig, tokenizer_eos_token_id: int | None = None) -> int:
     """A node other than 0: join the engine with this node's ranks, run every step node 0
-    broadcasts until it says stop (0) or the engine's group breaks (1)."""
+    broadcasts until it says stop (0) or the engine's group breaks (1); exits 1 from its
+    heartbeat's thread once node 0 or a rank of this node is gone."""
     local = MultiprocExecutor(config, tokenizer_eos_token_id, steps_in_flight=False)
     link = _link(config, local)
+
+    def check() -> Loss | None:
+        try:
+            local.check_health()
+        except DeadRankError as exc:
+            return Loss(exc.who, exc.detail)
+        return None
+
+    def lost(loss: Loss) -> None:
+        # From the heartbeat's thread: the main thread may be blocked in gloo for good.
+        logger.error("%s is gone (%s): node %d exits", loss.who, loss.detail, config.device.node_rank)
+        local.kill()
+        os._exit(1)
+
+    try:
+        port = int(link.broadcast())  # node 0's heartbeat, the group's first message
+        beat = NodeBeat(config.device.master_addr, port, config.device.node_rank, check, lost)
+    except (RuntimeError, ValueError, OSError) as exc:
+        logger.error("could not open the heartbeat with node 0: %s", exc)
+        local.close()
+        return 1
     logger.info("node %d of %d: ranks joined, serving steps", config.device.node_rank, config.device.nnodes)
     try:
         while True:
@@ -139,4 +203,5 @@ def run_node(config: EngineConfig, tokenizer_eos_token_id: int | None = None) ->
                 answer = encode_output(None, f"{type(exc).__name__}: {exc}")
             link.reply(answer)
     finally:
+        beat.close()  # first: this node's ranks stopping below is no loss
         local.close()

@@ -10,7 +10,9 @@ its part; the ranks meet in each layer's all-reduces and at the stage boundaries
 change: block ids are the same on every rank, only the heads and layers inside a block differ.
 
 A child that fails or dies is noticed at the end of the step (or within the collective
-timeout, if it dies mid-step), and the step fails: the engine is then unhealthy as a whole.
+timeout, if it dies mid-step), and the step fails: the engine is then unhealthy as a whole. A
+child that dies between steps is noticed by ``check_health`` (its process's sentinel), which the
+engine calls while idle; either way the error is a ``DeadRankError`` naming the rank.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 import multiprocessing as mp
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from pagellm import kernels
@@ -26,13 +28,12 @@ from pagellm.config import EngineConfig, split_threads
 from pagellm.distributed.cpu_affinity import bind_process, bind_rank
 from pagellm.distributed.parallel_state import ParallelRank, close_parallel, free_port, init_parallel
 from pagellm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from pagellm.worker.errors import DeadRankError, RankError
 from pagellm.worker.worker import Worker
 
+__all__ = ["DeadRankError", "MultiprocExecutor", "RankError"]
+
 logger = logging.getLogger(__name__)
-
-
-class RankError(RuntimeError):
-    """A rank failed or died."""
 
 
 def _join(config: EngineConfig, rank: int, port: int) -> ParallelRank:
@@ -85,6 +86,7 @@ class MultiprocExecutor:
         micro_batches = 1 if steps_in_flight else device.pipeline_parallel_size
         size = device.local_world_size
         first = device.node_rank * size  # this node's ranks: first .. first + size - 1
+        self._first = first
         config = split_threads(config, size)  # each rank's share of the node's threads
         port = device.master_port if device.master_port is not None else free_port()
         ctx = mp.get_context("spawn")  # never fork a process that holds OpenMP/torch threads
@@ -135,12 +137,18 @@ class MultiprocExecutor:
     def submit(self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None) -> None:
         """Start a step on every rank and run this rank's part (under pipeline parallelism
         stage 0's: the later stages go on with it while the caller schedules the next step)."""
-        for proc, conn in self._ranks:
+        for index, (proc, conn) in enumerate(self._ranks):
             try:
                 conn.send((scheduler_output, grammar_bitmask))
             except (BrokenPipeError, OSError) as exc:
-                raise RankError(f"{proc.name} died (exit code {proc.exitcode})") from exc
-        self._outputs.append(self.driver.execute(scheduler_output, grammar_bitmask))
+                raise self._dead(index, "step") from exc
+        try:
+            self._outputs.append(self.driver.execute(scheduler_output, grammar_bitmask))
+        except RuntimeError as exc:  # a collective broken by a child that died names that child
+            ended = wait(self.sentinels(), 1.0)
+            if ended:
+                raise self._dead(self.sentinels().index(ended[0]), "step") from exc
+            raise
 
     def collect(self) -> ModelRunnerOutput:
         """The oldest submitted step's sampled tokens, once every rank has finished it."""
@@ -151,19 +159,42 @@ class MultiprocExecutor:
     def _collect(self, what: str) -> list[Any]:
         """Every child's answer to the last call; the first failure raises."""
         answers = []
-        for proc, conn in self._ranks:
+        for index, (proc, conn) in enumerate(self._ranks):
             try:
                 status, message = conn.recv()
             except (EOFError, OSError) as exc:
-                raise RankError(f"{proc.name} died during {what} (exit code {proc.exitcode})") from exc
+                raise self._dead(index, what) from exc
             if status != "ok":
                 raise RankError(f"{proc.name} failed during {what}: {message}")
             answers.append(message)
         return answers
 
+    def _dead(self, index: int, what: str = "") -> DeadRankError:
+        """The error naming child ``index`` gone (its process ended, ``what`` it was doing then)."""
+        proc = self._ranks[index][0]
+        proc.join(1.0)  # its exit code, once the process is reaped
+        during = f" during {what}" if what else ""
+        return DeadRankError(f"rank {self._first + 1 + index}",
+                             f"its process {proc.name} (pid {proc.pid}) ended{during} (exit code {proc.exitcode})")  # fmt: skip
+
     def sentinels(self) -> list[int]:
         """Handles that become ready when a child rank's process ends (``multiprocessing.connection.wait``)."""
         return [proc.sentinel for proc, _ in self._ranks]
+
+    def check_health(self) -> None:
+        """Raise ``DeadRankError`` naming a child rank whose process ended (cheap; safe from
+        another thread while a step runs)."""
+        sentinels = self.sentinels()
+        ended = wait(sentinels, 0) if sentinels else []
+        if ended:
+            raise self._dead(sentinels.index(ended[0]))
+
+    def kill(self) -> None:
+        """Kill the children at once: this process is about to exit without its usual shutdown
+        (a headless node that lost node 0, from its heartbeat's thread)."""
+        for proc, _ in list(self._ranks):
+            if proc.is_alive():
+                proc.kill()
 
     def close(self) -> None:
         """Stop the children (politely, then by force)."""

@@ -10,20 +10,35 @@ step goes to every actor as bytes of the pickle-free step codec (one object in R
 all of them), and the sampling rank answers with the step's output. An actor that dies fails
 the step (the engine is then dead, as with a rank process on one node).
 
+Liveness: ``check_health`` pings every actor in a concurrency group of its own (so a step in
+progress does not hold the answer back: start and steps keep to the default group's one thread);
+an actor Ray reports dead, or one silent past ``HEARTBEAT_TIMEOUT_S``, raises ``DeadRankError``.
+The engine pings while idle; a step's wait pings too, every ``HEARTBEAT_PERIOD_S``, so a hung
+actor cannot hold a step forever.
+
 ``ray`` is an optional dependency (``pip install 'pagellm[ray]'``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from pagellm.config import EngineConfig, split_threads
+from pagellm.distributed.heartbeat import HEARTBEAT_PERIOD_S, HEARTBEAT_TIMEOUT_S
 from pagellm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from pagellm.step_codec import decode_output, decode_step, encode_output, encode_step
-from pagellm.worker.multiproc_executor import RankError
+from pagellm.worker.errors import DeadRankError, RankError
 
 logger = logging.getLogger(__name__)
+
+HEALTH_GROUP = "health"  # the actors' concurrency group for pings (a thread beside the steps')
+
+
+def _first_line(exc: BaseException) -> str:
+    """Ray's errors run to many lines; the first says what happened."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _import_ray() -> Any:
@@ -52,6 +67,8 @@ class RayRank:
 
     def start(self, master_addr: str, port: int) -> dict[str, Any]:
         """Join the ranks and build this rank's worker; the facts the engine reads (rank 0's)."""
+        import ray
+
         from pagellm import kernels
         from pagellm.distributed.parallel_state import init_parallel
         from pagellm.worker.worker import Worker
@@ -63,7 +80,12 @@ class RayRank:
         self.samples = parallel.samples
         w = self.worker
         return {"arch": w.arch, "eos_token_ids": w.eos_token_ids, "kernel_plan_info": w.kernel_plan_info,
-                "kv_cache_dtype": w.kv_cache_dtype, "num_blocks": w.num_blocks, "max_model_len": w.max_model_len}  # fmt: skip
+                "kv_cache_dtype": w.kv_cache_dtype, "num_blocks": w.num_blocks, "max_model_len": w.max_model_len,
+                "pid": os.getpid(), "node": ray.util.get_node_ip_address()}  # fmt: skip
+
+    def ping(self) -> bool:
+        """Alive (called in the health concurrency group: answered even during a step)."""
+        return True
 
     def execute(self, message: bytes) -> bytes:
         """One step (codec bytes in); this rank's answer (codec bytes out)."""
@@ -98,13 +120,16 @@ class RayExecutor:
         self._actors: list[Any] = []
         try:
             ray.get(self._group.ready(), timeout=600)
-            actor_class = ray.remote(RayRank)
+            actor_class = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(RayRank)
             for rank in range(tp * pp):
                 strategy = PlacementGroupSchedulingStrategy(self._group, placement_group_bundle_index=rank // tp)
                 self._actors.append(actor_class.options(num_cpus=threads, scheduling_strategy=strategy)
                                     .remote(config, tokenizer_eos_token_id, rank))  # fmt: skip
             master_addr, port = ray.get(self._actors[0].address.remote())
-            facts = self._get([actor.start.remote(master_addr, port) for actor in self._actors], "start")[0]
+            started = self._get([actor.start.remote(master_addr, port) for actor in self._actors], "start")
+            for rank, answer in enumerate(started):
+                logger.info("rank %d: Ray actor started (pid %d on %s)", rank, answer["pid"], answer["node"])
+            facts = started[0]
         except BaseException:
             self.close()
             raise
@@ -117,8 +142,15 @@ class RayExecutor:
         self._sampler = (pp - 1) * tp
 
     def _get(self, refs: list[Any], what: str) -> list[Any]:
+        """Each actor's answer, in rank order (``refs``: one call per actor)."""
+        return [self._get_one(rank, ref, what) for rank, ref in enumerate(refs)]
+
+    def _get_one(self, rank: int, ref: Any, what: str) -> Any:
+        """Rank ``rank``'s answer; an actor that died raises ``DeadRankError`` naming it."""
         try:
-            return self._ray.get(refs)
+            return self._ray.get(ref)
+        except self._ray.exceptions.RayActorError as exc:
+            raise DeadRankError(f"the Ray actor of rank {rank}", f"it died during {what}: {_first_line(exc)}") from exc
         except self._ray.exceptions.RayError as exc:
             raise RankError(f"a Ray rank of the engine failed during {what}: {exc}") from exc
 
@@ -127,7 +159,10 @@ class RayExecutor:
     ) -> ModelRunnerOutput:
         """One step on every actor; the sampling rank's tokens."""
         message = self._ray.put(encode_step(scheduler_output, grammar_bitmask))
-        answers = [decode_output(a) for a in self._get([actor.execute.remote(message) for actor in self._actors], "step")]
+        refs = [actor.execute.remote(message) for actor in self._actors]
+        while self._ray.wait(refs, num_returns=len(refs), timeout=HEARTBEAT_PERIOD_S)[1]:
+            self.check_health()  # a long step, or one held by a hung actor: which is it?
+        answers = [decode_output(a) for a in self._get(refs, "step")]
         for rank, (_, error) in enumerate(answers):
             if error is not None:
                 raise RankError(f"Ray rank {rank} failed the step: {error}")
@@ -135,8 +170,23 @@ class RayExecutor:
         return output if output is not None else ModelRunnerOutput()
 
     def sentinels(self) -> list[int]:
-        """Actors are not processes of this one: a dead one is noticed at the next step."""
+        """Actors are not processes of this one: ``check_health`` pings them instead."""
         return []
+
+    def check_health(self) -> None:
+        """Ping every actor; one Ray reports dead, or one silent for ``HEARTBEAT_TIMEOUT_S``,
+        raises ``DeadRankError`` (safe from another thread while a step runs)."""
+        refs = [actor.ping.options(concurrency_group=HEALTH_GROUP).remote() for actor in self._actors]
+        if not refs:
+            return
+        ready, _ = self._ray.wait(refs, num_returns=len(refs), timeout=HEARTBEAT_TIMEOUT_S)
+        answered = set(ready)
+        for rank, ref in enumerate(refs):  # a dead actor's ping fails at once: it is named first
+            if ref in answered:
+                self._get_one(rank, ref, "a ping")
+        for rank, ref in enumerate(refs):
+            if ref not in answered:
+                raise DeadRankError(f"the Ray actor of rank {rank}", f"it did not answer a ping within {HEARTBEAT_TIMEOUT_S:g}s")
 
     def close(self) -> None:
         """Stop the actors and give their CPUs back to the cluster."""

@@ -162,5 +162,8 @@ class Worker:
         """No other processes: nothing to watch."""
         return []
 
+    def check_health(self) -> None:
+        """One process: alive as long as its caller is (failures surface as exceptions)."""
+
     def close(self) -> None:
         """Nothing to release: the worker lives in this process (the other ranks' do not)."""

@@ -18,7 +18,7 @@ from pagellm.distributed.parallel_state import free_port
 from pagellm.sampling_params import StructuredOutputsParams
 from pagellm.step import GrammarBitmask, ModelRunnerOutput, PromptLogprobs, SampleFork, ScheduledRequest, SchedulerOutput
 from pagellm.step_codec import CodecError, decode_output, decode_step, encode_output, encode_step
-from pagellm.worker.multiproc_executor import RankError
+from pagellm.worker.errors import DeadRankError
 from tests.helpers.engine import assert_same_outputs
 
 PROMPTS = [[5, 9, 200, 31], [400, 3, 3, 7, 8, 9, 10], list(range(100, 160))]
@@ -83,7 +83,7 @@ def test_two_nodes_give_what_one_process_gives(tiny_llama_path: str, parallel: d
 
 
 def test_a_dead_node_is_noticed_on_either_side(tiny_llama_path: str) -> None:
-    """Node 1 killed: node 0's next step raises (no hang). Node 0 gone: node 1 exits 1."""
+    """Node 1 killed: node 0's next step raises naming it (no hang). Node 0 gone: node 1 exits 1."""
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     port = free_port()
     with _node1(tiny_llama_path, port, pipeline_parallel_size=2) as node1:
@@ -92,7 +92,7 @@ def test_a_dead_node_is_noticed_on_either_side(tiny_llama_path: str) -> None:
             assert llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
             node1.kill()
             node1.wait(30)
-            with pytest.raises(RankError, match="node of the engine is gone|pagellm-rank|failed"):
+            with pytest.raises(DeadRankError, match="node 1 is gone"):
                 llm.generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)
         finally:
             llm.llm_engine.close()
@@ -103,7 +103,8 @@ def test_a_dead_node_is_noticed_on_either_side(tiny_llama_path: str) -> None:
                   "    import os; os._exit(0)\n")  # fmt: skip  (joins, then vanishes without a word)
         subprocess.run([sys.executable, "-c", script], timeout=300, check=True)
         assert node1.wait(120) == 1
-        assert "the engine's group broke" in node1.stderr.read()
+        errors = node1.stderr.read()  # its step channel or its heartbeat, whichever noticed first
+        assert "the engine's group broke" in errors or "node 0 is gone" in errors, errors
 
 
 def test_refusals(tiny_llama_path: str) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from pagellm import LLM, SamplingParams
-from pagellm.worker.multiproc_executor import RankError
+from pagellm.worker.errors import DeadRankError
 from tests.helpers.engine import assert_same_outputs
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'pagellm[ray]'")
@@ -46,7 +46,7 @@ def test_a_dead_actor_fails_the_step(local_cluster: None, tiny_llama_path: str) 
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         assert llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
         ray.kill(llm.llm_engine.executor._actors[1])
-        with pytest.raises(RankError, match="Ray rank of the engine failed during step"):
+        with pytest.raises(DeadRankError, match="the Ray actor of rank 1 is gone: it died"):
             llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
     finally:
         llm.llm_engine.close()

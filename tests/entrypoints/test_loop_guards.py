@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -19,6 +20,7 @@ from pagellm.engine.async_engine import (
 )
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
+from pagellm.worker.errors import DeadRankError
 from tests.helpers.fake_engine import FakeEngine, RecordingMetrics, collect, request_output, wait_for
 
 
@@ -171,6 +173,72 @@ def test_out_of_restarts_the_loop_stops_and_says_so(fake: FakeEngine, stopper: l
     assert fake.restarts == 0
     with pytest.raises(EngineDeadError, match="stopped after a failure"):
         asyncio.run(collect(engine.generate([1], SamplingParams(max_tokens=1), "late")))
+
+
+class LostNodeEngine(FakeEngine):
+    """Loses node 1 while idle (``dead``) or mid-step (``fail_on_step``: as the server's process
+    sees it, an engine process that died of it); ``slow_check``: each idle check takes a second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slow_check = False
+        self.checking = threading.Event()  # set once a slow check began
+
+    def check_health(self) -> None:
+        if self.slow_check:
+            self.checking.set()
+            time.sleep(1.0)  # Ray's pings to a slow cluster, say
+        if self.dead:
+            raise DeadRankError("node 1", "its process ended (its heartbeat connection closed)")
+
+    def step(self) -> list[RequestOutput]:
+        if self.fail_on_step:
+            self.steps += 1
+            try:
+                raise DeadRankError("node 1", "it sent no heartbeat for 10s")
+            except DeadRankError as exc:
+                raise RuntimeError("the engine process exited") from exc
+        return super().step()
+
+
+def test_a_lost_node_is_named_to_requests_and_health(stopper: list[AsyncLLMEngine]) -> None:
+    fake = LostNodeEngine()
+    dead = threading.Event()
+    engine = _engine(fake, max_restarts=1, on_dead=dead.set)
+    stopper.append(engine)
+
+    async def lose_mid_step() -> None:
+        stream = engine.generate([1], SamplingParams(max_tokens=10_000), "x")
+        await stream.__anext__()
+        fake.fail_on_step = True
+        with pytest.raises(EngineDeadError, match=r"while running this request \(node 1 is gone\); retry it"):
+            async for _ in stream:
+                pass
+
+    asyncio.run(lose_mid_step())
+    wait_for(lambda: fake.restarts == 1 and engine.is_running)
+    fake.dead = True  # idle, out of restarts: the loop stops, and says why
+    assert dead.wait(10)
+    assert engine.status_message == "the engine stopped after a failure (node 1 is gone) (the server log has the details)"
+
+
+def test_the_idle_check_does_not_hold_up_submissions(stopper: list[AsyncLLMEngine]) -> None:
+    """A slow liveness check (Ray's pings) runs outside the loop's lock: requests still get in."""
+    fake = LostNodeEngine()
+    engine = _engine(fake)
+    stopper.append(engine)
+    fake.slow_check = True
+    assert fake.checking.wait(10)
+
+    async def submit() -> float:
+        started = asyncio.get_running_loop().time()
+        stream = engine.submit([1], SamplingParams(max_tokens=1), "in")
+        took = asyncio.get_running_loop().time() - started
+        fake.slow_check = False
+        assert len([o async for o in stream]) == 1
+        return took
+
+    assert asyncio.run(submit()) < 0.5
 
 
 def test_loop_options_are_validated() -> None:
