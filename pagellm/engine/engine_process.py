@@ -37,7 +37,7 @@ from pagellm.engine.llm_engine import EngineStats, LLMEngine
 from pagellm.engine.protocol import EngineRequest
 from pagellm.model.tokenizer import load_tokenizer
 from pagellm.outputs import RequestOutput
-from pagellm.utils import LOG_FORMAT
+from pagellm.utils import LOG_FORMAT, release_free_memory
 from pagellm.worker.executor import Executor
 
 logger = logging.getLogger(__name__)
@@ -118,6 +118,7 @@ def _engine_main(config: EngineConfig, conn: Connection, log_level: int) -> None
     # Ctrl-C reaches the whole process group: the child leaves shutdown to the parent (which
     # closes the pipe), so a shutdown is never mistaken for a crash and restarted.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    busy = False
     while True:
         try:
             call = conn.recv()
@@ -133,6 +134,9 @@ def _engine_main(config: EngineConfig, conn: Connection, log_level: int) -> None
             answer = ("error", exc)
         with send_lock:
             conn.send(answer)
+        was_busy, busy = busy, engine.has_unfinished_requests()
+        if was_busy and not busy:  # idle now: what the finished requests took goes back to the OS
+            release_free_memory()
 
 
 def _watch_ranks(executor: Executor, conn: Connection, send_lock: threading.Lock, closing: threading.Event) -> None:

@@ -36,7 +36,7 @@ def test_serve_options_map_to_the_engine() -> None:
         "num_kv_blocks": None, "enable_prefix_caching": False, "kv_cache_dtype": "fp8", "max_num_seqs": 8, "max_num_batched_tokens": 512, "max_model_len": 1024,
         "seed": 3, "device": "cpu", "attention_backend": "auto", "chat_template": "t.jinja", "num_threads": None,
         "tensor_parallel_size": 2, "pipeline_parallel_size": 3, "nnodes": 3, "node_rank": 1,
-        "master_addr": "10.0.0.1", "master_port": 29500, "distributed_executor_backend": "ray", "cpu_bind": "auto", "max_n": 4, "max_logprobs": 20, "max_stop_strings": 16, "grammar_compile_timeout": 2.5, "cpu_isa": None,
+        "master_addr": "10.0.0.1", "master_port": 29500, "distributed_executor_backend": "ray", "cpu_bind": "auto", "max_n": 4, "max_logprobs": 20, "max_stop_strings": 16, "grammar_compile_timeout": 2.5, "max_grammar_chars": 131072, "cpu_isa": None,
         "cpu_kernels": None, "gemm": None,
     }
 
