@@ -1,0 +1,80 @@
+"""Bytes one engine step sends from the scheduler to the worker ranks (issue 34's target).
+
+Drives the real scheduler (``core/``: tensor-free, so no model runs) with ``--num-seqs``
+requests of ``--context``-token prompts until every one decodes, then encodes one decode step's
+``SchedulerOutput`` as it crosses each boundary today: pickled to each other local rank (what
+``MultiprocExecutor`` sends over its pipes), and through ``step_codec`` (JSON, what a remote node
+and a Ray actor receive). Prints a table and writes JSON; the "after" of issue 34 runs the same
+command on its own checkout.
+
+    python benchmarks/step_message_bytes.py [--num-seqs 64] [--context 2048] [--tp 3] [--output-json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.request import Request
+from pagellm.core.scheduler import Scheduler
+from pagellm.sampling_params import SamplingParams
+from pagellm.step import ModelRunnerOutput, SchedulerOutput
+from pagellm.step_codec import encode_step
+
+
+def decode_step(num_seqs: int, context: int, block_size: int, budget: int) -> SchedulerOutput:
+    """A decode step of ``num_seqs`` sequences whose contexts are ``context`` tokens long."""
+    # Each sequence decodes until the last one's prompt is in: as many tokens as there are prompts.
+    max_tokens = num_seqs + 8
+    blocks_each = -(-(context + max_tokens) // block_size)
+    manager = KVCacheManager(num_seqs * blocks_each + 8, block_size, enable_caching=True)
+    scheduler = Scheduler(manager, num_seqs, budget, context + max_tokens)
+    for i in range(num_seqs):  # distinct prompts: no prefix-cache sharing shrinks the tables
+        prompt = [1000 + i] + [(7 * i + j) % 30000 + 1 for j in range(context - 2)]
+        params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, ignore_eos=True)
+        scheduler.add_request(Request(f"req-{i}", prompt, params, max_tokens=max_tokens, eos_token_ids=frozenset({2})))
+    while True:
+        out = scheduler.schedule()
+        if out.scheduled and all(r.num_tokens == 1 for r in out.scheduled) and len(out.scheduled) == num_seqs:
+            return out
+        sampled = {r.request_id: 5 for r in out.scheduled if r.sample}
+        scheduler.update_from_output(out, ModelRunnerOutput(sampled=sampled))
+
+
+def integers_in(step: SchedulerOutput) -> int:
+    """Token ids and block ids the message carries."""
+    return sum(len(r.token_ids) + len(r.block_ids) + len(r.prompt_token_ids) + len(r.output_token_ids)
+               for r in step.scheduled)  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-seqs", type=int, default=64)
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--tp", type=int, default=3, help="tensor-parallel ranks (rank 0 is the engine's process)")
+    parser.add_argument("--output-json", default=None)
+    args = parser.parse_args()
+    step = decode_step(args.num_seqs, args.context, args.block_size, args.max_num_batched_tokens)
+    pickled = len(ForkingPickler.dumps((step, None), pickle.HIGHEST_PROTOCOL))
+    codec = len(encode_step(step, None))
+    row = {
+        "num_seqs": args.num_seqs, "context": args.context, "tp": args.tp, "integers": integers_in(step),
+        "pickle_bytes_per_rank": pickled, "pickle_bytes_per_step": pickled * (args.tp - 1),
+        "codec_bytes_per_node": codec, "scheduled_tokens": step.num_scheduled_tokens,
+    }  # fmt: skip
+    print("| sequences x context | integers | pickle B/rank | pickle B/step at TP | step_codec B/node |")
+    print("| --- | --- | --- | --- | --- |")
+    print(f"| {args.num_seqs} x {args.context} | {row['integers']:,} | {pickled:,} | {pickled * (args.tp - 1):,} "
+          f"(TP={args.tp}) | {codec:,} |")
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(row, indent=2))
+
+
+if __name__ == "__main__":
+    main()
