@@ -58,7 +58,7 @@ SHAPES: dict[str, dict[str, Any]] = {
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
         },
     ),
-    # One tiny folder per further family (pagellm serve PATH on each; README "Models").
+    # One tiny folder per further family (pagellm serve PATH on each; docs/models.md).
     "tiny-qwen3": dict(
         architecture="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1024, max_position_embeddings=512,

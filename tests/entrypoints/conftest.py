@@ -13,10 +13,10 @@ import pytest
 from tests.helpers.server import TINY_SERVER_ARGS, RemoteServer
 
 # Extra `pagellm serve` options for the shared server, e.g. "--pipeline-parallel-size 2": the
-# whole protocol suite then runs against that engine layout (README, "Several ranks").
+# whole protocol suite then runs against that engine layout (docs/testing.md).
 EXTRA_ARGS_ENV = "PAGELLM_TEST_SERVER_ARGS"
 # The tiny model it serves, by fixture name (tests/conftest.py), e.g. "tiny_mixtral_path": the
-# suite then runs against that family (README, "Models").
+# suite then runs against that family (docs/testing.md).
 MODEL_ENV = "PAGELLM_TEST_SERVER_MODEL"
 
 
