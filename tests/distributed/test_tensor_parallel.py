@@ -150,4 +150,5 @@ def test_a_rank_that_dies_before_joining_fails_the_start(tmp_path, tiny_llama_pa
                       "tensor_parallel_size=2)\n")  # fmt: skip
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
-    assert "RankError: pagellm-rank1 died during start-up" in proc.stderr
+    assert "DeadRankError: rank 1 is gone: its process pagellm-rank1" in proc.stderr
+    assert "ended during start-up" in proc.stderr
