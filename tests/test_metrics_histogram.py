@@ -2,7 +2,7 @@
 
 import pytest
 
-from pagellm.engine.llm_engine import EngineStats
+from pagellm.engine.protocol import EngineStats
 from pagellm.metrics.histogram import HistogramCounts
 from pagellm.metrics.prometheus import PrometheusMetrics
 

@@ -23,6 +23,10 @@ Admission is bounded: beyond ``max_requests`` admitted and unfinished requests, 
 
 ``snapshot`` (the server's live page) rides the same inbox: the engine thread takes the picture
 between two steps, never inside one, and a snapshot that fails fails only its caller.
+
+This module is the loop itself; its parts live beside it: the event-loop side of a request
+(``request_stream``), what the loop measures of each request (``request_latency``) and the
+snapshot call (``snapshot_call``).
 """
 
 from __future__ import annotations
@@ -31,9 +35,8 @@ import asyncio
 import logging
 import threading
 import time
-from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from pagellm.config import EngineConfig
@@ -47,8 +50,11 @@ from pagellm.engine.protocol import (
     RequestMetrics,
     RequestRejectedError,
     EngineClient,
+    EngineStats,
     KVSnapshot,
 )
+from pagellm.engine.request_latency import NoMetrics, RequestLatency
+from pagellm.engine.request_stream import Channel, Deliveries, RequestStream, StreamItem, post_error
 from pagellm.engine.snapshot_call import SnapshotCall
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -56,8 +62,6 @@ from pagellm.worker.errors import dead_rank_in
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-    from pagellm.engine.llm_engine import EngineStats
 
 __all__ = [
     "AsyncLLMEngine",
@@ -80,26 +84,6 @@ logger = logging.getLogger(__name__)
 HEALTH_CHECK_INTERVAL_S = 1.0
 
 
-class _NoMetrics:
-    def observe_time_to_first_token(self, seconds: float) -> None:
-        pass
-
-    def observe_time_per_output_token(self, seconds: float) -> None:
-        pass
-
-    def observe_e2e_latency(self, seconds: float) -> None:
-        pass
-
-    def count_finished(self, finish_reason: str) -> None:
-        pass
-
-    def count_rejected(self, reason: str) -> None:
-        pass
-
-    def count_engine_restart(self) -> None:
-        pass
-
-
 @dataclass(frozen=True)
 class LoopOptions:
     """How the loop guards the engine: admission bound, restarts, what to do when it is dead for good."""
@@ -115,21 +99,10 @@ class LoopOptions:
             raise ValueError(f"engine restarts must be >= 0, got {self.max_restarts}")
 
 
-StreamItem = RequestOutput | BaseException
-
-
-@dataclass
-class _Stream:
-    """The consumer side of one request: its event loop and the queue it awaits."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[StreamItem] = field(default_factory=asyncio.Queue)
-
-
 @dataclass
 class _Add:
     request: EngineRequest  # its arrival_time set
-    stream: _Stream
+    stream: Channel
 
     @property
     def request_id(self) -> str:
@@ -149,56 +122,6 @@ class _Abort:
 _Command = _Add | _Abort | SnapshotCall
 
 
-@dataclass
-class _Timing:
-    """Latency bookkeeping of one request, kept by the engine thread."""
-
-    arrival: float
-    first_token: float | None = None
-    num_tokens: dict[int, int] = field(default_factory=lambda: defaultdict(int))
-
-
-def _put_all(items: list[tuple[asyncio.Queue[StreamItem], StreamItem]]) -> None:
-    """Runs on the event loop: hand one step's outputs to their requests' queues."""
-    for queue, item in items:
-        queue.put_nowait(item)
-
-
-class RequestStream(AsyncIterator[RequestOutput]):
-    """One submitted request's outputs. Closing it before the last output aborts the request;
-    so does dropping it unread (a response that never started), as a last resort."""
-
-    def __init__(self, channel: _Stream, request_id: str, abort: Callable[[str], None]) -> None:
-        self._channel = channel
-        self._request_id = request_id
-        self._abort = abort
-        self._done = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._done:
-            raise StopAsyncIteration
-        item = await self._channel.queue.get()
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        self._done = item.finished
-        return item
-
-    async def aclose(self) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if not self._done:
-            self._done = True
-            self._abort(self._request_id)
-
-    def __del__(self) -> None:
-        self.close()
-
-
 class AsyncLLMEngine:
     """Serve many concurrent requests from one engine without blocking the event loop."""
 
@@ -206,7 +129,7 @@ class AsyncLLMEngine:
         self, engine: EngineClient, metrics: RequestMetrics | None = None, options: LoopOptions | None = None
     ) -> None:
         self.engine = engine
-        self._metrics: RequestMetrics = metrics or _NoMetrics()
+        self._metrics: RequestMetrics = metrics or NoMetrics()
         self._options = options or LoopOptions()
         # RLock: shutdown may be requested from a signal handler that interrupted _submit.
         self._cond = threading.Condition(threading.RLock())
@@ -222,8 +145,8 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         # Touched only by the engine thread.
         self._batch: list[_Command] = []  # the commands being applied (failed too if the engine dies)
-        self._streams: dict[str, _Stream] = {}
-        self._timings: dict[str, _Timing] = {}
+        self._streams: dict[str, Channel] = {}
+        self._latency = RequestLatency(self._metrics)
 
     @classmethod
     def from_config(cls, config: EngineConfig, metrics: RequestMetrics | None = None) -> AsyncLLMEngine:
@@ -235,11 +158,11 @@ class AsyncLLMEngine:
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
-        return self.engine.tokenizer  # type: ignore[attr-defined]
+        return self.engine.tokenizer
 
     @property
     def input_processor(self) -> InputProcessor:
-        return self.engine.input_processor  # type: ignore[attr-defined]
+        return self.engine.input_processor
 
     @property
     def max_model_len(self) -> int:
@@ -256,12 +179,12 @@ class AsyncLLMEngine:
     @property
     def replica_stats(self) -> list[EngineStats]:
         """Each replica's stats (one engine: its own, alone)."""
-        return list(getattr(self.engine, "replica_stats", None) or [self.engine.stats])
+        return self.engine.replica_stats
 
     @property
     def num_replicas(self) -> int:
         """Engine replicas (data parallelism), each with its own KV pool and queues."""
-        return int(getattr(self.engine, "num_replicas", 1))
+        return self.engine.num_replicas
 
     @property
     def is_running(self) -> bool:
@@ -338,7 +261,7 @@ class AsyncLLMEngine:
         """
         loop = asyncio.get_running_loop()
         now = time.monotonic()
-        adds = [_Add(replace(r, arrival_time=now) if r.arrival_time is None else r, _Stream(loop)) for r in requests]
+        adds = [_Add(replace(r, arrival_time=now) if r.arrival_time is None else r, Channel(loop)) for r in requests]
         self._submit_adds(adds)
         return [RequestStream(add.stream, add.request_id, self.abort) for add in adds]
 
@@ -512,10 +435,10 @@ class AsyncLLMEngine:
         for add, error in zip(adds, errors, strict=True):  # a short answer is an engine failure
             if error is not None:
                 self._release(1)
-                self._post({add.stream.loop: [(add.stream.queue, error)]})
+                post_error([add.stream], error)
                 continue
             self._streams[add.request_id] = add.stream
-            self._timings[add.request_id] = _Timing(add.arrival)
+            self._latency.start(add.request_id, add.arrival)
 
     def _apply_aborts(self, request_ids: list[str]) -> None:
         """Abort the requests still running (a finished one has no stream left) and send each its final output."""
@@ -524,71 +447,42 @@ class AsyncLLMEngine:
             return
         now = time.monotonic()
         outputs = self.engine.abort_request(list(streams))
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[StreamItem], StreamItem]]] = {}
+        deliveries = Deliveries()
         for output in outputs:
-            self._record(output, now)
+            self._latency.record(output, now)
             stream = streams.get(output.request_id)
             if stream is not None:
-                batches.setdefault(stream.loop, []).append((stream.queue, output))
+                deliveries.add(stream, output)
         for request_id in streams:
             self._forget(request_id)
-        self._post(batches)
+        deliveries.post()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Send one step's outputs to their streams: one wake-up per event loop, not per request."""
         now = time.monotonic()
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[StreamItem], StreamItem]]] = {}
+        deliveries = Deliveries()
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            self._record(output, now)
+            self._latency.record(output, now)
             item: StreamItem = output
             if output.error is not None:
                 item = (RequestRejectedError if output.error_is_request else RequestFailedError)(output.error)
             if output.finished or output.error is not None:
                 self._forget(output.request_id)
-            batches.setdefault(stream.loop, []).append((stream.queue, item))
-        self._post(batches)
+            deliveries.add(stream, item)
+        deliveries.post()
 
     def _forget(self, request_id: str) -> None:
         """A request left the engine: drop its stream and free its admission slot."""
         if self._streams.pop(request_id, None) is not None:
             self._release(1)
-        self._timings.pop(request_id, None)
+        self._latency.forget(request_id)
 
     def _release(self, count: int) -> None:
         with self._cond:
             self._admitted -= count
-
-    @staticmethod
-    def _post(batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[StreamItem], StreamItem]]]) -> None:
-        for loop, items in batches.items():
-            if items:
-                try:
-                    loop.call_soon_threadsafe(_put_all, items)
-                except RuntimeError:
-                    pass  # that event loop is closed: nobody is listening any more
-
-    def _record(self, output: RequestOutput, now: float) -> None:
-        """Observe TTFT on the first tokens; TPOT, latency and finish reasons at the end."""
-        timing = self._timings.get(output.request_id)
-        if timing is None:
-            return
-        if timing.first_token is None and any(o.token_ids for o in output.outputs):
-            timing.first_token = now
-            self._metrics.observe_time_to_first_token(now - timing.arrival)
-        for sample in output.outputs:
-            timing.num_tokens[sample.index] += len(sample.token_ids)
-        if not output.finished:
-            return
-        del self._timings[output.request_id]
-        self._metrics.observe_e2e_latency(now - timing.arrival)
-        longest = max(timing.num_tokens.values(), default=0)
-        if timing.first_token is not None and longest > 1:
-            self._metrics.observe_time_per_output_token((now - timing.first_token) / (longest - 1))
-        for sample in output.outputs:
-            self._metrics.count_finished(sample.finish_reason or "abort")
 
     def _fail_in_flight(self) -> None:
         """The engine died: every request it held, and every request of the batch being applied
@@ -602,22 +496,16 @@ class AsyncLLMEngine:
         streams = [*self._streams.values(), *pending]
         with self._cond:
             lost = f" ({self._lost} is gone)" if self._lost else ""
-        self._post_error(streams, EngineDeadError(f"the engine failed while running this request{lost}; retry it"))
+        post_error(streams, EngineDeadError(f"the engine failed while running this request{lost}; retry it"))
         self._release(len(streams))
         self._streams.clear()
-        self._timings.clear()
+        self._latency.clear()
 
     @staticmethod
     def _fail_snapshots(commands: list[_Command], error: BaseException) -> None:
         for command in commands:
             if isinstance(command, SnapshotCall):
                 command.settle(error)
-
-    def _post_error(self, streams: list[_Stream], error: BaseException) -> None:
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[StreamItem], StreamItem]]] = {}
-        for stream in {id(s): s for s in streams}.values():
-            batches.setdefault(stream.loop, []).append((stream.queue, error))
-        self._post(batches)
 
     def _close(self) -> None:
         """Fail every waiting request and free the engine's blocks; runs once, on the way out."""
@@ -629,10 +517,10 @@ class AsyncLLMEngine:
         # never reads its queue again, so an extra error there is harmless.
         pending = [c.stream for c in self._batch + leftovers if isinstance(c, _Add)]
         self._fail_snapshots(self._batch + leftovers, EngineDeadError(message))
-        self._post_error([*self._streams.values(), *pending], EngineDeadError(message))
+        post_error([*self._streams.values(), *pending], EngineDeadError(message))
         request_ids = list(self._streams)
         self._streams.clear()
-        self._timings.clear()
+        self._latency.clear()
         if request_ids and self._error is None:
             try:
                 self.engine.abort_request(request_ids)

@@ -21,8 +21,7 @@ from dataclasses import dataclass, fields
 from pagellm.config import EngineConfig
 from pagellm.core.kv_snapshot import DEFAULT_MAX_REQUESTS, KVSnapshot
 from pagellm.engine.engine_process import EngineProcess
-from pagellm.engine.llm_engine import EngineStats
-from pagellm.engine.protocol import EngineRequest
+from pagellm.engine.protocol import EngineRequest, EngineStats
 from pagellm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)

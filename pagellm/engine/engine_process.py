@@ -26,19 +26,22 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagellm.config import EngineConfig
 from pagellm.core.kv_snapshot import DEFAULT_MAX_REQUESTS, KVSnapshot
 from pagellm.distributed.cpu_affinity import bind_rank
 from pagellm.distributed.heartbeat import HEARTBEAT_PERIOD_S
 from pagellm.engine.input_processor import InputProcessor
-from pagellm.engine.llm_engine import EngineStats, LLMEngine
-from pagellm.engine.protocol import EngineRequest
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.engine.protocol import EngineRequest, EngineStats
 from pagellm.model.tokenizer import load_tokenizer
 from pagellm.outputs import RequestOutput
 from pagellm.utils import LOG_FORMAT, release_free_memory
 from pagellm.worker.executor import Executor
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +187,7 @@ class EngineProcess:
         self.config = config
         self._start_timeout_s = start_timeout_s
         self._call_timeout_s = call_timeout_s
-        self.tokenizer = None
+        self._tokenizer: PreTrainedTokenizerBase | None = None  # loaded by the first start, while the child loads
         ready = self._start()
         self.max_model_len = ready.max_model_len
         self.kernel_plan_info = ready.kernel_plan_info
@@ -210,13 +213,27 @@ class EngineProcess:
         logger.info("engine process started (pid %d)", self._proc.pid)
         self._unfinished = False  # the child's state changes only through this proxy's calls
         try:
-            if self.tokenizer is None:  # while the child loads
-                self.tokenizer = load_tokenizer(self.config.model.model, self.config.model.chat_template)
+            if self._tokenizer is None:  # while the child loads
+                self._tokenizer = load_tokenizer(self.config.model.model, self.config.model.chat_template)
             ready: _Ready = self._receive(self._start_timeout_s, "start")
         except BaseException:
             self.close()
             raise
         return ready
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        assert self._tokenizer is not None  # loaded before __init__ returns
+        return self._tokenizer
+
+    @property
+    def replica_stats(self) -> list[EngineStats]:
+        """One engine is one replica: its own counters, alone."""
+        return [self.stats]
+
+    @property
+    def num_replicas(self) -> int:
+        return 1
 
     def check_health(self) -> None:
         """Raise if the child has exited (the loop calls this while idle): the error the child

@@ -10,7 +10,6 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import cast
 
 from transformers import PreTrainedTokenizerBase
@@ -24,7 +23,7 @@ from pagellm.engine.beam_controller import BeamSearchController
 from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
-from pagellm.engine.protocol import EngineRequest
+from pagellm.engine.protocol import EngineRequest, EngineStats
 from pagellm.model.tokenizer import load_tokenizer
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -38,25 +37,6 @@ logger = logging.getLogger(__name__)
 REQUEST_FAILED_MESSAGE = "internal error while processing this request (the server log has the details)"
 # How long a step with only compiling grammars to wait for blocks on them before returning.
 GRAMMAR_WAIT_S = 0.05
-
-
-@dataclass
-class EngineStats:
-    """Counters for logs and metrics (cumulative unless said otherwise)."""
-
-    num_steps: int = 0
-    num_finished_requests: int = 0
-    num_prompt_tokens: int = 0  # computed prompt tokens, recompute included
-    num_generated_tokens: int = 0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # of those, tokens whose KV was reused
-    num_cow_copies: int = 0  # blocks copied on write
-    num_shared_blocks: int = 0  # gauge: blocks held by more than one sequence
-    peak_blocks_in_use: int = 0  # most KV blocks held at once
-    num_running: int = 0  # gauge
-    num_waiting: int = 0  # gauge
-    kv_cache_usage: float = 0.0  # gauge: fraction of blocks in use
 
 
 class LLMEngine:
@@ -116,6 +96,15 @@ class LLMEngine:
     def kernel_plan_info(self) -> dict[str, str]:
         """The kernel plan as plain strings (``/version``, benchmark reports)."""
         return self.executor.kernel_plan_info
+
+    @property
+    def replica_stats(self) -> list[EngineStats]:
+        """One engine is one replica: its own counters, alone."""
+        return [self.stats]
+
+    @property
+    def num_replicas(self) -> int:
+        return 1
 
     # ---- requests ------------------------------------------------------------------
 

@@ -3,7 +3,8 @@ every engine a caller drives (``EngineClient``), where request metrics go, and t
 end requests.
 
 ``KVSnapshot`` (what ``snapshot`` returns) is re-exported here for the entry points, which name
-nothing below the engine.
+nothing below the engine; ``EngineStats`` (what ``stats`` returns) lives here, below every engine
+that fills it, so that the boundary imports no engine.
 
 Kept apart from ``async_engine`` so entry points and tests can name these without the loop.
 """
@@ -19,7 +20,9 @@ from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pagellm.engine.llm_engine import EngineStats
+    from transformers import PreTrainedTokenizerBase
+
+    from pagellm.engine.input_processor import InputProcessor
 
 
 class EngineDeadError(RuntimeError):
@@ -54,13 +57,57 @@ class EngineRequest:
     arrival_time: float | None = None
 
 
+@dataclass
+class EngineStats:
+    """Counters for logs and metrics (cumulative unless said otherwise)."""
+
+    num_steps: int = 0
+    num_finished_requests: int = 0
+    num_prompt_tokens: int = 0  # computed prompt tokens, recompute included
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens whose KV was reused
+    num_cow_copies: int = 0  # blocks copied on write
+    num_shared_blocks: int = 0  # gauge: blocks held by more than one sequence
+    peak_blocks_in_use: int = 0  # most KV blocks held at once
+    num_running: int = 0  # gauge
+    num_waiting: int = 0  # gauge
+    kv_cache_usage: float = 0.0  # gauge: fraction of blocks in use
+
+
 class EngineClient(Protocol):
     """What drives an engine: ``LLMEngine`` in process, ``EngineProcess`` in a child process
-    (one round trip per call, so every call takes a batch), and the tests' fakes."""
+    (one round trip per call, so every call takes a batch), ``DataParallelEngine`` over several
+    of those, and the tests' fakes. The properties are everything the front end reads of an
+    engine, so it needs no ``getattr`` on any of them."""
 
-    stats: EngineStats
-    max_model_len: int
-    kernel_plan_info: dict[str, str]  # KernelPlan.as_dict(): what runs where (/version)
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The model's tokenizer (the front end renders chat templates and counts tokens)."""
+
+    @property
+    def input_processor(self) -> InputProcessor:
+        """The request checks, run by the front end before a request reaches the engine."""
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def kernel_plan_info(self) -> dict[str, str]:
+        """``KernelPlan.as_dict()``: what runs where (``/version``)."""
+
+    @property
+    def stats(self) -> EngineStats:
+        """The counters of the whole engine (all replicas summed)."""
+
+    @property
+    def replica_stats(self) -> list[EngineStats]:
+        """Each replica's counters (one engine: its own, alone)."""
+
+    @property
+    def num_replicas(self) -> int:
+        """Engine replicas (data parallelism), each with its own KV pool and queues; 1 without."""
 
     def add_requests(self, requests: list[EngineRequest]) -> list[ValueError | None]:
         """Queue the requests in order; one refused for its input gets its ``ValueError`` in

@@ -26,7 +26,7 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 
 
 class EngineStatsView(Protocol):
-    """What the metrics read from the engine (``pagellm.engine.llm_engine.EngineStats``)."""
+    """What the metrics read from the engine (``pagellm.engine.protocol.EngineStats``)."""
 
     num_running: int
     num_waiting: int

@@ -17,8 +17,7 @@ from pagellm.engine.data_parallel import (
 )
 from pagellm.config import replica_configs
 from pagellm.distributed.cpu_affinity import numa_nodes, rank_cpus
-from pagellm.engine.llm_engine import EngineStats
-from pagellm.engine.protocol import EngineRequest
+from pagellm.engine.protocol import EngineRequest, EngineStats
 from pagellm.engine_args import EngineArgs
 from tests.helpers.engine import drain
 

@@ -9,8 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pagellm.engine.llm_engine import EngineStats
-from pagellm.engine.protocol import EngineRequest
+from pagellm.engine.protocol import EngineRequest, EngineStats
 from pagellm.outputs import CompletionOutput, RequestOutput
 
 
@@ -26,6 +25,7 @@ class FakeEngine:
         self.stats = EngineStats()
         self.max_model_len = 128
         self.kernel_plan_info = {"device": "cpu"}
+        self.num_replicas = 1
         self.thread_ids: set[int] = set()
         self.dead = False  # check_health raises (a dead engine process, seen while idle)
         self.restarts = 0
@@ -61,6 +61,10 @@ class FakeEngine:
                 self.aborted.append(request_id)
                 outputs.append(request_output(request_id, "", "abort"))
         return outputs
+
+    @property
+    def replica_stats(self) -> list[EngineStats]:
+        return [self.stats]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -274,10 +274,10 @@ def run_server(
     engine is restarted up to ``max_restarts`` times, after which the server stops so that a
     supervisor can start it anew (as vLLM does).
     """
-    replicas = getattr(llm_engine, "replica_stats", None)  # a data-parallel engine's: per-replica series
+    per_replica = llm_engine.num_replicas > 1  # data parallelism: a series per replica
     metrics = PrometheusMetrics(
         settings.served_model_names[0], stats=lambda: llm_engine.stats,
-        replica_stats=(lambda: llm_engine.replica_stats) if replicas is not None else None,  # type: ignore[attr-defined]
+        replica_stats=(lambda: llm_engine.replica_stats) if per_replica else None,
     )
     server: _Server | None = None
 

@@ -18,8 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from pagellm.engine.llm_engine import EngineStats
-from pagellm.engine.protocol import KVSnapshot
+from pagellm.engine.protocol import EngineStats, KVSnapshot
 from pagellm.metrics.histogram import HistogramCounts
 
 CELL_LAYOUT = ["position:int32", "owner:int16", "ref_cnt:uint8", "cached:uint8"]
