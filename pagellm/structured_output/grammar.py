@@ -23,6 +23,7 @@ event loop.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from collections import OrderedDict
@@ -36,6 +37,8 @@ from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 from transformers import PreTrainedTokenizerBase
 
 from pagellm.structured_outputs_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
 
 # Bounds on one grammar's compile and on each step's mask (llguidance's own "fuel" units): a
 # hostile schema is refused with llguidance's message instead of stalling a step.
@@ -68,6 +71,10 @@ def deep_stack_executor(name: str) -> ThreadPoolExecutor:
         previous = threading.stack_size(GRAMMAR_STACK_BYTES)
         try:
             pool.submit(lambda: None).result()
+        except RuntimeError:  # no room to map such a stack (a strict overcommit policy)
+            logger.warning("a %d MiB thread stack could not be mapped: %s checks grammars on a default stack",
+                           GRAMMAR_STACK_BYTES >> 20, name)  # fmt: skip
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         finally:
             threading.stack_size(previous)
     return pool

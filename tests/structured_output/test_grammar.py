@@ -204,3 +204,15 @@ def test_a_caught_panic_is_reported_in_plain_words(raw: str, reason: str) -> Non
 
 def test_other_errors_are_kept() -> None:
     assert plain_error("1(3): unknown rule foo\n") == "1(3): unknown rule foo"
+
+
+def test_a_stack_that_cannot_be_mapped_falls_back_to_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a strict overcommit policy the deep stack may not map: grammars are still checked."""
+    from pagellm.structured_output import grammar
+
+    monkeypatch.setattr(grammar, "GRAMMAR_STACK_BYTES", 1 << 45)  # 32 TiB: never mapped
+    pool = grammar.deep_stack_executor("pagellm-test")
+    try:
+        assert pool.submit(lambda: threading.current_thread().name).result().startswith("pagellm-test")
+    finally:
+        pool.shutdown()
