@@ -61,7 +61,8 @@ def score(model: str | None, options: dict[str, Any], tokens: int, count: int) -
     """The per-token log-probabilities of every chunk under one configuration, and its plan."""
     llm = LLM(model, enable_prefix_caching=False, **options)
     texts = chunks(llm.get_tokenizer(), tokens, count)
-    plan = llm.llm_engine.worker.kernel_plan.describe()
+    info = llm.llm_engine.kernel_plan_info
+    plan = " ".join(f"{k}={v.replace(' ', ',')}" for k, v in info.items() if k != "device")
     return [token_logprobs(llm, ids) for ids in texts], plan
 
 
