@@ -1,6 +1,10 @@
-"""The FastAPI app in-process over a fake engine: what happens when the engine loop dies."""
+"""The FastAPI app in-process over a fake engine: what happens when the engine loop dies, and the
+OpenAPI document of the bodies the routes parse themselves."""
 
 from __future__ import annotations
+
+import json
+import re
 
 from fastapi.testclient import TestClient
 
@@ -46,3 +50,20 @@ def test_streaming_request_gets_an_in_band_error_when_the_loop_dies() -> None:
         assert response.status_code == 200
         assert '"error"' in response.text and "engine failed" in response.text
         assert response.text.endswith("data: [DONE]\n\n")
+
+
+def test_openapi_describes_the_bodies_parsed_off_the_loop() -> None:
+    """The generation routes read their bodies themselves (request_body.py); the OpenAPI document
+    clients and the fuzz test read must still give each body's schema."""
+    client, _ = make_client()
+    with client:
+        document = client.get("/openapi.json").json()
+    schemas = document["components"]["schemas"]
+    for path, model in [("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest"),
+                        ("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest")]:
+        body = document["paths"][path]["post"]["requestBody"]
+        assert body["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{model}"}
+        assert "prompt" in schemas["CompletionRequest"]["properties"] and model in schemas
+    assert "ChatMessageParam" in schemas  # the schemas the bodies refer to come along
+    refs = re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(document))
+    assert refs and not [name for name in refs if name not in schemas]
