@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 from fastapi.testclient import TestClient
 
+from pagellm.config import LimitsConfig
 from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.engine.input_processor import InputProcessor
 from pagellm.entrypoints.openai.api_server import ServerSettings, build_app
@@ -67,3 +69,13 @@ def test_openapi_describes_the_bodies_parsed_off_the_loop() -> None:
     assert "ChatMessageParam" in schemas  # the schemas the bodies refer to come along
     refs = re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(document))
     assert refs and not [name for name in refs if name not in schemas]
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_the_new_request_bounds_refuse_values_out_of_range(value: int) -> None:
+    with pytest.raises(ValueError, match="max_prompts_per_request must be >= 1"):
+        ServerSettings(served_model_names=["fake"], max_prompts_per_request=value)
+    with pytest.raises(ValueError, match="max_grammar_chars must be a positive integer"):
+        LimitsConfig(max_grammar_chars=value)
+    with pytest.raises(ValueError, match="max_grammar_chars must be a positive integer"):
+        LimitsConfig(max_grammar_chars=True)  # type: ignore[arg-type]
