@@ -2,10 +2,11 @@
 
 Drives the real scheduler (``core/``: tensor-free, so no model runs) with ``--num-seqs``
 requests of ``--context``-token prompts until every one decodes, then encodes one decode step's
-``SchedulerOutput`` as it crosses each boundary today: pickled to each other local rank (what
-``MultiprocExecutor`` sends over its pipes), and through ``step_codec`` (JSON, what a remote node
-and a Ray actor receive). Prints a table and writes JSON; the "after" of issue 34 runs the same
-command on its own checkout.
+``SchedulerOutput`` through ``step_codec``: the one encoding every other rank receives (local
+ranks over ``MultiprocExecutor``'s pipes, remote nodes, Ray actors). Steps are diffs of the
+worker's input batch, so this also reports the step that first sends the sequences whole. Prints
+a table and writes JSON. Issue 34's "before" (whole sequences every step, pickled to local ranks)
+is in ``NOTES.md``: 430,236 B per other local rank for 64 x 2048.
 
     python benchmarks/step_message_bytes.py [--num-seqs 64] [--context 2048] [--tp 3] [--output-json FILE]
 """
@@ -14,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import pickle
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 from pagellm.core.kv_cache_manager import KVCacheManager
@@ -26,8 +25,9 @@ from pagellm.step import ModelRunnerOutput, SchedulerOutput
 from pagellm.step_codec import encode_step
 
 
-def decode_step(num_seqs: int, context: int, block_size: int, budget: int) -> SchedulerOutput:
-    """A decode step of ``num_seqs`` sequences whose contexts are ``context`` tokens long."""
+def decode_step(num_seqs: int, context: int, block_size: int, budget: int) -> tuple[SchedulerOutput, int]:
+    """A decode step of ``num_seqs`` sequences whose contexts are ``context`` tokens long, and the
+    bytes of all the steps before it (those that sent the prompts)."""
     # Each sequence decodes until the last one's prompt is in: as many tokens as there are prompts.
     max_tokens = num_seqs + 8
     blocks_each = -(-(context + max_tokens) // block_size)
@@ -37,18 +37,21 @@ def decode_step(num_seqs: int, context: int, block_size: int, budget: int) -> Sc
         prompt = [1000 + i] + [(7 * i + j) % 30000 + 1 for j in range(context - 2)]
         params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, ignore_eos=True)
         scheduler.add_request(Request(f"req-{i}", prompt, params, max_tokens=max_tokens, eos_token_ids=frozenset({2})))
+    before = 0
     while True:
         out = scheduler.schedule()
         if out.scheduled and all(r.num_tokens == 1 for r in out.scheduled) and len(out.scheduled) == num_seqs:
-            return out
-        sampled = {r.request_id: 5 for r in out.scheduled if r.sample}
+            return out, before
+        before += len(encode_step(out, None))
+        sampled = {r.seq_id: 5 for r in out.scheduled if r.sample}
         scheduler.update_from_output(out, ModelRunnerOutput(sampled=sampled))
 
 
 def integers_in(step: SchedulerOutput) -> int:
     """Token ids and block ids the message carries."""
-    return sum(len(r.token_ids) + len(r.block_ids) + len(r.prompt_token_ids) + len(r.output_token_ids)
-               for r in step.scheduled)  # fmt: skip
+    return sum(len(r.new_token_ids) + len(r.new_block_ids) for r in step.scheduled) + sum(
+        len(n.token_ids) for n in step.new_sequences
+    )
 
 
 def main() -> None:
@@ -60,18 +63,17 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=3, help="tensor-parallel ranks (rank 0 is the engine's process)")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
-    step = decode_step(args.num_seqs, args.context, args.block_size, args.max_num_batched_tokens)
-    pickled = len(ForkingPickler.dumps((step, None), pickle.HIGHEST_PROTOCOL))
+    step, prompts_bytes = decode_step(args.num_seqs, args.context, args.block_size, args.max_num_batched_tokens)
     codec = len(encode_step(step, None))
     row = {
         "num_seqs": args.num_seqs, "context": args.context, "tp": args.tp, "integers": integers_in(step),
-        "pickle_bytes_per_rank": pickled, "pickle_bytes_per_step": pickled * (args.tp - 1),
-        "codec_bytes_per_node": codec, "scheduled_tokens": step.num_scheduled_tokens,
+        "bytes_per_rank": codec, "bytes_per_step": codec * (args.tp - 1), "prefill_steps_bytes_per_rank": prompts_bytes,
+        "scheduled_tokens": step.num_scheduled_tokens,
     }  # fmt: skip
-    print("| sequences x context | integers | pickle B/rank | pickle B/step at TP | step_codec B/node |")
+    print("| sequences x context | integers | B per other rank | B per step at TP | B of the steps that sent the prompts, per rank |")
     print("| --- | --- | --- | --- | --- |")
-    print(f"| {args.num_seqs} x {args.context} | {row['integers']:,} | {pickled:,} | {pickled * (args.tp - 1):,} "
-          f"(TP={args.tp}) | {codec:,} |")
+    print(f"| {args.num_seqs} x {args.context} | {row['integers']:,} | {codec:,} | {codec * (args.tp - 1):,} "
+          f"(TP={args.tp}) | {prompts_bytes:,} |")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(row, indent=2))
 

@@ -13,49 +13,52 @@ from pagellm.sampling_params import SamplingParams
 
 
 @dataclass
-class SampleFork:
-    """A new sequence born from its parent at this step: it samples from the parent's logits."""
+class NewSequence:
+    """A sequence the worker has not seen, sent whole once: the worker keeps it in a row of its
+    input batch (``worker/input_batch.py``) until it finishes; later steps send only what changed."""
 
-    request_id: str
+    seq_id: str
+    token_ids: list[int]  # every token known so far: the prompt, then any output (a recompute)
+    num_prompt_tokens: int
     sampling_params: SamplingParams
 
 
 @dataclass
-class ScheduledRequest:
-    """One request's share of a step: which tokens to compute and where their K/V go."""
+class ForkedSequence:
+    """A sequence born as a copy of one the worker holds (a beam chosen twice): its tokens and
+    block table so far are its parent's, as the worker holds them when the step arrives."""
 
-    request_id: str
-    token_ids: list[int]  # the tokens whose K/V this step computes
-    start_position: int  # position of token_ids[0] (= tokens already in the cache)
-    block_ids: list[int]  # the request's whole block table
-    sample: bool  # True when this chunk reaches the last known token: a new token is sampled
+    seq_id: str
+    parent_id: str
+    sampling_params: SamplingParams | None = None  # None: the parent's
+
+
+@dataclass
+class SampleFork:
+    """A new sequence born from its parent at this step (``n`` > 1): it samples its first token
+    from the parent's logits, so the prompt is computed once; the worker copies the parent's row."""
+
+    seq_id: str
     sampling_params: SamplingParams
-    prompt_token_ids: list[int]  # references, read only
-    output_token_ids: list[int]
-    # Sequences forked from this one once its prompt is done (n > 1): each samples its
-    # own first token from this request's logits, so the prompt is computed once.
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's share of a step, as a diff of what the worker already holds: which of its
+    tokens to compute, the tokens and block-table entries the worker does not know yet."""
+
+    seq_id: str
+    start_position: int  # tokens already in the cache: this step computes from here
+    num_tokens: int  # query tokens this step (several per sequence: prefill chunks, and drafts to verify)
+    sample: bool  # True when this chunk reaches the last known token: a new token is sampled
+    # Tokens appended to the worker's copy of the sequence first (those sampled since it last
+    # heard: the previous step's token, a beam's choice).
+    new_token_ids: list[int] = field(default_factory=list)
+    # The block table from entry ``block_table_start`` on is ``new_block_ids`` (entries before it
+    # never change: they hold computed tokens). A new or preempted sequence sends it whole.
+    block_table_start: int = 0
+    new_block_ids: list[int] = field(default_factory=list)
     forks: list[SampleFork] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    def fork_sequence(self, fork: SampleFork) -> ScheduledRequest:
-        """The view of a fork that samples from this request's logits: same prompt, no output yet."""
-        return ScheduledRequest(
-            request_id=fork.request_id,
-            token_ids=[],
-            start_position=self.start_position,
-            block_ids=[],
-            sample=True,
-            sampling_params=fork.sampling_params,
-            prompt_token_ids=self.prompt_token_ids,
-            output_token_ids=[],
-        )
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
 
 @dataclass
@@ -69,11 +72,14 @@ class GrammarBitmask:
 
 @dataclass
 class SchedulerOutput:
-    """What to run in one forward pass."""
+    """What to run in one forward pass, and how the worker's batch changes first: forks copied,
+    finished sequences dropped, new ones added, then each scheduled one updated."""
 
-    scheduled: list[ScheduledRequest]
-    # Requests that finished since the last step: the runner drops their state.
-    finished_request_ids: list[str] = field(default_factory=list)
+    scheduled: list[ScheduledSequence]
+    new_sequences: list[NewSequence] = field(default_factory=list)
+    forked_sequences: list[ForkedSequence] = field(default_factory=list)
+    # Sequences the worker holds that finished since the last step: their rows are dropped.
+    finished_seq_ids: list[str] = field(default_factory=list)
     # (src, dst) block copies to apply before the forward (copy-on-write).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
 
@@ -84,6 +90,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def changes_worker(self) -> bool:
+        """Whether the worker must hear of this step even if it runs nothing."""
+        return bool(self.scheduled or self.new_sequences or self.forked_sequences or self.finished_seq_ids)
 
 
 # (token_id, logprob, rank) triples: the sampled (or actual prompt) token first, then the top-N.

@@ -2,14 +2,16 @@
 between the nodes of a multi-node engine, where a message may come from anyone who can reach
 the port, so nothing received may run code.
 
-JSON (the standard library's C encoder) of plain fields; ``SamplingParams`` and
-``StructuredOutputsParams`` are rebuilt through their constructors, so every value is validated
-again on arrival; the grammar bitmask travels as the raw bytes of its int32 words.
+The one encoding of a step for every worker that is not in the engine's process: other local
+ranks (``MultiprocExecutor``'s pipes), remote nodes and Ray actors. JSON (the standard library's C
+encoder) of plain fields; ``SamplingParams`` and ``StructuredOutputsParams`` are rebuilt through
+their constructors, so every value is validated again on arrival; the grammar bitmask follows
+the JSON as the raw bytes of its int32 words. A step is a diff (``step.py``), so a decode step
+costs a few dozen bytes per sequence whatever its context.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 from dataclasses import fields
 from typing import Any
@@ -17,7 +19,16 @@ from typing import Any
 import torch
 
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
-from pagellm.step import GrammarBitmask, ModelRunnerOutput, PromptLogprobs, SampleFork, ScheduledRequest, SchedulerOutput
+from pagellm.step import (
+    ForkedSequence,
+    GrammarBitmask,
+    ModelRunnerOutput,
+    NewSequence,
+    PromptLogprobs,
+    SampleFork,
+    ScheduledSequence,
+    SchedulerOutput,
+)
 
 
 class CodecError(ValueError):
@@ -37,50 +48,95 @@ def _params(data: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**data, structured_outputs=None if structured is None else StructuredOutputsParams(**structured))
 
 
-def _request_fields(r: ScheduledRequest) -> dict[str, Any]:
-    return {
-        "request_id": r.request_id, "token_ids": r.token_ids, "start_position": r.start_position,
-        "block_ids": r.block_ids, "sample": r.sample, "sampling_params": _params_fields(r.sampling_params),
-        "prompt_token_ids": r.prompt_token_ids, "output_token_ids": r.output_token_ids,
-        "forks": [{"request_id": f.request_id, "sampling_params": _params_fields(f.sampling_params)} for f in r.forks],
-    }  # fmt: skip
+def _fork_fields(f: ForkedSequence) -> dict[str, Any]:
+    params = None if f.sampling_params is None else _params_fields(f.sampling_params)
+    return {"seq_id": f.seq_id, "parent_id": f.parent_id, "sampling_params": params}
 
 
-def _request(data: dict[str, Any]) -> ScheduledRequest:
-    forks = [SampleFork(f["request_id"], _params(f["sampling_params"])) for f in data.pop("forks")]
-    return ScheduledRequest(**{**data, "sampling_params": _params(data["sampling_params"])}, forks=forks)
+def _scheduled_fields(r: ScheduledSequence) -> list[Any]:
+    """A list, not an object: a decode step sends one of these per sequence."""
+    forks = [[f.seq_id, _params_fields(f.sampling_params)] for f in r.forks]
+    return [r.seq_id, r.start_position, r.num_tokens, r.sample, r.new_token_ids, r.block_table_start,
+            r.new_block_ids, forks]  # fmt: skip
+
+
+def _scheduled(data: list[Any]) -> ScheduledSequence:
+    seq_id, start, num_tokens, sample, new_tokens, table_start, new_blocks, forks = data
+    return ScheduledSequence(
+        str(seq_id), _int(start), _int(num_tokens), _bool(sample), _ints(new_tokens), _int(table_start),
+        _ints(new_blocks), [SampleFork(str(i), _params(p)) for i, p in forks],
+    )  # fmt: skip
+
+
+def _new(data: dict[str, Any]) -> NewSequence:
+    return NewSequence(str(data["seq_id"]), _ints(data["token_ids"]), _int(data["num_prompt_tokens"]),
+                       _params(data["sampling_params"]))  # fmt: skip
+
+
+def _forked(data: dict[str, Any]) -> ForkedSequence:
+    params = data["sampling_params"]
+    return ForkedSequence(str(data["seq_id"]), str(data["parent_id"]), None if params is None else _params(params))
+
+
+def _int(value: Any) -> int:
+    if type(value) is not int:
+        raise TypeError(f"expected an integer, got {type(value).__name__}")
+    return value
+
+
+def _bool(value: Any) -> bool:
+    if type(value) is not bool:
+        raise TypeError(f"expected a boolean, got {type(value).__name__}")
+    return value
+
+
+def _ints(values: Any) -> list[int]:
+    if type(values) is not list or not all(type(v) is int for v in values):
+        raise TypeError("expected a list of integers")
+    return values
 
 
 def encode_step(step: SchedulerOutput, grammar: GrammarBitmask | None) -> bytes:
-    """One step's message (``None`` grammar: no constrained sequence this step)."""
-    message: dict[str, Any] = {
-        "scheduled": [_request_fields(r) for r in step.scheduled],
-        "finished_request_ids": step.finished_request_ids,
+    """One step's message (``None`` grammar: no constrained sequence this step): a 4-byte length,
+    a JSON header, then the grammar bitmask's raw int32 words."""
+    header: dict[str, Any] = {
+        "scheduled": [_scheduled_fields(r) for r in step.scheduled],
+        "new": [{"seq_id": n.seq_id, "token_ids": n.token_ids, "num_prompt_tokens": n.num_prompt_tokens,
+                 "sampling_params": _params_fields(n.sampling_params)} for n in step.new_sequences],
+        "forked": [_fork_fields(f) for f in step.forked_sequences],
+        "finished": step.finished_seq_ids,
         "block_copies": step.block_copies,
-    }
+    }  # fmt: skip
+    words = b""
     if grammar is not None:
-        words = grammar.bitmask.to(torch.int32).contiguous()
-        message["grammar"] = {"rows": grammar.rows, "shape": list(words.shape),
-                              "words": base64.b64encode(words.numpy().tobytes()).decode()}  # fmt: skip
-    return json.dumps(message, separators=(",", ":")).encode()
+        mask = grammar.bitmask.to(torch.int32).contiguous()
+        header["grammar"] = {"rows": grammar.rows, "shape": list(mask.shape)}
+        words = mask.numpy().tobytes()
+    text = json.dumps(header, separators=(",", ":")).encode()
+    return len(text).to_bytes(4, "little") + text + words
 
 
 def decode_step(data: bytes) -> tuple[SchedulerOutput, GrammarBitmask | None]:
     """The step :func:`encode_step` encoded; anything else raises :class:`CodecError`."""
     try:
-        message = json.loads(data)
+        size = int.from_bytes(data[:4], "little")
+        if len(data) < 4 + size:
+            raise ValueError("truncated")
+        message = json.loads(data[4 : 4 + size])
         step = SchedulerOutput(
-            scheduled=[_request(r) for r in message["scheduled"]],
-            finished_request_ids=[str(i) for i in message["finished_request_ids"]],
-            block_copies=[(int(src), int(dst)) for src, dst in message["block_copies"]],
+            scheduled=[_scheduled(r) for r in message["scheduled"]],
+            new_sequences=[_new(n) for n in message["new"]],
+            forked_sequences=[_forked(f) for f in message["forked"]],
+            finished_seq_ids=[str(i) for i in message["finished"]],
+            block_copies=[(_int(src), _int(dst)) for src, dst in message["block_copies"]],
         )
         grammar = None
         if "grammar" in message:
             g = message["grammar"]
-            words = torch.frombuffer(bytearray(base64.b64decode(g["words"])), dtype=torch.int32)
-            grammar = GrammarBitmask(rows={str(k): int(v) for k, v in g["rows"].items()},
-                                     bitmask=words.view(*[int(n) for n in g["shape"]]))  # fmt: skip
-    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            shape = [_int(n) for n in g["shape"]]
+            words = torch.frombuffer(bytearray(data[4 + size :]), dtype=torch.int32)
+            grammar = GrammarBitmask(rows={str(k): _int(v) for k, v in g["rows"].items()}, bitmask=words.view(*shape))
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
         raise CodecError(f"not a step message: {type(exc).__name__}: {exc}") from exc
     return step, grammar
 

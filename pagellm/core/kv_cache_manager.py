@@ -233,6 +233,10 @@ class KVCacheManager:
         """The request's block table (released entries keep their stale ids: masked positions)."""
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
 
+    def block_ids_from(self, request_id: str, start: int) -> list[int]:
+        """The request's block table from entry ``start`` on (what a step sends of it)."""
+        return [block.block_id for block in self.req_to_blocks.get(request_id, ())[start:]]
+
     def num_held_blocks(self, request_id: str) -> int:
         """Blocks the request holds a reference to (its table less the released entries)."""
         return len(self.req_to_blocks.get(request_id, ())) - self.num_released.get(request_id, 0)

@@ -58,6 +58,11 @@ class Request:
     cache_salt: str | None = None
     block_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int = -1
+    # What the worker holds of this sequence (the scheduler's record, so each step sends only
+    # the rest): its first ``num_tokens_sent`` tokens (0: the worker does not know it) and the
+    # first ``num_blocks_sent`` entries of its block table (0 after a preemption freed them).
+    num_tokens_sent: int = 0
+    num_blocks_sent: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

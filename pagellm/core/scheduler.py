@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
-from pagellm.step import ModelRunnerOutput, SampleFork, ScheduledRequest, SchedulerOutput
+from pagellm.step import ForkedSequence, ModelRunnerOutput, NewSequence, SampleFork, ScheduledSequence, SchedulerOutput
 
 
 @dataclass
@@ -45,7 +45,11 @@ class Scheduler:
         self.running: list[Request] = []
         # Samples 2..n of a request, waiting for their parent's first sampling step.
         self.pending_forks: dict[str, list[Request]] = {}
+        # What the next step tells the worker besides its work (``step.py``): sequences it holds
+        # that finished, sequences forked from ones it holds, sequences it meets this step.
         self._finished_since_last_step: list[str] = []
+        self._forked_since_last_step: list[ForkedSequence] = []
+        self._new_sequences: list[NewSequence] = []
         self.stats = SchedulerStats()
 
     # ---- queue management -------------------------------------------------
@@ -95,7 +99,9 @@ class Scheduler:
         request.status = status
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
-        self._finished_since_last_step.append(request.request_id)
+        if request.num_tokens_sent:
+            self._finished_since_last_step.append(request.request_id)
+            request.num_tokens_sent = 0
 
     # ---- one step ------------------------------------------------------------
 
@@ -111,7 +117,7 @@ class Scheduler:
         """
         budget = self.max_num_batched_tokens
         seq_budget = self.max_num_seqs if max_seqs is None else max_seqs
-        scheduled: list[ScheduledRequest] = []
+        scheduled: list[ScheduledSequence] = []
         num_preemptions_before = self.stats.num_preemptions
 
         i = 0
@@ -132,17 +138,19 @@ class Scheduler:
         if not scheduled and self.waiting and self._preempt_idle_younger_than(self.waiting[0], in_flight):
             budget = self._admit_waiting(budget, scheduled, seq_budget)
 
-        finished = self._finished_since_last_step
-        self._finished_since_last_step = []
         in_use = self.kv_cache_manager.num_blocks - self.kv_cache_manager.num_free_blocks
         self.stats.peak_blocks_in_use = max(self.stats.peak_blocks_in_use, in_use)
-        return SchedulerOutput(
+        output = SchedulerOutput(
             scheduled=scheduled,
-            finished_request_ids=finished,
+            new_sequences=self._new_sequences,
+            forked_sequences=self._forked_since_last_step,
+            finished_seq_ids=self._finished_since_last_step,
             block_copies=self.kv_cache_manager.take_block_copies(),
         )
+        self._new_sequences, self._forked_since_last_step, self._finished_since_last_step = [], [], []
+        return output
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest], seq_budget: int) -> int:
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledSequence], seq_budget: int) -> int:
         """Move waiting requests to running while blocks, budget and max_num_seqs allow."""
         manager = self.kv_cache_manager
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
@@ -198,26 +206,33 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_blocks_sent = 0  # the worker keeps its row (tokens, generator), not its blocks
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         _insert_by_arrival(self.waiting, request)
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
+        """The step's diff for ``request``: a sequence the worker does not know goes whole into
+        ``new_sequences``; otherwise only its unsent tokens and the changed end of its block
+        table (from the block this step writes into: a copy-on-write may replace it)."""
         start = request.num_computed_tokens
-        end = start + num_new
-        sample = end == request.num_tokens
-        forks = [SampleFork(c.request_id, c.sampling_params) for c in self.pending_forks.get(request.request_id, ())]
-        return ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end],
-            start_position=start,
-            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-            sample=sample,
-            sampling_params=request.sampling_params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
-            forks=forks if sample else [],
-        )
+        sample = start + num_new == request.num_tokens
+        new_tokens: list[int] = []
+        if request.num_tokens_sent == 0:
+            self._new_sequences.append(NewSequence(request.request_id, list(request.all_token_ids),
+                                                   request.num_prompt_tokens, request.sampling_params))  # fmt: skip
+        elif request.num_tokens_sent < request.num_tokens:
+            new_tokens = request.all_token_ids[request.num_tokens_sent :]
+        request.num_tokens_sent = request.num_tokens
+        table_start = min(request.num_blocks_sent, start // self.kv_cache_manager.block_size)
+        new_blocks = self.kv_cache_manager.block_ids_from(request.request_id, table_start)
+        request.num_blocks_sent = table_start + len(new_blocks)
+        forks = []
+        if sample:  # the samples waiting for this prompt are born on the worker as copies of it
+            for child in self.pending_forks.get(request.request_id, ()):
+                child.num_tokens_sent, child.num_blocks_sent = request.num_tokens_sent, request.num_blocks_sent
+                forks.append(SampleFork(child.request_id, child.sampling_params))
+        return ScheduledSequence(request.request_id, start, num_new, sample, new_tokens, table_start, new_blocks, forks)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -226,7 +241,7 @@ class Scheduler:
         updated: list[Request] = []
         finished: list[Request] = []
         for item in scheduler_output.scheduled:
-            request = self.requests.get(item.request_id)
+            request = self.requests.get(item.seq_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted after scheduling
             start = request.num_computed_tokens
@@ -235,7 +250,7 @@ class Scheduler:
             self.stats.num_prompt_tokens_computed += min(request.num_computed_tokens, prompt_len) - min(
                 start, prompt_len
             )
-            token_id = runner_output.sampled.get(item.request_id)
+            token_id = runner_output.sampled.get(item.seq_id)
             if token_id is None:  # no sample this step (or one its owner takes: a beam's)
                 continue
             children = self._fork_children(request, item) if item.forks else []
@@ -254,6 +269,11 @@ class Scheduler:
         self.kv_cache_manager.fork(parent, child)
         child.status = RequestStatus.RUNNING
         child.arrival_time = parent.arrival_time
+        # The worker copies its row of the parent (a parent it has not met yet: the child is new to it too).
+        child.num_tokens_sent, child.num_blocks_sent = parent.num_tokens_sent, parent.num_blocks_sent
+        if parent.num_tokens_sent:
+            params = None if child.sampling_params == parent.sampling_params else child.sampling_params
+            self._forked_since_last_step.append(ForkedSequence(child.request_id, parent_id, params))
         self.requests[child.request_id] = child
         _insert_by_arrival(self.running, child)
 
@@ -262,7 +282,7 @@ class Scheduler:
         self.requests[request_id].append_output_token(token_id)
         self.stats.num_generated_tokens += 1
 
-    def _fork_children(self, parent: Request, item: ScheduledRequest) -> list[Request]:
+    def _fork_children(self, parent: Request, item: ScheduledSequence) -> list[Request]:
         """Turn the parent's pending samples into running sequences sharing its blocks."""
         children = self.pending_forks.pop(parent.request_id, [])
         for child in children:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pagellm.step import ScheduledRequest
+from pagellm.step import ScheduledSequence
 
 
 @dataclass(frozen=True)
@@ -76,13 +76,13 @@ def pipeline_stage(index: int, size: int, num_layers: int) -> PipelineStage:
     return PipelineStage(index, size, start, end)
 
 
-def micro_batches(scheduled: list[ScheduledRequest], count: int) -> list[list[ScheduledRequest]]:
+def micro_batches(scheduled: list[ScheduledSequence], count: int) -> list[list[ScheduledSequence]]:
     """The step's requests cut into at most ``count`` consecutive groups of about equal token
     counts (order kept: see the module docstring); every group has at least one request."""
     if count <= 1 or len(scheduled) <= 1:
         return [scheduled]
     total = sum(r.num_tokens for r in scheduled)
-    groups: list[list[ScheduledRequest]] = [[]]
+    groups: list[list[ScheduledSequence]] = [[]]
     done = 0
     for i, request in enumerate(scheduled):
         # Start a new group once this one reached its share, while requests remain for the rest.

@@ -255,10 +255,10 @@ class LLMEngine:
         executor = cast(PipelinedExecutor, self.executor)
         depth = executor.pipeline_depth
         while len(self._in_flight) < depth:
-            in_flight = frozenset(r.request_id for step, _ in self._in_flight for r in step.scheduled)
+            in_flight = frozenset(r.seq_id for step, _ in self._in_flight for r in step.scheduled)
             share = -(-(len(self.scheduler.running) + len(self.scheduler.waiting)) // depth)  # ceil
             scheduler_output = self.scheduler.schedule(in_flight, max(1, share))
-            if scheduler_output.is_empty and not scheduler_output.finished_request_ids:
+            if not scheduler_output.changes_worker:
                 break
             grammar = self.structured_output.masks(scheduler_output.scheduled)
             executor.submit(scheduler_output, grammar)

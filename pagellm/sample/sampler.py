@@ -11,8 +11,10 @@ build small index/parameter lists and to draw seeded noise.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagellm.kernels import KernelLibrary, supports_dtype
@@ -39,8 +41,10 @@ class SamplingBatch:
     """One step's sampling inputs, one row per request that samples this step."""
 
     params: list[SamplingParams]
-    prompt_token_ids: list[list[int]]  # references to each request's prompt ids (do not mutate)
-    output_token_ids: list[list[int]]  # references to each request's generated ids so far
+    # Each row's prompt and its output so far: lists or integer arrays (views of the worker's
+    # input batch; do not mutate).
+    prompt_token_ids: list[Sequence[int] | np.ndarray]
+    output_token_ids: list[Sequence[int] | np.ndarray]
     generators: list[torch.Generator | None]  # per-request generator for seeded requests, else None
     eos_token_ids: list[int]  # the model's EOS ids (for min_tokens masking)
 
@@ -127,7 +131,7 @@ def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     return logits
 
 
-def _token_counts(seqs: list[list[int]], vocab_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def _token_counts(seqs: list[Sequence[int] | np.ndarray], vocab_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """[R, V] occurrence counts of each token id per row, via one padded scatter_add_."""
     num_rows = len(seqs)
     max_len = max((len(s) for s in seqs), default=0)
@@ -136,8 +140,8 @@ def _token_counts(seqs: list[list[int]], vocab_size: int, device: torch.device, 
     # Pad with an extra "trash" column V so padding never touches real counts.
     padded = torch.full((num_rows, max_len), vocab_size, dtype=torch.int64)
     for i, s in enumerate(seqs):
-        if s:
-            padded[i, : len(s)] = torch.tensor(s, dtype=torch.int64)
+        if len(s):
+            padded[i, : len(s)] = torch.as_tensor(np.asarray(s, dtype=np.int64))
     padded = padded.to(device, non_blocking=True)
     counts = torch.zeros(num_rows, vocab_size + 1, dtype=dtype, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=dtype))

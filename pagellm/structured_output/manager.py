@@ -28,7 +28,7 @@ from llguidance import LLExecutor, LLMatcher
 from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_par
 from transformers import PreTrainedTokenizerBase
 
-from pagellm.step import GrammarBitmask, ScheduledRequest
+from pagellm.step import GrammarBitmask, ScheduledSequence
 from pagellm.structured_output.grammar import GrammarCompiler, llguidance_tokenizer
 from pagellm.structured_outputs_params import StructuredOutputsParams
 
@@ -93,7 +93,7 @@ class StructuredOutputManager:
 
     # ---- each step -----------------------------------------------------------------------
 
-    def masks(self, scheduled: list[ScheduledRequest]) -> GrammarBitmask | None:
+    def masks(self, scheduled: list[ScheduledSequence]) -> GrammarBitmask | None:
         """The allowed tokens of every constrained sequence that samples this step; None when
         none does (unconstrained batches pay nothing)."""
         if not self._matchers:
@@ -101,11 +101,11 @@ class StructuredOutputManager:
         rows: dict[str, int] = {}
         matchers: list[tuple[LLMatcher, int]] = []
         for item in scheduled:
-            matcher = self._matchers.get(item.request_id)
+            matcher = self._matchers.get(item.seq_id)
             if matcher is None or not item.sample:
                 continue
-            for seq_id in [item.request_id, *(fork.request_id for fork in item.forks)]:
-                if seq_id != item.request_id:
+            for seq_id in [item.seq_id, *(fork.seq_id for fork in item.forks)]:
+                if seq_id != item.seq_id:
                     self._matchers[seq_id] = matcher.deep_copy()  # the fork's own state from here
                 rows[seq_id] = len(matchers)
                 matchers.append((self._matchers[seq_id], len(matchers)))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 import torch
@@ -25,11 +24,12 @@ from pagellm.step import (
     GrammarBitmask,
     ModelRunnerOutput,
     PromptLogprobs,
-    ScheduledRequest,
+    ScheduledSequence,
     SchedulerOutput,
     TokenLogprobs,
 )
 from pagellm.worker.device import to_device
+from pagellm.worker.input_batch import InputBatch
 from pagellm.worker.kv_cache import KVCache, copy_blocks
 
 
@@ -39,15 +39,15 @@ class StepInputs:
     positions: torch.Tensor  # [T]
     attn_metadata: AttentionMetadata
     sample_indices: torch.Tensor  # [S] rows of the flat batch whose logits are sampled
-    sample_requests: list[ScheduledRequest]
-    prompt_logprob_plan: list[tuple[ScheduledRequest, int, int]]  # (request, first position, count)
+    sample_rows: list[int]  # [S] the input-batch row of each sequence that samples (a fork: its own)
+    prompt_logprob_plan: list[tuple[int, int, int]]  # (input-batch row, first position, count)
     prompt_logprob_indices: torch.Tensor  # [P] rows whose logits score the next prompt token
     prompt_logprob_targets: torch.Tensor  # [P] those next prompt tokens
 
 
 class ModelRunner:
     """Runs steps: owns the model (loaded and repacked by the worker), the KV cache tensors and
-    per-request random generators."""
+    the persistent input batch (every sequence's tokens, block table, parameters, generator)."""
 
     def __init__(
         self,
@@ -75,7 +75,7 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
-        self.generators: dict[str, torch.Generator] = {}
+        self.batch = InputBatch()
         self.argmax_kernels = plan.library("argmax")
         self.logits_kernels = plan.kernels if plan.device == "cpu" else None  # structured outputs' mask
 
@@ -83,8 +83,7 @@ class ModelRunner:
     def execute(
         self, scheduler_output: SchedulerOutput, grammar: GrammarBitmask | None = None
     ) -> ModelRunnerOutput:
-        for request_id in scheduler_output.finished_request_ids:
-            self.generators.pop(request_id, None)
+        self.batch.apply(scheduler_output)
         copy_blocks(self.kv_cache, scheduler_output.block_copies)
         output = ModelRunnerOutput()
         if scheduler_output.is_empty:
@@ -99,7 +98,7 @@ class ModelRunner:
         return output
 
     def _execute_stage(
-        self, link: PipelineLink, scheduled: list[ScheduledRequest], grammar: GrammarBitmask | None,
+        self, link: PipelineLink, scheduled: list[ScheduledSequence], grammar: GrammarBitmask | None,
         output: ModelRunnerOutput,
     ) -> None:
         """A pipeline stage's part of the step: micro-batches in the scheduler's order, each
@@ -121,52 +120,55 @@ class ModelRunner:
         self, hidden: torch.Tensor, inputs: StepInputs, grammar: GrammarBitmask | None, output: ModelRunnerOutput
     ) -> None:
         """Sample (and score prompt tokens) from the final hidden states into ``output``."""
-        if inputs.sample_requests:
-            rows = hidden[inputs.sample_indices]
-            if all(is_plain_greedy(r.sampling_params, len(r.output_token_ids)) for r in inputs.sample_requests):
+        batch = self.batch
+        if inputs.sample_rows:
+            hidden_rows = hidden[inputs.sample_indices]
+            seq_ids = [batch.seq_ids[row] for row in inputs.sample_rows]
+            if all(is_plain_greedy(batch.params[row], batch.num_output_tokens(row)) for row in inputs.sample_rows):
                 # Common case: argmax only. No float32 copy of the logits, no SamplingBatch.
-                logits = self.model.compute_logits(rows, upcast=False)
-                self._apply_grammar(logits, inputs.sample_requests, grammar)
+                logits = self.model.compute_logits(hidden_rows, upcast=False)
+                self._apply_grammar(logits, seq_ids, grammar)
                 tokens = greedy_sample(logits, self.argmax_kernels).tolist()
-                output.sampled.update((r.request_id, t) for r, t in zip(inputs.sample_requests, tokens))
+                output.sampled.update(zip(seq_ids, tokens))
             else:
-                logits = self.model.compute_logits(rows)
-                self._apply_grammar(logits, inputs.sample_requests, grammar)
-                self._sample(logits, inputs.sample_requests, output)
+                logits = self.model.compute_logits(hidden_rows)
+                self._apply_grammar(logits, seq_ids, grammar)
+                self._sample(logits, inputs.sample_rows, output)
         if inputs.prompt_logprob_plan:
             logits = self.model.compute_logits(hidden[inputs.prompt_logprob_indices])
             self._prompt_logprobs(logits, inputs, output)
 
-    def _apply_grammar(
-        self, logits: torch.Tensor, requests: list[ScheduledRequest], grammar: GrammarBitmask | None
-    ) -> None:
+    def _apply_grammar(self, logits: torch.Tensor, seq_ids: list[str], grammar: GrammarBitmask | None) -> None:
         """Forbid what each constrained row's grammar forbids (before sampling and logprobs)."""
         if grammar is not None:
-            rows = [grammar.rows.get(r.request_id) for r in requests]
+            rows = [grammar.rows.get(seq_id) for seq_id in seq_ids]
             apply_token_bitmask(logits, grammar.bitmask, rows, self.logits_kernels)
 
     # ---- inputs ------------------------------------------------------------------
 
-    def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
-        """Flatten the step into one token batch; positions and slots come from array ops
-        (numpy: a few microseconds an op, where torch's small ops cost ~10 on these CPUs)."""
+    def prepare_inputs(self, scheduled: list[ScheduledSequence]) -> StepInputs:
+        """Flatten the step into one token batch, read from the input batch's rows; positions and
+        slots come from array ops (numpy: a few microseconds an op, where torch's small ops cost
+        ~10 on these CPUs)."""
+        batch = self.batch
         num_reqs = len(scheduled)
-        query_lens_np = np.fromiter((r.num_tokens for r in scheduled), np.int64, num_reqs)
-        starts_np = np.fromiter((r.start_position for r in scheduled), np.int64, num_reqs)
+        rows_np = batch.rows([item.seq_id for item in scheduled])
+        query_lens_np = np.fromiter((item.num_tokens for item in scheduled), np.int64, num_reqs)
+        starts_np = np.fromiter((item.start_position for item in scheduled), np.int64, num_reqs)
         num_tokens = int(query_lens_np.sum())
-        ids = np.fromiter(chain.from_iterable(r.token_ids for r in scheduled), np.int64, num_tokens)
         query_start_np = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(query_lens_np, out=query_start_np[1:])
         req_index = np.repeat(np.arange(num_reqs), query_lens_np)
         positions_np = np.arange(num_tokens, dtype=np.int64) + (starts_np - query_start_np[:-1])[req_index]
-        tables_np = np.zeros((num_reqs, max(len(r.block_ids) for r in scheduled)), dtype=np.int64)
-        for row, request in enumerate(scheduled):
-            tables_np[row, : len(request.block_ids)] = request.block_ids
+        ids = batch.token_ids[rows_np[req_index], positions_np].astype(np.int64)
+        num_blocks_np = batch.num_blocks[rows_np]
+        tables_np = batch.block_table[rows_np, : int(num_blocks_np.max())]  # a copy (fancy indexing)
+        tables_np[np.arange(tables_np.shape[1]) >= num_blocks_np[:, None]] = 0  # past each table's end
         slots_np = tables_np[req_index, positions_np // self.block_size] * self.block_size + positions_np % self.block_size
         seq_lens_np = starts_np + query_lens_np
-        sample_requests, sample_rows = self._sample_rows(scheduled)
-        sample_np = (query_start_np[1:] - 1)[np.asarray(sample_rows, dtype=np.int64)]
-        plan, pl_indices, pl_targets = self._plan_prompt_logprobs(scheduled, query_start_np.tolist())
+        sample_rows, logit_rows = self._sample_rows(scheduled, rows_np)
+        sample_np = (query_start_np[1:] - 1)[np.asarray(logit_rows, dtype=np.int64)]
+        plan, pl_indices, pl_targets = self._plan_prompt_logprobs(scheduled, rows_np, query_start_np.tolist())
 
         # All int64; on CUDA one pinned buffer and one asynchronous copy, on CPU the same tensors.
         (
@@ -196,99 +198,104 @@ class ModelRunner:
             positions=positions,
             attn_metadata=metadata,
             sample_indices=sample_indices,
-            sample_requests=sample_requests,
+            sample_rows=sample_rows,
             prompt_logprob_plan=plan,
             prompt_logprob_indices=pl_indices_t,
             prompt_logprob_targets=pl_targets_t,
         )
 
-    @staticmethod
-    def _sample_rows(scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], list[int]]:
-        """Sequences that sample this step and the batch row of each; forks reuse their parent's row."""
-        requests: list[ScheduledRequest] = []
-        rows: list[int] = []
-        for row, request in enumerate(scheduled):
-            if not request.sample:
+    def _sample_rows(self, scheduled: list[ScheduledSequence], rows: np.ndarray) -> tuple[list[int], list[int]]:
+        """The input-batch rows of the sequences that sample this step, and the step row whose
+        logits each samples from (a fork samples from its parent's)."""
+        sample_rows: list[int] = []
+        logit_rows: list[int] = []
+        for index, item in enumerate(scheduled):
+            if not item.sample:
                 continue
-            for seq in [request, *(request.fork_sequence(fork) for fork in request.forks)]:
-                requests.append(seq)
-                rows.append(row)
-        return requests, rows
+            sample_rows.append(int(rows[index]))
+            logit_rows.append(index)
+            for fork in item.forks:
+                sample_rows.append(self.batch.row_of[fork.seq_id])
+                logit_rows.append(index)
+        return sample_rows, logit_rows
 
-    @staticmethod
     def _plan_prompt_logprobs(
-        scheduled: list[ScheduledRequest], query_start_loc: list[int]
-    ) -> tuple[list[tuple[ScheduledRequest, int, int]], list[int], list[int]]:
+        self, scheduled: list[ScheduledSequence], rows: np.ndarray, query_start_loc: list[int]
+    ) -> tuple[list[tuple[int, int, int]], list[int], list[int]]:
         """Which rows score prompt tokens: logits at position p give the logprob of prompt token p+1."""
-        plan: list[tuple[ScheduledRequest, int, int]] = []
+        batch = self.batch
+        plan: list[tuple[int, int, int]] = []
         indices: list[int] = []
         targets: list[int] = []
-        for r, request in enumerate(scheduled):
-            if request.sampling_params.prompt_logprobs is None:
+        for index, item in enumerate(scheduled):
+            row = int(rows[index])
+            if batch.params[row].prompt_logprobs is None:
                 continue
-            first = request.start_position
-            last = min(first + request.num_tokens, request.num_prompt_tokens - 1)
+            first = item.start_position
+            last = min(first + item.num_tokens, int(batch.num_prompt_tokens[row]) - 1)
             if last <= first:
                 continue
-            plan.append((request, first + 1, last - first))
-            indices.extend(range(query_start_loc[r], query_start_loc[r] + last - first))
-            targets.extend(request.prompt_token_ids[first + 1 : last + 1])
+            plan.append((row, first + 1, last - first))
+            indices.extend(range(query_start_loc[index], query_start_loc[index] + last - first))
+            targets.extend(batch.token_ids[row, first + 1 : last + 1].tolist())
         return plan, indices, targets
 
     # ---- outputs -----------------------------------------------------------------
 
-    def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest], output: ModelRunnerOutput) -> None:
-        batch = SamplingBatch(
-            params=[r.sampling_params for r in requests],
-            prompt_token_ids=[r.prompt_token_ids for r in requests],
-            output_token_ids=[r.output_token_ids for r in requests],
-            generators=[self._generator(r, output.failed) for r in requests],
+    def _sample(self, logits: torch.Tensor, rows: list[int], output: ModelRunnerOutput) -> None:
+        batch = self.batch
+        sampling = SamplingBatch(
+            params=[batch.params[row] for row in rows],
+            prompt_token_ids=[batch.prompt_token_ids(row) for row in rows],
+            output_token_ids=[batch.output_token_ids(row) for row in rows],
+            generators=[self._generator(row, output.failed) for row in rows],
             eos_token_ids=self.eos_token_ids,
         )
-        result = self.sampler(logits, batch)
+        result = self.sampler(logits, sampling)
         sampled = result.sampled_token_ids.tolist()
-        output.sampled.update((r.request_id, t) for r, t in zip(requests, sampled))
+        output.sampled.update((batch.seq_ids[row], t) for row, t in zip(rows, sampled))
         if result.logprobs is not None:
-            self._collect_logprobs(result, requests, output)
+            self._collect_logprobs(result, rows, output)
 
-    @staticmethod
-    def _collect_logprobs(result: SamplerOutput, requests: list[ScheduledRequest], output: ModelRunnerOutput) -> None:
+    def _collect_logprobs(self, result: SamplerOutput, rows: list[int], output: ModelRunnerOutput) -> None:
         assert result.logprob_token_ids is not None and result.logprobs is not None
         assert result.sampled_ranks is not None
         ids = result.logprob_token_ids.tolist()
         values = result.logprobs.tolist()
         ranks = result.sampled_ranks.tolist()
-        for row, request in enumerate(requests):
-            num_top = request.sampling_params.logprobs
+        for index, row in enumerate(rows):
+            num_top = self.batch.params[row].logprobs
             if num_top is None:
                 continue
-            output.logprobs[request.request_id] = _token_logprobs(ids[row], values[row], ranks[row], num_top)
+            output.logprobs[self.batch.seq_ids[row]] = _token_logprobs(ids[index], values[index], ranks[index], num_top)
 
     def _prompt_logprobs(self, logits: torch.Tensor, inputs: StepInputs, output: ModelRunnerOutput) -> None:
-        num_top = max(r.sampling_params.prompt_logprobs or 0 for r, _, _ in inputs.prompt_logprob_plan)
+        batch = self.batch
+        num_top = max(batch.params[row].prompt_logprobs or 0 for row, _, _ in inputs.prompt_logprob_plan)
         logprobs = torch.log_softmax(logits, dim=-1)
         ids_t, values_t, ranks_t = gather_logprobs(logprobs, inputs.prompt_logprob_targets, num_top)
         ids, values, ranks = ids_t.tolist(), values_t.tolist(), ranks_t.tolist()
-        row = 0
-        for request, first, count in inputs.prompt_logprob_plan:
-            k = request.sampling_params.prompt_logprobs or 0
-            rows = [_token_logprobs(ids[i], values[i], ranks[i], k) for i in range(row, row + count)]
-            output.prompt_logprobs[request.request_id] = PromptLogprobs(start=first, rows=rows)
-            row += count
+        start = 0
+        for row, first, count in inputs.prompt_logprob_plan:
+            k = batch.params[row].prompt_logprobs or 0
+            rows = [_token_logprobs(ids[i], values[i], ranks[i], k) for i in range(start, start + count)]
+            output.prompt_logprobs[batch.seq_ids[row]] = PromptLogprobs(start=first, rows=rows)
+            start += count
 
-    def _generator(self, request: ScheduledRequest, failed: dict[str, str]) -> torch.Generator | None:
-        """The request's own seeded generator; one that cannot be made fails that request alone."""
-        seed = request.sampling_params.seed
+    def _generator(self, row: int, failed: dict[str, str]) -> torch.Generator | None:
+        """The sequence's own seeded generator (kept in its row); one that cannot be made fails
+        that sequence alone."""
+        seed = self.batch.params[row].seed
         if seed is None:
             return None
-        generator = self.generators.get(request.request_id)
+        generator = self.batch.generators[row]
         if generator is None:
             try:
                 generator = torch.Generator(device=self.device).manual_seed(seed)
             except (RuntimeError, ValueError, OverflowError) as exc:
-                failed[request.request_id] = f"cannot seed a generator with {seed}: {exc}"
+                failed[self.batch.seq_ids[row]] = f"cannot seed a generator with {seed}: {exc}"
                 return None
-            self.generators[request.request_id] = generator
+            self.batch.generators[row] = generator
         return generator
 
 

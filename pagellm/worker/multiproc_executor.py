@@ -4,7 +4,8 @@
 pipeline stage, its tensor-parallel share of each of them, and that part of each KV block.
 
 The engine above sees one executor (the facts it reads and ``execute``): each step's
-plain-data ``SchedulerOutput`` (and grammar masks) goes to every child first, then rank 0 runs
+``SchedulerOutput`` (and grammar masks), encoded once by ``step_codec`` as remote nodes and Ray
+actors receive it (no pickle), goes to every child first, then rank 0 runs
 its part; the ranks meet in each layer's all-reduces and at the stage boundaries, and one rank
 (the first of the last stage) samples: its tokens are the step's. The block manager does not
 change: block ids are the same on every rank, only the heads and layers inside a block differ.
@@ -28,6 +29,7 @@ from pagellm.config import EngineConfig, split_threads
 from pagellm.distributed.cpu_affinity import bind_process, bind_rank
 from pagellm.distributed.parallel_state import ParallelRank, close_parallel, free_port, init_parallel
 from pagellm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from pagellm.step_codec import decode_output, decode_step, encode_output, encode_step
 from pagellm.worker.errors import DeadRankError, RankError
 from pagellm.worker.worker import Worker
 
@@ -44,31 +46,32 @@ def _join(config: EngineConfig, rank: int, port: int) -> ParallelRank:
 
 
 def _rank_main(config: EngineConfig, eos: int | None, rank: int, port: int, micro_batches: int, conn: Connection) -> None:
-    """A child rank: build its worker, then run every step it is sent until told to stop
-    (answering with its output where it samples, else with None)."""
-    conn.send(("ok", None))  # started: the node's first rank may now wait for it in the rendezvous
+    """A child rank: build its worker, then run every step it is sent (``step_codec`` bytes)
+    until told to stop (empty bytes), answering each with its output where it samples, else
+    with None, or with what failed."""
+    conn.send_bytes(encode_output(None))  # started: the node's first rank may now wait for it in the rendezvous
     try:
         if config.device.cpu_bind == "auto":
             bind_rank(rank % config.device.local_world_size, config.device.local_world_size)
         parallel = _join(config, rank, port)
         worker = Worker(config, eos, parallel, micro_batches)
         samples = parallel.samples
-        conn.send(("ok", None))
+        conn.send_bytes(encode_output(None))
     except BaseException as exc:  # noqa: BLE001 -- reported to rank 0, which fails the engine
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        conn.send_bytes(encode_output(None, f"{type(exc).__name__}: {exc}"))
         return
     while True:
         try:
-            message = conn.recv()
+            message = conn.recv_bytes()
         except (EOFError, OSError):  # rank 0's process is gone
-            message = None
-        if message is None:
+            message = b""
+        if not message:
             return
         try:
-            output = worker.execute(*message)
-            conn.send(("ok", output if samples else None))
+            output = worker.execute(*decode_step(message))
+            conn.send_bytes(encode_output(output if samples else None))
         except BaseException as exc:  # noqa: BLE001
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            conn.send_bytes(encode_output(None, f"{type(exc).__name__}: {exc}"))
 
 
 class MultiprocExecutor:
@@ -137,9 +140,10 @@ class MultiprocExecutor:
     def submit(self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None) -> None:
         """Start a step on every rank and run this rank's part (under pipeline parallelism
         stage 0's: the later stages go on with it while the caller schedules the next step)."""
+        message = encode_step(scheduler_output, grammar_bitmask) if self._ranks else b""
         for index, (proc, conn) in enumerate(self._ranks):
             try:
-                conn.send((scheduler_output, grammar_bitmask))
+                conn.send_bytes(message)
             except (BrokenPipeError, OSError) as exc:
                 raise self._dead(index, "step") from exc
         try:
@@ -154,19 +158,24 @@ class MultiprocExecutor:
         """The oldest submitted step's sampled tokens, once every rank has finished it."""
         output = self._outputs.popleft()
         answers = self._collect("step")
-        return answers[self._sampler] if self._sampler is not None else output
+        if self._sampler is None:
+            return output
+        answer = answers[self._sampler]
+        if answer is None:
+            raise RankError(f"rank {self._first + 1 + self._sampler} samples but sent no output")
+        return answer
 
-    def _collect(self, what: str) -> list[Any]:
+    def _collect(self, what: str) -> list[ModelRunnerOutput | None]:
         """Every child's answer to the last call; the first failure raises."""
         answers = []
         for index, (proc, conn) in enumerate(self._ranks):
             try:
-                status, message = conn.recv()
+                output, error = decode_output(conn.recv_bytes())
             except (EOFError, OSError) as exc:
                 raise self._dead(index, what) from exc
-            if status != "ok":
-                raise RankError(f"{proc.name} failed during {what}: {message}")
-            answers.append(message)
+            if error is not None:
+                raise RankError(f"{proc.name} failed during {what}: {error}")
+            answers.append(output)
         return answers
 
     def _dead(self, index: int, what: str = "") -> DeadRankError:
@@ -200,7 +209,7 @@ class MultiprocExecutor:
         """Stop the children (politely, then by force)."""
         for proc, conn in self._ranks:
             try:
-                conn.send(None)
+                conn.send_bytes(b"")
             except (BrokenPipeError, OSError):
                 pass
         for proc, conn in self._ranks:

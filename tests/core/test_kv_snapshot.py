@@ -24,7 +24,7 @@ def make_request(rid, tokens, max_tokens=8):
 
 def step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:
     out = scheduler.schedule()
-    sampled = {seq: token for r in out.scheduled if r.sample for seq in [r.request_id, *(f.request_id for f in r.forks)]}
+    sampled = {seq: token for r in out.scheduled if r.sample for seq in [r.seq_id, *(f.seq_id for f in r.forks)]}
     scheduler.update_from_output(out, ModelRunnerOutput(sampled=sampled))
     return out
 

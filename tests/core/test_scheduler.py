@@ -4,14 +4,14 @@ from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler
 from pagellm.sampling_params import SamplingParams
-from pagellm.step import ModelRunnerOutput, SchedulerOutput
+from tests.helpers.worker_mirror import attach, fake_run, schedule, update
 
 EOS = 99
 
 
 def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, budget=64, max_model_len=64, caching=False):
     manager = KVCacheManager(num_blocks, block_size, enable_caching=caching)
-    return Scheduler(manager, max_num_seqs, budget, max_model_len)
+    return attach(Scheduler(manager, max_num_seqs, budget, max_model_len))
 
 
 def make_request(rid, num_prompt, max_tokens=8, **params):
@@ -24,16 +24,9 @@ def make_request(rid, num_prompt, max_tokens=8, **params):
     )
 
 
-def fake_run(out: SchedulerOutput, token=7, tokens=None) -> ModelRunnerOutput:
-    """A model that samples ``token`` (or tokens[request_id]) for every request that samples."""
-    tokens = tokens or {}
-    ids = [seq for r in out.scheduled if r.sample for seq in [r.request_id, *(f.request_id for f in r.forks)]]
-    return ModelRunnerOutput(sampled={rid: tokens.get(rid, token) for rid in ids})
-
-
 def step(scheduler, **kwargs):
-    out = scheduler.schedule()
-    updated, finished = scheduler.update_from_output(out, fake_run(out, **kwargs))
+    out = schedule(scheduler)
+    updated, finished = update(scheduler, out, **kwargs)
     return out, updated, finished
 
 
@@ -100,7 +93,7 @@ def test_finish_on_max_tokens_frees_blocks_and_reports_ids():
     assert finished[0].status == RequestStatus.FINISHED_LENGTH
     assert finished[0].output_token_ids == [7, 7]
     assert s.kv_cache_manager.num_free_blocks == 16
-    out = s.schedule()
+    out = schedule(s)
     assert out.finished_request_ids == ["a"] and out.is_empty
     assert not s.has_unfinished_requests()
 
@@ -141,22 +134,22 @@ def test_preempt_newest_then_resume_and_finish_with_all_blocks_free():
     assert [r.block_ids for r in out.scheduled] == [[0, 1], [2, 3]]
     out, _, _ = step(s)  # decode: position 3 fits in each second block
     assert s.kv_cache_manager.num_free_blocks == 0
-    out = s.schedule()  # position 4 needs a new block each: "new" is preempted for "old"
+    out = schedule(s)  # position 4 needs a new block each: "new" is preempted for "old"
     assert [r.request_id for r in out.scheduled] == ["old"]
     new = s.requests["new"]
     assert new.status == RequestStatus.PREEMPTED and new.num_computed_tokens == 0
     assert new.num_preemptions == 1 and s.stats.num_preemptions == 1
     assert [r.request_id for r in s.waiting] == ["new"]
     assert out.scheduled[0].block_ids == [0, 1, 3]  # "new"'s tail block was freed first, reused first
-    s.update_from_output(out, fake_run(out))
+    update(s, out)
     # Run until both finish; "new" is recomputed from prompt + its 2 outputs.
     resumed = None
     for _ in range(20):
-        out = s.schedule()
+        out = schedule(s)
         for r in out.scheduled:
             if r.request_id == "new" and resumed is None:
                 resumed = (r.start_position, r.token_ids)
-        s.update_from_output(out, fake_run(out))
+        update(s, out)
         if not s.has_unfinished_requests():
             break
     assert resumed == (0, [10, 11, 12, 7, 7])
@@ -182,17 +175,17 @@ def test_n_samples_prefill_once_then_fork_with_copy_on_write():
     parent = make_request("p#0", 6)
     children = [make_request(f"p#{i}", 6) for i in (1, 2)]
     s.add_request(parent, children)
-    out = s.schedule()
+    out = schedule(s)
     (item,) = out.scheduled  # only the parent computes the prompt
-    assert item.num_tokens == 6 and [f.request_id for f in item.forks] == ["p#1", "p#2"]
-    updated, _ = s.update_from_output(out, fake_run(out, tokens={"p#0": 1, "p#1": 2, "p#2": 3}))
+    assert item.num_tokens == 6 and item.forks == ["p#1", "p#2"]
+    updated, _ = update(s, out, tokens={"p#0": 1, "p#1": 2, "p#2": 3})
     assert [(r.request_id, r.output_token_ids) for r in updated] == [("p#0", [1]), ("p#1", [2]), ("p#2", [3])]
     assert s.stats.num_prompt_tokens_computed == 6
     manager = s.kv_cache_manager
     assert [manager.get_block_ids(r) for r in ("p#0", "p#1", "p#2")] == [[0, 1]] * 3
     assert [b.ref_cnt for b in manager.block_pool.blocks[:2]] == [3, 3]
     # Each writes position 6 into the shared partial block 1: two copies, the last owner keeps it.
-    out = s.schedule()
+    out = schedule(s)
     assert [(r.request_id, r.token_ids, r.start_position) for r in out.scheduled] == [
         ("p#0", [1], 6),
         ("p#1", [2], 6),
@@ -200,10 +193,10 @@ def test_n_samples_prefill_once_then_fork_with_copy_on_write():
     ]
     assert out.block_copies == [(1, 2), (1, 3)]
     assert [r.block_ids for r in out.scheduled] == [[0, 2], [0, 3], [0, 1]]
-    s.update_from_output(out, fake_run(out))
+    update(s, out)
     for _ in range(10):
-        out = s.schedule()
-        s.update_from_output(out, fake_run(out))
+        out = schedule(s)
+        update(s, out)
     assert not s.has_unfinished_requests()
     assert manager.num_free_blocks == 16 and all(b.ref_cnt == 0 for b in manager.block_pool.blocks)
 
@@ -220,20 +213,20 @@ def test_prefix_hit_after_preemption_resumes_from_cached_blocks():
     s.add_request(make_request("old", 5, max_tokens=6))
     s.add_request(Request("new", [50, 51, 52, 53, 54], SamplingParams(max_tokens=6), max_tokens=6))
     step(s)  # old: blocks 0,1,2 ; new: blocks 3,4,5
-    out = s.schedule()  # both write position 5 into their third block: fits
-    s.update_from_output(out, fake_run(out))
-    out = s.schedule()  # position 6 needs a 4th block each: "new" is preempted
+    out = schedule(s)  # both write position 5 into their third block: fits
+    update(s, out)
+    out = schedule(s)  # position 6 needs a 4th block each: "new" is preempted
     assert s.requests["new"].status == RequestStatus.PREEMPTED
-    s.update_from_output(out, fake_run(out))
+    update(s, out)
     hits_before = s.kv_cache_manager.stats.hits
     # "old" finishes; "new" comes back and finds its own full blocks still cached.
     for _ in range(10):
-        out = s.schedule()
+        out = schedule(s)
         resumed = [r for r in out.scheduled if r.request_id == "new"]
         if resumed:
             assert resumed[0].start_position > 0
             break
-        s.update_from_output(out, fake_run(out))
+        update(s, out)
     assert s.kv_cache_manager.stats.hits > hits_before
 
 
@@ -244,17 +237,17 @@ def test_requests_in_flight_are_neither_scheduled_again_nor_preempted():
     s = make_scheduler(num_blocks=4, block_size=2, max_model_len=8)
     s.add_request(make_request("old", 3, max_tokens=4))
     s.add_request(make_request("new", 3, max_tokens=4))
-    first = s.schedule(max_seqs=1)  # a share of the requests per step
+    first = schedule(s, max_seqs=1)  # a share of the requests per step
     assert [(r.request_id, r.block_ids) for r in first.scheduled] == [("old", [0, 1])]
-    second = s.schedule(in_flight=frozenset({"old"}))
+    second = schedule(s, in_flight=frozenset({"old"}))
     assert [(r.request_id, r.block_ids) for r in second.scheduled] == [("new", [2, 3])]
-    assert s.schedule(in_flight=frozenset({"old", "new"})).scheduled == []
-    s.update_from_output(first, fake_run(first))
-    s.update_from_output(second, fake_run(second))
-    out = s.schedule()  # decode: position 3 fits in each second block
-    s.update_from_output(out, fake_run(out))
+    assert schedule(s, in_flight=frozenset({"old", "new"})).scheduled == []
+    update(s, first)
+    update(s, second)
+    out = schedule(s)  # decode: position 3 fits in each second block
+    update(s, out)
     # Position 4 needs a new block each. With "new" in flight, "old" cannot take its blocks:
     # "old" is preempted itself (the youngest not in flight), and "new" keeps its blocks.
-    out = s.schedule(in_flight=frozenset({"new"}))
+    out = schedule(s, in_flight=frozenset({"new"}))
     assert out.scheduled == [] and s.requests["old"].status == RequestStatus.PREEMPTED
     assert s.requests["new"].status == RequestStatus.RUNNING and s.kv_cache_manager.get_block_ids("new") == [2, 3]

@@ -16,7 +16,16 @@ import torch
 from pagellm import LLM, SamplingParams
 from pagellm.distributed.parallel_state import free_port
 from pagellm.sampling_params import StructuredOutputsParams
-from pagellm.step import GrammarBitmask, ModelRunnerOutput, PromptLogprobs, SampleFork, ScheduledRequest, SchedulerOutput
+from pagellm.step import (
+    ForkedSequence,
+    GrammarBitmask,
+    ModelRunnerOutput,
+    NewSequence,
+    PromptLogprobs,
+    SampleFork,
+    ScheduledSequence,
+    SchedulerOutput,
+)
 from pagellm.step_codec import CodecError, decode_output, decode_step, encode_output, encode_step
 from pagellm.worker.errors import DeadRankError
 from tests.helpers.engine import assert_same_outputs
@@ -46,8 +55,9 @@ def _node1(path: str, port: int, **parallel: int) -> Iterator[subprocess.Popen]:
 def test_the_step_codec_round_trips_and_refuses_other_bytes() -> None:
     params = SamplingParams(n=2, best_of=3, temperature=0.7, top_k=5, seed=3, stop=["x"], logprobs=2, prompt_logprobs=1,
                             max_tokens=None, structured_outputs=StructuredOutputsParams(json={"type": "object"}))  # fmt: skip
-    request = ScheduledRequest("a", [1, 2], 5, [0, 1], True, params, [9, 9, 9], [1], [SampleFork("b", SamplingParams())])
-    step = SchedulerOutput([request], ["gone"], [(1, 2)])
+    sequence = ScheduledSequence("a", 5, 2, True, [1], 1, [4, 5], [SampleFork("b", SamplingParams())])
+    step = SchedulerOutput([sequence], [NewSequence("n", [9, 9, 9, 1], 3, params)],
+                           [ForkedSequence("f", "a"), ForkedSequence("g", "a", SamplingParams(seed=1))], ["gone"], [(1, 2)])  # fmt: skip
     grammar = GrammarBitmask({"a": 0}, torch.tensor([[1, -1, 7]], dtype=torch.int32))
     step2, grammar2 = decode_step(encode_step(step, grammar))
     assert step2 == step and grammar2 is not None and grammar2.rows == grammar.rows
@@ -57,10 +67,17 @@ def test_the_step_codec_round_trips_and_refuses_other_bytes() -> None:
                                {"c": "bad seed"})  # fmt: skip
     assert decode_output(encode_output(output)) == (output, None)
     assert decode_output(encode_output(None, "boom")) == (None, "boom")
-    for junk in (b'{"x": 1}', b"\x80\x04K\x01.", b"[]"):  # the last two: a pickle, a JSON list
+    message = encode_step(step, None)
+
+    def edited(old: bytes, new: bytes) -> bytes:  # the header changed, its length prefix kept right
+        header = message[4:].replace(old, new)
+        return len(header).to_bytes(4, "little") + header
+
+    for junk in (b'{"x": 1}', b"\x80\x04K\x01.", b"[]", message[:-1], edited(b"[4,5]", b"[4,5.5]"),
+                 edited(b'"a",5,2,true', b'"a",5,2,1')):  # a pickle, a JSON list, cut short, wrong types
         with pytest.raises(CodecError):
             decode_step(junk)
-    bad = encode_step(step, None).replace(b'"temperature":0.7', b'"temperature":-1')
+    bad = edited(b'"temperature":0.7', b'"temperature":-1')
     with pytest.raises(ValueError, match="temperature"):  # rebuilt through SamplingParams: validated again
         decode_step(bad)
 

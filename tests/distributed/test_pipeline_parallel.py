@@ -14,8 +14,7 @@ import pytest
 
 from pagellm import LLM, SamplingParams
 from pagellm.distributed.pipeline import micro_batches, pipeline_stage, stage_layers
-from pagellm.sampling_params import SamplingParams as Params
-from pagellm.step import ScheduledRequest
+from pagellm.step import ScheduledSequence
 from pagellm.worker.multiproc_executor import RankError
 from tests.helpers.engine import assert_same_outputs
 
@@ -41,16 +40,16 @@ def test_stages_split_the_layers_evenly_first_stages_taking_the_rest() -> None:
         stage_layers(2, 3)
 
 
-def _request(name: str, tokens: int) -> ScheduledRequest:
-    return ScheduledRequest(name, [1] * tokens, 0, [0], True, Params(), [1] * tokens, [])
+def _request(name: str, tokens: int) -> ScheduledSequence:
+    return ScheduledSequence(name, 0, tokens, True)
 
 
 def test_micro_batches_keep_the_order_and_balance_tokens() -> None:
     reqs = [_request(str(i), n) for i, n in enumerate([1, 1, 1, 1])]
-    assert [[r.request_id for r in g] for g in micro_batches(reqs, 2)] == [["0", "1"], ["2", "3"]]
+    assert [[r.seq_id for r in g] for g in micro_batches(reqs, 2)] == [["0", "1"], ["2", "3"]]
     reqs = [_request(str(i), n) for i, n in enumerate([100, 1, 1])]
-    assert [[r.request_id for r in g] for g in micro_batches(reqs, 2)] == [["0"], ["1", "2"]]
-    assert [[r.request_id for r in g] for g in micro_batches(reqs, 3)] == [["0"], ["1"], ["2"]]
+    assert [[r.seq_id for r in g] for g in micro_batches(reqs, 2)] == [["0"], ["1", "2"]]
+    assert [[r.seq_id for r in g] for g in micro_batches(reqs, 3)] == [["0"], ["1"], ["2"]]
     reqs = [_request(str(i), n) for i, n in enumerate([1, 1, 1, 1, 1, 1, 1, 1, 1])]
     groups = micro_batches(reqs, 4)
     assert [r for g in groups for r in g] == reqs and len(groups) == 4 and all(groups)
