@@ -32,7 +32,7 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     for i in range(args.batch):
-        ids = torch.randint(3, engine.worker.arch.vocab_size, (128,), generator=g).tolist()
+        ids = torch.randint(3, engine.executor.arch.vocab_size, (128,), generator=g).tolist()
         engine.add_engine_request(EngineRequest(f"r{i}", ids, params, stream=False))
     while engine.stats.num_generated_tokens < args.batch:  # prefills (and their first tokens)
         engine.step()

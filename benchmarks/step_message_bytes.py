@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 from pagellm.core.kv_cache_manager import KVCacheManager
@@ -22,6 +23,7 @@ from pagellm.core.request import Request
 from pagellm.core.scheduler import Scheduler
 from pagellm.sampling_params import SamplingParams
 from pagellm.step import ModelRunnerOutput, SchedulerOutput
+from pagellm.step_codec import decode_step as decode_message
 from pagellm.step_codec import encode_step
 
 
@@ -65,15 +67,20 @@ def main() -> None:
     args = parser.parse_args()
     step, prompts_bytes = decode_step(args.num_seqs, args.context, args.block_size, args.max_num_batched_tokens)
     codec = len(encode_step(step, None))
+    start = time.perf_counter()
+    for _ in range(50):
+        decode_message(encode_step(step, None))
+    codec_ms = (time.perf_counter() - start) / 50 * 1e3
     row = {
         "num_seqs": args.num_seqs, "context": args.context, "tp": args.tp, "integers": integers_in(step),
         "bytes_per_rank": codec, "bytes_per_step": codec * (args.tp - 1), "prefill_steps_bytes_per_rank": prompts_bytes,
-        "scheduled_tokens": step.num_scheduled_tokens,
+        "scheduled_tokens": step.num_scheduled_tokens, "encode_decode_ms": codec_ms,
     }  # fmt: skip
-    print("| sequences x context | integers | B per other rank | B per step at TP | B of the steps that sent the prompts, per rank |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| sequences x context | integers | B per other rank | B per step at TP | encode + decode ms "
+          "| B of the steps that sent the prompts, per rank |")
+    print("| --- | --- | --- | --- | --- | --- |")
     print(f"| {args.num_seqs} x {args.context} | {row['integers']:,} | {codec:,} | {codec * (args.tp - 1):,} "
-          f"(TP={args.tp}) | {prompts_bytes:,} |")
+          f"(TP={args.tp}) | {codec_ms:.3f} | {prompts_bytes:,} |")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(row, indent=2))
 

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagellm import LLM, SamplingParams  # noqa: E402
 from pagellm.engine.protocol import EngineRequest  # noqa: E402
 from pagellm.kernels import KernelLibrary  # noqa: E402
+from pagellm.worker.worker import Worker  # noqa: E402
 
 KERNELS = ("decoder_stack", "paged_attention", "write_kv", "add_rms_norm", "rotary_", "argmax_rows")
 _times: defaultdict[str, float] = defaultdict(float)
@@ -72,11 +73,13 @@ def main() -> None:
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.batch, enable_prefix_caching=False,
               num_threads=args.num_threads, kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.llm_engine
-    instrument(engine.worker.model_runner.model, engine.worker.kernel_plan.kernels)
-    print(f"kernel plan: {engine.worker.kernel_plan.describe()}")
+    worker = engine.executor  # one process: the executor is the worker itself
+    assert isinstance(worker, Worker), "step_profile runs one process (no tensor or pipeline parallelism)"
+    instrument(worker.model_runner.model, worker.kernel_plan.kernels)
+    print(f"kernel plan: {worker.kernel_plan.describe()}")
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
-    vocab = engine.worker.arch.vocab_size
+    vocab = worker.arch.vocab_size
     for i in range(args.batch):
         ids = torch.randint(3, vocab, (args.input_len,), generator=g).tolist()
         engine.add_engine_request(EngineRequest(f"r{i}", ids, params, stream=False))
@@ -84,14 +87,14 @@ def main() -> None:
     prefill: list[dict[str, float]] = []
     decode: list[dict[str, float]] = []
     step_shape: list[tuple[int, int]] = []  # (tokens, requests) of the step being run
-    execute = engine.worker.model_runner.execute
+    execute = worker.model_runner.execute
 
     def counting_execute(scheduler_output: Any, *rest: Any) -> Any:
         scheduled = scheduler_output.scheduled
         step_shape.append((sum(r.num_tokens for r in scheduled), len(scheduled)))
         return execute(scheduler_output, *rest)
 
-    engine.worker.model_runner.execute = counting_execute
+    worker.model_runner.execute = counting_execute
     while engine.has_unfinished_requests():
         _times.clear()
         step_shape.clear()

@@ -63,6 +63,9 @@ class Request:
     # first ``num_blocks_sent`` entries of its block table (0 after a preemption freed them).
     num_tokens_sent: int = 0
     num_blocks_sent: int = 0
+    # Its tokens are chosen by its owner, not by the sampler and the stop rules (a beam: the
+    # beam search appends what it picks from the reported logprobs, ``Scheduler.append_token``).
+    tokens_chosen_outside: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -251,7 +251,7 @@ class Scheduler:
                 start, prompt_len
             )
             token_id = runner_output.sampled.get(item.seq_id)
-            if token_id is None:  # no sample this step (or one its owner takes: a beam's)
+            if token_id is None or request.tokens_chosen_outside:  # no sample this step, or its owner picks
                 continue
             children = self._fork_children(request, item) if item.forks else []
             for seq in [request, *children]:

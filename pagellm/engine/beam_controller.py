@@ -1,9 +1,9 @@
 """The engine's beam searches: one owner for their state, driving core through a narrow API.
 
-Each beam is a plain request in core (the scheduler knows nothing of beams). Every step its
-sampled token is taken back (:meth:`BeamSearchController.take_sampled`): the controller, not
-the scheduler's stop rules, decides what each beam appends, from the beams' reported
-logprobs, and then tells the scheduler to fork a beam chosen twice, append the chosen tokens
+Each beam is a plain request in core (the scheduler knows nothing of beams) whose tokens are
+chosen outside the sampler (``Request.tokens_chosen_outside``: the scheduler appends none of its
+sampled tokens): the controller, not the scheduler's stop rules, decides what each beam appends,
+from the beams' reported logprobs, and then tells the scheduler to fork a beam chosen twice, append the chosen tokens
 and finish the beams not chosen (``fork_request``, ``append_token``, ``finish_requests``).
 
 Under a constraint (``BeamSearchParams.structured_outputs``) each beam is also a sequence of the
@@ -64,12 +64,6 @@ class BeamSearchController:
         self.groups[request.request_id] = group
         return first
 
-    def take_sampled(self, runner_output: ModelRunnerOutput) -> None:
-        """Remove the beams' sampled tokens from a step's output, before the scheduler appends
-        tokens: the beams' next tokens are chosen by :meth:`advance`."""
-        for seq_id in self._owner:
-            runner_output.sampled.pop(seq_id, None)
-
     def advance(
         self, logprobs: dict[str, TokenLogprobs], failed: dict[str, str], refused: dict[str, str]
     ) -> list[RequestOutput]:
@@ -106,7 +100,7 @@ class BeamSearchController:
         params = SamplingParams(temperature=0, max_tokens=group.max_tokens, logprobs=group.params.num_candidates)
         return Request(
             seq_id, group.prompt_token_ids, params, max_tokens=group.max_tokens, eos_token_ids=self.eos_token_ids,
-            arrival_time=group.arrival_time,
+            arrival_time=group.arrival_time, tokens_chosen_outside=True,
         )  # fmt: skip
 
     def _continue(self, group: BeamSearchGroup, continuations: list[Continuation]) -> str | None:

@@ -134,7 +134,8 @@ class LLMEngine:
         on bad input (nothing is queued then)."""
         if request.request_id in self.beams or self.output_processor.has_request(request.request_id):
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.input_processor.check_params(request.params)
+        if not request.params_checked:
+            self.input_processor.check_params(request.params)
         if isinstance(request.params, BeamSearchParams):
             max_tokens = min(request.params.max_tokens, self.max_model_len - len(request.prompt_token_ids))
             first = self.beams.add(request, request.params, max_tokens)
@@ -273,24 +274,24 @@ class LLMEngine:
         self, scheduler_output: SchedulerOutput, grammar: GrammarBitmask | None, runner_output: ModelRunnerOutput,
         outputs: list[RequestOutput],
     ) -> list[RequestOutput]:
-        """Update the requests from a step's sampled tokens; ``outputs`` with the step's added."""
-        if self.beams.groups:
-            self.beams.take_sampled(runner_output)  # beams append what the controller picks
+        """Update the requests from a step's sampled tokens (the runner's output is only read);
+        ``outputs`` with the step's added."""
+        failed = dict(runner_output.failed)  # the worker's failures, then the engine's own
         updated, finished = self.scheduler.update_from_output(scheduler_output, runner_output)
         refused: dict[str, str] = {}  # sequences (or beam searches) whose constraint cannot be followed
         if grammar is not None:
             complete, refused = self.structured_output.accept((r.request_id, r.output_token_ids[-1]) for r in updated)
             finished.extend(self.scheduler.finish_requests(complete, RequestStatus.FINISHED_STOPPED))
-        step_outputs, stopped = self.output_processor.process(runner_output, updated, finished)
+        step_outputs, stopped = self.output_processor.process(runner_output, updated, finished, failed)
         outputs.extend(step_outputs)
         if stopped:
             # Stop strings are found in text, so the scheduler learns of them only now.
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.structured_output.remove([r.request_id for r in finished] + list(stopped))
         if self.beams.groups:
-            outputs.extend(self.beams.advance(runner_output.logprobs, runner_output.failed, refused))
-        if runner_output.failed:
-            outputs.extend(self._fail_requests(runner_output.failed))
+            outputs.extend(self.beams.advance(runner_output.logprobs, failed, refused))
+        if failed:
+            outputs.extend(self._fail_requests(failed))
         if refused:  # the constraint cannot be followed (e.g. this vocabulary cannot spell it)
             outputs.extend(self._fail_requests(refused, request_error=True))
         self.stats.num_steps += 1

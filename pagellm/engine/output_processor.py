@@ -113,14 +113,16 @@ class OutputProcessor:
         runner_output: ModelRunnerOutput,
         updated: list[Request],
         finished: list[Request],
+        failed: dict[str, str],
     ) -> tuple[list[RequestOutput], list[str]]:
-        """Apply one step; returns (outputs of touched requests, sequences stopped by a stop string).
+        """Apply one step (``runner_output`` is only read); returns (outputs of touched requests,
+        sequences stopped by a stop string).
 
-        A failure in one request's text work (detokenizer, stop strings, logprobs) is recorded in
-        ``runner_output.failed`` under its sequence id and skips that request; the engine then
-        finishes it with an error while the others go on.
+        ``failed``: the step's failed sequences so far (the worker's, to begin with). A failure in
+        one request's text work (detokenizer, stop strings, logprobs) is added to it under its
+        sequence id and skips that request; the engine then finishes it with an error while the
+        others go on.
         """
-        failed = runner_output.failed
         touched: dict[str, RequestState] = {}
         stopped: list[str] = []
         for seq_id, prompt_lp in runner_output.prompt_logprobs.items():

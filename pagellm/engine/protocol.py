@@ -55,6 +55,10 @@ class EngineRequest:
     # time.monotonic() when the request arrived (one clock for every process of a machine); the
     # scheduler serves in this order. None: when the engine takes it.
     arrival_time: float | None = None
+    # The sender already checked ``params`` against this engine's limits (the server does, at its
+    # boundary, to answer 400s naming the field): the engine does not check them (nor validate a
+    # grammar) a second time.
+    params_checked: bool = False
 
 
 @dataclass

@@ -446,8 +446,8 @@ class OpenAIServing:
             ids = [request_id]
         else:
             ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        requests = [
-            EngineRequest(rid, p.prompt_token_ids, params, p.prompt, p.cache_salt, stream=deltas)
+        requests = [  # params come from ``sampling_params``, which checked them
+            EngineRequest(rid, p.prompt_token_ids, params, p.prompt, p.cache_salt, stream=deltas, params_checked=True)
             for p, rid in zip(prompts, ids)
         ]
         try:
