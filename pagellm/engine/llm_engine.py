@@ -69,14 +69,13 @@ class LLMEngine:
         # The EOS a finished grammar allows: the tokenizer's, else the model's lowest.
         eos = self.tokenizer.eos_token_id
         grammar_eos = eos if eos in self.executor.eos_token_ids else min(self.executor.eos_token_ids, default=None)
-        self.structured_output = StructuredOutputManager(
+        # Constrained requests whose grammar is still compiling wait in it: (first sequence, its forks).
+        self.structured_output: StructuredOutputManager[tuple[Request, list[Request]]] = StructuredOutputManager(
             self.tokenizer, arch.vocab_size, grammar_eos, config.limits.grammar_compile_timeout_s
         )
         self.beams = BeamSearchController(self.scheduler, self.tokenizer, self.executor.eos_token_ids, self.structured_output)
         # Steps submitted and not yet finished (pipeline parallelism), oldest first.
         self._in_flight: deque[tuple[SchedulerOutput, GrammarBitmask | None]] = deque()
-        # Constrained requests whose grammar is still compiling: (first sequence, its forks).
-        self._awaiting_grammar: dict[str, tuple[Request, list[Request]]] = {}
         logger.info(
             "engine ready in %.1fs: %s, %d KV blocks of %d tokens (%s), max_model_len %d",
             time.monotonic() - start,
@@ -140,8 +139,8 @@ class LLMEngine:
             max_tokens = min(request.params.max_tokens, self.max_model_len - len(request.prompt_token_ids))
             first = self.beams.add(request, request.params, max_tokens)
             if request.params.structured_outputs is not None:  # every beam waits for the grammar
-                self.structured_output.submit(request.request_id, first.request_id, request.params.structured_outputs)
-                self._awaiting_grammar[request.request_id] = (first, [])
+                self.structured_output.submit(request.request_id, first.request_id, request.params.structured_outputs,
+                                              (first, []))  # fmt: skip
             else:
                 self.scheduler.add_request(first)
         else:
@@ -172,8 +171,8 @@ class LLMEngine:
         ]
         if params.structured_outputs is not None:
             # Compiled off the step loop: the request joins the scheduler when its grammar is ready.
-            self.structured_output.submit(request_id, seq_ids[0], params.structured_outputs)
-            self._awaiting_grammar[request_id] = (sequences[0], sequences[1:])
+            self.structured_output.submit(request_id, seq_ids[0], params.structured_outputs,
+                                          (sequences[0], sequences[1:]))  # fmt: skip
             return
         # One prefill: samples 2..n fork from the first once its prompt is computed.
         self.scheduler.add_request(sequences[0], sequences[1:])
@@ -197,15 +196,13 @@ class LLMEngine:
         outputs = []
         for request_id in request_ids:
             if request_id in self.beams:
-                if self._awaiting_grammar.pop(request_id, None) is not None:
-                    self.structured_output.abort(request_id)
+                self.structured_output.abort(request_id)
                 outputs.append(self.beams.abort(request_id))
                 continue
             seq_ids = self.output_processor.seq_ids(request_id)
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
             self.structured_output.remove(seq_ids)
-            if self._awaiting_grammar.pop(request_id, None) is not None:
-                self.structured_output.abort(request_id)
+            self.structured_output.abort(request_id)
             output = self.output_processor.abort(request_id)
             if output is not None:
                 outputs.append(output)
@@ -213,7 +210,7 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._awaiting_grammar) or bool(self._in_flight)
+        return self.scheduler.has_unfinished_requests() or bool(self.structured_output.num_pending) or bool(self._in_flight)
 
     def check_health(self) -> None:
         """Raise ``DeadRankError`` if a rank, node or Ray actor of the executor is gone (the
@@ -236,7 +233,7 @@ class LLMEngine:
         return take_kv_snapshot(self.scheduler, max_requests=max_requests)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.scheduler.requests) + len(self._awaiting_grammar)
+        return len(self.scheduler.requests) + self.structured_output.num_pending
 
     # ---- one step --------------------------------------------------------------------
 
@@ -302,16 +299,13 @@ class LLMEngine:
     def _admit_compiled_grammars(self) -> list[RequestOutput]:
         """Queue the constrained requests whose grammar compiled; finish those that did not, with
         why. With nothing else to run, wait a little for a compile instead of spinning."""
-        if not self._awaiting_grammar:
+        if not self.structured_output.num_pending:
             return []
         if not self.scheduler.has_unfinished_requests():
             self.structured_output.wait(GRAMMAR_WAIT_S)
         ready, failed = self.structured_output.poll()
-        for request_id in ready:
-            first, forks = self._awaiting_grammar.pop(request_id)
+        for first, forks in ready:
             self.scheduler.add_request(first, forks)
-        for request_id in failed:
-            self._awaiting_grammar.pop(request_id, None)
         return self._fail_requests(failed, request_error=True)
 
     def _fail_requests(self, failed: dict[str, str], request_error: bool = False) -> list[RequestOutput]:

@@ -3,8 +3,10 @@ sequence, a packed mask per sampling row each step, advanced by every accepted t
 
 The engine owns one manager. Its life cycle for a request:
 
-1. ``submit``: compilation starts on the compiler's thread; the engine keeps the request out of
-   the scheduler until ``poll`` reports it ready (or failed, or past its deadline).
+1. ``submit``: compilation starts on the compiler's thread; the manager keeps the request (the
+   engine's sequences for it, an opaque payload) until ``poll`` hands them back ready for the
+   scheduler (or reports the request failed, or past its deadline): the one record of a
+   request waiting for its grammar.
 2. ``masks``: before a step runs, one bitmask row per sampling sequence with a grammar. Samples
    2..n of a request (forks) get a copy of their parent's matcher the step they are born, so
    each fork carries its own state from then on.
@@ -22,6 +24,7 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 from llguidance import LLExecutor, LLMatcher
@@ -33,14 +36,18 @@ from pagellm.structured_output.grammar import GrammarCompiler, llguidance_tokeni
 from pagellm.structured_outputs_params import StructuredOutputsParams
 
 
+Waiting = TypeVar("Waiting")  # what the engine schedules once a request's grammar is ready
+
+
 @dataclass
-class _Pending:
+class _Pending(Generic[Waiting]):
     future: Future[LLMatcher]
     first_seq_id: str
     deadline: float
+    waiting: Waiting
 
 
-class StructuredOutputManager:
+class StructuredOutputManager(Generic[Waiting]):
     """Grammar matchers of the engine's constrained sequences (see the module docstring)."""
 
     def __init__(
@@ -50,21 +57,27 @@ class StructuredOutputManager:
         self.compile_timeout_s = compile_timeout_s
         self.compiler = GrammarCompiler(lambda: llguidance_tokenizer(tokenizer, vocab_size, eos_token_id))
         self._executor: LLExecutor | None = None
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, _Pending[Waiting]] = {}
         self._matchers: dict[str, LLMatcher] = {}
         self.mask_seconds = 0.0  # cumulative time filling masks (benchmarks report it per step)
 
     # ---- compile -------------------------------------------------------------------------
 
-    def submit(self, request_id: str, first_seq_id: str, params: StructuredOutputsParams) -> None:
-        """Start compiling ``params`` for a request whose first sequence is ``first_seq_id``."""
+    def submit(self, request_id: str, first_seq_id: str, params: StructuredOutputsParams, waiting: Waiting) -> None:
+        """Start compiling ``params`` for a request whose first sequence is ``first_seq_id``;
+        ``poll`` hands ``waiting`` back once the grammar is ready."""
         future = self.compiler.submit(params)
-        self._pending[request_id] = _Pending(future, first_seq_id, time.monotonic() + self.compile_timeout_s)
+        self._pending[request_id] = _Pending(future, first_seq_id, time.monotonic() + self.compile_timeout_s, waiting)
 
-    def poll(self) -> tuple[list[str], dict[str, str]]:
-        """Requests whose grammar is ready (their first sequence now has its matcher), and the
-        ones that failed or ran past the deadline, with why."""
-        ready: list[str] = []
+    @property
+    def num_pending(self) -> int:
+        """Requests still waiting for their grammar."""
+        return len(self._pending)
+
+    def poll(self) -> tuple[list[Waiting], dict[str, str]]:
+        """What was submitted with each request whose grammar is ready (its first sequence now
+        has its matcher), and the requests that failed or ran past the deadline, with why."""
+        ready: list[Waiting] = []
         failed: dict[str, str] = {}
         now = time.monotonic()
         for request_id, pending in list(self._pending.items()):
@@ -72,7 +85,7 @@ class StructuredOutputManager:
                 del self._pending[request_id]
                 try:
                     self._matchers[pending.first_seq_id] = pending.future.result()
-                    ready.append(request_id)
+                    ready.append(pending.waiting)
                 except ValueError as exc:
                     failed[request_id] = str(exc)
                 except Exception as exc:  # noqa: BLE001 - the compile thread's failure is this request's alone
@@ -152,9 +165,10 @@ class StructuredOutputManager:
         for seq_id in seq_ids:
             self._matchers.pop(seq_id, None)
 
-    def abort(self, request_id: str) -> None:
-        """Forget a request still compiling (its compile finishes into the cache regardless)."""
-        self._pending.pop(request_id, None)
+    def abort(self, request_id: str) -> bool:
+        """Forget a request still compiling (its compile finishes into the cache regardless);
+        False when it was not waiting."""
+        return self._pending.pop(request_id, None) is not None
 
     @property
     def num_sequences(self) -> int:
