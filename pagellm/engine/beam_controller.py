@@ -22,6 +22,7 @@ from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.beam_search import Beam, BeamSearchGroup, BeamSearchParams, Continuation
 from pagellm.engine.protocol import EngineRequest
+from pagellm.engine.sequence_ids import request_of, sequence_id
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.step import ModelRunnerOutput, TokenLogprobs
@@ -42,15 +43,10 @@ class BeamSearchController:
         self.eos_token_ids = eos_token_ids
         self.structured_output = structured_output
         self.groups: dict[str, BeamSearchGroup] = {}
-        self._owner: dict[str, str] = {}  # beam sequence id -> beam search request id
         self._counter = itertools.count()
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.groups
-
-    def owner(self, seq_id: str) -> str | None:
-        """The beam search a sequence belongs to (None: not a beam)."""
-        return self._owner.get(seq_id)
 
     def add(self, request: EngineRequest, params: BeamSearchParams, max_tokens: int) -> Request:
         """Start a beam search (checked by the caller); its result is one output, beams best first.
@@ -65,16 +61,19 @@ class BeamSearchController:
         return first
 
     def advance(
-        self, logprobs: dict[str, TokenLogprobs], failed: dict[str, str], refused: dict[str, str]
-    ) -> list[RequestOutput]:
-        """Advance every group whose beams all reported; a group that fails is recorded in
-        ``failed``, one whose constraint refused a token its mask allowed in ``refused``."""
+        self, logprobs: dict[str, TokenLogprobs], failed_seqs: dict[str, str]
+    ) -> tuple[list[RequestOutput], dict[str, str], dict[str, str]]:
+        """Advance every group whose beams all reported (a beam in ``failed_seqs`` does not
+        report). Returns the finished searches' outputs, the searches that failed, and those whose
+        constraint refused a token its mask allowed (both by request id, with why)."""
         ready: dict[str, BeamSearchGroup] = {}
         for seq_id, row in logprobs.items():
-            group = self.groups.get(self._owner.get(seq_id, ""))
-            if group is not None and seq_id not in failed and group.report(seq_id, row):
+            group = self.groups.get(request_of(seq_id))
+            if group is not None and seq_id not in failed_seqs and group.report(seq_id, row):
                 ready[group.request_id] = group
         outputs = []
+        failed: dict[str, str] = {}
+        refused: dict[str, str] = {}
         for group in ready.values():
             try:
                 continuations = group.advance()
@@ -87,15 +86,14 @@ class BeamSearchController:
             except Exception as exc:  # noqa: BLE001 -- this group's fault: fail it, keep the others
                 logger.exception("beam search %s failed", group.request_id)
                 failed[group.request_id] = f"{type(exc).__name__}: {exc}"
-        return outputs
+        return outputs, failed, refused
 
     def abort(self, request_id: str) -> RequestOutput:
         """End a beam search now; its output holds the hypotheses finished so far."""
         return self._end(self.groups[request_id])
 
     def _new_beam(self, group: BeamSearchGroup) -> Request:
-        seq_id = f"{group.request_id}#beam{next(self._counter)}"
-        self._owner[seq_id] = group.request_id
+        seq_id = sequence_id(group.request_id, next(self._counter))
         # Greedy sampling with the top 2W logprobs: the group, not the sampler, picks tokens.
         params = SamplingParams(temperature=0, max_tokens=group.max_tokens, logprobs=group.params.num_candidates)
         return Request(
@@ -131,8 +129,6 @@ class BeamSearchController:
     def _drop(self, seq_ids: list[str]) -> None:
         self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
         self.structured_output.remove(seq_ids)
-        for seq_id in seq_ids:
-            self._owner.pop(seq_id, None)
 
     def _end(self, group: BeamSearchGroup) -> RequestOutput:
         self._drop([beam.seq_id for beam in group.beams])

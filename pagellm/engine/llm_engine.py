@@ -24,6 +24,7 @@ from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.protocol import EngineRequest, EngineStats
+from pagellm.engine.sequence_ids import request_of, sequence_id
 from pagellm.model.tokenizer import load_tokenizer
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -154,7 +155,7 @@ class LLMEngine:
         max_tokens = self.input_processor.resolve_max_tokens(params, len(prompt_token_ids))
         num_seqs = max(params.n, params.best_of or 0)
         request_id = request.request_id
-        seq_ids = [request_id] if num_seqs == 1 else [f"{request_id}#{i}" for i in range(num_seqs)]
+        seq_ids = [sequence_id(request_id, i) for i in range(num_seqs)]
         self.output_processor.add_request(request_id, request.prompt, prompt_token_ids, params, seq_ids, request.stream)
         arrival_time = request.arrival_time if request.arrival_time is not None else time.monotonic()
         sequences = [
@@ -273,9 +274,9 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         """Update the requests from a step's sampled tokens (the runner's output is only read);
         ``outputs`` with the step's added."""
-        failed = dict(runner_output.failed)  # the worker's failures, then the engine's own
+        failed = dict(runner_output.failed)  # sequences: the worker's failures, then the engine's own
         updated, finished = self.scheduler.update_from_output(scheduler_output, runner_output)
-        refused: dict[str, str] = {}  # sequences (or beam searches) whose constraint cannot be followed
+        refused: dict[str, str] = {}  # sequences whose constraint cannot be followed
         if grammar is not None:
             complete, refused = self.structured_output.accept((r.request_id, r.output_token_ids[-1]) for r in updated)
             finished.extend(self.scheduler.finish_requests(complete, RequestStatus.FINISHED_STOPPED))
@@ -285,12 +286,16 @@ class LLMEngine:
             # Stop strings are found in text, so the scheduler learns of them only now.
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.structured_output.remove([r.request_id for r in finished] + list(stopped))
+        failed_requests, refused_requests = _by_request(failed), _by_request(refused)
         if self.beams.groups:
-            outputs.extend(self.beams.advance(runner_output.logprobs, failed, refused))
-        if failed:
-            outputs.extend(self._fail_requests(failed))
-        if refused:  # the constraint cannot be followed (e.g. this vocabulary cannot spell it)
-            outputs.extend(self._fail_requests(refused, request_error=True))
+            beam_outputs, beams_failed, beams_refused = self.beams.advance(runner_output.logprobs, failed)
+            outputs.extend(beam_outputs)
+            failed_requests.update(beams_failed)
+            refused_requests.update(beams_refused)
+        if failed_requests:
+            outputs.extend(self._fail_requests(failed_requests))
+        if refused_requests:  # the constraint cannot be followed (e.g. this vocabulary cannot spell it)
+            outputs.extend(self._fail_requests(refused_requests, request_error=True))
         self.stats.num_steps += 1
         self.stats.num_finished_requests += sum(o.finished for o in outputs)
         self._refresh_stats()
@@ -311,15 +316,11 @@ class LLMEngine:
     def _fail_requests(self, failed: dict[str, str], request_error: bool = False) -> list[RequestOutput]:
         """Finish the requests whose own part of a step failed, with an error; the others go on.
 
-        ``failed`` maps sequence (or request) ids to what went wrong. A fault of the engine is
-        logged and the client told only that it failed; with ``request_error`` the request
-        itself cannot be served as asked, and the client is told why."""
-        request_ids: dict[str, str] = {}
-        for seq_id, message in failed.items():
-            owner = self.output_processor.seq_to_request.get(seq_id) or self.beams.owner(seq_id) or seq_id
-            request_ids.setdefault(owner, message)
+        ``failed`` maps request ids to what went wrong. A fault of the engine is logged and the
+        client told only that it failed; with ``request_error`` the request itself cannot be
+        served as asked, and the client is told why."""
         outputs = []
-        for request_id, message in request_ids.items():
+        for request_id, message in failed.items():
             if request_error:
                 logger.info("request %s refused: %s", request_id, message)
             else:
@@ -346,3 +347,11 @@ class LLMEngine:
         self.stats.prefix_cache_hits = cache_stats.hits
         self.stats.num_cow_copies = cache_stats.cow_copies
         self.stats.num_shared_blocks = self.kv_cache_manager.num_shared_blocks()
+
+
+def _by_request(by_sequence: dict[str, str]) -> dict[str, str]:
+    """Sequence-keyed failures keyed by their requests (a request's first failure is its reason)."""
+    by_request: dict[str, str] = {}
+    for seq_id, message in by_sequence.items():
+        by_request.setdefault(request_of(seq_id), message)
+    return by_request

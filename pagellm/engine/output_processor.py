@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from pagellm.core.request import Request
 from pagellm.engine.detokenizer import IncrementalDetokenizer, decode_token
+from pagellm.engine.sequence_ids import request_of
 from pagellm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.step import ModelRunnerOutput, TokenLogprobs
@@ -48,7 +49,7 @@ class SampleState:
 
 @dataclass
 class RequestState:
-    """A user request: its prompt and its samples (engine sequences ``{id}`` or ``{id}#{i}``)."""
+    """A user request: its prompt and its samples (engine sequences ``{id}#{i}``: ``sequence_ids.py``)."""
 
     request_id: str
     prompt: str | None
@@ -69,7 +70,6 @@ class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
-        self.seq_to_request: dict[str, str] = {}
         self._token_text: dict[int, str] = {}
 
     def add_request(
@@ -98,8 +98,6 @@ class OutputProcessor:
         self.requests[request_id] = RequestState(
             request_id, prompt, prompt_token_ids, params, samples, prompt_logprobs, stream
         )
-        for seq_id in seq_ids:
-            self.seq_to_request[seq_id] = request_id
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -196,13 +194,12 @@ class OutputProcessor:
         return output
 
     def _state_of(self, seq_id: str) -> RequestState | None:
-        request_id = self.seq_to_request.get(seq_id)
-        return None if request_id is None else self.requests.get(request_id)
+        """The request a sampling sequence belongs to (None: none, e.g. a beam's)."""
+        state = self.requests.get(request_of(seq_id))
+        return state if state is not None and seq_id in state.samples else None
 
     def _drop(self, state: RequestState) -> None:
         self.requests.pop(state.request_id, None)
-        for seq_id in state.samples:
-            self.seq_to_request.pop(seq_id, None)
 
     def _add_logprobs(self, sample: SampleState, row: TokenLogprobs | None) -> None:
         if sample.logprobs is None or row is None:

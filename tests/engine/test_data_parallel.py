@@ -140,7 +140,7 @@ def test_snapshot_of_each_replica(replicas) -> None:
     listed = {i: [v.request_id for v in replicas.snapshot(8, replica=i).requests] for i in range(2)}
     expected: dict[int, list[str]] = {0: [], 1: []}
     for request_id in ("x", "y"):  # where the router sent each (it weighs what earlier tests left)
-        expected[replicas._owner[request_id]].append(request_id)
+        expected[replicas._owner[request_id]].append(f"{request_id}#0")  # its one sequence
     assert listed == expected
     with pytest.raises(ValueError, match="replica"):
         replicas.snapshot(8, replica=2)

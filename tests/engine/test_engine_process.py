@@ -59,7 +59,7 @@ def test_snapshot_crosses_the_pipe_between_steps(proc):
     proc.step()  # the 9-token prompt (3 blocks of 4) and the first sample
     snap = proc.snapshot(8)
     (view,) = snap.requests
-    assert (view.request_id, view.status, view.num_computed_tokens, view.num_tokens) == ("s", "running", 9, 10)
+    assert (view.request_id, view.status, view.num_computed_tokens, view.num_tokens) == ("s#0", "running", 9, 10)
     assert len(view.block_ids) == 3 and (snap.owner[view.block_ids] == 0).all()
     assert (snap.num_blocks, snap.block_size, snap.num_running) == (64, 4, 1)
     with pytest.raises(ValueError, match="replica"):

@@ -143,7 +143,7 @@ def test_arrival_time_travels_with_the_request(llm):
     assert errors == [None, None]
     requests = engine.scheduler.requests
     assert requests["early#0"].arrival_time == requests["early#1"].arrival_time == 12.5
-    assert requests["now"].arrival_time > 12.5
+    assert requests["now#0"].arrival_time > 12.5
     while engine.has_unfinished_requests():
         engine.step()
 
