@@ -32,7 +32,7 @@ never holds more than its window and one step's tokens span.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagellm.core.block_pool import BlockPool
 from pagellm.core.kv_cache_utils import KVCacheBlock, hash_block_tokens
@@ -50,6 +50,22 @@ class PrefixCacheStats:
     forks: int = 0
 
 
+@dataclass(eq=False, slots=True)
+class BlockTable:
+    """One sequence's blocks: its table, and how many leading entries it has released behind
+    a sliding window (their stale ids stay in the table; the sequence holds the rest)."""
+
+    blocks: list[KVCacheBlock] = field(default_factory=list)
+    num_released: int = 0
+
+    @property
+    def held(self) -> list[KVCacheBlock]:
+        return self.blocks[self.num_released :]
+
+
+_EMPTY = BlockTable()  # what a sequence holding no block reads (never written)
+
+
 class KVCacheManager:
     def __init__(
         self, num_blocks: int, block_size: int, enable_caching: bool = True, sliding_window: int | None = None
@@ -62,8 +78,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
         self.block_pool = BlockPool(num_blocks)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.num_released: dict[str, int] = {}  # leading table entries released (window); absent: 0
+        self.tables: dict[str, BlockTable] = {}  # sequence id -> its blocks
         self.stats = PrefixCacheStats()
         self._pending_copies: list[tuple[int, int]] = []
 
@@ -127,9 +142,10 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         self.update_block_hashes(request)
-        blocks = self.req_to_blocks.get(request.request_id, [])
+        table = self.tables.get(request.request_id, _EMPTY)
+        blocks = table.blocks
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
-        start = self.num_released.get(request.request_id, 0)  # (released: cached when they filled)
+        start = table.num_released  # (released: cached when they filled)
         for block, block_hash in zip(blocks[start:num_full], request.block_hashes[start:num_full]):
             self.block_pool.cache_full_block(block, block_hash)
 
@@ -144,7 +160,7 @@ class KVCacheManager:
         taken first and advance ``request.num_computed_tokens``. Returns False and
         changes nothing when the pool has too few free blocks.
         """
-        blocks = self.req_to_blocks.get(request.request_id, [])
+        blocks = self.tables.get(request.request_id, _EMPTY).blocks
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_held = len(blocks) + len(computed_blocks)
         num_new_blocks = max(0, cdiv(num_computed + num_new_tokens, self.block_size) - num_held)
@@ -157,19 +173,21 @@ class KVCacheManager:
         if num_new_blocks + (cow_index is not None) + num_revived > self.block_pool.num_free_blocks:
             return False
 
+        table = self.tables.get(request.request_id)
+        if table is None:
+            table = self.tables[request.request_id] = BlockTable()
         if computed_blocks:
             self.block_pool.touch(live_hits)
             request.num_computed_tokens = num_computed
-            if skipped:
-                self.num_released[request.request_id] = skipped
-        blocks = self.req_to_blocks.setdefault(request.request_id, blocks)
+            table.num_released = skipped
+        blocks = table.blocks
         blocks.extend(computed_blocks)
         if cow_index is not None:
             self._copy_on_write(blocks, cow_index)
         if num_new_blocks:
             blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
         self.cache_blocks(request, num_computed + num_new_tokens)
-        self._release_outside_window(request.request_id, blocks, num_computed)
+        self._release_outside_window(table, num_computed)
         return True
 
     def _blocks_before_window(self, first_query: int) -> int:
@@ -179,14 +197,13 @@ class KVCacheManager:
             return 0
         return max(0, first_query - self.sliding_window + 1) // self.block_size
 
-    def _release_outside_window(self, request_id: str, blocks: list[KVCacheBlock], first_query: int) -> None:
+    def _release_outside_window(self, table: BlockTable, first_query: int) -> None:
         """Release the blocks wholly before the window of position ``first_query`` (the step's
         first query; later queries see even less)."""
-        end = min(self._blocks_before_window(first_query), len(blocks))
-        start = self.num_released.get(request_id, 0)
-        if end > start:
-            self.block_pool.free_blocks(blocks[start:end])
-            self.num_released[request_id] = end
+        end = min(self._blocks_before_window(first_query), len(table.blocks))
+        if end > table.num_released:
+            self.block_pool.free_blocks(table.blocks[table.num_released : end])
+            table.num_released = end
 
     def _cow_index(self, blocks: list[KVCacheBlock], num_computed: int, num_new_tokens: int) -> int | None:
         """Index of the partly written block this step writes into, if another sequence shares it."""
@@ -210,14 +227,12 @@ class KVCacheManager:
 
     def fork(self, parent: Request, child: Request) -> None:
         """Let ``child`` share every block of ``parent`` (its computed tokens included)."""
-        if child.request_id in self.req_to_blocks:
+        if child.request_id in self.tables:
             raise ValueError(f"request {child.request_id!r} already holds blocks; only a new sequence can fork")
-        blocks = list(self.req_to_blocks.get(parent.request_id, ()))
-        released = self.num_released.get(parent.request_id, 0)
-        self.block_pool.touch(blocks[released:])
-        self.req_to_blocks[child.request_id] = blocks
-        if released:
-            self.num_released[child.request_id] = released
+        parent_table = self.tables.get(parent.request_id, _EMPTY)
+        table = BlockTable(list(parent_table.blocks), parent_table.num_released)
+        self.block_pool.touch(table.held)
+        self.tables[child.request_id] = table
         child.num_computed_tokens = parent.num_computed_tokens
         # Only blocks inside the shared (computed) prefix have keys valid for both.
         child.block_hashes = parent.block_hashes[: parent.num_computed_tokens // self.block_size]
@@ -225,23 +240,23 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Drop all of a request's blocks, last block first so tails are reused first."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        released = self.num_released.pop(request.request_id, 0)
-        self.block_pool.free_blocks(reversed(blocks[released:]))
+        table = self.tables.pop(request.request_id, _EMPTY)
+        self.block_pool.free_blocks(reversed(table.held))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table (released entries keep their stale ids: masked positions)."""
-        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+        return [block.block_id for block in self.tables.get(request_id, _EMPTY).blocks]
 
     def block_ids_from(self, request_id: str, start: int) -> list[int]:
         """The request's block table from entry ``start`` on (what a step sends of it)."""
-        return [block.block_id for block in self.req_to_blocks.get(request_id, ())[start:]]
+        return [block.block_id for block in self.tables.get(request_id, _EMPTY).blocks[start:]]
 
     def num_held_blocks(self, request_id: str) -> int:
         """Blocks the request holds a reference to (its table less the released entries)."""
-        return len(self.req_to_blocks.get(request_id, ())) - self.num_released.get(request_id, 0)
+        table = self.tables.get(request_id, _EMPTY)
+        return len(table.blocks) - table.num_released
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         """How many more blocks ``request`` needs to also hold ``num_new_tokens`` tokens."""
-        held = len(self.req_to_blocks.get(request.request_id, ()))
+        held = len(self.tables.get(request.request_id, _EMPTY).blocks)
         return max(0, cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - held)

@@ -173,8 +173,8 @@ def _mark_holders(
     keys: list[int] = []  # per holder: its listed index (unlisted: after every listed one)
     lengths: list[int] = []
     starts: list[int] = []  # per holder: the table index of its first held block
-    for request_id, blocks in manager.req_to_blocks.items():
-        released = manager.num_released.get(request_id, 0)
+    for request_id, table in manager.tables.items():
+        blocks, released = table.blocks, table.num_released
         if len(blocks) <= released:
             continue
         held.extend(blocks[released:])
@@ -206,7 +206,8 @@ def _mark_holders(
 
 
 def _request_view(manager: KVCacheManager, request: Request, max_table_blocks: int) -> RequestView:
-    blocks = manager.req_to_blocks.get(request.request_id, ())
+    table = manager.tables.get(request.request_id)
+    blocks = table.blocks if table is not None else []
     return RequestView(
         request_id=request.request_id,
         status=_STATUS_NAMES.get(request.status, request.status.name.lower()),
@@ -216,6 +217,6 @@ def _request_view(manager: KVCacheManager, request: Request, max_table_blocks: i
         num_cached_tokens=request.num_cached_tokens,
         num_preemptions=request.num_preemptions,
         num_blocks=len(blocks),
-        num_released=manager.num_released.get(request.request_id, 0),
+        num_released=table.num_released if table is not None else 0,
         block_ids=list(map(_BLOCK_ID, blocks[:max_table_blocks])),
     )

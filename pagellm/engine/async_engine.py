@@ -53,7 +53,7 @@ from pagellm.engine.protocol import (
     EngineStats,
     KVSnapshot,
 )
-from pagellm.engine.request_latency import NoMetrics, RequestLatency
+from pagellm.engine.request_latency import NoMetrics, RequestLatency, RequestTiming
 from pagellm.engine.request_stream import Channel, Deliveries, RequestStream, StreamItem, post_error
 from pagellm.engine.snapshot_call import SnapshotCall
 from pagellm.outputs import RequestOutput
@@ -122,6 +122,15 @@ class _Abort:
 _Command = _Add | _Abort | SnapshotCall
 
 
+@dataclass
+class _Running:
+    """The step loop's one record of a request the engine holds: where its outputs go, and its
+    latency bookkeeping."""
+
+    stream: Channel
+    timing: RequestTiming
+
+
 class AsyncLLMEngine:
     """Serve many concurrent requests from one engine without blocking the event loop."""
 
@@ -145,7 +154,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         # Touched only by the engine thread.
         self._batch: list[_Command] = []  # the commands being applied (failed too if the engine dies)
-        self._streams: dict[str, Channel] = {}
+        self._running: dict[str, _Running] = {}  # each request given to the engine, until it finishes
         self._latency = RequestLatency(self._metrics)
 
     @classmethod
@@ -437,23 +446,22 @@ class AsyncLLMEngine:
                 self._release(1)
                 post_error([add.stream], error)
                 continue
-            self._streams[add.request_id] = add.stream
-            self._latency.start(add.request_id, add.arrival)
+            self._running[add.request_id] = _Running(add.stream, RequestTiming(add.arrival))
 
     def _apply_aborts(self, request_ids: list[str]) -> None:
         """Abort the requests still running (a finished one has no stream left) and send each its final output."""
-        streams = {rid: self._streams[rid] for rid in dict.fromkeys(request_ids) if rid in self._streams}
-        if not streams:
+        running = {rid: self._running[rid] for rid in dict.fromkeys(request_ids) if rid in self._running}
+        if not running:
             return
         now = time.monotonic()
-        outputs = self.engine.abort_request(list(streams))
+        outputs = self.engine.abort_request(list(running))
         deliveries = Deliveries()
         for output in outputs:
-            self._latency.record(output, now)
-            stream = streams.get(output.request_id)
-            if stream is not None:
-                deliveries.add(stream, output)
-        for request_id in streams:
+            entry = running.get(output.request_id)
+            if entry is not None:
+                self._latency.record(entry.timing, output, now)
+                deliveries.add(entry.stream, output)
+        for request_id in running:
             self._forget(request_id)
         deliveries.post()
 
@@ -462,23 +470,22 @@ class AsyncLLMEngine:
         now = time.monotonic()
         deliveries = Deliveries()
         for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
+            entry = self._running.get(output.request_id)
+            if entry is None:
                 continue
-            self._latency.record(output, now)
+            self._latency.record(entry.timing, output, now)
             item: StreamItem = output
             if output.error is not None:
                 item = (RequestRejectedError if output.error_is_request else RequestFailedError)(output.error)
             if output.finished or output.error is not None:
                 self._forget(output.request_id)
-            deliveries.add(stream, item)
+            deliveries.add(entry.stream, item)
         deliveries.post()
 
     def _forget(self, request_id: str) -> None:
         """A request left the engine: drop its stream and free its admission slot."""
-        if self._streams.pop(request_id, None) is not None:
+        if self._running.pop(request_id, None) is not None:
             self._release(1)
-        self._latency.forget(request_id)
 
     def _release(self, count: int) -> None:
         with self._cond:
@@ -493,13 +500,12 @@ class AsyncLLMEngine:
         pending = [c.stream for c in self._batch if isinstance(c, _Add)]
         self._fail_snapshots(self._batch, EngineDeadError("the engine failed"))
         self._batch = []
-        streams = [*self._streams.values(), *pending]
+        streams = [*(r.stream for r in self._running.values()), *pending]
         with self._cond:
             lost = f" ({self._lost} is gone)" if self._lost else ""
         post_error(streams, EngineDeadError(f"the engine failed while running this request{lost}; retry it"))
         self._release(len(streams))
-        self._streams.clear()
-        self._latency.clear()
+        self._running.clear()
 
     @staticmethod
     def _fail_snapshots(commands: list[_Command], error: BaseException) -> None:
@@ -517,10 +523,9 @@ class AsyncLLMEngine:
         # never reads its queue again, so an extra error there is harmless.
         pending = [c.stream for c in self._batch + leftovers if isinstance(c, _Add)]
         self._fail_snapshots(self._batch + leftovers, EngineDeadError(message))
-        post_error([*self._streams.values(), *pending], EngineDeadError(message))
-        request_ids = list(self._streams)
-        self._streams.clear()
-        self._latency.clear()
+        post_error([*(r.stream for r in self._running.values()), *pending], EngineDeadError(message))
+        request_ids = list(self._running)
+        self._running.clear()
         if request_ids and self._error is None:
             try:
                 self.engine.abort_request(request_ids)

@@ -35,35 +35,25 @@ class NoMetrics:
 
 
 @dataclass
-class _Timing:
-    """Latency bookkeeping of one request."""
+class RequestTiming:
+    """Latency bookkeeping of one request (kept in the step loop's record of it)."""
 
     arrival: float
     first_token: float | None = None
     num_tokens: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    done: bool = False
 
 
 class RequestLatency:
-    """Each running request's arrival and first-token times, turned into observations of
-    ``metrics`` as its outputs go by."""
+    """Turns a request's arrival and first-token times into observations of ``metrics`` as its
+    outputs go by (the timings live with the request, not here)."""
 
     def __init__(self, metrics: RequestMetrics) -> None:
         self._metrics = metrics
-        self._timings: dict[str, _Timing] = {}
 
-    def start(self, request_id: str, arrival: float) -> None:
-        self._timings[request_id] = _Timing(arrival)
-
-    def forget(self, request_id: str) -> None:
-        self._timings.pop(request_id, None)
-
-    def clear(self) -> None:
-        self._timings.clear()
-
-    def record(self, output: RequestOutput, now: float) -> None:
-        """Observe TTFT on the first tokens; TPOT, latency and finish reasons at the end."""
-        timing = self._timings.get(output.request_id)
-        if timing is None:
+    def record(self, timing: RequestTiming, output: RequestOutput, now: float) -> None:
+        """Observe TTFT on the first tokens; TPOT, latency and finish reasons at the end (once)."""
+        if timing.done:
             return
         if timing.first_token is None and any(o.token_ids for o in output.outputs):
             timing.first_token = now
@@ -72,7 +62,7 @@ class RequestLatency:
             timing.num_tokens[sample.index] += len(sample.token_ids)
         if not output.finished:
             return
-        del self._timings[output.request_id]
+        timing.done = True
         self._metrics.observe_e2e_latency(now - timing.arrival)
         longest = max(timing.num_tokens.values(), default=0)
         if timing.first_token is not None and longest > 1:

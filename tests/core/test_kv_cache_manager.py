@@ -109,7 +109,7 @@ def test_prefix_hits_before_the_window_enter_the_table_released():
     assert [block.block_id for block in hits] == [0, 1, 2, 3, 4]
     assert manager.allocate_slots(b, 1, hits)
     # Position 10's window reads 8-10: blocks 0-3 (positions 0-7) are released at once.
-    assert manager.get_block_ids("b") == [0, 1, 2, 3, 4, 6] and manager.num_released["b"] == 4
+    assert manager.get_block_ids("b") == [0, 1, 2, 3, 4, 6] and manager.tables["b"].num_released == 4
     assert b.num_computed_tokens == 10 and manager.num_held_blocks("b") == 2
     assert _refs(manager) == [0, 0, 0, 0, 1, 0, 1, 0] and manager.num_free_blocks == 6
     manager.free(b)
