@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from pagellm.kernels.library import KernelLibrary, check_block_tables, check_slots
-from pagellm.attention.backend import AttentionMetadata, attention_dtype, write_kv
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata, attention_dtype, write_kv
 from pagellm.attention.torch_sdpa import TorchSDPAAttention
 
 
@@ -145,28 +145,29 @@ def checked_kernel_rows(metadata: AttentionMetadata, key_cache: torch.Tensor) ->
     return rows
 
 
-class CPUPagedAttention(TorchSDPAAttention):
+class CPUPagedAttention(AttentionBackend):
     """Every row of a step through the C++ paged kernel (bf16, float32, an fp8 cache under bf16),
-    sliding windows and capped scores included; other dtype pairs through SDPA, and so are the
-    prefill rows of head dims the kernel has no fast path for (``_PREFILL_HEAD_DIMS``)."""
+    sliding windows and capped scores included; other dtype pairs through the SDPA backend it
+    holds (composed, through its public calls), and so are the prefill rows of head dims the
+    kernel has no fast path for (``_PREFILL_HEAD_DIMS``)."""
 
     name = "cpu_paged"
 
     def __init__(self, lib: KernelLibrary | None) -> None:
         """``lib``: the kernel library of the engine's plan (required: this backend is the kernel)."""
-        super().__init__()
         if lib is None:
             raise RuntimeError(
                 "attention backend 'cpu_paged' needs the pagellm CPU kernels, which could not be built "
                 "(is a C++ compiler installed? are CPU kernels turned off: PAGELLM_CPU_KERNELS=0?)"
             )
         self.kernels = lib
+        self.sdpa = TorchSDPAAttention()  # the rows the kernel does not take
 
     def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale,
                 window=None, softcap=None):  # fmt: skip
         cdtype = attention_dtype(query.dtype, key_cache.dtype)
         if query.device.type != "cpu" or (cdtype, key_cache.dtype) not in _KERNEL_PAIRS:
-            return super().forward(query, key, value, key_cache, value_cache, metadata, scale, window, softcap)
+            return self.sdpa.forward(query, key, value, key_cache, value_cache, metadata, scale, window, softcap)
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = key_cache.shape[-2]
         if num_heads % num_kv_heads != 0:
@@ -193,7 +194,5 @@ class CPUPagedAttention(TorchSDPAAttention):
                 row_start=rows.start_for(window), softcap=softcap, rows_checked=True,
             )
         if split:  # the prefill requests through SDPA (their K/V are in the cache already)
-            group = num_heads // num_kv_heads
-            for p in self._get_plan(metadata, query.device, window).prefills:
-                self._prefill(q, key, value, key_cache, value_cache, p, out, num_kv_heads, group, head_dim, scale, softcap)
+            self.sdpa.prefill_rows(q, key, value, key_cache, value_cache, metadata, out, scale, window, softcap)
         return out if out.dtype == query.dtype else out.to(query.dtype)
