@@ -261,7 +261,8 @@ class Scheduler:
     def fork_request(self, parent_id: str, child: Request) -> None:
         """Start ``child`` as a running copy of ``parent_id``, sharing its KV blocks."""
         parent = self.requests[parent_id]
-        if child.request_id in self.requests:
+        if child.request_id in self.requests or child.request_id in self._finished_since_last_step:
+            # (a fork is copied before the step's finished rows go: its id must be a fresh one)
             raise ValueError(f"request id {child.request_id!r} is already in use")
         child.prompt_token_ids = parent.prompt_token_ids
         child.output_token_ids = list(parent.output_token_ids)

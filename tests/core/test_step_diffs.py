@@ -119,3 +119,17 @@ def test_a_preempted_sequence_keeps_its_row_and_is_sent_its_block_table_again() 
     assert len(resumed.new_block_ids) == 3 and resumed.num_tokens == 5
     # The worker kept its tokens: only the one sampled after its last step is sent.
     assert resumed.new_token_ids == [7] and not step.out.new_sequences
+
+
+def test_a_fork_may_not_reuse_an_id_the_worker_still_holds() -> None:
+    scheduler = attach(Scheduler(KVCacheManager(8, 4), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32))
+    for rid in ("a", "b"):
+        scheduler.add_request(Request(rid, [10, 11, 12], SamplingParams(max_tokens=4), max_tokens=4))
+    step = schedule(scheduler)
+    scheduler.update_from_output(step.out, ModelRunnerOutput(sampled={s: 7 for s in sampled_ids(step.out)}))
+    scheduler.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)  # the worker hears of it next step
+    with pytest.raises(ValueError, match="already in use"):
+        scheduler.fork_request("a", Request("b", [10, 11, 12], SamplingParams(max_tokens=4), max_tokens=4))
+    schedule(scheduler)  # "b" is dropped from the worker's batch: now the id is free again
+    scheduler.fork_request("a", Request("b", [10, 11, 12], SamplingParams(max_tokens=4), max_tokens=4))
+    assert [f.seq_id for f in schedule(scheduler).out.forked_sequences] == ["b"]
