@@ -103,7 +103,8 @@ class KVSnapshot:
 def listed_requests(scheduler: Scheduler, max_requests: int) -> list[Request]:
     """Running, then waiting (preempted ones in their place), then pending samples; at most ``max_requests``."""
     listed: list[Request] = []
-    for queue in (scheduler.running, scheduler.waiting, *scheduler.pending_forks.values()):
+    parents = (*scheduler.running, *scheduler.waiting)
+    for queue in (scheduler.running, scheduler.waiting, *(p.pending_forks for p in parents if p.pending_forks)):
         for request in queue:
             if len(listed) >= max_requests:
                 return listed
@@ -155,7 +156,7 @@ def take_kv_snapshot(
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
         num_preempted=preempted,
-        num_forking=sum(len(children) for children in scheduler.pending_forks.values()),
+        num_forking=sum(len(r.pending_forks) for queue in (scheduler.running, scheduler.waiting) for r in queue),
         requests=views,
         build_seconds=time.perf_counter() - started,
     )

@@ -66,6 +66,9 @@ class Request:
     # Its tokens are chosen by its owner, not by the sampler and the stop rules (a beam: the
     # beam search appends what it picks from the reported logprobs, ``Scheduler.append_token``).
     tokens_chosen_outside: bool = False
+    # Samples 2..n of its request (status WAITING_FOR_FORK), born as copies of this sequence
+    # once its prompt is computed: they share its prompt's blocks instead of computing them.
+    pending_forks: list[Request] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -43,8 +43,6 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        # Samples 2..n of a request, waiting for their parent's first sampling step.
-        self.pending_forks: dict[str, list[Request]] = {}
         # What the next step tells the worker besides its work (``step.py``): sequences it holds
         # that finished, sequences forked from ones it holds, sequences it meets this step.
         self._finished_since_last_step: list[str] = []
@@ -61,17 +59,19 @@ class Scheduler:
                 raise ValueError(f"request id {r.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
-        if fork_children:
-            for child in fork_children:
-                child.status = RequestStatus.WAITING_FOR_FORK
-                self.requests[child.request_id] = child
-            self.pending_forks[request.request_id] = list(fork_children)
+        for child in fork_children or ():
+            child.status = RequestStatus.WAITING_FOR_FORK
+            self.requests[child.request_id] = child
+        request.pending_forks = list(fork_children or ())
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.pending_forks)
+        """(A pending fork's parent is waiting or running.)"""
+        return bool(self.waiting or self.running)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        """End requests from outside the step (abort, stop string); frees their blocks at once."""
+        """End requests from outside the step (abort, stop string); frees their blocks at once.
+        A sequence ending before its prompt was computed ends its pending forks too (they would
+        never be born)."""
         finished = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
@@ -85,14 +85,18 @@ class Scheduler:
                 self.waiting.remove(request)
             self._finish(request, status)
             finished.append(request)
+            orphans, request.pending_forks = request.pending_forks, []
+            for child in orphans:
+                self._finish(child, status)
+                finished.append(child)
         return finished
 
     def _drop_pending_fork(self, child: Request) -> None:
-        for parent_id, children in list(self.pending_forks.items()):
-            if child in children:
-                children.remove(child)
-                if not children:
-                    del self.pending_forks[parent_id]
+        """Take a pending fork off its parent (waiting or running: a fork is pending until the
+        parent's prompt is computed)."""
+        for parent in (*self.running, *self.waiting):
+            if child in parent.pending_forks:
+                parent.pending_forks.remove(child)
                 return
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
@@ -229,7 +233,7 @@ class Scheduler:
         request.num_blocks_sent = table_start + len(new_blocks)
         forks = []
         if sample:  # the samples waiting for this prompt are born on the worker as copies of it
-            for child in self.pending_forks.get(request.request_id, ()):
+            for child in request.pending_forks:
                 child.num_tokens_sent, child.num_blocks_sent = request.num_tokens_sent, request.num_blocks_sent
                 forks.append(SampleFork(child.request_id, child.sampling_params))
         return ScheduledSequence(request.request_id, start, num_new, sample, new_tokens, table_start, new_blocks, forks)
@@ -285,7 +289,7 @@ class Scheduler:
 
     def _fork_children(self, parent: Request, item: ScheduledSequence) -> list[Request]:
         """Turn the parent's pending samples into running sequences sharing its blocks."""
-        children = self.pending_forks.pop(parent.request_id, [])
+        children, parent.pending_forks = parent.pending_forks, []
         for child in children:
             self.kv_cache_manager.fork(parent, child)
             child.status = RequestStatus.RUNNING

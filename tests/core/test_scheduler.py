@@ -206,6 +206,13 @@ def test_abort_of_pending_forks():
     s.add_request(make_request("p#0", 4), [make_request("p#1", 4)])
     s.finish_requests(["p#0", "p#1"], RequestStatus.FINISHED_ABORTED)
     assert not s.has_unfinished_requests() and s.requests == {}
+    # A pending fork alone leaves its parent; a parent alone takes its pending forks with it.
+    s.add_request(make_request("q#0", 4), [make_request("q#1", 4), make_request("q#2", 4)])
+    assert [r.request_id for r in s.finish_requests(["q#2"], RequestStatus.FINISHED_ABORTED)] == ["q#2"]
+    assert [r.request_id for r in s.requests["q#0"].pending_forks] == ["q#1"]
+    finished = s.finish_requests(["q#0"], RequestStatus.FINISHED_ABORTED)
+    assert [(r.request_id, r.finish_reason) for r in finished] == [("q#0", "abort"), ("q#1", "abort")]
+    assert not s.has_unfinished_requests() and s.requests == {}
 
 
 def test_prefix_hit_after_preemption_resumes_from_cached_blocks():
