@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from pagellm.core.kv_cache_manager import KVCacheManager
-from pagellm.core.request import Request
+from pagellm.core.sequence import Sequence
 from pagellm.core.scheduler import Scheduler
 from pagellm.sampling_params import SamplingParams
 from pagellm.step import ModelRunnerOutput, SchedulerOutput
@@ -38,7 +38,7 @@ def decode_step(num_seqs: int, context: int, block_size: int, budget: int) -> tu
     for i in range(num_seqs):  # distinct prompts: no prefix-cache sharing shrinks the tables
         prompt = [1000 + i] + [(7 * i + j) % 30000 + 1 for j in range(context - 2)]
         params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, ignore_eos=True)
-        scheduler.add_request(Request(f"req-{i}", prompt, params, max_tokens=max_tokens, eos_token_ids=frozenset({2})))
+        scheduler.add_sequence(Sequence(f"req-{i}", prompt, params, max_tokens=max_tokens, eos_token_ids=frozenset({2})))
     before = 0
     while True:
         out = scheduler.schedule()

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagellm.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from pagellm.core.kv_snapshot import take_kv_snapshot  # noqa: E402
-from pagellm.core.request import Request  # noqa: E402
+from pagellm.core.sequence import Sequence  # noqa: E402
 from pagellm.core.scheduler import Scheduler  # noqa: E402
 from pagellm.engine.llm_engine import EngineStats  # noqa: E402
 from pagellm.entrypoints.ui.payload import build_payload  # noqa: E402
@@ -37,9 +37,9 @@ def busy_scheduler(num_blocks: int, num_requests: int) -> Scheduler:
     system = list(range(1000, 1256))
     for i in range(num_requests):
         prompt = system + list(range(10_000 + 100 * i, 10_000 + 100 * i + 64))
-        scheduler.add_request(Request(str(i), prompt, SamplingParams(max_tokens=4), max_tokens=4))
+        scheduler.add_sequence(Sequence(str(i), prompt, SamplingParams(max_tokens=4), max_tokens=4))
     out = scheduler.schedule()
-    scheduler.update_from_output(out, ModelRunnerOutput(sampled={r.request_id: 7 for r in out.scheduled if r.sample}))
+    scheduler.update_from_output(out, ModelRunnerOutput(sampled={r.seq_id: 7 for r in out.scheduled if r.sample}))
     return scheduler
 
 

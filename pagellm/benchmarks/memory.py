@@ -54,7 +54,7 @@ class Allocator(Protocol):
 
 
 class PagedAllocator:
-    """Our block allocator (``pagellm.core.KVCacheManager``), driven with real ``Request`` objects."""
+    """Our block allocator (``pagellm.core.KVCacheManager``), driven with real ``Sequence`` objects."""
 
     name = "paged"
 
@@ -69,13 +69,13 @@ class PagedAllocator:
         self._requests: dict[int, Any] = {}
 
     def _request(self, req_id: int, held: int) -> Any:
-        from pagellm.core.request import Request
+        from pagellm.core.sequence import Sequence
         from pagellm.sampling_params import SamplingParams
 
         request = self._requests.get(req_id)
         if request is None:
-            request = Request(
-                request_id=str(req_id), prompt_token_ids=[0], sampling_params=SamplingParams(), max_tokens=1
+            request = Sequence(
+                seq_id=str(req_id), prompt_token_ids=[0], sampling_params=SamplingParams(), max_tokens=1
             )
             self._requests[req_id] = request
         request.num_computed_tokens = held

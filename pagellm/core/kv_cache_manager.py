@@ -31,12 +31,12 @@ never holds more than its window and one step's tokens span.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence as ReadOnlyList
 from dataclasses import dataclass, field
 
 from pagellm.core.block_pool import BlockPool
 from pagellm.core.kv_cache_utils import KVCacheBlock, hash_block_tokens
-from pagellm.core.request import Request
+from pagellm.core.sequence import Sequence
 from pagellm.utils import cdiv
 
 
@@ -99,27 +99,27 @@ class KVCacheManager:
 
     # ---- prefix cache ---------------------------------------------------------------
 
-    def update_block_hashes(self, request: Request) -> None:
+    def update_block_hashes(self, seq: Sequence) -> None:
         """Extend the request's hash chain over every full block of its known tokens."""
-        hashes = request.block_hashes
+        hashes = seq.block_hashes
         size = self.block_size
-        for i in range(len(hashes), request.num_tokens // size):
+        for i in range(len(hashes), seq.num_tokens // size):
             parent = hashes[-1] if hashes else None
-            salt = request.cache_salt if i == 0 else None
-            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * size : (i + 1) * size], salt))
+            salt = seq.cache_salt if i == 0 else None
+            hashes.append(hash_block_tokens(parent, seq.all_token_ids[i * size : (i + 1) * size], salt))
 
-    def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
+    def get_computed_blocks(self, seq: Sequence) -> list[KVCacheBlock]:
         """Leading blocks of ``request`` already in the pool (not yet referenced).
 
         At least the last token is always left to compute: its logits are needed.
         Requests asking for prompt logprobs compute everything.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_caching or seq.sampling_params.prompt_logprobs is not None:
             return []
-        self.update_block_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        self.update_block_hashes(seq)
+        max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
+        for block_hash in seq.block_hashes[:max_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
             if block is None:
                 break
@@ -132,7 +132,7 @@ class KVCacheManager:
             self.stats.queries += num_tokens
             self.stats.hits += num_hit_tokens
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Register the request's blocks that are full once its first ``num_tokens`` are computed.
 
         Called when the step that computes them is scheduled, so a request admitted later
@@ -141,27 +141,27 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return
-        self.update_block_hashes(request)
-        table = self.tables.get(request.request_id, _EMPTY)
+        self.update_block_hashes(seq)
+        table = self.tables.get(seq.seq_id, _EMPTY)
         blocks = table.blocks
-        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        num_full = min(num_tokens // self.block_size, len(seq.block_hashes))
         start = table.num_released  # (released: cached when they filled)
-        for block, block_hash in zip(blocks[start:num_full], request.block_hashes[start:num_full]):
+        for block, block_hash in zip(blocks[start:num_full], seq.block_hashes[start:num_full]):
             self.block_pool.cache_full_block(block, block_hash)
 
     # ---- allocation -------------------------------------------------------------------
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVCacheBlock] = ()
+        self, seq: Sequence, num_new_tokens: int, computed_blocks: ReadOnlyList[KVCacheBlock] = ()
     ) -> bool:
         """Make room for ``num_new_tokens`` more tokens of ``request``; all or nothing.
 
         ``computed_blocks`` (a prefix hit, only for a request holding no block) are
-        taken first and advance ``request.num_computed_tokens``. Returns False and
+        taken first and advance ``seq.num_computed_tokens``. Returns False and
         changes nothing when the pool has too few free blocks.
         """
-        blocks = self.tables.get(request.request_id, _EMPTY).blocks
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        blocks = self.tables.get(seq.seq_id, _EMPTY).blocks
+        num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
         num_held = len(blocks) + len(computed_blocks)
         num_new_blocks = max(0, cdiv(num_computed + num_new_tokens, self.block_size) - num_held)
         cow_index = self._cow_index(blocks, num_computed, num_new_tokens)
@@ -173,12 +173,12 @@ class KVCacheManager:
         if num_new_blocks + (cow_index is not None) + num_revived > self.block_pool.num_free_blocks:
             return False
 
-        table = self.tables.get(request.request_id)
+        table = self.tables.get(seq.seq_id)
         if table is None:
-            table = self.tables[request.request_id] = BlockTable()
+            table = self.tables[seq.seq_id] = BlockTable()
         if computed_blocks:
             self.block_pool.touch(live_hits)
-            request.num_computed_tokens = num_computed
+            seq.num_computed_tokens = num_computed
             table.num_released = skipped
         blocks = table.blocks
         blocks.extend(computed_blocks)
@@ -186,7 +186,7 @@ class KVCacheManager:
             self._copy_on_write(blocks, cow_index)
         if num_new_blocks:
             blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
-        self.cache_blocks(request, num_computed + num_new_tokens)
+        self.cache_blocks(seq, num_computed + num_new_tokens)
         self._release_outside_window(table, num_computed)
         return True
 
@@ -225,38 +225,38 @@ class KVCacheManager:
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
-    def fork(self, parent: Request, child: Request) -> None:
+    def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let ``child`` share every block of ``parent`` (its computed tokens included)."""
-        if child.request_id in self.tables:
-            raise ValueError(f"request {child.request_id!r} already holds blocks; only a new sequence can fork")
-        parent_table = self.tables.get(parent.request_id, _EMPTY)
+        if child.seq_id in self.tables:
+            raise ValueError(f"sequence {child.seq_id!r} already holds blocks; only a new sequence can fork")
+        parent_table = self.tables.get(parent.seq_id, _EMPTY)
         table = BlockTable(list(parent_table.blocks), parent_table.num_released)
         self.block_pool.touch(table.held)
-        self.tables[child.request_id] = table
+        self.tables[child.seq_id] = table
         child.num_computed_tokens = parent.num_computed_tokens
         # Only blocks inside the shared (computed) prefix have keys valid for both.
         child.block_hashes = parent.block_hashes[: parent.num_computed_tokens // self.block_size]
         self.stats.forks += 1
 
-    def free(self, request: Request) -> None:
+    def free(self, seq: Sequence) -> None:
         """Drop all of a request's blocks, last block first so tails are reused first."""
-        table = self.tables.pop(request.request_id, _EMPTY)
+        table = self.tables.pop(seq.seq_id, _EMPTY)
         self.block_pool.free_blocks(reversed(table.held))
 
-    def get_block_ids(self, request_id: str) -> list[int]:
+    def get_block_ids(self, seq_id: str) -> list[int]:
         """The request's block table (released entries keep their stale ids: masked positions)."""
-        return [block.block_id for block in self.tables.get(request_id, _EMPTY).blocks]
+        return [block.block_id for block in self.tables.get(seq_id, _EMPTY).blocks]
 
-    def block_ids_from(self, request_id: str, start: int) -> list[int]:
+    def block_ids_from(self, seq_id: str, start: int) -> list[int]:
         """The request's block table from entry ``start`` on (what a step sends of it)."""
-        return [block.block_id for block in self.tables.get(request_id, _EMPTY).blocks[start:]]
+        return [block.block_id for block in self.tables.get(seq_id, _EMPTY).blocks[start:]]
 
-    def num_held_blocks(self, request_id: str) -> int:
+    def num_held_blocks(self, seq_id: str) -> int:
         """Blocks the request holds a reference to (its table less the released entries)."""
-        table = self.tables.get(request_id, _EMPTY)
+        table = self.tables.get(seq_id, _EMPTY)
         return len(table.blocks) - table.num_released
 
-    def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """How many more blocks ``request`` needs to also hold ``num_new_tokens`` tokens."""
-        held = len(self.tables.get(request.request_id, _EMPTY).blocks)
-        return max(0, cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - held)
+        held = len(self.tables.get(seq.seq_id, _EMPTY).blocks)
+        return max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - held)

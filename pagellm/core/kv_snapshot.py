@@ -27,7 +27,7 @@ import numpy as np
 
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.kv_cache_utils import KVCacheBlock
-from pagellm.core.request import Request, RequestStatus
+from pagellm.core.sequence import Sequence, SequenceStatus
 from pagellm.core.scheduler import Scheduler
 
 # Owner codes of a cell that no listed request holds.
@@ -44,10 +44,10 @@ _REF_CNT = attrgetter("ref_cnt")
 _NO_HOLDER = np.iinfo(np.int64).max
 
 _STATUS_NAMES = {
-    RequestStatus.RUNNING: "running",
-    RequestStatus.WAITING: "waiting",
-    RequestStatus.PREEMPTED: "preempted",
-    RequestStatus.WAITING_FOR_FORK: "forking",
+    SequenceStatus.RUNNING: "running",
+    SequenceStatus.WAITING: "waiting",
+    SequenceStatus.PREEMPTED: "preempted",
+    SequenceStatus.WAITING_FOR_FORK: "forking",
 }
 
 
@@ -100,15 +100,15 @@ class KVSnapshot:
         return int(self.owner.shape[0])
 
 
-def listed_requests(scheduler: Scheduler, max_requests: int) -> list[Request]:
+def listed_requests(scheduler: Scheduler, max_requests: int) -> list[Sequence]:
     """Running, then waiting (preempted ones in their place), then pending samples; at most ``max_requests``."""
-    listed: list[Request] = []
+    listed: list[Sequence] = []
     parents = (*scheduler.running, *scheduler.waiting)
     for queue in (scheduler.running, scheduler.waiting, *(p.pending_forks for p in parents if p.pending_forks)):
-        for request in queue:
+        for seq in queue:
             if len(listed) >= max_requests:
                 return listed
-            listed.append(request)
+            listed.append(seq)
     return listed
 
 
@@ -139,9 +139,9 @@ def take_kv_snapshot(
     owner[cached_ids[cached_free] // per_cell] = OWNER_CACHED_FREE  # held cells are overwritten below
 
     listed = listed_requests(scheduler, max_requests)
-    _mark_holders(manager, {r.request_id: i for i, r in enumerate(listed)}, per_cell, owner, ref_cnt, position)
-    views = [_request_view(manager, request, max_table_blocks) for request in listed]
-    preempted = sum(1 for r in scheduler.waiting if r.status == RequestStatus.PREEMPTED)
+    _mark_holders(manager, {r.seq_id: i for i, r in enumerate(listed)}, per_cell, owner, ref_cnt, position)
+    views = [_request_view(manager, seq, max_table_blocks) for seq in listed]
+    preempted = sum(1 for r in scheduler.waiting if r.status == SequenceStatus.PREEMPTED)
     return KVSnapshot(
         block_size=manager.block_size,
         num_blocks=num_blocks,
@@ -174,12 +174,12 @@ def _mark_holders(
     keys: list[int] = []  # per holder: its listed index (unlisted: after every listed one)
     lengths: list[int] = []
     starts: list[int] = []  # per holder: the table index of its first held block
-    for request_id, table in manager.tables.items():
+    for seq_id, table in manager.tables.items():
         blocks, released = table.blocks, table.num_released
         if len(blocks) <= released:
             continue
         held.extend(blocks[released:])
-        keys.append(index.get(request_id, unlisted))
+        keys.append(index.get(seq_id, unlisted))
         lengths.append(len(blocks) - released)
         starts.append(released)
     if not held:
@@ -206,17 +206,17 @@ def _mark_holders(
         position[held_cells] = best[held_cells] & 0xFFFFFFFF
 
 
-def _request_view(manager: KVCacheManager, request: Request, max_table_blocks: int) -> RequestView:
-    table = manager.tables.get(request.request_id)
+def _request_view(manager: KVCacheManager, seq: Sequence, max_table_blocks: int) -> RequestView:
+    table = manager.tables.get(seq.seq_id)
     blocks = table.blocks if table is not None else []
     return RequestView(
-        request_id=request.request_id,
-        status=_STATUS_NAMES.get(request.status, request.status.name.lower()),
-        num_computed_tokens=request.num_computed_tokens,
-        num_tokens=request.num_tokens,
-        num_prompt_tokens=request.num_prompt_tokens,
-        num_cached_tokens=request.num_cached_tokens,
-        num_preemptions=request.num_preemptions,
+        request_id=seq.seq_id,
+        status=_STATUS_NAMES.get(seq.status, seq.status.name.lower()),
+        num_computed_tokens=seq.num_computed_tokens,
+        num_tokens=seq.num_tokens,
+        num_prompt_tokens=seq.num_prompt_tokens,
+        num_cached_tokens=seq.num_cached_tokens,
+        num_preemptions=seq.num_preemptions,
         num_blocks=len(blocks),
         num_released=table.num_released if table is not None else 0,
         block_ids=list(map(_BLOCK_ID, blocks[:max_table_blocks])),

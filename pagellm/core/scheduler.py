@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pagellm.core.kv_cache_manager import KVCacheManager
-from pagellm.core.request import Request, RequestStatus
+from pagellm.core.sequence import Sequence, SequenceStatus
 from pagellm.step import ForkedSequence, ModelRunnerOutput, NewSequence, SampleFork, ScheduledSequence, SchedulerOutput
 
 
@@ -40,9 +40,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.sequences: dict[str, Sequence] = {}
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
         # What the next step tells the worker besides its work (``step.py``): sequences it holds
         # that finished, sequences forked from ones it holds, sequences it meets this step.
         self._finished_since_last_step: list[str] = []
@@ -52,46 +52,46 @@ class Scheduler:
 
     # ---- queue management -------------------------------------------------
 
-    def add_request(self, request: Request, fork_children: list[Request] | None = None) -> None:
+    def add_sequence(self, seq: Sequence, fork_children: list[Sequence] | None = None) -> None:
         """Queue a request; ``fork_children`` will share its prompt's KV instead of computing it."""
-        for r in [request, *(fork_children or [])]:
-            if r.request_id in self.requests:
-                raise ValueError(f"request id {r.request_id!r} is already in use")
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
+        for r in [seq, *(fork_children or [])]:
+            if r.seq_id in self.sequences:
+                raise ValueError(f"sequence id {r.seq_id!r} is already in use")
+        self.sequences[seq.seq_id] = seq
+        self.waiting.append(seq)
         for child in fork_children or ():
-            child.status = RequestStatus.WAITING_FOR_FORK
-            self.requests[child.request_id] = child
-        request.pending_forks = list(fork_children or ())
+            child.status = SequenceStatus.WAITING_FOR_FORK
+            self.sequences[child.seq_id] = child
+        seq.pending_forks = list(fork_children or ())
 
-    def has_unfinished_requests(self) -> bool:
+    def has_unfinished_sequences(self) -> bool:
         """(A pending fork's parent is waiting or running.)"""
         return bool(self.waiting or self.running)
 
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+    def finish_sequences(self, seq_ids: Iterable[str], status: SequenceStatus) -> list[Sequence]:
         """End requests from outside the step (abort, stop string); frees their blocks at once.
         A sequence ending before its prompt was computed ends its pending forks too (they would
         never be born)."""
         finished = []
-        for request_id in request_ids:
-            request = self.requests.get(request_id)
-            if request is None or request.is_finished:
+        for seq_id in seq_ids:
+            seq = self.sequences.get(seq_id)
+            if seq is None or seq.is_finished:
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            elif request.status == RequestStatus.WAITING_FOR_FORK:
-                self._drop_pending_fork(request)
+            if seq.status == SequenceStatus.RUNNING:
+                self.running.remove(seq)
+            elif seq.status == SequenceStatus.WAITING_FOR_FORK:
+                self._drop_pending_fork(seq)
             else:
-                self.waiting.remove(request)
-            self._finish(request, status)
-            finished.append(request)
-            orphans, request.pending_forks = request.pending_forks, []
+                self.waiting.remove(seq)
+            self._finish(seq, status)
+            finished.append(seq)
+            orphans, seq.pending_forks = seq.pending_forks, []
             for child in orphans:
                 self._finish(child, status)
                 finished.append(child)
         return finished
 
-    def _drop_pending_fork(self, child: Request) -> None:
+    def _drop_pending_fork(self, child: Sequence) -> None:
         """Take a pending fork off its parent (waiting or running: a fork is pending until the
         parent's prompt is computed)."""
         for parent in (*self.running, *self.waiting):
@@ -99,13 +99,13 @@ class Scheduler:
                 parent.pending_forks.remove(child)
                 return
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
-        request.status = status
-        self.kv_cache_manager.free(request)
-        del self.requests[request.request_id]
-        if request.num_tokens_sent:
-            self._finished_since_last_step.append(request.request_id)
-            request.num_tokens_sent = 0
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        seq.status = status
+        self.kv_cache_manager.free(seq)
+        del self.sequences[seq.seq_id]
+        if seq.num_tokens_sent:
+            self._finished_since_last_step.append(seq.seq_id)
+            seq.num_tokens_sent = 0
 
     # ---- one step ------------------------------------------------------------
 
@@ -126,14 +126,14 @@ class Scheduler:
 
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled) < seq_budget:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0 or request.request_id in in_flight:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0 or seq.seq_id in in_flight:
                 i += 1
                 continue
-            if not self._allocate_or_preempt(request, num_new, in_flight):
+            if not self._allocate_or_preempt(seq, num_new, in_flight):
                 break  # the request itself was preempted: nothing younger is left to run
-            scheduled.append(self._scheduled(request, num_new))
+            scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
             i += 1
         # Admitting new work right after preempting would only preempt again.
@@ -159,23 +159,23 @@ class Scheduler:
         manager = self.kv_cache_manager
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(scheduled) < seq_budget):  # fmt: skip
-            request = self.waiting[0]
-            cached = manager.get_computed_blocks(request)
+            seq = self.waiting[0]
+            cached = manager.get_computed_blocks(seq)
             num_cached = len(cached) * manager.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
-            if not manager.allocate_slots(request, num_new, cached):
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if not manager.allocate_slots(seq, num_new, cached):
                 break
-            manager.record_prefix_lookup(request.num_tokens, num_cached)
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_cached
+            manager.record_prefix_lookup(seq.num_tokens, num_cached)
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = num_cached
             self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            _insert_by_arrival(self.running, request)
-            scheduled.append(self._scheduled(request, num_new))
+            seq.status = SequenceStatus.RUNNING
+            _insert_by_arrival(self.running, seq)
+            scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
         return budget
 
-    def _preempt_idle_younger_than(self, head: Request, in_flight: frozenset[str]) -> bool:
+    def _preempt_idle_younger_than(self, head: Sequence, in_flight: frozenset[str]) -> bool:
         """Break a standstill: free idle running requests younger than the waiting head.
 
         Requests that wait on others (beams of a beam search waiting for their siblings)
@@ -183,7 +183,7 @@ class Scheduler:
         """
         idle = [
             r for r in self.running
-            if r.num_computed_tokens == r.num_tokens and r.arrival_time > head.arrival_time and r.request_id not in in_flight
+            if r.num_computed_tokens == r.num_tokens and r.arrival_time > head.arrival_time and r.seq_id not in in_flight
         ]  # fmt: skip
         for victim in reversed(idle):
             self.running.remove(victim)
@@ -192,136 +192,136 @@ class Scheduler:
                 break
         return bool(idle)
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, in_flight: frozenset[str]) -> bool:
+    def _allocate_or_preempt(self, seq: Sequence, num_new: int, in_flight: frozenset[str]) -> bool:
         """Allocate blocks for ``request``, preempting the newest running requests as needed.
 
         Returns False if ``request`` itself had to be preempted.
         """
-        while not self.kv_cache_manager.allocate_slots(request, num_new):
-            victims = [r for r in self.running if r.request_id not in in_flight]  # never a request in flight
+        while not self.kv_cache_manager.allocate_slots(seq, num_new):
+            victims = [r for r in self.running if r.seq_id not in in_flight]  # never a request in flight
             victim = victims[-1]  # (``request`` itself at the latest)
             self.running.remove(victim)
             self._preempt(victim)
-            if victim is request:
+            if victim is seq:
                 return False
         return True
 
-    def _preempt(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_blocks_sent = 0  # the worker keeps its row (tokens, generator), not its blocks
-        request.num_preemptions += 1
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv_cache_manager.free(seq)
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_computed_tokens = 0
+        seq.num_blocks_sent = 0  # the worker keeps its row (tokens, generator), not its blocks
+        seq.num_preemptions += 1
         self.stats.num_preemptions += 1
-        _insert_by_arrival(self.waiting, request)
+        _insert_by_arrival(self.waiting, seq)
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
+    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
         """The step's diff for ``request``: a sequence the worker does not know goes whole into
         ``new_sequences``; otherwise only its unsent tokens and the changed end of its block
         table (from the block this step writes into: a copy-on-write may replace it)."""
-        start = request.num_computed_tokens
-        sample = start + num_new == request.num_tokens
+        start = seq.num_computed_tokens
+        sample = start + num_new == seq.num_tokens
         new_tokens: list[int] = []
-        if request.num_tokens_sent == 0:
-            self._new_sequences.append(NewSequence(request.request_id, list(request.all_token_ids),
-                                                   request.num_prompt_tokens, request.sampling_params))  # fmt: skip
-        elif request.num_tokens_sent < request.num_tokens:
-            new_tokens = request.all_token_ids[request.num_tokens_sent :]
-        request.num_tokens_sent = request.num_tokens
-        table_start = min(request.num_blocks_sent, start // self.kv_cache_manager.block_size)
-        new_blocks = self.kv_cache_manager.block_ids_from(request.request_id, table_start)
-        request.num_blocks_sent = table_start + len(new_blocks)
+        if seq.num_tokens_sent == 0:
+            self._new_sequences.append(NewSequence(seq.seq_id, list(seq.all_token_ids),
+                                                   seq.num_prompt_tokens, seq.sampling_params))  # fmt: skip
+        elif seq.num_tokens_sent < seq.num_tokens:
+            new_tokens = seq.all_token_ids[seq.num_tokens_sent :]
+        seq.num_tokens_sent = seq.num_tokens
+        table_start = min(seq.num_blocks_sent, start // self.kv_cache_manager.block_size)
+        new_blocks = self.kv_cache_manager.block_ids_from(seq.seq_id, table_start)
+        seq.num_blocks_sent = table_start + len(new_blocks)
         forks = []
         if sample:  # the samples waiting for this prompt are born on the worker as copies of it
-            for child in request.pending_forks:
-                child.num_tokens_sent, child.num_blocks_sent = request.num_tokens_sent, request.num_blocks_sent
-                forks.append(SampleFork(child.request_id, child.sampling_params))
-        return ScheduledSequence(request.request_id, start, num_new, sample, new_tokens, table_start, new_blocks, forks)
+            for child in seq.pending_forks:
+                child.num_tokens_sent, child.num_blocks_sent = seq.num_tokens_sent, seq.num_blocks_sent
+                forks.append(SampleFork(child.seq_id, child.sampling_params))
+        return ScheduledSequence(seq.seq_id, start, num_new, sample, new_tokens, table_start, new_blocks, forks)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> tuple[list[Request], list[Request]]:
+    ) -> tuple[list[Sequence], list[Sequence]]:
         """Advance every scheduled request; returns (requests with a new token, newly finished)."""
-        updated: list[Request] = []
-        finished: list[Request] = []
+        updated: list[Sequence] = []
+        finished: list[Sequence] = []
         for item in scheduler_output.scheduled:
-            request = self.requests.get(item.seq_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            seq = self.sequences.get(item.seq_id)
+            if seq is None or seq.status != SequenceStatus.RUNNING:
                 continue  # aborted or preempted after scheduling
-            start = request.num_computed_tokens
-            request.num_computed_tokens += item.num_tokens
-            prompt_len = request.num_prompt_tokens
-            self.stats.num_prompt_tokens_computed += min(request.num_computed_tokens, prompt_len) - min(
+            start = seq.num_computed_tokens
+            seq.num_computed_tokens += item.num_tokens
+            prompt_len = seq.num_prompt_tokens
+            self.stats.num_prompt_tokens_computed += min(seq.num_computed_tokens, prompt_len) - min(
                 start, prompt_len
             )
             token_id = runner_output.sampled.get(item.seq_id)
-            if token_id is None or request.tokens_chosen_outside:  # no sample this step, or its owner picks
+            if token_id is None or seq.tokens_chosen_outside:  # no sample this step, or its owner picks
                 continue
-            children = self._fork_children(request, item) if item.forks else []
-            for seq in [request, *children]:
-                self._append_token(seq, runner_output.sampled[seq.request_id], updated, finished)
+            children = self._fork_children(seq, item) if item.forks else []
+            for seq in [seq, *children]:
+                self._append_token(seq, runner_output.sampled[seq.seq_id], updated, finished)
         return updated, finished
 
-    def fork_request(self, parent_id: str, child: Request) -> None:
+    def fork_sequence(self, parent_id: str, child: Sequence) -> None:
         """Start ``child`` as a running copy of ``parent_id``, sharing its KV blocks."""
-        parent = self.requests[parent_id]
-        if child.request_id in self.requests or child.request_id in self._finished_since_last_step:
+        parent = self.sequences[parent_id]
+        if child.seq_id in self.sequences or child.seq_id in self._finished_since_last_step:
             # (a fork is copied before the step's finished rows go: its id must be a fresh one)
-            raise ValueError(f"request id {child.request_id!r} is already in use")
+            raise ValueError(f"sequence id {child.seq_id!r} is already in use")
         child.prompt_token_ids = parent.prompt_token_ids
         child.output_token_ids = list(parent.output_token_ids)
         child.all_token_ids = list(parent.all_token_ids)
         self.kv_cache_manager.fork(parent, child)
-        child.status = RequestStatus.RUNNING
+        child.status = SequenceStatus.RUNNING
         child.arrival_time = parent.arrival_time
         # The worker copies its row of the parent (a parent it has not met yet: the child is new to it too).
         child.num_tokens_sent, child.num_blocks_sent = parent.num_tokens_sent, parent.num_blocks_sent
         if parent.num_tokens_sent:
             params = None if child.sampling_params == parent.sampling_params else child.sampling_params
-            self._forked_since_last_step.append(ForkedSequence(child.request_id, parent_id, params))
-        self.requests[child.request_id] = child
+            self._forked_since_last_step.append(ForkedSequence(child.seq_id, parent_id, params))
+        self.sequences[child.seq_id] = child
         _insert_by_arrival(self.running, child)
 
-    def append_token(self, request_id: str, token_id: int) -> None:
+    def append_token(self, seq_id: str, token_id: int) -> None:
         """Append a token chosen outside the sampler and the stop rules (a beam search's)."""
-        self.requests[request_id].append_output_token(token_id)
+        self.sequences[seq_id].append_output_token(token_id)
         self.stats.num_generated_tokens += 1
 
-    def _fork_children(self, parent: Request, item: ScheduledSequence) -> list[Request]:
+    def _fork_children(self, parent: Sequence, item: ScheduledSequence) -> list[Sequence]:
         """Turn the parent's pending samples into running sequences sharing its blocks."""
         children, parent.pending_forks = parent.pending_forks, []
         for child in children:
             self.kv_cache_manager.fork(parent, child)
-            child.status = RequestStatus.RUNNING
+            child.status = SequenceStatus.RUNNING
             _insert_by_arrival(self.running, child)
         return children
 
-    def _append_token(self, request: Request, token_id: int, updated: list[Request], finished: list[Request]) -> None:
-        request.append_output_token(token_id)
+    def _append_token(self, seq: Sequence, token_id: int, updated: list[Sequence], finished: list[Sequence]) -> None:
+        seq.append_output_token(token_id)
         self.stats.num_generated_tokens += 1
-        updated.append(request)
-        status = self._check_stop(request, token_id)
+        updated.append(seq)
+        status = self._check_stop(seq, token_id)
         if status is not None:
-            self.running.remove(request)
-            self._finish(request, status)
-            finished.append(request)
+            self.running.remove(seq)
+            self._finish(seq, status)
+            finished.append(seq)
 
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
+    def _check_stop(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
+        params = seq.sampling_params
+        if seq.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in seq.eos_token_ids:
+                return SequenceStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
-                request.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
+                seq.stop_reason = token_id
+                return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
         return None
 
 
-def _insert_by_arrival(queue: list[Request] | deque[Request], request: Request) -> None:
+def _insert_by_arrival(queue: list[Sequence] | deque[Sequence], seq: Sequence) -> None:
     """Insert after every request that arrived no later (queues stay in FCFS order)."""
     index = len(queue)
-    while index > 0 and queue[index - 1].arrival_time > request.arrival_time:
+    while index > 0 and queue[index - 1].arrival_time > seq.arrival_time:
         index -= 1
-    queue.insert(index, request)
+    queue.insert(index, seq)

@@ -1,7 +1,7 @@
 """The engine's beam searches: one owner for their state, driving core through a narrow API.
 
 Each beam is a plain request in core (the scheduler knows nothing of beams) whose tokens are
-chosen outside the sampler (``Request.tokens_chosen_outside``: the scheduler appends none of its
+chosen outside the sampler (``Sequence.tokens_chosen_outside``: the scheduler appends none of its
 sampled tokens): the controller, not the scheduler's stop rules, decides what each beam appends,
 from the beams' reported logprobs, and then tells the scheduler to fork a beam chosen twice, append the chosen tokens
 and finish the beams not chosen (``fork_request``, ``append_token``, ``finish_requests``).
@@ -18,7 +18,7 @@ import logging
 
 from transformers import PreTrainedTokenizerBase
 
-from pagellm.core.request import Request, RequestStatus
+from pagellm.core.sequence import Sequence, SequenceStatus
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.beam_search import Beam, BeamSearchGroup, BeamSearchParams, Continuation
 from pagellm.engine.protocol import EngineRequest
@@ -56,7 +56,7 @@ class BeamSearchController:
         if request.arrival_time is not None:
             group.arrival_time = request.arrival_time
         first = self._new_beam(group)
-        group.beams = [Beam(first.request_id, 0.0, [])]
+        group.beams = [Beam(first.seq_id, 0.0, [])]
         self.groups[request.request_id] = group
         return first
 
@@ -92,11 +92,11 @@ class BeamSearchController:
         """End a beam search now; its output holds the hypotheses finished so far."""
         return self._end(self.groups[request_id])
 
-    def _new_beam(self, group: BeamSearchGroup) -> Request:
+    def _new_beam(self, group: BeamSearchGroup) -> Sequence:
         seq_id = sequence_id(group.request_id, next(self._counter))
         # Greedy sampling with the top 2W logprobs: the group, not the sampler, picks tokens.
         params = SamplingParams(temperature=0, max_tokens=group.max_tokens, logprobs=group.params.num_candidates)
-        return Request(
+        return Sequence(
             seq_id, group.prompt_token_ids, params, max_tokens=group.max_tokens, eos_token_ids=self.eos_token_ids,
             arrival_time=group.arrival_time, tokens_chosen_outside=True,
         )  # fmt: skip
@@ -113,9 +113,9 @@ class BeamSearchController:
                 seq_ids.append(parent_id)
             else:
                 child = self._new_beam(group)
-                self.scheduler.fork_request(parent_id, child)
-                self.structured_output.fork(parent_id, child.request_id)  # the parent's state before this token
-                seq_ids.append(child.request_id)
+                self.scheduler.fork_sequence(parent_id, child)
+                self.structured_output.fork(parent_id, child.seq_id)  # the parent's state before this token
+                seq_ids.append(child.seq_id)
         for seq_id, cont in zip(seq_ids, continuations):
             self.scheduler.append_token(seq_id, cont.token_id)
         _, refused = self.structured_output.accept((seq_id, cont.token_id) for seq_id, cont in zip(seq_ids, continuations))
@@ -127,7 +127,7 @@ class BeamSearchController:
         return next(iter(refused.values()), None)
 
     def _drop(self, seq_ids: list[str]) -> None:
-        self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
+        self.scheduler.finish_sequences(seq_ids, SequenceStatus.FINISHED_ABORTED)
         self.structured_output.remove(seq_ids)
 
     def _end(self, group: BeamSearchGroup) -> RequestOutput:

@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from pagellm.config import EngineConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.kv_snapshot import DEFAULT_MAX_REQUESTS, KVSnapshot, take_kv_snapshot
-from pagellm.core.request import Request, RequestStatus
+from pagellm.core.sequence import Sequence, SequenceStatus
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.beam_controller import BeamSearchController
 from pagellm.engine.beam_search import BeamSearchParams
@@ -71,7 +71,7 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_id
         grammar_eos = eos if eos in self.executor.eos_token_ids else min(self.executor.eos_token_ids, default=None)
         # Constrained requests whose grammar is still compiling wait in it: (first sequence, its forks).
-        self.structured_output: StructuredOutputManager[tuple[Request, list[Request]]] = StructuredOutputManager(
+        self.structured_output: StructuredOutputManager[tuple[Sequence, list[Sequence]]] = StructuredOutputManager(
             self.tokenizer, arch.vocab_size, grammar_eos, config.limits.grammar_compile_timeout_s
         )
         self.beams = BeamSearchController(self.scheduler, self.tokenizer, self.executor.eos_token_ids, self.structured_output)
@@ -140,10 +140,10 @@ class LLMEngine:
             max_tokens = min(request.params.max_tokens, self.max_model_len - len(request.prompt_token_ids))
             first = self.beams.add(request, request.params, max_tokens)
             if request.params.structured_outputs is not None:  # every beam waits for the grammar
-                self.structured_output.submit(request.request_id, first.request_id, request.params.structured_outputs,
+                self.structured_output.submit(request.request_id, first.seq_id, request.params.structured_outputs,
                                               (first, []))  # fmt: skip
             else:
-                self.scheduler.add_request(first)
+                self.scheduler.add_sequence(first)
         else:
             self._add_sampling(request, request.params)
 
@@ -159,8 +159,8 @@ class LLMEngine:
         self.output_processor.add_request(request_id, request.prompt, prompt_token_ids, params, seq_ids, request.stream)
         arrival_time = request.arrival_time if request.arrival_time is not None else time.monotonic()
         sequences = [
-            Request(
-                request_id=seq_id,
+            Sequence(
+                seq_id=seq_id,
                 prompt_token_ids=prompt_token_ids,
                 sampling_params=self._sequence_params(params, i, num_seqs),
                 max_tokens=max_tokens,
@@ -176,7 +176,7 @@ class LLMEngine:
                                           (sequences[0], sequences[1:]))  # fmt: skip
             return
         # One prefill: samples 2..n fork from the first once its prompt is computed.
-        self.scheduler.add_request(sequences[0], sequences[1:])
+        self.scheduler.add_sequence(sequences[0], sequences[1:])
 
     @staticmethod
     def _sequence_params(params: SamplingParams, index: int, num_seqs: int) -> SamplingParams:
@@ -201,7 +201,7 @@ class LLMEngine:
                 outputs.append(self.beams.abort(request_id))
                 continue
             seq_ids = self.output_processor.seq_ids(request_id)
-            self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
+            self.scheduler.finish_sequences(seq_ids, SequenceStatus.FINISHED_ABORTED)
             self.structured_output.remove(seq_ids)
             self.structured_output.abort(request_id)
             output = self.output_processor.abort(request_id)
@@ -211,7 +211,7 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.structured_output.num_pending) or bool(self._in_flight)
+        return self.scheduler.has_unfinished_sequences() or bool(self.structured_output.num_pending) or bool(self._in_flight)
 
     def check_health(self) -> None:
         """Raise ``DeadRankError`` if a rank, node or Ray actor of the executor is gone (the
@@ -234,7 +234,7 @@ class LLMEngine:
         return take_kv_snapshot(self.scheduler, max_requests=max_requests)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.scheduler.requests) + self.structured_output.num_pending
+        return len(self.scheduler.sequences) + self.structured_output.num_pending
 
     # ---- one step --------------------------------------------------------------------
 
@@ -278,14 +278,14 @@ class LLMEngine:
         updated, finished = self.scheduler.update_from_output(scheduler_output, runner_output)
         refused: dict[str, str] = {}  # sequences whose constraint cannot be followed
         if grammar is not None:
-            complete, refused = self.structured_output.accept((r.request_id, r.output_token_ids[-1]) for r in updated)
-            finished.extend(self.scheduler.finish_requests(complete, RequestStatus.FINISHED_STOPPED))
+            complete, refused = self.structured_output.accept((r.seq_id, r.output_token_ids[-1]) for r in updated)
+            finished.extend(self.scheduler.finish_sequences(complete, SequenceStatus.FINISHED_STOPPED))
         step_outputs, stopped = self.output_processor.process(runner_output, updated, finished, failed)
         outputs.extend(step_outputs)
         if stopped:
             # Stop strings are found in text, so the scheduler learns of them only now.
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        self.structured_output.remove([r.request_id for r in finished] + list(stopped))
+            self.scheduler.finish_sequences(stopped, SequenceStatus.FINISHED_STOPPED)
+        self.structured_output.remove([r.seq_id for r in finished] + list(stopped))
         failed_requests, refused_requests = _by_request(failed), _by_request(refused)
         if self.beams.groups:
             beam_outputs, beams_failed, beams_refused = self.beams.advance(runner_output.logprobs, failed)
@@ -306,11 +306,11 @@ class LLMEngine:
         why. With nothing else to run, wait a little for a compile instead of spinning."""
         if not self.structured_output.num_pending:
             return []
-        if not self.scheduler.has_unfinished_requests():
+        if not self.scheduler.has_unfinished_sequences():
             self.structured_output.wait(GRAMMAR_WAIT_S)
         ready, failed = self.structured_output.poll()
         for first, forks in ready:
-            self.scheduler.add_request(first, forks)
+            self.scheduler.add_sequence(first, forks)
         return self._fail_requests(failed, request_error=True)
 
     def _fail_requests(self, failed: dict[str, str], request_error: bool = False) -> list[RequestOutput]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from pagellm.core.request import Request
+from pagellm.core.sequence import Sequence
 from pagellm.engine.detokenizer import IncrementalDetokenizer, decode_token
 from pagellm.engine.sequence_ids import request_of
 from pagellm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
@@ -109,8 +109,8 @@ class OutputProcessor:
     def process(
         self,
         runner_output: ModelRunnerOutput,
-        updated: list[Request],
-        finished: list[Request],
+        updated: list[Sequence],
+        finished: list[Sequence],
         failed: dict[str, str],
     ) -> tuple[list[RequestOutput], list[str]]:
         """Apply one step (``runner_output`` is only read); returns (outputs of touched requests,
@@ -130,18 +130,18 @@ class OutputProcessor:
                     self._add_prompt_logprobs(state.prompt_logprobs, prompt_lp.start, prompt_lp.rows)
                 except Exception as exc:  # noqa: BLE001 -- this request's fault only
                     _record_failure(seq_id, exc, failed)
-        for request in updated:
-            state = self._state_of(request.request_id)
-            if state is None or request.request_id in failed:
+        for seq in updated:
+            state = self._state_of(seq.seq_id)
+            if state is None or seq.seq_id in failed:
                 continue
             try:
-                if self._update_sample(state, request, runner_output):
-                    stopped.append(request.request_id)
+                if self._update_sample(state, seq, runner_output):
+                    stopped.append(seq.seq_id)
                 touched[state.request_id] = state
             except Exception as exc:  # noqa: BLE001 -- this request's fault only
-                _record_failure(request.request_id, exc, failed)
-        for request in finished:
-            self.finish_sequence(request.request_id, request.finish_reason, request.stop_reason, touched)
+                _record_failure(seq.seq_id, exc, failed)
+        for seq in finished:
+            self.finish_sequence(seq.seq_id, seq.finish_reason, seq.stop_reason, touched)
         outputs = []
         for state in touched.values():
             if state.stream or state.finished:
@@ -154,13 +154,13 @@ class OutputProcessor:
                 self._drop(state)
         return outputs, stopped
 
-    def _update_sample(self, state: RequestState, request: Request, runner_output: ModelRunnerOutput) -> bool:
+    def _update_sample(self, state: RequestState, seq: Sequence, runner_output: ModelRunnerOutput) -> bool:
         """Take one sequence's new token; True when a stop string ended it."""
-        sample = state.samples[request.request_id]
-        if sample.index == 0 and request.num_cached_tokens > 0:
-            state.num_cached_tokens = request.num_cached_tokens
-        self._add_logprobs(sample, runner_output.logprobs.get(request.request_id))
-        stop = sample.detokenizer.update([request.output_token_ids[-1]])
+        sample = state.samples[seq.seq_id]
+        if sample.index == 0 and seq.num_cached_tokens > 0:
+            state.num_cached_tokens = seq.num_cached_tokens
+        self._add_logprobs(sample, runner_output.logprobs.get(seq.seq_id))
+        stop = sample.detokenizer.update([seq.output_token_ids[-1]])
         if stop is not None and sample.finish_reason is None:
             sample.finish_reason, sample.stop_reason = "stop", stop
             return True

@@ -1,12 +1,12 @@
 """KV cache manager: blocks handed out only when needed, all returned on free."""
 
 from pagellm.core.kv_cache_manager import KVCacheManager
-from pagellm.core.request import Request
+from pagellm.core.sequence import Sequence
 from pagellm.sampling_params import SamplingParams
 
 
-def make_request(rid: str, num_prompt: int) -> Request:
-    return Request(rid, list(range(num_prompt)), SamplingParams(), max_tokens=100)
+def make_request(rid: str, num_prompt: int) -> Sequence:
+    return Sequence(rid, list(range(num_prompt)), SamplingParams(), max_tokens=100)
 
 
 def test_allocate_on_demand_one_block_at_a_time():
@@ -54,7 +54,7 @@ def _refs(manager: KVCacheManager) -> list[int]:
     return [block.ref_cnt for block in manager.block_pool.blocks]
 
 
-def _step(manager: KVCacheManager, req: Request, num_new: int) -> None:
+def _step(manager: KVCacheManager, req: Sequence, num_new: int) -> None:
     """Schedule ``num_new`` tokens of ``req`` and mark them computed (as a step does)."""
     assert manager.allocate_slots(req, num_new)
     req.num_computed_tokens += num_new
@@ -125,7 +125,7 @@ def test_released_entries_are_never_cached_under_the_request_s_hashes():
     a.append_output_token(7)
     _step(manager, a, 1)  # the query at 4 reads 3 and 4: block 0 released (still cached, free); block 2
     assert _refs(manager) == [0, 1, 1, 0]
-    other = Request("b", [90, 91, 92], SamplingParams(), max_tokens=10)
+    other = Sequence("b", [90, 91, 92], SamplingParams(), max_tokens=10)
     _step(manager, other, 3)  # takes block 3, then block 0 (its cache entry evicted)
     assert manager.get_block_ids("b") == [3, 0] and manager.block_pool.blocks[0].block_hash is None
     a.append_output_token(8)

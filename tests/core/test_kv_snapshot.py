@@ -5,7 +5,7 @@ import pytest
 
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.kv_snapshot import OWNER_CACHED_FREE, OWNER_FREE, OWNER_UNLISTED, take_kv_snapshot
-from pagellm.core.request import Request, RequestStatus
+from pagellm.core.sequence import Sequence, SequenceStatus
 from pagellm.core.scheduler import Scheduler
 from pagellm.sampling_params import SamplingParams
 from pagellm.step import ModelRunnerOutput, SchedulerOutput
@@ -19,7 +19,7 @@ def make_scheduler(num_blocks=12, max_num_seqs=8, budget=64):
 
 
 def make_request(rid, tokens, max_tokens=8):
-    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens)
+    return Sequence(rid, list(tokens), SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens)
 
 
 def step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:
@@ -31,9 +31,9 @@ def step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:
 
 def test_shared_prefix_shows_ref_count_two_owners_and_positions():
     s = make_scheduler()
-    s.add_request(make_request("a", [*SYSTEM, 1, 2]))  # blocks 0 1 2
+    s.add_sequence(make_request("a", [*SYSTEM, 1, 2]))  # blocks 0 1 2
     step(s)
-    s.add_request(make_request("b", [*SYSTEM, 3]))  # hits 0 1, then block 3
+    s.add_sequence(make_request("b", [*SYSTEM, 3]))  # hits 0 1, then block 3
     step(s)
     assert s.kv_cache_manager.get_block_ids("b") == [0, 1, 3]
     snap = take_kv_snapshot(s)
@@ -54,16 +54,16 @@ def test_shared_prefix_shows_ref_count_two_owners_and_positions():
 
 def test_finished_request_leaves_cached_free_blocks():
     s = make_scheduler()
-    s.add_request(make_request("a", [*SYSTEM, 1, 2]))
+    s.add_sequence(make_request("a", [*SYSTEM, 1, 2]))
     step(s)
-    s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    s.finish_sequences(["a"], SequenceStatus.FINISHED_ABORTED)
     snap = take_kv_snapshot(s)
     assert snap.requests == []
     assert snap.owner.tolist() == [OWNER_CACHED_FREE, OWNER_CACHED_FREE] + [OWNER_FREE] * 10
     assert snap.ref_cnt.tolist() == [0] * 12 and snap.cached.tolist()[:3] == [1, 1, 0]
     assert (snap.num_free_blocks, snap.num_cached_free_blocks, snap.num_shared_blocks) == (12, 2, 0)
     # A new prompt with the same prefix revives them: owned again, by the new request.
-    s.add_request(make_request("c", [*SYSTEM, 9]))
+    s.add_sequence(make_request("c", [*SYSTEM, 9]))
     step(s)
     snap = take_kv_snapshot(s)
     assert snap.owner.tolist()[:3] == [0, 0, OWNER_FREE] and snap.ref_cnt.tolist()[:2] == [1, 1]
@@ -71,10 +71,10 @@ def test_finished_request_leaves_cached_free_blocks():
 
 def test_waiting_and_preempted_requests_are_listed_after_running_ones():
     s = make_scheduler(num_blocks=4, budget=64)
-    s.add_request(make_request("a", range(8), max_tokens=20))  # 2 blocks
-    s.add_request(make_request("b", range(20, 28), max_tokens=20))  # 2 blocks: the pool is full
+    s.add_sequence(make_request("a", range(8), max_tokens=20))  # 2 blocks
+    s.add_sequence(make_request("b", range(20, 28), max_tokens=20))  # 2 blocks: the pool is full
     step(s)
-    s.add_request(make_request("c", range(40, 44)))
+    s.add_sequence(make_request("c", range(40, 44)))
     step(s)  # a's 9th token needs a block: b (the youngest) is preempted
     snap = take_kv_snapshot(s)
     assert [(r.request_id, r.status) for r in snap.requests] == [("a", "running"), ("b", "preempted"),
@@ -88,7 +88,7 @@ def test_waiting_and_preempted_requests_are_listed_after_running_ones():
 def test_unlisted_holders_and_table_bounds():
     s = make_scheduler(num_blocks=12)
     for i in range(3):
-        s.add_request(make_request(f"r{i}", range(10 * i, 10 * i + 6)))  # 2 blocks each, no sharing
+        s.add_sequence(make_request(f"r{i}", range(10 * i, 10 * i + 6)))  # 2 blocks each, no sharing
     step(s)
     snap = take_kv_snapshot(s, max_requests=1, max_table_blocks=1)
     assert [r.request_id for r in snap.requests] == ["r0"]
@@ -99,8 +99,8 @@ def test_unlisted_holders_and_table_bounds():
 def test_fork_shares_every_block_of_the_parent():
     s = make_scheduler()
     parent = make_request("p#0", range(6))
-    child = Request("p#1", list(range(6)), SamplingParams(max_tokens=8), max_tokens=8)
-    s.add_request(parent, [child])
+    child = Sequence("p#1", list(range(6)), SamplingParams(max_tokens=8), max_tokens=8)
+    s.add_sequence(parent, [child])
     assert [r.status for r in take_kv_snapshot(s).requests] == ["waiting", "forking"]
     step(s)  # the prompt is computed, then the sample forks
     snap = take_kv_snapshot(s)
@@ -115,17 +115,17 @@ def test_fork_shares_every_block_of_the_parent():
 
 def test_big_pool_is_aggregated_into_cells():
     s = make_scheduler(num_blocks=10)
-    s.add_request(make_request("a", [*SYSTEM, 1, 2]))  # blocks 0 1 2
+    s.add_sequence(make_request("a", [*SYSTEM, 1, 2]))  # blocks 0 1 2
     step(s)
-    s.add_request(make_request("b", [*SYSTEM, 3]))  # 0 1 shared, block 3
+    s.add_sequence(make_request("b", [*SYSTEM, 3]))  # 0 1 shared, block 3
     step(s)
-    s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)  # block 2 free; 0 1 still b's
+    s.finish_sequences(["a"], SequenceStatus.FINISHED_ABORTED)  # block 2 free; 0 1 still b's
     snap = take_kv_snapshot(s, max_cells=4)  # 10 blocks in cells of 3: [0 1 2] [3 4 5] [6 7 8] [9]
     assert (snap.blocks_per_cell, snap.num_cells) == (3, 4)
     assert snap.owner.tolist() == [0, 0, OWNER_FREE, OWNER_FREE]
     assert snap.ref_cnt.tolist() == [1, 1, 0, 0] and snap.position.tolist() == [-1] * 4
     assert snap.num_cached_free_blocks == 0 and snap.build_seconds > 0
-    s.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)  # blocks 0 1 (cached) free: cell 0 cached-free
+    s.finish_sequences(["b"], SequenceStatus.FINISHED_ABORTED)  # blocks 0 1 (cached) free: cell 0 cached-free
     snap = take_kv_snapshot(s, max_cells=4)
     assert snap.owner.tolist() == [OWNER_CACHED_FREE, OWNER_FREE, OWNER_FREE, OWNER_FREE]
     assert snap.cached.tolist() == [1, 0, 0, 0] and snap.num_cached_free_blocks == 2
@@ -133,7 +133,7 @@ def test_big_pool_is_aggregated_into_cells():
 
 def test_snapshot_changes_nothing_and_rejects_bad_bounds():
     s = make_scheduler()
-    s.add_request(make_request("a", [*SYSTEM, 1]))
+    s.add_sequence(make_request("a", [*SYSTEM, 1]))
     step(s)
     pool = s.kv_cache_manager.block_pool
     before = ([b.ref_cnt for b in pool.blocks], pool.free_queue.block_ids(), dict(pool.cached_blocks))

@@ -4,23 +4,23 @@ Every test asserts exact block ids, reference counts and free-queue (eviction) o
 """
 
 from pagellm.core.kv_cache_manager import KVCacheManager
-from pagellm.core.request import Request
+from pagellm.core.sequence import Sequence
 from pagellm.sampling_params import SamplingParams
 
 B = 4  # block size
 
 
 def make_request(rid, tokens, salt=None, **params):
-    return Request(rid, list(tokens), SamplingParams(**params), max_tokens=16, cache_salt=salt)
+    return Sequence(rid, list(tokens), SamplingParams(**params), max_tokens=16, cache_salt=salt)
 
 
-def admit(manager, request):
+def admit(manager, seq):
     """What the scheduler does for a waiting request: prefix lookup, then allocate the rest."""
-    hits = manager.get_computed_blocks(request)
-    num_new = request.num_tokens - len(hits) * B
-    assert manager.allocate_slots(request, num_new, hits)
-    manager.record_prefix_lookup(request.num_tokens, len(hits) * B)
-    request.num_computed_tokens += num_new
+    hits = manager.get_computed_blocks(seq)
+    num_new = seq.num_tokens - len(hits) * B
+    assert manager.allocate_slots(seq, num_new, hits)
+    manager.record_prefix_lookup(seq.num_tokens, len(hits) * B)
+    seq.num_computed_tokens += num_new
     return [b.block_id for b in hits]
 
 

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from pagellm.core.kv_cache_manager import KVCacheManager
-from pagellm.core.request import Request, RequestStatus
+from pagellm.core.sequence import Sequence, SequenceStatus
 from pagellm.core.scheduler import Scheduler
 from pagellm.sampling_params import SamplingParams
 from pagellm.step import ModelRunnerOutput
@@ -20,10 +20,10 @@ from tests.helpers.worker_mirror import attach, sampled_ids, schedule
 EOS = 3
 
 
-def _request(rng: random.Random, rid: str, shared: list[int]) -> Request:
+def _request(rng: random.Random, rid: str, shared: list[int]) -> Sequence:
     prompt = shared[: rng.randrange(len(shared))] + [rng.randrange(10, 60) for _ in range(rng.randrange(1, 12))]
     max_tokens = rng.randrange(1, 12)
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, seed=rng.randrange(100)), max_tokens=max_tokens,
+    return Sequence(rid, prompt, SamplingParams(max_tokens=max_tokens, seed=rng.randrange(100)), max_tokens=max_tokens,
                    eos_token_ids=frozenset({EOS}))  # fmt: skip
 
 
@@ -44,11 +44,11 @@ def test_the_worker_batch_follows_every_step_under_random_traffic(seed: int) -> 
             counter += 1
             n = rng.choice([1, 1, 2, 3])
             first = _request(rng, f"r{counter}#0", shared)
-            forks = [Request(f"r{counter}#{i}", first.prompt_token_ids, SamplingParams(max_tokens=first.max_tokens, seed=i),
+            forks = [Sequence(f"r{counter}#{i}", first.prompt_token_ids, SamplingParams(max_tokens=first.max_tokens, seed=i),
                              max_tokens=first.max_tokens, eos_token_ids=frozenset({EOS})) for i in range(1, n)]  # fmt: skip
-            scheduler.add_request(first, forks)
-        if rng.random() < 0.1 and scheduler.requests:
-            scheduler.finish_requests([rng.choice(sorted(scheduler.requests))], RequestStatus.FINISHED_ABORTED)
+            scheduler.add_sequence(first, forks)
+        if rng.random() < 0.1 and scheduler.sequences:
+            scheduler.finish_sequences([rng.choice(sorted(scheduler.sequences))], SequenceStatus.FINISHED_ABORTED)
         busy = frozenset(r.seq_id for step in in_flight for r in step.out.scheduled)
         in_flight.append(schedule(scheduler, in_flight=busy))
         if len(in_flight) > rng.choice([0, 1]):
@@ -59,7 +59,7 @@ def test_the_worker_batch_follows_every_step_under_random_traffic(seed: int) -> 
     while in_flight:
         step = in_flight.pop(0)
         scheduler.update_from_output(step.out, ModelRunnerOutput(sampled={s: 11 for s in sampled_ids(step.out)}))
-    scheduler.finish_requests(list(scheduler.requests), RequestStatus.FINISHED_ABORTED)
+    scheduler.finish_sequences(list(scheduler.sequences), SequenceStatus.FINISHED_ABORTED)
     schedule(scheduler)  # the last message drops every row
     assert len(scheduler.mirror.batch) == 0  # type: ignore[attr-defined]
     assert manager.num_free_blocks == manager.num_blocks
@@ -69,16 +69,16 @@ def test_the_worker_batch_follows_every_step_under_random_traffic(seed: int) -> 
 def _beam_fork(rng: random.Random, scheduler: Scheduler, child_id: str, busy: frozenset[str]) -> None:
     """Sometimes fork a running sequence the way a beam search does (``fork_request``, then a
     token appended outside the sampler), and sometimes finish the parent at once."""
-    running = [r for r in scheduler.running if r.request_id not in busy and not r.request_id.startswith("f")]
+    running = [r for r in scheduler.running if r.seq_id not in busy and not r.seq_id.startswith("f")]
     if not running or rng.random() < 0.7:
         return
     parent = rng.choice(running)
-    child = Request(child_id, parent.prompt_token_ids, parent.sampling_params, max_tokens=parent.max_tokens,
+    child = Sequence(child_id, parent.prompt_token_ids, parent.sampling_params, max_tokens=parent.max_tokens,
                     eos_token_ids=frozenset({EOS}))  # fmt: skip
-    scheduler.fork_request(parent.request_id, child)
+    scheduler.fork_sequence(parent.seq_id, child)
     scheduler.append_token(child_id, rng.randrange(10, 60))
     if rng.random() < 0.5:
-        scheduler.finish_requests([parent.request_id], RequestStatus.FINISHED_ABORTED)
+        scheduler.finish_sequences([parent.seq_id], SequenceStatus.FINISHED_ABORTED)
 
 
 def test_a_decode_step_sends_a_few_integers_per_sequence_whatever_the_context() -> None:
@@ -86,7 +86,7 @@ def test_a_decode_step_sends_a_few_integers_per_sequence_whatever_the_context() 
     scheduler = attach(Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=4096, max_model_len=1024))
     for i in range(4):
         params = SamplingParams(max_tokens=40, ignore_eos=True)
-        scheduler.add_request(Request(f"s{i}", [i + 10] * 200, params, max_tokens=40))
+        scheduler.add_sequence(Sequence(f"s{i}", [i + 10] * 200, params, max_tokens=40))
     first = schedule(scheduler)
     assert [len(n.token_ids) for n in first.out.new_sequences] == [200] * 4
     scheduler.update_from_output(first.out, ModelRunnerOutput(sampled={f"s{i}": 5 for i in range(4)}))
@@ -103,12 +103,12 @@ def test_a_preempted_sequence_keeps_its_row_and_is_sent_its_block_table_again() 
     manager = KVCacheManager(4, 2, enable_caching=False)
     scheduler = attach(Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=8))
     for rid in ("old", "new"):
-        scheduler.add_request(Request(rid, [10, 11, 12], SamplingParams(max_tokens=4), max_tokens=4))
+        scheduler.add_sequence(Sequence(rid, [10, 11, 12], SamplingParams(max_tokens=4), max_tokens=4))
     for _ in range(2):
         step = schedule(scheduler)
         scheduler.update_from_output(step.out, ModelRunnerOutput(sampled={s: 7 for s in sampled_ids(step.out)}))
     step = schedule(scheduler)  # "new" is preempted for "old"'s next block
-    assert scheduler.requests["new"].status == RequestStatus.PREEMPTED
+    assert scheduler.sequences["new"].status == SequenceStatus.PREEMPTED
     assert "new" in scheduler.mirror.batch and not step.out.finished_seq_ids  # type: ignore[attr-defined]
     scheduler.update_from_output(step.out, ModelRunnerOutput(sampled={s: 7 for s in sampled_ids(step.out)}))
     while "new" not in [r.seq_id for r in step.out.scheduled]:
@@ -124,12 +124,12 @@ def test_a_preempted_sequence_keeps_its_row_and_is_sent_its_block_table_again() 
 def test_a_fork_may_not_reuse_an_id_the_worker_still_holds() -> None:
     scheduler = attach(Scheduler(KVCacheManager(8, 4), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32))
     for rid in ("a", "b"):
-        scheduler.add_request(Request(rid, [10, 11, 12], SamplingParams(max_tokens=4), max_tokens=4))
+        scheduler.add_sequence(Sequence(rid, [10, 11, 12], SamplingParams(max_tokens=4), max_tokens=4))
     step = schedule(scheduler)
     scheduler.update_from_output(step.out, ModelRunnerOutput(sampled={s: 7 for s in sampled_ids(step.out)}))
-    scheduler.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)  # the worker hears of it next step
+    scheduler.finish_sequences(["b"], SequenceStatus.FINISHED_ABORTED)  # the worker hears of it next step
     with pytest.raises(ValueError, match="already in use"):
-        scheduler.fork_request("a", Request("b", [10, 11, 12], SamplingParams(max_tokens=4), max_tokens=4))
+        scheduler.fork_sequence("a", Sequence("b", [10, 11, 12], SamplingParams(max_tokens=4), max_tokens=4))
     schedule(scheduler)  # "b" is dropped from the worker's batch: now the id is free again
-    scheduler.fork_request("a", Request("b", [10, 11, 12], SamplingParams(max_tokens=4), max_tokens=4))
+    scheduler.fork_sequence("a", Sequence("b", [10, 11, 12], SamplingParams(max_tokens=4), max_tokens=4))
     assert [f.seq_id for f in schedule(scheduler).out.forked_sequences] == ["b"]

@@ -141,7 +141,7 @@ def test_arrival_time_travels_with_the_request(llm):
     errors = engine.add_requests([EngineRequest("early", [5, 6, 7], params, arrival_time=12.5),
                                   EngineRequest("now", [5, 6, 8], SamplingParams(max_tokens=2))])
     assert errors == [None, None]
-    requests = engine.scheduler.requests
+    requests = engine.scheduler.sequences
     assert requests["early#0"].arrival_time == requests["early#1"].arrival_time == 12.5
     assert requests["now#0"].arrival_time > 12.5
     while engine.has_unfinished_requests():

@@ -16,7 +16,7 @@ from pagellm.worker.input_batch import InputBatch
 class Seen:
     """One scheduled sequence as the worker holds it once the step is applied."""
 
-    request_id: str
+    seq_id: str
     token_ids: list[int]  # the tokens this step computes
     start_position: int
     block_ids: list[int]  # the whole block table
@@ -60,13 +60,13 @@ class WorkerMirror:
             row = batch.row_of[item.seq_id]
             table = batch.block_table[row, : batch.num_blocks[row]].tolist()
             tokens = batch.token_ids[row, : batch.num_tokens[row]].tolist()
-            request = scheduler.requests[item.seq_id]
+            seq = scheduler.sequences[item.seq_id]
             assert table == scheduler.kv_cache_manager.get_block_ids(item.seq_id), item.seq_id
-            assert tokens == request.all_token_ids, item.seq_id
+            assert tokens == seq.all_token_ids, item.seq_id
             start = item.start_position
             seen.append(Seen(item.seq_id, tokens[start : start + item.num_tokens], start, table, item.sample,
                              item.num_tokens, [f.seq_id for f in item.forks]))  # fmt: skip
-        known = {seq_id for seq_id, r in scheduler.requests.items() if r.num_tokens_sent}
+        known = {seq_id for seq_id, r in scheduler.sequences.items() if r.num_tokens_sent}
         assert set(batch.row_of) == known
         assert batch.seq_ids == sorted(batch.row_of, key=batch.row_of.__getitem__)
         return seen

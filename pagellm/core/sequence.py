@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pagellm.sampling_params import SamplingParams
 
 
-class RequestStatus(enum.IntEnum):
+class SequenceStatus(enum.IntEnum):
     WAITING_FOR_FORK = enum.auto()  # a sample of an n > 1 request, born when its parent's prompt is done
     WAITING = enum.auto()
     RUNNING = enum.auto()
@@ -21,18 +21,18 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def is_finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return self >= SequenceStatus.FINISHED_STOPPED
 
 
 _FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
 }
 
 
 @dataclass(eq=False)
-class Request:
+class Sequence:
     """One sequence being generated.
 
     Progress is one number pair: ``num_computed_tokens`` (K/V already in the cache)
@@ -40,7 +40,7 @@ class Request:
     recompute after preemption all mean "close that gap".
     """
 
-    request_id: str
+    seq_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     max_tokens: int  # resolved: never None here
@@ -49,7 +49,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
-    status: RequestStatus = RequestStatus.WAITING
+    status: SequenceStatus = SequenceStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     # Prefix caching: keys of the request's full blocks (kept across preemption), a
@@ -68,7 +68,7 @@ class Request:
     tokens_chosen_outside: bool = False
     # Samples 2..n of its request (status WAITING_FOR_FORK), born as copies of this sequence
     # once its prompt is computed: they share its prompt's blocks instead of computing them.
-    pending_forks: list[Request] = field(default_factory=list)
+    pending_forks: list[Sequence] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
