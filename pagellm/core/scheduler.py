@@ -46,6 +46,7 @@ class Scheduler:
         # What the next step tells the worker besides its work (``step.py``): sequences it holds
         # that finished, sequences forked from ones it holds, sequences it meets this step.
         self._finished_since_last_step: list[str] = []
+        self._ended: list[str] = []  # every sequence ended since the engine last asked (``take_ended``)
         self._forked_since_last_step: list[ForkedSequence] = []
         self._new_sequences: list[NewSequence] = []
         self.stats = SchedulerStats()
@@ -63,6 +64,12 @@ class Scheduler:
             child.status = SequenceStatus.WAITING_FOR_FORK
             self.sequences[child.seq_id] = child
         seq.pending_forks = list(fork_children or ())
+
+    def take_ended(self) -> list[str]:
+        """The sequences ended since the last call, whatever ended them (the engine drops what it
+        keeps of them elsewhere, in one place)."""
+        ended, self._ended = self._ended, []
+        return ended
 
     def has_unfinished_sequences(self) -> bool:
         """(A pending fork's parent is waiting or running.)"""
@@ -100,9 +107,12 @@ class Scheduler:
                 return
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """The one place a sequence ends (stop rules, aborts, stop strings, beams dropped, a
+        grammar complete): its blocks go, the worker hears of it, the engine is told."""
         seq.status = status
         self.kv_cache_manager.free(seq)
         del self.sequences[seq.seq_id]
+        self._ended.append(seq.seq_id)
         if seq.num_tokens_sent:
             self._finished_since_last_step.append(seq.seq_id)
             seq.num_tokens_sent = 0

@@ -127,8 +127,7 @@ class BeamSearchController:
         return next(iter(refused.values()), None)
 
     def _drop(self, seq_ids: list[str]) -> None:
-        self.scheduler.finish_sequences(seq_ids, SequenceStatus.FINISHED_ABORTED)
-        self.structured_output.remove(seq_ids)
+        self.scheduler.finish_sequences(seq_ids, SequenceStatus.FINISHED_ABORTED)  # (the engine drops their matchers)
 
     def _end(self, group: BeamSearchGroup) -> RequestOutput:
         self._drop([beam.seq_id for beam in group.beams])

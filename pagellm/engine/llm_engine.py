@@ -202,11 +202,11 @@ class LLMEngine:
                 continue
             seq_ids = self.output_processor.seq_ids(request_id)
             self.scheduler.finish_sequences(seq_ids, SequenceStatus.FINISHED_ABORTED)
-            self.structured_output.remove(seq_ids)
             self.structured_output.abort(request_id)
             output = self.output_processor.abort(request_id)
             if output is not None:
                 outputs.append(output)
+        self._drop_ended()
         self._refresh_stats()
         return outputs
 
@@ -285,7 +285,6 @@ class LLMEngine:
         if stopped:
             # Stop strings are found in text, so the scheduler learns of them only now.
             self.scheduler.finish_sequences(stopped, SequenceStatus.FINISHED_STOPPED)
-        self.structured_output.remove([r.seq_id for r in finished] + list(stopped))
         failed_requests, refused_requests = _by_request(failed), _by_request(refused)
         if self.beams.groups:
             beam_outputs, beams_failed, beams_refused = self.beams.advance(runner_output.logprobs, failed)
@@ -296,10 +295,16 @@ class LLMEngine:
             outputs.extend(self._fail_requests(failed_requests))
         if refused_requests:  # the constraint cannot be followed (e.g. this vocabulary cannot spell it)
             outputs.extend(self._fail_requests(refused_requests, request_error=True))
+        self._drop_ended()
         self.stats.num_steps += 1
         self.stats.num_finished_requests += sum(o.finished for o in outputs)
         self._refresh_stats()
         return outputs
+
+    def _drop_ended(self) -> None:
+        """What the engine keeps of sequences besides the scheduler's record (their grammar
+        matchers), dropped for every sequence that ended, however it ended: one path."""
+        self.structured_output.remove(self.scheduler.take_ended())
 
     def _admit_compiled_grammars(self) -> list[RequestOutput]:
         """Queue the constrained requests whose grammar compiled; finish those that did not, with

@@ -258,3 +258,16 @@ def test_requests_in_flight_are_neither_scheduled_again_nor_preempted():
     out = schedule(s, in_flight=frozenset({"new"}))
     assert out.scheduled == [] and s.sequences["old"].status == SequenceStatus.PREEMPTED
     assert s.sequences["new"].status == SequenceStatus.RUNNING and s.kv_cache_manager.get_block_ids("new") == [2, 3]
+
+
+def test_every_ended_sequence_is_reported_once_however_it_ended():
+    s = make_scheduler()
+    s.add_sequence(make_request("eos", 2))
+    s.add_sequence(make_request("long", 2, max_tokens=1))
+    s.add_sequence(make_request("aborted", 2))
+    assert s.take_ended() == []
+    step(s, tokens={"eos": EOS})
+    s.add_sequence(make_request("p#0", 2), [make_request("p#1", 2)])  # a pending fork ends with its parent
+    s.finish_sequences(["aborted", "p#0"], SequenceStatus.FINISHED_ABORTED)
+    assert sorted(s.take_ended()) == ["aborted", "eos", "long", "p#0", "p#1"]
+    assert s.take_ended() == []
