@@ -79,8 +79,11 @@ def _forked(data: dict[str, Any]) -> ForkedSequence:
 
 
 def _int(value: Any) -> int:
+    """Every integer of a step (positions, counts, token and block ids) is a count or an index."""
     if type(value) is not int:
         raise TypeError(f"expected an integer, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"expected a non-negative integer, got {value}")
     return value
 
 
@@ -91,8 +94,8 @@ def _bool(value: Any) -> bool:
 
 
 def _ints(values: Any) -> list[int]:
-    if type(values) is not list or not all(type(v) is int for v in values):
-        raise TypeError("expected a list of integers")
+    if type(values) is not list or not all(type(v) is int and v >= 0 for v in values):
+        raise TypeError("expected a list of non-negative integers")
     return values
 
 

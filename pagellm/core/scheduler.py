@@ -54,7 +54,7 @@ class Scheduler:
     # ---- queue management -------------------------------------------------
 
     def add_sequence(self, seq: Sequence, fork_children: list[Sequence] | None = None) -> None:
-        """Queue a request; ``fork_children`` will share its prompt's KV instead of computing it."""
+        """Queue a sequence; ``fork_children`` will share its prompt's KV instead of computing it."""
         for r in [seq, *(fork_children or [])]:
             if r.seq_id in self.sequences:
                 raise ValueError(f"sequence id {r.seq_id!r} is already in use")
@@ -76,7 +76,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish_sequences(self, seq_ids: Iterable[str], status: SequenceStatus) -> list[Sequence]:
-        """End requests from outside the step (abort, stop string); frees their blocks at once.
+        """End sequences from outside the step (abort, stop string); frees their blocks at once.
         A sequence ending before its prompt was computed ends its pending forks too (they would
         never be born)."""
         finished = []
@@ -203,13 +203,13 @@ class Scheduler:
         return bool(idle)
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, in_flight: frozenset[str]) -> bool:
-        """Allocate blocks for ``request``, preempting the newest running requests as needed.
+        """Allocate blocks for ``seq``, preempting the newest running sequences as needed.
 
-        Returns False if ``request`` itself had to be preempted.
+        Returns False if ``seq`` itself had to be preempted.
         """
         while not self.kv_cache_manager.allocate_slots(seq, num_new):
             victims = [r for r in self.running if r.seq_id not in in_flight]  # never a request in flight
-            victim = victims[-1]  # (``request`` itself at the latest)
+            victim = victims[-1]  # (``seq`` itself at the latest)
             self.running.remove(victim)
             self._preempt(victim)
             if victim is seq:
@@ -226,7 +226,7 @@ class Scheduler:
         _insert_by_arrival(self.waiting, seq)
 
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
-        """The step's diff for ``request``: a sequence the worker does not know goes whole into
+        """The step's diff for ``seq``: a sequence the worker does not know goes whole into
         ``new_sequences``; otherwise only its unsent tokens and the changed end of its block
         table (from the block this step writes into: a copy-on-write may replace it)."""
         start = seq.num_computed_tokens
@@ -251,7 +251,7 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> tuple[list[Sequence], list[Sequence]]:
-        """Advance every scheduled request; returns (requests with a new token, newly finished)."""
+        """Advance every scheduled sequence; returns (sequences with a new token, newly finished)."""
         updated: list[Sequence] = []
         finished: list[Sequence] = []
         for item in scheduler_output.scheduled:
@@ -267,9 +267,9 @@ class Scheduler:
             token_id = runner_output.sampled.get(item.seq_id)
             if token_id is None or seq.tokens_chosen_outside:  # no sample this step, or its owner picks
                 continue
-            children = self._fork_children(seq, item) if item.forks else []
-            for seq in [seq, *children]:
-                self._append_token(seq, runner_output.sampled[seq.seq_id], updated, finished)
+            children = self._fork_children(seq) if item.forks else []
+            for target in [seq, *children]:
+                self._append_token(target, runner_output.sampled[target.seq_id], updated, finished)
         return updated, finished
 
     def fork_sequence(self, parent_id: str, child: Sequence) -> None:
@@ -297,7 +297,7 @@ class Scheduler:
         self.sequences[seq_id].append_output_token(token_id)
         self.stats.num_generated_tokens += 1
 
-    def _fork_children(self, parent: Sequence, item: ScheduledSequence) -> list[Sequence]:
+    def _fork_children(self, parent: Sequence) -> list[Sequence]:
         """Turn the parent's pending samples into running sequences sharing its blocks."""
         children, parent.pending_forks = parent.pending_forks, []
         for child in children:

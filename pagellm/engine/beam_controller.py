@@ -1,10 +1,11 @@
 """The engine's beam searches: one owner for their state, driving core through a narrow API.
 
-Each beam is a plain request in core (the scheduler knows nothing of beams) whose tokens are
+Each beam is a plain sequence in core (the scheduler knows nothing of beams) whose tokens are
 chosen outside the sampler (``Sequence.tokens_chosen_outside``: the scheduler appends none of its
 sampled tokens): the controller, not the scheduler's stop rules, decides what each beam appends,
-from the beams' reported logprobs, and then tells the scheduler to fork a beam chosen twice, append the chosen tokens
-and finish the beams not chosen (``fork_request``, ``append_token``, ``finish_requests``).
+from the beams' reported logprobs, and then tells the scheduler to fork a beam chosen twice,
+append the chosen tokens and finish the beams not chosen (``fork_sequence``, ``append_token``,
+``finish_sequences``).
 
 Under a constraint (``BeamSearchParams.structured_outputs``) each beam is also a sequence of the
 engine's :class:`StructuredOutputManager`: its logprobs are reported after its own mask, a fork

@@ -211,7 +211,8 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_sequences() or bool(self.structured_output.num_pending) or bool(self._in_flight)
+        scheduler, grammars = self.scheduler, self.structured_output
+        return scheduler.has_unfinished_sequences() or bool(grammars.num_pending) or bool(self._in_flight)
 
     def check_health(self) -> None:
         """Raise ``DeadRankError`` if a rank, node or Ray actor of the executor is gone (the

@@ -41,7 +41,6 @@ class RequestTiming:
     arrival: float
     first_token: float | None = None
     num_tokens: dict[int, int] = field(default_factory=lambda: defaultdict(int))
-    done: bool = False
 
 
 class RequestLatency:
@@ -52,9 +51,8 @@ class RequestLatency:
         self._metrics = metrics
 
     def record(self, timing: RequestTiming, output: RequestOutput, now: float) -> None:
-        """Observe TTFT on the first tokens; TPOT, latency and finish reasons at the end (once)."""
-        if timing.done:
-            return
+        """Observe TTFT on the first tokens; TPOT, latency and finish reasons at the end (the
+        caller drops ``timing`` with the finished request)."""
         if timing.first_token is None and any(o.token_ids for o in output.outputs):
             timing.first_token = now
             self._metrics.observe_time_to_first_token(now - timing.arrival)
@@ -62,7 +60,6 @@ class RequestLatency:
             timing.num_tokens[sample.index] += len(sample.token_ids)
         if not output.finished:
             return
-        timing.done = True
         self._metrics.observe_e2e_latency(now - timing.arrival)
         longest = max(timing.num_tokens.values(), default=0)
         if timing.first_token is not None and longest > 1:

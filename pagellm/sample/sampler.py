@@ -131,7 +131,9 @@ def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     return logits
 
 
-def _token_counts(seqs: list[Sequence[int] | np.ndarray], vocab_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def _token_counts(
+    seqs: list[Sequence[int] | np.ndarray], vocab_size: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
     """[R, V] occurrence counts of each token id per row, via one padded scatter_add_."""
     num_rows = len(seqs)
     max_len = max((len(s) for s in seqs), default=0)

@@ -95,14 +95,15 @@ class InputBatch:
         self.num_prompt_tokens[row] = self.num_prompt_tokens[parent]
 
     def _update(self, item: ScheduledSequence) -> None:
+        """Checked first, so a step that does not match the row changes nothing of it."""
         row = self.row_of[item.seq_id]
-        if item.new_token_ids:
-            self._set_tokens(row, int(self.num_tokens[row]), item.new_token_ids)
         if item.block_table_start > self.num_blocks[row]:
             raise ValueError(f"sequence {item.seq_id!r}: block table entries from {self.num_blocks[row]} were never sent")
-        self._set_blocks(row, item.block_table_start, item.new_block_ids)
-        if item.start_position + item.num_tokens > self.num_tokens[row]:
+        if item.start_position + item.num_tokens > self.num_tokens[row] + len(item.new_token_ids):
             raise ValueError(f"sequence {item.seq_id!r}: step computes tokens the worker was never sent")
+        if item.new_token_ids:
+            self._set_tokens(row, int(self.num_tokens[row]), item.new_token_ids)
+        self._set_blocks(row, item.block_table_start, item.new_block_ids)
 
     def _new_row(self, seq_id: str, params: SamplingParams) -> int:
         if seq_id in self.row_of:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from pagellm.config import EngineConfig
 from pagellm.distributed.heartbeat import HEARTBEAT_PERIOD_S, HEARTBEAT_TIMEOUT_S, Loss, NodeBeat, NodeWatch
 from pagellm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
-from pagellm.step_codec import decode_output, decode_step, encode_output, encode_step
+from pagellm.step_codec import decode_output, encode_output, encode_step
 from pagellm.worker.errors import DeadRankError, RankError
 from pagellm.worker.multiproc_executor import MultiprocExecutor
 
@@ -197,7 +197,7 @@ def run_node(config: EngineConfig, tokenizer_eos_token_id: int | None = None) ->
             if message == STOP:
                 return 0
             try:
-                output = local.execute(*decode_step(message))
+                output = local.execute_encoded(message)
                 answer = encode_output(output if local.samples else None)
             except Exception as exc:  # noqa: BLE001 -- node 0 fails the step (and the engine)
                 answer = encode_output(None, f"{type(exc).__name__}: {exc}")

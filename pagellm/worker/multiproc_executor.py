@@ -137,13 +137,24 @@ class MultiprocExecutor:
         self.submit(scheduler_output, grammar_bitmask)
         return self.collect()
 
-    def submit(self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None) -> None:
+    def execute_encoded(self, message: bytes) -> ModelRunnerOutput:
+        """``execute`` for a step already in ``step_codec`` bytes (a remote node's, from node 0):
+        the children get the same bytes, decoded once here for this rank."""
+        self.submit(*decode_step(message), encoded=message)
+        return self.collect()
+
+    def submit(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None,
+        encoded: bytes | None = None,
+    ) -> None:
         """Start a step on every rank and run this rank's part (under pipeline parallelism
-        stage 0's: the later stages go on with it while the caller schedules the next step)."""
-        message = encode_step(scheduler_output, grammar_bitmask) if self._ranks else b""
+        stage 0's: the later stages go on with it while the caller schedules the next step).
+        ``encoded``: the step's ``step_codec`` bytes, where the caller has them."""
+        if encoded is None:
+            encoded = encode_step(scheduler_output, grammar_bitmask) if self._ranks else b""
         for index, (proc, conn) in enumerate(self._ranks):
             try:
-                conn.send_bytes(message)
+                conn.send_bytes(encoded)
             except (BrokenPipeError, OSError) as exc:
                 raise self._dead(index, "step") from exc
         try:

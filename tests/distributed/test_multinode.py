@@ -74,7 +74,9 @@ def test_the_step_codec_round_trips_and_refuses_other_bytes() -> None:
         return len(header).to_bytes(4, "little") + header
 
     for junk in (b'{"x": 1}', b"\x80\x04K\x01.", b"[]", message[:-1], edited(b"[4,5]", b"[4,5.5]"),
-                 edited(b'"a",5,2,true', b'"a",5,2,1')):  # a pickle, a JSON list, cut short, wrong types
+                 edited(b'"a",5,2,true', b'"a",5,2,1'),  # a pickle, a JSON list, cut short, wrong types
+                 edited(b'"a",5,2', b'"a",-5,2'), edited(b"[4,5]", b"[4,-5]"), edited(b"[[1,2]]", b"[[1,-2]]"),
+                 edited(b'"a",5,2,true', b'"a",5,2,true,1'), edited(b'"a",5,2,true', b'"a",5')):  # negative, misshapen
         with pytest.raises(CodecError):
             decode_step(junk)
     bad = edited(b'"temperature":0.7', b'"temperature":-1')

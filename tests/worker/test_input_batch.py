@@ -55,6 +55,7 @@ def test_a_step_that_does_not_match_the_rows_is_refused() -> None:
     with pytest.raises(ValueError, match="never sent"):  # computes a third token it does not have
         batch.apply(SchedulerOutput([ScheduledSequence("a", 0, 3, True, [], 0, [0])]))
     with pytest.raises(ValueError, match="never sent"):  # a table with a hole
-        batch.apply(SchedulerOutput([ScheduledSequence("a", 0, 2, True, [], 2, [0])]))
+        batch.apply(SchedulerOutput([ScheduledSequence("a", 0, 2, True, [9], 2, [0])]))
+    assert _row(batch, "a") == ([1, 2], [], 2)  # a refused step changes nothing of the row
     with pytest.raises(KeyError):
         batch.apply(SchedulerOutput([], finished_seq_ids=["nobody"]))
