@@ -118,3 +118,4 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     # Sequences whose own part of the step failed (e.g. their generator): id -> what went wrong.
     failed: dict[str, str] = field(default_factory=dict)
+    route: str = ""  # what the step's forward ran (StepRoute.describe()); "" where it ran none

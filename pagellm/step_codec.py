@@ -149,7 +149,7 @@ def encode_output(output: ModelRunnerOutput | None, error: str | None = None) ->
     message: dict[str, Any] = {"error": error}
     if output is not None:
         message["output"] = {
-            "sampled": output.sampled, "logprobs": output.logprobs, "failed": output.failed,
+            "sampled": output.sampled, "logprobs": output.logprobs, "failed": output.failed, "route": output.route,
             "prompt_logprobs": {k: [v.start, v.rows] for k, v in output.prompt_logprobs.items()},
         }  # fmt: skip
     return json.dumps(message, separators=(",", ":")).encode()
@@ -173,6 +173,7 @@ def decode_output(data: bytes) -> tuple[ModelRunnerOutput | None, str | None]:
             prompt_logprobs={str(k): PromptLogprobs(int(s), [_rows(r) for r in rows])
                              for k, (s, rows) in o["prompt_logprobs"].items()},  # fmt: skip
             failed={str(k): str(v) for k, v in o["failed"].items()},
+            route=str(o["route"]),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CodecError(f"not an output message: {type(exc).__name__}: {exc}") from exc

@@ -118,6 +118,18 @@ def tiny_mistral_window_path(tmp_path_factory: pytest.TempPathFactory, default_t
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_window_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny Qwen3 whose layers past the first (``max_window_layers``) keep a sliding window of 8
+    (transformers writes ``layer_types``): a global layer and a windowed one, with q/k norms."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(**TINY_SHAPE, **token_ids(default_tokenizer), head_dim=32, use_sliding_window=True,
+                         sliding_window=8, max_window_layers=1, tie_word_embeddings=True, initializer_range=0.1,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})  # fmt: skip
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_window"), config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
     """Tiny Qwen3 (per-head q/k RMSNorm, no q/k/v bias, head_dim 32: q is twice the hidden width)."""
     from transformers import Qwen3Config

@@ -95,6 +95,10 @@ class AttentionBackend(ABC):
 
     name: str = "abstract"
 
+    def route(self, metadata: AttentionMetadata, dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> str:
+        """Which implementation runs this step's rows (for the step route; one backend: its name)."""
+        return self.name
+
     @abstractmethod
     def forward(
         self,

@@ -163,6 +163,15 @@ class CPUPagedAttention(AttentionBackend):
         self.kernels = lib
         self.sdpa = TorchSDPAAttention()  # the rows the kernel does not take
 
+    def route(self, metadata: AttentionMetadata, dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> str:
+        """``cpu_paged``, ``torch_sdpa`` (a dtype pair the kernel does not take), or both (the
+        prefill rows of a head dim the kernel has no fast path for on SDPA)."""
+        if (attention_dtype(dtype, cache_dtype), cache_dtype) not in _KERNEL_PAIRS:
+            return self.sdpa.name
+        if not prefill_on_kernel(head_dim) and max(metadata.query_lens, default=0) > 1:
+            return f"{self.name}+{self.sdpa.name}-prefill"
+        return self.name
+
     def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale,
                 window=None, softcap=None):  # fmt: skip
         cdtype = attention_dtype(query.dtype, key_cache.dtype)

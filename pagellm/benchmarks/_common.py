@@ -195,3 +195,15 @@ def model_token_facts(model: str | None) -> tuple[int, frozenset[int]]:
     if arch.bos_token_id is not None:
         special.add(arch.bos_token_id)
     return arch.vocab_size, frozenset(special)
+
+
+def routes_since(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """Steps per route (``EngineStats.step_routes``) between two readings, most first."""
+    counts = {route: n - before.get(route, 0) for route, n in after.items() if n > before.get(route, 0)}
+    return dict(sorted(counts.items(), key=lambda item: -item[1]))
+
+
+def format_routes(routes: dict[str, int]) -> str:
+    """``12 steps decoder=fused linears=integer attention=cpu_paged; 1 step ...``."""
+    return "; ".join(f"{n} step{'s' if n != 1 else ''} {route}" for route, n in routes.items()) or "none recorded"
+

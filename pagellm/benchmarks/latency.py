@@ -25,7 +25,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagellm.benchmarks._common import bench_engine_options, flat_config, format_table, machine_info, model_token_facts, peak_rss_mib
+from pagellm.benchmarks._common import (
+    bench_engine_options,
+    flat_config,
+    format_routes,
+    format_table,
+    machine_info,
+    model_token_facts,
+    peak_rss_mib,
+    routes_since,
+)
 from pagellm.benchmarks.workloads import fixed_workload
 
 COMPARE_CHOICES = ("llamacpp",)
@@ -99,6 +108,7 @@ def run_latency(cfg: LatencyConfig) -> dict[str, Any]:
     vocab_size, special = model_token_facts(cfg.model)
     prompts = fixed_workload(vocab_size, cfg.repeats + 1, cfg.input_len, cfg.output_len, cfg.seed, special)
     _time_one(engine, "warmup", prompts.requests[0].prompt_token_ids[:16], 4)
+    routes_before = dict(engine.stats.step_routes)
     runs, llama_runs = [], []
     for i, r in enumerate(prompts.requests[1:]):
         runs.append(_time_one(engine, f"latency-{i}", r.prompt_token_ids, cfg.output_len))
@@ -106,7 +116,8 @@ def run_latency(cfg: LatencyConfig) -> dict[str, Any]:
             llama_runs.append(run_llama_bench(llama_bench_command(binary, gguf, cfg, _pagellm_threads(cfg), repeats=1)))
     medians = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
     report = dict(config=flat_config(cfg), machine=machine_info(), kernel_plan=engine.kernel_plan_info, runs=runs,
-                  median=medians, peak_rss_mib=peak_rss_mib())
+                  median=medians, peak_rss_mib=peak_rss_mib(),
+                  step_routes=routes_since(routes_before, engine.stats.step_routes))  # fmt: skip
     if llama_runs:
         report["llamacpp"] = combine_llama_runs(llama_runs)
         report["pagellm_over_llamacpp"] = llamacpp_ratios(medians, report["llamacpp"])
@@ -217,5 +228,6 @@ def format_report(report: dict[str, Any]) -> str:
                ("decode_tokens_per_s", "decode tok/s", ".1f"), ("decode_s", "decode s", ".2f")]
     plan = " ".join(f"{k}={v}" for k, v in report["kernel_plan"].items())
     text = (f"batch 1: prompt {cfg['input_len']}, {cfg['output_len']} greedy tokens, {cfg['dtype']}\n"
-            f"kernel plan: {plan}\n" + format_table(rows, columns))
+            f"kernel plan: {plan}\nstep routes: {format_routes(report.get('step_routes', {}))}\n"
+            + format_table(rows, columns))
     return text + "\n\n" + format_llamacpp(report) if "llamacpp" in report else text

@@ -30,11 +30,13 @@ from typing import Any
 from pagellm.benchmarks._common import (
     bench_engine_options,
     flat_config,
+    format_routes,
     format_table,
     machine_info,
     model_token_facts,
     peak_rss_mib,
     reset_peak_rss,
+    routes_since,
 )
 from pagellm.benchmarks.workloads import BenchRequest, Workload, make_workload, workload_from_json, workload_to_json
 
@@ -149,6 +151,7 @@ def run_pagellm(
         llm.generate(_warmup_prompts(workload, 1), [SamplingParams(max_tokens=2, structured_outputs=constraint)],
                      use_tqdm=False)  # fmt: skip
     steps_before = engine.stats.num_steps
+    routes_before = dict(engine.stats.step_routes)
     mask_s_before = engine.structured_output.mask_seconds
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=progress)
@@ -168,6 +171,7 @@ def run_pagellm(
         prompt_tokens_computed=engine.stats.num_prompt_tokens,
         torch_threads=torch.get_num_threads(),
         kernel_plan=engine.kernel_plan_info,
+        step_routes=routes_since(routes_before, engine.stats.step_routes),  # what ran (StepRoute)
     )
     return ThroughputResult(
         system="pagellm-json" if structured else "pagellm",
@@ -560,6 +564,8 @@ def format_report(report: dict[str, Any]) -> str:
                 f"  {row['system']}: peak KV blocks {extra['peak_kv_blocks']}, prompt tokens computed "
                 f"{extra['prompt_tokens_computed']}, served from the prefix cache {extra['cached_prompt_tokens']}"
             )
+        if "step_routes" in extra:
+            lines.append(f"  {row['system']}: step routes: {format_routes(extra['step_routes'])}")
         spread = extra.get("spread_pct")
         if spread is not None:
             lines.append(f"  {row['system']}: median of {row['extra']['repeats']} runs, spread {spread:.0f}%")

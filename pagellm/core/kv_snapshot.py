@@ -52,10 +52,10 @@ _STATUS_NAMES = {
 
 
 @dataclass
-class RequestView:
-    """One listed request (a sequence: each sample of an n > 1 request is its own)."""
+class SequenceView:
+    """One listed sequence (a request's; each sample of an n > 1 request is its own)."""
 
-    request_id: str
+    seq_id: str
     status: str  # running, waiting, preempted or forking (a sample waiting for its prompt's prefill)
     num_computed_tokens: int  # tokens whose K/V are in the cache
     num_tokens: int  # prompt + generated
@@ -69,9 +69,9 @@ class RequestView:
 
 @dataclass
 class KVSnapshot:
-    """The pool cell by cell (arrays of ``num_cells``) and the listed requests.
+    """The pool cell by cell (arrays of ``num_cells``) and the listed sequences.
 
-    ``owner``: index into ``requests`` of the oldest listed holder, else an ``OWNER_*`` code;
+    ``owner``: index into ``sequences`` of the oldest listed holder, else an ``OWNER_*`` code;
     ``ref_cnt``: holders of the block (saturating at 255), more than one: shared (a prefix hit or
     a fork); ``cached``: the block's KV is registered in the prefix cache; ``position``: the
     block's index in its owner's table (its tokens are ``position * block_size`` onwards), -1
@@ -92,7 +92,7 @@ class KVSnapshot:
     num_waiting: int  # preempted ones included
     num_preempted: int
     num_forking: int
-    requests: list[RequestView]
+    sequences: list[SequenceView]
     build_seconds: float = 0.0  # what taking it cost the engine
 
     @property
@@ -100,7 +100,7 @@ class KVSnapshot:
         return int(self.owner.shape[0])
 
 
-def listed_requests(scheduler: Scheduler, max_requests: int) -> list[Sequence]:
+def listed_sequences(scheduler: Scheduler, max_requests: int) -> list[Sequence]:
     """Running, then waiting (preempted ones in their place), then pending samples; at most ``max_requests``."""
     listed: list[Sequence] = []
     parents = (*scheduler.running, *scheduler.waiting)
@@ -138,9 +138,9 @@ def take_kv_snapshot(
     cached[cached_ids // per_cell] = 1
     owner[cached_ids[cached_free] // per_cell] = OWNER_CACHED_FREE  # held cells are overwritten below
 
-    listed = listed_requests(scheduler, max_requests)
+    listed = listed_sequences(scheduler, max_requests)
     _mark_holders(manager, {r.seq_id: i for i, r in enumerate(listed)}, per_cell, owner, ref_cnt, position)
-    views = [_request_view(manager, seq, max_table_blocks) for seq in listed]
+    views = [_sequence_view(manager, seq, max_table_blocks) for seq in listed]
     preempted = sum(1 for r in scheduler.waiting if r.status == SequenceStatus.PREEMPTED)
     return KVSnapshot(
         block_size=manager.block_size,
@@ -157,7 +157,7 @@ def take_kv_snapshot(
         num_waiting=len(scheduler.waiting),
         num_preempted=preempted,
         num_forking=sum(len(r.pending_forks) for queue in (scheduler.running, scheduler.waiting) for r in queue),
-        requests=views,
+        sequences=views,
         build_seconds=time.perf_counter() - started,
     )
 
@@ -206,11 +206,11 @@ def _mark_holders(
         position[held_cells] = best[held_cells] & 0xFFFFFFFF
 
 
-def _request_view(manager: KVCacheManager, seq: Sequence, max_table_blocks: int) -> RequestView:
+def _sequence_view(manager: KVCacheManager, seq: Sequence, max_table_blocks: int) -> SequenceView:
     table = manager.tables.get(seq.seq_id)
     blocks = table.blocks if table is not None else []
-    return RequestView(
-        request_id=seq.seq_id,
+    return SequenceView(
+        seq_id=seq.seq_id,
         status=_STATUS_NAMES.get(seq.status, seq.status.name.lower()),
         num_computed_tokens=seq.num_computed_tokens,
         num_tokens=seq.num_tokens,

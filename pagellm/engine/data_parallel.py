@@ -14,7 +14,7 @@ by more than a set margin; otherwise (no useful match, or imbalance) to the leas
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -109,7 +109,8 @@ class PrefixCacheRouter:
 
 
 def combined_stats(replicas: Sequence[EngineStats]) -> EngineStats:
-    """The replicas' counters and gauges summed (KV usage: their mean; peak blocks: the most)."""
+    """The replicas' counters and gauges summed (KV usage: their mean; peak blocks: the most;
+    steps per route: summed per route)."""
     total = EngineStats()
     for field in fields(EngineStats):
         values = [getattr(s, field.name) for s in replicas]
@@ -117,6 +118,8 @@ def combined_stats(replicas: Sequence[EngineStats]) -> EngineStats:
             setattr(total, field.name, sum(values) / len(values))
         elif field.name == "peak_blocks_in_use":
             setattr(total, field.name, max(values))
+        elif field.name == "step_routes":
+            setattr(total, field.name, dict(sum((Counter(v) for v in values), Counter())))
         else:
             setattr(total, field.name, sum(values))
     return total

@@ -298,6 +298,8 @@ class LLMEngine:
             outputs.extend(self._fail_requests(refused_requests, request_error=True))
         self._drop_ended()
         self.stats.num_steps += 1
+        if runner_output.route:
+            self.stats.step_routes[runner_output.route] = self.stats.step_routes.get(runner_output.route, 0) + 1
         self.stats.num_finished_requests += sum(o.finished for o in outputs)
         self._refresh_stats()
         return outputs

@@ -11,10 +11,10 @@ Kept apart from ``async_engine`` so entry points and tests can name these withou
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from pagellm.core.kv_snapshot import KVSnapshot, RequestView  # noqa: F401 -- re-exported
+from pagellm.core.kv_snapshot import KVSnapshot, SequenceView  # noqa: F401 -- re-exported
 from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -78,6 +78,8 @@ class EngineStats:
     num_running: int = 0  # gauge
     num_waiting: int = 0  # gauge
     kv_cache_usage: float = 0.0  # gauge: fraction of blocks in use
+    # Steps per route (StepRoute.describe(): fused stack or layers, linears' GEMM, attention).
+    step_routes: dict[str, int] = field(default_factory=dict)
 
 
 class EngineClient(Protocol):

@@ -235,6 +235,24 @@ class KernelLibrary:
             raise RuntimeError(f"pagellm_add_rms_norm failed with code {rc}")
         return out
 
+    def head_rms_norm_(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        """RMSNorm of each head of ``x`` ([T, heads, D], row-contiguous heads, any row stride) in
+        place, one ``weight`` [D] for all (Qwen3's q and k norms): per head what
+        :meth:`add_rms_norm` gives its rows, without copying the heads out and back."""
+        dtype = x.dtype
+        if dtype not in DTYPE_CODES or x.dim() != 3:
+            raise ValueError("x must be a [T, heads, D] float32 or bfloat16 tensor")
+        rows, heads, head_dim = x.shape
+        _check_rows("x", x, (heads, head_dim), dtype)
+        if weight.shape != (head_dim,) or weight.dtype != dtype or not weight.is_contiguous():
+            raise ValueError(f"weight must be a contiguous [{head_dim}] {dtype} tensor")
+        rc = self._lib.pagellm_head_rms_norm(
+            x.data_ptr(), x.stride(0), rows, heads, head_dim, weight.data_ptr(), float(eps), DTYPE_CODES[dtype],
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"pagellm_head_rms_norm failed with code {rc}")
+
     def rotary_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotate ``x`` ([T, heads, D], row-contiguous heads, any row stride) in place by ``cos``/``sin`` ([T, D])."""
         dtype = x.dtype
@@ -448,10 +466,13 @@ LINEAR_KINDS = {"integer": 0, "avx512-bf16": 1, "amx": 2, "avx2": 3, "integer-am
 
 
 class DecoderLayerArgs(ctypes.Structure):
-    """``PagellmLayer`` of ``csrc/decoder_stack.cpp``: one layer's norms, linears and caches."""
+    """``PagellmLayer`` of ``csrc/decoder_stack.cpp``: one layer's norms, linears, caches and
+    attention variant (scale, soft cap: 0 none, window: 0 none)."""
 
     _fields_ = [
-        ("input_norm", _P), ("post_norm", _P), ("qkv_bias", _P), ("key_cache", _P), ("value_cache", _P),
+        ("input_norm", _P), ("post_norm", _P), ("qkv_bias", _P), ("q_norm", _P), ("k_norm", _P), ("key_cache", _P),
+        ("value_cache", _P), ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("window", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
         ("qkv", LinearArgs), ("o", LinearArgs), ("gate_up", LinearArgs), ("down", LinearArgs),
     ]  # fmt: skip
 
@@ -463,7 +484,7 @@ class DecoderStackArgs(ctypes.Structure):
         ("layers", ctypes.POINTER(DecoderLayerArgs)), ("num_layers", ctypes.c_int64), ("tokens", ctypes.c_int64),
         ("hidden", ctypes.c_int64), ("num_heads", ctypes.c_int64), ("num_kv_heads", ctypes.c_int64),
         ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("block_size", ctypes.c_int64),
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("dtype", ctypes.c_int32), ("cache_code", ctypes.c_int32),
+        ("eps", ctypes.c_float), ("reserved_f", ctypes.c_float), ("dtype", ctypes.c_int32), ("cache_code", ctypes.c_int32),
         ("num_threads", ctypes.c_int32), ("reserved", ctypes.c_int32), ("x", _P), ("residual", _P), ("cos", _P),
         ("sin", _P), ("slot_mapping", _P), ("block_tables", _P), ("block_table_stride", ctypes.c_int64),
         ("row_token", _P), ("row_req", _P), ("row_start", _P), ("row_ctx", _P), ("num_rows", ctypes.c_int64),

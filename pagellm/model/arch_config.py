@@ -197,6 +197,7 @@ class ModelArchConfig:
             partial_rotary_factor=_partial_rotary_factor(config),
             **_moe_fields(architecture, config),
             **_gemma_fields(architecture, config, hidden_size),
+            **({} if architecture in _GEMMA else {"layer_types": _layer_types(config)}),
         )
 
 
@@ -286,7 +287,7 @@ def _gemma_fields(architecture: str, config: dict[str, Any], hidden_size: int) -
         raise NotImplementedError(f"{architecture} with use_bidirectional_attention is not supported (a causal LM only)")
     layers = int(config["num_hidden_layers"])
     every = int(config.get("sliding_window_pattern") or _GLOBAL_LAYER_EVERY[architecture])
-    layer_types = config.get("layer_types") or [SLIDING if (i + 1) % every else FULL for i in range(layers)]
+    layer_types = _layer_types(config) or [SLIDING if (i + 1) % every else FULL for i in range(layers)]
     scalar = config.get("query_pre_attn_scalar")
     return dict(
         layer_types=tuple(str(t) for t in layer_types), local_rope_theta=_local_rope_theta(architecture, config),
@@ -295,6 +296,18 @@ def _gemma_fields(architecture: str, config: dict[str, Any], hidden_size: int) -
         final_logit_softcapping=_optional_float(config.get("final_logit_softcapping")),
         norm_unit_offset=True, sandwich_norms=True, embedding_scale=hidden_size**0.5,
     )  # fmt: skip
+
+
+def _layer_types(config: dict[str, Any]) -> tuple[str, ...]:
+    """The config's ``layer_types`` (sliding or full attention per layer; transformers writes
+    them for Qwen2/Qwen3 from ``max_window_layers``), checked; empty where it has none."""
+    types = tuple(str(t) for t in config.get("layer_types") or ())
+    unknown = sorted(set(types) - {SLIDING, FULL})
+    if unknown:
+        raise NotImplementedError(f"layer types {unknown} are not supported (only {SLIDING!r} and {FULL!r})")
+    if types and len(types) != int(config["num_hidden_layers"]):
+        raise ValueError(f"layer_types lists {len(types)} layers, the model has {config['num_hidden_layers']}")
+    return types
 
 
 def _local_rope_theta(architecture: str, config: dict[str, Any]) -> float | None:

@@ -5,24 +5,27 @@ kernel, kernel norms and rotary.
 The call runs the kernels the Python layers run, in the same order on the same buffers, so its
 output is bit for bit theirs; what it removes is the Python between them (module calls,
 wrapper checks, ctypes: ~3 ms of a ~10 ms batch-1 step on the default model, benchmarks/NOTES.md,
-37). The weights' shapes are checked when the stack is built; the step's indices once a step,
-as the attention backend checks them. Batches of more rows than the plan's ``quant_max_rows``
-use quantized linears' dense copies or AMX tiles, as the modules do; steps it does not take (a cache dtype
-the kernels do not read; a prefill of a head dim whose prefill rows the attention backend sends to
-SDPA) run the Python layers. A sliding window kept by every layer (Mistral)
-is in the call; capped scores, other score scales and Gemma's norms are not.
+37). Each layer's variant comes from the same :class:`~pagellm.model.layer_spec.LayerSpec` the
+modules are built from (q/k norms, score scale, soft cap, sliding window per layer); a layer
+whose spec asks for what the call lacks is refused by name (:func:`stack_refusal`), once, in
+the log. The weights' shapes are checked when the stack is built; the step's indices once a
+step, as the attention backend checks them. Batches of more rows than the plan's
+``quant_max_rows`` use quantized linears' dense copies or AMX tiles, as the modules do; steps
+it does not take (a cache dtype the kernels do not read; a prefill of a head dim whose prefill
+rows the attention backend sends to SDPA) run the Python layers.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from pagellm.attention.backend import AttentionMetadata
-from pagellm.attention.cpu_paged import CPUPagedAttention, checked_kernel_rows, prefill_on_kernel
+from pagellm.attention.cpu_paged import CPUPagedAttention, checked_kernel_rows
 from pagellm.distributed.tensor_parallel import TensorParallel
 from pagellm.kernels.library import (
     CACHE_CODES,
@@ -37,10 +40,13 @@ from pagellm.kernels.packing import avx2_epilogue, gemm_epilogue
 from pagellm.kernels.quant_formats import FORMAT_CODES
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.cpu_linear import KernelLinear, KernelSiluAndMulLinear
+from pagellm.model.layer_spec import LayerSpec, stack_refusal
 from pagellm.model.layers import RMSNorm
 from pagellm.model.quant_linear import QuantizedLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+
+logger = logging.getLogger(__name__)
 
 
 def _linear_args(module: nn.Module, big: bool) -> LinearArgs | None:
@@ -68,11 +74,13 @@ def _dense_side(module: nn.Module) -> nn.Module:
 
 @dataclass(frozen=True)
 class _LayerWeights:
-    """One layer's modules the call reads (held so their tensors' storage outlives the pointers)."""
+    """One layer's spec and the tensors the call reads (held so their storage outlives the pointers)."""
 
+    spec: LayerSpec
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     qkv_bias: torch.Tensor | None
+    qk_norms: tuple[torch.Tensor, torch.Tensor] | None
     linears: tuple[nn.Module, nn.Module, nn.Module, nn.Module]  # qkv, o, gate_up, down
 
     def _side(self, dense: bool) -> list[nn.Module]:
@@ -84,44 +92,52 @@ class _LayerWeights:
 
     def args(self, key_cache: torch.Tensor, value_cache: torch.Tensor, dense: bool) -> DecoderLayerArgs:
         """The C struct for this layer over these caches (``dense``: the big-batch side)."""
+        spec = self.spec
         bias = None if self.qkv_bias is None else self.qkv_bias.data_ptr()
+        q_norm, k_norm = (None, None) if self.qk_norms is None else (t.data_ptr() for t in self.qk_norms)
         return DecoderLayerArgs(
-            self.input_norm.data_ptr(), self.post_norm.data_ptr(), bias, key_cache.data_ptr(), value_cache.data_ptr(),
+            self.input_norm.data_ptr(), self.post_norm.data_ptr(), bias, q_norm, k_norm, key_cache.data_ptr(),
+            value_cache.data_ptr(), spec.scale, spec.softcap or 0.0, spec.window or 0, 0,
             *(_linear_args(m, dense) for m in self._side(dense)),
         )  # fmt: skip
 
 
-def _layer_weights(layer: nn.Module, arch: ModelArchConfig, dtype: torch.dtype) -> _LayerWeights | None:
-    """The layer's tensors if the call can run it: pagellm's GEMMs for every linear (the MLP's
-    activation in gate_up's epilogue), of the expected shapes, a bias on qkv only, norms and
-    bias in ``dtype``, the paged kernel, kernel norms and rotary; else None."""
+def _kernel_norm(norm: object, dtype: torch.dtype) -> torch.Tensor | None:
+    """A kernel RMSNorm's weight (contiguous, in ``dtype``), else None."""
+    if not isinstance(norm, RMSNorm) or norm.kernels is None:
+        return None
+    weight = norm.weight
+    return weight if weight.dtype == dtype and weight.is_contiguous() else None
+
+
+def _layer_weights(layer: nn.Module, dtype: torch.dtype) -> _LayerWeights | str:
+    """The layer's tensors where the call can run it: its spec not refused (:func:`stack_refusal`),
+    pagellm's GEMMs for every linear (the MLP's activation in gate_up's epilogue), of the spec's
+    shapes, kernel norms, a bias in ``dtype``, the paged kernel and kernel rotary; else why not."""
+    spec: LayerSpec = layer.spec
+    refusal = stack_refusal(spec)
+    if refusal is not None:
+        return refusal
     attn, mlp = layer.self_attn, layer.mlp
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if not isinstance(attn.attn_backend, CPUPagedAttention) or attn.rotary_kernels is None:
-        return None
-    if getattr(attn, "q_norm", None) is not None:  # per-head q/k norms (Qwen3): not in the call
-        return None
-    if attn.softcap is not None or attn.scale != arch.head_dim**-0.5:
-        return None  # capped scores or another scale (Gemma): not in the call
-    if getattr(layer, "post_feedforward_layernorm", None) is not None:  # Gemma's sandwich norms
-        return None
-    if not all(isinstance(n, RMSNorm) and n.kernels is not None for n in norms):
-        return None
-    if not isinstance(getattr(mlp, "act", None), nn.Identity):  # a mixture of experts, or SiLU-and-mul not fused
-        return None
+        return "attention off the paged kernel or rotary off the kernel"
+    norms = [_kernel_norm(n, dtype) for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    qk_norms = [_kernel_norm(n, dtype) for n in (attn.q_norm, attn.k_norm)] if spec.qk_norm else []
+    if any(n is None for n in (*norms, *qk_norms)):
+        return f"a norm off the kernel or not in {dtype}"
+    if not isinstance(getattr(mlp, "act", None), nn.Identity):
+        return "SiLU-and-mul not fused into the gate/up GEMM"
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     shapes = [(getattr(m, "in_features", None), getattr(m, "out_features", None)) for m in linears]
-    hidden, inter = arch.hidden_size, arch.intermediate_size
-    expected = [(hidden, arch.q_size + 2 * arch.kv_size), (arch.q_size, hidden), (hidden, inter), (inter, hidden)]
+    hidden, inter = spec.hidden_size, spec.intermediate_size
+    expected = [(hidden, spec.q_size + 2 * spec.kv_size), (spec.q_size, hidden), (hidden, inter), (inter, hidden)]
     if shapes != expected or any(getattr(m, "bias", None) is not None for m in linears[1:]):
-        return None
-    if not all(n.weight.dtype == dtype and n.weight.is_contiguous() for n in norms):
-        return None
+        return "linears of other shapes, or a bias past qkv"
     bias = getattr(linears[0], "bias", None)
     if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
-        return None
-    weights = _LayerWeights(norms[0].weight, norms[1].weight, bias, linears)
-    return weights if weights.fits() else None
+        return f"a qkv bias not in {dtype}"
+    weights = _LayerWeights(spec, norms[0], norms[1], bias, (qk_norms[0], qk_norms[1]) if qk_norms else None, linears)  # type: ignore[arg-type]
+    return weights if weights.fits() else "a linear off pagellm's GEMMs"
 
 
 # The call's tensor-parallel fields without tensor parallelism (one rank).
@@ -138,7 +154,7 @@ class FusedDecoderStack:
 
     def __init__(
         self, weights: list[_LayerWeights], arch: ModelArchConfig, lib: KernelLibrary, dtype: torch.dtype,
-        max_rows: int | None, tp: TensorParallel | None = None, window: int | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         if tp is not None and tp.shm is None:
             raise ValueError("the one-call decoder stack joins tensor-parallel ranks through shared memory only")
@@ -147,8 +163,7 @@ class FusedDecoderStack:
         self.arch = arch
         self.kernels = lib
         self.dtype = dtype
-        self.max_rows = max_rows
-        self.window = window  # every layer's sliding window (Mistral), or None
+        self.windows = tuple(w.spec.window for w in weights)  # each layer's sliding window (None: all)
         self.eps = float(arch.rms_norm_eps)
         self.steps = 0  # steps run here (the rest ran the Python layers)
         # Per-layer C structs of each side (small batches, big ones) for the caches at these
@@ -158,36 +173,45 @@ class FusedDecoderStack:
 
     @classmethod
     def build(
-        cls, layers: nn.ModuleList, arch: ModelArchConfig, lib: KernelLibrary, max_rows: int | None,
-        tp: TensorParallel | None = None,
+        cls, layers: nn.ModuleList, arch: ModelArchConfig, lib: KernelLibrary, tp: TensorParallel | None = None,
     ) -> FusedDecoderStack | None:
         """The stack for these layers (``arch``: a tensor-parallel rank's share, under ``tp``),
-        or None where any layer does not fit the call (or the layers' sliding windows differ)."""
+        or None where any layer does not fit the call (logged once, naming the first such layer
+        and why)."""
         dtype = layers[0].input_layernorm.weight.dtype if len(layers) else None
         if dtype not in DTYPE_CODES:
+            logger.info("decoder: module by module (no kernels for %s)", dtype)
             return None
-        weights = [_layer_weights(layer, arch, dtype) for layer in layers]
-        windows = {layer.self_attn.window for layer in layers}
-        if any(w is None for w in weights) or len(windows) != 1:
-            return None
-        return cls([w for w in weights if w is not None], arch, lib, dtype, max_rows, tp, windows.pop())
+        weights = []
+        for layer in layers:
+            fit = _layer_weights(layer, dtype)
+            if isinstance(fit, str):
+                logger.info("decoder: module by module (layer %d: %s, which the one-call stack lacks)",
+                            layer.spec.index, fit)  # fmt: skip
+                return None
+            weights.append(fit)
+        logger.info("decoder: one C++ call for %d layers", len(weights))
+        return cls(weights, arch, lib, dtype, tp)
 
-    def layer_args(
-        self, hidden: torch.Tensor, kv_caches: list[KVCache], metadata: AttentionMetadata
-    ) -> ctypes.Array[DecoderLayerArgs] | None:
-        """The per-layer arguments of this step where it runs here (rows in the model dtype, a
-        cache pair per layer, of one shape and dtype the kernels read, laid out as the model's
-        KV heads; prefill rows only for head dims the kernel takes them for, as the attention
-        backend decides), else None. Built and checked once per set of caches (once per engine)."""
+    def fits(self, hidden: torch.Tensor, kv_caches: list[KVCache]) -> bool:
+        """Whether the call takes these rows (in the model dtype) over these caches (a pair per
+        layer, of one shape and dtype the kernels read, laid out as the model's KV heads);
+        checked once per set of caches (once per engine). Which rows' attention the kernel
+        takes is the step route's decision (:func:`pagellm.model.step_route.route_step`)."""
         if hidden.shape[0] == 0 or hidden.dtype != self.dtype or len(kv_caches) != len(self.weights):
-            return None
-        if not prefill_on_kernel(self.arch.head_dim) and max(metadata.query_lens, default=0) > 1:
-            return None
+            return False
         addresses = _cache_addresses(kv_caches)
         if self._args is None or self._args[0] != addresses:
             self._args = (addresses, self._build_args(kv_caches) if self._caches_fit(kv_caches) else None)
-        sides = self._args[1]
-        return None if sides is None else sides[self.max_rows is not None and hidden.shape[0] > self.max_rows]
+        return self._args[1] is not None
+
+    def layer_args(self, big_batch: bool) -> ctypes.Array[DecoderLayerArgs]:
+        """The per-layer arguments over the caches :meth:`fits` took (``big_batch``: the
+        quantized linears' side for batches above the plan's ``quant_max_rows``)."""
+        sides = self._args[1] if self._args is not None else None
+        if sides is None:
+            raise RuntimeError("layer_args before fits() took the caches")
+        return sides[big_batch]
 
     def _caches_fit(self, kv_caches: list[KVCache]) -> bool:
         key_cache = kv_caches[0][0]
@@ -202,7 +226,7 @@ class FusedDecoderStack:
         )  # fmt: skip
 
     def _build_args(self, kv_caches: list[KVCache]) -> dict[bool, ctypes.Array[DecoderLayerArgs]]:
-        """Each side's C structs over these caches (``True``: batches above ``max_rows``)."""
+        """Each side's C structs over these caches (``True``: batches above ``quant_max_rows``)."""
         sides = {}
         for dense in (False, True):
             layers = [w.args(k, v, dense) for w, (k, v) in zip(self.weights, kv_caches)]
@@ -230,15 +254,15 @@ class FusedDecoderStack:
         scratch = [torch.empty(tokens, width, dtype=self.dtype) for width in
                    (arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.q_size, arch.intermediate_size)]  # fmt: skip
         tables = rows.block_tables
-        row_start = rows.start_for(self.window)
+        row_start = torch.empty(rows.row_token.numel(), dtype=torch.int32)  # the call's scratch per window
         tp_args, tp_scratch = self._tensor_parallel_args(tokens)
         args = DecoderStackArgs(
             layers, len(self.weights), tokens, arch.hidden_size, arch.num_attention_heads,
             arch.num_key_value_heads, arch.head_dim, arch.intermediate_size, key_cache.shape[1], self.eps,
-            arch.head_dim**-0.5, DTYPE_CODES[self.dtype], CACHE_CODES[(self.dtype, key_cache.dtype)],
+            0.0, DTYPE_CODES[self.dtype], CACHE_CODES[(self.dtype, key_cache.dtype)],
             torch.get_num_threads(), 0, x.data_ptr(), residual.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             metadata.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0), rows.row_token.data_ptr(),
-            rows.row_req.data_ptr(), None if row_start is None else row_start.data_ptr(), rows.row_ctx.data_ptr(),
+            rows.row_req.data_ptr(), row_start.data_ptr(), rows.row_ctx.data_ptr(),
             rows.row_token.numel(),
             *(t.data_ptr() for t in scratch), *tp_args,
         )  # fmt: skip

@@ -13,6 +13,7 @@ import torch
 
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.kernels.plan import KernelPlan
+from pagellm.model.step_route import StepRoute
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (key_cache, value_cache)
 
@@ -26,6 +27,10 @@ class CausalLM(Protocol):
     ) -> torch.Tensor:
         """Final-normed hidden states ``[T, hidden]`` for a flat batch of ``T`` tokens (a
         pipeline stage: from and to the residual ``stream`` between stages)."""
+
+    @property
+    def last_route(self) -> StepRoute | None:
+        """What the last forward ran (None before the first)."""
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """Vocabulary logits for the rows to sample: float32, or the model dtype (``upcast=False``)."""

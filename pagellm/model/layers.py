@@ -56,6 +56,15 @@ class RMSNorm(nn.Module):
         residual = x + residual
         return self._norm(residual), residual
 
+    def norm_heads_(self, x: torch.Tensor) -> None:
+        """Norm each head of ``x`` ([T, heads, D], a view into a wider row) in place: on the
+        kernel without copying the heads out (the same rows :meth:`forward` gives), else
+        through :meth:`forward` and back."""
+        if self.kernels is not None and x.dtype == self.weight.dtype and supports_dtype(x.dtype):
+            self.kernels.head_rms_norm_(x, self.weight, self.eps)
+        else:
+            x.copy_(self(x.reshape(-1, x.shape[-1])).view(x.shape))
+
 
 class UnitOffsetRMSNorm(RMSNorm):
     """Gemma's RMSNorm: scales by ``1 + weight`` (weights stored around 0), the product taken

@@ -12,6 +12,7 @@ Weights arrive under Hugging Face parameter names and are fused at load time
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 
@@ -26,13 +27,17 @@ from pagellm.kernels.quant_formats import QuantizedWeight
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.cpu_linear import pack_linear_layers
 from pagellm.model.fused_stack import FusedDecoderStack
+from pagellm.model.layer_spec import LayerSpec, layer_specs
 from pagellm.model.layers import RotaryEmbedding, apply_rotary_, make_rms_norm
 from pagellm.model.mlp import LlamaMLP
 from pagellm.model.moe import SparseMoeBlock
 from pagellm.model.quant_linear import QuantizedLinear, linear_for_plan
+from pagellm.model.step_route import StepRoute, route_step
 from pagellm.model.weight_names import checkpoint_parts, mlp_weight_names
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+
+logger = logging.getLogger(__name__)
 
 # HF sub-module name -> (our fused sub-module name, shard id) for the fused linears.
 _FUSED_SHARDS = {
@@ -62,29 +67,25 @@ class LlamaAttention(nn.Module):
     (under tensor parallelism: this rank's heads, its partial output summed over the ranks)."""
 
     def __init__(
-        self, arch: ModelArchConfig, attn_backend: AttentionBackend, plan: KernelPlan | None,
-        tp: TensorParallel | None = None, layer: int = 0,
+        self, spec: LayerSpec, attn_backend: AttentionBackend, plan: KernelPlan | None, tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
+        self.spec = spec
         self.tp = tp
-        self.window = arch.layer_window(layer)  # this layer's sliding window (None: global)
-        self.softcap = arch.attn_logit_softcapping
-        self.local_rope = arch.layer_uses_local_rope(layer)  # Gemma 3's windowed layers
-        self.num_heads = arch.num_attention_heads
-        self.num_kv_heads = arch.num_key_value_heads
-        self.head_dim = arch.head_dim
-        self.q_size = arch.q_size
-        self.kv_size = arch.kv_size
-        self.scale = arch.attention_scale or self.head_dim**-0.5
-        self.qkv_proj = linear_for_plan(arch.hidden_size, self.q_size + 2 * self.kv_size, arch.attention_bias, plan)
-        self.o_proj = linear_for_plan(self.q_size, arch.hidden_size, arch.o_proj_bias, plan)
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.q_size = spec.q_size
+        self.kv_size = spec.kv_size
+        self.qkv_proj = linear_for_plan(spec.hidden_size, self.q_size + 2 * self.kv_size, spec.qkv_bias, plan)
+        self.o_proj = linear_for_plan(self.q_size, spec.hidden_size, spec.o_bias, plan)
         self.attn_backend = attn_backend
         self.rotary_kernels = plan.library("rotary") if plan is not None else None
         # Qwen3, Gemma 3: each head of q and k RMS-normed (over head_dim) before the rotary embedding.
         norm_kernels = plan.library("norm") if plan is not None else None
-        eps, offset = arch.rms_norm_eps, arch.norm_unit_offset
-        self.q_norm = make_rms_norm(self.head_dim, eps, offset, norm_kernels) if arch.qk_norm else None
-        self.k_norm = make_rms_norm(self.head_dim, eps, offset, norm_kernels) if arch.qk_norm else None
+        eps, offset = spec.norm_eps, spec.norm_unit_offset
+        self.q_norm = make_rms_norm(self.head_dim, eps, offset, norm_kernels) if spec.qk_norm else None
+        self.k_norm = make_rms_norm(self.head_dim, eps, offset, norm_kernels) if spec.qk_norm else None
 
     def shard_slices(self) -> dict[str, slice]:
         """Rows of ``qkv_proj`` holding each of q, k, v."""
@@ -104,14 +105,14 @@ class LlamaAttention(nn.Module):
         # q and k rotated together (one set of elementwise ops; the same arithmetic per element).
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            heads = self.num_heads
-            qk[:, :heads] = self.q_norm(qk[:, :heads].reshape(-1, self.head_dim)).view(num_tokens, heads, -1)
-            qk[:, heads:] = self.k_norm(qk[:, heads:].reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, -1)
+            self.q_norm.norm_heads_(qk[:, : self.num_heads])
+            self.k_norm.norm_heads_(qk[:, self.num_heads :])
         q, k = apply_rotary_(qk, cos, sin, self.rotary_kernels).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
-        out = self.attn_backend.forward(q, k, v, key_cache, value_cache, attn_metadata, self.scale, self.window,
-                                        self.softcap)  # fmt: skip
+        spec = self.spec
+        out = self.attn_backend.forward(q, k, v, key_cache, value_cache, attn_metadata, spec.scale, spec.window,
+                                        spec.softcap)  # fmt: skip
         out = self.o_proj(out.reshape(num_tokens, self.q_size))
         return out if self.tp is None else self.tp.all_reduce_(out)
 
@@ -122,21 +123,23 @@ class LlamaDecoderLayer(nn.Module):
     block's output (``post_attention_layernorm``, ``post_feedforward_layernorm``)."""
 
     def __init__(
-        self, arch: ModelArchConfig, attn_backend: AttentionBackend, plan: KernelPlan | None,
-        tp: TensorParallel | None = None, layer: int = 0,
+        self, spec: LayerSpec, arch: ModelArchConfig, attn_backend: AttentionBackend, plan: KernelPlan | None,
+        tp: TensorParallel | None = None,
     ) -> None:
+        """``spec``: this layer; ``arch``: the model (a rank's share) its MLP or experts read."""
         super().__init__()
+        self.spec = spec
         norm_kernels = plan.library("norm") if plan is not None else None
 
         def norm() -> nn.Module:
-            return make_rms_norm(arch.hidden_size, arch.rms_norm_eps, arch.norm_unit_offset, norm_kernels)
+            return make_rms_norm(spec.hidden_size, spec.norm_eps, spec.norm_unit_offset, norm_kernels)
 
         self.input_layernorm = norm()
-        self.self_attn = LlamaAttention(arch, attn_backend, plan, tp, layer)
+        self.self_attn = LlamaAttention(spec, attn_backend, plan, tp)
         self.post_attention_layernorm = norm()
-        self.mlp = SparseMoeBlock(arch, plan, tp) if layer in arch.moe_layers else LlamaMLP(arch, plan, tp)
-        self.pre_feedforward_layernorm = norm() if arch.sandwich_norms else None
-        self.post_feedforward_layernorm = norm() if arch.sandwich_norms else None
+        self.mlp = SparseMoeBlock(arch, plan, tp) if spec.moe else LlamaMLP(arch, plan, tp)
+        self.pre_feedforward_layernorm = norm() if spec.sandwich_norms else None
+        self.post_feedforward_layernorm = norm() if spec.sandwich_norms else None
 
     def forward(
         self,
@@ -187,9 +190,8 @@ class LlamaModel(nn.Module):
         self.start, self.end = (pp.start, pp.end) if pp is not None else (0, arch.num_hidden_layers)
         # Every layer index keeps its place (HF names: model.layers.N); another stage's is empty.
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(layer_arch, attn_backend, plan, tp, i)
-            if self.start <= i < self.end else nn.Module()
-            for i in range(arch.num_hidden_layers)
+            LlamaDecoderLayer(spec, layer_arch, attn_backend, plan, tp) if self.start <= spec.index < self.end else nn.Module()
+            for spec in layer_specs(layer_arch)
         )
         norm_kernels = plan.library("norm") if plan is not None else None
         self.norm = make_rms_norm(arch.hidden_size, arch.rms_norm_eps, arch.norm_unit_offset, norm_kernels)
@@ -231,9 +233,11 @@ class LlamaForCausalLM(nn.Module):
         joinable = tp is None or tp.shm is not None
         fused = plan is not None and plan.decoder == "fused" and plan.kernels is not None and joinable
         self.decoder_kernels = plan.kernels if fused and plan is not None else None
-        self.decoder_max_rows = plan.quant_max_rows if plan is not None else None
+        self.plan = plan
+        self.attn_backend = attn_backend
         self._fused_stack: FusedDecoderStack | None = None
         self._fused_stack_built = False
+        self.last_route: StepRoute | None = None  # what the last forward ran
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with lm_head when the config says so (re-run after
@@ -268,25 +272,40 @@ class LlamaForCausalLM(nn.Module):
         local_rotary = self.model.local_rotary_emb
         local = local_rotary(positions, hidden.dtype) if local_rotary is not None else (cos, sin)
         stack = self._decoder_stack()
-        stack_layers = stack.layer_args(hidden, kv_caches, attn_metadata) if stack is not None else None
-        if stack is not None and stack_layers is not None:
-            hidden, residual = stack(hidden, cos, sin, kv_caches, stack_layers, attn_metadata)
+        route = self._route(hidden, kv_caches, attn_metadata, stack)
+        if stack is not None and route.decoder == "fused":
+            hidden, residual = stack(hidden, cos, sin, kv_caches, stack.layer_args(route.big_batch), attn_metadata)
         else:
             residual = None
             for layer, kv_cache in zip(layers, kv_caches):
-                rope = local if layer.self_attn.local_rope else (cos, sin)
+                rope = local if layer.spec.local_rope else (cos, sin)
                 hidden, residual = layer(hidden, residual, *rope, kv_cache, attn_metadata)
         if self.pp is not None and not self.pp.is_last:
             return hidden if residual is None else hidden + residual  # what the next layer's norm adds first
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
+    def _route(
+        self, hidden: torch.Tensor, kv_caches: list[KVCache], metadata: AttentionMetadata,
+        stack: FusedDecoderStack | None,
+    ) -> StepRoute:
+        """This step's route (:mod:`pagellm.model.step_route`), logged at debug level where it
+        differs from the last step's."""
+        cache_dtype = kv_caches[0][0].dtype if kv_caches else hidden.dtype
+        fits = stack is not None and stack.fits(hidden, kv_caches)
+        route = route_step(self.plan, self.attn_backend, metadata, hidden.shape[0], hidden.dtype, cache_dtype,
+                           self.arch.head_dim, fits)  # fmt: skip
+        last = self.last_route
+        if last is None or last.describe() != route.describe():
+            logger.debug("step route: %s (%d rows)", route.describe(), route.rows)
+        self.last_route = route
+        return route
+
     def _decoder_stack(self) -> FusedDecoderStack | None:
         """The one-call decoder stack where the plan asked for it and the loaded layers fit it."""
         if self.decoder_kernels is not None and not self._fused_stack_built:
             layer_arch = self.arch if self.tp is None else self.arch.shard(self.tp.size)  # this rank's share
-            self._fused_stack = FusedDecoderStack.build(self.model.own_layers, layer_arch, self.decoder_kernels,
-                                                        self.decoder_max_rows, self.tp)  # fmt: skip
+            self._fused_stack = FusedDecoderStack.build(self.model.own_layers, layer_arch, self.decoder_kernels, self.tp)
             self._fused_stack_built = True  # None: the layers do not fit, the Python layers run
         return self._fused_stack
 

@@ -93,9 +93,16 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata)
             if self.samples:
                 self._outputs(hidden, inputs, grammar, output)
+            output.route = self._route()
             return output
         self._execute_stage(self.link, scheduler_output.scheduled, grammar, output)
+        output.route = self._route()
         return output
+
+    def _route(self) -> str:
+        """What this rank's last forward ran (a pipeline stage: its own layers' last micro-batch)."""
+        route = self.model.last_route
+        return "" if route is None else route.describe()
 
     def _execute_stage(
         self, link: PipelineLink, scheduled: list[ScheduledSequence], grammar: GrammarBitmask | None,

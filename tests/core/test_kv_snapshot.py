@@ -37,14 +37,14 @@ def test_shared_prefix_shows_ref_count_two_owners_and_positions():
     step(s)
     assert s.kv_cache_manager.get_block_ids("b") == [0, 1, 3]
     snap = take_kv_snapshot(s)
-    assert [r.request_id for r in snap.requests] == ["a", "b"]
+    assert [r.seq_id for r in snap.sequences] == ["a", "b"]
     assert snap.owner.tolist() == [0, 0, 0, 1] + [OWNER_FREE] * 8  # shared blocks: the oldest holder
     assert snap.ref_cnt.tolist() == [2, 2, 1, 1] + [0] * 8
     assert snap.position.tolist()[:4] == [0, 1, 2, 2]
     assert snap.cached.tolist()[:4] == [1, 1, 0, 0]  # the full prompt blocks are in the prefix cache
     assert (snap.num_blocks, snap.num_cells, snap.blocks_per_cell, snap.block_size) == (12, 12, 1, B)
     assert (snap.num_shared_blocks, snap.num_free_blocks, snap.num_cached_free_blocks) == (2, 8, 0)
-    a, b = snap.requests
+    a, b = snap.sequences
     assert (a.status, a.num_computed_tokens, a.num_tokens, a.num_prompt_tokens, a.block_ids) == (
         "running", 11, 12, 10, [0, 1, 2])
     assert (b.status, b.num_cached_tokens, b.num_computed_tokens, b.num_tokens, b.block_ids) == (
@@ -58,7 +58,7 @@ def test_finished_request_leaves_cached_free_blocks():
     step(s)
     s.finish_sequences(["a"], SequenceStatus.FINISHED_ABORTED)
     snap = take_kv_snapshot(s)
-    assert snap.requests == []
+    assert snap.sequences == []
     assert snap.owner.tolist() == [OWNER_CACHED_FREE, OWNER_CACHED_FREE] + [OWNER_FREE] * 10
     assert snap.ref_cnt.tolist() == [0] * 12 and snap.cached.tolist()[:3] == [1, 1, 0]
     assert (snap.num_free_blocks, snap.num_cached_free_blocks, snap.num_shared_blocks) == (12, 2, 0)
@@ -77,10 +77,10 @@ def test_waiting_and_preempted_requests_are_listed_after_running_ones():
     s.add_sequence(make_request("c", range(40, 44)))
     step(s)  # a's 9th token needs a block: b (the youngest) is preempted
     snap = take_kv_snapshot(s)
-    assert [(r.request_id, r.status) for r in snap.requests] == [("a", "running"), ("b", "preempted"),
+    assert [(r.seq_id, r.status) for r in snap.sequences] == [("a", "running"), ("b", "preempted"),
                                                                   ("c", "waiting")]
     assert (snap.num_running, snap.num_waiting, snap.num_preempted) == (1, 2, 1)
-    b = snap.requests[1]
+    b = snap.sequences[1]
     assert (b.num_computed_tokens, b.num_preemptions, b.block_ids) == (0, 1, [])
     assert (snap.owner >= 0).sum() == 3 and set(snap.owner[snap.owner >= 0].tolist()) == {0}
 
@@ -91,8 +91,8 @@ def test_unlisted_holders_and_table_bounds():
         s.add_sequence(make_request(f"r{i}", range(10 * i, 10 * i + 6)))  # 2 blocks each, no sharing
     step(s)
     snap = take_kv_snapshot(s, max_requests=1, max_table_blocks=1)
-    assert [r.request_id for r in snap.requests] == ["r0"]
-    assert snap.requests[0].block_ids == [0] and snap.requests[0].num_blocks == 2
+    assert [r.seq_id for r in snap.sequences] == ["r0"]
+    assert snap.sequences[0].block_ids == [0] and snap.sequences[0].num_blocks == 2
     assert snap.owner.tolist()[:6] == [0, 0, OWNER_UNLISTED, OWNER_UNLISTED, OWNER_UNLISTED, OWNER_UNLISTED]
 
 
@@ -101,14 +101,14 @@ def test_fork_shares_every_block_of_the_parent():
     parent = make_request("p#0", range(6))
     child = Sequence("p#1", list(range(6)), SamplingParams(max_tokens=8), max_tokens=8)
     s.add_sequence(parent, [child])
-    assert [r.status for r in take_kv_snapshot(s).requests] == ["waiting", "forking"]
+    assert [r.status for r in take_kv_snapshot(s).sequences] == ["waiting", "forking"]
     step(s)  # the prompt is computed, then the sample forks
     snap = take_kv_snapshot(s)
-    assert [(r.request_id, r.block_ids) for r in snap.requests] == [("p#0", [0, 1]), ("p#1", [0, 1])]
+    assert [(r.seq_id, r.block_ids) for r in snap.sequences] == [("p#0", [0, 1]), ("p#1", [0, 1])]
     assert snap.ref_cnt.tolist()[:2] == [2, 2] and snap.owner.tolist()[:2] == [0, 0]
     step(s)  # both write their 8th token into the shared, partly full block 1: the first to write copies it
     snap = take_kv_snapshot(s)
-    assert [r.block_ids for r in snap.requests] == [[0, 2], [0, 1]]
+    assert [r.block_ids for r in snap.sequences] == [[0, 2], [0, 1]]
     pool = s.kv_cache_manager.block_pool
     assert snap.ref_cnt.tolist() == [b.ref_cnt for b in pool.blocks]  # counted from the tables: the same
 

@@ -64,7 +64,7 @@ def test_the_step_codec_round_trips_and_refuses_other_bytes() -> None:
     assert torch.equal(grammar2.bitmask, grammar.bitmask)
     assert decode_step(encode_step(step, None))[1] is None
     output = ModelRunnerOutput({"a": 3}, {"a": [(3, -0.5, 1), (4, -1.0, 2)]}, {"a": PromptLogprobs(1, [[(2, -0.1, 1)]])},
-                               {"c": "bad seed"})  # fmt: skip
+                               {"c": "bad seed"}, "decoder=fused linears=integer attention=cpu_paged")  # fmt: skip
     assert decode_output(encode_output(output)) == (output, None)
     assert decode_output(encode_output(None, "boom")) == (None, "boom")
     message = encode_step(step, None)

@@ -137,7 +137,7 @@ def test_snapshot_of_each_replica(replicas) -> None:
     long = SamplingParams(max_tokens=50, ignore_eos=True)
     assert replicas.add_requests([EngineRequest("x", [1, 2, 3, 4, 5], long), EngineRequest("y", [6] * 7, long)]) == [None, None]
     replicas.step()
-    listed = {i: [v.request_id for v in replicas.snapshot(8, replica=i).requests] for i in range(2)}
+    listed = {i: [v.seq_id for v in replicas.snapshot(8, replica=i).sequences] for i in range(2)}
     expected: dict[int, list[str]] = {0: [], 1: []}
     for request_id in ("x", "y"):  # where the router sent each (it weighs what earlier tests left)
         expected[replicas._owner[request_id]].append(f"{request_id}#0")  # its one sequence
@@ -145,7 +145,7 @@ def test_snapshot_of_each_replica(replicas) -> None:
     with pytest.raises(ValueError, match="replica"):
         replicas.snapshot(8, replica=2)
     replicas.abort_request(["x", "y"])
-    assert all(replicas.snapshot(8, replica=i).requests == [] for i in range(2))
+    assert all(replicas.snapshot(8, replica=i).sequences == [] for i in range(2))
 
 
 @pytest.mark.slow

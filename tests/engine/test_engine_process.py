@@ -55,17 +55,17 @@ def test_snapshot_crosses_the_pipe_between_steps(proc):
     """The snapshot call message: the child's scheduler and pool as they stand between two steps."""
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     assert proc.add_requests([EngineRequest("s", list(range(10, 19)), params)]) == [None]
-    assert proc.snapshot(8).requests[0].status == "waiting"
+    assert proc.snapshot(8).sequences[0].status == "waiting"
     proc.step()  # the 9-token prompt (3 blocks of 4) and the first sample
     snap = proc.snapshot(8)
-    (view,) = snap.requests
-    assert (view.request_id, view.status, view.num_computed_tokens, view.num_tokens) == ("s#0", "running", 9, 10)
+    (view,) = snap.sequences
+    assert (view.seq_id, view.status, view.num_computed_tokens, view.num_tokens) == ("s#0", "running", 9, 10)
     assert len(view.block_ids) == 3 and (snap.owner[view.block_ids] == 0).all()
     assert (snap.num_blocks, snap.block_size, snap.num_running) == (64, 4, 1)
     with pytest.raises(ValueError, match="replica"):
         proc.snapshot(8, replica=1)
     proc.abort_request("s")
-    assert proc.snapshot(8).requests == []
+    assert proc.snapshot(8).sequences == []
     assert proc.add_requests([EngineRequest("after", [1, 2], SamplingParams(max_tokens=2))]) == [None]
     assert len(drain(proc)["after"]) == 2  # the engine goes on as before
 

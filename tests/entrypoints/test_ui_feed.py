@@ -9,7 +9,7 @@ import threading
 import numpy as np
 from fastapi.testclient import TestClient
 
-from pagellm.core.kv_snapshot import KVSnapshot, RequestView
+from pagellm.core.kv_snapshot import KVSnapshot, SequenceView
 from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.engine.input_processor import InputProcessor
 from pagellm.entrypoints.openai.api_server import ServerSettings, build_app
@@ -43,12 +43,12 @@ class SnapshotEngine(FakeEngine):
             ref[1 + i] = 1
         if ids:
             owner[0], ref[0] = 0, len(ids)
-        views = [RequestView(rid, "running", 3, 4, 3, 0, 0, 2, 0, [0, 1 + i]) for i, rid in enumerate(ids)]
+        views = [SequenceView(rid, "running", 3, 4, 3, 0, 0, 2, 0, [0, 1 + i]) for i, rid in enumerate(ids)]
         return KVSnapshot(
             block_size=4, num_blocks=8, blocks_per_cell=1, owner=owner, ref_cnt=ref,
             cached=np.zeros(8, np.uint8), position=np.full(8, -1, np.int32), num_free_blocks=8 - len(ids) - bool(ids),
             num_cached_free_blocks=0, num_shared_blocks=int(len(ids) > 1), num_running=len(ids), num_waiting=0,
-            num_preempted=0, num_forking=0, requests=views, build_seconds=self.build_seconds,
+            num_preempted=0, num_forking=0, sequences=views, build_seconds=self.build_seconds,
         )  # fmt: skip
 
 

@@ -4,6 +4,7 @@ and the parts of a Gemma layer the fast paths must leave to the modules."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -79,13 +80,15 @@ def test_gemma_norms_scale_by_one_plus_weight() -> None:
     torch.testing.assert_close(residual, x + 1)
 
 
-def test_bf16_gemma_runs_its_layers_as_modules(tiny_gemma2_path: str) -> None:
-    """The one-call decoder stack has no caps, Gemma's score scale or sandwich norms: a bf16 Gemma runs its
-    layers as modules and tracks float32 (same first token)."""
+def test_bf16_gemma_runs_its_layers_as_modules(tiny_gemma2_path: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The one-call decoder stack lacks Gemma's norms (it has caps and score scales): a bf16
+    Gemma runs its layers as modules, says why once, and tracks float32 (same first token)."""
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=1)
     prompts = [{"prompt_token_ids": list(range(300, 300 + n))} for n in (4, 19)]
     bf16 = LLM(tiny_gemma2_path, dtype="bfloat16")
-    assert bf16.llm_engine.executor.model_runner.model._decoder_stack() is None
+    with caplog.at_level(logging.INFO, logger="pagellm.model.fused_stack"):
+        assert bf16.llm_engine.executor.model_runner.model._decoder_stack() is None
+    assert "module by module (layer 0: Gemma's norms" in caplog.text
     fp32 = LLM(tiny_gemma2_path, dtype="float32")
     for a, b in zip(bf16.generate(prompts, params, use_tqdm=False), fp32.generate(prompts, params, use_tqdm=False)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -60,6 +60,26 @@ def test_rotary_in_place_equals_torch(dtype):
     assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before)  # v untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_head_norm_in_place_equals_the_norm_of_each_head(dtype, tokens):
+    """Qwen3's per-head q/k norm on strided heads in place: each head exactly as the row norm
+    gives it, close to torch's definition, and the rest of each row untouched."""
+    g = torch.Generator().manual_seed(tokens)
+    heads, kv_heads, d = 6, 2, 48  # 48: 16-wide vector loops and a 0-long tail; the v heads after k
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g) * 3).to(dtype)
+    q = qkv[:, : heads * d].view(tokens, heads, d)
+    norm = _norm(d, dtype, True)
+    expected = KERNELS.add_rms_norm(q.reshape(-1, d), None, norm.weight, norm.eps).view(tokens, heads, d)
+    reference = _norm(d, dtype, False)(q.reshape(-1, d)).view(tokens, heads, d)
+    rest = qkv[:, heads * d :].clone()
+    norm.norm_heads_(q)
+    assert torch.equal(q, expected)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1.6e-2)
+    torch.testing.assert_close(q, reference, **tol)
+    assert torch.equal(qkv[:, heads * d :], rest)
+
+
 def test_kernel_wrappers_reject_bad_shapes():
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError):
@@ -68,3 +88,7 @@ def test_kernel_wrappers_reject_bad_shapes():
         KERNELS.add_rms_norm(x, torch.zeros(4, 8), torch.ones(8, dtype=torch.bfloat16), 1e-5)
     with pytest.raises(ValueError):
         KERNELS.rotary_(x.view(4, 2, 4), torch.ones(4, 3, dtype=torch.bfloat16), torch.ones(4, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError):
+        KERNELS.head_rms_norm_(x.view(4, 2, 4), torch.ones(3, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(ValueError):
+        KERNELS.head_rms_norm_(x, torch.ones(8, dtype=torch.bfloat16), 1e-5)  # not [T, heads, D]

@@ -78,7 +78,7 @@ def test_a_sliding_window_reaches_every_layer(tmp_path: Path, tiny_llama_path: s
     for backend in ("auto", "torch_sdpa", "reference"):
         llm = LLM(str(windowed), dtype="float32", num_kv_blocks=16, attention_backend=backend)
         model = llm.llm_engine.executor.model_runner.model
-        assert [layer.self_attn.window for layer in model.model.layers] == [6, 6]
+        assert [layer.spec.window for layer in model.model.layers] == [6, 6]
         outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outputs["auto"] == outputs["torch_sdpa"] == outputs["reference"]
     unwindowed = _copy_with_config(

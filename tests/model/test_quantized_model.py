@@ -238,12 +238,14 @@ def _generate_fused_or_not(llm: LLM, fused: bool) -> list[tuple[list[int], list[
 @pytest.mark.parametrize("case", [
     "default-gguf-bf16", "default-gguf-bf16-amx-int8", "qwen2-int8-f32", "qwen2-int8-bf16", "llama-int8-bf16-fp8kv", "llama-dense-bf16",
     "llama-dense-bf16-no-amx", "qwen2-dense-f32-avx2", "mistral-window-bf16", "mistral-window-int8-f32",
+    "qwen3-window-bf16", "qwen3-window-int8-f32",
 ])
 def test_fused_decoder_equals_the_layers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
                                          case: str) -> None:
     """One C++ call for the whole decoder stack gives the Python layers' results bit for bit
     (qkv bias, an fp8 cache, float32, dense weights on pagellm's bf16 and AVX2 GEMMs, quantized
-    ones on AMX tiles, and a sliding window of 8 over longer contexts included)."""
+    ones on AMX tiles, a sliding window of 8 over longer contexts, and Qwen3's per-head q/k
+    norms with a global layer before a windowed one included)."""
     if case.endswith("amx-int8"):  # no memory for dense copies: big batches on AMX tiles
         monkeypatch.setattr("pagellm.worker.kernel_plan.DENSE_COPY_MEMORY_SHARE", 0.0)
     options: dict[str, object] = {
@@ -264,6 +266,9 @@ def test_fused_decoder_equals_the_layers(request: pytest.FixtureRequest, monkeyp
         "mistral-window-bf16": dict(model=request.getfixturevalue("tiny_mistral_window_path"), dtype="bfloat16"),
         "mistral-window-int8-f32": dict(model=request.getfixturevalue("tiny_mistral_window_path"), dtype="float32",
                                         quantization="int8"),
+        "qwen3-window-bf16": dict(model=request.getfixturevalue("tiny_qwen3_window_path"), dtype="bfloat16"),
+        "qwen3-window-int8-f32": dict(model=request.getfixturevalue("tiny_qwen3_window_path"), dtype="float32",
+                                      quantization="int8"),
     }[case]
     fused_llm = LLM(num_kv_blocks=128, **options)
     plan = fused_llm.llm_engine.executor.kernel_plan
@@ -276,9 +281,19 @@ def test_fused_decoder_equals_the_layers(request: pytest.FixtureRequest, monkeyp
     fused = _generate_fused_or_not(fused_llm, True)
     stack = fused_llm.llm_engine.executor.model_runner.model._fused_stack
     assert stack is not None and stack.steps >= 11  # at least the decode steps ran on it
-    assert stack.window == (8 if case.startswith("mistral-window") else None)
-    layers = _generate_fused_or_not(LLM(num_kv_blocks=128, **options), False)
+    windows = {"mistral": (8, 8), "qwen3": (None, 8)}.get(case.split("-")[0])  # per layer (None: global)
+    assert stack.windows == (windows or (None,) * len(stack.windows))
+    # Every step the stack ran, and only those, the step route says so.
+    routes = fused_llm.llm_engine.stats.step_routes
+    assert sum(n for route, n in routes.items() if route.startswith("decoder=fused ")) == stack.steps
+    if case.endswith("amx-int8"):  # the prompts' step above quant_max_rows: its linears on AMX tiles
+        assert any("linears=integer-amx " in route for route in routes)
+    if case.startswith("qwen3"):  # head dim 32: prefill rows on SDPA, so those steps run the layers
+        assert "decoder=layers" in next(r for r in routes if "attention=cpu_paged+torch_sdpa-prefill" in r)
+    layers_llm = LLM(num_kv_blocks=128, **options)
+    layers = _generate_fused_or_not(layers_llm, False)
     assert fused == layers
+    assert all(route.startswith("decoder=layers ") for route in layers_llm.llm_engine.stats.step_routes)
 
 
 def test_dense_copy_only_where_memory_allows(cpu_plan) -> None:

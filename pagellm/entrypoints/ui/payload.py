@@ -74,15 +74,15 @@ def build_payload(
             "waiting": snapshot.num_waiting,
             "preempted": snapshot.num_preempted,
             "forking": snapshot.num_forking,
-            "listed": len(snapshot.requests),
+            "listed": len(snapshot.sequences),
         },
         "requests": [
             {
-                "id": r.request_id, "status": r.status, "computed": r.num_computed_tokens, "tokens": r.num_tokens,
+                "id": r.seq_id, "status": r.status, "computed": r.num_computed_tokens, "tokens": r.num_tokens,
                 "prompt": r.num_prompt_tokens, "cached": r.num_cached_tokens, "preemptions": r.num_preemptions,
                 "blocks": r.num_blocks, "released": r.num_released, "table": r.block_ids,
             }
-            for r in snapshot.requests
+            for r in snapshot.sequences
         ],  # fmt: skip
         "stats": asdict(stats),
         "latency": latency,

@@ -9,7 +9,9 @@
 //
 // Per layer, T tokens, hidden H, qkv width W = q + 2 kv:
 //   h = rms_norm(x + residual) (residual updated; layer 0: residual = x)
-//   qkv = h @ Wqkv^T (+ bias); rotary on q and k; k, v into the cache; a = attention(q)
+//   qkv = h @ Wqkv^T (+ bias); each q and k head RMS-normed where the layer has q/k norms;
+//   rotary on q and k; k, v into the cache; a = attention(q) (the layer's scale, soft cap and
+//   sliding window)
 //   x = a @ Wo^T; h = rms_norm(x + residual); x = down(silu(gate(h)) * up(h))
 // The final norm stays with the caller. Under tensor parallelism (tp_size > 1) each rank holds
 // its share of the heads and of the MLP width, and x is summed over the ranks after the o and
@@ -34,13 +36,20 @@ struct PagellmLinear {
     int32_t reserved;
 };
 
-// One layer's linears, norm weights (model dtype) and caches.
+// One layer's linears, norm weights (model dtype), caches and attention variant (the fields of
+// pagellm.model.layer_spec.LayerSpec the call runs).
 struct PagellmLayer {
     const void* input_norm;
     const void* post_norm;
     const void* qkv_bias;  // [W] in the model dtype, or null
+    const void* q_norm;    // [head_dim]: each q head RMS-normed before the rotary (Qwen3), or null
+    const void* k_norm;    // [head_dim]: each k head likewise, or null
     void* key_cache;
     void* value_cache;
+    float scale;           // attention scores' scale
+    float softcap;         // scores capped by softcap * tanh(score / softcap); 0: none
+    int32_t window;        // positions each row attends to, its own included; 0: all
+    int32_t reserved;
     PagellmLinear qkv, o, gate_up, down;
 };
 
@@ -48,7 +57,7 @@ struct PagellmLayer {
 struct PagellmStack {
     const PagellmLayer* layers;
     int64_t num_layers, tokens, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
-    float eps, scale;
+    float eps, reserved_f;
     int32_t dtype;       // 0 float32, 1 bf16: activations, norms, rotary tables
     int32_t cache_code;  // the K/V write and attention code (0 f32, 1 bf16, 2 fp8 under bf16)
     int32_t num_threads, reserved;
@@ -61,7 +70,7 @@ struct PagellmStack {
     int64_t block_table_stride;
     const int32_t* row_token;
     const int32_t* row_req;
-    const int32_t* row_start;  // each row's first position (a sliding window), or null: 0
+    int32_t* row_start;  // scratch [num_rows]: each row's first position under a layer's window
     const int32_t* row_ctx;
     int64_t num_rows;
     void* h;             // scratch [T, H]
@@ -134,7 +143,18 @@ int all_reduce(const PagellmStack& s) {
     return 0;
 }
 
-int layer(const PagellmStack& s, const PagellmLayer& L, bool first) {
+// Each row's first position under `window` (its last `window` positions: in [0, row_ctx)), into
+// s.row_start where the previous layer's window differs (`*current`); null without a window.
+const int32_t* row_starts(const PagellmStack& s, int32_t window, int32_t* current) {
+    if (window <= 0) return nullptr;
+    if (*current != window) {
+        for (int64_t r = 0; r < s.num_rows; ++r) s.row_start[r] = std::max(s.row_ctx[r] - window, 0);
+        *current = window;
+    }
+    return s.row_start;
+}
+
+int layer(const PagellmStack& s, const PagellmLayer& L, bool first, int32_t* window) {
     const int64_t T = s.tokens, H = s.hidden, dh = s.head_dim;
     const int64_t q = s.num_heads * dh, kv = s.num_kv_heads * dh, W = q + 2 * kv;
     const int dt = s.dtype, th = s.num_threads;
@@ -144,14 +164,18 @@ int layer(const PagellmStack& s, const PagellmLayer& L, bool first) {
     if (rc == 0) rc = linear(L.qkv, s.h, T, H, s.qkv, W, dt, th);
     if (rc != 0) return rc;
     if (L.qkv_bias != nullptr) add_bias(s.qkv, L.qkv_bias, T, W, dt == 1);
-    rc = pagellm_rotary(s.qkv, W, T, s.num_heads + s.num_kv_heads, dh, s.cos, s.sin, dt, th);
+    if (L.q_norm != nullptr) rc = pagellm_head_rms_norm(s.qkv, W, T, s.num_heads, dh, L.q_norm, s.eps, dt, th);
+    if (rc == 0 && L.k_norm != nullptr)
+        rc = pagellm_head_rms_norm(qkv + q * elem, W, T, s.num_kv_heads, dh, L.k_norm, s.eps, dt, th);
+    if (rc == 0) rc = pagellm_rotary(s.qkv, W, T, s.num_heads + s.num_kv_heads, dh, s.cos, s.sin, dt, th);
     if (rc == 0)
         rc = pagellm_write_kv(qkv + q * elem, W, qkv + (q + kv) * elem, W, L.key_cache, L.value_cache, s.slot_mapping,
                               T, kv, s.cache_code, th);
     if (rc == 0 && s.num_rows > 0)
         rc = pagellm_paged_attention(s.qkv, W, s.attn, q, L.key_cache, L.value_cache, s.block_tables,
-                                     s.block_table_stride, s.row_token, s.row_req, s.row_start, s.row_ctx, s.num_rows,
-                                     s.num_heads, s.num_kv_heads, dh, s.block_size, s.scale, 0.f, s.cache_code, th);
+                                     s.block_table_stride, s.row_token, s.row_req, row_starts(s, L.window, window),
+                                     s.row_ctx, s.num_rows, s.num_heads, s.num_kv_heads, dh, s.block_size, L.scale,
+                                     L.softcap, s.cache_code, th);
     if (rc == 0) rc = linear(L.o, s.attn, T, q, s.x, H, dt, th);
     if (rc == 0 && s.tp_size > 1) rc = all_reduce(s);
     if (rc == 0) rc = pagellm_add_rms_norm(s.x, s.residual, L.post_norm, s.h, T, H, s.eps, dt, th);
@@ -171,9 +195,11 @@ int pagellm_decoder_stack(const PagellmStack* s) {
     if (s->tp_size > 1 && (s->tp_region == nullptr || s->tp_calls == nullptr || s->tp_slot_elems <= 0 ||
                            (s->dtype == 1 && s->tp_scratch == nullptr)))
         return -1;
+    if (s->num_rows > 0 && s->row_start == nullptr) return -1;
     std::memcpy(s->residual, s->x, static_cast<size_t>(s->tokens * s->hidden * (s->dtype == 1 ? 2 : 4)));
+    int32_t window = 0;  // the window s->row_start holds the starts of (0: none yet)
     for (int64_t l = 0; l < s->num_layers; ++l) {
-        const int rc = layer(*s, s->layers[l], l == 0);
+        const int rc = layer(*s, s->layers[l], l == 0, &window);
         if (rc != 0) return rc;
     }
     return 0;

@@ -56,8 +56,56 @@ void write_kv(const T* key, int64_t key_row_stride, const T* value, int64_t valu
     }
 }
 
-// Per row: residual += x (rounded to T, as a separate add would be), then
+// One row: residual += x (rounded to T, as a separate add would be; no residual: none), then
 // out = weight * T(h / sqrt(mean(h^2) + eps)) with the statistics in float32 (HF's LlamaRMSNorm).
+// x is read whole into h before out is written, so out may be x (in place).
+template <typename T>
+inline void norm_row(const T* xr, T* rr, const T* weight, T* o, int64_t n, float eps, float* h) {
+    float sumsq = 0.f;
+    int64_t i0 = 0;  // elements done by the vector loops (elementwise: same results)
+#ifdef PAGELLM_AVX512_BF16
+    if constexpr (std::is_same_v<T, uint16_t>) {
+        for (; i0 + 16 <= n; i0 += 16) {
+            __m512 v = bf16x16_to_float(xr + i0);
+            if (rr != nullptr) {
+                v = round_bf16x16(_mm512_add_ps(v, bf16x16_to_float(rr + i0)));
+                store_bf16x16(rr + i0, v);
+            }
+            _mm512_storeu_ps(h + i0, v);
+        }
+    }
+#endif
+    for (int64_t i = i0; i < n; ++i) {
+        float v = Elem<T>::load(xr, i);
+        if (rr != nullptr) {
+            Elem<T>::store(rr, i, v + Elem<T>::load(rr, i));
+            v = Elem<T>::load(rr, i);
+        }
+        h[i] = v;
+    }
+    // The sum of squares keeps this one loop (and its order): the model's greedy
+    // outputs in bf16 are sensitive to it (benchmarks/NOTES.md, 18).
+#pragma omp simd reduction(+ : sumsq)
+    for (int64_t i = 0; i < n; ++i) sumsq += h[i] * h[i];
+    const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(n) + eps);
+    i0 = 0;
+#ifdef PAGELLM_AVX512_BF16
+    if constexpr (std::is_same_v<T, uint16_t>) {
+        const __m512 vinv = _mm512_set1_ps(inv);
+        for (; i0 + 16 <= n; i0 += 16) {
+            const __m512 normed = round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(h + i0), vinv));
+            store_bf16x16(o + i0, _mm512_mul_ps(bf16x16_to_float(weight + i0), normed));
+        }
+    }
+#endif
+    for (int64_t i = i0; i < n; ++i) {
+        T normed;
+        Elem<T>::store(&normed, 0, h[i] * inv);
+        Elem<T>::store(o, i, Elem<T>::load(weight, i) * Elem<T>::load(&normed, 0));
+    }
+}
+
+// Per row of n elements (rows n apart): norm_row.
 template <typename T>
 void add_rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t n, float eps,
                   int num_threads) {
@@ -65,52 +113,24 @@ void add_rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t rows
     {
         std::vector<float> h(static_cast<size_t>(n));
 #pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r)
+            norm_row(x + r * n, residual != nullptr ? residual + r * n : nullptr, weight, out + r * n, n, eps, h.data());
+    }
+}
+
+// In place on each of `heads` heads (head_dim apart) of each of `tokens` rows (row_stride
+// apart): norm_row with one weight for every head (Qwen3's per-head q and k norms).
+template <typename T>
+void head_rms_norm(T* x, int64_t row_stride, int64_t tokens, int64_t heads, int64_t head_dim, const T* weight,
+                   float eps, int num_threads) {
+    const int64_t rows = tokens * heads;
+#pragma omp parallel num_threads(num_threads) if (rows >= kMinParallelRows)
+    {
+        std::vector<float> h(static_cast<size_t>(head_dim));
+#pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r) {
-            const T* xr = x + r * n;
-            T* rr = residual != nullptr ? residual + r * n : nullptr;
-            float sumsq = 0.f;
-            int64_t i0 = 0;  // elements done by the vector loops (elementwise: same results)
-#ifdef PAGELLM_AVX512_BF16
-            if constexpr (std::is_same_v<T, uint16_t>) {
-                for (; i0 + 16 <= n; i0 += 16) {
-                    __m512 v = bf16x16_to_float(xr + i0);
-                    if (rr != nullptr) {
-                        v = round_bf16x16(_mm512_add_ps(v, bf16x16_to_float(rr + i0)));
-                        store_bf16x16(rr + i0, v);
-                    }
-                    _mm512_storeu_ps(h.data() + i0, v);
-                }
-            }
-#endif
-            for (int64_t i = i0; i < n; ++i) {
-                float v = Elem<T>::load(xr, i);
-                if (rr != nullptr) {
-                    Elem<T>::store(rr, i, v + Elem<T>::load(rr, i));
-                    v = Elem<T>::load(rr, i);
-                }
-                h[i] = v;
-            }
-            // The sum of squares keeps this one loop (and its order): the model's greedy
-            // outputs in bf16 are sensitive to it (benchmarks/NOTES.md, 18).
-#pragma omp simd reduction(+ : sumsq)
-            for (int64_t i = 0; i < n; ++i) sumsq += h[i] * h[i];
-            const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(n) + eps);
-            T* o = out + r * n;
-            i0 = 0;
-#ifdef PAGELLM_AVX512_BF16
-            if constexpr (std::is_same_v<T, uint16_t>) {
-                const __m512 vinv = _mm512_set1_ps(inv);
-                for (; i0 + 16 <= n; i0 += 16) {
-                    const __m512 normed = round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(h.data() + i0), vinv));
-                    store_bf16x16(o + i0, _mm512_mul_ps(bf16x16_to_float(weight + i0), normed));
-                }
-            }
-#endif
-            for (int64_t i = i0; i < n; ++i) {
-                T normed;
-                Elem<T>::store(&normed, 0, h[i] * inv);
-                Elem<T>::store(o, i, Elem<T>::load(weight, i) * Elem<T>::load(&normed, 0));
-            }
+            T* row = x + (r / heads) * row_stride + (r % heads) * head_dim;
+            norm_row<T>(row, nullptr, weight, row, head_dim, eps, h.data());
         }
     }
 }
@@ -244,7 +264,7 @@ void apply_token_bitmask(T* logits, int64_t row_stride, int64_t rows, int64_t n,
 
 extern "C" {
 
-int pagellm_abi_version() { return 14; }
+int pagellm_abi_version() { return 15; }
 
 // key_cache[slot_mapping[t]] = key[t] (row_elems = num_kv_heads * head_dim elements), same for V.
 // dtype: 0 float32, 1 bfloat16, 2 bfloat16 K/V stored into an fp8 (e4m3) cache.
@@ -283,6 +303,24 @@ int pagellm_add_rms_norm(const void* x, void* residual, const void* weight, void
         add_rms_norm<uint16_t>(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(residual),
                                static_cast<const uint16_t*>(weight), static_cast<uint16_t*>(out), rows, n, eps,
                                num_threads);
+    } else {
+        return -1;
+    }
+    return 0;
+}
+
+// In place: RMSNorm over each of the first `heads` heads of each of `tokens` rows (row_stride
+// elements apart), one weight [head_dim] for all.
+int pagellm_head_rms_norm(void* x, int64_t row_stride, int64_t tokens, int64_t heads, int64_t head_dim,
+                          const void* weight, float eps, int dtype, int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+    if (head_dim <= 0 || heads < 0 || tokens < 0 || row_stride < heads * head_dim) return -1;
+    if (dtype == 0) {
+        head_rms_norm<float>(static_cast<float*>(x), row_stride, tokens, heads, head_dim,
+                             static_cast<const float*>(weight), eps, num_threads);
+    } else if (dtype == 1) {
+        head_rms_norm<uint16_t>(static_cast<uint16_t*>(x), row_stride, tokens, heads, head_dim,
+                                static_cast<const uint16_t*>(weight), eps, num_threads);
     } else {
         return -1;
     }

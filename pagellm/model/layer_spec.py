@@ -1,0 +1,93 @@
+"""One decoder layer, described once: what every implementation of the layer reads.
+
+The Python modules (:mod:`pagellm.model.llama`) are built from a layer's :class:`LayerSpec`,
+and the one-call C++ stack (:mod:`pagellm.model.fused_stack`) takes its per-layer fields from
+the same spec and refuses a layer only for a field it cannot run (:func:`stack_refusal`). A new
+family feature is a field here, read by both; where the stack lacks it, the refusal names it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagellm.model.arch_config import ModelArchConfig
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Decoder layer ``index`` of a model (a tensor-parallel rank's share of its heads and width)."""
+
+    index: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # the dense MLP's width
+    norm_eps: float
+    norm_unit_offset: bool  # Gemma: norms scale by (1 + weight), in float32
+    sandwich_norms: bool  # Gemma: each block's output normed too, and a norm before the MLP
+    qk_norm: bool  # Qwen3, Gemma 3: each q and k head RMS-normed before the rotary embedding
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    activation: str  # the gated MLP's activation (silu, gelu_pytorch_tanh, ...)
+    moe: bool  # a routed mixture of experts in place of the dense MLP
+    window: int | None  # positions each token attends to, its own included; None: all
+    local_rope: bool  # Gemma 3's windowed layers: q and k turned by the local rope base
+    scale: float  # attention scores' scale
+    softcap: float | None  # Gemma 2: scores capped by c * tanh(s / c)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def layer_spec(arch: ModelArchConfig, index: int) -> LayerSpec:
+    """Layer ``index`` of ``arch`` (a rank's share under tensor parallelism: ``arch.shard``)."""
+    return LayerSpec(
+        index=index,
+        hidden_size=arch.hidden_size,
+        num_heads=arch.num_attention_heads,
+        num_kv_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim,
+        intermediate_size=arch.intermediate_size,
+        norm_eps=arch.rms_norm_eps,
+        norm_unit_offset=arch.norm_unit_offset,
+        sandwich_norms=arch.sandwich_norms,
+        qk_norm=arch.qk_norm,
+        qkv_bias=arch.attention_bias,
+        o_bias=arch.o_proj_bias,
+        mlp_bias=arch.mlp_bias,
+        activation=arch.hidden_act,
+        moe=index in arch.moe_layers,
+        window=arch.layer_window(index),
+        local_rope=arch.layer_uses_local_rope(index),
+        scale=arch.attention_scale or arch.head_dim**-0.5,
+        softcap=arch.attn_logit_softcapping,
+    )
+
+
+def layer_specs(arch: ModelArchConfig) -> tuple[LayerSpec, ...]:
+    """Every layer's spec, in order."""
+    return tuple(layer_spec(arch, i) for i in range(arch.num_hidden_layers))
+
+
+def stack_refusal(spec: LayerSpec) -> str | None:
+    """Why the one-call C++ decoder stack cannot run this layer, or None where it can. What it
+    runs: RMSNorm (weight-scaled), q/k/v bias, per-head q/k norms, one rotary table, any score
+    scale, soft cap and sliding window per layer, a bias-free SiLU-gated dense MLP."""
+    if spec.moe:
+        return "a mixture of experts"
+    if spec.norm_unit_offset or spec.sandwich_norms:
+        return "Gemma's norms (scaled by 1 + weight, around each block)"
+    if spec.local_rope:
+        return "a second rotary base for windowed layers"
+    if spec.activation != "silu":
+        return f"the {spec.activation} activation"
+    if spec.o_bias or spec.mlp_bias:
+        return "a bias on o_proj or the MLP"
+    return None
