@@ -48,6 +48,13 @@ SHAPES: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
         tie_word_embeddings=True, num_local_experts=8, num_experts_per_tok=2,
     ),
+    # Qwen3-0.6B's shape (per-head q/k norms, head_dim 128 wider than hidden / heads, tied embeddings).
+    "qwen3-0.6b": dict(
+        architecture="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
     # The tests' tiny shapes: GQA, untied Llama with llama3 rope scaling, tied Qwen2 with q/k/v bias.
     "tiny-llama": dict(
         architecture="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
