@@ -121,9 +121,9 @@ def _layer_weights(layer: nn.Module, dtype: torch.dtype) -> _LayerWeights | str:
     attn, mlp = layer.self_attn, layer.mlp
     if not isinstance(attn.attn_backend, CPUPagedAttention) or attn.rotary_kernels is None:
         return "attention off the paged kernel or rotary off the kernel"
-    norms = [_kernel_norm(n, dtype) for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-    qk_norms = [_kernel_norm(n, dtype) for n in (attn.q_norm, attn.k_norm)] if spec.qk_norm else []
-    if any(n is None for n in (*norms, *qk_norms)):
+    input_norm, post_norm = (_kernel_norm(n, dtype) for n in (layer.input_layernorm, layer.post_attention_layernorm))
+    q_norm, k_norm = (_kernel_norm(n, dtype) for n in (attn.q_norm, attn.k_norm)) if spec.qk_norm else (None, None)
+    if input_norm is None or post_norm is None or (spec.qk_norm and (q_norm is None or k_norm is None)):
         return f"a norm off the kernel or not in {dtype}"
     if not isinstance(getattr(mlp, "act", None), nn.Identity):
         return "SiLU-and-mul not fused into the gate/up GEMM"
@@ -136,7 +136,8 @@ def _layer_weights(layer: nn.Module, dtype: torch.dtype) -> _LayerWeights | str:
     bias = getattr(linears[0], "bias", None)
     if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
         return f"a qkv bias not in {dtype}"
-    weights = _LayerWeights(spec, norms[0], norms[1], bias, (qk_norms[0], qk_norms[1]) if qk_norms else None, linears)  # type: ignore[arg-type]
+    qk_norms = (q_norm, k_norm) if q_norm is not None and k_norm is not None else None
+    weights = _LayerWeights(spec, input_norm, post_norm, bias, qk_norms, linears)
     return weights if weights.fits() else "a linear off pagellm's GEMMs"
 
 

@@ -67,7 +67,8 @@ class LlamaAttention(nn.Module):
     (under tensor parallelism: this rank's heads, its partial output summed over the ranks)."""
 
     def __init__(
-        self, spec: LayerSpec, attn_backend: AttentionBackend, plan: KernelPlan | None, tp: TensorParallel | None = None,
+        self, spec: LayerSpec, attn_backend: AttentionBackend, plan: KernelPlan | None,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.spec = spec
@@ -190,7 +191,8 @@ class LlamaModel(nn.Module):
         self.start, self.end = (pp.start, pp.end) if pp is not None else (0, arch.num_hidden_layers)
         # Every layer index keeps its place (HF names: model.layers.N); another stage's is empty.
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(spec, layer_arch, attn_backend, plan, tp) if self.start <= spec.index < self.end else nn.Module()
+            LlamaDecoderLayer(spec, layer_arch, attn_backend, plan, tp)
+            if self.start <= spec.index < self.end else nn.Module()
             for spec in layer_specs(layer_arch)
         )
         norm_kernels = plan.library("norm") if plan is not None else None
