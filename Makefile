@@ -30,8 +30,12 @@ browser:
 	    { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1; }; }; } || \
 	  echo "Chromium could not be installed: the web page's browser tests will skip"
 
+# The suite runs on every usable CPU (pytest-xdist: a module per worker at a time, the long ones
+# first; docs/testing.md). PYTEST_WORKERS=0 runs it in this one process, as plain pytest does.
+PYTEST_WORKERS ?= auto
+
 test: setup browser
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder $(ARGS)
 
 # The README's picture of the web page (docs/ui.png), taken while several requests share a prefix.
 screenshot: setup browser

@@ -6,11 +6,13 @@ tests can push text prompts through them, while weights stay small enough to bui
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers import parallel
 from tests.helpers.tiny_models import TINY_LLAMA_ROPE, TINY_SHAPE, token_ids, write_tiny_model
 
 @pytest.fixture(scope="session")
@@ -249,3 +251,38 @@ def cpu_plan():
         return plan_kernels(KernelConfig.from_env(**options), torch.device("cpu"), "auto", lambda fast: dtype)
 
     return make
+
+
+# ---- Under pytest-xdist (make test): each worker's share of the CPUs, long modules first ----
+# (tests/helpers/parallel.py, docs/testing.md)
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: unknown where it is not loaded
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker per CPU this process may use (xdist's own count can be the
+    host's), at most :data:`parallel.MAX_AUTO_WORKERS`."""
+    return min(parallel.usable_cpus(), parallel.MAX_AUTO_WORKERS)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    threads = parallel.worker_threads(config)
+    if threads is not None:
+        torch.set_num_threads(threads)
+        # The processes the tests start (servers, ranks, pytest runs) keep their own thread
+        # counts; their idle OpenMP threads sleep instead of spinning on a CPU the other
+        # workers need (libgomp's default spins first). Same threads, same results.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if parallel.worker_count(config):  # every worker collects, and so orders, the same way
+        parallel.long_modules_first(items, config.rootpath)
+
+
+@pytest.fixture(autouse=True)
+def _worker_threads(request: pytest.FixtureRequest) -> None:
+    """Back to the worker's share before each test: an engine built with num_threads=N sets
+    torch's threads for its whole process."""
+    threads = parallel.worker_threads(request.config)
+    if threads is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)

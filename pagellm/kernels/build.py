@@ -7,7 +7,9 @@ object per ``-march``, so one process can load the AVX2 build next to its native
 cached under
 ``$PAGELLM_CACHE_DIR/kernels`` (default ``~/.cache/pagellm/kernels``), keyed by a hash of the
 source, the compiler, its flags and this CPU's feature flags, and written atomically, so
-concurrent processes never load a half-written file. Anything that goes wrong (no compiler,
+concurrent processes never load a half-written file; a lock file next to it (``.so.lock``) makes
+a second process that wants the same build wait for the first one's instead of compiling it
+again (e.g. the test workers of ``pytest -n``). Anything that goes wrong (no compiler,
 a failed build) makes :func:`load_library` return ``None`` and the kernel plan falls back to
 pure PyTorch.
 """
@@ -23,6 +25,8 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -101,14 +105,35 @@ _STALE_AFTER_S = 7 * 24 * 3600
 
 
 def _remove_stale(folder: Path) -> None:
-    """Drop builds of other sources/flags untouched for a week (a loaded one stays mapped)."""
+    """Drop builds of other sources/flags untouched for a week (a loaded one stays mapped), and
+    their lock files (:func:`_build_lock` touches the one it takes)."""
     now = time.time()
-    for old in folder.glob("cpu_kernels-*.so"):
+    for old in [*folder.glob("cpu_kernels-*.so"), *folder.glob("cpu_kernels-*.so.lock")]:
         try:
             if now - old.stat().st_mtime > _STALE_AFTER_S:
                 old.unlink()
         except OSError:
             pass
+
+
+@contextmanager
+def _build_lock(target: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``target``'s lock file (``flock``: released when the process
+    ends, however it ends), so only one process at a time builds that target. Where no lock can
+    be taken, builds may overlap: each still replaces the file atomically."""
+    try:
+        import fcntl
+
+        fd = os.open(str(target) + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.utime(fd)  # in use: not stale
+        yield
+    finally:
+        os.close(fd)
 
 
 _P, _I64, _I32, _F32, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_double
@@ -172,12 +197,14 @@ def load_library(march: tuple[str, ...], machine_id: str) -> ctypes.CDLL | None:
             logger.warning("the kernel cache %s is not private to this user; building elsewhere", target.parent)
             target = Path(tempfile.mkdtemp(prefix="pagellm-kernels-")) / target.name
         if not target.exists():
-            _remove_stale(target.parent)
-            try:
-                _compile(cxx, flags, files, target)
-            except OSError:  # cache folder not writable: build into a private temporary folder
-                target = Path(tempfile.mkdtemp(prefix="pagellm-kernels-")) / target.name
-                _compile(cxx, flags, files, target)
+            with _build_lock(target):
+                if not target.exists():  # not built by another process while we waited
+                    _remove_stale(target.parent)
+                    try:
+                        _compile(cxx, flags, files, target)
+                    except OSError:  # cache folder not writable: build into a private temporary folder
+                        target = Path(tempfile.mkdtemp(prefix="pagellm-kernels-")) / target.name
+                        _compile(cxx, flags, files, target)
         lib = ctypes.CDLL(str(target))
         _declare(lib)
         if lib.pagellm_abi_version() != ABI_VERSION:
