@@ -9,6 +9,7 @@ The product CLI passes ``pagellm bench ...`` to :func:`main`, importing this mod
 from __future__ import annotations
 
 import argparse
+import shlex
 import shutil
 import sys
 import time
@@ -103,10 +104,19 @@ def _fill_bench_parser(bench: argparse.ArgumentParser) -> None:
     lat.add_argument("--repeats", type=int, default=3, help="requests timed, one after another (median reported)")
     lat.add_argument("--seed", type=int, default=0)
     lat_cmp = lat.add_argument_group("comparison")
-    lat_cmp.add_argument("--compare", action="append", default=[], choices=["llamacpp"],
-                         help="also run llama.cpp's llama-bench on the same GGUF, same threads and lengths")
+    lat_cmp.add_argument("--compare", action="append", default=[], choices=["llamacpp", "ik_llama"],
+                         help="also run llama.cpp's or ik_llama.cpp's llama-bench on the same GGUF, same threads "
+                              "and lengths, alternating with pagellm (repeat the option for both)")
     lat_cmp.add_argument("--llama-bench", default=None, metavar="PATH",
-                         help="llama-bench executable for --compare llamacpp (how to build it: docs/llama-bench.md)")
+                         help="llama.cpp's llama-bench, for --compare llamacpp (how to build it: docs/llama-bench.md)")
+    lat_cmp.add_argument("--llama-bench-args", default=None, metavar="ARGS",
+                         help="extra llama-bench arguments for llama.cpp, one string (none by default)")
+    lat_cmp.add_argument("--ik-llama-bench", default=None, metavar="PATH",
+                         help="ik_llama.cpp's llama-bench, for --compare ik_llama (docs/llama-bench.md)")
+    lat_cmp.add_argument("--ik-llama-bench-args", default=None, metavar="ARGS",
+                         help="extra llama-bench arguments for ik_llama.cpp, one string (default: '-rtr 1')")
+    lat_cmp.add_argument("--no-floor", action="store_true",
+                         help="skip the decode floor (read bandwidth and bytes per token: a few seconds)")
     _add_common(lat)
 
     mem = sub.add_parser("memory", help="paged KV blocks vs contiguous reservation (no model)")
@@ -177,7 +187,11 @@ def bench_main(args: argparse.Namespace) -> int:
             engine=cli_engine_options(args, _LATENCY_ENGINE), input_len=args.input_len,
             output_len=args.output_len, repeats=args.repeats, seed=args.seed,
             compare=list(dict.fromkeys(args.compare)),
-            llama_bench=args.llama_bench,
+            peer_binaries={name: path for name, path in (("llamacpp", args.llama_bench),
+                                                         ("ik_llama", args.ik_llama_bench)) if path},
+            peer_args={name: shlex.split(text) for name, text in (("llamacpp", args.llama_bench_args),
+                                                                  ("ik_llama", args.ik_llama_bench_args)) if text is not None},
+            floor=not args.no_floor,
         ))
         _emit(report, format_report(report), args.output_json)
         return 0

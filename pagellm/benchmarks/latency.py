@@ -7,24 +7,23 @@ tokens over the time after it. The engine is stepped directly, so the figures in
 scheduler, the output processing and detokenization, as a user of ``LLM`` sees them; the kernel
 plan is in the report. What single-user latency targets (issue P3) are measured with.
 
-With ``compare=["llamacpp"]`` the same GGUF file is also run through llama.cpp's ``llama-bench``
-(``-p input_len -n output_len -r 1``, the same thread count, no GPU layers) as a reference, once
-after each of pagellm's repeats, so that a shared machine's slow and fast phases fall on both
-systems alike; the report gains llama.cpp's mean over those runs and pagellm-over-llama.cpp
-ratios. Building llama-bench: docs/llama-bench.md.
+The report has the decode floor (``benchmarks.floor``): the read bandwidth measured with the
+kernels' loads, the bytes a pagellm decode token reads and (GGUF) the bytes the file's tensors
+hold, and the fraction of the floor each engine reaches.
+
+With ``compare=["llamacpp", "ik_llama"]`` the same GGUF file is also run through each peer's
+``llama-bench`` (``benchmarks.llama_bench``), one repetition after each of pagellm's repeats;
+the report gains each peer's median and pagellm-over-peer ratios.
 """
 
 from __future__ import annotations
 
-import json
-import shlex
-import shutil
 import statistics
-import subprocess
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagellm.benchmarks import llama_bench
 from pagellm.benchmarks._common import (
     bench_engine_options,
     flat_config,
@@ -35,12 +34,10 @@ from pagellm.benchmarks._common import (
     peak_rss_mib,
     routes_since,
 )
+from pagellm.benchmarks.floor import DecodeFloor, measure_floor
 from pagellm.benchmarks.workloads import fixed_workload
 
-COMPARE_CHOICES = ("llamacpp",)
-LLAMA_BENCH_DOC = "docs/llama-bench.md"
-# Fields of a llama-bench JSON entry kept in the report: which build, CPU and model it measured.
-_LLAMA_BENCH_INFO = ("build_commit", "build_number", "cpu_info", "backends", "model_type", "n_threads")
+COMPARE_CHOICES = tuple(llama_bench.PEERS)
 
 
 @dataclass
@@ -50,8 +47,10 @@ class LatencyConfig:
     output_len: int = 256
     repeats: int = 3
     seed: int = 0  # the prompts'
-    compare: list[str] = field(default_factory=list)  # "llamacpp": also run llama-bench on the same GGUF
-    llama_bench: str | None = None  # the llama-bench executable, for compare=["llamacpp"]
+    compare: list[str] = field(default_factory=list)  # peers (llama_bench.PEERS) run on the same GGUF
+    peer_binaries: dict[str, str] = field(default_factory=dict)  # peer -> its llama-bench executable
+    peer_args: dict[str, list[str]] = field(default_factory=dict)  # peer -> extra arguments (else its defaults)
+    floor: bool = True  # measure the read bandwidth and the bytes per token (a few seconds)
 
     def __post_init__(self) -> None:
         self.engine = bench_engine_options(self.engine)
@@ -97,55 +96,74 @@ def _time_one(engine: Any, request_id: str, prompt: list[int], output_len: int) 
 
 
 def run_latency(cfg: LatencyConfig) -> dict[str, Any]:
-    """Build the engine once, warm it up, then time ``repeats`` single requests (then llama-bench, if asked)."""
+    """Build the engine once, warm it up, then time ``repeats`` single requests, each followed by
+    one run of every peer; then the decode floor."""
     from pagellm import LLM
 
     # Checked first, so a missing binary or a non-GGUF model fails before minutes of pagellm timing.
-    binary = llama_bench_binary(cfg.llama_bench) if "llamacpp" in cfg.compare else None
-    gguf = gguf_model_path(cfg.model) if binary else None
+    commands = _peer_commands(cfg)
     llm = LLM(**(cfg.engine | dict(max_num_seqs=1, enable_prefix_caching=False)))
     engine = llm.llm_engine
     vocab_size, special = model_token_facts(cfg.model)
     prompts = fixed_workload(vocab_size, cfg.repeats + 1, cfg.input_len, cfg.output_len, cfg.seed, special)
     _time_one(engine, "warmup", prompts.requests[0].prompt_token_ids[:16], 4)
     routes_before = dict(engine.stats.step_routes)
-    runs, llama_runs = [], []
+    runs: list[dict[str, float]] = []
+    peer_runs: dict[str, list[dict[str, Any]]] = {name: [] for name in commands}
     for i, r in enumerate(prompts.requests[1:]):
         runs.append(_time_one(engine, f"latency-{i}", r.prompt_token_ids, cfg.output_len))
-        if binary and gguf:  # the idle engine only holds memory (135M parameters: a few hundred MiB)
-            llama_runs.append(run_llama_bench(llama_bench_command(binary, gguf, cfg, _pagellm_threads(cfg), repeats=1)))
+        for name, make in commands.items():  # the idle engine only holds memory
+            peer_runs[name].append(llama_bench.run_llama_bench(make(_pagellm_threads(cfg))))
     medians = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
     report = dict(config=flat_config(cfg), machine=machine_info(), kernel_plan=engine.kernel_plan_info, runs=runs,
                   median=medians, peak_rss_mib=peak_rss_mib(),
                   step_routes=routes_since(routes_before, engine.stats.step_routes))  # fmt: skip
-    if llama_runs:
-        report["llamacpp"] = combine_llama_runs(llama_runs)
-        report["pagellm_over_llamacpp"] = llamacpp_ratios(medians, report["llamacpp"])
+    if peer_runs:
+        report["peers"] = {name: llama_bench.combine_runs(found) for name, found in peer_runs.items()}
+        report["pagellm_over"] = {name: llama_bench.ratios(medians, peer) for name, peer in report["peers"].items()}
+    if cfg.floor:
+        report["floor"] = floor_report(_floor(cfg, engine), report)
     return report
 
 
-# ---- llama.cpp reference (llama-bench) ---------------------------------------------------
+def _peer_commands(cfg: LatencyConfig) -> dict[str, Any]:
+    """Each compared peer's command for a thread count (binaries and the GGUF checked now)."""
+    if not cfg.compare:
+        return {}
+    binaries = {name: llama_bench.peer_binary(llama_bench.PEERS[name], cfg.peer_binaries.get(name)) for name in cfg.compare}
+    path = llama_bench.gguf_model_path(cfg.model)
+    commands = {}
+    for name, binary in binaries.items():
+        extra = tuple(cfg.peer_args.get(name, llama_bench.PEERS[name].default_args))
+        commands[name] = lambda threads, binary=binary, extra=extra: llama_bench.bench_command(
+            binary, path, cfg.input_len, cfg.output_len, threads, 1, extra)  # fmt: skip
+    return commands
 
 
-def llama_bench_binary(path: str | None) -> str:
-    """The llama-bench executable; fails up front, saying how to build it, when it is not there."""
-    how = f"build it from the llama-cpp-python sdist as described in {LLAMA_BENCH_DOC} and pass --llama-bench PATH"
-    if not path:
-        raise FileNotFoundError(f"--compare llamacpp needs the llama-bench binary: {how}")
-    found = shutil.which(path)  # a path or a name on PATH; None unless an executable file
-    if found is None:
-        raise FileNotFoundError(f"llama-bench not found (or not executable) at {path!r}: {how}")
-    return found
-
-
-def gguf_model_path(model: str | None) -> str:
-    """The GGUF file both engines load: llama-bench reads only GGUF, so anything else is refused."""
+def _floor(cfg: LatencyConfig, engine: Any) -> DecodeFloor:
+    """The decode floor of this run: its model, K/V dtype, mean context and threads."""
     from pagellm.model.loader import resolve_model_path
 
-    path = resolve_model_path(model)
-    if not path.endswith(".gguf"):
-        raise ValueError(f"--compare llamacpp needs a .gguf model (llama-bench reads only GGUF), got {path}")
-    return path
+    executor = engine.executor
+    runner = executor.model_runner
+    if runner is None:
+        raise RuntimeError("the decode floor needs the model in this process (not a Ray actor)")
+    lib = runner.kernel_plan.kernels if runner.kernel_plan.device == "cpu" else None
+    path = resolve_model_path(cfg.model)
+    mean_context = cfg.input_len + cfg.output_len / 2
+    return measure_floor(runner.model, executor.arch, executor.kv_cache_dtype, mean_context, _pagellm_threads(cfg),
+                         lib, path if path.endswith(".gguf") else None)  # fmt: skip
+
+
+def floor_report(floor: DecodeFloor, report: dict[str, Any]) -> dict[str, Any]:
+    """The floor's facts, the floor that counts (the file's bytes, else pagellm's; never below
+    the best decode rate any engine reached here) and each engine's fraction of it."""
+    rates = {"pagellm": report["median"]["decode_tokens_per_s"]}
+    rates |= {name: peer["decode_tokens_per_s"] for name, peer in report.get("peers", {}).items()}
+    computed = floor.file_floor if floor.file_floor is not None else floor.pagellm_floor
+    counts = max(computed, *rates.values())
+    return dict(floor.as_dict(), floor_tokens_per_s=counts,
+                fraction_of_floor={name: rate / counts for name, rate in rates.items()})
 
 
 def _pagellm_threads(cfg: LatencyConfig) -> int:
@@ -155,69 +173,37 @@ def _pagellm_threads(cfg: LatencyConfig) -> int:
     return cfg.num_threads or torch.get_num_threads()
 
 
-def llama_bench_command(
-    binary: str, model_path: str, cfg: LatencyConfig, threads: int, repeats: int | None = None
-) -> list[str]:
-    """llama-bench arguments that mirror pagellm's run: same file, lengths, threads and repeats
-    (or ``repeats``), CPU only."""
-    return [binary, "-m", model_path, "-p", str(cfg.input_len), "-n", str(cfg.output_len),
-            "-r", str(cfg.repeats if repeats is None else repeats), "-t", str(threads), "-ngl", "0", "-o", "json"]
+def format_peers(report: dict[str, Any]) -> str:
+    """pagellm and each peer on the same GGUF side by side, the ratios under the table."""
+    rows = [dict(system="pagellm", **report["median"])]
+    rows += [dict(system=llama_bench.PEERS[name].label, **peer) for name, peer in report["peers"].items()]
+    columns = [("system", "system (median)", ""), ("prefill_tokens_per_s", "prefill tok/s", ".1f"),
+               ("decode_tokens_per_s", "decode tok/s", ".1f")]
+    lines = [format_table(rows, columns)]
+    for name, ratio in report["pagellm_over"].items():
+        peer = report["peers"][name]
+        commit = peer.get("build", {}).get("build_commit")
+        build = f" ({commit}, {peer['command'].split(' -o ')[0].split(' -ngl 0')[-1].strip() or 'default arguments'})"
+        lines.append(f"pagellm / {llama_bench.PEERS[name].label}{build if commit else ''}: "
+                     f"prefill {ratio['prefill']:.2f}x, decode {ratio['decode']:.2f}x")
+    return "\n".join(lines)
 
 
-def combine_llama_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """llama.cpp's figures over several llama-bench runs: the mean of each phase's tok/s, their
-    spread across runs, and the first run's facts (lengths, build, command)."""
-    combined = dict(runs[0], runs=len(runs))
-    for phase in ("prefill", "decode"):
-        rates = [run[f"{phase}_tokens_per_s"] for run in runs]
-        combined[f"{phase}_tokens_per_s"] = statistics.fmean(rates)
-        combined[f"{phase}_stddev_tokens_per_s"] = statistics.stdev(rates) if len(rates) > 1 else 0.0
-    return combined
-
-
-def parse_llama_bench(text: str) -> dict[str, Any]:
-    """Prefill and decode tok/s from ``llama-bench -o json`` stdout: one pp entry (n_gen 0), one tg (n_prompt 0)."""
-    start = text.find("[")
-    if start < 0:
-        raise ValueError(f"no JSON array in llama-bench output: {text[:200]!r}")
-    entries: list[dict[str, Any]] = json.loads(text[start:])
-    prefill = [e for e in entries if e["n_prompt"] > 0 and e["n_gen"] == 0]
-    decode = [e for e in entries if e["n_gen"] > 0 and e["n_prompt"] == 0]
-    if len(prefill) != 1 or len(decode) != 1:
-        raise ValueError(f"expected one prefill and one decode test from llama-bench, "
-                         f"got {len(prefill)} and {len(decode)}")
-    pp, tg = prefill[0], decode[0]
-    return dict(
-        prefill_tokens_per_s=float(pp["avg_ts"]), prefill_stddev_tokens_per_s=float(pp["stddev_ts"]),
-        decode_tokens_per_s=float(tg["avg_ts"]), decode_stddev_tokens_per_s=float(tg["stddev_ts"]),
-        n_prompt=int(pp["n_prompt"]), n_gen=int(tg["n_gen"]), build={k: pp[k] for k in _LLAMA_BENCH_INFO if k in pp},
-    )
-
-
-def run_llama_bench(command: list[str]) -> dict[str, Any]:
-    """Run llama-bench once and parse it; on failure its stderr is shown, since that is where it says why."""
-    proc = subprocess.run(command, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"llama-bench failed (exit {proc.returncode}): {shlex.join(command)}\n{proc.stderr[-2000:]}")
-    return dict(parse_llama_bench(proc.stdout), command=shlex.join(command))
-
-
-def llamacpp_ratios(median: dict[str, float], llamacpp: dict[str, Any]) -> dict[str, float]:
-    """pagellm's median tok/s over llama.cpp's mean, per phase: above 1 means pagellm is faster."""
-    return dict(prefill=median["prefill_tokens_per_s"] / llamacpp["prefill_tokens_per_s"],
-                decode=median["decode_tokens_per_s"] / llamacpp["decode_tokens_per_s"])
-
-
-def format_llamacpp(report: dict[str, Any]) -> str:
-    """The side-by-side table of pagellm and llama.cpp on the same GGUF, with the ratio under it."""
-    ours, theirs, ratio = report["median"], report["llamacpp"], report["pagellm_over_llamacpp"]
-    rows = [dict(system=name, prefill=tps["prefill_tokens_per_s"], decode=tps["decode_tokens_per_s"])
-            for name, tps in (("pagellm (median)", ours), ("llama.cpp (mean)", theirs))]
-    columns = [("system", "system", ""), ("prefill", "prefill tok/s", ".1f"), ("decode", "decode tok/s", ".1f")]
-    commit = theirs.get("build", {}).get("build_commit")
-    build = f" (llama.cpp {commit})" if commit else ""
-    return (format_table(rows, columns) +
-            f"\npagellm / llama.cpp{build}: prefill {ratio['prefill']:.2f}x, decode {ratio['decode']:.2f}x")
+def format_floor(floor: dict[str, Any]) -> str:
+    """Bytes a decode token reads, the bandwidth, the floor and each engine's share of it."""
+    mb = 1e6
+    lines = [f"decode floor: read {floor['read_gb_per_s']:.1f} GB/s ({floor['bandwidth_source']}); "
+             f"K/V {floor['kv_bytes'] / mb:.1f} MB a token"]
+    lines.append(f"  pagellm reads {floor['pagellm_bytes'] / mb:.1f} MB of weights a token "
+                 f"(floor {floor['pagellm_floor_tokens_per_s']:.1f} tok/s)")
+    if floor["file_bytes"] is not None:
+        extra = floor["pagellm_bytes"] / floor["file_bytes"] - 1
+        lines.append(f"  the file's tensors hold {floor['file_bytes'] / mb:.1f} MB a token "
+                     f"(floor {floor['file_floor_tokens_per_s']:.1f} tok/s); pagellm reads {extra:+.1%}")
+    shares = ", ".join(f"{llama_bench.PEERS[name].label if name in llama_bench.PEERS else name} {share:.0%}"
+                       for name, share in floor["fraction_of_floor"].items())  # fmt: skip
+    lines.append(f"  of the floor ({floor['floor_tokens_per_s']:.1f} tok/s): {shares}")
+    return "\n".join(lines)
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -227,7 +213,11 @@ def format_report(report: dict[str, Any]) -> str:
     columns = [("run", "run", "s"), ("ttft_s", "TTFT s", ".3f"), ("prefill_tokens_per_s", "prefill tok/s", ".1f"),
                ("decode_tokens_per_s", "decode tok/s", ".1f"), ("decode_s", "decode s", ".2f")]
     plan = " ".join(f"{k}={v}" for k, v in report["kernel_plan"].items())
-    text = (f"batch 1: prompt {cfg['input_len']}, {cfg['output_len']} greedy tokens, {cfg['dtype']}\n"
-            f"kernel plan: {plan}\nstep routes: {format_routes(report.get('step_routes', {}))}\n"
-            + format_table(rows, columns))
-    return text + "\n\n" + format_llamacpp(report) if "llamacpp" in report else text
+    parts = [f"batch 1: prompt {cfg['input_len']}, {cfg['output_len']} greedy tokens, {cfg['dtype']}\n"
+             f"kernel plan: {plan}\nstep routes: {format_routes(report.get('step_routes', {}))}\n"
+             + format_table(rows, columns)]
+    if "peers" in report:
+        parts.append(format_peers(report))
+    if "floor" in report:
+        parts.append(format_floor(report["floor"]))
+    return "\n\n".join(parts)

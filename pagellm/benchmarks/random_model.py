@@ -9,6 +9,12 @@ the default model package is not needed (e.g. on a GPU machine with no network).
 
     python -m pagellm.benchmarks.random_model OUT_DIR [--shape smollm2-135m] [--dtype bfloat16]
     python -m pagellm.benchmarks throughput --model OUT_DIR --device cuda --compare hf
+
+The shapes people run (:data:`REAL_SHAPES`: Llama 3.2 1B and 3B, Llama 3 8B, Qwen2.5 7B) are
+written tensor by tensor with the default model's tokenizer (``benchmarks.random_gguf``), as
+safetensors or, with ``--gguf Q4_0|Q4_K_M|Q8_0|BF16``, as one GGUF file in llama-quantize's mix:
+
+    python -m pagellm.benchmarks.random_model /tmp/llama-3b-q4_0.gguf --shape llama-3b --gguf Q4_0
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from pagellm.benchmarks.random_gguf import FILE_TYPES, write_random_gguf, write_random_safetensors
 
 # Special tokens take the first ids, as in SmolLM2's vocabulary.
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -53,6 +61,32 @@ SHAPES: dict[str, dict[str, Any]] = {
         architecture="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
         max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    # The shapes people run (REAL_SHAPES): Llama 3.2 1B and 3B (tied), Llama 3 8B, Qwen2.5 7B.
+    # Rotary scaling left at the default: it changes no cost.
+    "llama-1b": dict(
+        architecture="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    ),
+    "llama-3b": dict(
+        architecture="llama", hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+        num_attention_heads=24, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    ),
+    "llama-8b": dict(
+        architecture="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    ),
+    "qwen-7b": dict(
+        architecture="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     ),
     # The tests' tiny shapes: GQA, untied Llama with llama3 rope scaling, tied Qwen2 with q/k/v bias.
@@ -131,7 +165,10 @@ def synthetic_tokenizer(vocab_size: int):
     )
 
 
-def _hf_config(shape: dict[str, Any]):
+REAL_SHAPES = ("llama-1b", "llama-3b", "llama-8b", "qwen-7b")
+
+
+def hf_config(shape: dict[str, Any]):
     from transformers import (
         Gemma2Config, Gemma3TextConfig, LlamaConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig,
     )
@@ -160,15 +197,20 @@ def write_random_model(
 ) -> str:
     """Write a random-weight model of ``shape`` (a name in ``SHAPES`` or such a dict) to ``folder``.
 
-    Norm weights and biases are randomized too (:func:`randomize_norms_and_biases`). Returns
-    the folder as a string.
+    Norm weights and biases are randomized too (:func:`randomize_norms_and_biases`). The
+    :data:`REAL_SHAPES` are written by ``random_gguf`` (its weights, the default tokenizer).
+    Returns the folder as a string.
     """
     from transformers import AutoModelForCausalLM
 
     spec = SHAPES[shape] if isinstance(shape, str) else shape
-    config = _hf_config(spec)
+    config = hf_config(spec)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    if shape in REAL_SHAPES:  # tensor by tensor: an 8B model does not fit in memory as float32
+        config.dtype = dtype
+        config.save_pretrained(folder)
+        return write_random_safetensors(folder, spec, dtype, seed)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize_norms_and_biases(model)
@@ -179,11 +221,19 @@ def write_random_model(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pagellm.benchmarks.random_model", description=__doc__.split("\n")[0])
-    parser.add_argument("folder", help="where to write the model (created)")
+    parser.add_argument("folder", help="where to write the model (created; with --gguf: the .gguf file)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="checkpoint dtype")
+    parser.add_argument("--gguf", choices=sorted(FILE_TYPES), default=None,
+                        help=f"write one GGUF file in llama-quantize's mix of this type ({', '.join(REAL_SHAPES)})")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.gguf:
+        if args.shape not in REAL_SHAPES:
+            parser.error(f"--gguf writes the shapes {list(REAL_SHAPES)}")
+        counts = write_random_gguf(args.folder, dict(SHAPES[args.shape], name=args.shape), args.gguf, args.seed)
+        print(f"wrote a random {args.shape} {args.gguf} GGUF to {args.folder}: tensors per type {counts}")
+        return 0
     path = write_random_model(args.folder, args.shape, getattr(torch, args.dtype), args.seed)
     print(f"wrote a random {args.shape} model to {path}")
     return 0

@@ -385,7 +385,7 @@ class KernelLibrary:
         amx: bool = False,
     ) -> torch.Tensor:
         """``x [M, K] @ W.T`` for a quantized ``W`` (``quant_formats.pack``, format ``fmt``: q4, q8,
-        q4f, q5f or q6k), in integer dot products on activations quantized per block of 32 -> new
+        q4f, q5f, q6k or q4s), in integer dot products on activations quantized per block of 32 -> new
         ``[M, out_features]`` tensor of x's dtype (float32 or bf16). ``epilogue="silu_mul"``
         takes a ``quant_formats.pack_silu_mul`` weight and returns ``silu(x @ gate.T) * (x @ up.T)``.
         ``amx`` computes the same bits on AMX tiles (``gemm_q_amx_available``; formats in
@@ -416,6 +416,22 @@ class KernelLibrary:
             raise RuntimeError(f"pagellm_gemm_q failed with code {rc}")
         return out
 
+
+    def read_sum(self, buffer: torch.Tensor, num_threads: int | None = None) -> int:
+        """The wrapping sum of a contiguous CPU buffer's 64-bit words (its bytes a multiple of
+        64), read with the kernels' vector loads by ``num_threads`` threads (torch's count by
+        default): timed, it gives the read bandwidth the kernels see (``benchmarks.floor``)."""
+        if buffer.device.type != "cpu" or not buffer.is_contiguous():
+            raise ValueError("read_sum needs a contiguous CPU tensor")
+        nbytes = buffer.numel() * buffer.element_size()
+        if nbytes == 0 or nbytes % 64:
+            raise ValueError(f"read_sum needs a positive multiple of 64 bytes, got {nbytes}")
+        out = ctypes.c_uint64()
+        threads = num_threads or torch.get_num_threads()
+        rc = self._lib.pagellm_read_sum(buffer.data_ptr(), nbytes, threads, ctypes.byref(out))
+        if rc != 0:
+            raise RuntimeError(f"pagellm_read_sum failed with code {rc}")
+        return out.value
 
     def shm_region_bytes(self, ranks: int, slot_elems: int) -> int:
         """Bytes of a shared-memory all-reduce region (``csrc/shm_all_reduce.cpp``)."""

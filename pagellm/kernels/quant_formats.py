@@ -1,9 +1,11 @@
 """Quantized weight formats of the integer GEMM (``csrc/gemm_int8.cpp``): unpacked, packed,
 converted from GGUF blocks or from dense weights, and a plain reference product.
 
-Five formats, 32 weights a block along a row (k):
+Six formats, 32 weights a block along a row (k):
 - ``q4``: codes 0..15 with a scale ``d`` and an offset ``m`` per block (weight = d * code + m):
-  GGUF's Q4_1 as stored, and Q4_0 (d * (code - 8)) with m = -8 d (``model.gguf_loader``).
+  GGUF's Q4_1 as stored.
+- ``q4s``: codes 0..15 with a scale ``d`` per block, weight = d * (code - 8): GGUF's Q4_0 as
+  stored, 4.5 bits a weight (q4 with m = -8 d, without storing m).
 - ``q8``: codes -128..127 (int8) with a scale per block: GGUF's Q8_0, and ``--quantization
   int8`` (each block of a dense weight scaled to its largest magnitude, -127..127).
 - ``q4f``: ``q4`` with float32 scales and offsets: GGUF's Q4_K, whose per-32 scales are an
@@ -13,8 +15,8 @@ Five formats, 32 weights a block along a row (k):
 - ``q6k``: codes 0..63, weight = d * s * (code - 32) with an fp16 ``d`` per block and an int8
   ``s`` per 16 weights (``sub_scale``): GGUF's Q6_K as stored.
 Scales and offsets are fp16 (``q4f``, ``q5f``: float32). A weight whose k is not a multiple of 32
-is padded with zero codes (q4: also zero scale and offset). AMX tiles take q4, q8 and q4f only
-(``AMX_FORMATS``); the others run the dot products at every batch size.
+is padded with zero codes (q4: also zero scale and offset). AMX tiles take q4, q8, q4f
+and q4s (``AMX_FORMATS``); the others run the dot products at every batch size.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ import torch
 
 BLOCK = 32
 TILE_COLS = 16
-RECORD_BYTES = {"q4": 256 + 64, "q8": 512 + 32, "q4f": 256 + 128, "q5f": 256 + 64 + 128, "q6k": 256 + 128 + 64}
-FORMAT_CODES = {"q4": 0, "q8": 1, "q4f": 2, "q5f": 3, "q6k": 4}
-AMX_FORMATS = frozenset({"q4", "q8", "q4f"})
+RECORD_BYTES = {"q4": 256 + 64, "q8": 512 + 32, "q4f": 256 + 128, "q5f": 256 + 64 + 128, "q6k": 256 + 128 + 64,
+                "q4s": 256 + 32}  # fmt: skip
+FORMAT_CODES = {"q4": 0, "q8": 1, "q4f": 2, "q5f": 3, "q6k": 4, "q4s": 5}
+AMX_FORMATS = frozenset({"q4", "q8", "q4f", "q4s"})
 _SCALE_DTYPES = {"q4": torch.float16, "q8": torch.float16, "q4f": torch.float32, "q5f": torch.float32,
-                 "q6k": torch.float16}  # fmt: skip
+                 "q6k": torch.float16, "q4s": torch.float16}  # fmt: skip
+Q4S_ZERO = 8  # q4s: weight = d * (code - 8)
 HALF = BLOCK // 2  # q6k's scale groups
 
 
@@ -61,6 +65,8 @@ class QuantizedWeight:
             scale = self.scale.float().repeat_interleave(2, dim=1) * self.sub_scale.float()  # exact
             return (codes * scale.unsqueeze(-1)).reshape(self.rows, blocks * BLOCK)[:, : self.k]
         codes = self.codes.float().view(self.rows, blocks, BLOCK)
+        if self.format == "q4s":
+            codes = codes - Q4S_ZERO
         w = codes * self.scale.float().unsqueeze(-1)
         if self.offset is not None:
             w = w + self.offset.float().unsqueeze(-1)
@@ -91,21 +97,31 @@ class QuantizedWeight:
 
 
 def common_format(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
-    """The shards of one linear in one format: as they are; q4 and q4f widened (exactly) to the
-    widest of q4 < q4f < q5f among them; else every shard re-quantized to q8 blocks."""
+    """The shards of one linear in one format: as they are; q4s, q4 and q4f widened (exactly) to
+    the widest of q4s < q4 < q4f < q5f among them; else every shard re-quantized to q8 blocks."""
     formats = {p.format for p in parts}
     if len(formats) == 1:
         return parts
-    if formats <= {"q4", "q4f", "q5f"}:
-        target = "q5f" if "q5f" in formats else "q4f"
+    order = ("q4s", "q4", "q4f", "q5f")
+    if formats <= set(order):
+        target = max(formats, key=order.index)
         return [p if p.format == target else _widen(p, target) for p in parts]
     return [quantize_q8(p.dequantize()) for p in parts]
 
 
 def _widen(weight: QuantizedWeight, fmt: str) -> QuantizedWeight:
-    """q4 / q4f codes under float32 scales and offsets: the same weights as q4f or q5f."""
-    offset = None if weight.offset is None else weight.offset.float()
-    return QuantizedWeight(fmt, weight.k, weight.codes, weight.scale.float(), offset)
+    """q4s / q4 / q4f codes as the same weights in a wider format: q4s's offset -8 d made
+    explicit (exact in fp16: a power-of-two multiple; ValueError where it overflows), scales
+    and offsets in float32 for q4f and q5f."""
+    offset = weight.offset
+    if weight.format == "q4s":
+        offset = weight.scale.float() * -Q4S_ZERO
+        if not torch.isfinite(offset).all() or (offset.abs() > 65504).any():
+            raise ValueError("a q4s scale too large for the q4 offset (-8 d) in fp16")
+        offset = offset.to(weight.scale.dtype)
+    if fmt == "q4":
+        return QuantizedWeight(fmt, weight.k, weight.codes, weight.scale, offset)
+    return QuantizedWeight(fmt, weight.k, weight.codes, weight.scale.float(), None if offset is None else offset.float())
 
 
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -139,13 +155,15 @@ def random_weight(fmt: str, rows: int, k: int, generator: torch.Generator | None
     if fmt == "q8":
         return quantize_q8(torch.randn(rows, k, generator=generator))
     blocks = -(-k // BLOCK)
-    levels = {"q4": 16, "q4f": 16, "q5f": 32, "q6k": 64}[fmt]
+    levels = {"q4": 16, "q4s": 16, "q4f": 16, "q5f": 32, "q6k": 64}[fmt]
     codes = torch.randint(0, levels, (rows, blocks * BLOCK), generator=generator, dtype=torch.uint8)
     codes[:, k:] = 0
     if fmt == "q6k":
         sub = torch.randint(-128, 128, (rows, 2 * blocks), generator=generator, dtype=torch.int8)
         return QuantizedWeight(fmt, k, codes, (torch.rand(rows, blocks, generator=generator) * 1e-3).half(), sub_scale=sub)
     scale = (torch.rand(rows, blocks, generator=generator) * 0.1).to(_SCALE_DTYPES[fmt])
+    if fmt == "q4s":
+        return QuantizedWeight(fmt, k, codes, scale)
     offset = (torch.randn(rows, blocks, generator=generator) * 0.1).to(_SCALE_DTYPES[fmt])
     return QuantizedWeight(fmt, k, codes, scale, offset)
 
@@ -190,6 +208,8 @@ def pack(weight: QuantizedWeight) -> torch.Tensor:
         parts.append(sub.view(tiles, TILE_COLS, blocks, 2).permute(0, 2, 3, 1).reshape(tiles, blocks, 32).view(torch.uint8))
         parts.append(_per_column(scale, tiles, blocks))
         return torch.cat([p.contiguous() for p in parts], dim=-1).contiguous()
+    if fmt == "q4s":
+        return torch.cat([parts[0].contiguous(), _per_column(scale, tiles, blocks)], dim=-1).contiguous()
     offset = _pad_rows(weight.offset, rows)  # type: ignore[arg-type]
     parts += [_per_column(scale, tiles, blocks), _per_column(offset, tiles, blocks)]
     return torch.cat([p.contiguous() for p in parts], dim=-1).contiguous()
@@ -241,6 +261,8 @@ def reference_gemm(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     q, d, _ = quantize_activations(x)
     scale, offset = weight.scale.double(), None if weight.offset is None else weight.offset.double()
     size = BLOCK
+    if weight.format == "q4s":
+        offset = -Q4S_ZERO * scale
     if weight.format == "q6k":  # groups of 16: scale d * s, offset -32 d * s
         assert weight.sub_scale is not None
         size, d = HALF, d.repeat_interleave(2, dim=1)

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as T
 from pagellm.kernels.quant_formats import BLOCK, QuantizedWeight
 
 GGUF_FORMATS = {
-    T.Q4_0: "q4", T.Q4_1: "q4", T.Q8_0: "q8", T.Q4_K: "q4f", T.Q5_0: "q5f", T.Q5_1: "q5f", T.Q5_K: "q5f",
+    T.Q4_0: "q4s", T.Q4_1: "q4", T.Q8_0: "q8", T.Q4_K: "q4f", T.Q5_0: "q5f", T.Q5_1: "q5f", T.Q5_K: "q5f",
     T.Q6_K: "q6k",
 }
 _SUPER = 256  # K-quants: super-blocks of 256 weights
@@ -38,15 +38,10 @@ def from_gguf_blocks(raw: np.ndarray, qtype: T, k: int) -> QuantizedWeight:
         return QuantizedWeight("q8", k, torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(rows, k)), scale)
     if qtype in (T.Q5_0, T.Q5_1):
         return _from_q5(blocks, qtype, scale, k)
-    if qtype == T.Q4_1:
-        offset = _halves(blocks[..., 2:4])
-        nibbles = blocks[..., 4:]
-    else:
-        if not torch.isfinite(scale.float() * -8).all() or (scale.float().abs() * 8 > 65504).any():
-            raise ValueError("a Q4_0 scale too large for the q4 offset (-8 d) in fp16")
-        offset = (scale.float() * -8).to(torch.float16)  # exact: a power-of-two multiple
-        nibbles = blocks[..., 2:]
-    return QuantizedWeight("q4", k, _codes(_split_nibbles(nibbles), rows, k), scale, offset)
+    if qtype == T.Q4_0:  # d * (code - 8): q4s, the file's 18 bytes a block
+        return QuantizedWeight("q4s", k, _codes(_split_nibbles(blocks[..., 2:]), rows, k), scale)
+    offset = _halves(blocks[..., 2:4])
+    return QuantizedWeight("q4", k, _codes(_split_nibbles(blocks[..., 4:]), rows, k), scale, offset)
 
 
 def _halves(data: np.ndarray) -> torch.Tensor:

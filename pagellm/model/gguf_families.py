@@ -142,6 +142,19 @@ def hf_tensor_name(gguf_name: str, gguf_arch: str = "llama") -> str:
     return f"model.layers.{match['layer']}.{names[match['name']]}.{match['kind']}"
 
 
+def gguf_tensor_name(hf_name: str) -> str:
+    """HF parameter name -> GGUF tensor name, for the shared names of :data:`_BLOCK_NAMES` (the
+    inverse of :func:`hf_tensor_name` there; files written by ``benchmarks.random_gguf``)."""
+    inverse_top = {hf: gguf for gguf, hf in _TOP_LEVEL_NAMES.items()}
+    if hf_name in inverse_top:
+        return inverse_top[hf_name]
+    match = re.match(r"^model\.layers\.(?P<layer>\d+)\.(?P<name>.+)\.(?P<kind>weight|bias)$", hf_name)
+    inverse = {hf: gguf for gguf, hf in _BLOCK_NAMES.items()}
+    if match is None or match["name"] not in inverse:
+        raise ValueError(f"no GGUF name for {hf_name!r}")
+    return f"blk.{match['layer']}.{inverse[match['name']]}.{match['kind']}"
+
+
 def hf_tensors(
     name: str, tensor: Tensor | list[QuantizedWeight], gguf_arch: str, heads: dict[str, int]
 ) -> Iterator[tuple[str, Tensor]]:
@@ -166,6 +179,13 @@ def hf_tensors(
     if fam.norm_plus_one and name.endswith("norm.weight") and isinstance(tensor, torch.Tensor):
         tensor = tensor - 1
     yield name, tensor
+
+
+def permute_qk_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's converter's per-head row permutation of q_proj/k_proj (the inverse of
+    :func:`unpermute_qk_rows`): each head's rotate-half rows ``[half0 | half1]`` interleaved."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
 def unpermute_qk_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -62,6 +62,7 @@ class ModelRunner:
         micro_batches: int = 1,
     ) -> None:
         self.model = model
+        self.kernel_plan = plan  # (read by benchmarks: the decode floor reads with its library)
         # False on all ranks but one where there are several: tensor-parallel ranks other than 0
         # run the forward (their share of each layer and of its all-reduces), pipeline stages
         # before the last pass their hidden states on; one rank computes logits and samples.

@@ -274,9 +274,10 @@ def test_portable_build_matches_dense_too(env_override):
     env = {k: v for k, v in os.environ.items() if k not in ("PAGELLM_KERNEL_MARCH", "PAGELLM_ISA")}
     env.update(env_override)
     argmax_tests = os.path.join(os.path.dirname(__file__), "..", "sample", "test_argmax_kernel.py")
+    read_tests = os.path.join(os.path.dirname(__file__), "..", "test_memory_read_kernel.py")
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, argmax_tests,
-         "-k", "match_dense or write_kv or valid_call or argmax"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, argmax_tests, read_tests,
+         "-k", "match_dense or write_kv or valid_call or argmax or read_sum"],
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

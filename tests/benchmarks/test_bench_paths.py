@@ -328,89 +328,112 @@ def _fake_llama_bench(tmp_path, stdout: str, exit_code: int = 0):
 
 def test_latency_parses_llama_bench_json_and_formats_the_ratio():
     from pagellm.benchmarks import latency as lat
+    from pagellm.benchmarks import llama_bench as lb
 
-    parsed = lat.parse_llama_bench(_llama_bench_json())
+    parsed = lb.parse_llama_bench(_llama_bench_json())
     assert parsed["prefill_tokens_per_s"] == pytest.approx(256.122718)
     assert parsed["decode_tokens_per_s"] == pytest.approx(84.252079)
     assert parsed["prefill_stddev_tokens_per_s"] == 1.5 and parsed["decode_stddev_tokens_per_s"] == 0.25
     assert (parsed["n_prompt"], parsed["n_gen"]) == (16, 16)
     assert parsed["build"] == dict(build_commit="0c1e570", build_number=1, cpu_info="Intel(R) Xeon(R) Processor",
                                    backends="CPU", model_type="llama 256M Q4_1", n_threads=2)
-    ratios = lat.llamacpp_ratios(dict(prefill_tokens_per_s=128.061359, decode_tokens_per_s=168.504158), parsed)
+    ratios = lb.ratios(dict(prefill_tokens_per_s=128.061359, decode_tokens_per_s=168.504158), parsed)
     assert ratios == pytest.approx(dict(prefill=0.5, decode=2.0))
     with pytest.raises(ValueError, match="one prefill and one decode"):
-        lat.parse_llama_bench(json.dumps(json.loads(_llama_bench_json())[:1]))
+        lb.parse_llama_bench(json.dumps(json.loads(_llama_bench_json())[:1]))
     with pytest.raises(ValueError, match="no JSON array"):
-        lat.parse_llama_bench("error: failed to load model\n")
+        lb.parse_llama_bench("error: failed to load model\n")
 
     run = dict(ttft_s=0.1, decode_s=0.1, prefill_tokens_per_s=128.061359, decode_tokens_per_s=168.504158)
+    peer = dict(lb.combine_runs([parsed]), command="llama-bench -m m.gguf -ngl 0 -rtr 1 -o json")
     report = dict(config=dict(input_len=16, output_len=16, dtype="bfloat16"), kernel_plan=dict(gemm="x"),
-                  runs=[run], median=run, llamacpp=parsed, pagellm_over_llamacpp=ratios)
+                  runs=[run], median=run, peers={"ik_llama": peer}, pagellm_over={"ik_llama": ratios})
     text = lat.format_report(report)
-    assert "llama.cpp (mean)" in text and "256.1" in text and "84.3" in text
-    assert "pagellm / llama.cpp (llama.cpp 0c1e570): prefill 0.50x, decode 2.00x" in text
-    del report["llamacpp"]
-    assert "llama.cpp" not in lat.format_report(report)
+    assert "ik_llama.cpp" in text and "256.1" in text and "84.3" in text
+    assert "pagellm / ik_llama.cpp (0c1e570, -rtr 1): prefill 0.50x, decode 2.00x" in text
+    del report["peers"]
+    assert "ik_llama.cpp" not in lat.format_report(report)
 
 
-def test_latency_combines_interleaved_llama_bench_runs():
-    from pagellm.benchmarks import latency as lat
+def test_latency_takes_each_peers_median_over_interleaved_runs():
+    from pagellm.benchmarks import llama_bench as lb
 
-    runs = [lat.parse_llama_bench(_llama_bench_json(pp_ts=pp, tg_ts=tg)) for pp, tg in ((200.0, 60.0), (100.0, 80.0))]
-    combined = lat.combine_llama_runs(runs)
-    assert combined["prefill_tokens_per_s"] == 150.0 and combined["decode_tokens_per_s"] == 70.0
-    assert combined["prefill_stddev_tokens_per_s"] == pytest.approx(70.7107, rel=1e-4)
-    assert combined["decode_stddev_tokens_per_s"] == pytest.approx(14.1421, rel=1e-4)
-    assert combined["runs"] == 2 and combined["build"] == runs[0]["build"]
+    rates = ((200.0, 60.0), (100.0, 80.0), (120.0, 90.0))
+    runs = [lb.parse_llama_bench(_llama_bench_json(pp_ts=pp, tg_ts=tg)) for pp, tg in rates]
+    combined = lb.combine_runs(runs)
+    assert combined["prefill_tokens_per_s"] == 120.0 and combined["decode_tokens_per_s"] == 80.0
+    assert combined["decode_runs_tokens_per_s"] == [60.0, 80.0, 90.0]
+    assert combined["decode_stddev_tokens_per_s"] == pytest.approx(15.2753, rel=1e-4)
+    assert combined["runs"] == 3 and combined["build"] == runs[0]["build"]
 
 
 def test_latency_llama_bench_command_and_failures(tmp_path):
-    from pagellm.benchmarks import latency as lat
+    from pagellm.benchmarks import llama_bench as lb
 
     fake = _fake_llama_bench(tmp_path, _llama_bench_json(n_prompt=8, n_gen=5))
-    cfg = lat.LatencyConfig(input_len=8, output_len=5, repeats=2)
-    command = lat.llama_bench_command(lat.llama_bench_binary(str(fake)), "/tmp/m.gguf", cfg, threads=3)
-    result = lat.run_llama_bench(command)
+    binary = lb.peer_binary(lb.PEERS["ik_llama"], str(fake))
+    command = lb.bench_command(binary, "/tmp/m.gguf", 8, 5, threads=3, repeats=2, extra_args=("-rtr", "1"))
+    result = lb.run_llama_bench(command)
     assert json.loads((tmp_path / "argv.json").read_text()) == [
-        "-m", "/tmp/m.gguf", "-p", "8", "-n", "5", "-r", "2", "-t", "3", "-ngl", "0", "-o", "json"]
+        "-m", "/tmp/m.gguf", "-p", "8", "-n", "5", "-r", "2", "-t", "3", "-ngl", "0", "-rtr", "1", "-o", "json"]
     assert result["decode_tokens_per_s"] == pytest.approx(84.252079) and result["command"].endswith("-o json")
     (tmp_path / "fails").mkdir()
     failing = _fake_llama_bench(tmp_path / "fails", "", exit_code=3)
     with pytest.raises(RuntimeError, match=r"exit 3\)(.|\n)*llama-bench log line"):
-        lat.run_llama_bench([str(failing), "-o", "json"])
+        lb.run_llama_bench([str(failing), "-o", "json"])
 
 
-def test_latency_compare_llamacpp_refuses_missing_binary_and_non_gguf(tiny_llama_path, tmp_path):
+def test_latency_compare_refuses_missing_binary_and_non_gguf(tiny_llama_path, tmp_path):
     from pagellm.benchmarks import latency as lat
+    from pagellm.benchmarks import llama_bench as lb
 
-    for path in (None, str(tmp_path / "no-such-llama-bench")):
-        with pytest.raises(FileNotFoundError, match="docs/llama-bench.md"):
-            lat.llama_bench_binary(path)
+    for name, option in (("llamacpp", "--llama-bench"), ("ik_llama", "--ik-llama-bench")):
+        for path in (None, str(tmp_path / "no-such-llama-bench")):
+            with pytest.raises(FileNotFoundError, match=f"docs/llama-bench.md and pass {option} PATH"):
+                lb.peer_binary(lb.PEERS[name], path)
     (tmp_path / "not-executable").write_text("")
     with pytest.raises(FileNotFoundError, match="--llama-bench PATH"):
-        lat.llama_bench_binary(str(tmp_path / "not-executable"))
+        lb.peer_binary(lb.PEERS["llamacpp"], str(tmp_path / "not-executable"))
     with pytest.raises(ValueError, match=r"needs a \.gguf model"):
-        lat.gguf_model_path(tiny_llama_path)
+        lb.gguf_model_path(tiny_llama_path)
     with pytest.raises(ValueError, match="unknown latency compare"):
         lat.LatencyConfig(compare=["vllm"])
     # Through the CLI, the missing binary fails before the (slow) pagellm runs.
     with pytest.raises(FileNotFoundError, match="docs/llama-bench.md"):
-        bench_cli(["latency", "--model", tiny_llama_path, "--compare", "llamacpp",
-                   "--llama-bench", str(tmp_path / "no-such-llama-bench")])
+        bench_cli(["latency", "--model", tiny_llama_path, "--compare", "ik_llama",
+                   "--ik-llama-bench", str(tmp_path / "no-such-llama-bench")])
 
 
-def test_latency_compare_llamacpp_end_to_end_with_a_fake_llama_bench(default_model_path_fixture, tmp_path, capsys):
-    fake = _fake_llama_bench(tmp_path, _llama_bench_json(n_prompt=8, n_gen=3))
+def test_latency_compares_both_peers_end_to_end_with_fake_llama_benches(
+        default_model_path_fixture, tmp_path, capsys, monkeypatch):  # fmt: skip
+    from pagellm.benchmarks import floor
+
+    monkeypatch.setattr(floor, "BUFFER_BYTES", 8 << 20)  # the bandwidth pass, small for a test
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "ik").mkdir()
+    llama = _fake_llama_bench(tmp_path / "llama", _llama_bench_json(n_prompt=8, n_gen=3))
+    ik = _fake_llama_bench(tmp_path / "ik", _llama_bench_json(pp_ts=300.0, tg_ts=120.0, n_prompt=8, n_gen=3))
     out = tmp_path / "latency.json"
     assert bench_cli(["latency", "--input-len", "8", "--output-len", "3", "--repeats", "2", "--num-threads", "1",
-                      "--compare", "llamacpp", "--llama-bench", str(fake), "--output-json", str(out)]) == 0
-    argv = json.loads((tmp_path / "argv.json").read_text())
-    assert argv[:2] == ["-m", default_model_path_fixture] and argv[argv.index("-t") + 1] == "1"
-    # One llama-bench repetition after each of pagellm's repeats (interleaved).
-    assert argv[argv.index("-r") + 1] == "1" and (tmp_path / "calls.txt").read_text().count("call") == 2
+                      "--compare", "llamacpp", "--llama-bench", str(llama), "--llama-bench-args", "--repack 0",
+                      "--compare", "ik_llama", "--ik-llama-bench", str(ik), "--output-json", str(out)]) == 0
+    argv = {name: json.loads((tmp_path / name / "argv.json").read_text()) for name in ("llama", "ik")}
+    assert argv["llama"][:2] == ["-m", default_model_path_fixture] and argv["llama"][argv["llama"].index("-t") + 1] == "1"
+    assert argv["llama"][-4:] == ["--repack", "0", "-o", "json"] and argv["ik"][-4:] == ["-rtr", "1", "-o", "json"]
+    # One repetition of each peer after each of pagellm's repeats (interleaved).
+    for name in ("llama", "ik"):
+        assert argv[name][argv[name].index("-r") + 1] == "1"
+        assert (tmp_path / name / "calls.txt").read_text().count("call") == 2
     report = json.loads(out.read_text())
-    assert report["config"]["compare"] == ["llamacpp"] and report["llamacpp"]["prefill_tokens_per_s"] == 256.122718
-    assert report["llamacpp"]["runs"] == 2 and report["llamacpp"]["decode_stddev_tokens_per_s"] == 0.0
+    assert report["config"]["compare"] == ["llamacpp", "ik_llama"]
+    assert report["peers"]["llamacpp"]["decode_tokens_per_s"] == 84.252079
+    assert report["peers"]["ik_llama"]["runs"] == 2 and report["peers"]["ik_llama"]["decode_tokens_per_s"] == 120.0
     ours = report["median"]["decode_tokens_per_s"]
-    assert report["pagellm_over_llamacpp"]["decode"] == pytest.approx(ours / 84.252079)
-    assert "pagellm / llama.cpp" in capsys.readouterr().out
+    assert report["pagellm_over"]["ik_llama"]["decode"] == pytest.approx(ours / 120.0)
+    # The floor: the default model's file as the reference, never below the best engine's rate.
+    found = report["floor"]
+    assert found["file_bytes"] == floor.gguf_bytes_per_token(default_model_path_fixture) and found["read_gb_per_s"] > 0
+    assert found["floor_tokens_per_s"] >= max(ours, 120.0, 84.252079)
+    assert found["fraction_of_floor"]["ik_llama"] == pytest.approx(120.0 / found["floor_tokens_per_s"])
+    text = capsys.readouterr().out
+    assert "pagellm / llama.cpp" in text and "pagellm / ik_llama.cpp" in text and "decode floor" in text

@@ -144,7 +144,10 @@ def test_extreme_codes_do_not_saturate(path_lib: KernelLibrary) -> None:
     sub = torch.where(torch.arange(2 * blocks) % 2 == 0, -128, 127).to(torch.int8).repeat(n, 1)
     q6k = qf.QuantizedWeight("q6k", k, torch.full((n, k), 63, dtype=torch.uint8), scale, sub_scale=sub)
     q6k_low = qf.QuantizedWeight("q6k", k, torch.zeros(n, k, dtype=torch.uint8), scale, sub_scale=sub)
-    for fmt, weight in (("q4", q4), ("q8", q8), ("q5f", q5f), ("q6k", q6k), ("q6k", q6k_low)):
+    q4s_high = qf.QuantizedWeight("q4s", k, torch.full((n, k), 15, dtype=torch.uint8), scale)
+    q4s_low = qf.QuantizedWeight("q4s", k, torch.zeros(n, k, dtype=torch.uint8), scale)
+    for fmt, weight in (("q4", q4), ("q8", q8), ("q5f", q5f), ("q6k", q6k), ("q6k", q6k_low), ("q4s", q4s_high),
+                        ("q4s", q4s_low)):  # fmt: skip
         expected = qf.reference_gemm(x, weight)
         got = path_lib.gemm_q(x, qf.pack(weight), fmt, n)
         torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()))
@@ -214,7 +217,7 @@ def test_amx_tiles_are_refused_for_formats_they_do_not_take(fmt: str) -> None:
         lib.gemm_q(torch.randn(2, 64), qf.pack(weight), fmt, 16, amx=True)
 
 
-LEGACY = {GGMLQuantizationType.Q4_0: "q4", GGMLQuantizationType.Q4_1: "q4", GGMLQuantizationType.Q8_0: "q8",
+LEGACY = {GGMLQuantizationType.Q4_0: "q4s", GGMLQuantizationType.Q4_1: "q4", GGMLQuantizationType.Q8_0: "q8",
           GGMLQuantizationType.Q5_0: "q5f", GGMLQuantizationType.Q5_1: "q5f"}  # fmt: skip
 
 
@@ -263,17 +266,26 @@ def test_k_quant_blocks_mean_what_gguf_says(qtype: GGMLQuantizationType) -> None
 
 
 def test_mixed_shards_widen_exactly() -> None:
-    """q4 next to q4f widens to q4f, next to q5f to q5f (the same weights); q6k next to another
-    format is re-quantized to q8."""
+    """q4 next to q4f widens to q4f, next to q5f to q5f, q4s next to q4 to q4 and so on (the same
+    weights); q6k next to another format is re-quantized to q8."""
     rng = np.random.default_rng(1)
     q4 = from_gguf_blocks(quantize(rng.standard_normal((8, 512)).astype(np.float32), GGMLQuantizationType.Q4_1),
                           GGMLQuantizationType.Q4_1, 512)  # fmt: skip
+    q4s = from_gguf_blocks(quantize(rng.standard_normal((8, 512)).astype(np.float32), GGMLQuantizationType.Q4_0),
+                           GGMLQuantizationType.Q4_0, 512)  # fmt: skip
+    assert q4s.format == "q4s" and q4s.offset is None
+    both = qf.concat_rows(qf.common_format([q4s, q4]))
+    assert both.format == "q4" and torch.equal(both.dequantize(), torch.cat([q4s.dequantize(), q4.dequantize()]))
     shards = {fmt: from_gguf_blocks(random_k_quant(qtype, 24, 512, rng), qtype, 512) for qtype, fmt in K_QUANTS.items()}
     for other in ("q4f", "q5f"):
         both = qf.concat_rows(qf.common_format([shards[other], q4]))
         assert both.format == other
         assert torch.equal(both.dequantize(), torch.cat([shards[other].dequantize(), q4.dequantize()]))
     assert qf.concat_rows(qf.common_format([shards["q4f"], shards["q5f"], q4])).format == "q5f"
+    for other in ("q4f", "q5f"):
+        both = qf.concat_rows(qf.common_format([q4s, shards[other]]))
+        assert both.format == other
+        assert torch.equal(both.dequantize(), torch.cat([q4s.dequantize(), shards[other].dequantize()]))
     assert {p.format for p in qf.common_format([shards["q6k"], q4])} == {"q8"}
 
 

@@ -13,15 +13,17 @@
 //   q4, q4f, q5f: acc += isum * (dw * da) + mw * (da * sum(q))  weight = dw * code + mw, code 0..15
 //                 (q5f: 0..31)
 //   q8: acc += (isum - 128 * sum(q)) * (dw * da)            code = q_w + 128 (u8 for vpdpbusd)
+//   q4s: acc += (isum - 8 * sum(q)) * (dw * da)             weight = dw * (code - 8), code 0..15
 //   q6k: two halves of 16 with int8 scales s0, s1 under one fp16 d (weight = d * s_h * (code - 32),
 //        code 0..63): acc += float(s0 * (isum0 - 32 * sum0(q)) + s1 * (isum1 - 32 * sum1(q))) * (d * da),
 //        the bracket exact in int32 (and in fp32: |it| <= 2 * 16 * 32 * 127 * 128 < 2^24)
-// (Q4_0's weight d * (code - 8) is q4 with mw = -8 d.)
+// (GGUF's Q4_0 is q4s as stored; the int32 bracket is exact, so no offset is stored or multiplied.)
 //
 // Packed weight: tiles of 16 columns, each tile's blocks in k order, one record per block:
 //   q4: 256 bytes of codes, 4 groups (k = 8g .. 8g + 7) x 16 columns x 4 bytes, byte j of a
 //       column holding k = 8g + j in its low nibble and k = 8g + 4 + j in its high one; then
 //       d[16] and m[16] as fp16: 320 bytes per 512 weights (Q4_1's 20 bytes per 32).
+//   q4s: q4's codes, then d[16] fp16: 288 bytes per 512 weights (Q4_0's 18 bytes per 32).
 //   q4f: q4 with d[16] and m[16] as fp32: 384 bytes (GGUF Q4_K: fp16 x 6-bit scales, exact).
 //   q8: 512 bytes of codes, 8 groups (k = 4g .. 4g + 3) x 16 columns x 4 bytes; then d[16]
 //       fp16: 544 bytes per 512 weights.
@@ -68,10 +70,14 @@ constexpr int kTileCols = 16;
 constexpr int kBlock = 32;
 // Weight formats (w_format): q4 (fp16 scale and offset), q8 (fp16 scale), q4f (q4 with fp32
 // scale and offset: GGUF's Q4_K, whose per-32 scales are fp16 x 6-bit products), q5f (5-bit codes,
-// fp32 scale and offset), q6k (6-bit codes, int8 scales per 16 under an fp16 scale).
-constexpr int kQ4 = 0, kQ8 = 1, kQ4F = 2, kQ5F = 3, kQ6K = 4;
-constexpr int kFormats = 5;
-constexpr int kRecordBytes[kFormats] = {256 + 64, 512 + 32, 256 + 128, 256 + 64 + 128, 256 + 128 + 32 + 32};
+// fp32 scale and offset), q6k (6-bit codes, int8 scales per 16 under an fp16 scale), q4s (q4's
+// codes centred on 8, fp16 scale: GGUF's Q4_0).
+constexpr int kQ4 = 0, kQ8 = 1, kQ4F = 2, kQ5F = 3, kQ6K = 4, kQ4S = 5;
+constexpr int kFormats = 6;
+constexpr int kRecordBytes[kFormats] = {256 + 64, 512 + 32, 256 + 128, 256 + 64 + 128, 256 + 128 + 32 + 32, 256 + 32};
+// The integer offset folded into a block's isum before scaling: q8's codes are q_w + 128, q4s's
+// weights code - 8 (times the block's sum(q)); 0 for the formats with a float offset.
+constexpr int32_t code_zero(int fmt) { return fmt == kQ8 ? 128 : fmt == kQ4S ? 8 : 0; }
 constexpr int kMaxRows = 4;                 // rows of A per register tile
 constexpr int64_t kChunkBytes = 192 << 10;  // quantized rows of A kept in L2 while tiles pass
 
@@ -347,6 +353,8 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
                 sc0 = Simd::int8_scales(rec + 384 + lane0);
                 sc1 = Simd::int8_scales(rec + 400 + lane0);
                 dw = Simd::half(rec + 416 + 2 * lane0);
+            } else if constexpr (kFmt == kQ4S) {
+                dw = Simd::half(rec + 256 + 2 * lane0);
             } else {
                 dw = Simd::half(rec + (kNibbles ? 256 : 512) + 2 * lane0);
                 mw = kNibbles ? Simd::half(rec + 288 + 2 * lane0) : Simd::fzero();
@@ -365,14 +373,17 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
                     isum = Simd::add(s0[r][v], s1[r][v]);  // int32 sums on every path
                 } else if constexpr (kOneChain) {
                     isum = Simd::finish_q4(s0[r][v]);
+                    if constexpr (kFmt == kQ4S) isum = Simd::add(isum, Simd::set1(-code_zero(kFmt) * qa.sum[ab]));
                 } else if constexpr (kNibbles) {
                     isum = Simd::add(Simd::finish_q4(s0[r][v]), Simd::finish_q4(s1[r][v]));
+                    if constexpr (kFmt == kQ4S) isum = Simd::add(isum, Simd::set1(-code_zero(kFmt) * qa.sum[ab]));
                 } else {
                     isum = Simd::add(s0[r][v], s1[r][v]);
                     if constexpr (Simd::kQ8Offset != 0) isum = Simd::add(isum, Simd::set1(-Simd::kQ8Offset * qa.sum[ab]));
                 }
                 acc[r][v] = Simd::fmadd(Simd::to_float(isum), Simd::mul(dw, Simd::fset1(da)), acc[r][v]);
-                if constexpr (kNibbles && kFmt != kQ6K) acc[r][v] = Simd::fmadd(mw, Simd::fset1(da * static_cast<float>(qa.sum[ab])), acc[r][v]);
+                if constexpr (kNibbles && kFmt != kQ6K && kFmt != kQ4S)
+                    acc[r][v] = Simd::fmadd(mw, Simd::fset1(da * static_cast<float>(qa.sum[ab])), acc[r][v]);
             }
         }
     }
@@ -507,10 +518,10 @@ int pagellm_quantize_rows(const void* a, int64_t lda, int64_t m, int64_t k, int 
     return 0;
 }
 
-// c[m, n] = a[m, k] @ W^T for a packed W (layout above; w_format 0 q4, 1 q8, 2 q4f, 3 q5f, 4 q6k)
+// c[m, n] = a[m, k] @ W^T for a packed W (layout above; w_format 0 q4, 1 q8, 2 q4f, 3 q5f, 4 q6k, 5 q4s)
 // with k's blocks.
 // a_dtype: 0 float32, 1 bf16 (c has a's dtype); epilogue 0 plain, 1 silu_mul (n = the gate / up
-// width); use_amx: on AMX tiles (pagellm_gemm_q_amx_available; q4, q8, q4f), same bits. Returns 0, -1 on a
+// width); use_amx: on AMX tiles (pagellm_gemm_q_amx_available; q4, q8, q4f, q4s), same bits. Returns 0, -1 on a
 // bad argument, -2 where the build has no integer path (or no AMX one, if asked).
 int pagellm_gemm_q(const void* a, int64_t lda, int64_t m, int64_t k, const void* packed, int64_t n, void* c,
                    int64_t ldc, int a_dtype, int w_format, int epilogue, int num_threads, int use_amx) {
@@ -518,7 +529,7 @@ int pagellm_gemm_q(const void* a, int64_t lda, int64_t m, int64_t k, const void*
     if (m < 0 || k <= 0 || n <= 0 || lda < k || ldc < n) return -1;
     if ((a_dtype != 0 && a_dtype != 1) || w_format < 0 || w_format >= kFormats || (epilogue != 0 && epilogue != 1))
         return -1;
-    if (use_amx && w_format > kQ4F) return -1;  // the tiles take q4, q8 and q4f
+    if (use_amx && (w_format == kQ5F || w_format == kQ6K)) return -1;  // the tiles take q4, q8, q4f and q4s
     if (use_amx && !pagellm_gemm_q_amx_available()) return -2;
     if (m == 0) return 0;
     if (num_threads < 1) num_threads = 1;
@@ -527,9 +538,12 @@ int pagellm_gemm_q(const void* a, int64_t lda, int64_t m, int64_t k, const void*
     quantize_rows(a, lda, m, k, a_dtype == 1, qa, num_threads, use_amx ? 16 : 1);
     const auto* w = static_cast<const uint8_t*>(packed);
 #ifdef PAGELLM_QGEMM_AMX
-    static constexpr Fn kAmx[3][2] = {{qamx::gemm<kQ4, false>, qamx::gemm<kQ4, true>},
-                                      {qamx::gemm<kQ8, false>, qamx::gemm<kQ8, true>},
-                                      {qamx::gemm<kQ4F, false>, qamx::gemm<kQ4F, true>}};
+    static constexpr Fn kAmx[kFormats][2] = {{qamx::gemm<kQ4, false>, qamx::gemm<kQ4, true>},
+                                             {qamx::gemm<kQ8, false>, qamx::gemm<kQ8, true>},
+                                             {qamx::gemm<kQ4F, false>, qamx::gemm<kQ4F, true>},
+                                             {nullptr, nullptr},
+                                             {nullptr, nullptr},
+                                             {qamx::gemm<kQ4S, false>, qamx::gemm<kQ4S, true>}};
     if (use_amx) {
         kAmx[w_format][a_dtype](qa, m, w, n, c, ldc, epilogue == 1, num_threads);
         return 0;
@@ -539,7 +553,8 @@ int pagellm_gemm_q(const void* a, int64_t lda, int64_t m, int64_t k, const void*
                                               {gemm<kQ8, false>, gemm<kQ8, true>},
                                               {gemm<kQ4F, false>, gemm<kQ4F, true>},
                                               {gemm<kQ5F, false>, gemm<kQ5F, true>},
-                                              {gemm<kQ6K, false>, gemm<kQ6K, true>}};
+                                              {gemm<kQ6K, false>, gemm<kQ6K, true>},
+                                              {gemm<kQ4S, false>, gemm<kQ4S, true>}};
     kGemm[w_format][a_dtype](qa, m, w, n, c, ldc, epilogue == 1, num_threads);
     return 0;
 #else

@@ -8,7 +8,8 @@
 //
 // Each (16 rows, 16 columns, block of 32) product is exact in int32, then scaled in fp32 with the
 // very operations and order of the dot-product path, so the two give identical bits:
-//   acc += float(isum) * (dw * da) (+ mw * (da * sum(q)) for q4 / q4f), isum - 128 sum(q) for q8.
+//   acc += float(isum) * (dw * da) (+ mw * (da * sum(q)) for q4 / q4f), isum - 128 sum(q) for q8,
+//   isum - 8 sum(q) for q4s.
 // B tiles: a block's q8 record is one as it is (8 rows of 16 columns x 4 k); q4 / q4f codes are
 // unpacked once per column tile into a thread buffer (low nibbles of group g are k = 8g .. 8g + 3:
 // B row 2g; high nibbles B row 2g + 1). A tiles read the quantized rows in place (padded with zero
@@ -30,7 +31,7 @@ void configure() {
     _tile_loadconfig(&cfg);
 }
 
-// The q4 / q4f codes of one column tile (all blocks) as B tiles: out[b * 512].
+// The q4 / q4f / q4s codes of one column tile (all blocks) as B tiles: out[b * 512].
 template <int kFmt>
 void unpack_codes(const uint8_t* tile, int64_t blocks, uint8_t* out) {
     const __m512i low = _mm512_set1_epi8(0x0f);
@@ -64,19 +65,19 @@ PAGELLM_QAMX_BLOCK_PRODUCT(block_product_3, 3, 5, 7)
 #undef PAGELLM_QAMX_BLOCK_PRODUCT
 
 // Per (row, block) terms of the scaling, as the dot-product path forms them: da * sum(q) (q4,
-// q4f) and -128 * sum(q) (q8).
+// q4f) and the integer offset -code_zero * sum(q) (q8: -128, q4s: -8).
 struct RowTerms {
     std::vector<float> d_sum;
-    std::vector<int32_t> q8_offset;
+    std::vector<int32_t> isum_offset;
 };
 
-RowTerms row_terms(const QuantizedA& qa) {
+RowTerms row_terms(const QuantizedA& qa, int32_t zero) {
     RowTerms t;
     t.d_sum.resize(qa.d.size());
-    t.q8_offset.resize(qa.d.size());
+    t.isum_offset.resize(qa.d.size());
     for (size_t i = 0; i < qa.d.size(); ++i) {
         t.d_sum[i] = qa.d[i] * static_cast<float>(qa.sum[i]);
-        t.q8_offset[i] = -128 * qa.sum[i];
+        t.isum_offset[i] = -zero * qa.sum[i];
     }
     return t;
 }
@@ -87,13 +88,14 @@ template <int kFmt>
 void row_tile(const QuantizedA& qa, const RowTerms& terms, int64_t r0, const uint8_t* rec0, const uint8_t* b0,
               int64_t b_step, float* out) {
     constexpr bool kNibbles = kFmt != kQ8;
+    constexpr bool kFloatOffset = kFmt == kQ4 || kFmt == kQ4F;
     constexpr int64_t kRecord = kRecordBytes[kFmt];
     alignas(64) int32_t isum[kSlots][256];
     const int64_t blocks = qa.blocks, lq = blocks * kBlock;
     const int8_t* a = qa.q.data() + r0 * lq;
     const float* da = qa.d.data() + r0 * blocks;
     const float* ds = terms.d_sum.data() + r0 * blocks;
-    const int32_t* off = terms.q8_offset.data() + r0 * blocks;
+    const int32_t* off = terms.isum_offset.data() + r0 * blocks;
     __m512 acc[kRows];
     for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
     const auto issue = [&](int64_t b) {
@@ -118,15 +120,15 @@ void row_tile(const QuantizedA& qa, const RowTerms& terms, int64_t r0, const uin
             mw = _mm512_loadu_ps(rec + 320);
         } else {
             dw = Simd::half(rec + (kNibbles ? 256 : 512));
-            if constexpr (kNibbles) mw = Simd::half(rec + 288);
+            if constexpr (kFloatOffset) mw = Simd::half(rec + 288);
         }
 #pragma GCC unroll 16
         for (int r = 0; r < kRows; ++r) {
             const int64_t ab = r * blocks + b;
             __m512i v = _mm512_load_si512(s + r * 16);
-            if constexpr (!kNibbles) v = _mm512_add_epi32(v, _mm512_set1_epi32(off[ab]));
+            if constexpr (!kFloatOffset) v = _mm512_add_epi32(v, _mm512_set1_epi32(off[ab]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(dw, _mm512_set1_ps(da[ab])), acc[r]);
-            if constexpr (kNibbles) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(ds[ab]), acc[r]);
+            if constexpr (kFloatOffset) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(ds[ab]), acc[r]);
         }
     }
     for (int r = 0; r < kRows; ++r) _mm512_store_ps(out + r * 16, acc[r]);
@@ -141,7 +143,7 @@ void gemm(const QuantizedA& qa, int64_t m, const uint8_t* packed, int64_t n, voi
     const int64_t tiles = (n + per_tile - 1) / per_tile;
     const int64_t blocks = qa.blocks, tile_bytes = blocks * kRecordBytes[kFmt];
     const int64_t chunk = std::max<int64_t>(kRows, kChunkBytes / (blocks * kBlock) / kRows * kRows);
-    const RowTerms terms = row_terms(qa);
+    const RowTerms terms = row_terms(qa, code_zero(kFmt));
     WorkRanges work(tiles, (m + chunk - 1) / chunk, threads);
 #pragma omp parallel num_threads(threads)
     {
