@@ -35,7 +35,7 @@ from pagellm.utils import owned_by_me, private_dir
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 17
+ABI_VERSION = 18
 _SOURCES = ("attention.cpp", "elementwise.cpp", "gemm_bf16.cpp", "gemm_avx2.cpp", "gemm_int8.cpp", "decoder_stack.cpp",
             "shm_all_reduce.cpp", "memory_read.cpp")
 _HEADERS = (

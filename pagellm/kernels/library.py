@@ -18,7 +18,7 @@ from pagellm.kernels.packing import (
     avx2_packed_shape,
     gemm_epilogue,
 )
-from pagellm.kernels.quant_formats import AMX_FORMATS, BLOCK, FORMAT_CODES, packed_shape
+from pagellm.kernels.quant_formats import AMX_FORMATS, BLOCK, FORMAT_CODES, SUPER_BLOCKS, packed_shape
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # pagellm_gemm_q_isa() -> the integer GEMM's path name (kernel plan: ``qgemm``).
@@ -385,7 +385,7 @@ class KernelLibrary:
         amx: bool = False,
     ) -> torch.Tensor:
         """``x [M, K] @ W.T`` for a quantized ``W`` (``quant_formats.pack``, format ``fmt``: q4, q8,
-        q4f, q5f, q6k or q4s), in integer dot products on activations quantized per block of 32 -> new
+        q4f, q5f, q6k, q4s or q4k), in integer dot products on activations quantized per block of 32 -> new
         ``[M, out_features]`` tensor of x's dtype (float32 or bf16). ``epilogue="silu_mul"``
         takes a ``quant_formats.pack_silu_mul`` weight and returns ``silu(x @ gate.T) * (x @ up.T)``.
         ``amx`` computes the same bits on AMX tiles (``gemm_q_amx_available``; formats in
@@ -402,6 +402,8 @@ class KernelLibrary:
         if amx and not self.gemm_q_amx_available:
             raise RuntimeError(f"the integer GEMM on AMX tiles is not available in this kernel build ({' '.join(self.march)})")
         rows, k = _check_gemm_input(x)
+        if fmt == "q4k" and k % (SUPER_BLOCKS * BLOCK):
+            raise ValueError(f"q4k weights hold super-blocks of {SUPER_BLOCKS * BLOCK} along k, got k={k}")
         expected = packed_shape(fmt, out_features, k, silu_mul=epilogue == "silu_mul")
         if out_features <= 0 or packed.dtype != torch.uint8 or tuple(packed.shape) != expected or not packed.is_contiguous():
             raise ValueError(f"packed weight must be a contiguous uint8 tensor of shape {list(expected)} for x "
@@ -415,7 +417,6 @@ class KernelLibrary:
         if rc != 0:
             raise RuntimeError(f"pagellm_gemm_q failed with code {rc}")
         return out
-
 
     def read_sum(self, buffer: torch.Tensor, num_threads: int | None = None) -> int:
         """The wrapping sum of a contiguous CPU buffer's 64-bit words (its bytes a multiple of

@@ -1,22 +1,26 @@
 """Quantized weight formats of the integer GEMM (``csrc/gemm_int8.cpp``): unpacked, packed,
 converted from GGUF blocks or from dense weights, and a plain reference product.
 
-Six formats, 32 weights a block along a row (k):
+Seven formats, 32 weights a block along a row (k):
 - ``q4``: codes 0..15 with a scale ``d`` and an offset ``m`` per block (weight = d * code + m):
   GGUF's Q4_1 as stored.
 - ``q4s``: codes 0..15 with a scale ``d`` per block, weight = d * (code - 8): GGUF's Q4_0 as
   stored, 4.5 bits a weight (q4 with m = -8 d, without storing m).
 - ``q8``: codes -128..127 (int8) with a scale per block: GGUF's Q8_0, and ``--quantization
   int8`` (each block of a dense weight scaled to its largest magnitude, -127..127).
-- ``q4f``: ``q4`` with float32 scales and offsets: GGUF's Q4_K, whose per-32 scales are an
-  fp16 times a 6-bit integer (exact in float32, not in fp16).
+- ``q4k``: GGUF's Q4_K as stored, 4.5 bits a weight: per 256 weights (8 blocks) an fp16 ``d``
+  and ``dmin`` (``scale``, ``offset`` [rows, supers]) and Q4_K's 12 bytes of 6-bit scales and
+  mins (``sub_scale`` uint8 [rows, supers * 12]); weight = d * sc * code - dmin * m. The kernel
+  forms d * sc and dmin * m per block in float32, so it computes exactly what q4f computes.
+- ``q4f``: ``q4`` with float32 scales and offsets: a q4k weight widened (``as_q4f``), where a
+  fused linear's shards differ in format, or its blocks are split off a super-block.
 - ``q5f``: codes 0..31 with float32 scales and offsets: GGUF's Q5_K (as Q4_K), Q5_1, and Q5_0
   (d * (code - 16): offset -16 d).
 - ``q6k``: codes 0..63, weight = d * s * (code - 32) with an fp16 ``d`` per block and an int8
   ``s`` per 16 weights (``sub_scale``): GGUF's Q6_K as stored.
 Scales and offsets are fp16 (``q4f``, ``q5f``: float32). A weight whose k is not a multiple of 32
 is padded with zero codes (q4: also zero scale and offset). AMX tiles take q4, q8, q4f
-and q4s (``AMX_FORMATS``); the others run the dot products at every batch size.
+q4s and q4k (``AMX_FORMATS``); the others run the dot products at every batch size.
 """
 
 from __future__ import annotations
@@ -27,12 +31,15 @@ import torch
 
 BLOCK = 32
 TILE_COLS = 16
+SUPER_BLOCKS = 8  # q4k: blocks per super-block (256 weights)
+K_SCALE_BYTES = 12  # q4k: Q4_K's packed 6-bit scales and mins per super-block
+# Bytes per block of a 16-column tile (q4k: a super-block's record of 2304 bytes, 8 blocks).
 RECORD_BYTES = {"q4": 256 + 64, "q8": 512 + 32, "q4f": 256 + 128, "q5f": 256 + 64 + 128, "q6k": 256 + 128 + 64,
-                "q4s": 256 + 32}  # fmt: skip
-FORMAT_CODES = {"q4": 0, "q8": 1, "q4f": 2, "q5f": 3, "q6k": 4, "q4s": 5}
-AMX_FORMATS = frozenset({"q4", "q8", "q4f", "q4s"})
+                "q4s": 256 + 32, "q4k": 256 + 32}  # fmt: skip
+FORMAT_CODES = {"q4": 0, "q8": 1, "q4f": 2, "q5f": 3, "q6k": 4, "q4s": 5, "q4k": 6}
+AMX_FORMATS = frozenset({"q4", "q8", "q4f", "q4s", "q4k"})
 _SCALE_DTYPES = {"q4": torch.float16, "q8": torch.float16, "q4f": torch.float32, "q5f": torch.float32,
-                 "q6k": torch.float16, "q4s": torch.float16}  # fmt: skip
+                 "q6k": torch.float16, "q4s": torch.float16, "q4k": torch.float16}  # fmt: skip
 Q4S_ZERO = 8  # q4s: weight = d * (code - 8)
 HALF = BLOCK // 2  # q6k's scale groups
 
@@ -41,7 +48,8 @@ HALF = BLOCK // 2  # q6k's scale groups
 class QuantizedWeight:
     """A [rows, k] weight in one format, unpacked: ``codes`` [rows, blocks * 32] (int8 for q8,
     else uint8), ``scale`` and (q4, q4f, q5f) ``offset`` [rows, blocks] (dtypes as in the module
-    docstring); q6k: ``sub_scale`` int8 [rows, blocks * 2]. ``k`` is the true width."""
+    docstring); q6k: ``sub_scale`` int8 [rows, blocks * 2]; q4k: ``scale``, ``offset`` per
+    super-block and ``sub_scale`` its packed bytes. ``k`` is the true width."""
 
     format: str
     k: int
@@ -55,9 +63,26 @@ class QuantizedWeight:
         """Output rows (the weight's first dimension)."""
         return self.codes.shape[0]
 
+    @property
+    def blocks(self) -> int:
+        """Blocks of 32 along k (a tail padded)."""
+        return self.codes.shape[1] // BLOCK
+
+    def as_q4f(self) -> QuantizedWeight:
+        """A q4k weight as q4f: per block d * sc and -(dmin * m) in float32, as gguf-py forms them."""
+        if self.format != "q4k":
+            raise ValueError(f"only q4k widens to q4f this way, not {self.format}")
+        assert self.offset is not None and self.sub_scale is not None
+        sc, mins = k_scales_and_mins(self.sub_scale)
+        d = self.scale.float().repeat_interleave(SUPER_BLOCKS, dim=1)
+        dmin = self.offset.float().repeat_interleave(SUPER_BLOCKS, dim=1)
+        return QuantizedWeight("q4f", self.k, self.codes, d * sc, -(dmin * mins))
+
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [rows, k] these codes stand for (bit for bit as gguf-py's
         dequantization computes the GGUF types they come from)."""
+        if self.format == "q4k":
+            return self.as_q4f().dequantize()
         blocks = self.scale.shape[1]
         if self.format == "q6k":
             assert self.sub_scale is not None
@@ -79,9 +104,17 @@ class QuantizedWeight:
         return QuantizedWeight(self.format, self.k, self.codes[rows], self.scale[rows], offset, sub)
 
     def select_blocks(self, start: int, stop: int) -> QuantizedWeight:
-        """The blocks ``start:stop`` along k (whole blocks: a row-parallel rank's columns)."""
-        if not 0 <= start < stop <= self.scale.shape[1] or (stop < self.scale.shape[1] and stop * BLOCK > self.k):
-            raise ValueError(f"blocks {start}:{stop} of a weight with {self.scale.shape[1]} blocks")
+        """The blocks ``start:stop`` along k (whole blocks: a row-parallel rank's columns); a q4k
+        weight split inside a super-block becomes q4f."""
+        if not 0 <= start < stop <= self.blocks or (stop < self.blocks and stop * BLOCK > self.k):
+            raise ValueError(f"blocks {start}:{stop} of a weight with {self.blocks} blocks")
+        if self.format == "q4k":
+            if start % SUPER_BLOCKS or stop % SUPER_BLOCKS:
+                return self.as_q4f().select_blocks(start, stop)
+            first, last = start // SUPER_BLOCKS, stop // SUPER_BLOCKS
+            return QuantizedWeight("q4k", (stop - start) * BLOCK, self.codes[:, start * BLOCK : stop * BLOCK],
+                                   self.scale[:, first:last], self.offset[:, first:last],  # type: ignore[index]
+                                   self.sub_scale[:, first * K_SCALE_BYTES : last * K_SCALE_BYTES])  # type: ignore[index]
         k = min(self.k, stop * BLOCK) - start * BLOCK
         offset = None if self.offset is None else self.offset[:, start:stop]
         sub = None if self.sub_scale is None else self.sub_scale[:, 2 * start : 2 * stop]
@@ -102,6 +135,8 @@ def common_format(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
     formats = {p.format for p in parts}
     if len(formats) == 1:
         return parts
+    if "q4k" in formats:  # q4k widens to q4f only
+        return common_format([p.as_q4f() if p.format == "q4k" else p for p in parts])
     order = ("q4s", "q4", "q4f", "q5f")
     if formats <= set(order):
         target = max(formats, key=order.index)
@@ -155,12 +190,17 @@ def random_weight(fmt: str, rows: int, k: int, generator: torch.Generator | None
     if fmt == "q8":
         return quantize_q8(torch.randn(rows, k, generator=generator))
     blocks = -(-k // BLOCK)
-    levels = {"q4": 16, "q4s": 16, "q4f": 16, "q5f": 32, "q6k": 64}[fmt]
+    levels = {"q4": 16, "q4s": 16, "q4k": 16, "q4f": 16, "q5f": 32, "q6k": 64}[fmt]
     codes = torch.randint(0, levels, (rows, blocks * BLOCK), generator=generator, dtype=torch.uint8)
     codes[:, k:] = 0
     if fmt == "q6k":
         sub = torch.randint(-128, 128, (rows, 2 * blocks), generator=generator, dtype=torch.int8)
         return QuantizedWeight(fmt, k, codes, (torch.rand(rows, blocks, generator=generator) * 1e-3).half(), sub_scale=sub)
+    if fmt == "q4k":  # k a multiple of 256; any 12 bytes are valid scales and mins
+        supers = blocks // SUPER_BLOCKS
+        d = (torch.rand(rows, 2, supers, generator=generator) * 2e-3).half()
+        packed = torch.randint(0, 256, (rows, supers * K_SCALE_BYTES), generator=generator, dtype=torch.uint8)
+        return QuantizedWeight(fmt, k, codes, d[:, 0], d[:, 1], packed)
     scale = (torch.rand(rows, blocks, generator=generator) * 0.1).to(_SCALE_DTYPES[fmt])
     if fmt == "q4s":
         return QuantizedWeight(fmt, k, codes, scale)
@@ -176,12 +216,15 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def pack(weight: QuantizedWeight) -> torch.Tensor:
-    """The kernel's layout: [tiles, blocks, record bytes] uint8 (see ``gemm_int8.cpp``)."""
-    fmt, blocks = weight.format, weight.scale.shape[1]
+    """The kernel's layout: [tiles, blocks, record bytes] uint8 (see ``gemm_int8.cpp``; q4k:
+    [tiles, supers, 8 * record bytes])."""
+    fmt, blocks = weight.format, weight.blocks
+    if fmt == "q4k":
+        return _pack_q4k(weight)
     if weight.scale.dtype != _SCALE_DTYPES[fmt] or (weight.offset is not None and weight.offset.dtype != weight.scale.dtype):
         raise ValueError(f"{fmt} scales and offsets are {_SCALE_DTYPES[fmt]}")
     if (fmt == "q6k") != (weight.sub_scale is not None) or (fmt == "q6k" and weight.sub_scale.dtype != torch.int8):
-        raise ValueError("q6k weights, and only they, carry int8 sub-scales")
+        raise ValueError("q6k weights carry int8 sub-scales, q4k their packed bytes, the others none")
     tiles = -(-weight.rows // TILE_COLS)
     rows = tiles * TILE_COLS
     codes = _pad_rows(weight.codes.view(torch.uint8) if fmt == "q8" else weight.codes, rows)
@@ -193,9 +236,7 @@ def pack(weight: QuantizedWeight) -> torch.Tensor:
         code_bytes = c.reshape(tiles, blocks, TILE_COLS, 8, 4).permute(0, 1, 3, 2, 4).reshape(tiles, blocks, 512)
         return torch.cat([code_bytes, _per_column(scale, tiles, blocks)], dim=-1).contiguous()
     c = c.reshape(tiles, blocks, TILE_COLS, 4, 2, 4)  # k = 8 g + 4 h + j
-    low = c & 0x0F
-    code_bytes = low[..., 0, :] | (low[..., 1, :] << 4)  # [tiles, blocks, 16, g, j]
-    parts = [code_bytes.permute(0, 1, 3, 2, 4).reshape(tiles, blocks, 256)]
+    parts = [_nibble_groups(codes, tiles, blocks)]
     if fmt == "q5f":  # fifth bits: bit 2 g + h of a group byte's plane byte
         shifts = (2 * torch.arange(4).view(4, 1, 1) + torch.arange(2).view(1, 2, 1)).to(torch.uint8)
         parts.append((((c >> 4) & 1) << shifts).sum(dim=(3, 4), dtype=torch.uint8).reshape(tiles, blocks, 64))
@@ -213,6 +254,42 @@ def pack(weight: QuantizedWeight) -> torch.Tensor:
     offset = _pad_rows(weight.offset, rows)  # type: ignore[arg-type]
     parts += [_per_column(scale, tiles, blocks), _per_column(offset, tiles, blocks)]
     return torch.cat([p.contiguous() for p in parts], dim=-1).contiguous()
+
+
+def _nibble_groups(codes: torch.Tensor, tiles: int, blocks: int) -> torch.Tensor:
+    """Codes [tiles * 16, blocks * 32] as each (tile, block) record's 256 bytes of nibbles."""
+    c = codes.view(tiles, TILE_COLS, blocks, BLOCK).permute(0, 2, 1, 3).reshape(tiles, blocks, TILE_COLS, 4, 2, 4)
+    low = c & 0x0F  # k = 8 g + 4 h + j
+    code_bytes = low[..., 0, :] | (low[..., 1, :] << 4)  # [tiles, blocks, 16, g, j]
+    return code_bytes.permute(0, 1, 3, 2, 4).reshape(tiles, blocks, 256)
+
+
+def _pack_q4k(weight: QuantizedWeight) -> torch.Tensor:
+    """q4k per (tile, super-block), 2304 bytes: the 8 blocks' nibbles (q4's 256 bytes each),
+    then Q4_K's 12 scale bytes as planes of 16 columns (plane p: byte p of each column's 12),
+    then d[16] and dmin[16] fp16."""
+    if weight.scale.dtype != torch.float16 or weight.offset is None or weight.offset.dtype != torch.float16:
+        raise ValueError("q4k's d and dmin are fp16")
+    if weight.sub_scale is None or weight.sub_scale.dtype != torch.uint8 or weight.blocks % SUPER_BLOCKS:
+        raise ValueError("q4k weights carry Q4_K's packed scale bytes and whole super-blocks")
+    tiles, supers = -(-weight.rows // TILE_COLS), weight.blocks // SUPER_BLOCKS
+    rows = tiles * TILE_COLS
+    codes = _nibble_groups(_pad_rows(weight.codes, rows), tiles, weight.blocks).view(tiles, supers, -1)
+    packed = _pad_rows(weight.sub_scale, rows).view(tiles, TILE_COLS, supers, K_SCALE_BYTES)
+    planes = packed.permute(0, 2, 3, 1).reshape(tiles, supers, K_SCALE_BYTES * TILE_COLS)
+    parts = [codes, planes, _per_column(_pad_rows(weight.scale, rows), tiles, supers),
+             _per_column(_pad_rows(weight.offset, rows), tiles, supers)]  # fmt: skip
+    return torch.cat([p.contiguous() for p in parts], dim=-1).contiguous()
+
+
+def k_scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's 12 bytes per super-block [rows, supers * 12] -> each block's 6-bit scale and min
+    [rows, supers * 8], float32 (llama.cpp's get_scale_min_k4)."""
+    b = packed.view(packed.shape[0], -1, K_SCALE_BYTES).to(torch.int32)
+    low, high, extra = b[..., 0:4], b[..., 4:8], b[..., 8:12]
+    sc = torch.cat([low & 0x3F, (extra & 0x0F) | ((low >> 2) & 0x30)], dim=-1)
+    mins = torch.cat([high & 0x3F, (extra >> 4) | ((high >> 2) & 0x30)], dim=-1)
+    return sc.reshape(packed.shape[0], -1).float(), mins.reshape(packed.shape[0], -1).float()
 
 
 def _per_column(values: torch.Tensor, tiles: int, blocks: int) -> torch.Tensor:
@@ -238,7 +315,10 @@ def packed_shape(fmt: str, rows: int, k: int, silu_mul: bool = False) -> tuple[i
     """The shape :func:`pack` (or, with ``silu_mul``, :func:`pack_silu_mul` for ``rows`` outputs)
     gives a ``fmt`` weight of ``rows`` x ``k``."""
     tiles = -(-rows // 8) if silu_mul else -(-rows // TILE_COLS)
-    return (tiles, -(-k // BLOCK), RECORD_BYTES[fmt])
+    blocks = -(-k // BLOCK)
+    if fmt == "q4k":
+        return (tiles, blocks // SUPER_BLOCKS, SUPER_BLOCKS * RECORD_BYTES[fmt])
+    return (tiles, blocks, RECORD_BYTES[fmt])
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -258,6 +338,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 def reference_gemm(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """What the kernel computes, in float64 from the same integers: [M, rows] float64."""
+    if weight.format == "q4k":
+        weight = weight.as_q4f()
     q, d, _ = quantize_activations(x)
     scale, offset = weight.scale.double(), None if weight.offset is None else weight.offset.double()
     size = BLOCK

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as T
 from pagellm.kernels.quant_formats import BLOCK, QuantizedWeight
 
 GGUF_FORMATS = {
-    T.Q4_0: "q4s", T.Q4_1: "q4", T.Q8_0: "q8", T.Q4_K: "q4f", T.Q5_0: "q5f", T.Q5_1: "q5f", T.Q5_K: "q5f",
+    T.Q4_0: "q4s", T.Q4_1: "q4", T.Q8_0: "q8", T.Q4_K: "q4k", T.Q5_0: "q5f", T.Q5_1: "q5f", T.Q5_K: "q5f",
     T.Q6_K: "q6k",
 }
 _SUPER = 256  # K-quants: super-blocks of 256 weights
@@ -99,9 +99,11 @@ def _k_nibbles(qs: np.ndarray) -> np.ndarray:
 
 def _from_q4_k(data: np.ndarray, k: int) -> QuantizedWeight:
     """Q4_K super-blocks ([rows, supers, 144]: d, dmin fp16, 12 bytes of 6-bit scales and mins,
-    128 bytes of nibbles) as q4f."""
-    scale, offset = _k_scale_offset(data)
-    return QuantizedWeight("q4f", k, _codes(_k_nibbles(data[..., 16:]), data.shape[0], k), scale, offset)
+    128 bytes of nibbles) as q4k: the same bytes, the nibbles in block order."""
+    rows = data.shape[0]
+    packed = torch.from_numpy(data[..., 4:16].copy().reshape(rows, -1))
+    return QuantizedWeight("q4k", k, _codes(_k_nibbles(data[..., 16:]), rows, k), _halves(data[..., 0:2]),
+                           _halves(data[..., 2:4]), packed)  # fmt: skip
 
 
 def _from_q5_k(data: np.ndarray, k: int) -> QuantizedWeight:

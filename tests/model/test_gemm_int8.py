@@ -55,6 +55,11 @@ def path_lib(request) -> KernelLibrary:
 _random_weight = qf.random_weight
 
 
+def _width(fmt: str, k: int) -> int:
+    """``k``, or for q4k (whole super-blocks of 256 along k) the next multiple of 256."""
+    return -(-k // 256) * 256 if fmt == "q4k" else k
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_activation_quantization_is_exact(path_lib: KernelLibrary, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(1)
@@ -94,6 +99,7 @@ def test_vectorized_activation_quantization_equals_the_scalar_loop(dtype: torch.
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_gemm_equals_reference(path_lib: KernelLibrary, fmt: str, m: int, k: int, n: int) -> None:
     g = torch.Generator().manual_seed(m * 1000 + k + n)
+    k = _width(fmt, k)
     weight = _random_weight(fmt, n, k, g)
     packed = qf.pack(weight)
     x = torch.randn(m, k, generator=g)
@@ -118,8 +124,9 @@ def test_gemm_equals_reference(path_lib: KernelLibrary, fmt: str, m: int, k: int
 def test_silu_mul_epilogue(path_lib: KernelLibrary, fmt: str, n: int) -> None:
     """silu(gate) * up from one product over a [gate; up] weight, ragged n included."""
     g = torch.Generator().manual_seed(n)
-    gate_up = _random_weight(fmt, 2 * n, 96, g)
-    x = torch.randn(5, 96, generator=g)
+    k = _width(fmt, 96)
+    gate_up = _random_weight(fmt, 2 * n, k, g)
+    x = torch.randn(5, k, generator=g)
     got = path_lib.gemm_q(x, qf.pack_silu_mul(gate_up), fmt, n, "silu_mul")
     both = qf.reference_gemm(x, gate_up)
     expected = torch.nn.functional.silu(both[:, :n]) * both[:, n:]
@@ -167,9 +174,10 @@ def test_paths_agree_bit_for_bit() -> None:
     runnable = [lib for lib in libraries if lib.gemm_q_path != "none"]
     g = torch.Generator().manual_seed(3)
     for fmt in FORMATS:
-        weight = _random_weight(fmt, 80, 320, g)
+        k = _width(fmt, 320)
+        weight = _random_weight(fmt, 80, k, g)
         packed = qf.pack(weight)
-        x = torch.randn(9, 320, generator=g)
+        x = torch.randn(9, k, generator=g)
         outputs = [lib.gemm_q(x, packed, fmt, 80) for lib in runnable]
         assert all(torch.equal(outputs[0], out) for out in outputs[1:])
 
@@ -191,6 +199,7 @@ def test_amx_tiles_equal_the_dot_products(amx_lib: KernelLibrary, fmt: str, dtyp
     """The same integers and the same fp32 epilogue on AMX tiles: the dot-product path's bits, for
     row counts around the 16-row tile, ragged k and n, plain and silu_mul."""
     g = torch.Generator().manual_seed(m * 7 + k + n)
+    k = _width(fmt, k)
     x = torch.randn(m, k, generator=g).to(dtype)
     plain = qf.pack(_random_weight(fmt, n, k, g))
     assert torch.equal(amx_lib.gemm_q(x, plain, fmt, n, amx=True), amx_lib.gemm_q(x, plain, fmt, n))
@@ -249,7 +258,7 @@ def random_k_quant(qtype: GGMLQuantizationType, rows: int, k: int, rng: np.rando
     return raw
 
 
-K_QUANTS = {GGMLQuantizationType.Q4_K: "q4f", GGMLQuantizationType.Q5_K: "q5f", GGMLQuantizationType.Q6_K: "q6k"}
+K_QUANTS = {GGMLQuantizationType.Q4_K: "q4k", GGMLQuantizationType.Q5_K: "q5f", GGMLQuantizationType.Q6_K: "q6k"}
 
 
 @pytest.mark.parametrize("qtype", list(K_QUANTS), ids=[t.name for t in K_QUANTS])
@@ -277,16 +286,33 @@ def test_mixed_shards_widen_exactly() -> None:
     both = qf.concat_rows(qf.common_format([q4s, q4]))
     assert both.format == "q4" and torch.equal(both.dequantize(), torch.cat([q4s.dequantize(), q4.dequantize()]))
     shards = {fmt: from_gguf_blocks(random_k_quant(qtype, 24, 512, rng), qtype, 512) for qtype, fmt in K_QUANTS.items()}
-    for other in ("q4f", "q5f"):
-        both = qf.concat_rows(qf.common_format([shards[other], q4]))
-        assert both.format == other
-        assert torch.equal(both.dequantize(), torch.cat([shards[other].dequantize(), q4.dequantize()]))
-    assert qf.concat_rows(qf.common_format([shards["q4f"], shards["q5f"], q4])).format == "q5f"
-    for other in ("q4f", "q5f"):
-        both = qf.concat_rows(qf.common_format([q4s, shards[other]]))
-        assert both.format == other
-        assert torch.equal(both.dequantize(), torch.cat([q4s.dequantize(), shards[other].dequantize()]))
+    # q4k widens to q4f only (then as q4f does): next to q4 -> q4f, next to q5f -> q5f
+    widened = {"q4k": "q4f", "q5f": "q5f"}
+    for first in (q4, q4s):
+        for other, target in widened.items():
+            both = qf.concat_rows(qf.common_format([shards[other], first]))
+            assert both.format == target
+            assert torch.equal(both.dequantize(), torch.cat([shards[other].dequantize(), first.dequantize()]))
+    assert qf.concat_rows(qf.common_format([shards["q4k"], shards["q5f"], q4])).format == "q5f"
     assert {p.format for p in qf.common_format([shards["q6k"], q4])} == {"q8"}
+
+
+def test_q4k_computes_what_q4f_computes_bit_for_bit(path_lib: KernelLibrary) -> None:
+    """Q4_K kept as stored (4.5 bits a weight) and widened to q4f's float32 scales: the kernel
+    forms q4f's values from the 6-bit scales, so the outputs are equal, plain and silu_mul, and
+    a weight split off its super-blocks (a row-parallel share) widens to q4f exactly."""
+    rng = np.random.default_rng(4)
+    weight = from_gguf_blocks(random_k_quant(GGMLQuantizationType.Q4_K, 48, 768, rng), GGMLQuantizationType.Q4_K, 768)
+    x = torch.from_numpy(rng.standard_normal((6, 768)).astype(np.float32))
+    wide = weight.as_q4f()
+    assert torch.equal(path_lib.gemm_q(x, qf.pack(weight), "q4k", 48), path_lib.gemm_q(x, qf.pack(wide), "q4f", 48))
+    assert torch.equal(path_lib.gemm_q(x, qf.pack_silu_mul(weight), "q4k", 24, "silu_mul"),
+                       path_lib.gemm_q(x, qf.pack_silu_mul(wide), "q4f", 24, "silu_mul"))  # fmt: skip
+    assert qf.pack(weight).numel() * 8 == 48 * 768 * 4.5  # the file's 4.5 bits a weight (whole tiles here)
+    aligned, split = weight.select_blocks(8, 24), weight.select_blocks(4, 24)
+    assert aligned.format == "q4k" and split.format == "q4f"
+    assert torch.equal(aligned.dequantize(), weight.dequantize()[:, 256:768])
+    assert torch.equal(split.dequantize(), weight.dequantize()[:, 128:768])
 
 
 def test_int8_quantization_error_is_bounded() -> None:

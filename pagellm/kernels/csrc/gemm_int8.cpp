@@ -24,7 +24,11 @@
 //       column holding k = 8g + j in its low nibble and k = 8g + 4 + j in its high one; then
 //       d[16] and m[16] as fp16: 320 bytes per 512 weights (Q4_1's 20 bytes per 32).
 //   q4s: q4's codes, then d[16] fp16: 288 bytes per 512 weights (Q4_0's 18 bytes per 32).
-//   q4f: q4 with d[16] and m[16] as fp32: 384 bytes (GGUF Q4_K: fp16 x 6-bit scales, exact).
+//   q4k: per 8 blocks (a super-block of 256 k) one record of 2304 bytes: the 8 blocks' q4 codes
+//        (256 bytes each), Q4_K's 12 bytes of 6-bit scales and mins as 12 planes of 16 columns,
+//        then d[16] and dmin[16] fp16 (GGUF Q4_K as stored: 4.5 bits a weight). Each block's
+//        dw = d * sc and mw = -(dmin * m) are formed in fp32 (exact), then scaled as q4f.
+//   q4f: q4 with d[16] and m[16] as fp32: 384 bytes (a q4k weight widened, exact).
 //   q8: 512 bytes of codes, 8 groups (k = 4g .. 4g + 3) x 16 columns x 4 bytes; then d[16]
 //       fp16: 544 bytes per 512 weights.
 //   q5f: q4f's nibbles, then 64 bytes of fifth bits (byte i as a group's byte i: bit 2g the low
@@ -72,9 +76,19 @@ constexpr int kBlock = 32;
 // scale and offset: GGUF's Q4_K, whose per-32 scales are fp16 x 6-bit products), q5f (5-bit codes,
 // fp32 scale and offset), q6k (6-bit codes, int8 scales per 16 under an fp16 scale), q4s (q4's
 // codes centred on 8, fp16 scale: GGUF's Q4_0).
-constexpr int kQ4 = 0, kQ8 = 1, kQ4F = 2, kQ5F = 3, kQ6K = 4, kQ4S = 5;
-constexpr int kFormats = 6;
-constexpr int kRecordBytes[kFormats] = {256 + 64, 512 + 32, 256 + 128, 256 + 64 + 128, 256 + 128 + 32 + 32, 256 + 32};
+constexpr int kQ4 = 0, kQ8 = 1, kQ4F = 2, kQ5F = 3, kQ6K = 4, kQ4S = 5, kQ4K = 6;
+constexpr int kFormats = 7;
+// Bytes per block of a 16-column tile (q4k: its super-block's record over 8 blocks).
+constexpr int kRecordBytes[kFormats] = {256 + 64, 512 + 32, 256 + 128, 256 + 64 + 128, 256 + 128 + 32 + 32, 256 + 32,
+                                        256 + 32};
+constexpr int kSuperBlocks = 8;                         // q4k: blocks per super-block
+constexpr int64_t kSuperRecord = kSuperBlocks * 288;    // q4k: one super-block of a tile
+// Where block b's codes start in a tile (q4k: inside its super-block's record).
+template <int kFmt>
+inline const uint8_t* block_codes(const uint8_t* tile, int64_t b) {
+    if constexpr (kFmt == kQ4K) return tile + (b / kSuperBlocks) * kSuperRecord + (b % kSuperBlocks) * 256;
+    return tile + b * kRecordBytes[kFmt];
+}
 // The integer offset folded into a block's isum before scaling: q8's codes are q_w + 128, q4s's
 // weights code - 8 (times the block's sum(q)); 0 for the formats with a float offset.
 constexpr int32_t code_zero(int fmt) { return fmt == kQ8 ? 128 : fmt == kQ4S ? 8 : 0; }
@@ -286,7 +300,7 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
             I lo[V], hi[V];
 #pragma GCC unroll 8
             for (int v = 0; v < V; ++v) {
-                const uint8_t* rec = w + (v / Simd::kVecs) * tile_bytes + b * kRecord;
+                const uint8_t* rec = block_codes<kFmt>(w + (v / Simd::kVecs) * tile_bytes, b);
                 const int off = (v % Simd::kVecs) * (kGroupBytes / Simd::kVecs);
                 if constexpr (kNibbles) {
                     const I codes = Simd::load(rec + g * kGroupBytes + off);
@@ -355,6 +369,9 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
                 dw = Simd::half(rec + 416 + 2 * lane0);
             } else if constexpr (kFmt == kQ4S) {
                 dw = Simd::half(rec + 256 + 2 * lane0);
+            } else if constexpr (kFmt == kQ4K) {
+                const uint8_t* super = w + (v / Simd::kVecs) * tile_bytes + (b / kSuperBlocks) * kSuperRecord;
+                q4k_scales(super, static_cast<int>(b % kSuperBlocks), lane0, dw, mw);
             } else {
                 dw = Simd::half(rec + (kNibbles ? 256 : 512) + 2 * lane0);
                 mw = kNibbles ? Simd::half(rec + 288 + 2 * lane0) : Simd::fzero();
@@ -518,10 +535,11 @@ int pagellm_quantize_rows(const void* a, int64_t lda, int64_t m, int64_t k, int 
     return 0;
 }
 
-// c[m, n] = a[m, k] @ W^T for a packed W (layout above; w_format 0 q4, 1 q8, 2 q4f, 3 q5f, 4 q6k, 5 q4s)
+// c[m, n] = a[m, k] @ W^T for a packed W (layout above; w_format 0 q4, 1 q8, 2 q4f, 3 q5f, 4 q6k, 5 q4s,
+// 6 q4k: k a multiple of 256)
 // with k's blocks.
 // a_dtype: 0 float32, 1 bf16 (c has a's dtype); epilogue 0 plain, 1 silu_mul (n = the gate / up
-// width); use_amx: on AMX tiles (pagellm_gemm_q_amx_available; q4, q8, q4f, q4s), same bits. Returns 0, -1 on a
+// width); use_amx: on AMX tiles (pagellm_gemm_q_amx_available; q4, q8, q4f, q4s, q4k), same bits. Returns 0, -1 on a
 // bad argument, -2 where the build has no integer path (or no AMX one, if asked).
 int pagellm_gemm_q(const void* a, int64_t lda, int64_t m, int64_t k, const void* packed, int64_t n, void* c,
                    int64_t ldc, int a_dtype, int w_format, int epilogue, int num_threads, int use_amx) {
@@ -529,7 +547,8 @@ int pagellm_gemm_q(const void* a, int64_t lda, int64_t m, int64_t k, const void*
     if (m < 0 || k <= 0 || n <= 0 || lda < k || ldc < n) return -1;
     if ((a_dtype != 0 && a_dtype != 1) || w_format < 0 || w_format >= kFormats || (epilogue != 0 && epilogue != 1))
         return -1;
-    if (use_amx && (w_format == kQ5F || w_format == kQ6K)) return -1;  // the tiles take q4, q8, q4f and q4s
+    if (w_format == kQ4K && k % (kSuperBlocks * kBlock) != 0) return -1;
+    if (use_amx && (w_format == kQ5F || w_format == kQ6K)) return -1;  // the tiles take q4, q8, q4f, q4s, q4k
     if (use_amx && !pagellm_gemm_q_amx_available()) return -2;
     if (m == 0) return 0;
     if (num_threads < 1) num_threads = 1;
@@ -543,7 +562,8 @@ int pagellm_gemm_q(const void* a, int64_t lda, int64_t m, int64_t k, const void*
                                              {qamx::gemm<kQ4F, false>, qamx::gemm<kQ4F, true>},
                                              {nullptr, nullptr},
                                              {nullptr, nullptr},
-                                             {qamx::gemm<kQ4S, false>, qamx::gemm<kQ4S, true>}};
+                                             {qamx::gemm<kQ4S, false>, qamx::gemm<kQ4S, true>},
+                                             {qamx::gemm<kQ4K, false>, qamx::gemm<kQ4K, true>}};
     if (use_amx) {
         kAmx[w_format][a_dtype](qa, m, w, n, c, ldc, epilogue == 1, num_threads);
         return 0;
@@ -554,7 +574,8 @@ int pagellm_gemm_q(const void* a, int64_t lda, int64_t m, int64_t k, const void*
                                               {gemm<kQ4F, false>, gemm<kQ4F, true>},
                                               {gemm<kQ5F, false>, gemm<kQ5F, true>},
                                               {gemm<kQ6K, false>, gemm<kQ6K, true>},
-                                              {gemm<kQ4S, false>, gemm<kQ4S, true>}};
+                                              {gemm<kQ4S, false>, gemm<kQ4S, true>},
+                                              {gemm<kQ4K, false>, gemm<kQ4K, true>}};
     kGemm[w_format][a_dtype](qa, m, w, n, c, ldc, epilogue == 1, num_threads);
     return 0;
 #else

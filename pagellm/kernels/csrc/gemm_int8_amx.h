@@ -36,7 +36,7 @@ template <int kFmt>
 void unpack_codes(const uint8_t* tile, int64_t blocks, uint8_t* out) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* rec = tile + b * kRecordBytes[kFmt];
+        const uint8_t* rec = block_codes<kFmt>(tile, b);
         uint8_t* dst = out + b * kTileBytes;
         for (int g = 0; g < 4; ++g) {
             const __m512i v = _mm512_loadu_si512(rec + g * 64);
@@ -88,7 +88,7 @@ template <int kFmt>
 void row_tile(const QuantizedA& qa, const RowTerms& terms, int64_t r0, const uint8_t* rec0, const uint8_t* b0,
               int64_t b_step, float* out) {
     constexpr bool kNibbles = kFmt != kQ8;
-    constexpr bool kFloatOffset = kFmt == kQ4 || kFmt == kQ4F;
+    constexpr bool kFloatOffset = kFmt == kQ4 || kFmt == kQ4F || kFmt == kQ4K;
     constexpr int64_t kRecord = kRecordBytes[kFmt];
     alignas(64) int32_t isum[kSlots][256];
     const int64_t blocks = qa.blocks, lq = blocks * kBlock;
@@ -118,6 +118,8 @@ void row_tile(const QuantizedA& qa, const RowTerms& terms, int64_t r0, const uin
         if constexpr (kFmt == kQ4F) {
             dw = _mm512_loadu_ps(rec + 256);
             mw = _mm512_loadu_ps(rec + 320);
+        } else if constexpr (kFmt == kQ4K) {
+            q4k_scales(rec0 + (b / kSuperBlocks) * kSuperRecord, static_cast<int>(b % kSuperBlocks), 0, dw, mw);
         } else {
             dw = Simd::half(rec + (kNibbles ? 256 : 512));
             if constexpr (kFloatOffset) mw = Simd::half(rec + 288);

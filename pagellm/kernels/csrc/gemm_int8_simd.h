@@ -21,6 +21,10 @@ struct Simd {
     }
     static I or_(I x, I y) { return _mm512_or_si512(x, y); }
     static I int8_scales(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+    static I uint8_lanes(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+    static I and_(I v, int32_t mask) { return _mm512_and_si512(v, _mm512_set1_epi32(mask)); }
+    static I shr(I v, int n) { return _mm512_srli_epi32(v, n); }
+    static I shl(I v, int n) { return _mm512_slli_epi32(v, n); }
     static I mullo(I x, I y) { return _mm512_mullo_epi32(x, y); }
     static I dot_q4(I acc, I w, I a) { return _mm512_dpbusd_epi32(acc, w, a); }
     static I finish_q4(I acc) { return acc; }
@@ -33,6 +37,7 @@ struct Simd {
     static F fzero() { return _mm512_setzero_ps(); }
     static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
     static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+    static F neg(F a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN))); }
     static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
 };
 #else
@@ -57,6 +62,10 @@ struct Simd {
     }
     static I or_(I x, I y) { return _mm256_or_si256(x, y); }
     static I int8_scales(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+    static I uint8_lanes(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+    static I and_(I v, int32_t mask) { return _mm256_and_si256(v, _mm256_set1_epi32(mask)); }
+    static I shr(I v, int n) { return _mm256_srli_epi32(v, n); }
+    static I shl(I v, int n) { return _mm256_slli_epi32(v, n); }
     static I mullo(I x, I y) { return _mm256_mullo_epi32(x, y); }
 #if PAGELLM_QGEMM_ISA == 2
     static constexpr bool kOneQ4Chain = false;  // two chains hide vpdpbusd's latency
@@ -83,6 +92,26 @@ struct Simd {
     static F fzero() { return _mm256_setzero_ps(); }
     static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
     static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+    static F neg(F a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
     static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
 };
 #endif
+
+// q4k: block j (0..7) of a super-block record's per-column float32 scale d * sc and offset
+// -(dmin * m), for the columns lane0 .. lane0 + lanes: Q4_K's 6-bit sc and m from the 12 byte
+// planes (plane p, byte c: byte p of column c's 12; llama.cpp's get_scale_min_k4), times the
+// fp16 d and dmin. The products are exact in float32, so these equal q4f's stored values.
+inline void q4k_scales(const uint8_t* super, int j, int lane0, Simd::F& dw, Simd::F& mw) {
+    const uint8_t* planes = super + 2048 + lane0;
+    Simd::I sc, mn;
+    if (j < 4) {
+        sc = Simd::and_(Simd::uint8_lanes(planes + 16 * j), 0x3F);
+        mn = Simd::and_(Simd::uint8_lanes(planes + 16 * (j + 4)), 0x3F);
+    } else {
+        const Simd::I extra = Simd::uint8_lanes(planes + 16 * (j + 4));
+        sc = Simd::or_(Simd::and_(extra, 0x0F), Simd::shl(Simd::shr(Simd::uint8_lanes(planes + 16 * (j - 4)), 6), 4));
+        mn = Simd::or_(Simd::shr(extra, 4), Simd::shl(Simd::shr(Simd::uint8_lanes(planes + 16 * j), 6), 4));
+    }
+    dw = Simd::mul(Simd::half(super + 2240 + 2 * lane0), Simd::to_float(sc));
+    mw = Simd::neg(Simd::mul(Simd::half(super + 2272 + 2 * lane0), Simd::to_float(mn)));
+}
