@@ -28,7 +28,7 @@ PATHS = [
     (("-march=x86-64-v3", "-mavxvnni"), {"avx2", "fma", "f16c", "avx_vnni"}, "avx-vnni"),
     (("-march=x86-64-v4", "-mavx512vnni"), {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, "avx512-vnni"),
 ]
-SHAPES = [(1, 64, 16), (2, 96, 40), (3, 576, 192), (5, 100, 33), (17, 1536, 48), (0, 64, 16)]
+SHAPES = [(1, 64, 16), (1, 256, 88), (1, 96, 256), (2, 96, 40), (3, 576, 192), (5, 100, 33), (17, 1536, 48), (0, 64, 16)]
 FORMATS = sorted(qf.FORMAT_CODES)
 
 

@@ -259,6 +259,10 @@ namespace {
 
 constexpr int kLanes = kTileCols / Simd::kVecs;  // columns per vector
 constexpr int kGroupBytes = 64;
+// One row (a decode step) takes four tiles at once: four weight streams in flight. From DRAM (1B
+// shapes, q4s) one thread read 17.9 GB/s with two tiles and 20.6 with four; two threads
+// 26.2-27.2 against 27.6-29.4 (benchmarks/NOTES.md, 53).
+constexpr int kWideGroup = 4;
 
 // tile[r][t * 16 + c] = row r0 + r of A times column c of tile t (G tiles, `tile_bytes` apart).
 template <int R, int G, int kFmt>
@@ -412,10 +416,11 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
 
 using TileFn = void (*)(const QuantizedA&, int64_t, const uint8_t*, int64_t, float*);
 
-// 1-2 rows take two tiles at once (more independent chains for the latency of vpdpbusd), 3-4
-// rows one (register budget).
+// One row takes kWideGroup tiles at once, 2 rows two (more independent chains for the latency of
+// vpdpbusd, more weight streams in flight), 3-4 rows one (register budget).
 template <int kFmt>
 TileFn tile_fn(int rows, int group) {
+    if (group == 4) return accumulate<1, 4, kFmt>;
     if (group == 2) return rows == 1 ? accumulate<1, 2, kFmt> : accumulate<2, 2, kFmt>;
     static constexpr TileFn kOne[kMaxRows] = {accumulate<1, 1, kFmt>, accumulate<2, 1, kFmt>,
                                               accumulate<3, 1, kFmt>, accumulate<4, 1, kFmt>};
@@ -453,23 +458,23 @@ void gemm(const QuantizedA& qa, int64_t m, const uint8_t* packed, int64_t n, voi
     const int64_t per_tile = silu_mul ? 8 : kTileCols;  // outputs a tile gives
     const int64_t tiles = (n + per_tile - 1) / per_tile;
     const int64_t tile_bytes = qa.blocks * kRecordBytes[kFmt];
-    const int group = m <= 2 && tiles >= 2 ? 2 : 1;
+    const int group = m == 1 && tiles >= kWideGroup ? kWideGroup : m <= 2 && tiles >= 2 ? 2 : 1;
     const int64_t groups = (tiles + group - 1) / group;
     const int64_t row_bytes = qa.blocks * kBlock;
     const int64_t chunk = std::max<int64_t>(kMaxRows, kChunkBytes / row_bytes / kMaxRows * kMaxRows);
     WorkRanges work(groups, (m + chunk - 1) / chunk, threads);
 #pragma omp parallel num_threads(threads)
     {
-        alignas(64) float tile[kMaxRows * 2 * kTileCols];
+        alignas(64) float tile[kMaxRows * 4 * kTileCols];
         const int t = omp_get_thread_num();
         for (WorkRanges::Item item; work.next(t, item);) {
             const int64_t t0 = item.panel * group, count = std::min<int64_t>(group, tiles - t0);
             const int64_t m0 = item.chunk * chunk, m1 = std::min(m, m0 + chunk);
             for (int64_t r0 = m0; r0 < m1; r0 += kMaxRows) {
                 const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m1 - r0));
-                if (count == group && group == 2) {
-                    tile_fn<kFmt>(rows, 2)(qa, r0, packed + t0 * tile_bytes, tile_bytes, tile);
-                    store_tile<kBf16Out>(tile, rows, 2, t0, silu_mul, n, c, ldc, r0);
+                if (count == group && group > 1) {
+                    tile_fn<kFmt>(rows, group)(qa, r0, packed + t0 * tile_bytes, tile_bytes, tile);
+                    store_tile<kBf16Out>(tile, rows, group, t0, silu_mul, n, c, ldc, r0);
                     continue;
                 }
                 for (int64_t x = 0; x < count; ++x) {
