@@ -8,9 +8,10 @@ tiles where usable, else AVX-512 BF16 dot products, else the AVX2 GEMM), in one 
 
     python benchmarks/qgemm_micro.py [--rows 1,2,4,8,12,16,64] [--threads 2]
 
-``--formats q4,q4f,q5f,q6k,q8`` instead times every layer (LM head included) in each weight
+``--formats q4s,q4,q4f,q5f,q6k,q8`` instead times every layer (LM head included) in each weight
 format on the integer GEMM's dot products, model ms per row count, with the bytes a format
-reads per weight: what GGUF's Q4_0/Q4_1, Q4_K, Q5_0/Q5_1/Q5_K, Q6_K and Q8_0 files cost.
+reads per weight: what GGUF's Q4_0, Q4_1, Q5_0/Q5_1/Q5_K, Q6_K and Q8_0 files cost (q4f: Q4_K
+widened; Q4_K's own q4k needs widths that are multiples of 256, which SmolLM2's 576 is not).
 """
 
 from __future__ import annotations

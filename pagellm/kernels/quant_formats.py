@@ -196,7 +196,9 @@ def random_weight(fmt: str, rows: int, k: int, generator: torch.Generator | None
     if fmt == "q6k":
         sub = torch.randint(-128, 128, (rows, 2 * blocks), generator=generator, dtype=torch.int8)
         return QuantizedWeight(fmt, k, codes, (torch.rand(rows, blocks, generator=generator) * 1e-3).half(), sub_scale=sub)
-    if fmt == "q4k":  # k a multiple of 256; any 12 bytes are valid scales and mins
+    if fmt == "q4k":  # any 12 bytes are valid scales and mins
+        if k % (SUPER_BLOCKS * BLOCK):
+            raise ValueError(f"q4k weights hold super-blocks of {SUPER_BLOCKS * BLOCK} along k, got k={k}")
         supers = blocks // SUPER_BLOCKS
         d = (torch.rand(rows, 2, supers, generator=generator) * 2e-3).half()
         packed = torch.randint(0, 256, (rows, supers * K_SCALE_BYTES), generator=generator, dtype=torch.uint8)
