@@ -73,10 +73,6 @@ def read_bandwidth(threads: int, lib: Any = None, nbytes: int | None = None) -> 
     return nbytes / best / 1e9, source
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 def decode_weight_bytes(model: nn.Module) -> int:
     """Bytes of weights one batch-1 decode token reads from ``model`` (each storage once)."""
     from pagellm.model.quant_linear import QuantizedLinear
@@ -92,7 +88,7 @@ def decode_weight_bytes(model: nn.Module) -> int:
         tensors += [t for name in _PACKED_ATTRIBUTES if isinstance(t := getattr(module, name, None), torch.Tensor)]
         for tensor in tensors:
             if tensor.numel():
-                read[tensor.data_ptr()] = _nbytes(tensor)
+                read[tensor.data_ptr()] = tensor.nbytes
         for name, child in module.named_children():
             if not (isinstance(module, QuantizedLinear) and name == "dense"):  # large batches' copy
                 visit(child)

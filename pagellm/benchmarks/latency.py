@@ -101,7 +101,7 @@ def run_latency(cfg: LatencyConfig) -> dict[str, Any]:
     from pagellm import LLM
 
     # Checked first, so a missing binary or a non-GGUF model fails before minutes of pagellm timing.
-    commands = _peer_commands(cfg)
+    peers = _peers(cfg)
     llm = LLM(**(cfg.engine | dict(max_num_seqs=1, enable_prefix_caching=False)))
     engine = llm.llm_engine
     vocab_size, special = model_token_facts(cfg.model)
@@ -109,11 +109,12 @@ def run_latency(cfg: LatencyConfig) -> dict[str, Any]:
     _time_one(engine, "warmup", prompts.requests[0].prompt_token_ids[:16], 4)
     routes_before = dict(engine.stats.step_routes)
     runs: list[dict[str, float]] = []
-    peer_runs: dict[str, list[dict[str, Any]]] = {name: [] for name in commands}
+    peer_runs: dict[str, list[dict[str, Any]]] = {name: [] for name in peers}
     for i, r in enumerate(prompts.requests[1:]):
         runs.append(_time_one(engine, f"latency-{i}", r.prompt_token_ids, cfg.output_len))
-        for name, make in commands.items():  # the idle engine only holds memory
-            peer_runs[name].append(llama_bench.run_llama_bench(make(_pagellm_threads(cfg))))
+        for name, (binary, path, extra) in peers.items():  # the idle engine only holds memory
+            command = llama_bench.bench_command(binary, path, cfg.input_len, cfg.output_len, _pagellm_threads(cfg), 1, extra)
+            peer_runs[name].append(dict(llama_bench.run_llama_bench(command), extra_args=list(extra)))
     medians = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
     report = dict(config=flat_config(cfg), machine=machine_info(), kernel_plan=engine.kernel_plan_info, runs=runs,
                   median=medians, peak_rss_mib=peak_rss_mib(),
@@ -126,18 +127,14 @@ def run_latency(cfg: LatencyConfig) -> dict[str, Any]:
     return report
 
 
-def _peer_commands(cfg: LatencyConfig) -> dict[str, Any]:
-    """Each compared peer's command for a thread count (binaries and the GGUF checked now)."""
+def _peers(cfg: LatencyConfig) -> dict[str, tuple[str, str, tuple[str, ...]]]:
+    """Each compared peer's (llama-bench, GGUF file, extra arguments), checked now."""
     if not cfg.compare:
         return {}
     binaries = {name: llama_bench.peer_binary(llama_bench.PEERS[name], cfg.peer_binaries.get(name)) for name in cfg.compare}
     path = llama_bench.gguf_model_path(cfg.model)
-    commands = {}
-    for name, binary in binaries.items():
-        extra = tuple(cfg.peer_args.get(name, llama_bench.PEERS[name].default_args))
-        commands[name] = lambda threads, binary=binary, extra=extra: llama_bench.bench_command(
-            binary, path, cfg.input_len, cfg.output_len, threads, 1, extra)  # fmt: skip
-    return commands
+    return {name: (binary, path, tuple(cfg.peer_args.get(name, llama_bench.PEERS[name].default_args)))
+            for name, binary in binaries.items()}  # fmt: skip
 
 
 def _floor(cfg: LatencyConfig, engine: Any) -> DecodeFloor:
@@ -182,9 +179,8 @@ def format_peers(report: dict[str, Any]) -> str:
     lines = [format_table(rows, columns)]
     for name, ratio in report["pagellm_over"].items():
         peer = report["peers"][name]
-        commit = peer.get("build", {}).get("build_commit")
-        build = f" ({commit}, {peer['command'].split(' -o ')[0].split(' -ngl 0')[-1].strip() or 'default arguments'})"
-        lines.append(f"pagellm / {llama_bench.PEERS[name].label}{build if commit else ''}: "
+        facts = [peer.get("build", {}).get("build_commit", "build unknown"), " ".join(peer["extra_args"]) or "default arguments"]
+        lines.append(f"pagellm / {llama_bench.PEERS[name].label} ({', '.join(facts)}): "
                      f"prefill {ratio['prefill']:.2f}x, decode {ratio['decode']:.2f}x")
     return "\n".join(lines)
 

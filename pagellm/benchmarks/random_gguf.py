@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFWriter, LlamaFileType
+from gguf import GGML_QUANT_SIZES, GGUFWriter, LlamaFileType
 
 from pagellm.benchmarks.gguf_encode import SUPER_BLOCK, encode
 from pagellm.model.gguf_families import gguf_tensor_name, permute_qk_rows
@@ -44,6 +44,8 @@ FILE_TYPES: dict[str, tuple[T, T, LlamaFileType]] = {
     "BF16": (T.BF16, T.BF16, LlamaFileType.MOSTLY_BF16),
 }
 _GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2"}  # the families these writers cover
+# Types stored as plain numpy arrays (the block types: rows of bytes).
+_NUMPY_TYPES = {T.F32: np.dtype(np.float32), T.F16: np.dtype(np.float16)}
 _WEIGHT_STD = 0.02  # transformers' initializer_range
 _SHARD_BYTES = 2 << 30  # safetensors shard size, as transformers' save_pretrained
 
@@ -128,9 +130,10 @@ def _gguf_values(spec: TensorSpec, values: torch.Tensor, shape: dict[str, Any]) 
     return values
 
 
-def write_random_gguf(path: str | Path, shape: dict[str, Any], file_type: str, seed: int = 0) -> dict[str, int]:
+def write_random_gguf(path: str | Path, shape: dict[str, Any], file_type: str, seed: int = 0,
+                      name: str = "") -> dict[str, int]:  # fmt: skip
     """Write a random-weight GGUF of ``shape`` in ``file_type`` (a key of :data:`FILE_TYPES`) to
-    ``path``; returns the count of tensors per GGUF type."""
+    ``path`` (``general.name``: "random NAME"); returns the count of tensors per GGUF type."""
     if file_type not in FILE_TYPES:
         raise ValueError(f"unknown GGUF file type {file_type!r}; choose from {sorted(FILE_TYPES)}")
     arch = _GGUF_ARCHS.get(shape["architecture"])
@@ -140,12 +143,11 @@ def write_random_gguf(path: str | Path, shape: dict[str, Any], file_type: str, s
     layers, tied = shape["num_hidden_layers"], bool(shape.get("tie_word_embeddings", False))
     types = {spec.name: gguf_type(spec, file_type, layers, tied) for spec in specs}
     writer = GGUFWriter(str(path), arch)
-    _add_metadata(writer, arch, shape, FILE_TYPES[file_type][2])
+    _add_metadata(writer, name or arch, shape, FILE_TYPES[file_type][2])
     for spec in specs:
-        rows_bytes = _encoded_shape(spec.shape, types[spec.name])
-        dtype = np.uint8 if types[spec.name] not in (T.F32, T.F16) else (np.float32 if types[spec.name] == T.F32 else np.float16)
-        nbytes = int(np.prod(rows_bytes)) * np.dtype(dtype).itemsize
-        writer.add_tensor_info(gguf_tensor_name(spec.name), rows_bytes, np.dtype(dtype), nbytes, raw_dtype=types[spec.name])
+        stored, dtype = _encoded_shape(spec.shape, types[spec.name]), _NUMPY_TYPES.get(types[spec.name], np.dtype(np.uint8))
+        nbytes = int(np.prod(stored)) * dtype.itemsize
+        writer.add_tensor_info(gguf_tensor_name(spec.name), stored, dtype, nbytes, raw_dtype=types[spec.name])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
@@ -162,20 +164,18 @@ def write_random_gguf(path: str | Path, shape: dict[str, Any], file_type: str, s
 
 def _encoded_shape(shape: tuple[int, ...], kind: T) -> tuple[int, ...]:
     """The numpy shape of a tensor's encoded data: rows of bytes for block types."""
-    if kind in (T.F32, T.F16):
+    if kind in _NUMPY_TYPES:
         return shape
-    from gguf import GGML_QUANT_SIZES
-
     block, size = GGML_QUANT_SIZES[kind]
     return (*shape[:-1], shape[-1] // block * size)
 
 
-def _add_metadata(writer: GGUFWriter, arch: str, shape: dict[str, Any], file_type: LlamaFileType) -> None:
+def _add_metadata(writer: GGUFWriter, name: str, shape: dict[str, Any], file_type: LlamaFileType) -> None:
     """The hyperparameters llama.cpp and pagellm read, and the default model's tokenizer padded
     to the shape's vocabulary."""
     heads = shape["num_attention_heads"]
     head_dim = shape.get("head_dim") or shape["hidden_size"] // heads
-    writer.add_name(f"random {shape.get('name', arch)}")
+    writer.add_name(f"random {name}")
     writer.add_context_length(shape["max_position_embeddings"])
     writer.add_embedding_length(shape["hidden_size"])
     writer.add_block_count(shape["num_hidden_layers"])

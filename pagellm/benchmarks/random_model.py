@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.gguf:
         if args.shape not in REAL_SHAPES:
             parser.error(f"--gguf writes the shapes {list(REAL_SHAPES)}")
-        counts = write_random_gguf(args.folder, dict(SHAPES[args.shape], name=args.shape), args.gguf, args.seed)
+        counts = write_random_gguf(args.folder, SHAPES[args.shape], args.gguf, args.seed, name=args.shape)
         print(f"wrote a random {args.shape} {args.gguf} GGUF to {args.folder}: tensors per type {counts}")
         return 0
     path = write_random_model(args.folder, args.shape, getattr(torch, args.dtype), args.seed)

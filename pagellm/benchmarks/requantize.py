@@ -14,12 +14,14 @@ falls back for such tensors.
 from __future__ import annotations
 
 import argparse
+
 import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize
 
 from pagellm.benchmarks.gguf_encode import ENCODERS, SUPER_BLOCK
+
 
 def _target(name: str, linears: T | None, ffn_down: T | None) -> T | None:
     if not name.startswith("blk.") or not name.endswith(".weight") or "norm" in name:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
-from pagellm.kernels.quant_formats import BLOCK, QuantizedWeight
+from pagellm.kernels.quant_formats import BLOCK, QuantizedWeight, k_scales_and_mins
 
 GGUF_FORMATS = {
     T.Q4_0: "q4s", T.Q4_1: "q4", T.Q8_0: "q8", T.Q4_K: "q4k", T.Q5_0: "q5f", T.Q5_1: "q5f", T.Q5_K: "q5f",
@@ -71,22 +71,14 @@ def _from_q5(blocks: np.ndarray, qtype: T, scale: torch.Tensor, k: int) -> Quant
     return QuantizedWeight("q5f", k, _codes(codes, rows, k), d, offset)
 
 
-def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K's 12 bytes [..., 12] -> eight 6-bit scales and eight 6-bit mins, float32."""
-    low, high, extra = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-    sc = np.concatenate([low & 0x3F, (extra & 0x0F) | ((low >> 2) & 0x30)], axis=-1)
-    mins = np.concatenate([high & 0x3F, (extra >> 4) | ((high >> 2) & 0x30)], axis=-1)
-    return sc.astype(np.float32), mins.astype(np.float32)
-
-
 def _k_scale_offset(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K / Q5_K: per 32 weights scale d * sc and offset -(dmin * m) in float32, as gguf-py's
-    dequantization computes them."""
+    """Q5_K: per 32 weights scale d * sc and offset -(dmin * m) in float32, as gguf-py's
+    dequantization computes them (the 6-bit sc and m: ``k_scales_and_mins``)."""
     rows, supers = data.shape[:2]
-    d = data[..., 0:2].copy().view(np.float16).astype(np.float32)  # [rows, supers, 1]
-    dmin = data[..., 2:4].copy().view(np.float16).astype(np.float32)
-    sc, mins = _k_scales(data[..., 4:16])
-    return torch.from_numpy((d * sc).reshape(rows, supers * 8)), torch.from_numpy(-(dmin * mins).reshape(rows, supers * 8))
+    d = torch.from_numpy(data[..., 0:2].copy().view(np.float16).astype(np.float32)).view(rows, supers, 1)
+    dmin = torch.from_numpy(data[..., 2:4].copy().view(np.float16).astype(np.float32)).view(rows, supers, 1)
+    sc, mins = k_scales_and_mins(torch.from_numpy(data[..., 4:16].copy().reshape(rows, -1)))
+    return (d * sc.view(rows, supers, 8)).reshape(rows, -1), (-(dmin * mins.view(rows, supers, 8))).reshape(rows, -1)
 
 
 def _k_nibbles(qs: np.ndarray) -> np.ndarray:

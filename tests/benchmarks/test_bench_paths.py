@@ -345,7 +345,7 @@ def test_latency_parses_llama_bench_json_and_formats_the_ratio():
         lb.parse_llama_bench("error: failed to load model\n")
 
     run = dict(ttft_s=0.1, decode_s=0.1, prefill_tokens_per_s=128.061359, decode_tokens_per_s=168.504158)
-    peer = dict(lb.combine_runs([parsed]), command="llama-bench -m m.gguf -ngl 0 -rtr 1 -o json")
+    peer = dict(lb.combine_runs([dict(parsed, extra_args=["-rtr", "1"])]))
     report = dict(config=dict(input_len=16, output_len=16, dtype="bfloat16"), kernel_plan=dict(gemm="x"),
                   runs=[run], median=run, peers={"ik_llama": peer}, pagellm_over={"ik_llama": ratios})
     text = lat.format_report(report)
@@ -426,6 +426,8 @@ def test_latency_compares_both_peers_end_to_end_with_fake_llama_benches(
         assert (tmp_path / name / "calls.txt").read_text().count("call") == 2
     report = json.loads(out.read_text())
     assert report["config"]["compare"] == ["llamacpp", "ik_llama"]
+    assert {name: peer["extra_args"] for name, peer in report["peers"].items()} == {
+        "llamacpp": ["--repack", "0"], "ik_llama": ["-rtr", "1"]}
     assert report["peers"]["llamacpp"]["decode_tokens_per_s"] == 84.252079
     assert report["peers"]["ik_llama"]["runs"] == 2 and report["peers"]["ik_llama"]["decode_tokens_per_s"] == 120.0
     ours = report["median"]["decode_tokens_per_s"]

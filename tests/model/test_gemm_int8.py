@@ -311,6 +311,10 @@ def test_q4k_computes_what_q4f_computes_bit_for_bit(path_lib: KernelLibrary) -> 
     assert qf.pack(weight).numel() * 8 == 48 * 768 * 4.5  # the file's 4.5 bits a weight (whole tiles here)
     aligned, split = weight.select_blocks(8, 24), weight.select_blocks(4, 24)
     assert aligned.format == "q4k" and split.format == "q4f"
+    with pytest.raises(ValueError, match="super-blocks of 256"):  # a width off the super-blocks
+        path_lib.gemm_q(torch.zeros(1, 736), qf.pack(weight), "q4k", 48)
+    with pytest.raises(ValueError, match="super-blocks of 256"):
+        qf.random_weight("q4k", 16, 96)
     assert torch.equal(aligned.dequantize(), weight.dequantize()[:, 256:768])
     assert torch.equal(split.dequantize(), weight.dequantize()[:, 128:768])
 

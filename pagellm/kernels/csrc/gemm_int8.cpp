@@ -73,16 +73,16 @@ namespace {
 constexpr int kTileCols = 16;
 constexpr int kBlock = 32;
 // Weight formats (w_format): q4 (fp16 scale and offset), q8 (fp16 scale), q4f (q4 with fp32
-// scale and offset: GGUF's Q4_K, whose per-32 scales are fp16 x 6-bit products), q5f (5-bit codes,
-// fp32 scale and offset), q6k (6-bit codes, int8 scales per 16 under an fp16 scale), q4s (q4's
-// codes centred on 8, fp16 scale: GGUF's Q4_0).
+// scale and offset: a q4k weight widened), q5f (5-bit codes, fp32 scale and offset), q6k (6-bit
+// codes, int8 scales per 16 under an fp16 scale), q4s (q4's codes centred on 8, fp16 scale: GGUF's
+// Q4_0), q4k (GGUF's Q4_K as stored).
 constexpr int kQ4 = 0, kQ8 = 1, kQ4F = 2, kQ5F = 3, kQ6K = 4, kQ4S = 5, kQ4K = 6;
 constexpr int kFormats = 7;
 // Bytes per block of a 16-column tile (q4k: its super-block's record over 8 blocks).
 constexpr int kRecordBytes[kFormats] = {256 + 64, 512 + 32, 256 + 128, 256 + 64 + 128, 256 + 128 + 32 + 32, 256 + 32,
                                         256 + 32};
 constexpr int kSuperBlocks = 8;                         // q4k: blocks per super-block
-constexpr int64_t kSuperRecord = kSuperBlocks * 288;    // q4k: one super-block of a tile
+constexpr int64_t kSuperRecord = kSuperBlocks * kRecordBytes[kQ4K];  // q4k: one super-block of a tile
 // Where block b's codes start in a tile (q4k: inside its super-block's record).
 template <int kFmt>
 inline const uint8_t* block_codes(const uint8_t* tile, int64_t b) {
@@ -260,14 +260,13 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
                     isum = Simd::add(s0[r][v], s1[r][v]);  // int32 sums on every path
                 } else if constexpr (kOneChain) {
                     isum = Simd::finish_q4(s0[r][v]);
-                    if constexpr (kFmt == kQ4S) isum = Simd::add(isum, Simd::set1(-code_zero(kFmt) * qa.sum[ab]));
                 } else if constexpr (kNibbles) {
                     isum = Simd::add(Simd::finish_q4(s0[r][v]), Simd::finish_q4(s1[r][v]));
-                    if constexpr (kFmt == kQ4S) isum = Simd::add(isum, Simd::set1(-code_zero(kFmt) * qa.sum[ab]));
                 } else {
                     isum = Simd::add(s0[r][v], s1[r][v]);
                     if constexpr (Simd::kQ8Offset != 0) isum = Simd::add(isum, Simd::set1(-Simd::kQ8Offset * qa.sum[ab]));
                 }
+                if constexpr (kFmt == kQ4S) isum = Simd::add(isum, Simd::set1(-code_zero(kFmt) * qa.sum[ab]));
                 acc[r][v] = Simd::fmadd(Simd::to_float(isum), Simd::mul(dw, Simd::fset1(da)), acc[r][v]);
                 if constexpr (kNibbles && kFmt != kQ6K && kFmt != kQ4S)
                     acc[r][v] = Simd::fmadd(mw, Simd::fset1(da * static_cast<float>(qa.sum[ab])), acc[r][v]);
@@ -358,15 +357,16 @@ void gemm(const QuantizedA& qa, int64_t m, const uint8_t* packed, int64_t n, voi
         for (WorkRanges::Item item; work.next(t, item);) {
             const int64_t t0 = item.panel * group, count = std::min<int64_t>(group, tiles - t0);
             const int64_t m0 = item.chunk * chunk, m1 = std::min(m, m0 + chunk);
-            for (int64_t x = 0; widen && x < count; ++x) {  // (group is 1 here: m > kMaxRows)
-                q4k_tile_as_q4f(packed + (t0 + x) * tile_bytes, qa.blocks, wide.data());
+            if (widen) {  // (group is 1 here: m > kMaxRows)
+                q4k_tile_as_q4f(packed + t0 * tile_bytes, qa.blocks, wide.data());
                 for (int64_t r0 = m0; r0 < m1; r0 += kMaxRows) {
                     const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m1 - r0));
                     tile_fn<kQ4F>(rows, 1)(qa, r0, wide.data(), 0, tile);
-                    store_tile<kBf16Out>(tile, rows, 1, t0 + x, silu_mul, n, c, ldc, r0);
+                    store_tile<kBf16Out>(tile, rows, 1, t0, silu_mul, n, c, ldc, r0);
                 }
+                continue;
             }
-            for (int64_t r0 = m0; !widen && r0 < m1; r0 += kMaxRows) {
+            for (int64_t r0 = m0; r0 < m1; r0 += kMaxRows) {
                 const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m1 - r0));
                 if (count == group && group > 1) {
                     tile_fn<kFmt>(rows, group)(qa, r0, packed + t0 * tile_bytes, tile_bytes, tile);
