@@ -65,7 +65,7 @@ def _add_engine_args(parser: argparse.ArgumentParser, names: tuple[str, ...] = _
 
 def add_bench_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``bench`` (with its own subcommands) to a CLI's subparsers; returns its parser."""
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, latency, memory, sweep (plot), serve")
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, latency, startup, memory, sweep (plot), serve")
     _fill_bench_parser(bench)
     return bench
 
@@ -118,6 +118,11 @@ def _fill_bench_parser(bench: argparse.ArgumentParser) -> None:
     lat_cmp.add_argument("--no-floor", action="store_true",
                          help="skip the decode floor (read bandwidth and bytes per token: a few seconds)")
     _add_common(lat)
+
+    st = sub.add_parser("startup", help="launch to ready and peak memory of a fresh process (pagellm/benchmarks/startup.py)")
+    _add_engine_args(st, ("model", "dtype", "quantization", "num_threads", "kv_cache_memory"))
+    st.add_argument("--repeats", type=int, default=3, help="fresh processes, one after another (median reported)")
+    _add_common(st)
 
     mem = sub.add_parser("memory", help="paged KV blocks vs contiguous reservation (no model)")
     mem.add_argument("--workload", choices=WORKLOADS, default="mixed")
@@ -193,6 +198,13 @@ def bench_main(args: argparse.Namespace) -> int:
                                                                   ("ik_llama", args.ik_llama_bench_args)) if text is not None},
             floor=not args.no_floor,
         ))
+        _emit(report, format_report(report), args.output_json)
+        return 0
+    if command == "startup":
+        from pagellm.benchmarks.startup import StartupConfig, format_report, run_startup
+
+        options = cli_engine_options(args, ("dtype", "quantization", "num_threads", "kv_cache_memory"))
+        report = run_startup(StartupConfig(model=args.model, engine=options, repeats=args.repeats))
         _emit(report, format_report(report), args.output_json)
         return 0
     if command == "memory":

@@ -29,7 +29,7 @@ BUFFER_BYTES = 1 << 30
 _PASSES = 5
 # The attributes where pagellm's linears keep the weight a decode token reads (not registered
 # as parameters: packed blocks and GEMM layouts).
-_PACKED_ATTRIBUTES = ("packed", "packed_weight", "gate_weight", "up_weight")
+_PACKED_ATTRIBUTES = ("packed_weight", "gate_weight", "up_weight")
 
 
 @dataclass
@@ -75,6 +75,7 @@ def read_bandwidth(threads: int, lib: Any = None, nbytes: int | None = None) -> 
 
 def decode_weight_bytes(model: nn.Module) -> int:
     """Bytes of weights one batch-1 decode token reads from ``model`` (each storage once)."""
+    from pagellm.model.quant_embedding import QuantizedEmbedding
     from pagellm.model.quant_linear import QuantizedLinear
 
     read: dict[int, int] = {}
@@ -84,8 +85,14 @@ def decode_weight_bytes(model: nn.Module) -> int:
         if isinstance(module, nn.Embedding):
             embedding_rows[module.weight.data_ptr()] = module.weight.shape[1] * module.weight.element_size()
             return
+        if isinstance(module, QuantizedEmbedding):  # one row, as the file stores it (or the dense table's)
+            held = module.rows if module.rows is not None else module.table
+            row = module.rows.row_bytes if module.rows is not None else module.table[0].nbytes  # type: ignore[index]
+            embedding_rows[id(held)] = row
+            return
         tensors = list(module.parameters(recurse=False))
         tensors += [t for name in _PACKED_ATTRIBUTES if isinstance(t := getattr(module, name, None), torch.Tensor)]
+        tensors += [part.packed for part in module.parts] if isinstance(module, QuantizedLinear) else []
         for tensor in tensors:
             if tensor.numel():
                 read[tensor.data_ptr()] = tensor.nbytes

@@ -8,7 +8,7 @@ files carry; the layout is exactly GGUF's (tests decode it with gguf-py). K-quan
 width that is a multiple of 256; a tensor that is not keeps its type, as llama.cpp's quantizer
 falls back for such tensors.
 
-    python -m pagellm.benchmarks.requantize OUT.gguf --linears Q5_1 --ffn-down Q6_K
+    python -m pagellm.benchmarks.requantize OUT.gguf --linears Q5_1 --ffn-down Q6_K [--attn-v Q8_0]
 """
 
 from __future__ import annotations
@@ -23,15 +23,20 @@ from gguf.quants import dequantize
 from pagellm.benchmarks.gguf_encode import ENCODERS, SUPER_BLOCK
 
 
-def _target(name: str, linears: T | None, ffn_down: T | None) -> T | None:
+def _target(name: str, linears: T | None, ffn_down: T | None, attn_v: T | None = None) -> T | None:
     if not name.startswith("blk.") or not name.endswith(".weight") or "norm" in name:
         return None
+    if ".attn_v." in name and attn_v is not None:
+        return attn_v
     return ffn_down if ".ffn_down." in name and ffn_down is not None else linears
 
 
-def requantize_gguf(src: str, dst: str, linears: T | None, ffn_down: T | None = None) -> dict[str, str]:
-    """Write ``src`` to ``dst`` with its decoder linears in ``linears`` (``ffn_down``: those in
-    that type); returns each changed tensor's new type. Metadata and other tensors are copied."""
+def requantize_gguf(
+    src: str, dst: str, linears: T | None, ffn_down: T | None = None, attn_v: T | None = None
+) -> dict[str, str]:
+    """Write ``src`` to ``dst`` with its decoder linears in ``linears`` (``ffn_down``, ``attn_v``:
+    those in that type, as llama.cpp's mixes give v a type of its own); returns each changed
+    tensor's new type. Metadata and other tensors are copied."""
     reader = GGUFReader(src)
     arch = str(reader.fields["general.architecture"].contents())
     writer = GGUFWriter(dst, arch)
@@ -42,7 +47,7 @@ def requantize_gguf(src: str, dst: str, linears: T | None, ffn_down: T | None = 
         writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
     changed = {}
     for tensor in reader.tensors:
-        target = _target(tensor.name, linears, ffn_down)
+        target = _target(tensor.name, linears, ffn_down, attn_v)
         k = int(tensor.shape[0])
         fits = target is not None and k % (SUPER_BLOCK if target in (T.Q5_K, T.Q6_K) else 32) == 0
         if not fits or target == tensor.tensor_type:
@@ -67,8 +72,9 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="source GGUF (default: the default model)")
     parser.add_argument("--linears", default=None, help="type of the decoder linears (Q5_0, Q5_1, Q8_0, Q5_K, Q6_K, ...)")
     parser.add_argument("--ffn-down", default=None, help="type of ffn_down, if other than --linears")
+    parser.add_argument("--attn-v", default=None, help="type of attn_v, if other than --linears")
     args = parser.parse_args()
-    types = [None if t is None else T[t.upper()] for t in (args.linears, args.ffn_down)]
+    types = [None if t is None else T[t.upper()] for t in (args.linears, args.ffn_down, args.attn_v)]
     changed = requantize_gguf(args.model or default_model_path(), args.out, *types)
     print(f"{len(changed)} tensors re-encoded: {sorted(set(changed.values()))}")
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from pagellm.distributed.shm_all_reduce import SharedMemoryAllReduce
-from pagellm.kernels.quant_formats import BLOCK, QuantizedWeight
+from pagellm.kernels.quant_formats import BLOCK, QuantizedRows
 
 # HF weight names by how a rank takes its share: the rows of the output (column-parallel) or
 # the columns of the input (row-parallel).
@@ -53,18 +53,18 @@ class TensorParallel:
             dist.all_reduce(total, group=self.group)
         return partial if total is partial else partial.copy_(total)
 
-    def share(self, name: str, tensor: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
+    def share(self, name: str, tensor: torch.Tensor | QuantizedRows) -> torch.Tensor | QuantizedRows:
         """This rank's part of a whole HF weight (or bias) ``name``, dense or quantized (whole
         blocks of 32 along k for a row-parallel one); the tensor itself if every rank holds it
         whole."""
         module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
         if module in COLUMN_PARALLEL:
-            if isinstance(tensor, QuantizedWeight):
+            if not isinstance(tensor, torch.Tensor):
                 rows = tensor.rows // self.size  # divisibility checked with the model's shapes
                 return tensor.select_rows(slice(self.rank * rows, (self.rank + 1) * rows))
             return tensor.chunk(self.size, dim=0)[self.rank]
         if module in ROW_PARALLEL and name.endswith(".weight"):
-            if isinstance(tensor, QuantizedWeight):
+            if not isinstance(tensor, torch.Tensor):
                 if tensor.k % (BLOCK * self.size):
                     raise ValueError(f"quantized {name} has {tensor.k} input columns: tensor parallelism over "
                                      f"{self.size} ranks needs a multiple of {BLOCK * self.size} (whole blocks "

@@ -35,9 +35,9 @@ from pagellm.utils import owned_by_me, private_dir
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 18
+ABI_VERSION = 19
 _SOURCES = ("attention.cpp", "elementwise.cpp", "gemm_bf16.cpp", "gemm_avx2.cpp", "gemm_int8.cpp", "decoder_stack.cpp",
-            "shm_all_reduce.cpp", "memory_read.cpp")
+            "shm_all_reduce.cpp", "memory_read.cpp", "gguf_rows.cpp")
 _HEADERS = (
     "attention_avx2.h", "attention_avx512.h", "attention_common.h", "avx2_simd.h", "bf16_simd.h", "cpu_common.h",
     "exports.h", "gemm_int8_amx.h", "gemm_int8_quantize.h", "gemm_int8_simd.h", "work_ranges.h",
@@ -162,6 +162,8 @@ _SIGNATURES: dict[str, tuple[type, list[type]]] = {
     "pagellm_gemm_q": (_I32, [_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32, _I32, _I32, _I32, _I32]),
     "pagellm_decoder_stack": (_I32, [_P]),
     "pagellm_read_sum": (_I32, [_P, _I64, _I32, _P]),
+    "pagellm_pack_gguf": (_I32, [_I32, _P, _P, _I64, _I64, _P, _I32]),
+    "pagellm_dequant_gguf_rows": (_I32, [_I32, _P, _P, _I64, _I64, _P, _I32]),
     "pagellm_shm_region_bytes": (_I64, [_I32, _I64]),
     "pagellm_shm_register": (None, [_P, _I32, _I64]),  # type: ignore[dict-item]
     "pagellm_shm_all_reduce": (_I32, [_P, _I32, _I32, _P, _I64, _I64, ctypes.c_uint64, _F64]),

@@ -8,7 +8,9 @@ raises a Python exception instead of reading stray memory. A :class:`KernelLibra
 from __future__ import annotations
 
 import ctypes
+import os
 
+import numpy as np
 import torch
 
 from pagellm.kernels.packing import (
@@ -18,7 +20,9 @@ from pagellm.kernels.packing import (
     avx2_packed_shape,
     gemm_epilogue,
 )
-from pagellm.kernels.quant_formats import AMX_FORMATS, BLOCK, FORMAT_CODES, SUPER_BLOCKS, packed_shape
+from pagellm.kernels.quant_formats import (
+    AMX_FORMATS, BLOCK, FORMAT_CODES, SUPER_BLOCKS, TILE_COLS, checked_gguf_rows, packed_shape,
+)
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # pagellm_gemm_q_isa() -> the integer GEMM's path name (kernel plan: ``qgemm``).
@@ -382,14 +386,15 @@ class KernelLibrary:
 
     def gemm_q(
         self, x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int, epilogue: str = "none",
-        amx: bool = False,
+        amx: bool = False, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x [M, K] @ W.T`` for a quantized ``W`` (``quant_formats.pack``, format ``fmt``: q4, q8,
         q4f, q5f, q6k, q4s or q4k), in integer dot products on activations quantized per block of 32 -> new
         ``[M, out_features]`` tensor of x's dtype (float32 or bf16). ``epilogue="silu_mul"``
         takes a ``quant_formats.pack_silu_mul`` weight and returns ``silu(x @ gate.T) * (x @ up.T)``.
         ``amx`` computes the same bits on AMX tiles (``gemm_q_amx_available``; formats in
-        ``AMX_FORMATS``)."""
+        ``AMX_FORMATS``). ``out``: written instead of a new tensor, [M, out_features] of x's dtype
+        with contiguous rows (columns of a wider tensor: one part of a linear's outputs)."""
         if epilogue not in ("none", "silu_mul"):
             raise ValueError(f"epilogue must be 'none' or 'silu_mul', got {epilogue!r}")
         if self.gemm_q_path == "none":
@@ -408,14 +413,48 @@ class KernelLibrary:
         if out_features <= 0 or packed.dtype != torch.uint8 or tuple(packed.shape) != expected or not packed.is_contiguous():
             raise ValueError(f"packed weight must be a contiguous uint8 tensor of shape {list(expected)} for x "
                              f"{list(x.shape)}, got {packed.dtype} {list(packed.shape)}")  # fmt: skip
-        out = torch.empty(rows, out_features, dtype=x.dtype)
+        if out is None:
+            out = torch.empty(rows, out_features, dtype=x.dtype)
+        elif out.dtype != x.dtype or tuple(out.shape) != (rows, out_features) or (out_features > 1 and out.stride(1) != 1) \
+                or (rows > 1 and out.stride(0) < out_features):  # fmt: skip
+            raise ValueError(f"out must be a {x.dtype} [{rows}, {out_features}] tensor with contiguous rows")
+        ldc = out.stride(0) if rows > 1 else out_features
         rc = self._lib.pagellm_gemm_q(
             x.data_ptr(), x.stride(0) if rows > 1 else k, rows, k, packed.data_ptr(), out_features, out.data_ptr(),
-            out_features, DTYPE_CODES[x.dtype], FORMAT_CODES[fmt], int(epilogue == "silu_mul"), torch.get_num_threads(),
+            ldc, DTYPE_CODES[x.dtype], FORMAT_CODES[fmt], int(epilogue == "silu_mul"), torch.get_num_threads(),
             int(amx),
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"pagellm_gemm_q failed with code {rc}")
+        return out
+
+    def pack_gguf(self, fmt: str, source: np.ndarray, row_offsets: torch.Tensor, k: int) -> torch.Tensor:
+        """GGUF rows of ``k`` weights straight into ``fmt``'s packed layout (``csrc/gguf_rows.cpp``;
+        what ``quant_formats.pack`` makes of the same rows): ``source`` a contiguous uint8 array
+        (a memory-mapped file), ``row_offsets`` int64 [tiles * 16] each packed column's first
+        byte in it, -1 for a zero column. Load-time work: it runs on every CPU this process may
+        use (a busy one slows it little: tiles are handed out as threads finish them)."""
+        offsets = checked_gguf_rows(fmt, source, row_offsets, k, zero_rows=True)
+        if offsets.numel() % TILE_COLS:
+            raise ValueError("pack_gguf takes 16 row offsets a tile")
+        tiles = offsets.numel() // TILE_COLS
+        out = torch.empty(packed_shape(fmt, tiles * TILE_COLS, k), dtype=torch.uint8)
+        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else torch.get_num_threads()
+        rc = self._lib.pagellm_pack_gguf(FORMAT_CODES[fmt], source.ctypes.data, offsets.data_ptr(), tiles, k,
+                                         out.data_ptr(), threads)  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"pagellm_pack_gguf failed with code {rc}")
+        return out
+
+    def dequant_gguf_rows(self, fmt: str, source: np.ndarray, row_offsets: torch.Tensor, k: int) -> torch.Tensor:
+        """GGUF rows of ``k`` weights (``row_offsets``: each row's first byte in ``source``) as
+        float32 [rows, k], exactly as gguf-py dequantizes them (an embedding's looked-up rows)."""
+        offsets = checked_gguf_rows(fmt, source, row_offsets, k, zero_rows=False)
+        out = torch.empty(offsets.numel(), k, dtype=torch.float32)
+        rc = self._lib.pagellm_dequant_gguf_rows(FORMAT_CODES[fmt], source.ctypes.data, offsets.data_ptr(),
+                                                 offsets.numel(), k, out.data_ptr(), torch.get_num_threads())  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"pagellm_dequant_gguf_rows failed with code {rc}")
         return out
 
     def read_sum(self, buffer: torch.Tensor, num_threads: int | None = None) -> int:
@@ -470,11 +509,12 @@ _P = ctypes.c_void_p
 class LinearArgs(ctypes.Structure):
     """``PagellmLinear`` of ``csrc/decoder_stack.cpp``: a packed weight and its GEMM (``kind``:
     ``LINEAR_KINDS``; ``format``: the integer GEMM's format or the AVX2 GEMM's weight dtype code;
-    ``epilogue``: that GEMM's own code)."""
+    ``epilogue``: that GEMM's own code); ``next``, where set, the address of the part computing
+    the output columns after this part's first ``cols`` (kept alive by the caller)."""
 
     _fields_ = [
         ("weight", _P), ("kind", ctypes.c_int32), ("format", ctypes.c_int32), ("epilogue", ctypes.c_int32),
-        ("reserved", ctypes.c_int32),
+        ("reserved", ctypes.c_int32), ("cols", ctypes.c_int64), ("next", _P),
     ]  # fmt: skip
 
 

@@ -26,7 +26,9 @@ q4s and q4k (``AMX_FORMATS``); the others run the dot products at every batch si
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
+import numpy as np
 import torch
 
 BLOCK = 32
@@ -40,8 +42,30 @@ FORMAT_CODES = {"q4": 0, "q8": 1, "q4f": 2, "q5f": 3, "q6k": 4, "q4s": 5, "q4k":
 AMX_FORMATS = frozenset({"q4", "q8", "q4f", "q4s", "q4k"})
 _SCALE_DTYPES = {"q4": torch.float16, "q8": torch.float16, "q4f": torch.float32, "q5f": torch.float32,
                  "q6k": torch.float16, "q4s": torch.float16, "q4k": torch.float16}  # fmt: skip
+# Formats GGUF rows pack into straight from the file (``KernelLibrary.pack_gguf``): the GGUF
+# type's (bytes, weights) a block (Q4_0, Q4_1, Q8_0, Q6_K, Q4_K).
+GGUF_ROW_BYTES = {"q4s": (18, 32), "q4": (20, 32), "q8": (34, 32), "q6k": (210, 256), "q4k": (144, 256)}
 Q4S_ZERO = 8  # q4s: weight = d * (code - 8)
 HALF = BLOCK // 2  # q6k's scale groups
+
+
+class QuantizedRows(Protocol):
+    """A quantized weight while a model loads, however it is held (a :class:`QuantizedWeight`,
+    or rows still in a GGUF file): what sharding and fusing do with it before it is packed."""
+
+    k: int
+
+    @property
+    def format(self) -> str: ...
+
+    @property
+    def rows(self) -> int: ...
+
+    def select_rows(self, rows: torch.Tensor | slice) -> QuantizedRows: ...
+
+    def select_blocks(self, start: int, stop: int) -> QuantizedRows: ...
+
+    def dequantize(self) -> torch.Tensor: ...
 
 
 @dataclass
@@ -122,9 +146,10 @@ class QuantizedWeight:
                                offset, sub)  # fmt: skip
 
     def masked_rows(self, keep: torch.Tensor) -> QuantizedWeight:
-        """The rows where ``keep`` [rows, 1] is False set to zero weights (codes, scales, offsets)."""
+        """The rows where ``keep`` [rows, 1] is False set to zero weights (codes, scales, offsets
+        all +0: no -0.0 scales, so the bytes are those of a zero column packed from the file)."""
         def masked(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t * keep.to(t.dtype)
+            return None if t is None else torch.where(keep, t, torch.zeros((), dtype=t.dtype))
         return QuantizedWeight(self.format, self.k, masked(self.codes), masked(self.scale), masked(self.offset),
                                masked(self.sub_scale))  # type: ignore[arg-type]  # fmt: skip
 
@@ -360,3 +385,23 @@ def reference_gemm(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     if offset is not None:
         out = out + offset.unsqueeze(0) * (d.double() * qa.sum(-1)).unsqueeze(1)
     return out.sum(-1)
+
+
+def checked_gguf_rows(fmt: str, source: np.ndarray, row_offsets: torch.Tensor, k: int, zero_rows: bool) -> torch.Tensor:
+    """The offsets (contiguous) of GGUF rows the C++ reads, each checked to lie inside
+    ``source`` (-1, a zero row, where ``zero_rows``)."""
+    if fmt not in GGUF_ROW_BYTES:
+        raise ValueError(f"GGUF rows are read straight into {sorted(GGUF_ROW_BYTES)}, not {fmt!r}")
+    block_bytes, block_weights = GGUF_ROW_BYTES[fmt]
+    if source.dtype != np.uint8 or source.ndim != 1 or not source.flags.c_contiguous:
+        raise ValueError("GGUF rows are read from a contiguous 1-D uint8 source")
+    if row_offsets.dtype != torch.int64 or row_offsets.dim() != 1:
+        raise ValueError("GGUF row offsets are a 1-D int64 tensor")
+    if k <= 0 or k % block_weights:
+        raise ValueError(f"{fmt} rows hold whole blocks of {block_weights}, got k={k}")
+    offsets = row_offsets.contiguous()
+    real = offsets[offsets >= 0] if zero_rows else offsets
+    if (zero_rows and bool((offsets < -1).any())) or (real.numel() and (
+            int(real.min()) < 0 or int(real.max()) + k // block_weights * block_bytes > source.nbytes)):  # fmt: skip
+        raise ValueError("a GGUF row offset lies outside the source")
+    return offsets

@@ -49,13 +49,22 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 logger = logging.getLogger(__name__)
 
 
-def _linear_args(module: nn.Module, big: bool) -> LinearArgs | None:
+def _linear_args(module: nn.Module, big: bool, keep: list[LinearArgs]) -> LinearArgs | None:
     """A linear the call multiplies (pagellm's integer, bf16 or AVX2 GEMM), or None; ``big``:
-    for batches above the plan's ``quant_max_rows`` (quantized linears may use AMX tiles then)."""
+    for batches above the plan's ``quant_max_rows`` (quantized linears may use AMX tiles then).
+    A quantized linear of several parts: the first part's struct, the others appended to
+    ``keep``, which the caller holds as long as the struct is used."""
     if isinstance(module, QuantizedLinear):
         epilogue = 1 if module.silu_mul else 0
         kind = LINEAR_KINDS["integer-amx" if big and module.big_batches_on_amx else "integer"]
-        return LinearArgs(module.packed.data_ptr(), kind, FORMAT_CODES[module.format], epilogue, 0)
+        args, rest = None, None
+        for part in reversed(module.parts):  # each part names the next (``keep`` holds them alive)
+            args = LinearArgs(part.packed.data_ptr(), kind, FORMAT_CODES[part.format], epilogue, 0, part.rows,
+                              None if rest is None else ctypes.addressof(rest))  # fmt: skip
+            if rest is not None:
+                keep.append(rest)
+            rest = args
+        return args
     if not isinstance(module, (KernelLinear, KernelSiluAndMulLinear)) or module.path not in LINEAR_KINDS:
         return None
     weight = module.packed_weight
@@ -88,17 +97,18 @@ class _LayerWeights:
 
     def fits(self) -> bool:
         """Whether the call multiplies every linear, for small batches and big ones."""
-        return all(_linear_args(m, dense) is not None for dense in (False, True) for m in self._side(dense))
+        return all(_linear_args(m, dense, []) is not None for dense in (False, True) for m in self._side(dense))
 
-    def args(self, key_cache: torch.Tensor, value_cache: torch.Tensor, dense: bool) -> DecoderLayerArgs:
-        """The C struct for this layer over these caches (``dense``: the big-batch side)."""
+    def args(self, key_cache: torch.Tensor, value_cache: torch.Tensor, dense: bool, keep: list[LinearArgs]) -> DecoderLayerArgs:
+        """The C struct for this layer over these caches (``dense``: the big-batch side; ``keep``:
+        as :func:`_linear_args`)."""
         spec = self.spec
         bias = None if self.qkv_bias is None else self.qkv_bias.data_ptr()
         q_norm, k_norm = (None, None) if self.qk_norms is None else (t.data_ptr() for t in self.qk_norms)
         return DecoderLayerArgs(
             self.input_norm.data_ptr(), self.post_norm.data_ptr(), bias, q_norm, k_norm, key_cache.data_ptr(),
             value_cache.data_ptr(), spec.scale, spec.softcap or 0.0, spec.window or 0, 0,
-            *(_linear_args(m, dense) for m in self._side(dense)),
+            *(_linear_args(m, dense, keep) for m in self._side(dense)),
         )  # fmt: skip
 
 
@@ -171,6 +181,7 @@ class FusedDecoderStack:
         # addresses (None: those caches do not fit the call). The weights do not move: the model
         # is loaded and repacked before the stack is built, and a reload builds a new stack.
         self._args: tuple[tuple[int, ...], dict[bool, ctypes.Array[DecoderLayerArgs]] | None] | None = None
+        self._parts: list[LinearArgs] = []
 
     @classmethod
     def build(
@@ -228,9 +239,9 @@ class FusedDecoderStack:
 
     def _build_args(self, kv_caches: list[KVCache]) -> dict[bool, ctypes.Array[DecoderLayerArgs]]:
         """Each side's C structs over these caches (``True``: batches above ``quant_max_rows``)."""
-        sides = {}
+        sides, self._parts = {}, []  # (the later parts of multi-part linears, which the structs point to)
         for dense in (False, True):
-            layers = [w.args(k, v, dense) for w, (k, v) in zip(self.weights, kv_caches)]
+            layers = [w.args(k, v, dense, self._parts) for w, (k, v) in zip(self.weights, kv_caches)]
             sides[dense] = (DecoderLayerArgs * len(layers))(*layers)
         return sides
 

@@ -8,11 +8,17 @@ int8 blocks where they feed a quantized linear (``model.gguf_loader``).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import mmap
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
-from pagellm.kernels.quant_formats import BLOCK, QuantizedWeight, k_scales_and_mins
+from pagellm.kernels.library import KernelLibrary
+from pagellm.kernels.quant_formats import BLOCK, GGUF_ROW_BYTES, TILE_COLS, QuantizedWeight, k_scales_and_mins
 
 GGUF_FORMATS = {
     T.Q4_0: "q4s", T.Q4_1: "q4", T.Q8_0: "q8", T.Q4_K: "q4k", T.Q5_0: "q5f", T.Q5_1: "q5f", T.Q5_K: "q5f",
@@ -20,6 +26,131 @@ GGUF_FORMATS = {
 }
 _SUPER = 256  # K-quants: super-blocks of 256 weights
 _SUPER_BYTES = {T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}
+
+
+@dataclass(frozen=True)
+class GGUFRows:
+    """Rows of a 2-D GGUF tensor of a type in :data:`GGUF_FORMATS`, still in the memory-mapped
+    file: rows picked (q/k's order, a tensor-parallel share) and whole blocks cut along k by
+    offset arithmetic alone, the bytes read once, when packed (:func:`pack_gguf_rows`) or
+    converted (:meth:`weight`). Plays the :class:`QuantizedWeight` role while a model loads."""
+
+    source: np.ndarray  # the file's bytes (1-D uint8)
+    qtype: T
+    k: int
+    offsets: torch.Tensor  # int64 [rows]: each row's first wanted byte in ``source``
+
+    @classmethod
+    def of(cls, source: np.ndarray, data: np.ndarray, qtype: T, k: int) -> GGUFRows:
+        """The rows of ``data`` ([rows, bytes a row], a view into ``source``)."""
+        if qtype not in GGUF_FORMATS or k % _unit(qtype):
+            raise ValueError(f"GGUF type {qtype.name} with k={k} is not kept packed")
+        start = data.ctypes.data - source.ctypes.data
+        if not 0 <= start <= source.nbytes - data.nbytes or data.shape[1] != k // _unit(qtype) * _unit_bytes(qtype):
+            raise ValueError("GGUF tensor data is not a [rows, row bytes] view of its file")
+        return cls(source, qtype, k, start + torch.arange(data.shape[0], dtype=torch.int64) * data.shape[1])
+
+    @property
+    def format(self) -> str:
+        """The integer GEMM's format of these blocks."""
+        return GGUF_FORMATS[self.qtype]
+
+    @property
+    def rows(self) -> int:
+        return self.offsets.numel()
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row in the file."""
+        return self.k // _unit(self.qtype) * _unit_bytes(self.qtype)
+
+    def select_rows(self, rows: torch.Tensor | slice) -> GGUFRows:
+        """These rows only (a permutation or a slice)."""
+        return GGUFRows(self.source, self.qtype, self.k, self.offsets[rows])
+
+    def select_blocks(self, start: int, stop: int) -> GGUFRows | QuantizedWeight:
+        """Blocks of 32 ``start:stop`` along k; cut inside a K-quant's super-block, as
+        :meth:`QuantizedWeight.select_blocks` gives them (q4k widened to q4f)."""
+        unit = _unit(self.qtype) // BLOCK
+        if not 0 <= start < stop <= self.k // BLOCK:
+            raise ValueError(f"blocks {start}:{stop} of a weight with {self.k // BLOCK} blocks")
+        if start % unit or stop % unit:
+            return self.weight().select_blocks(start, stop)
+        skip = start // unit * _unit_bytes(self.qtype)
+        return GGUFRows(self.source, self.qtype, (stop - start) * BLOCK, self.offsets + skip)
+
+    def raw(self) -> np.ndarray:
+        """The rows' bytes [rows, bytes a row]: a view of the file where they lie in order, one
+        after another (a whole tensor), else a copy."""
+        row_bytes = self.row_bytes
+        first = int(self.offsets[0]) if self.rows else 0
+        if torch.equal(self.offsets, first + torch.arange(self.rows, dtype=torch.int64) * row_bytes):
+            return self.source[first : first + self.rows * row_bytes].reshape(self.rows, row_bytes)
+        return self.source[self.offsets.numpy()[:, None] + np.arange(row_bytes)]
+
+    def weight(self) -> QuantizedWeight:
+        """The rows as a :class:`QuantizedWeight` (codes unpacked)."""
+        return from_gguf_blocks(self.raw(), self.qtype, self.k)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [rows, k]."""
+        return self.weight().dequantize()
+
+    def release(self) -> None:
+        """Drop the file pages holding these rows from this process's memory (once they are
+        packed): the mapping is read-only, so a later read faults them in again from the page
+        cache, and a loaded model's resident memory is its packed weights, not those plus the
+        file."""
+        if self.rows:
+            end = int(self.offsets.max()) + self.row_bytes
+            _drop_pages(self.source, int(self.offsets.min()), end)
+
+
+def _unit(qtype: T) -> int:
+    """Weights a GGUF block of this type holds (a K-quant's super-block: 256)."""
+    return _SUPER if qtype in _SUPER_BYTES else BLOCK
+
+
+def _unit_bytes(qtype: T) -> int:
+    return _SUPER_BYTES.get(qtype) or {T.Q4_0: 18, T.Q4_1: 20, T.Q8_0: 34, T.Q5_0: 22, T.Q5_1: 24}[qtype]
+
+
+_MADV_DONTNEED = 4  # Linux
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+def _drop_pages(source: np.ndarray, start: int, stop: int) -> None:
+    """``madvise(MADV_DONTNEED)`` on the whole pages inside ``source[start:stop]`` where it is a
+    read-only file mapping (anywhere else the call would zero memory: nothing is done; nor
+    where the call is unavailable or fails)."""
+    if not isinstance(source, np.memmap) or source.mode != "r":
+        return
+    base = source.ctypes.data
+    first = -(-(base + start) // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = (base + stop) // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first and hasattr(_libc, "madvise"):
+        _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+
+
+def pack_gguf_rows(parts: list[GGUFRows], silu_mul: bool, lib: KernelLibrary) -> torch.Tensor | None:
+    """The parts stacked by rows, packed straight from the file (``quant_formats.pack``, or with
+    ``silu_mul`` ``pack_silu_mul``, of the same weights); None where the kernel does not take
+    them (q5f, or parts of several formats, widths or files)."""
+    first = parts[0]
+    if first.format not in GGUF_ROW_BYTES or any(
+        p.qtype != first.qtype or p.k != first.k or p.source is not first.source for p in parts
+    ):
+        return None
+    offsets = torch.cat([p.offsets for p in parts])
+    if silu_mul:  # each tile: 8 gate rows, then the same 8 up rows (past the end: zero columns)
+        half = offsets.numel() // 2
+        column = torch.arange(-(-half // 8) * 8).view(-1, 1, 8)
+        source = torch.cat([column, column + half], dim=1).flatten()
+        real = torch.cat([column, column], dim=1).flatten() < half
+        offsets = torch.where(real, offsets[source.clamp(max=offsets.numel() - 1)], -1)
+    padded = torch.full((-(-offsets.numel() // TILE_COLS) * TILE_COLS,), -1, dtype=torch.int64)
+    padded[: offsets.numel()] = offsets
+    return lib.pack_gguf(first.format, first.source, padded, first.k)
 
 
 def from_gguf_blocks(raw: np.ndarray, qtype: T, k: int) -> QuantizedWeight:

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from pagellm.kernels.quant_formats import QuantizedWeight
+from pagellm.kernels.quant_formats import QuantizedRows
 
-Tensor = torch.Tensor | QuantizedWeight
+Tensor = torch.Tensor | QuantizedRows
 Metadata = Callable[[str, Any], Any]  # (key, default) -> value
 
 
@@ -156,7 +156,7 @@ def gguf_tensor_name(hf_name: str) -> str:
 
 
 def hf_tensors(
-    name: str, tensor: Tensor | list[QuantizedWeight], gguf_arch: str, heads: dict[str, int]
+    name: str, tensor: Tensor | list[QuantizedRows], gguf_arch: str, heads: dict[str, int]
 ) -> Iterator[tuple[str, Tensor]]:
     """One GGUF tensor (already named by :func:`hf_tensor_name`) as the HF tensors it holds:
     q/k rows back in HF's order, Gemma norms back to ``w``, stacked experts one by one (a
@@ -164,7 +164,7 @@ def hf_tensors(
     fam = family(gguf_arch)
     projection = name.split(".")[-2]
     if name.rsplit(".", 1)[-1] in _EXPERT_NAMES.values():
-        if not isinstance(tensor, list) and (isinstance(tensor, QuantizedWeight) or tensor.dim() != 3):
+        if not isinstance(tensor, list) and (not isinstance(tensor, torch.Tensor) or tensor.dim() != 3):
             raise ValueError(f"GGUF experts {name!r}: expected a 3-D tensor")
         prefix, part = name.rsplit(".", 1)
         for expert in range(len(tensor)):
@@ -173,9 +173,9 @@ def hf_tensors(
     if isinstance(tensor, list):
         raise ValueError(f"GGUF tensor {name!r} is 3-D; only experts are")
     if fam.qk_permuted and projection in heads:
-        rows = tensor.rows if isinstance(tensor, QuantizedWeight) else tensor.shape[0]
+        rows = tensor.shape[0] if isinstance(tensor, torch.Tensor) else tensor.rows
         order = unpermute_qk_rows(torch.arange(rows), heads[projection])
-        tensor = tensor.select_rows(order) if isinstance(tensor, QuantizedWeight) else tensor[order]
+        tensor = tensor[order] if isinstance(tensor, torch.Tensor) else tensor.select_rows(order)
     if fam.norm_plus_one and name.endswith("norm.weight") and isinstance(tensor, torch.Tensor):
         tensor = tensor - 1
     yield name, tensor

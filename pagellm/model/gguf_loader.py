@@ -20,9 +20,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize, quant_shape_to_byte_shape
 
-from pagellm.kernels.quant_formats import QuantizedWeight
+from pagellm.kernels.quant_formats import QuantizedRows
 from pagellm.model.arch_config import ModelArchConfig
-from pagellm.model.gguf_blocks import GGUF_FORMATS, from_gguf_blocks
+from pagellm.model.gguf_blocks import GGUF_FORMATS, GGUFRows
 from pagellm.model.gguf_families import (
     ROPE_FACTOR_TENSORS, architecture, family, hf_config, hf_tensor_name, hf_tensors,
 )
@@ -101,6 +101,7 @@ class GGUFFile:
     def __init__(self, path: str) -> None:
         self.path = path
         self._data = np.memmap(path, dtype=np.uint8, mode="r")
+        self.data: np.ndarray = self._data  # the file's bytes, memory-mapped
         buf = memoryview(self._data)
         self._buf = buf
         magic, version = struct.unpack_from("<II", buf, 0)
@@ -180,6 +181,7 @@ class _ReaderAdapter:
     def __init__(self, path: str) -> None:
         reader = GGUFReader(path, "r")
         self.path = path
+        self.data: np.ndarray = reader.data
         self.tensors = reader.tensors
         self.fields = {}
         for key, field in reader.fields.items():
@@ -298,7 +300,7 @@ def arch_config_from_gguf(reader: GGUFFile | _ReaderAdapter) -> ModelArchConfig:
     if scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(read_metadata(reader, f"{prefix}.rope.scaling.factor"))}
     config.update(hf_config(prefix, meta))
-    factors = {ROPE_FACTOR_TENSORS[t.name]: _dequantized(t).tolist() for t in reader.tensors if t.name in ROPE_FACTOR_TENSORS}
+    factors = {ROPE_FACTOR_TENSORS[t.name]: _dequantized(reader, t).tolist() for t in reader.tensors if t.name in ROPE_FACTOR_TENSORS}
     if factors:  # Phi-3 LongRoPE (its attention factor follows from the two context lengths, as HF's)
         config["rope_scaling"] = {"rope_type": "longrope", **factors,
                                   "original_max_position_embeddings": config["original_max_position_embeddings"]}
@@ -315,13 +317,13 @@ def gguf_chat_template(path: str) -> str | None:
     return read_metadata(open_gguf(path), "tokenizer.chat_template", None)
 
 
-def _dequantized(tensor: Any) -> torch.Tensor:
+def _dequantized(reader: GGUFFile | _ReaderAdapter, tensor: Any) -> torch.Tensor:
     """One GGUF tensor as a float32 torch tensor in HF shape (GGUF lists dims reversed): the
     types the integer GEMM keeps through their blocks (torch ops, bit-identical to gguf-py's
     numpy path: the same float32 products and sums, and several times faster), others through
     gguf-py."""
     shape = tuple(reversed([int(d) for d in tensor.shape]))
-    blocks = _kept_blocks(tensor)
+    blocks = _kept_blocks(reader, tensor)
     if isinstance(blocks, list):
         return torch.stack([expert.dequantize() for expert in blocks]).reshape(shape)
     if blocks is not None:
@@ -330,17 +332,17 @@ def _dequantized(tensor: Any) -> torch.Tensor:
     return torch.from_numpy(data).reshape(shape)
 
 
-def _kept_blocks(tensor: Any) -> QuantizedWeight | list[QuantizedWeight] | None:
-    """A 2-D tensor of a type in ``GGUF_FORMATS`` as its blocks (a 3-D one, every expert's
-    in one, as a list of each expert's); None for other tensors, and for a Q4_0 whose scales
-    overflow the q4 offset (it is then dequantized like other types)."""
+def _kept_blocks(reader: GGUFFile | _ReaderAdapter, tensor: Any) -> QuantizedRows | list[QuantizedRows] | None:
+    """A 2-D tensor of a type in ``GGUF_FORMATS`` as its rows in the file (a 3-D one, every
+    expert's in one, as a list of each expert's); None for other tensors, and for rows that are
+    not whole blocks (they are then dequantized like other types)."""
     if tensor.tensor_type not in GGUF_FORMATS or len(tensor.shape) not in (2, 3):
         return None
     data, k = np.asarray(tensor.data), int(tensor.shape[0])
     try:
         if len(tensor.shape) == 3:
-            return [from_gguf_blocks(data[expert], tensor.tensor_type, k) for expert in range(data.shape[0])]
-        return from_gguf_blocks(data, tensor.tensor_type, k)
+            return [GGUFRows.of(reader.data, data[expert], tensor.tensor_type, k) for expert in range(data.shape[0])]
+        return GGUFRows.of(reader.data, data, tensor.tensor_type, k)
     except ValueError:
         return None
 
@@ -352,11 +354,11 @@ def iter_gguf_weights(
     keep_float32: bool = False,
     keep_quantized: bool = False,
     keep: Callable[[str], bool] = lambda name: True,
-) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
     """Yield ``(hf_name, tensor)`` for every tensor, dequantized into ``dtype`` (float32 with
     ``keep_float32``: for a caller that casts while copying), one at a time; with
     ``keep_quantized``, 2-D tensors of the types in ``GGUF_FORMATS`` come as their blocks (a
-    :class:`QuantizedWeight`), not dequantized; only the tensors ``keep`` names."""
+    :class:`GGUFRows`, read when packed), not dequantized; only the tensors ``keep`` names."""
     gguf_arch = _gguf_arch(reader)
     heads = {"q_proj": arch.num_attention_heads, "k_proj": arch.num_key_value_heads}
     for tensor in reader.tensors:
@@ -365,11 +367,11 @@ def iter_gguf_weights(
         name = hf_tensor_name(tensor.name, gguf_arch)
         if not keep(name):  # another pipeline stage's: never read
             continue
-        blocks = _kept_blocks(tensor) if keep_quantized else None
+        blocks = _kept_blocks(reader, tensor) if keep_quantized else None
         if blocks is not None:
             yield from hf_tensors(name, blocks, gguf_arch, heads)
             continue
-        weight = _dequantized(tensor)
+        weight = _dequantized(reader, tensor)
         # Float32 as dequantized: the copy into the model's parameter casts to its dtype in the
         # same pass (``dtype`` only matters to callers that keep the tensors themselves).
         weight = weight if dtype == torch.float32 or keep_float32 else weight.to(dtype)

@@ -23,7 +23,7 @@ from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.distributed.pipeline import PipelineStage
 from pagellm.distributed.tensor_parallel import TensorParallel
 from pagellm.kernels.plan import KernelPlan
-from pagellm.kernels.quant_formats import QuantizedWeight
+from pagellm.kernels.quant_formats import QuantizedRows
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.cpu_linear import pack_linear_layers
 from pagellm.model.fused_stack import FusedDecoderStack
@@ -31,6 +31,7 @@ from pagellm.model.layer_spec import LayerSpec, layer_specs
 from pagellm.model.layers import RotaryEmbedding, apply_rotary_, make_rms_norm
 from pagellm.model.mlp import LlamaMLP
 from pagellm.model.moe import SparseMoeBlock
+from pagellm.model.quant_embedding import QuantizedEmbedding, embedding_for_plan
 from pagellm.model.quant_linear import QuantizedLinear, linear_for_plan
 from pagellm.model.step_route import StepRoute, route_step
 from pagellm.model.weight_names import checkpoint_parts, mlp_weight_names
@@ -186,7 +187,7 @@ class LlamaModel(nn.Module):
         # Under pipeline parallelism only stage 0 embeds token ids; the last stage keeps the
         # embedding too where the LM head shares its matrix (tied weights).
         embeds = pp is None or pp.is_first or (pp.is_last and arch.tie_word_embeddings)
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size) if embeds else None
+        self.embed_tokens = embedding_for_plan(arch.vocab_size, arch.hidden_size, plan) if embeds else None
         layer_arch = arch.shard(tp.size) if tp is not None else arch  # this rank's share of each layer
         self.start, self.end = (pp.start, pp.end) if pp is not None else (0, arch.num_hidden_layers)
         # Every layer index keeps its place (HF names: model.layers.N); another stage's is empty.
@@ -397,7 +398,7 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head is not None
         return True
 
-    def _load_one(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor | QuantizedWeight) -> None:
+    def _load_one(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor | QuantizedRows) -> None:
         """Copy one HF tensor into its (possibly fused) destination rows (a quantized linear
         takes its weight as it comes; everything else is dense)."""
         if self.tp is not None:
@@ -405,10 +406,10 @@ class LlamaForCausalLM(nn.Module):
         target_name, rows = self._destination(name)
         module_name, _, attr = target_name.rpartition(".")
         module = self._submodule_or_none(module_name) if target_name not in params else None
-        if isinstance(module, QuantizedLinear) and attr == "weight":
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)) and attr == "weight":
             module.load_rows(rows, tensor)
             return
-        if isinstance(tensor, QuantizedWeight):
+        if not isinstance(tensor, torch.Tensor):
             tensor = tensor.dequantize()
         if target_name not in params:
             raise ValueError(f"unexpected weight {name!r} for {self.arch.architecture}")

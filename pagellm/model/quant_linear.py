@@ -12,6 +12,8 @@ copy would not fit the memory, the integer GEMM on AMX tiles.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.nn.utils import skip_init
@@ -19,8 +21,20 @@ from torch.nn.utils import skip_init
 from pagellm.kernels import quant_formats
 from pagellm.kernels.library import KernelLibrary
 from pagellm.kernels.plan import KernelPlan
-from pagellm.kernels.quant_formats import AMX_FORMATS, QuantizedWeight, common_format, concat_rows, quantize_q8
+from pagellm.kernels.quant_formats import (
+    AMX_FORMATS, QuantizedRows, QuantizedWeight, common_format, concat_rows, quantize_q8,
+)
 from pagellm.model.cpu_linear import KernelLinear, KernelSiluAndMulLinear, kernel_gemm_fits
+from pagellm.model.gguf_blocks import GGUFRows, pack_gguf_rows
+
+
+@dataclass(frozen=True)
+class PackedPart:
+    """Consecutive output rows of a quantized linear in one format, packed for the kernel."""
+
+    format: str
+    packed: torch.Tensor
+    rows: int
 
 
 class QuantizedLinear(nn.Module):
@@ -41,9 +55,11 @@ class QuantizedLinear(nn.Module):
         self.silu_mul = silu_mul
         self.bias = nn.Parameter(torch.empty(weight_rows)) if bias else None
         self.kernels = lib
-        self.format = ""
-        self.packed = torch.empty(0, dtype=torch.uint8)
-        self._shards: list[tuple[int, QuantizedWeight]] = []  # (first row, weight) until packed
+        # The packed weight: one part, or (a fused q/k/v whose GGUF shards differ in format, as
+        # Q4_K_M's Q4_K q and k next to a Q6_K v) one part per run of shards of one format, each
+        # kept at its file's bits rather than all re-quantized to one format.
+        self.parts: tuple[PackedPart, ...] = ()
+        self._shards: list[tuple[int, QuantizedRows]] = []  # (first row, weight) until packed
         self.dense_above_rows = dense_above_rows  # None: the integer GEMM at every batch size
         self.dense_gemm = dense_gemm  # the GEMM path of the dense copy
         self.dense: nn.Module | None = None
@@ -51,45 +67,56 @@ class QuantizedLinear(nn.Module):
         if dense_above_rows is not None and amx_above_rows is not None:
             raise ValueError("a quantized linear runs big batches on a dense copy or on AMX tiles, not both")
 
-    def load_rows(self, rows: slice | None, weight: torch.Tensor | QuantizedWeight) -> None:
-        """Take the weight rows ``rows`` (None: all) from a checkpoint tensor: a
-        :class:`QuantizedWeight` as it is, a dense tensor quantized to q8 blocks."""
+    def load_rows(self, rows: slice | None, weight: torch.Tensor | QuantizedRows) -> None:
+        """Take the weight rows ``rows`` (None: all) from a checkpoint tensor: quantized rows as
+        they are (GGUF rows still in the file), a dense tensor quantized to q8 blocks."""
         start, stop = (0, self.weight_rows) if rows is None else (rows.start or 0, rows.stop)
-        count = weight.rows if isinstance(weight, QuantizedWeight) else weight.shape[0]
-        width = weight.k if isinstance(weight, QuantizedWeight) else weight.shape[1]
+        count, width = tuple(weight.shape) if isinstance(weight, torch.Tensor) else (weight.rows, weight.k)
         if count != stop - start or width != self.in_features:
             raise ValueError(f"weight has shape ({count}, {width}), expected ({stop - start}, {self.in_features})")
-        if self.format:
+        if self.parts:
             raise ValueError("this quantized weight is already loaded and packed")
-        quantized = weight if isinstance(weight, QuantizedWeight) else quantize_q8(weight)
+        quantized = quantize_q8(weight) if isinstance(weight, torch.Tensor) else weight
         self._shards = [(s, w) for s, w in self._shards if s != start] + [(start, quantized)]
         if sum(w.rows for _, w in self._shards) == self.weight_rows:
             self._pack()  # now, not at the end of the checkpoint: unpacked codes take 2x the bytes
 
     def finish_loading(self) -> None:
         """Check that every row has arrived (each weight is packed as soon as it has)."""
-        if not self.format:
+        if not self.parts:
             covered = sum(w.rows for _, w in self._shards)
             raise ValueError(f"quantized weight has {covered} of {self.weight_rows} rows")
 
     def _pack(self) -> None:
-        """Pack the shards: one format for the whole weight (``common_format``),
-        and the dense copy where the plan wants one and the dense GEMM takes this shape."""
+        """Pack the shards: straight from the file where they are GGUF rows of one format the
+        kernel packs, else through one format for the whole weight (``common_format``); and
+        the dense copy where the plan wants one and the dense GEMM takes this shape."""
         parts = [w for _, w in sorted(self._shards, key=lambda item: item[0])]
-        weight = concat_rows(common_format(parts))
-        self.format = weight.format
-        self.packed = quant_formats.pack_silu_mul(weight) if self.silu_mul else quant_formats.pack(weight)
+        rows = [p for p in parts if isinstance(p, GGUFRows)]
+        runs = _format_runs(rows) if len(rows) == len(parts) and not self.silu_mul else [rows]
+        packed = [pack_gguf_rows(run, self.silu_mul, self.kernels) for run in runs] if len(rows) == len(parts) else [None]
+        if all(p is not None for p in packed):
+            self.parts = tuple(PackedPart(run[0].format, p, sum(r.rows for r in run)) for run, p in zip(runs, packed))  # type: ignore[arg-type]
+        else:
+            weight = concat_rows(common_format([p.weight() if isinstance(p, GGUFRows) else p for p in parts]))  # type: ignore[misc]
+            packed_weight = quant_formats.pack_silu_mul(weight) if self.silu_mul else quant_formats.pack(weight)
+            self.parts = (PackedPart(weight.format, packed_weight, weight.rows),)
         if self.dense_above_rows is not None:
-            self.dense = self._dense_copy(weight)
+            self.dense = self._dense_copy(parts)
+        for part in rows:
+            part.release()
         self._shards = []
 
-    def _dense_copy(self, weight: QuantizedWeight) -> nn.Module | None:
+    def _dense_copy(self, parts: list[QuantizedRows]) -> nn.Module | None:
         """The bf16 copy on the plan's dense GEMM, or None where that GEMM does not take this
         shape (then every batch runs the integer GEMM)."""
         linear = skip_init(nn.Linear, self.in_features, self.weight_rows, bias=False, dtype=torch.bfloat16)
         if not kernel_gemm_fits(linear, self.dense_gemm):
             return None
-        linear.weight.data.copy_(weight.dequantize())
+        start = 0
+        for part in parts:  # one part at a time: a float32 copy of the whole weight never exists
+            linear.weight.data[start : start + part.rows].copy_(part.dequantize())
+            start += part.rows
         if self.silu_mul:
             return KernelSiluAndMulLinear(linear, self.out_features, self.kernels, self.dense_gemm)
         return KernelLinear(linear, self.kernels, self.dense_gemm)
@@ -102,16 +129,28 @@ class QuantizedLinear(nn.Module):
             return self.forward(x.reshape(-1, shape[-1])).view(*shape[:-1], self.out_features)
         if self.dense is not None and x.shape[0] > self.dense_above_rows:  # type: ignore[operator]
             out = self.dense(x)
-        else:
+        elif len(self.parts) == 1:
             epilogue = "silu_mul" if self.silu_mul else "none"
-            out = self.kernels.gemm_q(x, self.packed, self.format, self.out_features, epilogue, self.uses_amx(x.shape[0]))
+            part = self.parts[0]
+            out = self.kernels.gemm_q(x, part.packed, part.format, self.out_features, epilogue, self.uses_amx(x.shape[0]))
+        else:
+            out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+            start, amx = 0, self.uses_amx(x.shape[0])
+            for part in self.parts:
+                self.kernels.gemm_q(x, part.packed, part.format, part.rows, "none", amx, out[:, start : start + part.rows])
+                start += part.rows
         return out if self.bias is None else out.add_(self.bias)
+
+    @property
+    def format(self) -> str:
+        """The packed format ("" until loaded; parts of several formats joined by "+")."""
+        return "+".join(part.format for part in self.parts)
 
     @property
     def big_batches_on_amx(self) -> bool:
         """Whether batches above ``amx_above_rows`` run on AMX tiles: the plan's choice, where
         the tiles take this weight's format (q5f and q6k stay on the dot products)."""
-        return self.amx_above_rows is not None and self.format in AMX_FORMATS
+        return self.amx_above_rows is not None and all(part.format in AMX_FORMATS for part in self.parts)
 
     def uses_amx(self, rows: int) -> bool:
         """Whether a batch of ``rows`` runs the integer GEMM on AMX tiles."""
@@ -121,6 +160,17 @@ class QuantizedLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"silu_mul={self.silu_mul}, format={self.format or 'unloaded'}, "
                 f"dense_above_rows={self.dense_above_rows}, amx_above_rows={self.amx_above_rows}")  # fmt: skip
+
+
+def _format_runs(rows: list[GGUFRows]) -> list[list[GGUFRows]]:
+    """Consecutive shards grouped while they share a GGUF type."""
+    runs: list[list[GGUFRows]] = []
+    for part in rows:
+        if runs and runs[-1][0].qtype == part.qtype:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return runs
 
 
 def quantized_plan(plan: KernelPlan | None) -> bool:

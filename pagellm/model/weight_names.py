@@ -13,10 +13,10 @@ import re
 
 import torch
 
-from pagellm.kernels.quant_formats import QuantizedWeight
+from pagellm.kernels.quant_formats import QuantizedRows
 from pagellm.model.arch_config import ModelArchConfig
 
-Tensor = torch.Tensor | QuantizedWeight
+Tensor = torch.Tensor | QuantizedRows
 
 # Architecture -> (pattern, replacement) applied to each checkpoint name in order.
 _RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
@@ -78,14 +78,14 @@ def _split_prefused(arch: ModelArchConfig, match: re.Match[str], tensor: Tensor)
     else:
         parts = [("mlp.gate_proj", arch.intermediate_size), ("mlp.up_proj", arch.intermediate_size)]
     name = match.string
-    rows = tensor.rows if isinstance(tensor, QuantizedWeight) else tensor.shape[0]
+    rows = tensor.shape[0] if isinstance(tensor, torch.Tensor) else tensor.rows
     if rows != sum(size for _, size in parts):
         raise ValueError(f"weight {name!r} has {rows} rows, expected {sum(size for _, size in parts)}")
     prefix = match["prefix"].rsplit(".", 2)[0] + "."  # "model.layers.N."
     out, start = [], 0
     for part, size in parts:
         rows_slice = slice(start, start + size)
-        piece = tensor.select_rows(rows_slice) if isinstance(tensor, QuantizedWeight) else tensor[rows_slice]
+        piece = tensor[rows_slice] if isinstance(tensor, torch.Tensor) else tensor.select_rows(rows_slice)
         out.append((f"{prefix}{part}.{match['kind']}", piece))
         start += size
     return out
@@ -96,8 +96,8 @@ def _split_stacked_experts(arch: ModelArchConfig, match: re.Match[str], tensor: 
     gate and up / down weight."""
     name, inter, hidden = match.string, arch.moe_intermediate_size, arch.hidden_size
     expected = (arch.num_experts, 2 * inter, hidden) if match["fused"] == "gate_up_proj" else (arch.num_experts, hidden, inter)
-    if isinstance(tensor, QuantizedWeight) or tuple(tensor.shape) != expected:
-        shape = "quantized" if isinstance(tensor, QuantizedWeight) else tuple(tensor.shape)
+    if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != expected:
+        shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else "quantized"
         raise ValueError(f"weight {name!r} is {shape}, expected a dense tensor of shape {expected}")
     prefix = match["prefix"]
     if match["fused"] == "down_proj":

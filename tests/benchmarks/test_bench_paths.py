@@ -169,6 +169,20 @@ def test_cli_memory_and_throughput(tiny_llama_path, tmp_path, capsys):
     assert report["results"][0]["output_tokens"] == 4
 
 
+def test_startup_times_fresh_processes(tiny_llama_path, tmp_path, capsys):
+    """Each round a new process: its launch-to-ready time covers its own import and engine
+    build, and its peak memory is reported against the weights plus the KV pool."""
+    out = tmp_path / "startup.json"
+    assert bench_cli(["startup", "--model", tiny_llama_path, "--repeats", "1", "--kv-cache-memory", "64MiB",
+                      "--dtype", "float32", "--output-json", str(out), "--no-progress"]) == 0
+    report = json.loads(out.read_text())
+    (only,) = report["rounds"]
+    assert only["launch_to_ready_s"] > only["import_s"] + only["engine_s"] > 0
+    assert only["kv_pool_bytes"] == 64 << 20 and only["peak_rss_bytes"] > report["weights_bytes"]
+    assert report["peak_rss_over_weights_plus_kv"] == only["peak_rss_bytes"] / (report["weights_bytes"] + (64 << 20))
+    assert "launch->ready s" in capsys.readouterr().out
+
+
 def test_add_bench_subparser_wires_handler():
     import argparse
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from safetensors.torch import load_file
 
 # HF block tensor (after "model.layers.N.") -> GGUF block tensor name.
@@ -151,3 +151,19 @@ def write_gguf(hf_folder: str, out: Path, tokenizer_gguf: str) -> str:
 def gguf_tensors(path: str) -> dict[str, np.ndarray]:
     """Every tensor of a GGUF file by name (for comparing two files)."""
     return {t.name: np.asarray(t.data) for t in GGUFReader(path).tensors}
+
+
+def _half_bytes(value: float) -> np.ndarray:
+    return np.frombuffer(np.array([value], dtype=np.float16).tobytes(), dtype=np.uint8)
+
+
+def random_k_quant(qtype: GGMLQuantizationType, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant super-blocks (gguf-py has no quantizer for them) with sane fp16 scales."""
+    size = {GGMLQuantizationType.Q4_K: 144, GGMLQuantizationType.Q5_K: 176, GGMLQuantizationType.Q6_K: 210}[qtype]
+    raw = rng.integers(0, 256, (rows, k // 256 * size), dtype=np.uint8)
+    supers = raw.reshape(rows, k // 256, size)
+    if qtype == GGMLQuantizationType.Q6_K:
+        supers[..., 208:210] = _half_bytes(0.0021)
+    else:
+        supers[..., 0:2], supers[..., 2:4] = _half_bytes(0.0123), _half_bytes(0.0047)
+    return raw

@@ -21,6 +21,7 @@ from pagellm.kernels.build import load_library
 from pagellm.kernels.isa import usable_cpu_flags
 from pagellm.kernels.library import KernelLibrary
 from pagellm.model.gguf_blocks import from_gguf_blocks
+from tests.helpers.gguf_writer import random_k_quant
 
 # (compiler flags, CPU flags the path needs to run, the path the build reports)
 PATHS = [
@@ -240,22 +241,6 @@ def test_gguf_blocks_mean_what_gguf_says(qtype: GGMLQuantizationType) -> None:
     assert torch.equal(weight.dequantize(), torch.from_numpy(dequantize(raw, qtype)))
     permutation = torch.randperm(24, generator=torch.Generator().manual_seed(0))
     assert torch.equal(weight.select_rows(permutation).dequantize(), weight.dequantize()[permutation])
-
-
-def _half_bytes(value: float) -> np.ndarray:
-    return np.frombuffer(np.array([value], dtype=np.float16).tobytes(), dtype=np.uint8)
-
-
-def random_k_quant(qtype: GGMLQuantizationType, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Random K-quant super-blocks (gguf-py has no quantizer for them) with sane fp16 scales."""
-    size = {GGMLQuantizationType.Q4_K: 144, GGMLQuantizationType.Q5_K: 176, GGMLQuantizationType.Q6_K: 210}[qtype]
-    raw = rng.integers(0, 256, (rows, k // 256 * size), dtype=np.uint8)
-    supers = raw.reshape(rows, k // 256, size)
-    if qtype == GGMLQuantizationType.Q6_K:
-        supers[..., 208:210] = _half_bytes(0.0021)
-    else:
-        supers[..., 0:2], supers[..., 2:4] = _half_bytes(0.0123), _half_bytes(0.0047)
-    return raw
 
 
 K_QUANTS = {GGMLQuantizationType.Q4_K: "q4k", GGMLQuantizationType.Q5_K: "q5f", GGMLQuantizationType.Q6_K: "q6k"}

@@ -78,7 +78,7 @@ def test_quantized_experts_keep_their_blocks(gguf_families: dict[str, tuple[str,
     the values a dequantizing load gives; the engine runs them on the integer GEMM."""
     from gguf import GGMLQuantizationType
 
-    from pagellm.kernels.quant_formats import QuantizedWeight
+    from pagellm.model.gguf_blocks import GGUFRows
     from pagellm.model.gguf_loader import iter_gguf_weights, open_gguf
 
     q8 = str(tmp_path / "mixtral-q8_0.gguf")
@@ -87,7 +87,7 @@ def test_quantized_experts_keep_their_blocks(gguf_families: dict[str, tuple[str,
     kept = dict(iter_gguf_weights(open_gguf(q8), arch, keep_quantized=True))
     dense = dict(iter_gguf_weights(open_gguf(q8), arch))
     name = "model.layers.1.mlp.experts.3.up_proj.weight"
-    assert isinstance(kept[name], QuantizedWeight) and kept[name].format == "q8"
+    assert isinstance(kept[name], GGUFRows) and kept[name].format == "q8"
     assert torch.equal(kept[name].dequantize(), dense[name])
     llm = LLM(q8, dtype="bfloat16")
     if llm.llm_engine.executor.kernel_plan.weights == "gguf":  # (a CPU with the integer GEMM)

@@ -99,18 +99,21 @@ def requantized_default(tmp_path_factory: pytest.TempPathFactory) -> dict[str, s
 
     folder = tmp_path_factory.mktemp("requantized")
     files = {}
-    for name, linears, down in (("q5_1-q6_k", T.Q5_1, T.Q6_K), ("q5_0-q5_k", T.Q5_0, T.Q5_K)):
+    mixes = (("q5_1-q6_k", T.Q5_1, T.Q6_K, None), ("q5_0-q5_k", T.Q5_0, T.Q5_K, None), ("q4_0-v-q8_0", T.Q4_0, None, T.Q8_0))
+    for name, linears, down, v in mixes:
         files[name] = str(folder / f"{name}.gguf")
-        changed = requantize_gguf(default_model_path(), files[name], linears, down)
-        assert set(changed.values()) == {linears.name, down.name}
+        changed = requantize_gguf(default_model_path(), files[name], linears, down, v)
+        assert set(changed.values()) == {t.name for t in (linears, down, v) if t is not None}
     return files
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,formats", [("q5_1-q6_k", ("q5f", "q6k")), ("q5_0-q5_k", ("q5f", "q5f"))])
+@pytest.mark.parametrize("name,formats", [("q5_1-q6_k", ("q5f", "q6k")), ("q5_0-q5_k", ("q5f", "q5f")),
+                                          ("q4_0-v-q8_0", ("q4s+q8", "q4s"))])  # fmt: skip
 def test_k_quants_in_their_own_blocks(requantized_default: dict[str, str], name: str,
                                       formats: tuple[str, str]) -> None:
-    """Q5_0 / Q5_1 / Q5_K / Q6_K weights served in their own blocks (one C++ call for the stack)
+    """Q5_0 / Q5_1 / Q5_K / Q6_K weights served in their own blocks (one C++ call for the stack),
+    and a fused q/k/v whose v has a type of its own kept in two parts (Q4_0 q and k, Q8_0 v),
     give the dense float32 model's greedy tokens wherever its margin is clear."""
     path = requantized_default[name]
     quantized = LLM(path, dtype="float32", quantization="gguf", num_kv_blocks=128)

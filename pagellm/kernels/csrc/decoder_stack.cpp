@@ -34,6 +34,9 @@ struct PagellmLinear {
     int32_t format;    // integer GEMM: its w_format; AVX2 GEMM: w_dtype (0 float32, 1 bf16)
     int32_t epilogue;  // that GEMM's epilogue code (gate_up: its silu_mul)
     int32_t reserved;
+    int64_t cols;                // with next: the output columns this part computes (the first ones)
+    const PagellmLinear* next;   // the part computing the following columns (a q/k/v of another
+                                 // format), or null: this part computes them all
 };
 
 // One layer's linears, norm weights (model dtype), caches and attention variant (the fields of
@@ -90,21 +93,36 @@ struct PagellmStack {
 
 namespace {
 
-// c[m, n] = a[m, k] (rows k apart) @ W^T on the linear's GEMM.
-int linear(const PagellmLinear& w, const void* a, int64_t m, int64_t k, void* c, int64_t n, int dtype, int threads) {
+// c[m, n] (rows ldc apart) = a[m, k] (rows k apart) @ W^T on one part's GEMM.
+int linear_part(const PagellmLinear& w, const void* a, int64_t m, int64_t k, void* c, int64_t n, int64_t ldc,
+                int dtype, int threads) {
     switch (w.kind) {
         case 0:
         case 4:
-            return pagellm_gemm_q(a, k, m, k, w.weight, n, c, n, dtype, w.format, w.epilogue, threads, w.kind == 4);
+            return pagellm_gemm_q(a, k, m, k, w.weight, n, c, ldc, dtype, w.format, w.epilogue, threads, w.kind == 4);
         case 1:
         case 2:
             if (dtype != 1) return -1;
-            return pagellm_gemm_bf16(a, k, m, k, w.weight, n, c, n, w.epilogue, threads, w.kind == 2);
+            return pagellm_gemm_bf16(a, k, m, k, w.weight, n, c, ldc, w.epilogue, threads, w.kind == 2);
         case 3:
-            return pagellm_gemm_avx2(a, k, m, k, w.weight, n, c, n, dtype, w.format, w.epilogue, threads);
+            return pagellm_gemm_avx2(a, k, m, k, w.weight, n, c, ldc, dtype, w.format, w.epilogue, threads);
         default:
             return -1;
     }
+}
+
+// c[m, n] = a[m, k] (rows k apart) @ W^T: each part of the linear into its columns.
+int linear(const PagellmLinear& w, const void* a, int64_t m, int64_t k, void* c, int64_t n, int dtype, int threads) {
+    const int64_t elem = dtype == 1 ? 2 : 4;
+    int64_t done = 0;
+    for (const PagellmLinear* part = &w; part != nullptr; part = part->next) {
+        const int64_t cols = part->next != nullptr ? part->cols : n - done;
+        if (cols <= 0 || done + cols > n) return -1;
+        const int rc = linear_part(*part, a, m, k, static_cast<char*>(c) + done * elem, cols, n, dtype, threads);
+        if (rc != 0) return rc;
+        done += cols;
+    }
+    return 0;
 }
 
 // qkv rows += bias, rounded to the dtype as torch's add_.
