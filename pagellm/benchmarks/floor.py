@@ -86,9 +86,7 @@ def decode_weight_bytes(model: nn.Module) -> int:
             embedding_rows[module.weight.data_ptr()] = module.weight.shape[1] * module.weight.element_size()
             return
         if isinstance(module, QuantizedEmbedding):  # one row, as the file stores it (or the dense table's)
-            held = module.rows if module.rows is not None else module.table
-            row = module.rows.row_bytes if module.rows is not None else module.table[0].nbytes  # type: ignore[index]
-            embedding_rows[id(held)] = row
+            embedding_rows[id(module)] = module.rows.row_bytes if module.rows is not None else module.table[0].nbytes
             return
         tensors = list(module.parameters(recurse=False))
         tensors += [t for name in _PACKED_ATTRIBUTES if isinstance(t := getattr(module, name, None), torch.Tensor)]

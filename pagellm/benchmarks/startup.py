@@ -61,11 +61,10 @@ def _one_round(cfg: StartupConfig) -> dict[str, Any]:
 
 def run_startup(cfg: StartupConfig) -> dict[str, Any]:
     """Rounds one after another; medians and each round."""
-    from pagellm.model.loader import resolve_model_path
+    from pagellm.model.loader import is_gguf, resolve_model_path, safetensors_files
 
     path = resolve_model_path(cfg.model)
-    weights = os.path.getsize(path) if os.path.isfile(path) else sum(
-        os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))  # fmt: skip
+    weights = os.path.getsize(path) if is_gguf(path) else sum(f.stat().st_size for f in safetensors_files(path))
     rounds = [_one_round(cfg) for _ in range(cfg.repeats)]
     median = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
     floor = weights + median["kv_pool_bytes"]

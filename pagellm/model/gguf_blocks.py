@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
 from pagellm.kernels.library import KernelLibrary
@@ -43,10 +44,11 @@ class GGUFRows:
     @classmethod
     def of(cls, source: np.ndarray, data: np.ndarray, qtype: T, k: int) -> GGUFRows:
         """The rows of ``data`` ([rows, bytes a row], a view into ``source``)."""
-        if qtype not in GGUF_FORMATS or k % _unit(qtype):
+        weights, block_bytes = GGML_QUANT_SIZES[qtype]
+        if qtype not in GGUF_FORMATS or k % weights:
             raise ValueError(f"GGUF type {qtype.name} with k={k} is not kept packed")
         start = data.ctypes.data - source.ctypes.data
-        if not 0 <= start <= source.nbytes - data.nbytes or data.shape[1] != k // _unit(qtype) * _unit_bytes(qtype):
+        if not 0 <= start <= source.nbytes - data.nbytes or data.shape[1] != k // weights * block_bytes:
             raise ValueError("GGUF tensor data is not a [rows, row bytes] view of its file")
         return cls(source, qtype, k, start + torch.arange(data.shape[0], dtype=torch.int64) * data.shape[1])
 
@@ -62,7 +64,8 @@ class GGUFRows:
     @property
     def row_bytes(self) -> int:
         """Bytes of one row in the file."""
-        return self.k // _unit(self.qtype) * _unit_bytes(self.qtype)
+        weights, block_bytes = GGML_QUANT_SIZES[self.qtype]
+        return self.k // weights * block_bytes
 
     def select_rows(self, rows: torch.Tensor | slice) -> GGUFRows:
         """These rows only (a permutation or a slice)."""
@@ -71,12 +74,13 @@ class GGUFRows:
     def select_blocks(self, start: int, stop: int) -> GGUFRows | QuantizedWeight:
         """Blocks of 32 ``start:stop`` along k; cut inside a K-quant's super-block, as
         :meth:`QuantizedWeight.select_blocks` gives them (q4k widened to q4f)."""
-        unit = _unit(self.qtype) // BLOCK
+        weights, block_bytes = GGML_QUANT_SIZES[self.qtype]  # a K-quant's block: its super-block
+        unit = weights // BLOCK
         if not 0 <= start < stop <= self.k // BLOCK:
             raise ValueError(f"blocks {start}:{stop} of a weight with {self.k // BLOCK} blocks")
         if start % unit or stop % unit:
             return self.weight().select_blocks(start, stop)
-        skip = start // unit * _unit_bytes(self.qtype)
+        skip = start // unit * block_bytes
         return GGUFRows(self.source, self.qtype, (stop - start) * BLOCK, self.offsets + skip)
 
     def raw(self) -> np.ndarray:
@@ -104,15 +108,6 @@ class GGUFRows:
         if self.rows:
             end = int(self.offsets.max()) + self.row_bytes
             _drop_pages(self.source, int(self.offsets.min()), end)
-
-
-def _unit(qtype: T) -> int:
-    """Weights a GGUF block of this type holds (a K-quant's super-block: 256)."""
-    return _SUPER if qtype in _SUPER_BYTES else BLOCK
-
-
-def _unit_bytes(qtype: T) -> int:
-    return _SUPER_BYTES.get(qtype) or {T.Q4_0: 18, T.Q4_1: 20, T.Q8_0: 34, T.Q5_0: 22, T.Q5_1: 24}[qtype]
 
 
 _MADV_DONTNEED = 4  # Linux

@@ -100,9 +100,8 @@ class GGUFFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._data = np.memmap(path, dtype=np.uint8, mode="r")
-        self.data: np.ndarray = self._data  # the file's bytes, memory-mapped
-        buf = memoryview(self._data)
+        self.data: np.ndarray = np.memmap(path, dtype=np.uint8, mode="r")  # the file's bytes
+        buf = memoryview(self.data)
         self._buf = buf
         magic, version = struct.unpack_from("<II", buf, 0)
         if magic != _GGUF_MAGIC or version not in (2, 3):

@@ -12,6 +12,7 @@ copy would not fit the memory, the integer GEMM on AMX tiles.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -92,20 +93,33 @@ class QuantizedLinear(nn.Module):
         kernel packs, else through one format for the whole weight (``common_format``); and
         the dense copy where the plan wants one and the dense GEMM takes this shape."""
         parts = [w for _, w in sorted(self._shards, key=lambda item: item[0])]
-        rows = [p for p in parts if isinstance(p, GGUFRows)]
-        runs = _format_runs(rows) if len(rows) == len(parts) and not self.silu_mul else [rows]
-        packed = [pack_gguf_rows(run, self.silu_mul, self.kernels) for run in runs] if len(rows) == len(parts) else [None]
-        if all(p is not None for p in packed):
-            self.parts = tuple(PackedPart(run[0].format, p, sum(r.rows for r in run)) for run, p in zip(runs, packed))  # type: ignore[arg-type]
+        from_file = self._packed_from_file(parts)
+        if from_file is not None:
+            self.parts = from_file
         else:
             weight = concat_rows(common_format([p.weight() if isinstance(p, GGUFRows) else p for p in parts]))  # type: ignore[misc]
             packed_weight = quant_formats.pack_silu_mul(weight) if self.silu_mul else quant_formats.pack(weight)
             self.parts = (PackedPart(weight.format, packed_weight, weight.rows),)
         if self.dense_above_rows is not None:
             self.dense = self._dense_copy(parts)
-        for part in rows:
-            part.release()
+        for part in parts:
+            if isinstance(part, GGUFRows):
+                part.release()
         self._shards = []
+
+    def _packed_from_file(self, parts: list[QuantizedRows]) -> tuple[PackedPart, ...] | None:
+        """The shards packed straight from the GGUF file, one part per run of one type (a silu_mul
+        gate/up: one part only), or None where the kernel does not take them so."""
+        if not all(isinstance(p, GGUFRows) for p in parts):
+            return None
+        runs = [parts] if self.silu_mul else [list(run) for _, run in itertools.groupby(parts, key=lambda p: p.qtype)]  # type: ignore[attr-defined]
+        packed = []
+        for run in runs:
+            weight = pack_gguf_rows(run, self.silu_mul, self.kernels)  # type: ignore[arg-type]
+            if weight is None:
+                return None
+            packed.append(PackedPart(run[0].format, weight, sum(p.rows for p in run)))
+        return tuple(packed)
 
     def _dense_copy(self, parts: list[QuantizedRows]) -> nn.Module | None:
         """The bf16 copy on the plan's dense GEMM, or None where that GEMM does not take this
@@ -160,17 +174,6 @@ class QuantizedLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"silu_mul={self.silu_mul}, format={self.format or 'unloaded'}, "
                 f"dense_above_rows={self.dense_above_rows}, amx_above_rows={self.amx_above_rows}")  # fmt: skip
-
-
-def _format_runs(rows: list[GGUFRows]) -> list[list[GGUFRows]]:
-    """Consecutive shards grouped while they share a GGUF type."""
-    runs: list[list[GGUFRows]] = []
-    for part in rows:
-        if runs and runs[-1][0].qtype == part.qtype:
-            runs[-1].append(part)
-        else:
-            runs.append([part])
-    return runs
 
 
 def quantized_plan(plan: KernelPlan | None) -> bool:

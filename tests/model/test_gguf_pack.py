@@ -154,3 +154,16 @@ def test_released_rows_read_again_from_the_file(tmp_path, lib: KernelLibrary) ->
     in_file.release()
     assert torch.equal(in_file.weight().dequantize(), before)
     assert packed is not None and torch.equal(packed, pack_gguf_rows([in_file], False, lib))
+
+
+def test_gemm_q_writes_only_into_an_output_of_its_shape(lib: KernelLibrary) -> None:
+    """``out=``: a column slice of a wider tensor is written in place; a wrong dtype, shape or
+    column stride is refused before the kernel runs."""
+    weight = qf.random_weight("q8", 16, 64, torch.Generator().manual_seed(10))
+    packed, x = qf.pack(weight), torch.randn(2, 64, generator=torch.Generator().manual_seed(11))
+    wide = torch.zeros(2, 40)
+    lib.gemm_q(x, packed, "q8", 16, out=wide[:, 8:24])
+    assert torch.equal(wide[:, 8:24], lib.gemm_q(x, packed, "q8", 16)) and not wide[:, :8].any() and not wide[:, 24:].any()
+    for bad in (torch.zeros(2, 16, dtype=torch.bfloat16), torch.zeros(2, 17), torch.zeros(16, 2).T, torch.zeros(3, 16)):
+        with pytest.raises(ValueError, match="out must be"):
+            lib.gemm_q(x, packed, "q8", 16, out=bad)
