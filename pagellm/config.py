@@ -85,16 +85,17 @@ class CacheConfig:
     """How big the paged KV cache is and how it is cut into blocks."""
 
     block_size: int = 16
-    kv_cache_memory: int | str = "1GiB"
+    kv_cache_memory: int | str = "auto"  # a size, or "auto": what memory the weights leave (worker/kv_budget.py)
     num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests, benchmarks)
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # or "fp8" / "fp8_e4m3": see resolve_kv_cache_dtype
-    kv_cache_bytes: int = field(init=False)
+    kv_cache_bytes: int | None = field(init=False)  # None: auto
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
-        self.kv_cache_bytes = parse_memory_size(self.kv_cache_memory)
+        auto = isinstance(self.kv_cache_memory, str) and self.kv_cache_memory.strip().lower() == "auto"
+        self.kv_cache_bytes = None if auto else parse_memory_size(self.kv_cache_memory)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)  # fail early on a bad name

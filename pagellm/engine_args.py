@@ -60,7 +60,9 @@ class EngineArgs:
         "re-quantized to int8 blocks; unless the dtype is float32), none (dequantized), gguf (as auto, required), "
         "int8 (any checkpoint's linears to int8 blocks)", choices=QUANTIZATION_CHOICES))
     block_size: int = field(default=16, metadata=_option("tokens per KV-cache block", kind=int))
-    kv_cache_memory: int | str = field(default="1GiB", metadata=_option("KV-cache budget, e.g. 512MiB or 2GiB"))
+    kv_cache_memory: int | str = field(default="auto", metadata=_option(
+        "KV-cache budget, e.g. 512MiB or 2GiB; auto: what memory is left once the weights are in (90%, less a step's "
+        "activations, shared by the ranks and replicas on this host)"))
     num_kv_blocks: int | None = field(default=None, metadata=_option(
         "exact number of KV blocks (overrides the memory budget)", kind=int))
     enable_prefix_caching: bool = field(default=True, metadata=_option(

@@ -28,7 +28,9 @@ from typing import Generic, TypeVar
 
 import torch
 from llguidance import LLExecutor, LLMatcher
-from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_par
+# llguidance.numpy, not llguidance.torch: the same calls, without the torch.compile that imports
+# torch's compiler stack (about 3 s of every start-up).
+from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 from transformers import PreTrainedTokenizerBase
 
 from pagellm.step import GrammarBitmask, ScheduledSequence
@@ -127,11 +129,11 @@ class StructuredOutputManager(Generic[Waiting]):
         start = time.perf_counter()
         bitmask = torch.empty(len(matchers), (self.vocab_size + 31) // 32, dtype=torch.int32)
         if len(matchers) == 1:
-            fill_next_token_bitmask(matchers[0][0], bitmask, 0)
+            fill_next_token_bitmask(matchers[0][0], bitmask.numpy(), 0)
         else:
             if self._executor is None:
                 self._executor = LLExecutor()
-            fill_next_token_bitmask_par(self._executor, matchers, bitmask)
+            fill_next_token_bitmask_par(self._executor, matchers, bitmask.numpy())
         self.mask_seconds += time.perf_counter() - start
         return GrammarBitmask(rows=rows, bitmask=bitmask)
 

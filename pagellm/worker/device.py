@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -27,16 +28,41 @@ def cuda_native_bf16(device: torch.device) -> bool:
         return torch.cuda.is_bf16_supported()
 
 
-def available_memory_bytes() -> int | None:
-    """Host memory the kernel could hand out now without swapping (``MemAvailable``), or None
-    where /proc/meminfo does not say."""
+def available_memory_bytes(device: torch.device | None = None) -> int | None:
+    """Memory this process could still take: a CUDA ``device``'s free memory; on the host,
+    ``MemAvailable`` (what the kernel could hand out without swapping) or, inside a
+    memory-limited cgroup, what the limit leaves if that is less. None where neither says."""
+    if device is not None and device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    known = [v for v in (_meminfo_available(), _cgroup_headroom()) if v is not None]
+    return min(known) if known else None
+
+
+def _meminfo_available(path: str = "/proc/meminfo") -> int | None:
     try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
+        with open(path, encoding="ascii") as meminfo:
             for line in meminfo:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
+    return None
+
+
+def _cgroup_headroom(root: str = "/sys/fs/cgroup") -> int | None:
+    """What this process's cgroup (v2 unified, or v1 memory) may still take, if it is limited."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):  # fmt: skip
+        try:
+            with open(os.path.join(root, limit_file), encoding="ascii") as f:
+                limit = f.read().strip()
+            with open(os.path.join(root, usage_file), encoding="ascii") as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if not limit.isdigit() or int(limit) >= 1 << 60:  # "max" (v2) or a huge number (v1): no limit
+            return None
+        return max(0, int(limit) - usage)
     return None
 
 

@@ -11,20 +11,28 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import torch
+import torch.distributed as dist
 
 from pagellm.attention import get_attention_backend
-from pagellm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, resolve_dtype, resolve_kv_cache_dtype
+from pagellm.config import DeviceConfig, EngineConfig, ModelConfig, resolve_dtype, resolve_kv_cache_dtype
 from pagellm.distributed.parallel_state import ParallelRank
 from pagellm.distributed.pipeline import stage_layers
 from pagellm.kernels.plan import KernelPlan
 from pagellm.model.arch_config import ModelArchConfig
-from pagellm.model.loader import auto_dtype, load_model, requested_weights, single_threaded
+from pagellm.model.loader import (
+    auto_dtype, is_gguf, load_arch_config, load_model, requested_weights, resolve_model_path, single_threaded,
+)
 from pagellm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from pagellm.utils import cdiv
-from pagellm.worker.device import auto_dtype_downcasts_float32, configure_threads, resolve_device
+from pagellm.worker.device import auto_dtype_downcasts_float32, available_memory_bytes, configure_threads, resolve_device
 from pagellm.worker.kernel_plan import plan_kernels
+from pagellm.worker.kv_budget import (
+    AutoPool, HostShare, auto_kv_blocks, check_weights_fit, estimated_weight_bytes, gib, step_workspace_bytes,
+    useful_kv_blocks,
+)
 from pagellm.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_budget
 from pagellm.worker.model_runner import ModelRunner
 
@@ -50,13 +58,35 @@ def engine_dtype(dtype: str | torch.dtype, model: str | None, device: torch.devi
     return engine_kernel_plan(config, device).dtype
 
 
-def kv_cache_blocks(cache: CacheConfig, arch: ModelArchConfig, dtype: torch.dtype) -> int:
-    """The pool's block count: the exact number asked for, else what the memory budget holds."""
-    if cache.num_kv_blocks is not None:
-        return cache.num_kv_blocks
-    block_bytes = bytes_per_block(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
-                                  cache.block_size, dtype)  # fmt: skip
-    return num_blocks_for_budget(cache.kv_cache_bytes, block_bytes)
+def host_share(config: EngineConfig, parallel: ParallelRank | None) -> HostShare:
+    """This engine's ranks on this host and the data-parallel replicas beside it."""
+    ranks = 1 if parallel is None else max(1, parallel.world_size // config.device.nnodes)
+    replica, replicas = config.device.cpu_share
+    return HostShare(ranks=ranks, replicas=replicas, replica=replica)
+
+
+def host_weight_bytes(config: EngineConfig, plan: KernelPlan, parallel: ParallelRank | None) -> int:
+    """About what this engine's weights take on this host (its ranks' shares of them), read from
+    the model's shape and file before any weight is."""
+    path = resolve_model_path(config.model.model)
+    file_bytes = os.path.getsize(path) if is_gguf(path) else None
+    whole = estimated_weight_bytes(load_arch_config(config.model.model), plan.weights, plan.dtype, file_bytes)
+    if parallel is None:
+        return whole
+    return whole * host_share(config, parallel).ranks // parallel.world_size
+
+
+def _model_name(config: EngineConfig) -> str:
+    return config.model.model or "the default model"
+
+
+def _agreed_minimum(value: int, parallel: ParallelRank | None) -> int:
+    """The smallest ``value`` over all ranks (every rank's pool has the same blocks)."""
+    if parallel is None:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
 
 
 def rank_shard(arch: ModelArchConfig, parallel: ParallelRank | None) -> ModelArchConfig:
@@ -111,6 +141,9 @@ class Worker:
         self.kernel_plan = engine_kernel_plan(config, self.device)
         logger.info("kernel plan: %s", self.kernel_plan.describe())
         attn_backend = get_attention_backend(self.kernel_plan.attention, self.device, self.kernel_plan.kernels)
+        share = host_share(config, parallel)
+        weight_bytes = host_weight_bytes(config, self.kernel_plan, parallel)
+        check_weights_fit(_model_name(config), weight_bytes, available_memory_bytes(self.device), share)
         model, self.arch = load_model(config.model.model, self.dtype, attn_backend, self.device, self.kernel_plan, parallel)
         # The weights repacked once for the plan's CPU kernels (fused MLPs, packed linears).
         self.cpu_optimizations: dict[str, int] = {}
@@ -125,7 +158,7 @@ class Worker:
         # Every rank sizes its pool alike (the block ids are shared): for its heads and the
         # biggest stage's layers.
         shard = rank_shard(self.arch, parallel)
-        self.num_blocks = kv_cache_blocks(config.cache, shard, self.kv_cache_dtype)
+        self.num_blocks = self._pool_blocks(config, shard, parallel, share, weight_bytes)
         self.max_model_len = context_limit(config.model.max_model_len, self.arch, self.num_blocks, self.block_size,
                                            config.scheduler.max_num_batched_tokens)  # fmt: skip
         stage = parallel.stage(self.arch.num_hidden_layers) if parallel is not None else None
@@ -138,6 +171,37 @@ class Worker:
             model, kv_cache, self.block_size, self.device, sorted(self.eos_token_ids), self.kernel_plan,
             samples=parallel is None or parallel.samples, link=link, micro_batches=micro_batches,
         )
+
+    def _pool_blocks(
+        self, config: EngineConfig, shard: ModelArchConfig, parallel: ParallelRank | None, share: HostShare,
+        weight_bytes: int,
+    ) -> int:
+        """The pool's block count: the exact number asked for, else what the memory budget
+        holds, else (``auto``) what the memory left once every rank's weights are in holds."""
+        cache = config.cache
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        block_bytes = bytes_per_block(shard.num_hidden_layers, shard.num_key_value_heads, shard.head_dim,
+                                      cache.block_size, self.kv_cache_dtype)  # fmt: skip
+        if cache.kv_cache_bytes is not None:
+            return num_blocks_for_budget(cache.kv_cache_bytes, block_bytes)
+        if parallel is not None:
+            dist.barrier()  # every rank's weights in before any measures
+        available = available_memory_bytes(self.device)
+        if available is None:
+            raise ValueError("kv_cache_memory='auto' needs to know the memory available, which this host does not say; "
+                             "give kv_cache_memory a size")  # fmt: skip
+        context = config.model.max_model_len or self.arch.context_length
+        scheduler = config.scheduler
+        pool = AutoPool(
+            available=available, host_weight_bytes=weight_bytes, block_bytes=block_bytes,
+            workspace=step_workspace_bytes(self.arch, scheduler.max_num_batched_tokens, scheduler.max_num_seqs),
+            useful_blocks=useful_kv_blocks(scheduler.max_num_seqs, context, cache.block_size),
+        )  # fmt: skip
+        blocks = _agreed_minimum(auto_kv_blocks(pool, share, _model_name(config)), parallel)
+        logger.info("KV cache (auto): %s available once the weights are in -> %d blocks of %d tokens (%s)",
+                    gib(available), blocks, cache.block_size, gib(blocks * block_bytes))  # fmt: skip
+        return blocks
 
     pipeline_depth = 1  # one step at a time
 

@@ -1,0 +1,125 @@
+"""How big the KV pool is, and whether a model fits at all.
+
+``kv_cache_memory`` is a size (``"2GiB"``) or ``"auto"``, the default: what memory is left once
+the weights are in, less a step's activations and a margin for the runtime, shared by the
+ranks and data-parallel replicas that size their pools on this host, and never more than the
+scheduler could ever fill (``max_num_seqs`` requests of the model's whole context). The pool's
+pages are only touched as blocks are first written, so a large pool costs no start-up time.
+
+Before any weight is read, an estimate of what they will take is checked against the memory
+available, so a model that cannot fit is an error naming both numbers, not a process killed
+halfway through loading.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagellm.model.arch_config import ModelArchConfig
+
+# Of the memory available once the weights are in, the pool takes this share: the rest stays
+# for the runtime (Python, the tokenizer, request state) and for the rest of the machine.
+AUTO_KV_SHARE = 0.9
+_GIB = float(1 << 30)
+
+
+def gib(size: int | float) -> str:
+    """``size`` bytes as GiB with two decimals (for error messages and logs)."""
+    return f"{size / _GIB:.2f} GiB"
+
+
+@dataclass(frozen=True)
+class HostShare:
+    """The processes that take their memory from this host beside this one: this engine's
+    ranks here (they load together and measure once all have loaded), and the data-parallel
+    replicas (each its own engine, started one after another; this one is ``replica``)."""
+
+    ranks: int = 1
+    replicas: int = 1
+    replica: int = 0
+
+    @property
+    def count(self) -> int:
+        return self.ranks * self.replicas
+
+    @property
+    def replicas_after(self) -> int:
+        """Replicas that load their weights after this one (their memory is not taken yet)."""
+        return self.replicas - 1 - self.replica
+
+    def describe(self) -> str:
+        parts = [f"{self.ranks} ranks"] if self.ranks > 1 else []
+        parts += [f"{self.replicas} replicas"] if self.replicas > 1 else []
+        return " x ".join(parts) or "one process"
+
+
+def step_workspace_bytes(arch: ModelArchConfig, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """The most a step's activations take (float32, generous): a full token budget's widest rows
+    (the residual, q/k/v, the MLP's gate and up) and the logits of every sampled row, twice (the
+    sampler's working copy)."""
+    width = 2 * arch.hidden_size + arch.q_size + 2 * arch.kv_size + 2 * arch.intermediate_size
+    return 4 * (max_num_batched_tokens * width + 2 * max_num_seqs * arch.vocab_size)
+
+
+def estimated_weight_bytes(arch: ModelArchConfig, weights: str, dtype: torch.dtype, gguf_file_bytes: int | None) -> int:
+    """What a whole model's weights take in memory once loaded for a plan that holds them as
+    ``weights`` (``KernelPlan.weights``): a GGUF file's blocks about as the file holds them,
+    int8 linears at one byte a weight and their scales, dense ones at the compute dtype."""
+    if weights == "gguf" and gguf_file_bytes is not None:
+        return gguf_file_bytes
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    linears = arch.linear_weight_count()
+    embedding = 0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size
+    per_weight = 1.0625 if weights == "int8" else itemsize  # int8: a float32 scale per 64 weights
+    return int(linears * per_weight + embedding * itemsize)
+
+
+def check_weights_fit(model: str, host_weight_bytes: int, available: int | None, share: HostShare) -> None:
+    """Refuse a model whose weights cannot fit (``available``: None where the host does not say).
+    ``host_weight_bytes``: what this engine's ranks on this host load together; the replicas
+    still to start after this one need as much each."""
+    if available is None:
+        return
+    need = host_weight_bytes * (1 + share.replicas_after)
+    if need > available:
+        who = f" ({share.describe()})" if share.count > 1 else ""
+        raise ValueError(
+            f"{model} does not fit: its weights need about {gib(need)}{who}, but {gib(available)} of memory "
+            "is available; free memory, or choose a smaller or more quantized model"
+        )
+
+
+@dataclass(frozen=True)
+class AutoPool:
+    """What an ``auto`` pool is sized from (bytes; ``useful_blocks``: :func:`useful_kv_blocks`)."""
+
+    available: int  # measured once this engine's weights are in
+    host_weight_bytes: int  # one replica's weights on this host (the later replicas' still to come)
+    workspace: int  # one rank's step activations (:func:`step_workspace_bytes`)
+    block_bytes: int
+    useful_blocks: int
+
+
+def auto_kv_blocks(pool: AutoPool, share: HostShare, model: str) -> int:
+    """This process's block count under ``kv_cache_memory="auto"``: ``AUTO_KV_SHARE`` of the
+    memory the host will have once every replica's weights are in, less every process's step
+    workspace, split evenly, capped at what could ever be used. An error naming the numbers
+    where not one block is left."""
+    free = pool.available - pool.host_weight_bytes * share.replicas_after
+    budget = int((AUTO_KV_SHARE * free - pool.workspace * share.count) / share.count)
+    if budget < pool.block_bytes:
+        who = f" for {share.describe()}" if share.count > 1 else ""
+        raise ValueError(
+            f"{model} leaves no room for a KV cache: once the weights are in, {gib(free)} of memory is left{who}, "
+            f"a step's activations need about {gib(pool.workspace)} a process, and one KV block needs "
+            f"{pool.block_bytes} bytes; free memory, give kv_cache_memory a size, or choose a smaller model"
+        )
+    return min(budget // pool.block_bytes, pool.useful_blocks)
+
+
+def useful_kv_blocks(max_num_seqs: int, context_length: int, block_size: int) -> int:
+    """The most blocks the scheduler could ever hold: every running request at the model's whole
+    context (an ``auto`` pool larger than this would never be used)."""
+    return max_num_seqs * -(-context_length // block_size)

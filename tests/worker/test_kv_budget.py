@@ -1,0 +1,122 @@
+"""The KV pool's size under kv_cache_memory="auto", and the refusals that name the numbers when a
+model does not fit (pagellm/worker/kv_budget.py, worker/device.py's memory probes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm import LLM
+from pagellm.model.loader import load_arch_config
+from pagellm.worker import device as device_module
+from pagellm.worker import worker as worker_module
+from pagellm.worker.kv_budget import (
+    AUTO_KV_SHARE, AutoPool, HostShare, auto_kv_blocks, check_weights_fit, estimated_weight_bytes, step_workspace_bytes,
+    useful_kv_blocks,
+)
+
+GIB = 1 << 30
+
+
+def _pool(available: int, weights: int = 0, workspace: int = 0, block: int = 1 << 20, useful: int = 1 << 40) -> AutoPool:
+    return AutoPool(available=available, host_weight_bytes=weights, workspace=workspace, block_bytes=block,
+                    useful_blocks=useful)  # fmt: skip
+
+
+def test_auto_takes_its_share_of_what_is_left() -> None:
+    mib = 1 << 20
+    assert auto_kv_blocks(_pool(10 * GIB, workspace=100 * mib), HostShare(), "m") == int(
+        AUTO_KV_SHARE * 10 * GIB - 100 * mib) // mib  # fmt: skip
+    # Two ranks here, each its workspace, the rest split in two.
+    two = auto_kv_blocks(_pool(10 * GIB, workspace=100 * mib), HostShare(ranks=2), "m")
+    assert two == int((AUTO_KV_SHARE * 10 * GIB - 200 * mib) / 2) // mib
+    # The first of three replicas leaves room for the two whose weights are not in yet: every
+    # replica ends with the same share of what remains once all three have loaded.
+    first = auto_kv_blocks(_pool(10 * GIB, weights=2 * GIB), HostShare(replicas=3, replica=0), "m")
+    last = auto_kv_blocks(_pool(6 * GIB, weights=2 * GIB), HostShare(replicas=3, replica=2), "m")
+    assert first == last == int(AUTO_KV_SHARE * 6 * GIB / 3) // mib
+
+
+def test_auto_never_exceeds_what_the_scheduler_could_fill() -> None:
+    assert useful_kv_blocks(max_num_seqs=4, context_length=100, block_size=16) == 4 * 7
+    assert auto_kv_blocks(_pool(100 * GIB, useful=28), HostShare(), "m") == 28
+
+
+def test_no_room_for_one_block_names_the_numbers() -> None:
+    with pytest.raises(ValueError, match=r"m leaves no room for a KV cache: .*1\.00 GiB of memory is left.*"
+                                         r"0\.95 GiB a process.*1048576 bytes"):  # fmt: skip
+        auto_kv_blocks(_pool(GIB, workspace=int(0.95 * GIB)), HostShare(), "m")
+
+
+def test_weights_that_cannot_fit_are_refused_before_loading() -> None:
+    check_weights_fit("m", 4 * GIB, 5 * GIB, HostShare())
+    check_weights_fit("m", 4 * GIB, None, HostShare())  # the host does not say: nothing to check
+    with pytest.raises(ValueError, match=r"m does not fit: its weights need about 8\.00 GiB \(2 replicas\), "
+                                         r"but 5\.00 GiB of memory is available"):  # fmt: skip
+        check_weights_fit("m", 4 * GIB, 5 * GIB, HostShare(replicas=2, replica=0))
+    check_weights_fit("m", 4 * GIB, 5 * GIB, HostShare(replicas=2, replica=1))  # the last replica: its own only
+
+
+def test_weight_estimate_per_format(tiny_llama_path: str) -> None:
+    arch = load_arch_config(tiny_llama_path)
+    linears, embedding = arch.linear_weight_count(), arch.vocab_size * arch.hidden_size
+    assert estimated_weight_bytes(arch, "dense", torch.bfloat16, None) == 2 * (linears + embedding)
+    assert estimated_weight_bytes(arch, "dense", torch.float32, None) == 4 * (linears + embedding)
+    assert estimated_weight_bytes(arch, "int8", torch.bfloat16, None) == int(1.0625 * linears + 2 * embedding)
+    assert estimated_weight_bytes(arch, "gguf", torch.bfloat16, 12345) == 12345
+    width = 2 * 64 + arch.q_size + 2 * arch.kv_size + 2 * 128
+    assert step_workspace_bytes(arch, 10, 3) == 4 * (10 * width + 6 * arch.vocab_size)
+
+
+def test_memory_probes_read_meminfo_and_cgroup_limits(tmp_path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       1000 kB\nMemAvailable:    512 kB\n")
+    assert device_module._meminfo_available(str(meminfo)) == 512 * 1024
+    assert device_module._meminfo_available(str(tmp_path / "missing")) is None
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text("max\n")
+    (v2 / "memory.current").write_text("100\n")
+    assert device_module._cgroup_headroom(str(v2)) is None
+    (v2 / "memory.max").write_text("1000\n")
+    assert device_module._cgroup_headroom(str(v2)) == 900
+    v1 = tmp_path / "v1" / "memory"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (v1 / "memory.usage_in_bytes").write_text("5\n")
+    assert device_module._cgroup_headroom(str(tmp_path / "v1")) is None
+    (v1 / "memory.limit_in_bytes").write_text("50\n")
+    assert device_module._cgroup_headroom(str(tmp_path / "v1")) == 45
+
+
+def test_auto_pool_end_to_end(tiny_llama_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default the pool is what the scheduler could fill (memory to spare here); with little
+    memory it is what that memory holds; with none left, or too little for the weights, the
+    engine refuses to start with the numbers."""
+    llm = LLM(tiny_llama_path, max_num_seqs=4)
+    executor = llm.llm_engine.executor
+    assert executor.num_blocks == useful_kv_blocks(4, 512, 16)
+    assert llm.generate(["Hello"], use_tqdm=False)[0].outputs[0].token_ids
+    del llm
+
+    arch = load_arch_config(tiny_llama_path)
+    block = arch.kv_cache_bytes_per_token(torch.bfloat16) * 16
+    workspace = step_workspace_bytes(arch, 2048, 4)
+    available = int((workspace + 100 * block) / AUTO_KV_SHARE)  # once loaded: room for about 100 blocks
+    readings = iter([100 * GIB, available])  # before loading, then once the weights are in
+    monkeypatch.setattr(worker_module, "available_memory_bytes", lambda device=None: next(readings))
+    llm = LLM(tiny_llama_path, max_num_seqs=4, dtype="bfloat16")
+    assert llm.llm_engine.executor.num_blocks == int(AUTO_KV_SHARE * available - workspace) // block
+    assert 99 <= llm.llm_engine.executor.num_blocks <= 100 < useful_kv_blocks(4, 512, 16)
+    del llm
+
+    monkeypatch.setattr(worker_module, "available_memory_bytes", lambda device=None: 1 << 20)
+    with pytest.raises(ValueError, match="does not fit: its weights need about"):
+        LLM(tiny_llama_path, max_num_seqs=4, dtype="bfloat16")
+    readings = iter([100 * GIB, workspace])  # the weights fit, and then nothing is left past a step's activations
+    monkeypatch.setattr(worker_module, "available_memory_bytes", lambda device=None: next(readings))
+    with pytest.raises(ValueError, match="leaves no room for a KV cache"):
+        LLM(tiny_llama_path, max_num_seqs=4, dtype="bfloat16")
+    monkeypatch.setattr(worker_module, "available_memory_bytes", lambda device=None: None)
+    with pytest.raises(ValueError, match="give kv_cache_memory a size"):
+        LLM(tiny_llama_path, max_num_seqs=4, dtype="bfloat16")
