@@ -49,14 +49,16 @@ def _meminfo_available(path: str = "/proc/meminfo") -> int | None:
     return None
 
 
-def _cgroup_headroom(root: str = "/sys/fs/cgroup") -> int | None:
-    """What this process's cgroup (v2 unified, or v1 memory) may still take, if it is limited."""
-    for limit_file, usage_file in (("memory.max", "memory.current"),
-                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):  # fmt: skip
+def _cgroup_headroom(root: str = "/sys/fs/cgroup", membership: str = "/proc/self/cgroup") -> int | None:
+    """What this process's cgroup may still take, if it is limited: v2's own group (named in
+    ``membership``; "/" inside a container's cgroup namespace), else v1's memory controller."""
+    places = ((_own_cgroup_v2(root, membership), "memory.max", "memory.current"),
+              (os.path.join(root, "memory"), "memory.limit_in_bytes", "memory.usage_in_bytes"))  # fmt: skip
+    for folder, limit_name, usage_name in places:
         try:
-            with open(os.path.join(root, limit_file), encoding="ascii") as f:
+            with open(os.path.join(folder, limit_name), encoding="ascii") as f:
                 limit = f.read().strip()
-            with open(os.path.join(root, usage_file), encoding="ascii") as f:
+            with open(os.path.join(folder, usage_name), encoding="ascii") as f:
                 usage = int(f.read().strip())
         except (OSError, ValueError):
             continue
@@ -64,6 +66,18 @@ def _cgroup_headroom(root: str = "/sys/fs/cgroup") -> int | None:
             return None
         return max(0, int(limit) - usage)
     return None
+
+
+def _own_cgroup_v2(root: str, membership: str) -> str:
+    """The folder of this process's v2 cgroup under ``root`` (``root`` where it cannot tell)."""
+    try:
+        with open(membership, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("0::"):
+                    return os.path.join(root, line[3:].strip().lstrip("/"))
+    except OSError:
+        pass
+    return root
 
 
 def auto_dtype_downcasts_float32(device: torch.device) -> bool:

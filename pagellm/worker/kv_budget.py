@@ -72,7 +72,7 @@ def estimated_weight_bytes(arch: ModelArchConfig, weights: str, dtype: torch.dty
     itemsize = torch.empty((), dtype=dtype).element_size()
     linears = arch.linear_weight_count()
     embedding = 0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size
-    per_weight = 1.0625 if weights == "int8" else itemsize  # int8: a float32 scale per 64 weights
+    per_weight = 1.0625 if weights == "int8" else itemsize  # int8 blocks: an fp16 scale per 32 weights
     return int(linears * per_weight + embedding * itemsize)
 
 
@@ -102,14 +102,19 @@ class AutoPool:
     useful_blocks: int
 
 
-def auto_kv_blocks(pool: AutoPool, share: HostShare, model: str) -> int:
-    """This process's block count under ``kv_cache_memory="auto"``: ``AUTO_KV_SHARE`` of the
-    memory the host will have once every replica's weights are in, less every process's step
-    workspace, split evenly, capped at what could ever be used. An error naming the numbers
-    where not one block is left."""
+def auto_kv_budget(pool: AutoPool, share: HostShare) -> int:
+    """This process's pool bytes under ``kv_cache_memory="auto"`` (below one block, or negative,
+    where nothing is left): ``AUTO_KV_SHARE`` of the memory the host will have once every
+    replica's weights are in, less every process's step workspace, split evenly."""
     free = pool.available - pool.host_weight_bytes * share.replicas_after
-    budget = int((AUTO_KV_SHARE * free - pool.workspace * share.count) / share.count)
+    return int((AUTO_KV_SHARE * free - pool.workspace * share.count) / share.count)
+
+
+def auto_kv_blocks(budget: int, pool: AutoPool, share: HostShare, model: str) -> int:
+    """The blocks ``budget`` (:func:`auto_kv_budget`, the same on every rank) holds, capped at
+    what could ever be used; an error naming the numbers where not one block is left."""
     if budget < pool.block_bytes:
+        free = pool.available - pool.host_weight_bytes * share.replicas_after
         who = f" for {share.describe()}" if share.count > 1 else ""
         raise ValueError(
             f"{model} leaves no room for a KV cache: once the weights are in, {gib(free)} of memory is left{who}, "
@@ -117,6 +122,19 @@ def auto_kv_blocks(pool: AutoPool, share: HostShare, model: str) -> int:
             f"{pool.block_bytes} bytes; free memory, give kv_cache_memory a size, or choose a smaller model"
         )
     return min(budget // pool.block_bytes, pool.useful_blocks)
+
+
+def check_pool_fits(pool_bytes: int, available: int | None, share: HostShare) -> None:
+    """Refuse a pool asked for by size or block count (``kv_cache_memory``, ``num_kv_blocks``)
+    that the memory available once the weights are in cannot hold: every rank here and every
+    replica still to start takes one as large."""
+    need = pool_bytes * share.ranks * (1 + share.replicas_after)
+    if available is not None and need > available:
+        who = f" ({share.describe()})" if share.count > 1 else ""
+        raise ValueError(
+            f"the KV cache asked for needs {gib(need)}{who}, but {gib(available)} of memory is available once the "
+            "weights are in; give kv_cache_memory a smaller size, or 'auto'"
+        )
 
 
 def useful_kv_blocks(max_num_seqs: int, context_length: int, block_size: int) -> int:

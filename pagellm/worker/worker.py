@@ -30,8 +30,8 @@ from pagellm.utils import cdiv
 from pagellm.worker.device import auto_dtype_downcasts_float32, available_memory_bytes, configure_threads, resolve_device
 from pagellm.worker.kernel_plan import plan_kernels
 from pagellm.worker.kv_budget import (
-    AutoPool, HostShare, auto_kv_blocks, check_weights_fit, estimated_weight_bytes, gib, step_workspace_bytes,
-    useful_kv_blocks,
+    AutoPool, HostShare, auto_kv_blocks, auto_kv_budget, check_pool_fits, check_weights_fit, estimated_weight_bytes,
+    gib, step_workspace_bytes, useful_kv_blocks,
 )
 from pagellm.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_budget
 from pagellm.worker.model_runner import ModelRunner
@@ -65,7 +65,7 @@ def host_share(config: EngineConfig, parallel: ParallelRank | None) -> HostShare
     return HostShare(ranks=ranks, replicas=replicas, replica=replica)
 
 
-def host_weight_bytes(config: EngineConfig, plan: KernelPlan, parallel: ParallelRank | None) -> int:
+def host_weight_bytes(config: EngineConfig, plan: KernelPlan, parallel: ParallelRank | None, share: HostShare) -> int:
     """About what this engine's weights take on this host (its ranks' shares of them), read from
     the model's shape and file before any weight is."""
     path = resolve_model_path(config.model.model)
@@ -73,7 +73,7 @@ def host_weight_bytes(config: EngineConfig, plan: KernelPlan, parallel: Parallel
     whole = estimated_weight_bytes(load_arch_config(config.model.model), plan.weights, plan.dtype, file_bytes)
     if parallel is None:
         return whole
-    return whole * host_share(config, parallel).ranks // parallel.world_size
+    return whole * share.ranks // parallel.world_size
 
 
 def _model_name(config: EngineConfig) -> str:
@@ -142,7 +142,7 @@ class Worker:
         logger.info("kernel plan: %s", self.kernel_plan.describe())
         attn_backend = get_attention_backend(self.kernel_plan.attention, self.device, self.kernel_plan.kernels)
         share = host_share(config, parallel)
-        weight_bytes = host_weight_bytes(config, self.kernel_plan, parallel)
+        weight_bytes = host_weight_bytes(config, self.kernel_plan, parallel, share)
         check_weights_fit(_model_name(config), weight_bytes, available_memory_bytes(self.device), share)
         model, self.arch = load_model(config.model.model, self.dtype, attn_backend, self.device, self.kernel_plan, parallel)
         # The weights repacked once for the plan's CPU kernels (fused MLPs, packed linears).
@@ -179,12 +179,12 @@ class Worker:
         """The pool's block count: the exact number asked for, else what the memory budget
         holds, else (``auto``) what the memory left once every rank's weights are in holds."""
         cache = config.cache
-        if cache.num_kv_blocks is not None:
-            return cache.num_kv_blocks
         block_bytes = bytes_per_block(shard.num_hidden_layers, shard.num_key_value_heads, shard.head_dim,
                                       cache.block_size, self.kv_cache_dtype)  # fmt: skip
-        if cache.kv_cache_bytes is not None:
-            return num_blocks_for_budget(cache.kv_cache_bytes, block_bytes)
+        if cache.num_kv_blocks is not None or cache.kv_cache_bytes is not None:
+            blocks = cache.num_kv_blocks or num_blocks_for_budget(cache.kv_cache_bytes, block_bytes)
+            check_pool_fits(blocks * block_bytes, available_memory_bytes(self.device), share)
+            return blocks
         if parallel is not None:
             dist.barrier()  # every rank's weights in before any measures
         available = available_memory_bytes(self.device)
@@ -198,7 +198,9 @@ class Worker:
             workspace=step_workspace_bytes(self.arch, scheduler.max_num_batched_tokens, scheduler.max_num_seqs),
             useful_blocks=useful_kv_blocks(scheduler.max_num_seqs, context, cache.block_size),
         )  # fmt: skip
-        blocks = _agreed_minimum(auto_kv_blocks(pool, share, _model_name(config)), parallel)
+        # Every rank takes the smallest budget, so all size alike and any refusal is every rank's.
+        budget = _agreed_minimum(auto_kv_budget(pool, share), parallel)
+        blocks = auto_kv_blocks(budget, pool, share, _model_name(config))
         logger.info("KV cache (auto): %s available once the weights are in -> %d blocks of %d tokens (%s)",
                     gib(available), blocks, cache.block_size, gib(blocks * block_bytes))  # fmt: skip
         return blocks
