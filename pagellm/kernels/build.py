@@ -40,7 +40,7 @@ _SOURCES = ("attention.cpp", "elementwise.cpp", "gemm_bf16.cpp", "gemm_avx2.cpp"
             "shm_all_reduce.cpp", "memory_read.cpp", "gguf_rows.cpp")
 _HEADERS = (
     "attention_avx2.h", "attention_avx512.h", "attention_common.h", "avx2_simd.h", "bf16_simd.h", "cpu_common.h",
-    "exports.h", "gemm_int8_amx.h", "gemm_int8_quantize.h", "gemm_int8_simd.h", "work_ranges.h",
+    "exports.h", "gemm_int8_amx.h", "gemm_int8_q4k.h", "gemm_int8_quantize.h", "gemm_int8_simd.h", "work_ranges.h",
 )
 # -ffp-contract=off: no fused multiply-adds where the source has a product then a sum, so the
 # elementwise kernels round exactly like the separate torch ops they replace.
@@ -157,7 +157,7 @@ _SIGNATURES: dict[str, tuple[type, list[type]]] = {
     "pagellm_gemm_avx2": (_I32, [_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32, _I32, _I32, _I32]),
     "pagellm_gemm_q_isa": (_I32, []),
     "pagellm_gemm_q_runs_here": (_I32, []),
-    "pagellm_quantize_rows": (_I32, [_P, _I64, _I64, _I64, _I32, _P, _P, _P, _I32]),
+    "pagellm_quantize_rows": (_I32, [_P, _I64, _I64, _I64, _I32, _P, _P, _P, _I32, _I32]),
     "pagellm_gemm_q_amx_available": (_I32, []),
     "pagellm_gemm_q": (_I32, [_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32, _I32, _I32, _I32, _I32]),
     "pagellm_decoder_stack": (_I32, [_P]),

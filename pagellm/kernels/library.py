@@ -368,9 +368,10 @@ class KernelLibrary:
         return out
 
 
-    def quantize_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The integer GEMM's activation quantization of ``x`` [M, K] (float32/bf16): (q int8
-        [M, blocks * 32], d float32 [M, blocks], sum(q) int32 [M, blocks]), for tests."""
+    def quantize_rows(self, x: torch.Tensor, super_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The integer GEMM's activation quantization of ``x`` [M, K] (float32/bf16; with
+        ``super_scale``, q4k's: a scale per 256): (q int8 [M, blocks * 32], d float32 [M, blocks],
+        sum(q) int32 [M, blocks]), for tests."""
         rows, k = _check_gemm_input(x)
         blocks = -(-k // BLOCK)
         q = torch.empty(rows, blocks * BLOCK, dtype=torch.int8)
@@ -378,7 +379,7 @@ class KernelLibrary:
         sums = torch.empty(rows, blocks, dtype=torch.int32)
         rc = self._lib.pagellm_quantize_rows(
             x.data_ptr(), x.stride(0) if rows > 1 else k, rows, k, DTYPE_CODES[x.dtype], q.data_ptr(), d.data_ptr(),
-            sums.data_ptr(), torch.get_num_threads(),
+            sums.data_ptr(), int(super_scale), torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"pagellm_quantize_rows failed with code {rc}")
@@ -389,7 +390,7 @@ class KernelLibrary:
         amx: bool = False, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x [M, K] @ W.T`` for a quantized ``W`` (``quant_formats.pack``, format ``fmt``: q4, q8,
-        q4f, q5f, q6k, q4s or q4k), in integer dot products on activations quantized per block of 32 -> new
+        q4f, q5f, q6k, q4s or q4k), in integer dot products on activations quantized per block of 32 (q4k: a scale per 256) -> new
         ``[M, out_features]`` tensor of x's dtype (float32 or bf16). ``epilogue="silu_mul"``
         takes a ``quant_formats.pack_silu_mul`` weight and returns ``silu(x @ gate.T) * (x @ up.T)``.
         ``amx`` computes the same bits on AMX tiles (``gemm_q_amx_available``; formats in

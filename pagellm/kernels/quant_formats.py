@@ -10,8 +10,9 @@ Seven formats, 32 weights a block along a row (k):
   int8`` (each block of a dense weight scaled to its largest magnitude, -127..127).
 - ``q4k``: GGUF's Q4_K as stored, 4.5 bits a weight: per 256 weights (8 blocks) an fp16 ``d``
   and ``dmin`` (``scale``, ``offset`` [rows, supers]) and Q4_K's 12 bytes of 6-bit scales and
-  mins (``sub_scale`` uint8 [rows, supers * 12]); weight = d * sc * code - dmin * m. The kernel
-  forms d * sc and dmin * m per block in float32, so it computes exactly what q4f computes.
+  mins (``sub_scale`` uint8 [rows, supers * 12]); weight = d * sc * code - dmin * m. Its
+  activations take one scale per super-block (``quantize_activations(..., super_scale=True)``),
+  so the kernel applies sc and m as integers and scales once per super-block (``_reference_q4k``).
 - ``q4f``: ``q4`` with float32 scales and offsets: a q4k weight widened (``as_q4f``), where a
   fused linear's shards differ in format, or its blocks are split off a super-block.
 - ``q5f``: codes 0..31 with float32 scales and offsets: GGUF's Q5_K (as Q4_K), Q5_1, and Q5_0
@@ -348,25 +349,48 @@ def packed_shape(fmt: str, rows: int, k: int, silu_mul: bool = False) -> tuple[i
     return (tiles, blocks, RECORD_BYTES[fmt])
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's activation quantization in torch: per row and block of 32, d = amax / 127,
-    q = round-half-even(x * (1 / d)); returns (q int8 [M, blocks * 32], d float32 [M, blocks],
-    sum(q) int32 [M, blocks])."""
+def quantize_activations(x: torch.Tensor, super_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's activation quantization in torch: per row and block of 32 (with
+    ``super_scale``, q4k's: per super-block of 256), d = amax / 127, q = round-half-even(x * (1 / d));
+    returns (q int8 [M, blocks * 32], d float32 [M, blocks] (a super-block's in each of its
+    blocks), sum(q) int32 [M, blocks])."""
     rows, k = x.shape
     blocks = -(-k // BLOCK)
-    a = torch.zeros(rows, blocks * BLOCK, dtype=torch.float32)
+    group = SUPER_BLOCKS if super_scale else 1
+    groups = -(-blocks // group)
+    a = torch.zeros(rows, groups * group * BLOCK, dtype=torch.float32)
     a[:, :k] = x.float()
-    a = a.view(rows, blocks, BLOCK)
+    a = a.view(rows, groups, group * BLOCK)
     d = a.abs().amax(-1) / 127
     inv = torch.where(d != 0, 1 / d, torch.zeros((), dtype=torch.float32))
-    q = torch.round(a * inv.unsqueeze(-1)).clamp_(-127, 127)
-    return q.to(torch.int8).view(rows, blocks * BLOCK), d, q.sum(-1).to(torch.int32)
+    q = torch.round(a * inv.unsqueeze(-1)).clamp_(-127, 127).view(rows, groups * group, BLOCK)[:, :blocks]
+    d = d.repeat_interleave(group, dim=1)[:, :blocks]
+    return q.to(torch.int8).reshape(rows, blocks * BLOCK), d, q.sum(-1).to(torch.int32)
+
+
+def _reference_q4k(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """q4k's product as the kernel forms it: per (row, column, super-block) the integer sums
+    S = sum_j sc_j * isum_j and M = sum_j m_j * sum_j(q), each rounded to float32 as the kernel
+    converts them, then d * da * S - dmin * da * M; in float64 otherwise."""
+    assert weight.offset is not None and weight.sub_scale is not None
+    q, d, sums = quantize_activations(x, super_scale=True)
+    sc, mins = k_scales_and_mins(weight.sub_scale)  # [rows, blocks]
+    blocks = weight.blocks
+    qa = q.long().view(-1, blocks, BLOCK)
+    qw = weight.codes.long().view(weight.rows, blocks, BLOCK)
+    isum = torch.einsum("mbk,nbk->mnb", qa, qw)  # exact in int64
+    supers = blocks // SUPER_BLOCKS
+    scaled = (isum * sc.long().unsqueeze(0)).view(-1, weight.rows, supers, SUPER_BLOCKS).sum(-1)
+    min_sums = (sums.long().unsqueeze(1) * mins.long().unsqueeze(0)).view(-1, weight.rows, supers, SUPER_BLOCKS).sum(-1)
+    da = d[:, ::SUPER_BLOCKS].double().unsqueeze(1)  # [M, 1, supers]
+    out = scaled.float().double() * weight.scale.double() * da - min_sums.float().double() * weight.offset.double() * da
+    return out.sum(-1)
 
 
 def reference_gemm(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """What the kernel computes, in float64 from the same integers: [M, rows] float64."""
     if weight.format == "q4k":
-        weight = weight.as_q4f()
+        return _reference_q4k(x, weight)
     q, d, _ = quantize_activations(x)
     scale, offset = weight.scale.double(), None if weight.offset is None else weight.offset.double()
     size = BLOCK

@@ -1,6 +1,6 @@
 """pagellm's integer GEMM (``gemm_int8.cpp``): quantized weights (q4: GGUF Q4_0 / Q4_1, q8:
-Q8_0 and --quantization int8, q4f: Q4_K, q5f: Q5_0 / Q5_1 / Q5_K, q6k: Q6_K) times activations
-quantized per block of 32.
+Q8_0 and --quantization int8, q4k: Q4_K, q4f: Q4_K split off its super-blocks, q5f: Q5_0 / Q5_1 /
+Q5_K, q6k: Q6_K) times activations quantized per block of 32 (q4k: a scale per 256).
 
 Each ISA path this CPU can run is built and checked against the plain reference
 (``quant_formats``): the activation quantization exactly, the product within float32 rounding of
@@ -61,38 +61,45 @@ def _width(fmt: str, k: int) -> int:
     return -(-k // 256) * 256 if fmt == "q4k" else k
 
 
+@pytest.mark.parametrize("super_scale", [False, True], ids=["per-32", "per-256"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_activation_quantization_is_exact(path_lib: KernelLibrary, dtype: torch.dtype) -> None:
+def test_activation_quantization_is_exact(path_lib: KernelLibrary, dtype: torch.dtype, super_scale: bool) -> None:
+    """Per block of 32, or (q4k's) one scale per super-block of 256 over all its blocks, a tail
+    group short."""
     g = torch.Generator().manual_seed(1)
-    x = (torch.randn(7, 100, generator=g) * torch.logspace(-3, 3, 7).unsqueeze(1)).to(dtype)
+    x = (torch.randn(7, 600, generator=g) * torch.logspace(-3, 3, 7).unsqueeze(1)).to(dtype)
     x[3] = 0  # all-zero blocks: scale 0, codes 0
     x[4, :4] = torch.tensor([127.0, 2.5, 3.5, -2.5])  # scale 1: ties round to even
-    got = path_lib.quantize_rows(x)
+    x[4, 4:256] = x[4, 4:256].clamp(-100, 100)  # (the super-block's largest magnitude stays 127)
+    got = path_lib.quantize_rows(x, super_scale)
     assert got[0][4, 1:4].tolist() == [2, 4, -2]
-    expected = qf.quantize_activations(x)
+    expected = qf.quantize_activations(x, super_scale)
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
     assert int(got[0].abs().max()) == 127
+    scales = got[1][:, :16].reshape(7, 2, 8)  # two super-blocks' blocks
+    assert bool((scales == scales[..., :1]).all()) == super_scale
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32) if t.dtype == torch.float32 else t
 
 
+@pytest.mark.parametrize("super_scale", [False, True], ids=["per-32", "per-256"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_vectorized_activation_quantization_equals_the_scalar_loop(dtype: torch.dtype) -> None:
+def test_vectorized_activation_quantization_equals_the_scalar_loop(dtype: torch.dtype, super_scale: bool) -> None:
     """The AVX2 quantization (every path's) against the scalar loop of a build without AVX2,
     bit for bit, on the awkward values: NaN, infinities, denormals, ties, zeros, a tail block."""
     scalar, vector = _library(("-march=x86-64-v2",)), _library(PATHS[0][0])
     g = torch.Generator().manual_seed(9)
-    x = torch.randn(8, 100, generator=g) * torch.logspace(-40, 30, 8).unsqueeze(1)  # denormal rows first
-    x[2, 5], x[3, 40], x[4, 70] = float("nan"), float("inf"), float("-inf")
+    x = torch.randn(8, 300, generator=g) * torch.logspace(-40, 30, 8).unsqueeze(1)  # denormal rows first
+    x[2, 5], x[3, 40], x[4, 270] = float("nan"), float("inf"), float("-inf")
     x[5, :4] = torch.tensor([127.0, 0.5, 1.5, -2.5])  # scale 1: ties
     x[6] = 0.0
     x = x.to(dtype)
-    for a, b in zip(scalar.quantize_rows(x), vector.quantize_rows(x)):  # codes, scales (NaN bits too), sums
-        assert a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
-    scales = scalar.quantize_rows(x)[1]
+    for a, b in zip(scalar.quantize_rows(x, super_scale), vector.quantize_rows(x, super_scale)):
+        assert a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))  # codes, scales (NaN bits too), sums
+    scales = scalar.quantize_rows(x, super_scale)[1]
     assert bool(scales[2].isnan().any()) and bool(scales[3:5].isinf().any(dim=1).all())  # NaN and infinity rows
 
 
@@ -282,17 +289,17 @@ def test_mixed_shards_widen_exactly() -> None:
     assert {p.format for p in qf.common_format([shards["q6k"], q4])} == {"q8"}
 
 
-def test_q4k_computes_what_q4f_computes_bit_for_bit(path_lib: KernelLibrary) -> None:
-    """Q4_K kept as stored (4.5 bits a weight) and widened to q4f's float32 scales: the kernel
-    forms q4f's values from the 6-bit scales, so the outputs are equal, plain and silu_mul, and
+def test_q4k_keeps_the_files_bits_and_a_row_its_result(path_lib: KernelLibrary) -> None:
+    """Q4_K kept as stored (4.5 bits a weight); every batch size runs the one integer-scale
+    kernel, so each row's output is the same alone as in a batch of any size, plain and silu_mul;
     a weight split off its super-blocks (a row-parallel share) widens to q4f exactly."""
     rng = np.random.default_rng(4)
     weight = from_gguf_blocks(random_k_quant(GGMLQuantizationType.Q4_K, 48, 768, rng), GGMLQuantizationType.Q4_K, 768)
-    x = torch.from_numpy(rng.standard_normal((6, 768)).astype(np.float32))
-    wide = weight.as_q4f()
-    assert torch.equal(path_lib.gemm_q(x, qf.pack(weight), "q4k", 48), path_lib.gemm_q(x, qf.pack(wide), "q4f", 48))
-    assert torch.equal(path_lib.gemm_q(x, qf.pack_silu_mul(weight), "q4k", 24, "silu_mul"),
-                       path_lib.gemm_q(x, qf.pack_silu_mul(wide), "q4f", 24, "silu_mul"))  # fmt: skip
+    x = torch.from_numpy(rng.standard_normal((9, 768)).astype(np.float32))
+    for packed, n, epilogue in ((qf.pack(weight), 48, "none"), (qf.pack_silu_mul(weight), 24, "silu_mul")):
+        batch = path_lib.gemm_q(x, packed, "q4k", n, epilogue)
+        for rows in (slice(0, 1), slice(3, 5), slice(2, 5), slice(5, 9)):
+            assert torch.equal(path_lib.gemm_q(x[rows], packed, "q4k", n, epilogue), batch[rows])
     assert qf.pack(weight).numel() * 8 == 48 * 768 * 4.5  # the file's 4.5 bits a weight (whole tiles here)
     aligned, split = weight.select_blocks(8, 24), weight.select_blocks(4, 24)
     assert aligned.format == "q4k" and split.format == "q4f"
@@ -302,6 +309,22 @@ def test_q4k_computes_what_q4f_computes_bit_for_bit(path_lib: KernelLibrary) -> 
         qf.random_weight("q4k", 16, 96)
     assert torch.equal(aligned.dequantize(), weight.dequantize()[:, 256:768])
     assert torch.equal(split.dequantize(), weight.dequantize()[:, 128:768])
+
+
+def test_q4k_integer_sums_at_their_bounds(path_lib: KernelLibrary) -> None:
+    """Codes all 15 with 6-bit scales and mins all 63, against activations all +-127: the largest
+    per-block sums (16 * 15 * 127 in each of the AVX2 path's int16 lanes) and super-block sums."""
+    k, n = 512, 32
+    supers = k // 256
+    x = torch.where(torch.arange(k) % 5 == 0, -1.0, 1.0).repeat(3, 1) * torch.tensor([[1.0], [-1.0], [3.0]])
+    x[2] = 3.0  # all of one sign
+    for code in (15, 0):
+        weight = qf.QuantizedWeight("q4k", k, torch.full((n, k), code, dtype=torch.uint8), torch.full((n, supers), 0.01).half(),
+                                    torch.full((n, supers), 0.02).half(), torch.full((n, supers * 12), 0xFF, dtype=torch.uint8))  # fmt: skip
+        assert bool((qf.k_scales_and_mins(weight.sub_scale)[0] == 63).all())
+        expected = qf.reference_gemm(x, weight)
+        got = path_lib.gemm_q(x, qf.pack(weight), "q4k", n)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()))
 
 
 def test_int8_quantization_error_is_bounded() -> None:

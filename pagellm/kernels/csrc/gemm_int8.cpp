@@ -8,7 +8,8 @@
 // multiply-adds an instruction on a zmm, against vdpbf16ps' 32) raise the compute floor.
 //
 // Activations: each row of A, cut into blocks of 32 along k (a tail padded with zeros), is
-// quantized per block to int8 as llama.cpp's Q8_0: d = amax / 127, q = round-half-even(x * (1/d)).
+// quantized per block to int8 as llama.cpp's Q8_0: d = amax / 127, q = round-half-even(x * (1/d))
+// (for q4k the amax of a super-block of 256, as llama.cpp's Q8_K).
 // Per (row, column, block): isum = sum over the block of code * q, in int32, exact; then in fp32
 //   q4, q4f, q5f: acc += isum * (dw * da) + mw * (da * sum(q))  weight = dw * code + mw, code 0..15
 //                 (q5f: 0..31)
@@ -26,8 +27,9 @@
 //   q4s: q4's codes, then d[16] fp16: 288 bytes per 512 weights (Q4_0's 18 bytes per 32).
 //   q4k: per 8 blocks (a super-block of 256 k) one record of 2304 bytes: the 8 blocks' q4 codes
 //        (256 bytes each), Q4_K's 12 bytes of 6-bit scales and mins as 12 planes of 16 columns,
-//        then d[16] and dmin[16] fp16 (GGUF Q4_K as stored: 4.5 bits a weight). Each block's
-//        dw = d * sc and mw = -(dmin * m) are formed in fp32 (exact), then scaled as q4f.
+//        then d[16] and dmin[16] fp16 (GGUF Q4_K as stored: 4.5 bits a weight). Its activations
+//        take one scale per super-block and the 6-bit scales and mins apply as integers
+//        (gemm_int8_q4k.h).
 //   q4f: q4 with d[16] and m[16] as fp32: 384 bytes (a q4k weight widened, exact).
 //   q8: 512 bytes of codes, 8 groups (k = 4g .. 4g + 3) x 16 columns x 4 bytes; then d[16]
 //       fp16: 544 bytes per 512 weights.
@@ -43,7 +45,9 @@
 // Paths, chosen at compile time: AVX-512 VNNI (a tile is one zmm); AVX-VNNI (vpdpbusd on two
 // ymm); AVX2 (vpmaddubsw + vpmaddwd). On AVX2, q4's int16 pair sums of a whole block (both
 // nibbles in one chain) stay in int16 (|sum| <= 16 * 15 * 127 = 30480) and are widened once per
-// block (one chain measured 10-20% faster than two from L2, NOTES 42); q8's codes go through
+// block (one chain measured 10-20% faster than two from L2, NOTES 42); with vpdpbusd (no int16
+// step) q4's high nibbles enter in place, as 16 x code, and the block's sum is shifted back once
+// (an AND instead of a shift and an AND per 64 bytes); q8's codes go through
 // |w| and sign(a, w), since (q_w + 128) * 127 * 2 would saturate vpmaddubsw's int16. Where the
 // compiler targets AMX-INT8, the same sums also run on tiles for big batches (gemm_int8_amx.h).
 //
@@ -139,6 +143,7 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
     constexpr bool kNibbles = kFmt != kQ8;
     constexpr bool kWide = kFmt == kQ5F || kFmt == kQ6K;  // codes above 15: no int16 chain per block
     constexpr bool kOneChain = kNibbles && !kWide && Simd::kOneQ4Chain;
+    constexpr bool kInPlaceHigh = kNibbles && !kWide && !Simd::kOneQ4Chain;
     constexpr int kRecord = kRecordBytes[kFmt];
     constexpr int kGroups = kNibbles ? 4 : 8;
     const int64_t blocks = qa.blocks, lq = blocks * kBlock;
@@ -175,7 +180,9 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
                 if constexpr (kNibbles) {
                     const I codes = Simd::load(rec + g * kGroupBytes + off);
                     lo[v] = Simd::low_nibbles(codes);
-                    hi[v] = Simd::high_nibbles(codes);
+                    // vpdpbusd (no int16 step to saturate) takes 4-bit high nibbles in place, as
+                    // 16 x code; the block's sum is divided back, exactly, once.
+                    hi[v] = kInPlaceHigh ? Simd::high_nibbles_x16(codes) : Simd::high_nibbles(codes);
                     if constexpr (kFmt == kQ5F) {  // bit 2g (2g + 1) to bit 4
                         lo[v] = Simd::or_(lo[v], Simd::bits(planes[0][v], 4 - 2 * g, 0x10));
                         hi[v] = Simd::or_(hi[v], Simd::bits(planes[0][v], 3 - 2 * g, 0x10));
@@ -239,9 +246,6 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
                 dw = Simd::half(rec + 416 + 2 * lane0);
             } else if constexpr (kFmt == kQ4S) {
                 dw = Simd::half(rec + 256 + 2 * lane0);
-            } else if constexpr (kFmt == kQ4K) {
-                const uint8_t* super = w + (v / Simd::kVecs) * tile_bytes + (b / kSuperBlocks) * kSuperRecord;
-                q4k_scales(super, static_cast<int>(b % kSuperBlocks), lane0, dw, mw);
             } else {
                 dw = Simd::half(rec + (kNibbles ? 256 : 512) + 2 * lane0);
                 mw = kNibbles ? Simd::half(rec + 288 + 2 * lane0) : Simd::fzero();
@@ -260,8 +264,8 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
                     isum = Simd::add(s0[r][v], s1[r][v]);  // int32 sums on every path
                 } else if constexpr (kOneChain) {
                     isum = Simd::finish_q4(s0[r][v]);
-                } else if constexpr (kNibbles) {
-                    isum = Simd::add(Simd::finish_q4(s0[r][v]), Simd::finish_q4(s1[r][v]));
+                } else if constexpr (kInPlaceHigh) {
+                    isum = Simd::add(s0[r][v], Simd::sra(s1[r][v], 4));
                 } else {
                     isum = Simd::add(s0[r][v], s1[r][v]);
                     if constexpr (Simd::kQ8Offset != 0) isum = Simd::add(isum, Simd::set1(-Simd::kQ8Offset * qa.sum[ab]));
@@ -283,13 +287,23 @@ using TileFn = void (*)(const QuantizedA&, int64_t, const uint8_t*, int64_t, flo
 
 // One row takes kWideGroup tiles at once, 2 rows two (more independent chains for the latency of
 // vpdpbusd, more weight streams in flight), 3-4 rows one (register budget).
+#include "gemm_int8_q4k.h"
+
 template <int kFmt>
 TileFn tile_fn(int rows, int group) {
-    if (group == 4) return accumulate<1, 4, kFmt>;
-    if (group == 2) return rows == 1 ? accumulate<1, 2, kFmt> : accumulate<2, 2, kFmt>;
-    static constexpr TileFn kOne[kMaxRows] = {accumulate<1, 1, kFmt>, accumulate<2, 1, kFmt>,
-                                              accumulate<3, 1, kFmt>, accumulate<4, 1, kFmt>};
-    return kOne[rows - 1];
+    if constexpr (kFmt == kQ4K) {
+        if (group == 4) return accumulate_q4k<1, 4>;
+        if (group == 2) return rows == 1 ? accumulate_q4k<1, 2> : accumulate_q4k<2, 2>;
+        static constexpr TileFn kOneQ4K[kMaxRows] = {accumulate_q4k<1, 1>, accumulate_q4k<2, 1>, accumulate_q4k<3, 1>,
+                                                     accumulate_q4k<4, 1>};
+        return kOneQ4K[rows - 1];
+    } else {
+        if (group == 4) return accumulate<1, 4, kFmt>;
+        if (group == 2) return rows == 1 ? accumulate<1, 2, kFmt> : accumulate<2, 2, kFmt>;
+        static constexpr TileFn kOne[kMaxRows] = {accumulate<1, 1, kFmt>, accumulate<2, 1, kFmt>,
+                                                  accumulate<3, 1, kFmt>, accumulate<4, 1, kFmt>};
+        return kOne[rows - 1];
+    }
 }
 
 // Writes `rows` x `tiles` finished tiles (16 columns each) to C from tile index t0: plain, 16
@@ -317,25 +331,6 @@ void store_tile(const float* tile, int rows, int tiles, int64_t t0, bool silu_mu
     }
 }
 
-// A q4k tile as q4f records (codes copied, each block's float32 d sc and -(dmin m) formed once):
-// what a product of many rows multiplies, so the scales are formed once a tile and not once per
-// group of rows (a 128-row prompt formed them 32 times: prefill on Q4_K_M files lost 10-15%).
-void q4k_tile_as_q4f(const uint8_t* tile, int64_t blocks, uint8_t* out) {
-    constexpr int kOut = kRecordBytes[kQ4F];
-    for (int64_t b = 0; b < blocks; ++b) {
-        uint8_t* rec = out + b * kOut;
-        std::memcpy(rec, block_codes<kQ4K>(tile, b), 256);
-        const uint8_t* super = tile + (b / kSuperBlocks) * kSuperRecord;
-#pragma GCC unroll 2
-        for (int v = 0; v < Simd::kVecs; ++v) {
-            Simd::F dw, mw;
-            q4k_scales(super, static_cast<int>(b % kSuperBlocks), v * kLanes, dw, mw);
-            Simd::store(reinterpret_cast<float*>(rec + 256) + v * kLanes, dw);
-            Simd::store(reinterpret_cast<float*>(rec + 320) + v * kLanes, mw);
-        }
-    }
-}
-
 template <int kFmt, bool kBf16Out>
 void gemm(const QuantizedA& qa, int64_t m, const uint8_t* packed, int64_t n, void* c, int64_t ldc, bool silu_mul,
           int threads) {
@@ -346,26 +341,14 @@ void gemm(const QuantizedA& qa, int64_t m, const uint8_t* packed, int64_t n, voi
     const int64_t groups = (tiles + group - 1) / group;
     const int64_t row_bytes = qa.blocks * kBlock;
     const int64_t chunk = std::max<int64_t>(kMaxRows, kChunkBytes / row_bytes / kMaxRows * kMaxRows);
-    // q4k with more rows than one register tile: each tile widened to q4f once per work item.
-    const bool widen = kFmt == kQ4K && m > kMaxRows;
     WorkRanges work(groups, (m + chunk - 1) / chunk, threads);
 #pragma omp parallel num_threads(threads)
     {
         alignas(64) float tile[kMaxRows * 4 * kTileCols];
-        std::vector<uint8_t> wide(widen ? static_cast<size_t>(qa.blocks * kRecordBytes[kQ4F]) : 0);
         const int t = omp_get_thread_num();
         for (WorkRanges::Item item; work.next(t, item);) {
             const int64_t t0 = item.panel * group, count = std::min<int64_t>(group, tiles - t0);
             const int64_t m0 = item.chunk * chunk, m1 = std::min(m, m0 + chunk);
-            if (widen) {  // (group is 1 here: m > kMaxRows)
-                q4k_tile_as_q4f(packed + t0 * tile_bytes, qa.blocks, wide.data());
-                for (int64_t r0 = m0; r0 < m1; r0 += kMaxRows) {
-                    const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m1 - r0));
-                    tile_fn<kQ4F>(rows, 1)(qa, r0, wide.data(), 0, tile);
-                    store_tile<kBf16Out>(tile, rows, 1, t0, silu_mul, n, c, ldc, r0);
-                }
-                continue;
-            }
             for (int64_t r0 = m0; r0 < m1; r0 += kMaxRows) {
                 const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m1 - r0));
                 if (count == group && group > 1) {
@@ -424,12 +407,14 @@ int pagellm_gemm_q_amx_available() {
 }
 
 // The activation quantization the GEMM applies, for tests: a [m, k] (rows lda apart; a_dtype 0
-// float32, 1 bf16) -> q [m, blocks * 32] int8, d [m, blocks] float32, sum [m, blocks] int32.
+// float32, 1 bf16) -> q [m, blocks * 32] int8, d [m, blocks] float32, sum [m, blocks] int32;
+// super_scale 1: a scale per 256 (q4k's).
 int pagellm_quantize_rows(const void* a, int64_t lda, int64_t m, int64_t k, int a_dtype, void* q, void* d, void* sum,
-                          int num_threads) {
-    if (m < 0 || k <= 0 || lda < k || (a_dtype != 0 && a_dtype != 1)) return -1;
+                          int super_scale, int num_threads) {
+    if (m < 0 || k <= 0 || lda < k || (a_dtype != 0 && a_dtype != 1) || (super_scale != 0 && super_scale != 1))
+        return -1;
     QuantizedA qa;
-    quantize_rows(a, lda, m, k, a_dtype == 1, qa, num_threads < 1 ? 1 : num_threads);
+    quantize_rows(a, lda, m, k, a_dtype == 1, qa, num_threads < 1 ? 1 : num_threads, 1, super_scale == 1);
     std::memcpy(q, qa.q.data(), qa.q.size());
     std::memcpy(d, qa.d.data(), qa.d.size() * sizeof(float));
     std::memcpy(sum, qa.sum.data(), qa.sum.size() * sizeof(int32_t));
@@ -455,7 +440,7 @@ int pagellm_gemm_q(const void* a, int64_t lda, int64_t m, int64_t k, const void*
     if (num_threads < 1) num_threads = 1;
     using Fn = void (*)(const QuantizedA&, int64_t, const uint8_t*, int64_t, void*, int64_t, bool, int);
     QuantizedA qa;
-    quantize_rows(a, lda, m, k, a_dtype == 1, qa, num_threads, use_amx ? 16 : 1);
+    quantize_rows(a, lda, m, k, a_dtype == 1, qa, num_threads, use_amx ? 16 : 1, w_format == kQ4K);
     const auto* w = static_cast<const uint8_t*>(packed);
 #ifdef PAGELLM_QGEMM_AMX
     static constexpr Fn kAmx[kFormats][2] = {{qamx::gemm<kQ4, false>, qamx::gemm<kQ4, true>},

@@ -88,7 +88,7 @@ template <int kFmt>
 void row_tile(const QuantizedA& qa, const RowTerms& terms, int64_t r0, const uint8_t* rec0, const uint8_t* b0,
               int64_t b_step, float* out) {
     constexpr bool kNibbles = kFmt != kQ8;
-    constexpr bool kFloatOffset = kFmt == kQ4 || kFmt == kQ4F || kFmt == kQ4K;
+    constexpr bool kFloatOffset = kFmt == kQ4 || kFmt == kQ4F;
     constexpr int64_t kRecord = kRecordBytes[kFmt];
     alignas(64) int32_t isum[kSlots][256];
     const int64_t blocks = qa.blocks, lq = blocks * kBlock;
@@ -109,17 +109,44 @@ void row_tile(const QuantizedA& qa, const RowTerms& terms, int64_t r0, const uin
             default: return block_product_3(ab, lq, bb, isum[3]);
         }
     };
+    // q4k: a super-block's scales and mins as bytes, and its integer sums per row (q4k_add_block).
+    alignas(64) uint8_t sc[kSuperBlocks * kTileCols], mn[kSuperBlocks * kTileCols];
+    alignas(64) int32_t scaled[kRows][kTileCols], mins[kRows][kTileCols];
+    const int32_t* sums = qa.sum.data() + r0 * blocks;
     for (int64_t b = 0; b < kSlots - 1; ++b) issue(b);
     for (int64_t b = 0; b < blocks; ++b) {
         issue(b + kSlots - 1);
         const uint8_t* rec = rec0 + b * kRecord;
         const int32_t* s = isum[b % kSlots];
+        if constexpr (kFmt == kQ4K) {
+            const int j = static_cast<int>(b % kSuperBlocks);
+            const uint8_t* super = rec0 + (b / kSuperBlocks) * kSuperRecord;
+            if (j == 0) {
+                q4k_scale_bytes(super, sc, mn);
+                std::memset(scaled, 0, sizeof(scaled));
+                std::memset(mins, 0, sizeof(mins));
+            }
+            const __m512i scale = Simd::uint8_lanes(sc + kTileCols * j), min = Simd::uint8_lanes(mn + kTileCols * j);
+#pragma GCC unroll 16
+            for (int r = 0; r < kRows; ++r) {
+                __m512i sr = _mm512_load_si512(scaled[r]), mr = _mm512_load_si512(mins[r]);
+                q4k_add_block(sr, mr, _mm512_load_si512(s + r * 16), scale, min, sums[r * blocks + b]);
+                _mm512_store_si512(scaled[r], sr);
+                _mm512_store_si512(mins[r], mr);
+            }
+            if (j == kSuperBlocks - 1) {
+                const __m512 d = Simd::half(super + 2240), dmin = Simd::half(super + 2272);
+#pragma GCC unroll 16
+                for (int r = 0; r < kRows; ++r)
+                    acc[r] = q4k_finish_super(acc[r], _mm512_load_si512(scaled[r]), _mm512_load_si512(mins[r]), d, dmin,
+                                              da[r * blocks + b]);
+            }
+            continue;
+        }
         __m512 dw, mw = _mm512_setzero_ps();
         if constexpr (kFmt == kQ4F) {
             dw = _mm512_loadu_ps(rec + 256);
             mw = _mm512_loadu_ps(rec + 320);
-        } else if constexpr (kFmt == kQ4K) {
-            q4k_scales(rec0 + (b / kSuperBlocks) * kSuperRecord, static_cast<int>(b % kSuperBlocks), 0, dw, mw);
         } else {
             dw = Simd::half(rec + (kNibbles ? 256 : 512));
             if constexpr (kFloatOffset) mw = Simd::half(rec + 288);

@@ -14,6 +14,8 @@ struct Simd {
     static I zero() { return _mm512_setzero_si512(); }
     static I low_nibbles(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
     static I high_nibbles(I v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f)); }
+    static I high_nibbles_x16(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(static_cast<char>(0xf0))); }
+    static I sra(I v, int n) { return _mm512_srai_epi32(v, n); }
     // Bits of `plane` moved by `shift` (left if positive) within 16-bit lanes, masked per byte.
     static I bits(I plane, int shift, int mask) {
         const I v = shift > 0 ? _mm512_slli_epi16(plane, shift) : shift < 0 ? _mm512_srli_epi16(plane, -shift) : plane;
@@ -56,6 +58,8 @@ struct Simd {
     static I zero() { return _mm256_setzero_si256(); }
     static I low_nibbles(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
     static I high_nibbles(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)); }
+    static I high_nibbles_x16(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(static_cast<char>(0xf0))); }
+    static I sra(I v, int n) { return _mm256_srai_epi32(v, n); }
     static I bits(I plane, int shift, int mask) {
         const I v = shift > 0 ? _mm256_slli_epi16(plane, shift) : shift < 0 ? _mm256_srli_epi16(plane, -shift) : plane;
         return _mm256_and_si256(v, _mm256_set1_epi8(static_cast<char>(mask)));
@@ -96,22 +100,3 @@ struct Simd {
     static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
 };
 #endif
-
-// q4k: block j (0..7) of a super-block record's per-column float32 scale d * sc and offset
-// -(dmin * m), for the columns lane0 .. lane0 + lanes: Q4_K's 6-bit sc and m from the 12 byte
-// planes (plane p, byte c: byte p of column c's 12; llama.cpp's get_scale_min_k4), times the
-// fp16 d and dmin. The products are exact in float32, so these equal q4f's stored values.
-inline void q4k_scales(const uint8_t* super, int j, int lane0, Simd::F& dw, Simd::F& mw) {
-    const uint8_t* planes = super + 2048 + lane0;
-    Simd::I sc, mn;
-    if (j < 4) {
-        sc = Simd::and_(Simd::uint8_lanes(planes + 16 * j), 0x3F);
-        mn = Simd::and_(Simd::uint8_lanes(planes + 16 * (j + 4)), 0x3F);
-    } else {
-        const Simd::I extra = Simd::uint8_lanes(planes + 16 * (j + 4));
-        sc = Simd::or_(Simd::and_(extra, 0x0F), Simd::shl(Simd::shr(Simd::uint8_lanes(planes + 16 * (j - 4)), 6), 4));
-        mn = Simd::or_(Simd::shr(extra, 4), Simd::shl(Simd::shr(Simd::uint8_lanes(planes + 16 * j), 6), 4));
-    }
-    dw = Simd::mul(Simd::half(super + 2240 + 2 * lane0), Simd::to_float(sc));
-    mw = Simd::neg(Simd::mul(Simd::half(super + 2272 + 2 * lane0), Simd::to_float(mn)));
-}

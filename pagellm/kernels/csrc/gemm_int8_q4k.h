@@ -1,0 +1,149 @@
+// The q4k product of gemm_int8.cpp (GGUF's Q4_K as stored) with Q4_K's 6-bit scales and mins
+// applied as integers. Included by gemm_int8.cpp inside its anonymous namespace, after Simd.
+//
+// Why: with a float scale per block of 32 on both sides, each block ended in float work per
+// column (the 6-bit scale and min decoded, converted, multiplied: as many vector operations as
+// the block's dot products), and a decode step on Q4_K files ran at 27-31 GB/s where Q4_0's
+// reached the read bandwidth (NOTES 55). Here the activations carry one scale per super-block of
+// 256 (QuantizedA::super_scale, llama.cpp's Q8_K), so per (row, column, super-block)
+//   S = sum over blocks j of sc_j * isum_j        (isum_j = sum of code * q over block j)
+//   M = sum over blocks j of m_j * sum_j(q)
+// are exact in int32 (|S| <= 8 * 63 * 32 * 15 * 127 < 2^25, |M| <= 8 * 63 * 32 * 127), and one
+// float step a super-block scales them: acc += float(S) * (d * da) + float(M) * (dmin * -da).
+// Every batch size runs this kernel, so a row's result does not depend on its batch.
+
+// A tile's 6-bit scales and mins of one super-block as bytes, sc[16 j + c] and mn[16 j + c] for
+// block j and column c: llama.cpp's get_scale_min_k4 on the 12 planes of 16 columns (plane p,
+// byte c: byte p of column c's 12), four planes to a zmm (two ymm): planes 0-3 hold blocks 0-3's
+// scales, 4-7 their mins, 8-11 blocks 4-7's low bits (scale in the low nibble, min in the high),
+// whose top two bits are those of planes 0-3 (scales) and 4-7 (mins); (x >> 6) << 4 is
+// (x >> 2) & 0x30 per byte.
+inline void q4k_scale_bytes(const uint8_t* super, uint8_t* sc, uint8_t* mn) {
+    const uint8_t* planes = super + 2048;
+#ifdef __AVX512BW__
+    const __m512i a = _mm512_loadu_si512(planes), b = _mm512_loadu_si512(planes + 64), c = _mm512_loadu_si512(planes + 128);
+    const __m512i low6 = _mm512_set1_epi8(0x3F), low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
+    _mm512_store_si512(sc, _mm512_and_si512(a, low6));
+    _mm512_store_si512(mn, _mm512_and_si512(b, low6));
+    _mm512_store_si512(sc + 64, _mm512_or_si512(_mm512_and_si512(c, low4), _mm512_and_si512(_mm512_srli_epi16(a, 2), top2)));
+    _mm512_store_si512(mn + 64, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(c, 4), low4),
+                                                _mm512_and_si512(_mm512_srli_epi16(b, 2), top2)));
+#else
+    const __m256i low6 = _mm256_set1_epi8(0x3F), low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
+    const auto load = [&](int at) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(planes + at)); };
+    const auto store = [](uint8_t* out, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(out), v); };
+#pragma GCC unroll 2
+    for (int h = 0; h < 64; h += 32) {
+        const __m256i a = load(h), b = load(64 + h), c = load(128 + h);
+        store(sc + h, _mm256_and_si256(a, low6));
+        store(mn + h, _mm256_and_si256(b, low6));
+        store(sc + 64 + h, _mm256_or_si256(_mm256_and_si256(c, low4), _mm256_and_si256(_mm256_srli_epi16(a, 2), top2)));
+        store(mn + 64 + h, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), low4),
+                                           _mm256_and_si256(_mm256_srli_epi16(b, 2), top2)));
+    }
+#endif
+}
+
+// Block j's part of a super-block's integer sums for one row: `scaled` += sc_j * isum_j, `mins`
+// += m_j * sum_j(q) (`scale`, `min`: the block's sc and m per column). Exact: any order gives the
+// same sums (the AMX path's too).
+inline void q4k_add_block(Simd::I& scaled, Simd::I& mins, Simd::I isum, Simd::I scale, Simd::I min, int32_t sum) {
+    scaled = Simd::add(scaled, Simd::mullo(scale, isum));
+    mins = Simd::add(mins, Simd::mullo(min, Simd::set1(sum)));
+}
+
+// The super-block's one float step for one row (activation scale `da`): the operations, in
+// this order, of every path that computes q4k.
+inline Simd::F q4k_finish_super(Simd::F acc, Simd::I scaled, Simd::I mins, Simd::F d, Simd::F dmin, float da) {
+    acc = Simd::fmadd(Simd::to_float(scaled), Simd::mul(d, Simd::fset1(da)), acc);
+    return Simd::fmadd(Simd::to_float(mins), Simd::mul(dmin, Simd::fset1(-da)), acc);
+}
+
+// tile[r][t * 16 + c] = row r0 + r of A times column c of tile t (G tiles, `tile_bytes` apart), for
+// q4k weights and activations with a scale per super-block.
+template <int R, int G>
+void accumulate_q4k(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile_bytes, float* tile) {
+    using I = typename Simd::I;
+    using F = typename Simd::F;
+    constexpr int V = G * Simd::kVecs;
+    const int64_t blocks = qa.blocks, lq = blocks * kBlock;
+    F acc[R][V];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int v = 0; v < V; ++v) acc[r][v] = Simd::fzero();
+    alignas(64) uint8_t sc[G][kSuperBlocks * kTileCols], mn[G][kSuperBlocks * kTileCols];
+    for (int64_t s = 0; s < blocks / kSuperBlocks; ++s) {
+#pragma GCC unroll 4
+        for (int t = 0; t < G; ++t) q4k_scale_bytes(w + t * tile_bytes + s * kSuperRecord, sc[t], mn[t]);
+        I scaled[R][V], mins[R][V];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+            for (int v = 0; v < V; ++v) scaled[r][v] = mins[r][v] = Simd::zero();
+        for (int j = 0; j < kSuperBlocks; ++j) {
+            const int64_t b = s * kSuperBlocks + j;
+            I s0[R][V], s1[R][V];
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+                for (int v = 0; v < V; ++v) s0[r][v] = s1[r][v] = Simd::zero();
+            const int8_t* a = qa.q.data() + r0 * lq + b * kBlock;
+#pragma GCC unroll 4
+            for (int g = 0; g < 4; ++g) {
+                I lo[V], hi[V];
+#pragma GCC unroll 8
+                for (int v = 0; v < V; ++v) {
+                    const uint8_t* rec = block_codes<kQ4K>(w + (v / Simd::kVecs) * tile_bytes, b);
+                    const I codes = Simd::load(rec + g * 64 + (v % Simd::kVecs) * (64 / Simd::kVecs));
+                    lo[v] = Simd::low_nibbles(codes);
+                    // vpdpbusd (no int16 step to saturate) takes the high nibbles in place, as 16 x
+                    // code; the block's sum is divided back, exactly, once.
+                    hi[v] = Simd::kOneQ4Chain ? Simd::high_nibbles(codes) : Simd::high_nibbles_x16(codes);
+                }
+#pragma GCC unroll 8
+                for (int r = 0; r < R; ++r) {
+                    const int8_t* ar = a + r * lq;
+                    const I a0 = Simd::set1(load4(ar + 8 * g)), a1 = Simd::set1(load4(ar + 8 * g + 4));
+#pragma GCC unroll 8
+                    for (int v = 0; v < V; ++v) {
+                        if constexpr (Simd::kOneQ4Chain) {
+                            s0[r][v] = Simd::dot_q4(Simd::dot_q4(s0[r][v], lo[v], a0), hi[v], a1);
+                        } else {
+                            s0[r][v] = Simd::dot_q4(s0[r][v], lo[v], a0);
+                            s1[r][v] = Simd::dot_q4(s1[r][v], hi[v], a1);
+                        }
+                    }
+                }
+            }
+#pragma GCC unroll 8
+            for (int v = 0; v < V; ++v) {
+                const int lane0 = (v % Simd::kVecs) * kLanes;
+                const I scale = Simd::uint8_lanes(sc[v / Simd::kVecs] + kTileCols * j + lane0);
+                const I min = Simd::uint8_lanes(mn[v / Simd::kVecs] + kTileCols * j + lane0);
+#pragma GCC unroll 8
+                for (int r = 0; r < R; ++r) {
+                    const I isum = Simd::kOneQ4Chain ? Simd::finish_q4(s0[r][v])
+                                                     : Simd::add(s0[r][v], Simd::sra(s1[r][v], 4));
+                    q4k_add_block(scaled[r][v], mins[r][v], isum, scale, min, qa.sum[(r0 + r) * blocks + b]);
+                }
+            }
+        }
+        // The super-block's one float step.
+#pragma GCC unroll 8
+        for (int v = 0; v < V; ++v) {
+            const uint8_t* super = w + (v / Simd::kVecs) * tile_bytes + s * kSuperRecord;
+            const int lane0 = (v % Simd::kVecs) * kLanes;
+            const F d = Simd::half(super + 2240 + 2 * lane0), dmin = Simd::half(super + 2272 + 2 * lane0);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+                const float da = qa.d[(r0 + r) * blocks + s * kSuperBlocks];
+                acc[r][v] = q4k_finish_super(acc[r][v], scaled[r][v], mins[r][v], d, dmin, da);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int v = 0; v < V; ++v) Simd::store(tile + r * G * kTileCols + v * kLanes, acc[r][v]);
+}
