@@ -272,7 +272,7 @@ def pack(weight: QuantizedWeight) -> torch.Tensor:
         top = ((c >> 4) & 3).view(tiles, blocks, TILE_COLS, 2, 2, 2, 4)  # [.., col, p, e, h, j]
         shifts = (4 * torch.arange(2).view(2, 1, 1) + 2 * torch.arange(2).view(1, 2, 1)).to(torch.uint8)
         planes = (top << shifts).sum(dim=(4, 5), dtype=torch.uint8)  # [tiles, blocks, col, p, j]
-        parts.append(planes.permute(0, 1, 3, 2, 4).reshape(tiles, blocks, 128))
+        parts.insert(0, planes.permute(0, 1, 3, 2, 4).reshape(tiles, blocks, 128))  # read first: records in order
         sub = _pad_rows(weight.sub_scale, rows)  # type: ignore[arg-type]
         parts.append(sub.view(tiles, TILE_COLS, blocks, 2).permute(0, 2, 3, 1).reshape(tiles, blocks, 32).view(torch.uint8))
         parts.append(_per_column(scale, tiles, blocks))
@@ -293,9 +293,9 @@ def _nibble_groups(codes: torch.Tensor, tiles: int, blocks: int) -> torch.Tensor
 
 
 def _pack_q4k(weight: QuantizedWeight) -> torch.Tensor:
-    """q4k per (tile, super-block), 2304 bytes: the 8 blocks' nibbles (q4's 256 bytes each),
-    then Q4_K's 12 scale bytes as planes of 16 columns (plane p: byte p of each column's 12),
-    then d[16] and dmin[16] fp16."""
+    """q4k per (tile, super-block), 2304 bytes: Q4_K's 12 scale bytes as planes of 16 columns
+    (plane p: byte p of each column's 12), d[16] and dmin[16] fp16, then the 8 blocks' nibbles
+    (q4's 256 bytes each): in the order the kernel reads them."""
     if weight.scale.dtype != torch.float16 or weight.offset is None or weight.offset.dtype != torch.float16:
         raise ValueError("q4k's d and dmin are fp16")
     if weight.sub_scale is None or weight.sub_scale.dtype != torch.uint8 or weight.blocks % SUPER_BLOCKS:
@@ -305,8 +305,8 @@ def _pack_q4k(weight: QuantizedWeight) -> torch.Tensor:
     codes = _nibble_groups(_pad_rows(weight.codes, rows), tiles, weight.blocks).view(tiles, supers, -1)
     packed = _pad_rows(weight.sub_scale, rows).view(tiles, TILE_COLS, supers, K_SCALE_BYTES)
     planes = packed.permute(0, 2, 3, 1).reshape(tiles, supers, K_SCALE_BYTES * TILE_COLS)
-    parts = [codes, planes, _per_column(_pad_rows(weight.scale, rows), tiles, supers),
-             _per_column(_pad_rows(weight.offset, rows), tiles, supers)]  # fmt: skip
+    parts = [planes, _per_column(_pad_rows(weight.scale, rows), tiles, supers),
+             _per_column(_pad_rows(weight.offset, rows), tiles, supers), codes]  # fmt: skip
     return torch.cat([p.contiguous() for p in parts], dim=-1).contiguous()
 
 

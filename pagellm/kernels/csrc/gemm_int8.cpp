@@ -25,9 +25,9 @@
 //       column holding k = 8g + j in its low nibble and k = 8g + 4 + j in its high one; then
 //       d[16] and m[16] as fp16: 320 bytes per 512 weights (Q4_1's 20 bytes per 32).
 //   q4s: q4's codes, then d[16] fp16: 288 bytes per 512 weights (Q4_0's 18 bytes per 32).
-//   q4k: per 8 blocks (a super-block of 256 k) one record of 2304 bytes: the 8 blocks' q4 codes
-//        (256 bytes each), Q4_K's 12 bytes of 6-bit scales and mins as 12 planes of 16 columns,
-//        then d[16] and dmin[16] fp16 (GGUF Q4_K as stored: 4.5 bits a weight). Its activations
+//   q4k: per 8 blocks (a super-block of 256 k) one record of 2304 bytes: Q4_K's 12 bytes of 6-bit
+//        scales and mins as 12 planes of 16 columns, d[16] and dmin[16] fp16, then the 8 blocks'
+//        q4 codes (256 bytes each) (GGUF Q4_K as stored: 4.5 bits a weight). Its activations
 //        take one scale per super-block and the 6-bit scales and mins apply as integers
 //        (gemm_int8_q4k.h).
 //   q4f: q4 with d[16] and m[16] as fp32: 384 bytes (a q4k weight widened, exact).
@@ -36,9 +36,12 @@
 //   q5f: q4f's nibbles, then 64 bytes of fifth bits (byte i as a group's byte i: bit 2g the low
 //        nibble's of group g, bit 2g + 1 the high one's), then d[16], m[16] fp32: 448 bytes (GGUF
 //        Q5_K: fp16 x 6-bit scales; Q5_0 / Q5_1, exact).
-//   q6k: q4's nibbles, then two 64-byte planes of the top two bits (plane p, byte i: bits 4e ..
-//        4e + 1 the low nibble's of group 2p + e, bits 4e + 2 .. 4e + 3 the high one's), then
+//   q6k: two 64-byte planes of the top two bits (plane p, byte i: bits 4e .. 4e + 1 the low
+//        nibble's of group 2p + e, bits 4e + 2 .. 4e + 3 the high one's), q4's nibbles, then
 //        s[2][16] int8 (half, column) and d[16] fp16: 448 bytes (GGUF Q6_K, exact).
+// Each record's bytes lie in the order the kernel reads them: a decode step streams the weights
+// from memory, and a jump back inside a record (q4k's scales after its codes, q6k's planes after
+// its nibbles) cost 15-20% of the stream's rate (NOTES 56).
 // One 64-byte group is 16 columns x 4 consecutive k: one vpdpbusd with a broadcast of 4 bytes
 // of the quantized activation row adds four products into each column's int32 lane.
 //
@@ -90,7 +93,8 @@ constexpr int64_t kSuperRecord = kSuperBlocks * kRecordBytes[kQ4K];  // q4k: one
 // Where block b's codes start in a tile (q4k: inside its super-block's record).
 template <int kFmt>
 inline const uint8_t* block_codes(const uint8_t* tile, int64_t b) {
-    if constexpr (kFmt == kQ4K) return tile + (b / kSuperBlocks) * kSuperRecord + (b % kSuperBlocks) * 256;
+    if constexpr (kFmt == kQ4K) return tile + (b / kSuperBlocks) * kSuperRecord + 256 + (b % kSuperBlocks) * 256;
+    if constexpr (kFmt == kQ6K) return tile + b * kRecordBytes[kFmt] + 128;
     return tile + b * kRecordBytes[kFmt];
 }
 
@@ -167,7 +171,7 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
             for (int v = 0; v < V; ++v)
 #pragma GCC unroll 2
                 for (int p = 0; p < (kFmt == kQ6K ? 2 : 1); ++p)
-                    planes[p][v] = Simd::load(w + (v / Simd::kVecs) * tile_bytes + b * kRecord + 256 + p * kGroupBytes +
+                    planes[p][v] = Simd::load(w + (v / Simd::kVecs) * tile_bytes + b * kRecord + (kFmt == kQ6K ? 0 : 256) + p * kGroupBytes +
                                               (v % Simd::kVecs) * (kGroupBytes / Simd::kVecs));
         }
 #pragma GCC unroll 8

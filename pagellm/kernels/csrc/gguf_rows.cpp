@@ -107,7 +107,7 @@ void pack_q8(uint8_t* rec, int col, const uint8_t* src) {
 }
 
 // Q6_K block b (0..7) of a super-block (210 bytes: ql[128], qh[64], int8 scales[16], d) -> q6k
-// (256 bytes of low nibbles, 128 of top-bit planes, int8 sub-scales[2][16], d[16]). Element i of
+// (128 bytes of top-bit planes, 256 of low nibbles, int8 sub-scales[2][16], d[16]). Element i of
 // block b = 32 (4 h + s) + i: low nibble (ql[64 h + 32 (s % 2) + i] >> 4 (s / 2)), top bits
 // (qh[32 h + i] >> 2 s) & 3.
 void pack_q6k(uint8_t* rec, int col, const uint8_t* super, int b) {
@@ -120,7 +120,7 @@ void pack_q6k(uint8_t* rec, int col, const uint8_t* super, int b) {
         lo[g] = load32(ql + 8 * g) >> low_shift;
         hi[g] = load32(ql + 8 * g + 4) >> low_shift;
     }
-    put_nibbles(rec, col, lo, hi);
+    put_nibbles(rec + 128, col, lo, hi);
     // Plane p, byte j: the top bits of k = 8 (2 p + e) + 4 h' + j at bit 4 e + 2 h'.
     for (int p = 0; p < 2; ++p) {
         uint32_t plane = 0;
@@ -130,7 +130,7 @@ void pack_q6k(uint8_t* rec, int col, const uint8_t* super, int b) {
                 plane |= top << (4 * e + 2 * hh);
             }
         }
-        store32(rec + 256 + p * 64 + col * 4, plane);
+        store32(rec + p * 64 + col * 4, plane);
     }
     rec[384 + col] = super[192 + 2 * b];
     rec[384 + 16 + col] = super[192 + 2 * b + 1];
@@ -138,12 +138,12 @@ void pack_q6k(uint8_t* rec, int col, const uint8_t* super, int b) {
 }
 
 // Q4_K super-block (144 bytes: d, dmin, 12 scale bytes, 128 code bytes) -> q4k's 2304-byte
-// record (8 blocks of 256 code bytes, 12 scale planes of 16 bytes, d[16], dmin[16]).
+// record (12 scale planes of 16 bytes, d[16], dmin[16], 8 blocks of 256 code bytes).
 void pack_q4k(uint8_t* rec, int col, const uint8_t* super) {
-    for (int b = 0; b < 8; ++b) put_k_nibbles(rec + 256 * b, col, super + 16, b);
-    for (int p = 0; p < 12; ++p) rec[2048 + 16 * p + col] = super[4 + p];
-    copy16(rec + 2048 + 192 + 2 * col, super);
-    copy16(rec + 2048 + 224 + 2 * col, super + 2);
+    for (int p = 0; p < 12; ++p) rec[16 * p + col] = super[4 + p];
+    copy16(rec + 192 + 2 * col, super);
+    copy16(rec + 224 + 2 * col, super + 2);
+    for (int b = 0; b < 8; ++b) put_k_nibbles(rec + 256 + 256 * b, col, super + 16, b);
 }
 
 struct Layout {
