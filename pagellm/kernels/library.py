@@ -370,7 +370,7 @@ class KernelLibrary:
 
     def quantize_rows(self, x: torch.Tensor, super_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The integer GEMM's activation quantization of ``x`` [M, K] (float32/bf16; with
-        ``super_scale``, q4k's: a scale per 256): (q int8 [M, blocks * 32], d float32 [M, blocks],
+        ``super_scale``, q4k's and q6k's: a scale per 256): (q int8 [M, blocks * 32], d float32 [M, blocks],
         sum(q) int32 [M, blocks]), for tests."""
         rows, k = _check_gemm_input(x)
         blocks = -(-k // BLOCK)
@@ -390,7 +390,7 @@ class KernelLibrary:
         amx: bool = False, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x [M, K] @ W.T`` for a quantized ``W`` (``quant_formats.pack``, format ``fmt``: q4, q8,
-        q4f, q5f, q6k, q4s or q4k), in integer dot products on activations quantized per block of 32 (q4k: a scale per 256) -> new
+        q4f, q5f, q6k, q4s or q4k), in integer dot products on activations quantized per block of 32 (q4k, q6k: a scale per 256) -> new
         ``[M, out_features]`` tensor of x's dtype (float32 or bf16). ``epilogue="silu_mul"``
         takes a ``quant_formats.pack_silu_mul`` weight and returns ``silu(x @ gate.T) * (x @ up.T)``.
         ``amx`` computes the same bits on AMX tiles (``gemm_q_amx_available``; formats in
@@ -408,8 +408,8 @@ class KernelLibrary:
         if amx and not self.gemm_q_amx_available:
             raise RuntimeError(f"the integer GEMM on AMX tiles is not available in this kernel build ({' '.join(self.march)})")
         rows, k = _check_gemm_input(x)
-        if fmt == "q4k" and k % (SUPER_BLOCKS * BLOCK):
-            raise ValueError(f"q4k weights hold super-blocks of {SUPER_BLOCKS * BLOCK} along k, got k={k}")
+        if fmt in ("q4k", "q6k") and k % (SUPER_BLOCKS * BLOCK):
+            raise ValueError(f"{fmt} weights hold super-blocks of {SUPER_BLOCKS * BLOCK} along k, got k={k}")
         expected = packed_shape(fmt, out_features, k, silu_mul=epilogue == "silu_mul")
         if out_features <= 0 or packed.dtype != torch.uint8 or tuple(packed.shape) != expected or not packed.is_contiguous():
             raise ValueError(f"packed weight must be a contiguous uint8 tensor of shape {list(expected)} for x "

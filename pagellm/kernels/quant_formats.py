@@ -17,8 +17,10 @@ Seven formats, 32 weights a block along a row (k):
   fused linear's shards differ in format, or its blocks are split off a super-block.
 - ``q5f``: codes 0..31 with float32 scales and offsets: GGUF's Q5_K (as Q4_K), Q5_1, and Q5_0
   (d * (code - 16): offset -16 d).
-- ``q6k``: codes 0..63, weight = d * s * (code - 32) with an fp16 ``d`` per block and an int8
-  ``s`` per 16 weights (``sub_scale``): GGUF's Q6_K as stored.
+- ``q6k``: codes 0..63, weight = d * s * (code - 32) with an fp16 ``d`` per super-block of 256
+  (``scale`` [rows, blocks] holds it in each of its blocks) and an int8 ``s`` per 16 weights
+  (``sub_scale``): GGUF's Q6_K as stored, 6.5625 bits a weight; activations as q4k's, one scale a
+  super-block, and the sub-scales applied as integers.
 Scales and offsets are fp16 (``q4f``, ``q5f``: float32). A weight whose k is not a multiple of 32
 is padded with zero codes (q4: also zero scale and offset). AMX tiles take q4, q8, q4f
 q4s and q4k (``AMX_FORMATS``); the others run the dot products at every batch size.
@@ -34,10 +36,10 @@ import torch
 
 BLOCK = 32
 TILE_COLS = 16
-SUPER_BLOCKS = 8  # q4k: blocks per super-block (256 weights)
+SUPER_BLOCKS = 8  # q4k, q6k: blocks per super-block (256 weights)
 K_SCALE_BYTES = 12  # q4k: Q4_K's packed 6-bit scales and mins per super-block
-# Bytes per block of a 16-column tile (q4k: a super-block's record of 2304 bytes, 8 blocks).
-RECORD_BYTES = {"q4": 256 + 64, "q8": 512 + 32, "q4f": 256 + 128, "q5f": 256 + 64 + 128, "q6k": 256 + 128 + 64,
+# Bytes per block of a 16-column tile (q4k, q6k: a super-block's record of 2304 / 3360 bytes, 8 blocks).
+RECORD_BYTES = {"q4": 256 + 64, "q8": 512 + 32, "q4f": 256 + 128, "q5f": 256 + 64 + 128, "q6k": (8 * 416 + 32) // 8,
                 "q4s": 256 + 32, "q4k": 256 + 32}  # fmt: skip
 FORMAT_CODES = {"q4": 0, "q8": 1, "q4f": 2, "q5f": 3, "q6k": 4, "q4s": 5, "q4k": 6}
 AMX_FORMATS = frozenset({"q4", "q8", "q4f", "q4s", "q4k"})
@@ -130,9 +132,12 @@ class QuantizedWeight:
 
     def select_blocks(self, start: int, stop: int) -> QuantizedWeight:
         """The blocks ``start:stop`` along k (whole blocks: a row-parallel rank's columns); a q4k
-        weight split inside a super-block becomes q4f."""
+        weight split inside a super-block becomes q4f, a q6k one q8."""
         if not 0 <= start < stop <= self.blocks or (stop < self.blocks and stop * BLOCK > self.k):
             raise ValueError(f"blocks {start}:{stop} of a weight with {self.blocks} blocks")
+        if self.format == "q6k" and (start % SUPER_BLOCKS or stop % SUPER_BLOCKS):
+            # (q6k's d is one a super-block: a share cut inside one is re-quantized to int8 blocks)
+            return quantize_q8(self.dequantize()).select_blocks(start, stop)
         if self.format == "q4k":
             if start % SUPER_BLOCKS or stop % SUPER_BLOCKS:
                 return self.as_q4f().select_blocks(start, stop)
@@ -219,12 +224,13 @@ def random_weight(fmt: str, rows: int, k: int, generator: torch.Generator | None
     levels = {"q4": 16, "q4s": 16, "q4k": 16, "q4f": 16, "q5f": 32, "q6k": 64}[fmt]
     codes = torch.randint(0, levels, (rows, blocks * BLOCK), generator=generator, dtype=torch.uint8)
     codes[:, k:] = 0
-    if fmt == "q6k":
+    if fmt in ("q4k", "q6k") and k % (SUPER_BLOCKS * BLOCK):
+        raise ValueError(f"{fmt} weights hold super-blocks of {SUPER_BLOCKS * BLOCK} along k, got k={k}")
+    if fmt == "q6k":  # one d a super-block
         sub = torch.randint(-128, 128, (rows, 2 * blocks), generator=generator, dtype=torch.int8)
-        return QuantizedWeight(fmt, k, codes, (torch.rand(rows, blocks, generator=generator) * 1e-3).half(), sub_scale=sub)
+        d = (torch.rand(rows, blocks // SUPER_BLOCKS, generator=generator) * 1e-3).half()
+        return QuantizedWeight(fmt, k, codes, d.repeat_interleave(SUPER_BLOCKS, dim=1), sub_scale=sub)
     if fmt == "q4k":  # any 12 bytes are valid scales and mins
-        if k % (SUPER_BLOCKS * BLOCK):
-            raise ValueError(f"q4k weights hold super-blocks of {SUPER_BLOCKS * BLOCK} along k, got k={k}")
         supers = blocks // SUPER_BLOCKS
         d = (torch.rand(rows, 2, supers, generator=generator) * 2e-3).half()
         packed = torch.randint(0, 256, (rows, supers * K_SCALE_BYTES), generator=generator, dtype=torch.uint8)
@@ -249,6 +255,8 @@ def pack(weight: QuantizedWeight) -> torch.Tensor:
     fmt, blocks = weight.format, weight.blocks
     if fmt == "q4k":
         return _pack_q4k(weight)
+    if fmt == "q6k" and not _one_scale_a_super_block(weight.scale):
+        raise ValueError("q6k weights hold whole super-blocks of 256 along k, one d each")
     if weight.scale.dtype != _SCALE_DTYPES[fmt] or (weight.offset is not None and weight.offset.dtype != weight.scale.dtype):
         raise ValueError(f"{fmt} scales and offsets are {_SCALE_DTYPES[fmt]}")
     if (fmt == "q6k") != (weight.sub_scale is not None) or (fmt == "q6k" and weight.sub_scale.dtype != torch.int8):
@@ -275,13 +283,23 @@ def pack(weight: QuantizedWeight) -> torch.Tensor:
         parts.insert(0, planes.permute(0, 1, 3, 2, 4).reshape(tiles, blocks, 128))  # read first: records in order
         sub = _pad_rows(weight.sub_scale, rows)  # type: ignore[arg-type]
         parts.append(sub.view(tiles, TILE_COLS, blocks, 2).permute(0, 2, 3, 1).reshape(tiles, blocks, 32).view(torch.uint8))
-        parts.append(_per_column(scale, tiles, blocks))
-        return torch.cat([p.contiguous() for p in parts], dim=-1).contiguous()
+        supers = blocks // SUPER_BLOCKS
+        per_block = torch.cat([p.contiguous() for p in parts], dim=-1).view(tiles, supers, -1)
+        d = _per_column(scale[:, ::SUPER_BLOCKS].contiguous(), tiles, supers)  # one d a super-block
+        return torch.cat([per_block, d.view(tiles, supers, -1)], dim=-1).contiguous()
     if fmt == "q4s":
         return torch.cat([parts[0].contiguous(), _per_column(scale, tiles, blocks)], dim=-1).contiguous()
     offset = _pad_rows(weight.offset, rows)  # type: ignore[arg-type]
     parts += [_per_column(scale, tiles, blocks), _per_column(offset, tiles, blocks)]
     return torch.cat([p.contiguous() for p in parts], dim=-1).contiguous()
+
+
+def _one_scale_a_super_block(scale: torch.Tensor) -> bool:
+    """Whether per-block scales [rows, blocks] cover whole super-blocks, one value each."""
+    if scale.shape[1] % SUPER_BLOCKS:
+        return False
+    grouped = scale.view(scale.shape[0], -1, SUPER_BLOCKS)
+    return bool((grouped == grouped[..., :1]).all())
 
 
 def _nibble_groups(codes: torch.Tensor, tiles: int, blocks: int) -> torch.Tensor:
@@ -344,7 +362,7 @@ def packed_shape(fmt: str, rows: int, k: int, silu_mul: bool = False) -> tuple[i
     gives a ``fmt`` weight of ``rows`` x ``k``."""
     tiles = -(-rows // 8) if silu_mul else -(-rows // TILE_COLS)
     blocks = -(-k // BLOCK)
-    if fmt == "q4k":
+    if fmt in ("q4k", "q6k"):
         return (tiles, blocks // SUPER_BLOCKS, SUPER_BLOCKS * RECORD_BYTES[fmt])
     return (tiles, blocks, RECORD_BYTES[fmt])
 
@@ -387,23 +405,35 @@ def _reference_q4k(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     return out.sum(-1)
 
 
+def _reference_q6k(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """q6k's product as the kernel forms it: per (row, column, super-block) the integer sum
+    S = sum over its halves of 16 of s_h * (isum_h - 32 * sum_h(q)), rounded to float32 as the
+    kernel converts it, times d * da; in float64 otherwise."""
+    assert weight.sub_scale is not None
+    q, d, _ = quantize_activations(x, super_scale=True)
+    halves = weight.blocks * 2
+    qa = q.long().view(-1, halves, HALF)
+    qw = weight.codes.long().view(weight.rows, halves, HALF) - 32
+    part = torch.einsum("mhk,nhk->mnh", qa, qw) * weight.sub_scale.long().unsqueeze(0)  # exact in int64
+    supers = weight.blocks // SUPER_BLOCKS
+    total = part.view(-1, weight.rows, supers, 2 * SUPER_BLOCKS).sum(-1)
+    da = d[:, ::SUPER_BLOCKS].double().unsqueeze(1)
+    return (total.float().double() * weight.scale[:, ::SUPER_BLOCKS].double() * da).sum(-1)
+
+
 def reference_gemm(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """What the kernel computes, in float64 from the same integers: [M, rows] float64."""
     if weight.format == "q4k":
         return _reference_q4k(x, weight)
+    if weight.format == "q6k":
+        return _reference_q6k(x, weight)
     q, d, _ = quantize_activations(x)
     scale, offset = weight.scale.double(), None if weight.offset is None else weight.offset.double()
-    size = BLOCK
     if weight.format == "q4s":
         offset = -Q4S_ZERO * scale
-    if weight.format == "q6k":  # groups of 16: scale d * s, offset -32 d * s
-        assert weight.sub_scale is not None
-        size, d = HALF, d.repeat_interleave(2, dim=1)
-        scale = scale.repeat_interleave(2, dim=1) * weight.sub_scale.double()
-        offset = -32 * scale
     groups = scale.shape[1]
-    qa = q.double().view(-1, groups, size)
-    qw = weight.codes.double().view(weight.rows, groups, size)
+    qa = q.double().view(-1, groups, BLOCK)
+    qw = weight.codes.double().view(weight.rows, groups, BLOCK)
     isum = torch.einsum("mbk,nbk->mnb", qa, qw)  # exact: integers below 2**53
     out = isum * scale.unsqueeze(0) * d.double().unsqueeze(1)
     if offset is not None:

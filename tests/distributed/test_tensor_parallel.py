@@ -104,16 +104,22 @@ def test_shares_and_refusals(tiny_llama_path: str) -> None:
 
 def test_quantized_shares_are_whole_blocks() -> None:
     """A quantized weight's share: its rows (column-parallel) or whole blocks of 32 along k
-    (row-parallel), meaning the dense share's weights exactly; k not splitting into whole blocks
-    per rank is refused with a way out."""
+    (row-parallel; q6k: whole super-blocks of 256), meaning the dense share's weights exactly; a
+    q6k share cut inside a super-block re-quantized to int8 blocks; k not splitting into whole
+    blocks per rank is refused with a way out."""
     rank1 = TensorParallel(rank=1, size=2)
     for fmt in ("q4", "q6k", "q8"):
-        weight = qf.random_weight(fmt, 48, 128, torch.Generator().manual_seed(0))
+        weight = qf.random_weight(fmt, 48, 512 if fmt == "q6k" else 128, torch.Generator().manual_seed(0))
         dense = weight.dequantize()
         for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight"):
             share = rank1.share(name, weight)
             assert isinstance(share, qf.QuantizedWeight) and share.format == fmt
             assert torch.equal(share.dequantize(), rank1.share(name, dense))
+    inside = qf.random_weight("q6k", 48, 256, torch.Generator().manual_seed(1))
+    share = rank1.share("model.layers.0.mlp.down_proj.weight", inside)
+    expected = rank1.share("model.layers.0.mlp.down_proj.weight", inside.dequantize())
+    assert isinstance(share, qf.QuantizedWeight) and share.format == "q8"
+    torch.testing.assert_close(share.dequantize(), expected, rtol=0, atol=float(expected.abs().max()) / 100)
     with pytest.raises(ValueError, match="needs a multiple of 64 .* --quantization none"):
         rank1.share("model.layers.0.self_attn.o_proj.weight", qf.random_weight("q4", 16, 96))
 

@@ -1,6 +1,6 @@
 """pagellm's integer GEMM (``gemm_int8.cpp``): quantized weights (q4: GGUF Q4_0 / Q4_1, q8:
 Q8_0 and --quantization int8, q4k: Q4_K, q4f: Q4_K split off its super-blocks, q5f: Q5_0 / Q5_1 /
-Q5_K, q6k: Q6_K) times activations quantized per block of 32 (q4k: a scale per 256).
+Q5_K, q6k: Q6_K) times activations quantized per block of 32 (q4k, q6k: a scale per 256).
 
 Each ISA path this CPU can run is built and checked against the plain reference
 (``quant_formats``): the activation quantization exactly, the product within float32 rounding of
@@ -57,8 +57,8 @@ _random_weight = qf.random_weight
 
 
 def _width(fmt: str, k: int) -> int:
-    """``k``, or for q4k (whole super-blocks of 256 along k) the next multiple of 256."""
-    return -(-k // 256) * 256 if fmt == "q4k" else k
+    """``k``, or for q4k and q6k (whole super-blocks of 256 along k) the next multiple of 256."""
+    return -(-k // 256) * 256 if fmt in ("q4k", "q6k") else k
 
 
 @pytest.mark.parametrize("super_scale", [False, True], ids=["per-32", "per-256"])
@@ -147,7 +147,7 @@ def test_extreme_codes_do_not_saturate(path_lib: KernelLibrary) -> None:
     sub-scales -128 and 127), q8 codes -128 / 127, against activations all +-127 (every block's
     amax repeated), mixed signs and all of one sign (a q4 block's 32 products then sum to
     16 * 15 * 127 in each int16 lane; a q6k group's 8 to 8 * 63 * 127)."""
-    k, n = 128, 32
+    k, n = 256, 32  # (q6k: one super-block)
     x = torch.where(torch.arange(k) % 3 == 0, -1.0, 1.0).repeat(5, 1) * torch.tensor([[1.0], [-1.0], [2.0], [0], [0]])
     x[3], x[4] = 1.0, -3.0
     blocks = k // qf.BLOCK
@@ -229,9 +229,10 @@ def test_amx_tiles_are_refused_where_the_build_has_none() -> None:
 @pytest.mark.parametrize("fmt", sorted(set(qf.FORMAT_CODES) - qf.AMX_FORMATS))
 def test_amx_tiles_are_refused_for_formats_they_do_not_take(fmt: str) -> None:
     lib = _library(PATHS[0][0])
-    weight = _random_weight(fmt, 16, 64, torch.Generator().manual_seed(8))
+    k = _width(fmt, 64)
+    weight = _random_weight(fmt, 16, k, torch.Generator().manual_seed(8))
     with pytest.raises(ValueError, match="AMX tiles take"):
-        lib.gemm_q(torch.randn(2, 64), qf.pack(weight), fmt, 16, amx=True)
+        lib.gemm_q(torch.randn(2, k), qf.pack(weight), fmt, 16, amx=True)
 
 
 LEGACY = {GGMLQuantizationType.Q4_0: "q4s", GGMLQuantizationType.Q4_1: "q4", GGMLQuantizationType.Q8_0: "q8",

@@ -9,15 +9,16 @@
 //
 // Activations: each row of A, cut into blocks of 32 along k (a tail padded with zeros), is
 // quantized per block to int8 as llama.cpp's Q8_0: d = amax / 127, q = round-half-even(x * (1/d))
-// (for q4k the amax of a super-block of 256, as llama.cpp's Q8_K).
+// (for q4k and q6k the amax of a super-block of 256, as llama.cpp's Q8_K).
 // Per (row, column, block): isum = sum over the block of code * q, in int32, exact; then in fp32
 //   q4, q4f, q5f: acc += isum * (dw * da) + mw * (da * sum(q))  weight = dw * code + mw, code 0..15
 //                 (q5f: 0..31)
 //   q8: acc += (isum - 128 * sum(q)) * (dw * da)            code = q_w + 128 (u8 for vpdpbusd)
 //   q4s: acc += (isum - 8 * sum(q)) * (dw * da)             weight = dw * (code - 8), code 0..15
-//   q6k: two halves of 16 with int8 scales s0, s1 under one fp16 d (weight = d * s_h * (code - 32),
-//        code 0..63): acc += float(s0 * (isum0 - 32 * sum0(q)) + s1 * (isum1 - 32 * sum1(q))) * (d * da),
-//        the bracket exact in int32 (and in fp32: |it| <= 2 * 16 * 32 * 127 * 128 < 2^24)
+//   q6k: two halves of 16 with int8 scales s0, s1 under one fp16 d per super-block of 256 (weight =
+//        d * s_h * (code - 32), code 0..63): per super-block
+//        acc += float(sum over its blocks of s0 * (isum0 - 32 * sum0(q)) + s1 * (isum1 - 32 * sum1(q))) * (d * da),
+//        the sum exact in int32
 // (GGUF's Q4_0 is q4s as stored; the int32 bracket is exact, so no offset is stored or multiplied.)
 //
 // Packed weight: tiles of 16 columns, each tile's blocks in k order, one record per block:
@@ -36,9 +37,10 @@
 //   q5f: q4f's nibbles, then 64 bytes of fifth bits (byte i as a group's byte i: bit 2g the low
 //        nibble's of group g, bit 2g + 1 the high one's), then d[16], m[16] fp32: 448 bytes (GGUF
 //        Q5_K: fp16 x 6-bit scales; Q5_0 / Q5_1, exact).
-//   q6k: two 64-byte planes of the top two bits (plane p, byte i: bits 4e .. 4e + 1 the low
-//        nibble's of group 2p + e, bits 4e + 2 .. 4e + 3 the high one's), q4's nibbles, then
-//        s[2][16] int8 (half, column) and d[16] fp16: 448 bytes (GGUF Q6_K, exact).
+//   q6k: per 8 blocks (a super-block of 256 k) one record of 3,360 bytes: for each block two
+//        64-byte planes of the top two bits (plane p, byte i: bits 4e .. 4e + 1 the low nibble's of
+//        group 2p + e, bits 4e + 2 .. 4e + 3 the high one's), q4's nibbles and s[2][16] int8 (half,
+//        column), 416 bytes; then d[16] fp16 (GGUF Q6_K as stored: 6.5625 bits a weight).
 // Each record's bytes lie in the order the kernel reads them: a decode step streams the weights
 // from memory, and a jump back inside a record (q4k's scales after its codes, q6k's planes after
 // its nibbles) cost 15-20% of the stream's rate (NOTES 56).
@@ -85,17 +87,25 @@ constexpr int kBlock = 32;
 // Q4_0), q4k (GGUF's Q4_K as stored).
 constexpr int kQ4 = 0, kQ8 = 1, kQ4F = 2, kQ5F = 3, kQ6K = 4, kQ4S = 5, kQ4K = 6;
 constexpr int kFormats = 7;
-// Bytes per block of a 16-column tile (q4k: its super-block's record over 8 blocks).
-constexpr int kRecordBytes[kFormats] = {256 + 64, 512 + 32, 256 + 128, 256 + 64 + 128, 256 + 128 + 32 + 32, 256 + 32,
-                                        256 + 32};
-constexpr int kSuperBlocks = 8;                         // q4k: blocks per super-block
+// Bytes per block of a 16-column tile (q4k, q6k: their super-block's record over 8 blocks).
+constexpr int kRecordBytes[kFormats] = {256 + 64, 512 + 32, 256 + 128, 256 + 64 + 128, (8 * (128 + 256 + 32) + 32) / 8,
+                                        256 + 32, 256 + 32};
+constexpr int kSuperBlocks = 8;                         // q4k, q6k: blocks per super-block
 constexpr int64_t kSuperRecord = kSuperBlocks * kRecordBytes[kQ4K];  // q4k: one super-block of a tile
+constexpr int64_t kQ6KBlock = 128 + 256 + 32;  // q6k: one block's planes, nibbles and sub-scales
+constexpr int64_t kQ6KSuper = kSuperBlocks * kRecordBytes[kQ6K];  // q6k: 8 blocks, then d[16]
+// Where block b's record starts in a tile (q6k: inside its super-block's record; not q4k).
+template <int kFmt>
+inline const uint8_t* block_record(const uint8_t* tile, int64_t b) {
+    if constexpr (kFmt == kQ6K) return tile + (b / kSuperBlocks) * kQ6KSuper + (b % kSuperBlocks) * kQ6KBlock;
+    return tile + b * kRecordBytes[kFmt];
+}
 // Where block b's codes start in a tile (q4k: inside its super-block's record).
 template <int kFmt>
 inline const uint8_t* block_codes(const uint8_t* tile, int64_t b) {
     if constexpr (kFmt == kQ4K) return tile + (b / kSuperBlocks) * kSuperRecord + 256 + (b % kSuperBlocks) * 256;
-    if constexpr (kFmt == kQ6K) return tile + b * kRecordBytes[kFmt] + 128;
-    return tile + b * kRecordBytes[kFmt];
+    if constexpr (kFmt == kQ6K) return block_record<kFmt>(tile, b) + 128;
+    return block_record<kFmt>(tile, b);
 }
 
 // The integer offset folded into a block's isum before scaling: q8's codes are q_w + 128, q4s's
@@ -148,14 +158,14 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
     constexpr bool kWide = kFmt == kQ5F || kFmt == kQ6K;  // codes above 15: no int16 chain per block
     constexpr bool kOneChain = kNibbles && !kWide && Simd::kOneQ4Chain;
     constexpr bool kInPlaceHigh = kNibbles && !kWide && !Simd::kOneQ4Chain;
-    constexpr int kRecord = kRecordBytes[kFmt];
     constexpr int kGroups = kNibbles ? 4 : 8;
     const int64_t blocks = qa.blocks, lq = blocks * kBlock;
     F acc[R][V];
+    I total[R][V];  // q6k: the super-block's integer sum so far
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-        for (int v = 0; v < V; ++v) acc[r][v] = Simd::fzero();
+        for (int v = 0; v < V; ++v) acc[r][v] = Simd::fzero(), total[r][v] = Simd::zero();
     for (int64_t b = 0; b < blocks; ++b) {
         // Two chains per output vector (q4: low / high nibbles; q8: even / odd groups); q6k: its
         // halves' low nibbles in s0 / s1, their high nibbles in s2 / s3 (dot products only).
@@ -171,7 +181,8 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
             for (int v = 0; v < V; ++v)
 #pragma GCC unroll 2
                 for (int p = 0; p < (kFmt == kQ6K ? 2 : 1); ++p)
-                    planes[p][v] = Simd::load(w + (v / Simd::kVecs) * tile_bytes + b * kRecord + (kFmt == kQ6K ? 0 : 256) + p * kGroupBytes +
+                    planes[p][v] = Simd::load(block_record<kFmt>(w + (v / Simd::kVecs) * tile_bytes, b) +
+                                              (kFmt == kQ6K ? 0 : 256) + p * kGroupBytes +
                                               (v % Simd::kVecs) * (kGroupBytes / Simd::kVecs));
         }
 #pragma GCC unroll 8
@@ -236,7 +247,7 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
         // The block's epilogue in fp32.
 #pragma GCC unroll 8
         for (int v = 0; v < V; ++v) {
-            const uint8_t* rec = w + (v / Simd::kVecs) * tile_bytes + b * kRecord;
+            const uint8_t* rec = block_record<kFmt>(w + (v / Simd::kVecs) * tile_bytes, b);
             const int lane0 = (v % Simd::kVecs) * kLanes;
             F dw, mw;
             I sc0, sc1;
@@ -247,7 +258,9 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
             } else if constexpr (kFmt == kQ6K) {
                 sc0 = Simd::int8_scales(rec + 384 + lane0);
                 sc1 = Simd::int8_scales(rec + 400 + lane0);
-                dw = Simd::half(rec + 416 + 2 * lane0);
+                // d of the super-block, after its 8 blocks
+                dw = Simd::half(w + (v / Simd::kVecs) * tile_bytes + (b / kSuperBlocks) * kQ6KSuper +
+                                kSuperBlocks * kQ6KBlock + 2 * lane0);
             } else if constexpr (kFmt == kQ4S) {
                 dw = Simd::half(rec + 256 + 2 * lane0);
             } else {
@@ -263,7 +276,14 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
                     const int32_t low = qa.sum_lo[ab], high = qa.sum[ab] - low;
                     I half0 = Simd::add(s0[r][v], Simd::set1(-32 * low)), half1 = Simd::add(s1[r][v], Simd::set1(-32 * high));
                     if constexpr (!Simd::kOneQ4Chain) half0 = Simd::add(half0, s2[r][v]), half1 = Simd::add(half1, s3[r][v]);
-                    isum = Simd::add(Simd::mullo(sc0, half0), Simd::mullo(sc1, half1));
+                    // Summed over the super-block in int32 (|total| <= 16 * 128 * 16 * 32 * 127 < 2^28),
+                    // scaled once at its end.
+                    total[r][v] = Simd::add(total[r][v], Simd::add(Simd::mullo(sc0, half0), Simd::mullo(sc1, half1)));
+                    if (b % kSuperBlocks == kSuperBlocks - 1) {
+                        acc[r][v] = Simd::fmadd(Simd::to_float(total[r][v]), Simd::mul(dw, Simd::fset1(da)), acc[r][v]);
+                        total[r][v] = Simd::zero();
+                    }
+                    continue;
                 } else if constexpr (kWide) {
                     isum = Simd::add(s0[r][v], s1[r][v]);  // int32 sums on every path
                 } else if constexpr (kOneChain) {
@@ -412,7 +432,7 @@ int pagellm_gemm_q_amx_available() {
 
 // The activation quantization the GEMM applies, for tests: a [m, k] (rows lda apart; a_dtype 0
 // float32, 1 bf16) -> q [m, blocks * 32] int8, d [m, blocks] float32, sum [m, blocks] int32;
-// super_scale 1: a scale per 256 (q4k's).
+// super_scale 1: a scale per 256 (q4k's and q6k's).
 int pagellm_quantize_rows(const void* a, int64_t lda, int64_t m, int64_t k, int a_dtype, void* q, void* d, void* sum,
                           int super_scale, int num_threads) {
     if (m < 0 || k <= 0 || lda < k || (a_dtype != 0 && a_dtype != 1) || (super_scale != 0 && super_scale != 1))
@@ -437,14 +457,14 @@ int pagellm_gemm_q(const void* a, int64_t lda, int64_t m, int64_t k, const void*
     if (m < 0 || k <= 0 || n <= 0 || lda < k || ldc < n) return -1;
     if ((a_dtype != 0 && a_dtype != 1) || w_format < 0 || w_format >= kFormats || (epilogue != 0 && epilogue != 1))
         return -1;
-    if (w_format == kQ4K && k % (kSuperBlocks * kBlock) != 0) return -1;
+    if ((w_format == kQ4K || w_format == kQ6K) && k % (kSuperBlocks * kBlock) != 0) return -1;
     if (use_amx && (w_format == kQ5F || w_format == kQ6K)) return -1;  // the tiles take q4, q8, q4f, q4s, q4k
     if (use_amx && !pagellm_gemm_q_amx_available()) return -2;
     if (m == 0) return 0;
     if (num_threads < 1) num_threads = 1;
     using Fn = void (*)(const QuantizedA&, int64_t, const uint8_t*, int64_t, void*, int64_t, bool, int);
     QuantizedA qa;
-    quantize_rows(a, lda, m, k, a_dtype == 1, qa, num_threads, use_amx ? 16 : 1, w_format == kQ4K);
+    quantize_rows(a, lda, m, k, a_dtype == 1, qa, num_threads, use_amx ? 16 : 1, w_format == kQ4K || w_format == kQ6K);
     const auto* w = static_cast<const uint8_t*>(packed);
 #ifdef PAGELLM_QGEMM_AMX
     static constexpr Fn kAmx[kFormats][2] = {{qamx::gemm<kQ4, false>, qamx::gemm<kQ4, true>},

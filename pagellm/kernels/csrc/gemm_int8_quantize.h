@@ -4,8 +4,8 @@
 #pragma once
 
 // A's rows quantized: q [m][blocks * 32] int8, d [m][blocks], sum(q) [m][blocks] and the sum
-// of each block's first 16 (q6k's halves). With a scale per super-block (`super_scale`: the
-// q4k kernel's, as llama.cpp's Q8_K), d holds each super-block's scale in all 8 of its blocks.
+// of each block's first 16 (q6k's halves). With a scale per super-block (`super_scale`: q4k's and
+// q6k's, as llama.cpp's Q8_K), d holds each super-block's scale in all 8 of its blocks.
 struct QuantizedA {
     std::vector<int8_t> q;
     std::vector<float> d;

@@ -5,8 +5,8 @@
 // gguf_blocks.from_gguf_blocks reads from the same rows, and the values dequantized exactly what
 // gguf-py's dequantization gives, float32 operation for float32 operation (tested).
 //
-// A packed weight is [tiles][blocks][record] (q4k: [tiles][super-blocks][2304]); a record holds
-// one block of 32 weights (q4k: a super-block of 256) for the 16 columns of a tile. Each packed
+// A packed weight is [tiles][blocks][record] (q4k, q6k: [tiles][super-blocks][2304 / 3360]); a
+// record holds one block of 32 weights (q4k, q6k: a super-block of 256) for the 16 columns of a tile. Each packed
 // column reads one GGUF row, given by the offset of its first block wanted in the source (a
 // tensor-parallel rank's columns start mid-row), or -1 for a zero column (a tile's padding, or a silu_mul
 // tile's missing rows). Within a record, the code bytes of column c for group g sit at
@@ -106,11 +106,11 @@ void pack_q8(uint8_t* rec, int col, const uint8_t* src) {
     copy16(rec + 512 + 2 * col, src);
 }
 
-// Q6_K block b (0..7) of a super-block (210 bytes: ql[128], qh[64], int8 scales[16], d) -> q6k
-// (128 bytes of top-bit planes, 256 of low nibbles, int8 sub-scales[2][16], d[16]). Element i of
-// block b = 32 (4 h + s) + i: low nibble (ql[64 h + 32 (s % 2) + i] >> 4 (s / 2)), top bits
-// (qh[32 h + i] >> 2 s) & 3.
-void pack_q6k(uint8_t* rec, int col, const uint8_t* super, int b) {
+// Q6_K block b (0..7) of a super-block (210 bytes: ql[128], qh[64], int8 scales[16], d) -> its
+// 416 bytes of a q6k record (128 bytes of top-bit planes, 256 of low nibbles, int8 sub-scales[2][16]).
+// Element i of block b = 32 (4 h + s) + i: low nibble (ql[64 h + 32 (s % 2) + i] >> 4 (s / 2)),
+// top bits (qh[32 h + i] >> 2 s) & 3.
+void pack_q6k_block(uint8_t* rec, int col, const uint8_t* super, int b) {
     const int h = b / 4, s = b % 4;
     const uint8_t* ql = super + 64 * h + 32 * (s % 2);
     const uint8_t* qh = super + 128 + 32 * h;
@@ -134,7 +134,12 @@ void pack_q6k(uint8_t* rec, int col, const uint8_t* super, int b) {
     }
     rec[384 + col] = super[192 + 2 * b];
     rec[384 + 16 + col] = super[192 + 2 * b + 1];
-    copy16(rec + 416 + 2 * col, super + 208);
+}
+
+// Q6_K super-block -> q6k's 3,360-byte record (8 blocks of 416 bytes, then d[16]).
+void pack_q6k(uint8_t* rec, int col, const uint8_t* super) {
+    for (int b = 0; b < 8; ++b) pack_q6k_block(rec + 416 * b, col, super, b);
+    copy16(rec + 3328 + 2 * col, super + 208);
 }
 
 // Q4_K super-block (144 bytes: d, dmin, 12 scale bytes, 128 code bytes) -> q4k's 2304-byte
@@ -157,7 +162,7 @@ bool layout_of(int format, Layout* out) {
         case kQ4S: *out = {288, 18, kBlock}; return true;
         case kQ4: *out = {320, 20, kBlock}; return true;
         case kQ8: *out = {544, 34, kBlock}; return true;
-        case kQ6K: *out = {448, 210, kBlock}; return true;  // a block of a 256-weight super-block
+        case kQ6K: *out = {3360, 210, 256}; return true;
         case kQ4K: *out = {2304, 144, 256}; return true;
         default: return false;
     }
@@ -177,7 +182,7 @@ void pack_record(int format, uint8_t* rec, const uint8_t* const* rows, int64_t r
             case kQ4S: pack_q4s(rec, col, row + 18 * r); break;
             case kQ4: pack_q4(rec, col, row + 20 * r); break;
             case kQ8: pack_q8(rec, col, row + 34 * r); break;
-            case kQ6K: pack_q6k(rec, col, row + 210 * (r / 8), static_cast<int>(r % 8)); break;
+            case kQ6K: pack_q6k(rec, col, row + 210 * r); break;
             case kQ4K: pack_q4k(rec, col, row + 144 * r); break;
         }
     }
@@ -260,7 +265,7 @@ extern "C" {
 // here or a k that is not whole records.
 int pagellm_pack_gguf(int format, const void* source, const int64_t* row_offset, int64_t tiles, int64_t k, void* out, int num_threads) {
     Layout layout;
-    if (!layout_of(format, &layout) || k <= 0 || k % (format == kQ6K ? 256 : layout.per_record) != 0) return -1;
+    if (!layout_of(format, &layout) || k <= 0 || k % layout.per_record != 0) return -1;
     const int64_t records = k / layout.per_record;
     auto* dst = static_cast<uint8_t*>(out);
 #pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads > 0 ? num_threads : 1)
@@ -282,7 +287,7 @@ int pagellm_pack_gguf(int format, const void* source, const int64_t* row_offset,
 int pagellm_dequant_gguf_rows(int format, const void* source, const int64_t* row_offset, int64_t rows, int64_t k,
                               float* out, int num_threads) {
     Layout layout;
-    if (!layout_of(format, &layout) || k <= 0 || k % (format == kQ6K ? 256 : layout.per_record) != 0) return -1;
+    if (!layout_of(format, &layout) || k <= 0 || k % layout.per_record != 0) return -1;
 #pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (rows > 1)
     for (int64_t r = 0; r < rows; ++r) {
         dequant_row(format, static_cast<const uint8_t*>(source) + row_offset[r], k, out + r * k);
