@@ -23,6 +23,7 @@ from pagellm.kernels.packing import (
 from pagellm.kernels.quant_formats import (
     AMX_FORMATS, BLOCK, FORMAT_CODES, SUPER_BLOCKS, TILE_COLS, checked_gguf_rows, packed_shape,
 )
+from pagellm.kernels.weight_memory import empty_weight
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # pagellm_gemm_q_isa() -> the integer GEMM's path name (kernel plan: ``qgemm``).
@@ -439,7 +440,7 @@ class KernelLibrary:
         if offsets.numel() % TILE_COLS:
             raise ValueError("pack_gguf takes 16 row offsets a tile")
         tiles = offsets.numel() // TILE_COLS
-        out = torch.empty(packed_shape(fmt, tiles * TILE_COLS, k), dtype=torch.uint8)
+        out = empty_weight(packed_shape(fmt, tiles * TILE_COLS, k))  # huge pages: streamed faster
         threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else torch.get_num_threads()
         rc = self._lib.pagellm_pack_gguf(FORMAT_CODES[fmt], source.ctypes.data, offsets.data_ptr(), tiles, k,
                                          out.data_ptr(), threads)  # fmt: skip
