@@ -21,7 +21,7 @@ from pagellm.kernels.packing import (
     gemm_epilogue,
 )
 from pagellm.kernels.quant_formats import (
-    AMX_FORMATS, BLOCK, FORMAT_CODES, SUPER_BLOCKS, TILE_COLS, checked_gguf_rows, packed_shape,
+    AMX_FORMATS, BLOCK, FORMAT_CODES, SUPER_BLOCKS, SUPER_FORMATS, TILE_COLS, checked_gguf_rows, packed_shape,
 )
 from pagellm.kernels.weight_memory import empty_weight
 
@@ -409,7 +409,7 @@ class KernelLibrary:
         if amx and not self.gemm_q_amx_available:
             raise RuntimeError(f"the integer GEMM on AMX tiles is not available in this kernel build ({' '.join(self.march)})")
         rows, k = _check_gemm_input(x)
-        if fmt in ("q4k", "q6k") and k % (SUPER_BLOCKS * BLOCK):
+        if fmt in SUPER_FORMATS and k % (SUPER_BLOCKS * BLOCK):
             raise ValueError(f"{fmt} weights hold super-blocks of {SUPER_BLOCKS * BLOCK} along k, got k={k}")
         expected = packed_shape(fmt, out_features, k, silu_mul=epilogue == "silu_mul")
         if out_features <= 0 or packed.dtype != torch.uint8 or tuple(packed.shape) != expected or not packed.is_contiguous():

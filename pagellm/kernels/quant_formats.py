@@ -37,6 +37,7 @@ import torch
 BLOCK = 32
 TILE_COLS = 16
 SUPER_BLOCKS = 8  # q4k, q6k: blocks per super-block (256 weights)
+SUPER_FORMATS = frozenset({"q4k", "q6k"})  # whole super-blocks along k, activations scaled per 256
 K_SCALE_BYTES = 12  # q4k: Q4_K's packed 6-bit scales and mins per super-block
 # Bytes per block of a 16-column tile (q4k, q6k: a super-block's record of 2304 / 3360 bytes, 8 blocks).
 RECORD_BYTES = {"q4": 256 + 64, "q8": 512 + 32, "q4f": 256 + 128, "q5f": 256 + 64 + 128, "q6k": (8 * 416 + 32) // 8,
@@ -224,7 +225,7 @@ def random_weight(fmt: str, rows: int, k: int, generator: torch.Generator | None
     levels = {"q4": 16, "q4s": 16, "q4k": 16, "q4f": 16, "q5f": 32, "q6k": 64}[fmt]
     codes = torch.randint(0, levels, (rows, blocks * BLOCK), generator=generator, dtype=torch.uint8)
     codes[:, k:] = 0
-    if fmt in ("q4k", "q6k") and k % (SUPER_BLOCKS * BLOCK):
+    if fmt in SUPER_FORMATS and k % (SUPER_BLOCKS * BLOCK):
         raise ValueError(f"{fmt} weights hold super-blocks of {SUPER_BLOCKS * BLOCK} along k, got k={k}")
     if fmt == "q6k":  # one d a super-block
         sub = torch.randint(-128, 128, (rows, 2 * blocks), generator=generator, dtype=torch.int8)
@@ -362,14 +363,14 @@ def packed_shape(fmt: str, rows: int, k: int, silu_mul: bool = False) -> tuple[i
     gives a ``fmt`` weight of ``rows`` x ``k``."""
     tiles = -(-rows // 8) if silu_mul else -(-rows // TILE_COLS)
     blocks = -(-k // BLOCK)
-    if fmt in ("q4k", "q6k"):
+    if fmt in SUPER_FORMATS:
         return (tiles, blocks // SUPER_BLOCKS, SUPER_BLOCKS * RECORD_BYTES[fmt])
     return (tiles, blocks, RECORD_BYTES[fmt])
 
 
 def quantize_activations(x: torch.Tensor, super_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's activation quantization in torch: per row and block of 32 (with
-    ``super_scale``, q4k's: per super-block of 256), d = amax / 127, q = round-half-even(x * (1 / d));
+    ``super_scale``, q4k's and q6k's: per super-block of 256), d = amax / 127, q = round-half-even(x * (1 / d));
     returns (q int8 [M, blocks * 32], d float32 [M, blocks] (a super-block's in each of its
     blocks), sum(q) int32 [M, blocks])."""
     rows, k = x.shape

@@ -58,7 +58,7 @@ _random_weight = qf.random_weight
 
 def _width(fmt: str, k: int) -> int:
     """``k``, or for q4k and q6k (whole super-blocks of 256 along k) the next multiple of 256."""
-    return -(-k // 256) * 256 if fmt in ("q4k", "q6k") else k
+    return -(-k // 256) * 256 if fmt in qf.SUPER_FORMATS else k
 
 
 @pytest.mark.parametrize("super_scale", [False, True], ids=["per-32", "per-256"])

@@ -42,8 +42,8 @@
 //        group 2p + e, bits 4e + 2 .. 4e + 3 the high one's), q4's nibbles and s[2][16] int8 (half,
 //        column), 416 bytes; then d[16] fp16 (GGUF Q6_K as stored: 6.5625 bits a weight).
 // Each record's bytes lie in the order the kernel reads them: a decode step streams the weights
-// from memory, and a jump back inside a record (q4k's scales after its codes, q6k's planes after
-// its nibbles) cost 15-20% of the stream's rate (NOTES 56).
+// from memory, and with a jump back inside every record (q4k's scales after its codes, q6k's
+// planes after its nibbles) it ran 13-23% slower (NOTES 56).
 // One 64-byte group is 16 columns x 4 consecutive k: one vpdpbusd with a broadcast of 4 bytes
 // of the quantized activation row adds four products into each column's int32 lane.
 //
@@ -92,6 +92,9 @@ constexpr int kRecordBytes[kFormats] = {256 + 64, 512 + 32, 256 + 128, 256 + 64 
                                         256 + 32, 256 + 32};
 constexpr int kSuperBlocks = 8;                         // q4k, q6k: blocks per super-block
 constexpr int64_t kSuperRecord = kSuperBlocks * kRecordBytes[kQ4K];  // q4k: one super-block of a tile
+// q4k: where a super-block record's d[16] and dmin[16] (fp16) and its 8 blocks' codes start (its
+// 12 scale planes of 16 bytes first).
+constexpr int64_t kQ4KD = 192, kQ4KDmin = 224, kQ4KCodes = 256;
 constexpr int64_t kQ6KBlock = 128 + 256 + 32;  // q6k: one block's planes, nibbles and sub-scales
 constexpr int64_t kQ6KSuper = kSuperBlocks * kRecordBytes[kQ6K];  // q6k: 8 blocks, then d[16]
 // Where block b's record starts in a tile (q6k: inside its super-block's record; not q4k).
@@ -103,10 +106,13 @@ inline const uint8_t* block_record(const uint8_t* tile, int64_t b) {
 // Where block b's codes start in a tile (q4k: inside its super-block's record).
 template <int kFmt>
 inline const uint8_t* block_codes(const uint8_t* tile, int64_t b) {
-    if constexpr (kFmt == kQ4K) return tile + (b / kSuperBlocks) * kSuperRecord + 256 + (b % kSuperBlocks) * 256;
+    if constexpr (kFmt == kQ4K) return tile + (b / kSuperBlocks) * kSuperRecord + kQ4KCodes + (b % kSuperBlocks) * 256;
     if constexpr (kFmt == kQ6K) return block_record<kFmt>(tile, b) + 128;
     return block_record<kFmt>(tile, b);
 }
+
+// Formats whose activations take one scale per super-block of 256 (QuantizedA::super_scale).
+constexpr bool super_scaled(int fmt) { return fmt == kQ4K || fmt == kQ6K; }
 
 // The integer offset folded into a block's isum before scaling: q8's codes are q_w + 128, q4s's
 // weights code - 8 (times the block's sum(q)); 0 for the formats with a float offset.
@@ -309,25 +315,27 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
 
 using TileFn = void (*)(const QuantizedA&, int64_t, const uint8_t*, int64_t, float*);
 
-// One row takes kWideGroup tiles at once, 2 rows two (more independent chains for the latency of
-// vpdpbusd, more weight streams in flight), 3-4 rows one (register budget).
 #include "gemm_int8_q4k.h"
 
+// The register-tile kernel of a format: q4k's own (integer scales), else `accumulate`.
+template <int R, int G, int kFmt>
+constexpr TileFn tile_kernel() {
+    if constexpr (kFmt == kQ4K) {
+        return accumulate_q4k<R, G>;
+    } else {
+        return accumulate<R, G, kFmt>;
+    }
+}
+
+// One row takes kWideGroup tiles at once, 2 rows two (more independent chains for the latency of
+// vpdpbusd, more weight streams in flight), 3-4 rows one (register budget).
 template <int kFmt>
 TileFn tile_fn(int rows, int group) {
-    if constexpr (kFmt == kQ4K) {
-        if (group == 4) return accumulate_q4k<1, 4>;
-        if (group == 2) return rows == 1 ? accumulate_q4k<1, 2> : accumulate_q4k<2, 2>;
-        static constexpr TileFn kOneQ4K[kMaxRows] = {accumulate_q4k<1, 1>, accumulate_q4k<2, 1>, accumulate_q4k<3, 1>,
-                                                     accumulate_q4k<4, 1>};
-        return kOneQ4K[rows - 1];
-    } else {
-        if (group == 4) return accumulate<1, 4, kFmt>;
-        if (group == 2) return rows == 1 ? accumulate<1, 2, kFmt> : accumulate<2, 2, kFmt>;
-        static constexpr TileFn kOne[kMaxRows] = {accumulate<1, 1, kFmt>, accumulate<2, 1, kFmt>,
-                                                  accumulate<3, 1, kFmt>, accumulate<4, 1, kFmt>};
-        return kOne[rows - 1];
-    }
+    if (group == 4) return tile_kernel<1, 4, kFmt>();
+    if (group == 2) return rows == 1 ? tile_kernel<1, 2, kFmt>() : tile_kernel<2, 2, kFmt>();
+    static constexpr TileFn kOne[kMaxRows] = {tile_kernel<1, 1, kFmt>(), tile_kernel<2, 1, kFmt>(),
+                                              tile_kernel<3, 1, kFmt>(), tile_kernel<4, 1, kFmt>()};
+    return kOne[rows - 1];
 }
 
 // Writes `rows` x `tiles` finished tiles (16 columns each) to C from tile index t0: plain, 16
@@ -457,14 +465,14 @@ int pagellm_gemm_q(const void* a, int64_t lda, int64_t m, int64_t k, const void*
     if (m < 0 || k <= 0 || n <= 0 || lda < k || ldc < n) return -1;
     if ((a_dtype != 0 && a_dtype != 1) || w_format < 0 || w_format >= kFormats || (epilogue != 0 && epilogue != 1))
         return -1;
-    if ((w_format == kQ4K || w_format == kQ6K) && k % (kSuperBlocks * kBlock) != 0) return -1;
+    if (super_scaled(w_format) && k % (kSuperBlocks * kBlock) != 0) return -1;
     if (use_amx && (w_format == kQ5F || w_format == kQ6K)) return -1;  // the tiles take q4, q8, q4f, q4s, q4k
     if (use_amx && !pagellm_gemm_q_amx_available()) return -2;
     if (m == 0) return 0;
     if (num_threads < 1) num_threads = 1;
     using Fn = void (*)(const QuantizedA&, int64_t, const uint8_t*, int64_t, void*, int64_t, bool, int);
     QuantizedA qa;
-    quantize_rows(a, lda, m, k, a_dtype == 1, qa, num_threads, use_amx ? 16 : 1, w_format == kQ4K || w_format == kQ6K);
+    quantize_rows(a, lda, m, k, a_dtype == 1, qa, num_threads, use_amx ? 16 : 1, super_scaled(w_format));
     const auto* w = static_cast<const uint8_t*>(packed);
 #ifdef PAGELLM_QGEMM_AMX
     static constexpr Fn kAmx[kFormats][2] = {{qamx::gemm<kQ4, false>, qamx::gemm<kQ4, true>},

@@ -135,7 +135,7 @@ void row_tile(const QuantizedA& qa, const RowTerms& terms, int64_t r0, const uin
                 _mm512_store_si512(mins[r], mr);
             }
             if (j == kSuperBlocks - 1) {
-                const __m512 d = Simd::half(super + 192), dmin = Simd::half(super + 224);
+                const __m512 d = Simd::half(super + kQ4KD), dmin = Simd::half(super + kQ4KDmin);
 #pragma GCC unroll 16
                 for (int r = 0; r < kRows; ++r)
                     acc[r] = q4k_finish_super(acc[r], _mm512_load_si512(scaled[r]), _mm512_load_si512(mins[r]), d, dmin,

@@ -19,7 +19,7 @@
 // whose top two bits are those of planes 0-3 (scales) and 4-7 (mins); (x >> 6) << 4 is
 // (x >> 2) & 0x30 per byte.
 inline void q4k_scale_bytes(const uint8_t* super, uint8_t* sc, uint8_t* mn) {
-    const uint8_t* planes = super;
+    const uint8_t* planes = super;  // (the record's first bytes)
 #ifdef __AVX512BW__
     const __m512i a = _mm512_loadu_si512(planes), b = _mm512_loadu_si512(planes + 64), c = _mm512_loadu_si512(planes + 128);
     const __m512i low6 = _mm512_set1_epi8(0x3F), low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
@@ -134,7 +134,7 @@ void accumulate_q4k(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t 
         for (int v = 0; v < V; ++v) {
             const uint8_t* super = w + (v / Simd::kVecs) * tile_bytes + s * kSuperRecord;
             const int lane0 = (v % Simd::kVecs) * kLanes;
-            const F d = Simd::half(super + 192 + 2 * lane0), dmin = Simd::half(super + 224 + 2 * lane0);
+            const F d = Simd::half(super + kQ4KD + 2 * lane0), dmin = Simd::half(super + kQ4KDmin + 2 * lane0);
 #pragma GCC unroll 8
             for (int r = 0; r < R; ++r) {
                 const float da = qa.d[(r0 + r) * blocks + s * kSuperBlocks];

@@ -24,9 +24,6 @@ struct Simd {
     static I or_(I x, I y) { return _mm512_or_si512(x, y); }
     static I int8_scales(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
     static I uint8_lanes(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-    static I and_(I v, int32_t mask) { return _mm512_and_si512(v, _mm512_set1_epi32(mask)); }
-    static I shr(I v, int n) { return _mm512_srli_epi32(v, n); }
-    static I shl(I v, int n) { return _mm512_slli_epi32(v, n); }
     static I mullo(I x, I y) { return _mm512_mullo_epi32(x, y); }
     static I dot_q4(I acc, I w, I a) { return _mm512_dpbusd_epi32(acc, w, a); }
     static I finish_q4(I acc) { return acc; }
@@ -39,7 +36,6 @@ struct Simd {
     static F fzero() { return _mm512_setzero_ps(); }
     static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
     static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-    static F neg(F a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN))); }
     static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
 };
 #else
@@ -67,9 +63,6 @@ struct Simd {
     static I or_(I x, I y) { return _mm256_or_si256(x, y); }
     static I int8_scales(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
     static I uint8_lanes(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
-    static I and_(I v, int32_t mask) { return _mm256_and_si256(v, _mm256_set1_epi32(mask)); }
-    static I shr(I v, int n) { return _mm256_srli_epi32(v, n); }
-    static I shl(I v, int n) { return _mm256_slli_epi32(v, n); }
     static I mullo(I x, I y) { return _mm256_mullo_epi32(x, y); }
 #if PAGELLM_QGEMM_ISA == 2
     static constexpr bool kOneQ4Chain = false;  // two chains hide vpdpbusd's latency
@@ -96,7 +89,6 @@ struct Simd {
     static F fzero() { return _mm256_setzero_ps(); }
     static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
     static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-    static F neg(F a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
     static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
 };
 #endif
