@@ -42,6 +42,9 @@ CONFIGS: list[tuple[str, dict[str, Any]]] = [
     ("bfloat16 dense, fp8 KV cache", dict(dtype="bfloat16", quantization="none", kv_cache_dtype="fp8")),
     ("gguf, bf16, integer GEMM, fp8 KV",
      dict(dtype="bfloat16", quantization="gguf", cpu_isa="avx512", kv_cache_dtype="fp8")),
+    ("bfloat16 dense, int8 KV cache", dict(dtype="bfloat16", quantization="none", kv_cache_dtype="int8")),
+    ("gguf, bf16, integer GEMM, int8 KV",
+     dict(dtype="bfloat16", quantization="gguf", cpu_isa="avx512", kv_cache_dtype="int8")),
 ]
 
 

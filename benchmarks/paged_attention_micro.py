@@ -1,7 +1,7 @@
 """Micro-benchmark: the C++ paged-attention kernel on decode rows, caches cold or hot.
 
     python benchmarks/paged_attention_micro.py [--rows 64] [--ctx 192] [--layers 30]
-                                               [--kv-cache-dtype auto|fp8] [--reps 15]
+                                               [--kv-cache-dtype auto|fp8|int8] [--reps 15]
 
 ``--rows`` decode rows of ``--ctx`` positions each, the default model's heads (9 query, 3 KV,
 head_dim 64), blocks of 16 in shuffled order. "cold": ``--layers`` distinct caches in turn, as
@@ -23,6 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagellm import kernels  # noqa: E402
+from pagellm.attention.backend import to_cache_rows  # noqa: E402
+from pagellm.kv_layout import kv_row_width  # noqa: E402
 from pagellm.config import resolve_kv_cache_dtype  # noqa: E402
 
 KERNELS = kernels.default()  # this machine's kernel library (None: no compiler)
@@ -48,7 +50,7 @@ def main() -> None:
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
 
     def cache() -> torch.Tensor:
-        return torch.randn(shape).to(cache_dtype)
+        return to_cache_rows(torch.randn(shape), cache_dtype)  # int8: codes and a scale a row
 
     cold = [(cache(), cache()) for _ in range(args.layers)]
     hot = [cold[0]] * args.layers
@@ -68,7 +70,8 @@ def main() -> None:
     for _ in range(args.reps):  # alternated, so both meet the same spells of a shared host
         times["cold"].append(run(cold))
         times["hot"].append(run(hot))
-    gbytes = args.layers * args.rows * args.ctx * NUM_KV_HEADS * HEAD_DIM * 2 * cache_dtype.itemsize / 1e9
+    row_bytes = kv_row_width(HEAD_DIM, cache_dtype) * cache_dtype.itemsize
+    gbytes = args.layers * args.rows * args.ctx * NUM_KV_HEADS * row_bytes * 2 / 1e9
     print(f"{args.rows} rows x {args.ctx} positions, {args.layers} layers, {cache_dtype}, "
           f"{torch.get_num_threads()} threads")
     for name, ts in times.items():

@@ -1,7 +1,7 @@
 """Where an engine step's time goes on CPU: each kernel call and linear layer timed in the engine.
 
     python benchmarks/step_profile.py [--model M] [--batch 64] [--input-len 128] [--output-len 128]
-                                      [--kv-cache-dtype auto|fp8]
+                                      [--kv-cache-dtype auto|fp8|int8]
 
 Runs the ``fixed`` workload's shapes (``--batch`` requests of ``--input-len`` random prompt
 tokens, ``--output-len`` greedy tokens, EOS ignored) through ``LLMEngine`` with every
@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--num-threads", type=int, default=None)
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8 or int8")
     args = parser.parse_args()
 
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.batch, enable_prefix_caching=False,

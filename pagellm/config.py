@@ -19,13 +19,15 @@ _DTYPES = {
 
 
 # --kv-cache-dtype: "auto" stores K/V in the model's dtype; "fp8" (= "fp8_e4m3", as in vLLM)
-# stores float8_e4m3fn with no scaling, half the bytes of bf16 per token.
-_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+# stores float8_e4m3fn with no scaling, half the bytes of bf16 per token; "int8" stores each
+# (token, head) row as int8 codes and a float32 scale (amax / 127) after them: head_dim + 4 bytes
+# a head (pagellm/kv_layout.py), about half of bf16's.
+_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 KV_CACHE_DTYPE_CHOICES = ("auto", *_KV_CACHE_DTYPES)
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The dtype K/V are stored in: the model's for "auto", else the named fp8 format."""
+    """The dtype K/V are stored in: the model's for "auto", else the named fp8 or int8 format."""
     if kv_cache_dtype == "auto":
         return model_dtype
     if kv_cache_dtype not in _KV_CACHE_DTYPES:
@@ -88,7 +90,7 @@ class CacheConfig:
     kv_cache_memory: int | str = "auto"  # a size, or "auto": what memory the weights leave (worker/kv_budget.py)
     num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests, benchmarks)
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # or "fp8" / "fp8_e4m3": see resolve_kv_cache_dtype
+    kv_cache_dtype: str = "auto"  # or "fp8" / "fp8_e4m3" / "int8": see resolve_kv_cache_dtype
     kv_cache_bytes: int | None = field(init=False)  # None: auto
 
     def __post_init__(self) -> None:

@@ -68,7 +68,8 @@ class EngineArgs:
     enable_prefix_caching: bool = field(default=True, metadata=_option(
         "reuse the KV blocks of prompt prefixes already computed (default: on)", flag=True))
     kv_cache_dtype: str = field(default="auto", metadata=_option(
-        "K/V storage: auto (the model's dtype) or fp8 (= fp8_e4m3: half the memory of bf16, rounded)",
+        "K/V storage: auto (the model's dtype), fp8 (= fp8_e4m3: half the memory of bf16, rounded) or int8 "
+        "(per-token-per-head scales: about half of bf16's memory, plus 4 bytes a head)",
         choices=KV_CACHE_DTYPE_CHOICES))
     max_num_seqs: int = field(default=128, metadata=_option("most sequences in one step", kind=int))
     max_num_batched_tokens: int = field(default=2048, metadata=_option("most tokens computed in one step", kind=int))

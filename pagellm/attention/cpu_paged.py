@@ -34,9 +34,11 @@ from pagellm.attention.torch_sdpa import TorchSDPAAttention
 
 
 # (compute dtype, cache dtype) pairs the kernel takes; an fp8 cache under bf16 is read and
-# widened in place, under float32 it goes through the torch path.
+# widened in place, under float32 it goes through the torch path; an int8 cache's codes are
+# widened in place under either, its scales applied to the scores and weights.
 _KERNEL_PAIRS = frozenset({
-    (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn), (torch.float32, torch.float32)
+    (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn), (torch.float32, torch.float32),
+    (torch.bfloat16, torch.int8), (torch.float32, torch.int8),
 })
 
 # Head dims whose prefill rows the kernel takes (AMX tiles of a chunk's rows, AVX-512 and AVX2

@@ -9,15 +9,25 @@ from __future__ import annotations
 
 import torch
 
-from pagellm.attention.backend import AttentionBackend, AttentionMetadata, indexable, write_kv
+from pagellm.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    dequantize_int8_rows,
+    indexable,
+    write_kv,
+)
+from pagellm.kv_layout import INT8_KV_DTYPE
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first ``seq_len`` tokens of one request's K or V: [seq_len, H_kv, D]."""
+    """The first ``seq_len`` tokens of one request's K or V: [seq_len, H_kv, D], as the cache
+    holds them; an int8 cache's rows dequantized to float32 (exact: code * scale in float32),
+    so the oracle sees the stored values, not their codes."""
     block_size = cache.shape[1]
     positions = torch.arange(seq_len, device=cache.device)
     slots = block_table[positions // block_size] * block_size + positions % block_size
-    return indexable(cache).view(-1, *cache.shape[2:])[slots].view(cache.dtype)
+    rows = indexable(cache).view(-1, *cache.shape[2:])[slots].view(cache.dtype)
+    return dequantize_int8_rows(rows, torch.float32) if cache.dtype == INT8_KV_DTYPE else rows
 
 
 def dense_attention(

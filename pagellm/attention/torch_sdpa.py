@@ -31,7 +31,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pagellm.attention.backend import AttentionBackend, AttentionMetadata, as_stored, attention_dtype, indexable, write_kv
+from pagellm.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    as_stored,
+    attention_dtype,
+    from_cache_rows,
+    indexable,
+    write_kv,
+)
+from pagellm.kv_layout import kv_row_width
 
 
 def _sdpa_supports_gqa() -> bool:
@@ -57,7 +66,7 @@ class _DecodePlan:
     slots: torch.Tensor
     # [R, 1, 1, S_max] bool (True = attend), or None when every row has seq_len == S_max.
     mask: torch.Tensor | None
-    # num_kv_heads -> flat [R * H_kv * S_max] index into cache.view(-1, head_dim).
+    # num_kv_heads -> flat [R * H_kv * S_max] index into the cache's (token, head) rows.
     head_index: dict[int, torch.Tensor] = field(default_factory=dict)
     _additive_mask: torch.Tensor | None = None
 
@@ -304,7 +313,10 @@ class TorchSDPAAttention(AttentionBackend):
         dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``cache.view(-1, *row_shape).index_select(0, index)`` for K and V, into the shared
-        workspace, in ``dtype`` (an fp8 cache's rows are widened after the gather)."""
+        workspace, in ``dtype``: ``row_shape`` ends in the head dim (an int8 cache's rows, that
+        and their scale, are gathered whole and dequantized after the gather; an fp8 cache's
+        rows are widened after it)."""
+        row_shape = (*row_shape[:-1], kv_row_width(row_shape[-1], key_cache.dtype))
         n = index.numel()
         row = 1
         for d in row_shape:
@@ -322,7 +334,7 @@ class TorchSDPAAttention(AttentionBackend):
         torch.index_select(key_rows.view(-1, *row_shape), 0, index, out=k)
         torch.index_select(value_rows.view(-1, *row_shape), 0, index, out=v)
         k, v = k.view(key_cache.dtype), v.view(value_cache.dtype)
-        return (k, v) if k.dtype == dtype else (k.to(dtype), v.to(dtype))
+        return from_cache_rows(k, key_cache.dtype, dtype), from_cache_rows(v, value_cache.dtype, dtype)
 
     # Below this many rows one SDPA call beats the matmul path (fewer op launches).
     _BMM_MIN_ROWS = 4

@@ -24,13 +24,14 @@ from pagellm.kernels.quant_formats import (
     AMX_FORMATS, BLOCK, FORMAT_CODES, SUPER_BLOCKS, SUPER_FORMATS, TILE_COLS, checked_gguf_rows, packed_shape,
 )
 from pagellm.kernels.weight_memory import empty_weight
+from pagellm.kv_layout import cache_head_dim
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # pagellm_gemm_q_isa() -> the integer GEMM's path name (kernel plan: ``qgemm``).
 GEMM_Q_PATHS = ("none", "avx2", "avx-vnni", "avx512-vnni")
 # (K/V and query dtype, cache dtype) -> the attention and K/V-write kernels' dtype code.
 CACHE_CODES = {(torch.float32, torch.float32): 0, (torch.bfloat16, torch.bfloat16): 1,
-               (torch.bfloat16, torch.float8_e4m3fn): 2}
+               (torch.bfloat16, torch.float8_e4m3fn): 2, (torch.bfloat16, torch.int8): 3, (torch.float32, torch.int8): 4}
 
 
 def _check_logits_rows(name: str, x: torch.Tensor) -> tuple[int, int]:
@@ -157,14 +158,14 @@ class KernelLibrary:
         """For each row r: ``out[row_token[r]]`` = attention of ``query[row_token[r]]`` ([H, D])
         over positions ``row_start[r]`` (0 without it: a sliding window's first) to
         ``row_ctx[r] - 1`` of request ``row_req[r]``, read in place from the paged cache
-        ([num_blocks, block_size, H_kv, D]) through ``block_tables[row_req[r]]``; scores capped
+        ([num_blocks, block_size, H_kv, row], pagellm/kv_layout.py) through ``block_tables[row_req[r]]``; scores capped
         by ``softcap * tanh(score / softcap)`` with a ``softcap``.
 
         Every index is range-checked (:func:`check_paged_attention_rows`) unless ``rows_checked``
         says the caller already did so for these exact index tensors (once per engine step).
         """
-        num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-        num_heads = query.shape[1]
+        num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
+        head_dim, num_heads = cache_head_dim(key_cache), query.shape[1]
         code = _cache_code(query.dtype, key_cache, value_cache)
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
@@ -198,7 +199,7 @@ class KernelLibrary:
     ) -> None:
         """Store ``key``/``value`` ([T, H_kv, D], any row stride) at ``slot_mapping`` (int64 [T]);
         slots are range-checked (:func:`check_slots`) unless ``slots_checked``."""
-        _, _, num_kv_heads, head_dim = key_cache.shape
+        num_kv_heads, head_dim = key_cache.shape[2], cache_head_dim(key_cache)
         code = _cache_code(key.dtype, key_cache, value_cache)
         _check_rows("key", key, (num_kv_heads, head_dim), key.dtype)
         _check_rows("value", value, (num_kv_heads, head_dim), key.dtype)
@@ -210,7 +211,7 @@ class KernelLibrary:
         rc = self._lib.pagellm_write_kv(
             key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
             key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
-            key.shape[0], num_kv_heads * head_dim, code, torch.get_num_threads(),
+            key.shape[0], num_kv_heads, head_dim, code, torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"pagellm_write_kv failed with code {rc}")
@@ -576,8 +577,8 @@ def _check_gemm_input(x: torch.Tensor) -> tuple[int, int]:
 
 def _cache_code(dtype: torch.dtype, key_cache: torch.Tensor, value_cache: torch.Tensor) -> int:
     """The kernels' code for ``dtype`` queries or K/V over these caches (checked: CPU, contiguous,
-    same shape and dtype, a supported pair: float32 / bf16 caches of the same dtype, or an fp8
-    e4m3 cache under bf16)."""
+    same shape and dtype, a supported pair: float32 / bf16 caches of the same dtype, an fp8 e4m3
+    cache under bf16, or an int8 cache under either)."""
     if key_cache.device.type != "cpu" or not key_cache.is_contiguous() or not value_cache.is_contiguous():
         raise ValueError("key_cache and value_cache must be contiguous CPU tensors")
     if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:

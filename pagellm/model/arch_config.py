@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from pagellm.kv_layout import kv_row_width
+
 # HF `model_type` -> architecture class name, for config.json files without "architectures".
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
@@ -155,9 +157,11 @@ class ModelArchConfig:
         return self.num_hidden_layers * attention + moe + dense + self.vocab_size * hidden
 
     def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """K+V bytes one token occupies across all layers (for sizing the paged cache)."""
+        """K+V bytes one token occupies across all layers in a cache of ``dtype`` (for sizing the
+        paged cache and the bytes a decode token reads; an int8 row holds its scale too)."""
         element_size = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_hidden_layers * self.kv_size * element_size
+        row = kv_row_width(self.head_dim, dtype)
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * row * element_size
 
     @classmethod
     def from_hf_config(

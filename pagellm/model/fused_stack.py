@@ -38,6 +38,7 @@ from pagellm.kernels.library import (
 )
 from pagellm.kernels.packing import avx2_epilogue, gemm_epilogue
 from pagellm.kernels.quant_formats import FORMAT_CODES
+from pagellm.kv_layout import kv_row_width
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.cpu_linear import KernelLinear, KernelSiluAndMulLinear
 from pagellm.model.layer_spec import LayerSpec, stack_refusal
@@ -227,7 +228,7 @@ class FusedDecoderStack:
 
     def _caches_fit(self, kv_caches: list[KVCache]) -> bool:
         key_cache = kv_caches[0][0]
-        layout = (self.arch.num_key_value_heads, self.arch.head_dim)
+        layout = (self.arch.num_key_value_heads, kv_row_width(self.arch.head_dim, key_cache.dtype))
         return (
             (self.dtype, key_cache.dtype) in CACHE_CODES
             and key_cache.dim() == 4 and tuple(key_cache.shape[2:]) == layout

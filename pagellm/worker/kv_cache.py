@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from pagellm.attention.backend import indexable
+from pagellm.kv_layout import kv_row_width
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (key_cache, value_cache)
 
@@ -13,9 +14,9 @@ KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (key_cache, valu
 def bytes_per_block(
     num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
 ) -> int:
-    """Memory one block takes across all layers, keys and values."""
+    """Memory one block takes across all layers, keys and values (an int8 row holds its scale too)."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
+    return 2 * num_layers * block_size * num_kv_heads * kv_row_width(head_dim, dtype) * element_size
 
 
 def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
@@ -56,17 +57,18 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
 ) -> KVCache:
-    """Zero-filled, so slots never written hold no NaNs that masked attention could touch.
+    """Zero-filled, so slots never written hold no NaNs that masked attention could touch
+    (an int8 row's zero scale reads back as zeros). Rows are ``kv_row_width`` wide.
 
     On CPU all layers' K and V live in one lazily zeroed buffer (see ``_zeroed_cpu_buffer``).
     """
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    shape = (num_blocks, block_size, num_kv_heads, kv_row_width(head_dim, dtype))
     if device.type != "cpu":
         return [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(num_layers)
         ]
-    per_tensor = num_blocks * block_size * num_kv_heads * head_dim
+    per_tensor = num_blocks * block_size * num_kv_heads * shape[-1]
     flat = _zeroed_cpu_buffer(2 * num_layers * per_tensor, dtype)
     views = flat.view(num_layers, 2, *shape)
     return [(views[i, 0], views[i, 1]) for i in range(num_layers)]

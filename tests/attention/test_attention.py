@@ -23,6 +23,7 @@ from tests.helpers.attention import (
     random_reqs,
     run_backend,
     to_fp8_step,
+    to_int8_step,
 )
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -57,6 +58,19 @@ def test_fp8_cache_matches_reference_and_dense(backend_cls, kind, query_dtype):
     # An fp8 cache under bf16 goes through the kernel, under float32 through the torch path.
     reqs = random_reqs(kind, n=9, seed=31)
     step = to_fp8_step(make_step(reqs, 16, 9, 3, head_dim=64, dtype=query_dtype, seed=5))
+    check_step(step, backend_cls)
+
+
+@pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed", "mixed_decode_first"])
+@pytest.mark.parametrize("backend_cls", FAST_BACKENDS, ids=lambda c: c.name)
+def test_int8_cache_matches_reference_and_dense(backend_cls, kind, query_dtype):
+    # An int8 cache (codes and a float32 scale a row) against dense attention over its dequantized
+    # values; the new rows land quantized, scales included (check_step), and never-written rows
+    # (a NaN scale) stay out of the output.
+    reqs = random_reqs(kind, n=9, seed=37)
+    step = to_int8_step(make_step(reqs, 16, 9, 3, head_dim=64, dtype=query_dtype, seed=6))
+    assert step.key_cache.dtype == torch.int8 and step.key_cache.shape[-1] == 64 + 4
     check_step(step, backend_cls)
 
 

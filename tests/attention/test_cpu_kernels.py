@@ -14,6 +14,7 @@ import torch
 
 from pagellm import kernels
 from pagellm.attention import CPUPagedAttention, write_kv
+from pagellm.attention.backend import dequantize_int8_rows
 from pagellm.attention.cpu_paged import build_kernel_rows
 from pagellm.kernels.isa import usable_cpu_flags
 from tests.helpers.attention import (
@@ -25,6 +26,7 @@ from tests.helpers.attention import (
     make_step,
     run_backend,
     to_fp8_step,
+    to_int8_step,
 )
 
 KERNELS = kernels.default()  # this machine's kernel library (None: no compiler)
@@ -384,6 +386,94 @@ def test_fp8_cache_goes_through_the_kernel_under_bf16_only(monkeypatch):
     step = to_fp8_step(make_step([(10, 1), (4, 1)], 16, 4, 2, head_dim=64, dtype=torch.bfloat16))
     run_backend(CPUPagedAttention(KERNELS), step)
     assert calls
+
+
+# ---- int8 KV cache (rows of codes and a float32 scale) --------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("head_dim", [64, 40], ids=["d64", "d40"])
+def test_write_kv_int8_kernel_quantizes_as_torch(head_dim, dtype):
+    # Codes and scale bytes equal to the torch rule's, over 14 orders of magnitude, with rows of
+    # zeros (scale 0), a row holding NaN (NaN scale, codes 0) and one holding an infinity.
+    key = _bf16_values(40, 3 * head_dim, seed=head_dim).view(40, 3, head_dim).to(dtype)
+    key[5, 1] = 0.0
+    key[6, 2, 7] = float("nan")
+    key[7, 0, 3] = float("inf")
+    value = -key.flip(0)
+    slots = torch.randperm(48)[:40]
+    width = head_dim + 4
+    got_k, got_v = torch.zeros(3, 16, 3, width, dtype=torch.int8), torch.zeros(3, 16, 3, width, dtype=torch.int8)
+    KERNELS.write_kv(key, value, got_k, got_v, slots)
+    want_k, want_v = torch.zeros_like(got_k), torch.zeros_like(got_v)
+    write_kv(key, value, want_k, want_v, slots)  # the torch path: quantize_int8_rows
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    rows = got_k.view(-1, 3, width)[slots]
+    assert rows[..., :head_dim].abs().amax(dim=-1)[~torch.isnan(dequantize_int8_rows(rows, torch.float32)).any(-1)
+                                                   & (key.abs().amax(-1) > 0)].eq(127).all()  # every finite row spans +-127
+    assert not rows[5, 1].any()  # a row of zeros: codes and scale 0
+    assert torch.isnan(dequantize_int8_rows(rows[6, 2], torch.float32)).all()
+    assert torch.isnan(dequantize_int8_rows(rows[7, 0], torch.float32)).all()  # inf scale: code 0 * inf
+    back = dequantize_int8_rows(rows, torch.float32)
+    finite = torch.isfinite(back).all(-1)
+    err = (back - key.float()).abs()[finite].amax(-1)
+    assert (err <= key.float().abs().amax(-1)[finite] / 254 * (1 + 1e-6)).all()  # half a step at most
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 8, 128), (4, 2, 256), (6, 3, 48)],
+    ids=["smollm2", "mha128", "d256", "portable"],
+)
+def test_int8_cache_kernel_match_dense(num_heads, num_kv_heads, head_dim, dtype):
+    # Every path of the kernel over an int8 cache (AVX-512 under bf16, AVX2 under float32 and for
+    # head dim 256, the generic one for 48; the portable builds too), decodes and prefills with
+    # context, against the dense oracle over the values the cache holds.
+    reqs = [(1030, 1), (5, 1), (0, 1), (77, 1), (40, 9), (0, 12), (16, 16), (300, 1)]
+    step = to_int8_step(make_step(reqs, 16, num_heads, num_kv_heads, head_dim=head_dim, dtype=dtype, seed=7))
+    check_step(step, cpu_paged_all_dtypes)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_int8_cache_window_and_softcap_match_dense(dtype):
+    step = to_int8_step(make_step(WINDOW_REQS, 16, 9, 3, head_dim=64, dtype=dtype, seed=2))
+    check_step(step, cpu_paged_all_dtypes, 37, 2.0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 48], ids=["avx512", "avx512-128", "avx2-256", "portable"])
+def test_int8_cache_scales_match_dense_attention_of_code_times_scale(head_dim):
+    # Every code with scales over 12 orders of magnitude: each score is the dot with the codes
+    # times its key row's scale, each weight times its value row's: the same as attention over
+    # the values code * scale in float32, up to float32 rounding.
+    g = torch.Generator().manual_seed(head_dim)
+    shape = (40, 16, 2, head_dim)
+    codes_k = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
+    codes_v = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
+    scale_k = torch.logspace(-6, 0, 40 * 16 * 2)[torch.randperm(40 * 16 * 2, generator=g)].view(40, 16, 2, 1) / 127
+    scale_v = torch.logspace(-6, 6, 40 * 16 * 2)[torch.randperm(40 * 16 * 2, generator=g)].view(40, 16, 2, 1)
+    cache_k = torch.cat((codes_k, scale_k.float().view(torch.int8)), -1)
+    cache_v = torch.cat((codes_v, scale_v.float().view(torch.int8)), -1)
+    tables = torch.randperm(40, generator=g).view(4, 10)
+    query = torch.randn(7, 4, head_dim, generator=g)
+    rows = dict(row_token=torch.arange(7, dtype=torch.int32), row_req=torch.tensor([0, 1, 2, 2, 2, 3, 3], dtype=torch.int32),
+                row_ctx=torch.tensor([160, 1, 97, 98, 99, 17, 150], dtype=torch.int32))
+    out = torch.empty_like(query)
+    KERNELS.paged_attention(query, out, cache_k, cache_v, tables, scale=0.125, **rows)
+    values_k = dequantize_int8_rows(cache_k, torch.float32)
+    values_v = dequantize_int8_rows(cache_v, torch.float32)
+    want = torch.empty_like(out)
+    for i in range(7):
+        req, ctx = int(rows["row_req"][i]), int(rows["row_ctx"][i])
+        k = values_k[tables[req]].reshape(-1, 2, head_dim)[:ctx].double()
+        v = values_v[tables[req]].reshape(-1, 2, head_dim)[:ctx].double()
+        for h in range(4):
+            p = torch.softmax(query[i, h].double() @ k[:, h // 2].T * 0.125, -1)
+            want[i, h] = (p @ v[:, h // 2]).float()
+    # float32 sums of value rows up to 1.3e8 apart: rounding relative to the largest output.
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-6 * float(want.abs().max()))
+    bf16_out = torch.empty_like(query, dtype=torch.bfloat16)
+    KERNELS.paged_attention(query.bfloat16(), bf16_out, cache_k, cache_v, tables, scale=0.125, **rows)
+    torch.testing.assert_close(bf16_out.float(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
 
 
 @pytest.mark.parametrize("case", ["float32 query", "float16 query", "mixed caches"])

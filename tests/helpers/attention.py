@@ -16,7 +16,14 @@ from pagellm.attention import (
     TorchSDPAAttention,
     write_kv,
 )
-from pagellm.attention.backend import attention_dtype, to_cache_dtype
+from pagellm.attention.backend import (
+    as_stored,
+    attention_dtype,
+    quantize_int8_rows,
+    to_cache_dtype,
+    to_cache_rows,
+)
+from pagellm.kv_layout import INT8_KV_DTYPE, KV_SCALE_BYTES
 
 KERNELS = kernels.default()  # this machine's kernel library (None: no compiler)
 
@@ -117,8 +124,32 @@ def to_fp8_step(step: Step) -> Step:
     )
 
 
+def int8_cache(cache: torch.Tensor) -> torch.Tensor:
+    """A float cache (never-written rows NaN) as an int8 cache: the written rows as
+    ``write_kv`` stores them, the others with a NaN scale, so they too read back as NaN."""
+    rows = quantize_int8_rows(torch.nan_to_num(cache.float(), nan=0.0))
+    nan_scale = torch.tensor([float("nan")], dtype=torch.float32).view(torch.int8)
+    rows[..., -KV_SCALE_BYTES:][torch.isnan(cache).any(dim=-1)] = nan_scale
+    return rows
+
+
+def to_int8_step(step: Step) -> Step:
+    """The same step over an int8 cache (per-row codes and a float32 scale): the context stored
+    quantized, the new K/V as the projection gives them (the backend quantizes them as it
+    stores them), and as history the values the cache holds, read back in the query's dtype
+    (as the torch path reads them), so the dense oracle sees the quantized values."""
+
+    def stored(t: torch.Tensor) -> torch.Tensor:
+        return as_stored(t, INT8_KV_DTYPE, step.query.dtype)
+
+    return Step(
+        step.query, step.key, step.value, int8_cache(step.key_cache), int8_cache(step.value_cache), step.metadata,
+        [stored(k) for k in step.k_hist], [stored(v) for v in step.v_hist], step.scale,
+    )
+
+
 def same_cache(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-equal caches (NaN where NaN; fp8 compared as bytes)."""
+    """Bit-equal caches (NaN where NaN; fp8 compared as bytes; int8 rows, scales included, as they are)."""
     if a.dtype == FP8:
         return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     nan = torch.isnan(a)
@@ -182,11 +213,11 @@ def check_step(
     torch.testing.assert_close(out, out_ref, **tol)
     torch.testing.assert_close(out.double(), dense_expected(step, window, softcap), **tol)
 
-    # The new K/V landed at their slots, in the cache dtype, and nothing else changed.
-    num_kv_heads, head_dim = kc.shape[-2:]
+    # The new K/V landed at their slots, as rows of the cache dtype, and nothing else changed.
+    num_kv_heads, width = kc.shape[-2:]
     slots = step.metadata.slot_mapping
-    assert same_cache(kc.view(-1, num_kv_heads, head_dim)[slots], to_cache_dtype(step.key, kc.dtype))
-    assert same_cache(vc.view(-1, num_kv_heads, head_dim)[slots], to_cache_dtype(step.value, vc.dtype))
+    assert same_cache(kc.view(-1, num_kv_heads, width)[slots], to_cache_rows(step.key, kc.dtype))
+    assert same_cache(vc.view(-1, num_kv_heads, width)[slots], to_cache_rows(step.value, vc.dtype))
     assert same_cache(kc, kc_ref) and same_cache(vc, vc_ref)
 
 

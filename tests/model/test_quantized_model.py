@@ -208,11 +208,11 @@ def test_amx_tiles_take_batches_above_the_threshold(cpu_plan) -> None:
     with pytest.raises(ValueError, match="not both"):
         QuantizedLinear(64, 48, False, plan.kernels, dense_above_rows=2, amx_above_rows=2)
     # Formats the tiles do not take (q6k here) run the dot products at every batch size.
-    q6k = qf.QuantizedWeight("q6k", 64, torch.randint(0, 64, (48, 64), dtype=torch.uint8),
-                             torch.full((48, 2), 1e-3).half(), sub_scale=torch.full((48, 4), 7, dtype=torch.int8))
-    dots = QuantizedLinear(64, 48, False, plan.kernels, amx_above_rows=2)
+    q6k = qf.random_weight("q6k", 48, 256, torch.Generator().manual_seed(1))  # whole super-blocks along k
+    dots = QuantizedLinear(256, 48, False, plan.kernels, amx_above_rows=2)
     dots.load_rows(None, q6k)
     assert dots.format == "q6k" and not dots.big_batches_on_amx and not dots.uses_amx(20)
+    x = torch.randn(20, 256).bfloat16()
     torch.testing.assert_close(dots(x).double(), qf.reference_gemm(x, q6k), rtol=1e-2, atol=1e-2)
 
 

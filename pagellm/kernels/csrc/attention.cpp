@@ -1,5 +1,5 @@
 // Paged attention over the KV cache, read in place through each request's block table:
-// scalar (any CPU), AVX2 + FMA, AVX-512 BF16 and AMX paths, over float32, bf16 or fp8 (e4m3) caches.
+// scalar (any CPU), AVX2 + FMA, AVX-512 BF16 and AMX paths, over float32, bf16, fp8 (e4m3) or int8 caches.
 
 #include "attention_avx2.h"
 #include "attention_avx512.h"
@@ -129,7 +129,7 @@ extern "C" {
 // [row_start[r], row_ctx[r]) of request row_req[r] (block_tables row), for every row r and query
 // head h; row_start null: from 0. Scores are capped by softcap * tanh(score / softcap) where
 // softcap > 0 (0: no cap). dtype: 0 float32, 1 bfloat16, 2 bfloat16 query and out over an fp8
-// (e4m3) cache.
+// (e4m3) cache, 3 bfloat16 and 4 float32 over an int8 cache (rows of head_dim codes and a scale).
 // Returns 0 on success, -1 on an unsupported argument.
 int pagellm_paged_attention(const void* query, int64_t q_row_stride, void* out, int64_t out_row_stride,
                             const void* key_cache, const void* value_cache, const int64_t* block_tables,
@@ -139,29 +139,21 @@ int pagellm_paged_attention(const void* query, int64_t q_row_stride, void* out, 
                             int dtype, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0) return -1;
     if (num_threads < 1) num_threads = 1;
-    if (dtype == 0) {
-        paged_attention<float>(static_cast<const float*>(query), q_row_stride, static_cast<float*>(out),
-                               out_row_stride, static_cast<const float*>(key_cache),
-                               static_cast<const float*>(value_cache), block_tables, block_table_stride,
-                               row_token, row_req, row_start, row_ctx, num_rows, num_heads, num_kv_heads,
-                               head_dim, block_size, scale, softcap, num_threads);
-    } else if (dtype == 1) {
-        paged_attention<uint16_t>(static_cast<const uint16_t*>(query), q_row_stride,
-                                  static_cast<uint16_t*>(out), out_row_stride,
-                                  static_cast<const uint16_t*>(key_cache),
-                                  static_cast<const uint16_t*>(value_cache), block_tables,
-                                  block_table_stride, row_token, row_req, row_start, row_ctx, num_rows,
-                                  num_heads, num_kv_heads, head_dim, block_size, scale, softcap, num_threads);
-    } else if (dtype == 2) {
-        paged_attention<uint16_t, uint8_t>(static_cast<const uint16_t*>(query), q_row_stride,
-                                           static_cast<uint16_t*>(out), out_row_stride,
-                                           static_cast<const uint8_t*>(key_cache),
-                                           static_cast<const uint8_t*>(value_cache), block_tables,
-                                           block_table_stride, row_token, row_req, row_start, row_ctx, num_rows,
-                                           num_heads, num_kv_heads, head_dim, block_size, scale, softcap,
-                                           num_threads);
-    } else {
-        return -1;
+    const auto run = [&](auto tag, auto cache_tag) {
+        using T = decltype(tag);
+        using KV = decltype(cache_tag);
+        paged_attention<T, KV>(static_cast<const T*>(query), q_row_stride, static_cast<T*>(out), out_row_stride,
+                               static_cast<const KV*>(key_cache), static_cast<const KV*>(value_cache), block_tables,
+                               block_table_stride, row_token, row_req, row_start, row_ctx, num_rows, num_heads,
+                               num_kv_heads, head_dim, block_size, scale, softcap, num_threads);
+    };
+    switch (dtype) {
+        case 0: run(float{}, float{}); break;
+        case 1: run(uint16_t{}, uint16_t{}); break;
+        case 2: run(uint16_t{}, uint8_t{}); break;
+        case 3: run(uint16_t{}, int8_t{}); break;
+        case 4: run(float{}, int8_t{}); break;
+        default: return -1;
     }
     return 0;
 }

@@ -1,5 +1,5 @@
-// Paged attention on AVX2 + FMA, head_dim 64 and 128: every dtype on CPUs without AVX-512 BF16,
-// float32 on all of them (the AVX-512 BF16 path takes bf16 and fp8 caches there).
+// Paged attention on AVX2 + FMA, head_dim 64, 128 and 256: every dtype on CPUs without AVX-512
+// BF16, float32 queries on all of them (the AVX-512 BF16 path takes bf16 ones there).
 #pragma once
 
 #include "attention_common.h"
@@ -52,6 +52,16 @@ inline __m256i e4m3x16_to_bf16(const uint8_t* p) {
     r = _mm256_blendv_epi8(r, _mm256_shuffle_epi8(table, index), _mm256_cmpgt_epi16(_mm256_set1_epi16(8), mag));
     r = _mm256_blendv_epi8(r, _mm256_set1_epi16(0x7fc0), _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7f)));
     return _mm256_or_si256(r, _mm256_slli_epi16(_mm256_xor_si256(w, mag), 8));
+}
+
+// 16 int8 codes -> their bf16 bits in order, exactly (|code| <= 127): widened to float32, whose
+// upper halves these are.
+inline __m256i int8x16_to_bf16(const int8_t* p) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m256i lo = _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))), 16);
+    const __m256i hi =
+        _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))), 16);
+    return _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xd8);  // packs per 128-bit lane
 }
 
 // exp_nonpositive on 8 lanes (the same reduction and polynomial, with FMAs); float32 takes the
@@ -108,7 +118,7 @@ class ContextTiles {
   private:
     static void prefetch(const KV* row) {
         const char* a = reinterpret_cast<const char*>(row);
-        for (int64_t b = 0; b < D * int64_t{sizeof(KV)}; b += 64) __builtin_prefetch(a + b, 0, 2);
+        for (int64_t b = 0; b < kv_row<KV>(D) * int64_t{sizeof(KV)}; b += 64) __builtin_prefetch(a + b, 0, 2);
     }
     // The next row's offset from cache_ (block, i: its block-table entry and position there).
     int64_t index(int64_t& block, int64_t& i) const {
@@ -219,23 +229,49 @@ inline float exp_scores(float* sg, int64_t ctx, int64_t cs) {
 }
 
 // The rows the score and value loops read for a tile of n positions (ContextTiles::next's
-// rows): in place, or for an fp8 cache (Row = uint16_t) decoded to bf16 in buf [kAvx2Tile][D],
-// once for every query head. The loops then are the bf16 ones, so an fp8 cache gives, bit for
-// bit, what the bf16 kernel gives over it widened. Decoding inside the loops instead ran out of
-// registers: with this, fp8 decode 54.5 -> 51.7 ms, prefill 272 -> 241 ms (1 thread).
+// rows): in place, or decoded into buf [kAvx2Tile][D] once for every query head: an fp8 cache's
+// (Row = uint16_t) to bf16, an int8 cache's codes to the query's type (their scales apply to the
+// scores and weights). The loops then are the bf16 (or float32) ones, so an fp8 cache gives, bit
+// for bit, what the bf16 kernel gives over it widened. Decoding inside the loops instead ran out
+// of registers: with this, fp8 decode 54.5 -> 51.7 ms, prefill 272 -> 241 ms (1 thread).
 template <int D, typename KV, typename Row>
-inline const Row* const* tile_rows(const KV* const* rows, int64_t n, uint16_t* buf, const Row** decoded) {
+inline const Row* const* tile_rows(const KV* const* rows, int64_t n, Row* buf, const Row** decoded) {
     if constexpr (std::is_same_v<KV, Row>) {
         (void)n, (void)buf, (void)decoded;
         return rows;
     } else {
         for (int64_t i = 0; i < n; ++i) {
-            for (int j = 0; j < D; j += 16)
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf + i * D + j), e4m3x16_to_bf16(rows[i] + j));
-            decoded[i] = buf + i * D;
+            Row* out = buf + i * D;
+            for (int j = 0; j < D; j += 16) {
+                if constexpr (std::is_same_v<KV, uint8_t>) {
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), e4m3x16_to_bf16(rows[i] + j));
+                } else if constexpr (std::is_same_v<Row, uint16_t>) {
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), int8x16_to_bf16(rows[i] + j));
+                } else {
+                    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i] + j));
+                    _mm256_storeu_ps(out + j, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+                    _mm256_storeu_ps(out + j + 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))));
+                }
+            }
+            decoded[i] = out;
         }
         for (int64_t i = n; i < ((n + 7) & ~int64_t{7}); ++i) decoded[i] = decoded[n - 1];
         return decoded;
+    }
+}
+
+// An int8 tile's row scales applied: s[g * cs + i] *= scale of rows[i] for the G heads and
+// positions i < n (the score pass gives n = the tile's padded count, rows past the tile being
+// copies of its last, so those lanes stay copies of its last score). Nothing for other caches.
+template <int D, typename KV>
+inline void scale_tile(const KV* const* rows, int64_t n, float* s, int64_t G, int64_t cs) {
+    if constexpr (std::is_same_v<KV, int8_t>) {
+        float f[kAvx2Tile];
+        for (int64_t i = 0; i < n; ++i) f[i] = kv_row_scale(rows[i], D);
+        for (int64_t g = 0; g < G; ++g)
+            for (int64_t i = 0; i < n; ++i) s[g * cs + i] *= f[i];
+    } else {
+        (void)rows, (void)n, (void)s, (void)G, (void)cs;
     }
 }
 
@@ -264,17 +300,18 @@ void attend_one_avx2(const T* q_row, T* out_row, const KV* key_cache, const KV* 
             _mm256_storeu_ps(qf + g * D + j, _mm256_mul_ps(a, vscale));
             _mm256_storeu_ps(qf + g * D + j + 8, _mm256_mul_ps(b, vscale));
         }
-    const int64_t row_stride = num_kv_heads * D;
-    using Row = std::conditional_t<std::is_same_v<KV, uint8_t>, uint16_t, KV>;
+    const int64_t head_row = kv_row<KV>(D);
+    const int64_t row_stride = num_kv_heads * head_row;
+    using Row = std::conditional_t<std::is_same_v<KV, uint8_t>, uint16_t, std::conditional_t<std::is_same_v<KV, int8_t>, T, KV>>;
     const KV* rows[kAvx2Tile];
     const Row* decoded[kAvx2Tile];
-    alignas(32) uint16_t buf[std::is_same_v<KV, Row> ? 1 : kAvx2Tile * D];
+    alignas(32) Row buf[std::is_same_v<KV, Row> ? 1 : kAvx2Tile * D];
 
     // For a lone row (a decode) whose values fit in kFetchValuesMaxBytes, the key walk fetches
     // the value rows too, as attend_one_avx512 does (see there): decode, 1 thread, float32 /
     // bf16 / fp8 69.9 / 46.5 / 50.1 -> 66.5 / 40.3 / 44.3 ms.
-    const bool fetch_values = lone && len * D * int64_t{sizeof(KV)} <= kFetchValuesMaxBytes;
-    ContextTiles<D, KV> keys(key_cache, block_table, start, ctx, block_size, row_stride, kvh * D, true,
+    const bool fetch_values = lone && len * head_row * int64_t{sizeof(KV)} <= kFetchValuesMaxBytes;
+    ContextTiles<D, KV> keys(key_cache, block_table, start, ctx, block_size, row_stride, kvh * head_row, true,
                              fetch_values ? value_cache : nullptr);
     for (int64_t p0 = 0; p0 < len; p0 += kAvx2Tile) {
         const int64_t n = keys.next(rows);
@@ -290,6 +327,7 @@ void attend_one_avx2(const T* q_row, T* out_row, const KV* key_cache, const KV* 
             else
                 for (int64_t i = 0; i < n8; i += 4) score_group<3, 4, D>(q, tile + i, sg + i, cs);
         }
+        scale_tile<D>(rows, n8, s + p0, G, cs);
     }
 
     for (int64_t g = 0; g < G; ++g) {
@@ -298,10 +336,11 @@ void attend_one_avx2(const T* q_row, T* out_row, const KV* key_cache, const KV* 
     }
 
     std::memset(acc, 0, sizeof(float) * static_cast<size_t>(G * D));
-    ContextTiles<D, KV> values(value_cache, block_table, start, ctx, block_size, row_stride, kvh * D, !fetch_values);
+    ContextTiles<D, KV> values(value_cache, block_table, start, ctx, block_size, row_stride, kvh * head_row, !fetch_values);
     for (int64_t p0 = 0; p0 < len; p0 += kAvx2Tile) {
         const int64_t n = values.next(rows);
         const Row* const* tile = tile_rows<D>(rows, n, buf, decoded);
+        scale_tile<D>(rows, n, s + p0, G, cs);  // the weights (done with: inv is taken)
         for (int64_t g0 = 0; g0 < G; g0 += 3) {
             const float* w = s + g0 * cs + p0;
             if (G - g0 == 1)

@@ -1,5 +1,5 @@
 // Paged attention on AVX-512 BF16 (dot products of bf16 pairs) and AMX tiles (prefill scores),
-// for bf16 queries over bf16 or fp8 (e4m3) caches. Compiled where the build targets them.
+// for bf16 queries over bf16, fp8 (e4m3) or int8 caches (AMX: bf16 caches). Compiled where the build targets them.
 #pragma once
 
 #include "attention_common.h"
@@ -129,6 +129,17 @@ inline void load_bf16_row(const uint8_t* p, __m512bh (&k)[C]) {
     }
 }
 
+// An int8 row's 32 * C codes as C bf16 vectors, exactly (|code| <= 127; the scale applies after).
+template <int C>
+inline void load_bf16_row(const int8_t* p, __m512bh (&k)[C]) {
+    for (int c = 0; c < C; ++c) {
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 * c))));
+        const __m512 hi =
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 * c + 16))));
+        k[c] = _mm512_cvtne2ps_pbh(hi, lo);
+    }
+}
+
 // The same row as 2 * C float32 vectors.
 template <int C>
 inline void load_f32_row(const uint16_t* p, __m512 (&v)[2 * C]) {
@@ -143,6 +154,12 @@ inline void load_f32_row(const uint8_t* p, __m512 (&v)[2 * C]) {
         v[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
         v[2 * c + 1] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
     }
+}
+
+template <int C>
+inline void load_f32_row(const int8_t* p, __m512 (&v)[2 * C]) {
+    for (int c = 0; c < 2 * C; ++c)
+        v[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * c))));
 }
 
 // attend_one for bfloat16 with head_dim = 32 * C, on AVX-512 BF16: q.k with vdpbf16ps
@@ -164,11 +181,12 @@ inline void weighted_values(const KV* value_cache, const int64_t* block_table, i
     for (int j = 0; j < kValueRows<C>; ++j)
         for (int c = 0; c < 2 * C; ++c) a[j][c] = _mm512_setzero_ps();
     for_each_context_row<kPrefetch>(value_cache, block_table, start, ctx, block_size, row_stride, offset,
-                                    D * int64_t{sizeof(KV)}, [&](int64_t p, const KV* vp) {
+                                    kv_row<KV>(D) * int64_t{sizeof(KV)}, [&](int64_t p, const KV* vp) {
                                         __m512 v[2 * C];
                                         load_f32_row<C>(vp, v);
+                                        const float vs = row_scale(vp, D);
                                         for (int j = 0; j < rows; ++j) {
-                                            const __m512 wj = _mm512_set1_ps(w[j * w_stride + p - start]);
+                                            const __m512 wj = _mm512_set1_ps(w[j * w_stride + p - start] * vs);
                                             for (int c = 0; c < 2 * C; ++c)
                                                 a[j][c] = _mm512_fmadd_ps(wj, v[c], a[j][c]);
                                         }
@@ -341,7 +359,9 @@ void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const KV* key_c
     work.resize(static_cast<size_t>(G * D));
     float* s = scores.data();
     float* acc = work.data();
-    const int64_t row_stride = num_kv_heads * D;
+    const int64_t head_row = kv_row<KV>(D);
+    const int64_t row_stride = num_kv_heads * head_row;
+    const int64_t row_bytes = head_row * int64_t{sizeof(KV)};
 
     // AMX scores exist for bf16 caches only (paged_attention never sets amx for others).
     amx = amx && std::is_same_v<KV, uint16_t>;
@@ -360,27 +380,28 @@ void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const KV* key_c
     // value pass reaches them (64 rows x 1024 positions: 14.6 -> 15.4 ms; 4 x 8192: 6.9 -> 8.2).
     // A prefill row's context mostly comes from cache (the rows before it read it), where the
     // extra prefetches only cost.
-    const bool fetch_values = !amx && lone && len * D * int64_t{sizeof(KV)} <= kFetchValuesMaxBytes;
+    const bool fetch_values = !amx && lone && len * row_bytes <= kFetchValuesMaxBytes;
     if (fetch_values)
         for (int64_t p = start; p < ctx && p < start + kPrefetchDistance; ++p)
-            prefetch_row(key_cache, block_table, p, block_size, row_stride, kvh * D, D * int64_t{sizeof(KV)});
+            prefetch_row(key_cache, block_table, p, block_size, row_stride, kvh * head_row, row_bytes);
     for (int64_t g0 = 0; g0 < G && !amx; g0 += 4) {
         const int64_t gn = G - g0 < 4 ? G - g0 : 4;
         __m512bh q[4][C];
         for (int j = 0; j < gn; ++j)
             for (int c = 0; c < C; ++c)
                 q[j][c] = (__m512bh)_mm512_loadu_si512(q_row + (kvh * G + g0 + j) * D + 32 * c);
-        for_each_context_row(key_cache, block_table, start, ctx, block_size, row_stride, kvh * D, D * int64_t{sizeof(KV)},
+        for_each_context_row(key_cache, block_table, start, ctx, block_size, row_stride, kvh * head_row, row_bytes,
                              [&](int64_t p, const KV* kp) {
                                  if (fetch_values && g0 == 0)
-                                     prefetch_row(value_cache, block_table, p, block_size, row_stride, kvh * D,
-                                                  D * int64_t{sizeof(KV)});
+                                     prefetch_row(value_cache, block_table, p, block_size, row_stride, kvh * head_row,
+                                                  row_bytes);
                                  __m512bh k[C];
                                  load_bf16_row<C>(kp, k);
+                                 const float ks = row_scale(kp, D);
                                  for (int j = 0; j < gn; ++j) {
                                      __m512 a = _mm512_setzero_ps();
                                      for (int c = 0; c < C; ++c) a = _mm512_dpbf16_ps(a, q[j][c], k[c]);
-                                     s[(g0 + j) * len + p - start] = _mm512_reduce_add_ps(a) * scale;
+                                     s[(g0 + j) * len + p - start] = _mm512_reduce_add_ps(a) * scale * ks;
                                  }
                              });
     }
@@ -393,7 +414,7 @@ void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const KV* key_c
     // Value sums, a few query heads at a time so the accumulators stay in registers.
     const auto values = fetch_values ? weighted_values<C, false, KV> : weighted_values<C, true, KV>;
     for (int64_t g0 = 0; g0 < G; g0 += kValueRows<C>)
-        values(value_cache, block_table, start, ctx, block_size, row_stride, kvh * D, s + g0 * len, len,
+        values(value_cache, block_table, start, ctx, block_size, row_stride, kvh * head_row, s + g0 * len, len,
                G - g0 < kValueRows<C> ? G - g0 : kValueRows<C>, acc + g0 * D);
     for (int64_t g = 0; g < G; ++g) {
         uint16_t* oh = out_row + (kvh * G + g) * D;

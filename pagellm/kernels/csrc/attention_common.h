@@ -52,6 +52,18 @@ inline void for_each_context_row(const T* cache, const int64_t* block_table, int
     }
 }
 
+// The factor a cache row's values carry: an int8 row's scale (kv_row_scale), 1 for the others,
+// whose elements are the values themselves (multiplying by it is exact, and compiled away).
+template <typename KV>
+inline float row_scale(const KV* row, int64_t D) {
+    if constexpr (std::is_same_v<KV, int8_t>) {
+        return kv_row_scale(row, D);
+    } else {
+        (void)row, (void)D;
+        return 1.f;
+    }
+}
+
 // Scores capped as Gemma 2 caps them, cap * tanh(s / cap), between the scale and the softmax;
 // cap <= 0: none. 8 at a time where the build has AVX2 (a scalar tanh per score cost Gemma 2's
 // prefill attention more than its dot products).
@@ -71,7 +83,8 @@ inline void cap_scores(float* s, int64_t n, float cap) {
 // through its block table, scores capped by `softcap` where it is > 0.
 // Three passes over the context (scores, softmax, weighted values) keep K and V reads
 // sequential within each block and need no online-softmax rescaling. KV: the cache's element
-// type (T, or uint8_t for an fp8 cache).
+// type (T, uint8_t for an fp8 cache, int8_t for an int8 one: each score times its key row's
+// scale, each weight times its value row's).
 template <typename T, typename KV = T>
 void attend_one(const T* q_row, T* out_row, const KV* key_cache, const KV* value_cache,
                 const int64_t* block_table, int64_t start, int64_t ctx, int64_t kvh, int64_t group,
@@ -91,17 +104,20 @@ void attend_one(const T* q_row, T* out_row, const KV* key_cache, const KV* value
         const T* qh = q_row + (kvh * G + g) * D;
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = Elem<T>::load(qh, d) * scale;
     }
-    const int64_t row_stride = num_kv_heads * D;  // elements between positions of one block
+    const int64_t head_row = kv_row<KV>(D);
+    const int64_t row_stride = num_kv_heads * head_row;  // elements between positions of one block
+    const int64_t row_bytes = head_row * int64_t{sizeof(KV)};
 
-    for_each_context_row(key_cache, block_table, start, ctx, block_size, row_stride, kvh * D, D * sizeof(KV),
+    for_each_context_row(key_cache, block_table, start, ctx, block_size, row_stride, kvh * head_row, row_bytes,
                          [&](int64_t p, const KV* kp) {
                              load_row(kp, row, D);
+                             const float ks = row_scale(kp, D);
                              for (int64_t g = 0; g < G; ++g) {
                                  const float* qg = qf + g * D;
                                  float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
                                  for (int64_t d = 0; d < D; ++d) dot += qg[d] * row[d];
-                                 s[g * len + p - start] = dot;
+                                 s[g * len + p - start] = dot * ks;
                              }
                          });
 
@@ -128,11 +144,12 @@ void attend_one(const T* q_row, T* out_row, const KV* key_cache, const KV* value
     }
 
     std::memset(acc, 0, sizeof(float) * static_cast<size_t>(G * D));
-    for_each_context_row(value_cache, block_table, start, ctx, block_size, row_stride, kvh * D, D * sizeof(KV),
+    for_each_context_row(value_cache, block_table, start, ctx, block_size, row_stride, kvh * head_row, row_bytes,
                          [&](int64_t p, const KV* vp) {
                              load_row(vp, row, D);
+                             const float vs = row_scale(vp, D);
                              for (int64_t g = 0; g < G; ++g) {
-                                 const float w = s[g * len + p - start];
+                                 const float w = s[g * len + p - start] * vs;
                                  float* ag = acc + g * D;
 #pragma omp simd
                                  for (int64_t d = 0; d < D; ++d) ag[d] += w * row[d];

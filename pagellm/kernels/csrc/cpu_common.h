@@ -1,4 +1,4 @@
-// What the CPU kernel sources share: element conversions (bf16, fp8 e4m3), the exp used by
+// What the CPU kernel sources share: element conversions (bf16, fp8 e4m3, int8 rows), the exp used by
 // every softmax, and typed element access. Header-only, internal linkage in each source.
 //
 // The kernels are built on first use by pagellm/kernels/build.py and called via ctypes: a plain
@@ -127,5 +127,50 @@ template <> struct Elem<uint16_t> {
 template <> struct Elem<uint8_t> {  // an fp8 (e4m3) cache element, read only (written by write_kv)
     static inline float load(const uint8_t* p, int64_t i) { return bf16_to_float(e4m3_to_bf16_bits(p[i])); }
 };
+template <> struct Elem<int8_t> {  // an int8 cache's code, read only: its row's scale applies after
+    static inline float load(const int8_t* p, int64_t i) { return static_cast<float>(p[i]); }
+};
+
+// An int8 KV cache row (--kv-cache-dtype int8) is a head's D codes, then its float32 scale in
+// kKvScaleBytes bytes: value = code * scale, scale = amax / 127, code = round-half-even(x * (127 /
+// amax)) (pagellm/attention/backend.py's quantize_int8_rows, bit for bit). Rows of other caches
+// are their D values. Integers up to 256 are bf16 values, so codes widen to bf16 exactly, and a
+// kernel multiplies each score by its key row's scale and each weight by its value row's.
+constexpr int64_t kKvScaleBytes = 4;
+
+template <typename KV>
+constexpr int64_t kv_row(int64_t D) {  // elements between the rows of two heads
+    return std::is_same_v<KV, int8_t> ? D + kKvScaleBytes : D;
+}
+
+inline float kv_row_scale(const int8_t* row, int64_t D) {
+    float s;
+    std::memcpy(&s, row + D, sizeof s);
+    return s;
+}
+
+// D values -> one int8 row (codes, then the scale). A row holding NaN gets codes 0 and a NaN
+// scale, so every read of it is NaN (as a NaN key or value makes attention NaN); infinities give
+// an infinite scale and NaN reads.
+template <typename T>
+inline void quantize_kv_row(const T* src, int8_t* dst, int64_t D) {
+    float amax = 0.f;
+    bool nan = false;
+    for (int64_t d = 0; d < D; ++d) {
+        const float a = std::fabs(Elem<T>::load(src, d));
+        nan |= a != a;
+        amax = a > amax ? a : amax;
+    }
+    if (nan) amax = NAN;  // then inv = 0 (all codes 0) and the scale NaN, as in torch
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) {
+        float c = std::nearbyint(Elem<T>::load(src, d) * inv);
+        c = c > 127.f ? 127.f : c < -127.f ? -127.f : c;
+        dst[d] = static_cast<int8_t>(c == c ? c : 0.f);
+    }
+    const float scale = amax / 127.f;
+    std::memcpy(dst + D, &scale, sizeof scale);
+}
 
 }  // namespace

@@ -62,7 +62,7 @@ struct PagellmStack {
     int64_t num_layers, tokens, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
     float eps, reserved_f;
     int32_t dtype;       // 0 float32, 1 bf16: activations, norms, rotary tables
-    int32_t cache_code;  // the K/V write and attention code (0 f32, 1 bf16, 2 fp8 under bf16)
+    int32_t cache_code;  // the K/V write and attention code (0 f32, 1 bf16, 2 fp8 / 3 int8 under bf16, 4 int8 under f32)
     int32_t num_threads, reserved;
     void* x;             // [T, H] in: embeddings; out: the last layer's MLP output
     void* residual;      // [T, H] out: the residual stream
@@ -188,7 +188,7 @@ int layer(const PagellmStack& s, const PagellmLayer& L, bool first, int32_t* win
     if (rc == 0) rc = pagellm_rotary(s.qkv, W, T, s.num_heads + s.num_kv_heads, dh, s.cos, s.sin, dt, th);
     if (rc == 0)
         rc = pagellm_write_kv(qkv + q * elem, W, qkv + (q + kv) * elem, W, L.key_cache, L.value_cache, s.slot_mapping,
-                              T, kv, s.cache_code, th);
+                              T, s.num_kv_heads, dh, s.cache_code, th);
     if (rc == 0 && s.num_rows > 0)
         rc = pagellm_paged_attention(s.qkv, W, s.attn, q, L.key_cache, L.value_cache, s.block_tables,
                                      s.block_table_stride, s.row_token, s.row_req, row_starts(s, L.window, window),

@@ -1,4 +1,4 @@
-// Elementwise kernels of the model step: the K/V cache write (copied, or rounded to fp8),
+// Elementwise kernels of the model step: the K/V cache write (copied, rounded to fp8, or int8 rows),
 // RMSNorm with its residual add, rotary embedding, the greedy argmax over logits rows and the
 // structured-outputs token mask applied to logits rows.
 
@@ -43,16 +43,28 @@ inline void store_row(const uint16_t* src, uint8_t* dst, int64_t n) {
     for (; i < n; ++i) dst[i] = float_to_e4m3(bf16_to_float(src[i]));
 }
 
+// One token's heads (each head_dim values) into its cache row: stored whole, or an int8 row
+// (codes and scale, quantize_kv_row) per head.
+template <typename T, typename KV>
+inline void store_token(const T* src, KV* dst, int64_t heads, int64_t head_dim) {
+    if constexpr (std::is_same_v<KV, int8_t>) {
+        for (int64_t h = 0; h < heads; ++h) quantize_kv_row(src + h * head_dim, dst + h * kv_row<KV>(head_dim), head_dim);
+    } else {
+        store_row(src, dst, heads * head_dim);
+    }
+}
+
 template <typename T, typename KV = T>
 void write_kv(const T* key, int64_t key_row_stride, const T* value, int64_t value_row_stride,
               KV* key_cache, KV* value_cache, const int64_t* slot_mapping, int64_t num_tokens,
-              int64_t row_elems, int num_threads) {
+              int64_t heads, int64_t head_dim, int num_threads) {
+    const int64_t slot_elems = heads * kv_row<KV>(head_dim);
 #pragma omp parallel for num_threads(num_threads) if (num_tokens >= kMinParallelRows)
     for (int64_t t = 0; t < num_tokens; ++t) {
         const int64_t slot = slot_mapping[t];
         if (slot < 0) continue;  // padding token: nothing to store
-        store_row(key + t * key_row_stride, key_cache + slot * row_elems, row_elems);
-        store_row(value + t * value_row_stride, value_cache + slot * row_elems, row_elems);
+        store_token(key + t * key_row_stride, key_cache + slot * slot_elems, heads, head_dim);
+        store_token(value + t * value_row_stride, value_cache + slot * slot_elems, heads, head_dim);
     }
 }
 
@@ -264,30 +276,30 @@ void apply_token_bitmask(T* logits, int64_t row_stride, int64_t rows, int64_t n,
 
 extern "C" {
 
-int pagellm_abi_version() { return 19; }
+int pagellm_abi_version() { return 20; }
 
-// key_cache[slot_mapping[t]] = key[t] (row_elems = num_kv_heads * head_dim elements), same for V.
-// dtype: 0 float32, 1 bfloat16, 2 bfloat16 K/V stored into an fp8 (e4m3) cache.
+// key_cache[slot_mapping[t]] = key[t] (num_kv_heads rows of head_dim values), same for V.
+// dtype: 0 float32, 1 bfloat16, 2 bfloat16 K/V stored into an fp8 (e4m3) cache, 3 bfloat16 and
+// 4 float32 K/V stored into an int8 cache (rows of head_dim codes and a float32 scale).
 int pagellm_write_kv(const void* key, int64_t key_row_stride, const void* value, int64_t value_row_stride,
                      void* key_cache, void* value_cache, const int64_t* slot_mapping, int64_t num_tokens,
-                     int64_t row_elems, int dtype, int num_threads) {
+                     int64_t num_kv_heads, int64_t head_dim, int dtype, int num_threads) {
     if (num_threads < 1) num_threads = 1;
-    if (dtype == 0) {
-        write_kv<float>(static_cast<const float*>(key), key_row_stride, static_cast<const float*>(value),
-                        value_row_stride, static_cast<float*>(key_cache), static_cast<float*>(value_cache),
-                        slot_mapping, num_tokens, row_elems, num_threads);
-    } else if (dtype == 1) {
-        write_kv<uint16_t>(static_cast<const uint16_t*>(key), key_row_stride,
-                           static_cast<const uint16_t*>(value), value_row_stride,
-                           static_cast<uint16_t*>(key_cache), static_cast<uint16_t*>(value_cache),
-                           slot_mapping, num_tokens, row_elems, num_threads);
-    } else if (dtype == 2) {
-        write_kv<uint16_t, uint8_t>(static_cast<const uint16_t*>(key), key_row_stride,
-                                    static_cast<const uint16_t*>(value), value_row_stride,
-                                    static_cast<uint8_t*>(key_cache), static_cast<uint8_t*>(value_cache),
-                                    slot_mapping, num_tokens, row_elems, num_threads);
-    } else {
-        return -1;
+    if (num_kv_heads <= 0 || head_dim <= 0) return -1;
+    const auto run = [&](auto tag, auto cache_tag) {
+        using T = decltype(tag);
+        using KV = decltype(cache_tag);
+        write_kv<T, KV>(static_cast<const T*>(key), key_row_stride, static_cast<const T*>(value), value_row_stride,
+                        static_cast<KV*>(key_cache), static_cast<KV*>(value_cache), slot_mapping, num_tokens,
+                        num_kv_heads, head_dim, num_threads);
+    };
+    switch (dtype) {
+        case 0: run(float{}, float{}); break;
+        case 1: run(uint16_t{}, uint16_t{}); break;
+        case 2: run(uint16_t{}, uint8_t{}); break;
+        case 3: run(uint16_t{}, int8_t{}); break;
+        case 4: run(float{}, int8_t{}); break;
+        default: return -1;
     }
     return 0;
 }

@@ -21,7 +21,7 @@ int pagellm_rotary(void* x, int64_t row_stride, int64_t rows, int64_t num_heads,
                    const void* sin, int dtype, int num_threads);
 int pagellm_write_kv(const void* key, int64_t key_row_stride, const void* value, int64_t value_row_stride,
                      void* key_cache, void* value_cache, const int64_t* slot_mapping, int64_t num_tokens,
-                     int64_t row_elems, int dtype, int num_threads);
+                     int64_t num_kv_heads, int64_t head_dim, int dtype, int num_threads);
 int pagellm_paged_attention(const void* query, int64_t q_row_stride, void* out, int64_t out_row_stride,
                             const void* key_cache, const void* value_cache, const int64_t* block_tables,
                             int64_t block_table_stride, const int32_t* row_token, const int32_t* row_req,
