@@ -183,11 +183,11 @@ def add_engine_args(
         if defaults is not None and f.name in defaults:
             default = defaults[f.name]
         if f.name == "model" and positional_model:
-            parser.add_argument("model", nargs="?", default=default, help=meta["help"])
+            parser.add_argument("model", nargs="?", default=default, help=meta["help"].replace("%", "%%"))
             continue
         group = groups.get(meta["group"]) or groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
         help = meta["help"] if default == f.default or default is None else f"{meta['help']} (default here: {default})"
-        kwargs: dict[str, Any] = {"default": default, "help": help}
+        kwargs: dict[str, Any] = {"default": default, "help": help.replace("%", "%%")}  # argparse formats help with %
         if meta["flag"]:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:

@@ -86,3 +86,19 @@ def test_bad_data_parallel_options_are_refused_before_any_engine_starts(
         assert main(["serve", tiny_llama_path, "--port", "1", *extra]) == 1
         assert "--data-parallel-size must be >= 1, and replicas need --engine-process" in caplog.text
         caplog.clear()
+
+
+@pytest.mark.parametrize("argv", [["serve"], ["generate"], ["bench", "throughput"], ["bench", "latency"],
+                                  ["bench", "startup"], ["bench", "serve"]])
+def test_every_help_page_renders(argv, capsys) -> None:
+    # argparse formats help strings with %: a bare "90%" in an option's help broke --help.
+    from pagellm.benchmarks.cli import main as bench_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        if argv[0] == "bench":
+            bench_main([*argv[1:], "--help"])
+        else:
+            build_parser().parse_args([*argv, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:") and "-h, --help" in out

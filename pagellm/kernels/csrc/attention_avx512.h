@@ -129,17 +129,6 @@ inline void load_bf16_row(const uint8_t* p, __m512bh (&k)[C]) {
     }
 }
 
-// An int8 row's 32 * C codes as C bf16 vectors, exactly (|code| <= 127; the scale applies after).
-template <int C>
-inline void load_bf16_row(const int8_t* p, __m512bh (&k)[C]) {
-    for (int c = 0; c < C; ++c) {
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 * c))));
-        const __m512 hi =
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 * c + 16))));
-        k[c] = _mm512_cvtne2ps_pbh(hi, lo);
-    }
-}
-
 // The same row as 2 * C float32 vectors.
 template <int C>
 inline void load_f32_row(const uint16_t* p, __m512 (&v)[2 * C]) {
@@ -160,6 +149,74 @@ template <int C>
 inline void load_f32_row(const int8_t* p, __m512 (&v)[2 * C]) {
     for (int c = 0; c < 2 * C; ++c)
         v[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * c))));
+}
+
+// A query head (32 * C bf16 values) as int16 for the int8 cache's dot products: q16 =
+// round(q * 32767 / amax); returns the factor back (amax / 32767; 0 for a zero head). 15 bits
+// against the head's largest value: its error is about 1/128 of the bf16 rounding q already has.
+template <int C>
+inline float query_int16(const uint16_t* q, __m512i (&out)[C]) {
+    __m512 x[2 * C];
+    __m512 amax = _mm512_setzero_ps();
+    for (int c = 0; c < 2 * C; ++c) {
+        x[c] = bf16x16_to_float(q + 16 * c);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(x[c]));
+    }
+    const float m = _mm512_reduce_max_ps(amax);
+    const __m512 inv = _mm512_set1_ps(m > 0.f ? 32767.f / m : 0.f);
+    for (int c = 0; c < C; ++c) {
+        const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(x[2 * c], inv));
+        const __m512i hi = _mm512_cvtps_epi32(_mm512_mul_ps(x[2 * c + 1], inv));
+        out[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(lo)), _mm512_cvtepi32_epi16(hi), 1);
+    }
+    return m > 0.f ? m / 32767.f : 0.f;
+}
+
+// sum of q16 * codes over one int8 key row (int32: |q16| <= 32767, |code| <= 127, 256 dims stay
+// below 2^31), pairs of int16 products added in one instruction where AVX-512 VNNI has it.
+template <int C>
+inline __m512i dot_int16(const __m512i (&q)[C], const __m512i (&k)[C]) {
+    __m512i a = _mm512_setzero_si512();
+    for (int c = 0; c < C; ++c) {
+#ifdef __AVX512VNNI__
+        a = _mm512_dpwssd_epi32(a, q[c], k[c]);
+#else
+        a = _mm512_add_epi32(a, _mm512_madd_epi16(q[c], k[c]));
+#endif
+    }
+    return a;
+}
+
+// attend_one_avx512's scores over an int8 cache: each query head as int16 (query_int16), each
+// key row's codes widened to int16 once for all heads (one vpmovsxbw per 32), integer dot
+// products, then score = sum * the query's factor * scale * the row's scale. Widening the codes
+// to bf16 instead (10 ops per 64 codes, then the bf16 dot products) left the int8 cache slower
+// than bf16 on a Sapphire Rapids VM (benchmarks/NOTES.md 57).
+template <int C>
+void int8_key_scores(const uint16_t* q_row, const int8_t* key_cache, const int8_t* value_cache,
+                     const int64_t* block_table, int64_t start, int64_t ctx, int64_t kvh, int64_t G,
+                     int64_t block_size, int64_t row_stride, float scale, bool fetch_values, float* s) {
+    constexpr int64_t D = 32 * C;
+    const int64_t head_row = kv_row<int8_t>(D), len = ctx - start;
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int64_t gn = G - g0 < 4 ? G - g0 : 4;
+        __m512i q[4][C];
+        float f[4];
+        for (int j = 0; j < gn; ++j) f[j] = query_int16<C>(q_row + (kvh * G + g0 + j) * D, q[j]) * scale;
+        for_each_context_row(key_cache, block_table, start, ctx, block_size, row_stride, kvh * head_row, head_row,
+                             [&](int64_t p, const int8_t* kp) {
+                                 if (fetch_values && g0 == 0)
+                                     prefetch_row(value_cache, block_table, p, block_size, row_stride, kvh * head_row,
+                                                  head_row);
+                                 __m512i k[C];
+                                 for (int c = 0; c < C; ++c)
+                                     k[c] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp + 32 * c)));
+                                 const float ks = kv_row_scale(kp, D);
+                                 for (int j = 0; j < gn; ++j)
+                                     s[(g0 + j) * len + p - start] =
+                                         static_cast<float>(_mm512_reduce_add_epi32(dot_int16<C>(q[j], k))) * f[j] * ks;
+                             });
+    }
 }
 
 // attend_one for bfloat16 with head_dim = 32 * C, on AVX-512 BF16: q.k with vdpbf16ps
@@ -384,26 +441,30 @@ void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const KV* key_c
     if (fetch_values)
         for (int64_t p = start; p < ctx && p < start + kPrefetchDistance; ++p)
             prefetch_row(key_cache, block_table, p, block_size, row_stride, kvh * head_row, row_bytes);
-    for (int64_t g0 = 0; g0 < G && !amx; g0 += 4) {
-        const int64_t gn = G - g0 < 4 ? G - g0 : 4;
-        __m512bh q[4][C];
-        for (int j = 0; j < gn; ++j)
-            for (int c = 0; c < C; ++c)
-                q[j][c] = (__m512bh)_mm512_loadu_si512(q_row + (kvh * G + g0 + j) * D + 32 * c);
-        for_each_context_row(key_cache, block_table, start, ctx, block_size, row_stride, kvh * head_row, row_bytes,
-                             [&](int64_t p, const KV* kp) {
-                                 if (fetch_values && g0 == 0)
-                                     prefetch_row(value_cache, block_table, p, block_size, row_stride, kvh * head_row,
-                                                  row_bytes);
-                                 __m512bh k[C];
-                                 load_bf16_row<C>(kp, k);
-                                 const float ks = row_scale(kp, D);
-                                 for (int j = 0; j < gn; ++j) {
-                                     __m512 a = _mm512_setzero_ps();
-                                     for (int c = 0; c < C; ++c) a = _mm512_dpbf16_ps(a, q[j][c], k[c]);
-                                     s[(g0 + j) * len + p - start] = _mm512_reduce_add_ps(a) * scale * ks;
-                                 }
-                             });
+    if constexpr (std::is_same_v<KV, int8_t>) {
+        int8_key_scores<C>(q_row, key_cache, value_cache, block_table, start, ctx, kvh, G, block_size, row_stride, scale,
+                           fetch_values, s);
+    } else {
+        for (int64_t g0 = 0; g0 < G && !amx; g0 += 4) {
+            const int64_t gn = G - g0 < 4 ? G - g0 : 4;
+            __m512bh q[4][C];
+            for (int j = 0; j < gn; ++j)
+                for (int c = 0; c < C; ++c)
+                    q[j][c] = (__m512bh)_mm512_loadu_si512(q_row + (kvh * G + g0 + j) * D + 32 * c);
+            for_each_context_row(key_cache, block_table, start, ctx, block_size, row_stride, kvh * head_row, row_bytes,
+                                 [&](int64_t p, const KV* kp) {
+                                     if (fetch_values && g0 == 0)
+                                         prefetch_row(value_cache, block_table, p, block_size, row_stride, kvh * head_row,
+                                                      row_bytes);
+                                     __m512bh k[C];
+                                     load_bf16_row<C>(kp, k);
+                                     for (int j = 0; j < gn; ++j) {
+                                         __m512 a = _mm512_setzero_ps();
+                                         for (int c = 0; c < C; ++c) a = _mm512_dpbf16_ps(a, q[j][c], k[c]);
+                                         s[(g0 + j) * len + p - start] = _mm512_reduce_add_ps(a) * scale;
+                                     }
+                                 });
+        }
     }
 
     for (int64_t g = 0; g < G; ++g) {
