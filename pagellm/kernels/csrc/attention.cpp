@@ -147,15 +147,7 @@ int pagellm_paged_attention(const void* query, int64_t q_row_stride, void* out, 
                                block_table_stride, row_token, row_req, row_start, row_ctx, num_rows, num_heads,
                                num_kv_heads, head_dim, block_size, scale, softcap, num_threads);
     };
-    switch (dtype) {
-        case 0: run(float{}, float{}); break;
-        case 1: run(uint16_t{}, uint16_t{}); break;
-        case 2: run(uint16_t{}, uint8_t{}); break;
-        case 3: run(uint16_t{}, int8_t{}); break;
-        case 4: run(float{}, int8_t{}); break;
-        default: return -1;
-    }
-    return 0;
+    return with_cache_types(dtype, run) ? 0 : -1;
 }
 
 }  // extern "C"

@@ -149,6 +149,21 @@ inline float kv_row_scale(const int8_t* row, int64_t D) {
     return s;
 }
 
+// The attention and K/V-write kernels' dtype codes (library.py's CACHE_CODES): run(T{}, KV{}) with
+// the query / K/V element type T and the cache element type KV of `code`; false for an unknown code.
+// 0 float32, 1 bf16, 2 bf16 over fp8 (e4m3), 3 bf16 and 4 float32 over int8 rows.
+template <typename F>
+inline bool with_cache_types(int code, F&& run) {
+    switch (code) {
+        case 0: run(float{}, float{}); return true;
+        case 1: run(uint16_t{}, uint16_t{}); return true;
+        case 2: run(uint16_t{}, uint8_t{}); return true;
+        case 3: run(uint16_t{}, int8_t{}); return true;
+        case 4: run(float{}, int8_t{}); return true;
+        default: return false;
+    }
+}
+
 // D values -> one int8 row (codes, then the scale). A row holding NaN gets codes 0 and a NaN
 // scale, so every read of it is NaN (as a NaN key or value makes attention NaN); infinities give
 // an infinite scale and NaN reads.

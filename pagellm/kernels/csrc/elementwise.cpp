@@ -293,15 +293,7 @@ int pagellm_write_kv(const void* key, int64_t key_row_stride, const void* value,
                         static_cast<KV*>(key_cache), static_cast<KV*>(value_cache), slot_mapping, num_tokens,
                         num_kv_heads, head_dim, num_threads);
     };
-    switch (dtype) {
-        case 0: run(float{}, float{}); break;
-        case 1: run(uint16_t{}, uint16_t{}); break;
-        case 2: run(uint16_t{}, uint8_t{}); break;
-        case 3: run(uint16_t{}, int8_t{}); break;
-        case 4: run(float{}, int8_t{}); break;
-        default: return -1;
-    }
-    return 0;
+    return with_cache_types(dtype, run) ? 0 : -1;
 }
 
 // residual (if not null) += x; out = rms_norm(residual or x) * weight, per row of n elements.
