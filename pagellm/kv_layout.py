@@ -25,3 +25,9 @@ def cache_head_dim(cache: torch.Tensor) -> int:
     """The head dim of the rows a cache holds (its last dim, less an int8 row's scale)."""
     width = cache.shape[-1]
     return width - KV_SCALE_BYTES if cache.dtype == INT8_KV_DTYPE else width
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, cache_dtype: torch.dtype) -> int:
+    """K+V bytes one token takes across ``num_layers`` layers in a cache of ``cache_dtype``."""
+    element_size = torch.empty((), dtype=cache_dtype).element_size()
+    return 2 * num_layers * num_kv_heads * kv_row_width(head_dim, cache_dtype) * element_size

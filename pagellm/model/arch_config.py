@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from pagellm.kv_layout import kv_row_width
+from pagellm.kv_layout import kv_bytes_per_token
 
 # HF `model_type` -> architecture class name, for config.json files without "architectures".
 _MODEL_TYPE_TO_ARCH = {
@@ -159,9 +159,7 @@ class ModelArchConfig:
     def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
         """K+V bytes one token occupies across all layers in a cache of ``dtype`` (for sizing the
         paged cache and the bytes a decode token reads; an int8 row holds its scale too)."""
-        element_size = torch.empty((), dtype=dtype).element_size()
-        row = kv_row_width(self.head_dim, dtype)
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * row * element_size
+        return kv_bytes_per_token(self.num_hidden_layers, self.num_key_value_heads, self.head_dim, dtype)
 
     @classmethod
     def from_hf_config(

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from pagellm.attention.backend import indexable
-from pagellm.kv_layout import kv_row_width
+from pagellm.kv_layout import kv_bytes_per_token, kv_row_width
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (key_cache, value_cache)
 
@@ -15,8 +15,7 @@ def bytes_per_block(
     num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
 ) -> int:
     """Memory one block takes across all layers, keys and values (an int8 row holds its scale too)."""
-    element_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * kv_row_width(head_dim, dtype) * element_size
+    return block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
 
 
 def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
