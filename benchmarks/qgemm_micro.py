@@ -6,7 +6,12 @@ multiplying each layer shape's time by 30, the LM head once. Prints ms per shape
 for each ``--rows``, integer (dot products; and on AMX tiles where usable) against bf16 (AMX
 tiles where usable, else AVX-512 BF16 dot products, else the AVX2 GEMM), in one run.
 
-    python benchmarks/qgemm_micro.py [--rows 1,2,4,8,12,16,64] [--threads 2]
+    python benchmarks/qgemm_micro.py [--rows 1,2,4,8,12,16,64] [--threads 2] [--shape llama-3b --format q4k]
+
+Where the process may use AMX tiles, two more columns: the integer GEMM on AMX-INT8 tiles, and
+the quantized weight dequantized to bf16 on AMX-BF16 tiles (``tiles="bf16"``). ``--shape llama-3b``
+times a Llama-3.2-3B layer's shapes (28 layers, the default model's 49,152-token LM head) and
+``--format`` the layers' format (the LM head stays q8).
 
 ``--formats q4s,q4,q4f,q5f,q6k,q8`` instead times every layer (LM head included) in each weight
 format on the integer GEMM's dot products, model ms per row count, with the bytes a format
@@ -34,6 +39,11 @@ from pagellm.model.cpu_linear import KernelLinear  # noqa: E402
 # name -> (out features, in features, per model)
 SHAPES = {"qkv": (960, 576, 30), "o": (576, 576, 30), "gate_up": (3072, 576, 30), "down": (576, 1536, 30),
           "lm_head": (49152, 576, 1)}  # fmt: skip
+MODEL_SHAPES = {
+    "smollm2": SHAPES,
+    "llama-3b": {"qkv": (5120, 3072, 28), "o": (3072, 3072, 28), "gate_up": (16384, 3072, 28), "down": (3072, 8192, 28),
+                 "lm_head": (49152, 3072, 1)},
+}  # fmt: skip
 
 
 def _ms(fn: Callable[[], object], reps: int) -> float:
@@ -44,10 +54,12 @@ def _ms(fn: Callable[[], object], reps: int) -> float:
     return (time.perf_counter() - start) / reps * 1e3
 
 
-def _quantized(name: str, weight: torch.Tensor) -> qf.QuantizedWeight:
+def _quantized(name: str, weight: torch.Tensor, fmt: str) -> qf.QuantizedWeight:
     if name == "lm_head":
         return qf.quantize_q8(weight)
     n, k = weight.shape
+    if fmt != "q4":
+        return qf.random_weight(fmt, n, k)
     blocks = k // qf.BLOCK
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     return qf.QuantizedWeight("q4", k, codes, torch.rand(n, blocks).half() * 0.01, torch.rand(n, blocks).half() * 0.01)
@@ -74,7 +86,10 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8,12,16,64")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--formats", default=None, help="compare weight formats (comma-separated) instead")
+    parser.add_argument("--shape", default="smollm2", choices=sorted(MODEL_SHAPES))
+    parser.add_argument("--format", default="q4", choices=sorted(qf.FORMAT_CODES), help="the layers' weight format")
     args = parser.parse_args()
+    shapes = MODEL_SHAPES[args.shape]
     torch.set_num_threads(args.threads)
     lib = kernels.default()
     if lib is None or lib.gemm_q_path == "none":
@@ -87,24 +102,28 @@ def main() -> None:
     amx = lib.gemm_q_amx_available
     print(f"integer GEMM: {lib.gemm_q_path}{' and amx' if amx else ''}; bf16 GEMM: {path}; {args.threads} threads; ms")
     layers = {}
-    for name, (n, k, _) in SHAPES.items():
+    for name, (n, k, _) in shapes.items():
         weight = torch.randn(n, k)
-        quantized = _quantized(name, weight)
+        quantized = _quantized(name, weight, args.format)
         linear = nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
         linear.weight.data.copy_(weight)
         layers[name] = (quantized.format, qf.pack(quantized), KernelLinear(linear, lib, path))
     for rows in (int(r) for r in args.rows.split(",")):
-        total_q = total_a = total_b = 0.0
-        for name, (n, k, count) in SHAPES.items():
+        total_q = total_a = total_t = total_b = 0.0
+        for name, (n, k, count) in shapes.items():
             fmt, packed, dense = layers[name]
             x = torch.randn(rows, k).bfloat16()
-            reps = 20 if name == "lm_head" else 200
+            reps = max(2, (20 if name == "lm_head" else 200) * 576 // k)
             tq = _ms(lambda: lib.gemm_q(x, packed, fmt, n), reps)
-            ta = _ms(lambda: lib.gemm_q(x, packed, fmt, n, amx=True), reps) if amx else float("nan")
+            int8_tiles = amx and fmt in qf.AMX_FORMATS
+            ta = _ms(lambda: lib.gemm_q(x, packed, fmt, n, tiles="int8"), reps) if int8_tiles else float("nan")
+            tt = _ms(lambda: lib.gemm_q(x, packed, fmt, n, tiles="bf16"), reps) if amx else float("nan")
             tb = _ms(lambda: dense(x), reps)
-            total_q, total_a, total_b = total_q + tq * count, total_a + ta * count, total_b + tb * count
-            print(f"rows={rows:<4} {name:<8} integer {tq:7.3f}  integer-amx {ta:7.3f}  bf16 {tb:7.3f}")
-        print(f"rows={rows:<4} model    integer {total_q:7.1f}  integer-amx {total_a:7.1f}  bf16 {total_b:7.1f}")
+            total_q, total_a, total_t, total_b = (total_q + tq * count, total_a + ta * count, total_t + tt * count,
+                                                  total_b + tb * count)  # fmt: skip
+            print(f"rows={rows:<4} {name:<8} integer {tq:7.3f}  int8-amx {ta:7.3f}  dequant-bf16-amx {tt:7.3f}  bf16 {tb:7.3f}")
+        print(f"rows={rows:<4} model    integer {total_q:7.1f}  int8-amx {total_a:7.1f}  dequant-bf16-amx {total_t:7.1f}  "
+              f"bf16 {total_b:7.1f}")
 
 
 if __name__ == "__main__":

@@ -35,12 +35,13 @@ from pagellm.utils import owned_by_me, private_dir
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 20
+ABI_VERSION = 21
 _SOURCES = ("attention.cpp", "elementwise.cpp", "gemm_bf16.cpp", "gemm_avx2.cpp", "gemm_int8.cpp", "decoder_stack.cpp",
             "shm_all_reduce.cpp", "memory_read.cpp", "gguf_rows.cpp")
 _HEADERS = (
-    "attention_avx2.h", "attention_avx512.h", "attention_common.h", "avx2_simd.h", "bf16_simd.h", "cpu_common.h",
-    "exports.h", "gemm_int8_amx.h", "gemm_int8_q4k.h", "gemm_int8_quantize.h", "gemm_int8_simd.h", "work_ranges.h",
+    "amx_bf16_tiles.h", "attention_avx2.h", "attention_avx512.h", "attention_common.h", "avx2_simd.h", "bf16_simd.h",
+    "cpu_common.h",
+    "exports.h", "gemm_int8_amx.h", "gemm_int8_bf16_tiles.h", "gemm_int8_q4k.h", "gemm_int8_quantize.h", "gemm_int8_simd.h", "work_ranges.h",
 )
 # -ffp-contract=off: no fused multiply-adds where the source has a product then a sum, so the
 # elementwise kernels round exactly like the separate torch ops they replace.

@@ -21,7 +21,7 @@ from pagellm.kernels.packing import (
     gemm_epilogue,
 )
 from pagellm.kernels.quant_formats import (
-    AMX_FORMATS, BLOCK, FORMAT_CODES, SUPER_BLOCKS, SUPER_FORMATS, TILE_COLS, checked_gguf_rows, packed_shape,
+    AMX_FORMATS, BLOCK, FORMAT_CODES, QUANT_TILES, SUPER_BLOCKS, SUPER_FORMATS, TILE_COLS, checked_gguf_rows, packed_shape,
 )
 from pagellm.kernels.weight_memory import empty_weight
 from pagellm.kv_layout import cache_head_dim
@@ -389,15 +389,17 @@ class KernelLibrary:
 
     def gemm_q(
         self, x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int, epilogue: str = "none",
-        amx: bool = False, out: torch.Tensor | None = None,
+        tiles: str = "none", out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x [M, K] @ W.T`` for a quantized ``W`` (``quant_formats.pack``, format ``fmt``: q4, q8,
         q4f, q5f, q6k, q4s or q4k), in integer dot products on activations quantized per block of 32 (q4k, q6k: a scale per 256) -> new
         ``[M, out_features]`` tensor of x's dtype (float32 or bf16). ``epilogue="silu_mul"``
         takes a ``quant_formats.pack_silu_mul`` weight and returns ``silu(x @ gate.T) * (x @ up.T)``.
-        ``amx`` computes the same bits on AMX tiles (``gemm_q_amx_available``; formats in
-        ``AMX_FORMATS``). ``out``: written instead of a new tensor, [M, out_features] of x's dtype
-        with contiguous rows (columns of a wider tensor: one part of a linear's outputs)."""
+        ``tiles`` (``gemm_q_amx_available``): "int8" computes the same bits on AMX-INT8 tiles (formats
+        in ``AMX_FORMATS``); "bf16" multiplies bf16 ``x`` by the weight dequantized to bf16 on AMX-BF16
+        tiles (any format, K a multiple of 32; the dense bf16 copy's product). ``out``: written
+        instead of a new tensor, [M, out_features] of x's dtype with contiguous rows (columns of a
+        wider tensor: one part of a linear's outputs)."""
         if epilogue not in ("none", "silu_mul"):
             raise ValueError(f"epilogue must be 'none' or 'silu_mul', got {epilogue!r}")
         if self.gemm_q_path == "none":
@@ -405,11 +407,15 @@ class KernelLibrary:
                                f"(built: {self.gemm_q_built}; it needs AVX2, FMA and F16C at least)")
         if fmt not in FORMAT_CODES:
             raise ValueError(f"format must be one of {sorted(FORMAT_CODES)}, got {fmt!r}")
-        if amx and fmt not in AMX_FORMATS:
-            raise ValueError(f"AMX tiles take {sorted(AMX_FORMATS)} weights, not {fmt}")
-        if amx and not self.gemm_q_amx_available:
+        if tiles not in QUANT_TILES:
+            raise ValueError(f"tiles must be one of {sorted(QUANT_TILES)}, got {tiles!r}")
+        if tiles == "int8" and fmt not in AMX_FORMATS:
+            raise ValueError(f"AMX-INT8 tiles take {sorted(AMX_FORMATS)} weights, not {fmt}")
+        if tiles != "none" and not self.gemm_q_amx_available:
             raise RuntimeError(f"the integer GEMM on AMX tiles is not available in this kernel build ({' '.join(self.march)})")
         rows, k = _check_gemm_input(x)
+        if tiles == "bf16" and (x.dtype != torch.bfloat16 or k % BLOCK):
+            raise ValueError(f"AMX-BF16 tiles take bf16 rows of a multiple of {BLOCK} values, got {x.dtype} k={k}")
         if fmt in SUPER_FORMATS and k % (SUPER_BLOCKS * BLOCK):
             raise ValueError(f"{fmt} weights hold super-blocks of {SUPER_BLOCKS * BLOCK} along k, got k={k}")
         expected = packed_shape(fmt, out_features, k, silu_mul=epilogue == "silu_mul")
@@ -425,7 +431,7 @@ class KernelLibrary:
         rc = self._lib.pagellm_gemm_q(
             x.data_ptr(), x.stride(0) if rows > 1 else k, rows, k, packed.data_ptr(), out_features, out.data_ptr(),
             ldc, DTYPE_CODES[x.dtype], FORMAT_CODES[fmt], int(epilogue == "silu_mul"), torch.get_num_threads(),
-            int(amx),
+            QUANT_TILES[tiles],
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"pagellm_gemm_q failed with code {rc}")
@@ -522,7 +528,7 @@ class LinearArgs(ctypes.Structure):
 
 
 # LinearArgs.kind for each GEMM path: the integer GEMM, then the kernel plan's dense paths.
-LINEAR_KINDS = {"integer": 0, "avx512-bf16": 1, "amx": 2, "avx2": 3, "integer-amx": 4}
+LINEAR_KINDS = {"integer": 0, "avx512-bf16": 1, "amx": 2, "avx2": 3, "integer-amx": 4, "dequant-amx": 5}
 
 
 class DecoderLayerArgs(ctypes.Structure):

@@ -25,7 +25,7 @@ WEIGHT_FORMATS = ("dense", "gguf", "int8")
 DECODER_PATHS = ("layers", "fused")
 # What runs quantized linears' batches above ``quant_max_rows``: a dense bf16 copy on the plan's
 # GEMM, or the integer GEMM on AMX tiles (no copy).
-QUANT_LARGE_PATHS = ("dense", "integer-amx")
+QUANT_LARGE_PATHS = ("dense", "integer-amx", "dequant-amx")
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,9 @@ class KernelPlan:
     weights: str = "dense"  # WEIGHT_FORMATS
     qgemm: str = "none"  # the integer GEMM's path (KernelLibrary.gemm_q_path) where weights are quantized
     # Batches of more rows than this run quantized linears on ``quant_large``: a dense bf16 copy
-    # (the ``gemm`` path) or the integer GEMM on AMX tiles; None: the integer GEMM's dot products
-    # at every batch size.
+    # (the ``gemm`` path), the integer GEMM on AMX-INT8 tiles ("integer-amx"), or the weights
+    # dequantized to bf16 on AMX-BF16 tiles ("dequant-amx", bf16 models); None: the integer
+    # GEMM's dot products at every batch size.
     quant_max_rows: int | None = None
     quant_large: str = "dense"  # QUANT_LARGE_PATHS
     # "fused": the decoder layers in one C++ call (quantized weights or pagellm's dense GEMMs,
@@ -83,8 +84,11 @@ class KernelPlan:
             raise ValueError("quant_max_rows needs quantized weights")
         if self.quant_max_rows is not None and self.quant_large == "dense" and self.gemm not in OWN_GEMM_PATHS:
             raise ValueError("quant_max_rows with dense copies needs one of pagellm's dense GEMMs")
-        if self.quant_large == "integer-amx" and (self.kernels is None or not self.kernels.gemm_q_amx_available):
-            raise ValueError("quant_large='integer-amx' needs a kernel library with the integer GEMM on AMX tiles")
+        tiles = self.quant_large in ("integer-amx", "dequant-amx")
+        if tiles and (self.kernels is None or not self.kernels.gemm_q_amx_available):
+            raise ValueError(f"quant_large={self.quant_large!r} needs a kernel library with the integer GEMM on AMX tiles")
+        if self.quant_large == "dequant-amx" and self.dtype != torch.bfloat16:
+            raise ValueError("quant_large='dequant-amx' multiplies bf16 rows: it needs dtype bfloat16")
         if self.decoder not in DECODER_PATHS:
             raise ValueError(f"decoder must be one of {DECODER_PATHS}, got {self.decoder!r}")
         if self.decoder == "fused" and not (

@@ -23,7 +23,7 @@ Seven formats, 32 weights a block along a row (k):
   super-block, and the sub-scales applied as integers.
 Scales and offsets are fp16 (``q4f``, ``q5f``: float32). A weight whose k is not a multiple of 32
 is padded with zero codes (q4: also zero scale and offset). AMX tiles take q4, q8, q4f
-q4s and q4k (``AMX_FORMATS``); the others run the dot products at every batch size.
+q4s and q4k (``AMX_FORMATS``); AMX-BF16 tiles, each format dequantized to bf16, take all.
 """
 
 from __future__ import annotations
@@ -43,7 +43,10 @@ K_SCALE_BYTES = 12  # q4k: Q4_K's packed 6-bit scales and mins per super-block
 RECORD_BYTES = {"q4": 256 + 64, "q8": 512 + 32, "q4f": 256 + 128, "q5f": 256 + 64 + 128, "q6k": (8 * 416 + 32) // 8,
                 "q4s": 256 + 32, "q4k": 256 + 32}  # fmt: skip
 FORMAT_CODES = {"q4": 0, "q8": 1, "q4f": 2, "q5f": 3, "q6k": 4, "q4s": 5, "q4k": 6}
-AMX_FORMATS = frozenset({"q4", "q8", "q4f", "q4s", "q4k"})
+AMX_FORMATS = frozenset({"q4", "q8", "q4f", "q4s", "q4k"})  # on AMX-INT8 tiles; AMX-BF16 ones take every format
+# How the integer GEMM runs a product (``KernelLibrary.gemm_q``): dot products, AMX-INT8 tiles,
+# or the weight dequantized to bf16 on AMX-BF16 tiles.
+QUANT_TILES = {"none": 0, "int8": 1, "bf16": 2}
 _SCALE_DTYPES = {"q4": torch.float16, "q8": torch.float16, "q4f": torch.float32, "q5f": torch.float32,
                  "q6k": torch.float16, "q4s": torch.float16, "q4k": torch.float16}  # fmt: skip
 # Formats GGUF rows pack into straight from the file (``KernelLibrary.pack_gguf``): the GGUF

@@ -57,7 +57,7 @@ def _linear_args(module: nn.Module, big: bool, keep: list[LinearArgs]) -> Linear
     ``keep``, which the caller holds as long as the struct is used."""
     if isinstance(module, QuantizedLinear):
         epilogue = 1 if module.silu_mul else 0
-        kind = LINEAR_KINDS["integer-amx" if big and module.big_batches_on_amx else "integer"]
+        kind = LINEAR_KINDS[module.amx_tiles if big and module.big_batches_on_amx else "integer"]
         args, rest = None, None
         for part in reversed(module.parts):  # each part names the next (``keep`` holds them alive)
             args = LinearArgs(part.packed.data_ptr(), kind, FORMAT_CODES[part.format], epilogue, 0, part.rows,

@@ -7,7 +7,8 @@ quantized (GGUF blocks kept as they are) or dense (quantized to q8 blocks), and 
 soon as all have arrived (``finish_loading`` checks that they did). Where the plan sets
 ``quant_max_rows``, batches of more rows run on its ``quant_large`` path: a dense bf16 copy
 through the plan's 16-bit GEMM (AMX tiles beat the integer dot products there), or, where that
-copy would not fit the memory, the integer GEMM on AMX tiles.
+copy would not fit the memory, AMX tiles over the quantized weight: dequantized to bf16 a panel
+at a time (``dequant-amx``, bf16 models), or the integer GEMM's int8 tiles (``integer-amx``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ from pagellm.model.cpu_linear import KernelLinear, KernelSiluAndMulLinear, kerne
 from pagellm.model.gguf_blocks import GGUFRows, pack_gguf_rows
 
 
+# The plan's AMX paths for big batches -> ``KernelLibrary.gemm_q``'s ``tiles``.
+_TILES = {"integer-amx": "int8", "dequant-amx": "bf16"}
+
+
 @dataclass(frozen=True)
 class PackedPart:
     """Consecutive output rows of a quantized linear in one format, packed for the kernel."""
@@ -46,6 +51,7 @@ class QuantizedLinear(nn.Module):
     def __init__(
         self, in_features: int, weight_rows: int, bias: bool, lib: KernelLibrary, dense_above_rows: int | None = None,
         dense_gemm: str = "amx", silu_mul: bool = False, amx_above_rows: int | None = None,
+        amx_tiles: str = "integer-amx",
     ) -> None:
         super().__init__()
         if silu_mul and (bias or weight_rows % 2):
@@ -64,7 +70,10 @@ class QuantizedLinear(nn.Module):
         self.dense_above_rows = dense_above_rows  # None: the integer GEMM at every batch size
         self.dense_gemm = dense_gemm  # the GEMM path of the dense copy
         self.dense: nn.Module | None = None
-        self.amx_above_rows = amx_above_rows  # batches above: the integer GEMM on AMX tiles
+        self.amx_above_rows = amx_above_rows  # batches above: AMX tiles (``amx_tiles``)
+        if amx_tiles not in _TILES:
+            raise ValueError(f"amx_tiles must be one of {sorted(_TILES)}, got {amx_tiles!r}")
+        self.amx_tiles = amx_tiles  # the plan's quant_large: integer-amx or dequant-amx
         if dense_above_rows is not None and amx_above_rows is not None:
             raise ValueError("a quantized linear runs big batches on a dense copy or on AMX tiles, not both")
 
@@ -146,12 +155,12 @@ class QuantizedLinear(nn.Module):
         elif len(self.parts) == 1:
             epilogue = "silu_mul" if self.silu_mul else "none"
             part = self.parts[0]
-            out = self.kernels.gemm_q(x, part.packed, part.format, self.out_features, epilogue, self.uses_amx(x.shape[0]))
+            out = self.kernels.gemm_q(x, part.packed, part.format, self.out_features, epilogue, self.tiles(x.shape[0]))
         else:
             out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
-            start, amx = 0, self.uses_amx(x.shape[0])
+            start, tiles = 0, self.tiles(x.shape[0])
             for part in self.parts:
-                self.kernels.gemm_q(x, part.packed, part.format, part.rows, "none", amx, out[:, start : start + part.rows])
+                self.kernels.gemm_q(x, part.packed, part.format, part.rows, "none", tiles, out[:, start : start + part.rows])
                 start += part.rows
         return out if self.bias is None else out.add_(self.bias)
 
@@ -163,12 +172,19 @@ class QuantizedLinear(nn.Module):
     @property
     def big_batches_on_amx(self) -> bool:
         """Whether batches above ``amx_above_rows`` run on AMX tiles: the plan's choice, where
-        the tiles take this weight's format (q5f and q6k stay on the dot products)."""
-        return self.amx_above_rows is not None and all(part.format in AMX_FORMATS for part in self.parts)
+        the tiles take this weight (int8 tiles: not q5f and q6k; bf16 tiles: whole blocks of k)."""
+        if self.amx_above_rows is None:
+            return False
+        if self.amx_tiles == "dequant-amx":
+            return self.in_features % quant_formats.BLOCK == 0
+        return all(part.format in AMX_FORMATS for part in self.parts)
 
-    def uses_amx(self, rows: int) -> bool:
-        """Whether a batch of ``rows`` runs the integer GEMM on AMX tiles."""
-        return self.big_batches_on_amx and rows > self.amx_above_rows  # type: ignore[operator]
+    def tiles(self, rows: int) -> str:
+        """How a batch of ``rows`` runs (``KernelLibrary.gemm_q``'s ``tiles``): "none" (dot
+        products), "int8" or "bf16" (AMX tiles)."""
+        if not self.big_batches_on_amx or rows <= self.amx_above_rows:  # type: ignore[operator]
+            return "none"
+        return _TILES[self.amx_tiles]
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -192,5 +208,6 @@ def linear_for_plan(
         return nn.Linear(in_features, out_features, bias=bias)
     assert plan is not None and plan.kernels is not None  # quantized_plan
     copy = plan.quant_max_rows if plan.quant_large == "dense" else None
-    tiles = plan.quant_max_rows if plan.quant_large == "integer-amx" else None
-    return QuantizedLinear(in_features, out_features, bias, plan.kernels, copy, plan.gemm, silu_mul, tiles)
+    tiles = plan.quant_max_rows if plan.quant_large in _TILES else None
+    amx_tiles = plan.quant_large if plan.quant_large in _TILES else "integer-amx"
+    return QuantizedLinear(in_features, out_features, bias, plan.kernels, copy, plan.gemm, silu_mul, tiles, amx_tiles)

@@ -26,13 +26,13 @@ class StepRoute:
 
     rows: int
     decoder: str  # "fused" (one C++ call for the layers) or "layers" (module by module)
-    linears: str  # "integer", "integer-amx", "dense-copy/<gemm>" (quantized weights), or the dense GEMM path
+    linears: str  # "integer", "integer-amx", "dequant-amx", "dense-copy/<gemm>" (quantized weights), or the dense GEMM path
     attention: str  # the backend's name; "cpu_paged+torch_sdpa-prefill": prefill rows on SDPA
 
     @property
     def big_batch(self) -> bool:
         """Whether quantized linears run their big-batch side (AMX tiles or the dense copy)."""
-        return self.linears.startswith(("integer-amx", "dense-copy"))
+        return self.linears.startswith(("integer-amx", "dequant-amx", "dense-copy"))
 
     def describe(self) -> str:
         """``decoder=fused linears=integer attention=cpu_paged`` (the engine counts steps by it)."""
@@ -48,7 +48,7 @@ def linear_path(plan: KernelPlan | None, rows: int) -> str:
         return plan.gemm
     if plan.quant_max_rows is None or rows <= plan.quant_max_rows:
         return "integer"
-    return "integer-amx" if plan.quant_large == "integer-amx" else f"dense-copy/{plan.gemm}"
+    return plan.quant_large if plan.quant_large != "dense" else f"dense-copy/{plan.gemm}"
 
 
 def route_step(

@@ -30,12 +30,14 @@ QUANT_MAX_ROWS_AMX = 8
 # ... but only while that copy takes at most this share of the memory available at start-up:
 # a 7B model's copy is ~14 GB, which quantized weights are chosen to avoid.
 DENSE_COPY_MEMORY_SHARE = 0.25
-# Without the copy, batches of more rows than this run the integer GEMM on AMX tiles: 1.2-1.3x
-# its dot products from 16 rows on, slower below (benchmarks/qgemm_micro.py, the default model's
-# linears: 8 rows 5.8 against 7.4 ms, 16 rows 10.2 against 8.7, 64 rows 34.8 against 27.2;
-# the copy: 5.6, 5.3, 10.2). Each block of 32 needs its int32 tile stored and scaled in fp32,
-# which caps the tiles well below the copy's bf16 rate (benchmarks/NOTES.md, 38).
-QUANT_MAX_ROWS_AMX_INT8 = 12
+# Without the copy, batches of more rows than this run on AMX tiles: in a bf16 model the weights
+# dequantized to bf16 a column panel at a time ("dequant-amx"), else the integer GEMM on
+# AMX-INT8 tiles, whose int32 tile is stored and scaled in fp32 after each block of 32
+# (benchmarks/NOTES.md, 38). benchmarks/qgemm_micro.py, the default model's linears, ms, dot
+# products / int8 tiles / dequantized bf16 tiles / the copy: 8 rows 8.1 / 11.1 / 11.9 / 7.0,
+# 16 rows 17.2 / 16.1 / 13.1 / 7.5, 64 rows 52.0 / 43.2 / 23.7 / 16.9; a Llama-3.2-3B shape in
+# Q4_K at 128 rows 1,937 / 2,156 / 798 / 786 (NOTES 58).
+QUANT_MAX_ROWS_AMX_TILES = 12
 
 
 def _dense_copy_fits(request: WeightRequest) -> bool:
@@ -137,8 +139,8 @@ def plan_kernels(
         argmax=elementwise,
         weights=held,
         qgemm=lib.gemm_q_path if held != "dense" and lib is not None else "none",
-        quant_max_rows=QUANT_MAX_ROWS_AMX if copy else QUANT_MAX_ROWS_AMX_INT8 if tiles else None,
-        quant_large="integer-amx" if tiles else "dense",
+        quant_max_rows=QUANT_MAX_ROWS_AMX if copy else QUANT_MAX_ROWS_AMX_TILES if tiles else None,
+        quant_large=("dequant-amx" if dtype == torch.bfloat16 else "integer-amx") if tiles else "dense",
         decoder="fused" if fused else "layers",
         kernels=lib,
     )

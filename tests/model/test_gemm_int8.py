@@ -20,6 +20,7 @@ from pagellm.kernels import quant_formats as qf
 from pagellm.kernels.build import load_library
 from pagellm.kernels.isa import usable_cpu_flags
 from pagellm.kernels.library import KernelLibrary
+from pagellm.kernels.packing import pack_gemm_weight, pack_silu_mul_weight
 from pagellm.model.gguf_blocks import from_gguf_blocks
 from tests.helpers.gguf_writer import random_k_quant
 
@@ -210,10 +211,10 @@ def test_amx_tiles_equal_the_dot_products(amx_lib: KernelLibrary, fmt: str, dtyp
     k = _width(fmt, k)
     x = torch.randn(m, k, generator=g).to(dtype)
     plain = qf.pack(_random_weight(fmt, n, k, g))
-    assert torch.equal(amx_lib.gemm_q(x, plain, fmt, n, amx=True), amx_lib.gemm_q(x, plain, fmt, n))
+    assert torch.equal(amx_lib.gemm_q(x, plain, fmt, n, tiles="int8"), amx_lib.gemm_q(x, plain, fmt, n))
     fused = qf.pack_silu_mul(_random_weight(fmt, 2 * n, k, g))
     expected = amx_lib.gemm_q(x, fused, fmt, n, "silu_mul")
-    assert torch.equal(amx_lib.gemm_q(x, fused, fmt, n, "silu_mul", amx=True), expected)
+    assert torch.equal(amx_lib.gemm_q(x, fused, fmt, n, "silu_mul", tiles="int8"), expected)
 
 
 def test_amx_tiles_are_refused_where_the_build_has_none() -> None:
@@ -223,7 +224,9 @@ def test_amx_tiles_are_refused_where_the_build_has_none() -> None:
     assert not lib.gemm_q_amx_available
     weight = _random_weight("q4", 16, 64, torch.Generator().manual_seed(8))
     with pytest.raises(RuntimeError, match="AMX"):
-        lib.gemm_q(torch.randn(2, 64), qf.pack(weight), "q4", 16, amx=True)
+        lib.gemm_q(torch.randn(2, 64), qf.pack(weight), "q4", 16, tiles="int8")
+    with pytest.raises(RuntimeError, match="AMX"):
+        lib.gemm_q(torch.randn(2, 64).bfloat16(), qf.pack(weight), "q4", 16, tiles="bf16")
 
 
 @pytest.mark.parametrize("fmt", sorted(set(qf.FORMAT_CODES) - qf.AMX_FORMATS))
@@ -231,8 +234,39 @@ def test_amx_tiles_are_refused_for_formats_they_do_not_take(fmt: str) -> None:
     lib = _library(PATHS[0][0])
     k = _width(fmt, 64)
     weight = _random_weight(fmt, 16, k, torch.Generator().manual_seed(8))
-    with pytest.raises(ValueError, match="AMX tiles take"):
-        lib.gemm_q(torch.randn(2, k), qf.pack(weight), fmt, 16, amx=True)
+    with pytest.raises(ValueError, match="AMX-INT8 tiles take"):
+        lib.gemm_q(torch.randn(2, k), qf.pack(weight), fmt, 16, tiles="int8")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m,k,n", [(1, 64, 16), (15, 96, 40), (16, 576, 48), (33, 256, 33), (45, 1536, 160),
+                                   (70, 512, 8)])  # fmt: skip
+def test_bf16_tiles_equal_the_dense_copy(amx_lib: KernelLibrary, fmt: str, m: int, k: int, n: int) -> None:
+    """Every format dequantized to bf16 on AMX-BF16 tiles: bit for bit the dense GEMM on AMX
+    tiles over ``QuantizedWeight.dequantize()`` rounded to bf16 (the dense copy's weight), for
+    row counts around the 16- and 32-row blocks, odd column tiles, plain and silu_mul."""
+    g = torch.Generator().manual_seed(m * 5 + k + n)
+    k = _width(fmt, k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    weight = _random_weight(fmt, n, k, g)
+    dense = weight.dequantize().bfloat16()
+    expected = amx_lib.gemm_bf16(x, pack_gemm_weight(dense, amx=True), n, amx=True)
+    assert torch.equal(amx_lib.gemm_q(x, qf.pack(weight), fmt, n, tiles="bf16"), expected)
+    gate_up = _random_weight(fmt, 2 * n, k, g)
+    dense = gate_up.dequantize().bfloat16()
+    expected = amx_lib.gemm_bf16(x, pack_silu_mul_weight(dense[:n], dense[n:]), n, "silu_mul", amx=True)
+    assert torch.equal(amx_lib.gemm_q(x, qf.pack_silu_mul(gate_up), fmt, n, "silu_mul", tiles="bf16"), expected)
+
+
+def test_bf16_tiles_take_bf16_rows_of_whole_blocks(amx_lib: KernelLibrary) -> None:
+    packed = qf.pack(_random_weight("q4", 16, 64, torch.Generator().manual_seed(3)))
+    with pytest.raises(ValueError, match="AMX-BF16 tiles take bf16"):
+        amx_lib.gemm_q(torch.randn(2, 64), packed, "q4", 16, tiles="bf16")
+    packed = qf.pack(_random_weight("q4", 16, 48, torch.Generator().manual_seed(3)))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        amx_lib.gemm_q(torch.randn(2, 48).bfloat16(), packed, "q4", 16, tiles="bf16")
+    with pytest.raises(ValueError, match="tiles must be one of"):
+        amx_lib.gemm_q(torch.randn(2, 48), packed, "q4", 16, tiles="amx")
 
 
 LEGACY = {GGMLQuantizationType.Q4_0: "q4s", GGMLQuantizationType.Q4_1: "q4", GGMLQuantizationType.Q8_0: "q8",

@@ -191,8 +191,9 @@ def test_dense_copy_takes_batches_above_the_threshold(cpu_plan) -> None:
 
 
 def test_amx_tiles_take_batches_above_the_threshold(cpu_plan) -> None:
-    """With ``amx_above_rows`` bigger batches run the integer GEMM on AMX tiles: no dense copy,
-    and the dot products' bits."""
+    """With ``amx_above_rows`` bigger batches run on AMX tiles, no dense copy: the integer GEMM's
+    int8 tiles give the dot products' bits; the weight dequantized to bf16 tiles gives the dense
+    copy's bits, and takes q6k too."""
     plan = cpu_plan(torch.bfloat16)
     if plan.kernels is None or not plan.kernels.gemm_q_amx_available:
         pytest.skip("no integer GEMM on AMX tiles here")
@@ -202,7 +203,7 @@ def test_amx_tiles_take_batches_above_the_threshold(cpu_plan) -> None:
     for layer in (tiles, plain):
         layer.load_rows(None, weight)
         layer.finish_loading()
-    assert tiles.dense is None and tiles.uses_amx(3) and not tiles.uses_amx(2)
+    assert tiles.dense is None and tiles.tiles(3) == "int8" and tiles.tiles(2) == "none"
     x = torch.randn(20, 64).bfloat16()
     assert torch.equal(tiles(x), plain(x))
     with pytest.raises(ValueError, match="not both"):
@@ -211,9 +212,21 @@ def test_amx_tiles_take_batches_above_the_threshold(cpu_plan) -> None:
     q6k = qf.random_weight("q6k", 48, 256, torch.Generator().manual_seed(1))  # whole super-blocks along k
     dots = QuantizedLinear(256, 48, False, plan.kernels, amx_above_rows=2)
     dots.load_rows(None, q6k)
-    assert dots.format == "q6k" and not dots.big_batches_on_amx and not dots.uses_amx(20)
+    assert dots.format == "q6k" and not dots.big_batches_on_amx and dots.tiles(20) == "none"
     x = torch.randn(20, 256).bfloat16()
     torch.testing.assert_close(dots(x).double(), qf.reference_gemm(x, q6k), rtol=1e-2, atol=1e-2)
+    if plan.gemm != "amx":
+        return
+    for weight in (q6k, qf.random_weight("q4k", 96, 256, torch.Generator().manual_seed(2))):
+        dequant = QuantizedLinear(256, weight.rows, False, plan.kernels, amx_above_rows=2, amx_tiles="dequant-amx")
+        copy = QuantizedLinear(256, weight.rows, False, plan.kernels, dense_above_rows=2, dense_gemm="amx")
+        for layer in (dequant, copy):
+            layer.load_rows(None, weight)
+            layer.finish_loading()
+        assert dequant.dense is None and dequant.tiles(3) == "bf16" and dequant.tiles(2) == "none"
+        assert torch.equal(dequant(x), copy(x))
+    with pytest.raises(ValueError, match="amx_tiles must be one of"):
+        QuantizedLinear(64, 48, False, plan.kernels, amx_above_rows=2, amx_tiles="amx")
 
 
 def test_missing_rows_are_refused(cpu_plan) -> None:
@@ -239,7 +252,7 @@ def _generate_fused_or_not(llm: LLM, fused: bool) -> list[tuple[list[int], list[
 
 
 @pytest.mark.parametrize("case", [
-    "default-gguf-bf16", "default-gguf-bf16-amx-int8", "qwen2-int8-f32", "qwen2-int8-bf16", "llama-int8-bf16-fp8kv", "llama-dense-bf16",
+    "default-gguf-bf16", "default-gguf-bf16-amx-tiles", "qwen2-int8-f32", "qwen2-int8-bf16", "llama-int8-bf16-fp8kv", "llama-dense-bf16",
     "llama-dense-bf16-no-amx", "qwen2-dense-f32-avx2", "mistral-window-bf16", "mistral-window-int8-f32",
     "qwen3-window-bf16", "qwen3-window-int8-f32",
 ])
@@ -249,11 +262,11 @@ def test_fused_decoder_equals_the_layers(request: pytest.FixtureRequest, monkeyp
     (qkv bias, an fp8 cache, float32, dense weights on pagellm's bf16 and AVX2 GEMMs, quantized
     ones on AMX tiles, a sliding window of 8 over longer contexts, and Qwen3's per-head q/k
     norms with a global layer before a windowed one included)."""
-    if case.endswith("amx-int8"):  # no memory for dense copies: big batches on AMX tiles
+    if case.endswith("amx-tiles"):  # no memory for dense copies: big batches on AMX tiles
         monkeypatch.setattr("pagellm.worker.kernel_plan.DENSE_COPY_MEMORY_SHARE", 0.0)
     options: dict[str, object] = {
         "default-gguf-bf16": dict(dtype="bfloat16"),
-        "default-gguf-bf16-amx-int8": dict(dtype="bfloat16"),
+        "default-gguf-bf16-amx-tiles": dict(dtype="bfloat16"),
         "qwen2-int8-f32": dict(model=request.getfixturevalue("tiny_qwen2_path"), dtype="float32",
                                quantization="int8"),
         "qwen2-int8-bf16": dict(model=request.getfixturevalue("tiny_qwen2_path"), dtype="bfloat16",
@@ -276,9 +289,9 @@ def test_fused_decoder_equals_the_layers(request: pytest.FixtureRequest, monkeyp
     fused_llm = LLM(num_kv_blocks=128, **options)
     plan = fused_llm.llm_engine.executor.kernel_plan
     assert plan.decoder == "fused"
-    if case.endswith("amx-int8"):
-        if plan.quant_large != "integer-amx":
-            pytest.skip("no integer GEMM on AMX tiles here")
+    if case.endswith("amx-tiles"):
+        if plan.quant_large != "dequant-amx":
+            pytest.skip("no AMX tiles here")
         prompt_tokens = sum(len(fused_llm.get_tokenizer().encode(p)) for p in PROMPTS)  # the first step's rows
         assert plan.quant_max_rows is not None and prompt_tokens > plan.quant_max_rows
     fused = _generate_fused_or_not(fused_llm, True)
@@ -289,8 +302,8 @@ def test_fused_decoder_equals_the_layers(request: pytest.FixtureRequest, monkeyp
     # Every step the stack ran, and only those, the step route says so.
     routes = fused_llm.llm_engine.stats.step_routes
     assert sum(n for route, n in routes.items() if route.startswith("decoder=fused ")) == stack.steps
-    if case.endswith("amx-int8"):  # the prompts' step above quant_max_rows: its linears on AMX tiles
-        assert any("linears=integer-amx " in route for route in routes)
+    if case.endswith("amx-tiles"):  # the prompts' step above quant_max_rows: its linears on AMX tiles
+        assert any("linears=dequant-amx " in route for route in routes)
     if case.startswith("qwen3"):  # head dim 32: prefill rows on SDPA, so those steps run the layers
         assert "decoder=layers" in next(r for r in routes if "attention=cpu_paged+torch_sdpa-prefill" in r)
     layers_llm = LLM(num_kv_blocks=128, **options)
@@ -306,16 +319,18 @@ def test_dense_copy_only_where_memory_allows(cpu_plan) -> None:
     from pagellm.kernels.plan import WeightRequest
     from pagellm.worker.kernel_plan import plan_kernels
 
-    def plan(copy_bytes: int):
+    def plan(copy_bytes: int, dtype: torch.dtype = torch.bfloat16):
         request = WeightRequest("gguf", True, copy_bytes)
-        return plan_kernels(KernelConfig.from_env(), torch.device("cpu"), "auto", lambda fast: torch.bfloat16, request)
+        return plan_kernels(KernelConfig.from_env(), torch.device("cpu"), "auto", lambda fast: dtype, request)
 
     small, huge = plan(1 << 20), plan(1 << 50)
     tiles = huge.kernels is not None and huge.kernels.gemm_q_amx_available
-    assert huge.weights == "gguf" and huge.quant_large == ("integer-amx" if tiles else "dense")
-    assert huge.quant_max_rows == (12 if tiles else None)  # the copy's place taken by AMX-INT8 tiles
+    assert huge.weights == "gguf" and huge.quant_large == ("dequant-amx" if tiles else "dense")
+    assert huge.quant_max_rows == (12 if tiles else None)  # the copy's place taken by bf16 tiles over the quantized weight
     assert small.quant_max_rows == (8 if small.gemm == "amx" else 12 if tiles else None)
     assert small.quant_large == ("dense" if small.gemm == "amx" else huge.quant_large)
+    # A float32 model's rows are not bf16: its big batches take the integer GEMM's int8 tiles.
+    assert plan(1 << 50, torch.float32).quant_large == ("integer-amx" if tiles else "dense")
 
 
 def test_layers_with_biases_the_call_does_not_take_run_as_modules(tmp_path, default_tokenizer) -> None:

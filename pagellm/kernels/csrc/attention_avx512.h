@@ -269,7 +269,7 @@ inline void configure_score_tiles() {
         cfg.rows[t] = 16;
         cfg.colsb[t] = 64;
     }
-    _tile_loadconfig(&cfg);
+    amx_load_config(cfg);
 }
 
 // Query vector q (D = 32 * C values) as column `col` of the query tiles' layout qb[c] =

@@ -30,7 +30,7 @@ extern "C" {
 struct PagellmLinear {
     const void* weight;
     int32_t kind;      // 0 integer GEMM, 1 bf16 GEMM (dot products), 2 bf16 GEMM on AMX tiles, 3 AVX2 GEMM,
-                       // 4 integer GEMM on AMX tiles
+                       // 4 integer GEMM on AMX-INT8 tiles, 5 quantized weight dequantized on AMX-BF16 tiles
     int32_t format;    // integer GEMM: its w_format; AVX2 GEMM: w_dtype (0 float32, 1 bf16)
     int32_t epilogue;  // that GEMM's epilogue code (gate_up: its silu_mul)
     int32_t reserved;
@@ -99,7 +99,9 @@ int linear_part(const PagellmLinear& w, const void* a, int64_t m, int64_t k, voi
     switch (w.kind) {
         case 0:
         case 4:
-            return pagellm_gemm_q(a, k, m, k, w.weight, n, c, ldc, dtype, w.format, w.epilogue, threads, w.kind == 4);
+        case 5:
+            return pagellm_gemm_q(a, k, m, k, w.weight, n, c, ldc, dtype, w.format, w.epilogue, threads,
+                                  w.kind == 4 ? 1 : w.kind == 5 ? 2 : 0);
         case 1:
         case 2:
             if (dtype != 1) return -1;

@@ -23,6 +23,7 @@
 
 #include <omp.h>
 
+#include "amx_bf16_tiles.h"
 #include "bf16_simd.h"
 #include "exports.h"
 #include "work_ranges.h"
@@ -39,29 +40,6 @@ constexpr int kLine = 64;  // bytes in a cache line = one packed row of 16 colum
 // products waiting on memory: 30 layers' four linears, cold weights, 2 threads, on a Zen 5 VM,
 // 15.7-16.3 ms against 14.8-15.1 (M=16: 6.1-6.5 against 5.4-5.6; benchmarks/NOTES.md 33).
 constexpr int kPrefetchPhases = 16;
-
-// exp(x) on 16 lanes (Cephes' expf: Cody-Waite reduction, degree-5 polynomial, about 1 ulp);
-// the final scaling by 2^n gives inf above ~88.7 and 0 below ~-103.9, as expf does. The clamp
-// only keeps the reduction exact for huge |x|.
-inline __m512 exp_x16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
-inline __mmask16 first_lanes(int64_t n) {
-    return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n > 0 ? n : 0)) - 1u);
-}
 
 // Which part of the next panel one row block prefetches: every line of the packed k-pair rows
 // kp with kp % phases == phase (none if phase < 0).
@@ -179,174 +157,46 @@ void gemm(const uint16_t* a, int64_t lda, int64_t m, int64_t k, const uint16_t* 
 }
 
 #ifdef PAGELLM_AMX
-// AMX tiles (Sapphire Rapids and later). Same packed weight: a panel's 16-column group j over
-// 32 consecutive k is one B tile (16 k-pair rows of 64 bytes, row stride NZ * 64 bytes), so
-// TDPBF16PS multiplies a 16 x 32 tile of A into a 16 x 16 float32 tile of C. Tiles 0..NZ-1
-// hold C, 4 holds A, 5..7 B. Blocks of 16 rows of A run over each panel of the thread's range,
-// A taken in chunks of rows that stay in L2 while the thread's panels stream past.
+// AMX tiles (Sapphire Rapids and later), on the same packed weight (amx_bf16_tiles.h). Blocks of
+// 16 or 32 rows of A run over each panel of the thread's range, A taken in chunks of rows that
+// stay in L2 while the thread's panels stream past.
 namespace amx {
 
-constexpr int kRows = 16;
-constexpr int64_t kStep = 32;           // k per tile product
 constexpr int64_t kChunkBytes = 384 << 10;  // rows of A kept in L2 while the panels pass
-
-void configure() {
-    AmxTileConfig cfg;
-    for (int t = 0; t < 8; ++t) {
-        cfg.rows[t] = kRows;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
-
-// out[j][r][0:16] = sum over k of A[r, k] * column group j of the panel, r < 16; meanwhile
-// `pf_lines` lines from `pf` on (part of the next panel) are prefetched into L2, spread over
-// the k steps. Without that the tile loads wait on memory: a panel's k step is one 4 KiB page,
-// where the hardware prefetchers stop.
-template <int NZ>
-inline void tile_block(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t ksteps, float* out,
-                       const char* pf, int64_t pf_lines) {
-    static_assert(NZ >= 1 && NZ <= 4, "at most 4 C tiles");
-    const int64_t a_stride = lda * 2, b_stride = int64_t{NZ} * kLine;
-    _tile_zero(0);
-    if constexpr (NZ > 1) _tile_zero(1);
-    if constexpr (NZ > 2) _tile_zero(2);
-    if constexpr (NZ > 3) _tile_zero(3);
-    const char* b = reinterpret_cast<const char*>(panel);
-    const int64_t pf_step = (pf_lines + ksteps - 1) / ksteps;
-    for (int64_t s = 0; s < ksteps; ++s, b += 16 * b_stride) {
-        for (int64_t i = 0; i < pf_step && pf_lines > 0; ++i, --pf_lines, pf += kLine) _mm_prefetch(pf, _MM_HINT_T1);
-        _tile_loadd(4, a + s * kStep, a_stride);
-        _tile_loadd(5, b, b_stride);
-        _tile_dpbf16ps(0, 4, 5);
-        if constexpr (NZ > 1) {
-            _tile_loadd(6, b + kLine, b_stride);
-            _tile_dpbf16ps(1, 4, 6);
-        }
-        if constexpr (NZ > 2) {
-            _tile_loadd(7, b + 2 * kLine, b_stride);
-            _tile_dpbf16ps(2, 4, 7);
-        }
-        if constexpr (NZ > 3) {
-            _tile_loadd(5, b + 3 * kLine, b_stride);
-            _tile_dpbf16ps(3, 4, 5);
-        }
-    }
-    _tile_stored(0, out, kLine);
-    if constexpr (NZ > 1) _tile_stored(1, out + 256, kLine);
-    if constexpr (NZ > 2) _tile_stored(2, out + 512, kLine);
-    if constexpr (NZ > 3) _tile_stored(3, out + 768, kLine);
-}
-
-// 32 rows of A over a panel of NZ = 2 column groups (plain) or 4 (gate 0, 1, up 2, 3), two
-// groups at a time (0 and 1; or gate_h and up_h): C tiles for both 16-row blocks and both
-// groups, with both A tiles and both B tiles held, so each tile loaded serves two products.
-// out[j][r][0:16], r < 32.
-template <int NZ>
-inline void pair_block(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t ksteps, float* out,
-                       const char* pf, int64_t pf_lines) {
-    static_assert(NZ == 2 || NZ == 4, "column groups go in pairs");
-    constexpr int kPasses = NZ / 2;
-    const int64_t a_stride = lda * 2, b_stride = NZ * kLine;
-    const int64_t pf_step = (pf_lines + kPasses * ksteps - 1) / (kPasses * ksteps);
-    for (int h = 0; h < kPasses; ++h) {
-        const int j0 = h, j1 = h + kPasses;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        const char* b = reinterpret_cast<const char*>(panel) + j0 * kLine;
-        for (int64_t s = 0; s < ksteps; ++s, b += 16 * b_stride) {
-            for (int64_t i = 0; i < pf_step && pf_lines > 0; ++i, --pf_lines, pf += kLine) _mm_prefetch(pf, _MM_HINT_T1);
-            _tile_loadd(4, a + s * kStep, a_stride);
-            _tile_loadd(5, a + 16 * lda + s * kStep, a_stride);
-            _tile_loadd(6, b, b_stride);
-            _tile_loadd(7, b + (j1 - j0) * kLine, b_stride);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-        _tile_stored(0, out + j0 * 512, kLine);
-        _tile_stored(2, out + j0 * 512 + 256, kLine);
-        _tile_stored(1, out + j1 * 512, kLine);
-        _tile_stored(3, out + j1 * 512 + 256, kLine);
-    }
-}
 
 template <class Epi>
 void gemm(const uint16_t* a, int64_t lda, int64_t m, int64_t k, const uint16_t* packed, int64_t n, uint16_t* c,
           int64_t ldc, int num_threads) {
     constexpr int NZ = Epi::NZ;
-    constexpr bool kPairs = NZ % 2 == 0;  // even column groups: 32 rows at a time
-    const int64_t ksteps = k / kStep;
     const int64_t panel_elems = (k / 2) * NZ * 32;
     const int64_t panels = (n + Epi::out_cols - 1) / Epi::out_cols;
-    int64_t chunk = kChunkBytes / (k * 2) / kRows * kRows;
-    if (chunk < kRows) chunk = kRows;
+    int64_t chunk = kChunkBytes / (k * 2) / amx_bf16::kRows * amx_bf16::kRows;
+    if (chunk < amx_bf16::kRows) chunk = amx_bf16::kRows;
     WorkRanges work(panels, (m + chunk - 1) / chunk, num_threads);
 #pragma omp parallel num_threads(num_threads)
     {
         const int t = omp_get_thread_num();
         WorkRanges::Item item;
         if (work.next(t, item)) {
-            configure();
-            alignas(64) float out[NZ * 512];
-            std::vector<uint16_t> tail;  // a last partial block of A, zero-padded to a whole tile
-            int64_t tail_row = -1;       // the row of A it was copied from
+            amx_bf16::configure();
+            amx_bf16::TailRows tail;
             do {
                 const int64_t m0 = item.chunk * chunk;
                 const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
-                const int64_t blocks = (m1 - m0 + kRows - 1) / kRows;
-                const int64_t panel_lines = panel_elems * 2 / kLine;
-                const int64_t lines_per_block = (panel_lines + blocks - 1) / blocks;
-                {
-                    const int64_t p = item.panel;
-                    const uint16_t* panel = packed + p * panel_elems;
-                    const int64_t cols = n - p * Epi::out_cols;
-                    const char* next = item.next_is_own ? reinterpret_cast<const char*>(panel + panel_elems) : nullptr;
-                    for (int64_t r0 = m0; r0 < m1;) {
-                        // Block b of the chunk prefetches the b-th share of the next panel.
-                        const int64_t first = (r0 - m0) / kRows * lines_per_block;
-                        const char* pf = next != nullptr && first < panel_lines ? next + first * kLine : nullptr;
-                        if (kPairs && m1 - r0 >= 2 * kRows) {
-                            int64_t pf_lines = next == nullptr ? 0 : panel_lines - first;
-                            pf_lines = pf_lines < 2 * lines_per_block ? pf_lines : 2 * lines_per_block;
-                            if constexpr (kPairs)
-                                pair_block<NZ>(a + r0 * lda, lda, panel, ksteps, out, pf, pf_lines > 0 ? pf_lines : 0);
-                            for (int64_t r = 0; r < 2 * kRows; ++r) {
-                                __m512 acc[1][NZ];
-                                for (int j = 0; j < NZ; ++j) acc[0][j] = _mm512_load_ps(out + j * 512 + r * 16);
-                                Epi::template store<1>(acc, c + (r0 + r) * ldc + p * Epi::out_cols, ldc, cols);
-                            }
-                            r0 += 2 * kRows;
-                            continue;
-                        }
-                        int64_t pf_lines = next == nullptr ? 0 : panel_lines - first;
-                        pf_lines = pf_lines < lines_per_block ? pf_lines : lines_per_block;
-                        const int64_t rows = m1 - r0 < kRows ? m1 - r0 : kRows;
-                        const uint16_t* rows_a = a + r0 * lda;
-                        int64_t stride = lda;
-                        if (rows < kRows) {
-                            if (tail_row != r0) {
-                                tail.assign(kRows * k, 0);
-                                tail_row = r0;
-                                for (int64_t r = 0; r < rows; ++r)
-                                    std::memcpy(tail.data() + r * k, rows_a + r * lda, k * 2);
-                            }
-                            amx_memory_barrier();
-                            rows_a = tail.data();
-                            stride = k;
-                        }
-                        tile_block<NZ>(rows_a, stride, panel, ksteps, out, pf, pf_lines > 0 ? pf_lines : 0);
-                        for (int64_t r = 0; r < rows; ++r) {
-                            __m512 acc[1][NZ];
-                            for (int j = 0; j < NZ; ++j) acc[0][j] = _mm512_load_ps(out + j * 256 + r * 16);
-                            Epi::template store<1>(acc, c + (r0 + r) * ldc + p * Epi::out_cols, ldc, cols);
-                        }
-                        r0 += kRows;
-                    }
-                }
+                const int64_t p = item.panel;
+                const uint16_t* panel = packed + p * panel_elems;
+                const int64_t cols = n - p * Epi::out_cols;
+                const char* next = item.next_is_own ? reinterpret_cast<const char*>(panel + panel_elems) : nullptr;
+                amx_bf16::panel_rows<NZ>(a, lda, m0, m1, k, panel, next, tail,
+                                         [&](int64_t r0, int64_t rows, const float* out, int64_t group_stride) {
+                                             for (int64_t r = 0; r < rows; ++r) {
+                                                 __m512 acc[1][NZ];
+                                                 for (int j = 0; j < NZ; ++j)
+                                                     acc[0][j] = _mm512_load_ps(out + j * group_stride + r * 16);
+                                                 Epi::template store<1>(acc, c + (r0 + r) * ldc + p * Epi::out_cols,
+                                                                        ldc, cols);
+                                             }
+                                         });
             } while (work.next(t, item));
             _tile_release();
         }
@@ -390,7 +240,7 @@ int pagellm_gemm_bf16(const void* a, int64_t lda, int64_t m, int64_t k, const vo
     if (m < 0 || k <= 0 || k % 2 != 0 || n <= 0 || lda < k || ldc < n) return -1;
     if (use_amx) {
 #ifdef PAGELLM_AMX
-        if (k % amx::kStep != 0 || (epilogue != 0 && epilogue != 1)) return -1;
+        if (k % amx_bf16::kStep != 0 || (epilogue != 0 && epilogue != 1)) return -1;
         if (!amx_permitted()) return -2;
         if (num_threads < 1) num_threads = 1;
         if (m == 0) return 0;

@@ -72,6 +72,7 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include "amx_bf16_tiles.h"
 #include "avx2_simd.h"
 #include "cpu_common.h"
 #include "exports.h"
@@ -400,6 +401,7 @@ void gemm(const QuantizedA& qa, int64_t m, const uint8_t* packed, int64_t n, voi
 #if PAGELLM_QGEMM_ISA == 3 && defined(PAGELLM_AMX) && defined(__AMX_INT8__)
 #define PAGELLM_QGEMM_AMX 1
 #include "gemm_int8_amx.h"
+#include "gemm_int8_bf16_tiles.h"
 #endif
 
 }  // namespace
@@ -454,26 +456,41 @@ int pagellm_quantize_rows(const void* a, int64_t lda, int64_t m, int64_t k, int 
 }
 
 // c[m, n] = a[m, k] @ W^T for a packed W (layout above; w_format 0 q4, 1 q8, 2 q4f, 3 q5f, 4 q6k, 5 q4s,
-// 6 q4k: k a multiple of 256)
-// with k's blocks.
+// 6 q4k: k a multiple of 256) with k's blocks.
 // a_dtype: 0 float32, 1 bf16 (c has a's dtype); epilogue 0 plain, 1 silu_mul (n = the gate / up
-// width); use_amx: on AMX tiles (pagellm_gemm_q_amx_available; q4, q8, q4f, q4s, q4k), same bits. Returns 0, -1 on a
-// bad argument, -2 where the build has no integer path (or no AMX one, if asked).
+// width); tiles (pagellm_gemm_q_amx_available): 0 integer dot products; 1 the same bits on AMX-INT8
+// tiles (q4, q8, q4f, q4s, q4k); 2 the weight dequantized to bf16 on AMX-BF16 tiles (bf16 a, k a
+// multiple of 32; every format). Returns 0, -1 on a bad argument, -2 where the build has no
+// integer path (or no AMX one, if asked).
 int pagellm_gemm_q(const void* a, int64_t lda, int64_t m, int64_t k, const void* packed, int64_t n, void* c,
-                   int64_t ldc, int a_dtype, int w_format, int epilogue, int num_threads, int use_amx) {
+                   int64_t ldc, int a_dtype, int w_format, int epilogue, int num_threads, int tiles) {
 #if PAGELLM_QGEMM_ISA > 0
     if (m < 0 || k <= 0 || n <= 0 || lda < k || ldc < n) return -1;
     if ((a_dtype != 0 && a_dtype != 1) || w_format < 0 || w_format >= kFormats || (epilogue != 0 && epilogue != 1))
         return -1;
     if (super_scaled(w_format) && k % (kSuperBlocks * kBlock) != 0) return -1;
-    if (use_amx && (w_format == kQ5F || w_format == kQ6K)) return -1;  // the tiles take q4, q8, q4f, q4s, q4k
-    if (use_amx && !pagellm_gemm_q_amx_available()) return -2;
+    if (tiles < 0 || tiles > 2) return -1;
+    if (tiles == 1 && (w_format == kQ5F || w_format == kQ6K)) return -1;  // integer tiles: q4, q8, q4f, q4s, q4k
+    if (tiles == 2 && (a_dtype != 1 || k % kBlock != 0)) return -1;       // bf16 tiles: bf16 rows, whole blocks
+    if (tiles != 0 && !pagellm_gemm_q_amx_available()) return -2;
     if (m == 0) return 0;
     if (num_threads < 1) num_threads = 1;
+    const auto* w = static_cast<const uint8_t*>(packed);
+#ifdef PAGELLM_QGEMM_AMX
+    if (tiles == 2) {
+        using BfFn = void (*)(const uint16_t*, int64_t, int64_t, int64_t, const uint8_t*, int64_t, uint16_t*, int64_t,
+                              bool, int);
+        static constexpr BfFn kBf16[kFormats] = {qbf16::gemm<kQ4>,  qbf16::gemm<kQ8>,  qbf16::gemm<kQ4F>,
+                                                 qbf16::gemm<kQ5F>, qbf16::gemm<kQ6K>, qbf16::gemm<kQ4S>,
+                                                 qbf16::gemm<kQ4K>};
+        kBf16[w_format](static_cast<const uint16_t*>(a), lda, m, k, w, n, static_cast<uint16_t*>(c), ldc, epilogue == 1,
+                        num_threads);
+        return 0;
+    }
+#endif
     using Fn = void (*)(const QuantizedA&, int64_t, const uint8_t*, int64_t, void*, int64_t, bool, int);
     QuantizedA qa;
-    quantize_rows(a, lda, m, k, a_dtype == 1, qa, num_threads, use_amx ? 16 : 1, super_scaled(w_format));
-    const auto* w = static_cast<const uint8_t*>(packed);
+    quantize_rows(a, lda, m, k, a_dtype == 1, qa, num_threads, tiles == 1 ? 16 : 1, super_scaled(w_format));
 #ifdef PAGELLM_QGEMM_AMX
     static constexpr Fn kAmx[kFormats][2] = {{qamx::gemm<kQ4, false>, qamx::gemm<kQ4, true>},
                                              {qamx::gemm<kQ8, false>, qamx::gemm<kQ8, true>},
@@ -482,7 +499,7 @@ int pagellm_gemm_q(const void* a, int64_t lda, int64_t m, int64_t k, const void*
                                              {nullptr, nullptr},
                                              {qamx::gemm<kQ4S, false>, qamx::gemm<kQ4S, true>},
                                              {qamx::gemm<kQ4K, false>, qamx::gemm<kQ4K, true>}};
-    if (use_amx) {
+    if (tiles == 1) {
         kAmx[w_format][a_dtype](qa, m, w, n, c, ldc, epilogue == 1, num_threads);
         return 0;
     }
@@ -498,7 +515,7 @@ int pagellm_gemm_q(const void* a, int64_t lda, int64_t m, int64_t k, const void*
     return 0;
 #else
     (void)a, (void)lda, (void)m, (void)k, (void)packed, (void)n, (void)c, (void)ldc, (void)a_dtype, (void)w_format,
-        (void)epilogue, (void)num_threads, (void)use_amx;
+        (void)epilogue, (void)num_threads, (void)tiles;
     return -2;
 #endif
 }

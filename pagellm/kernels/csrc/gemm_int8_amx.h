@@ -28,7 +28,7 @@ void configure() {
     for (int t = 0; t < 4; ++t) cfg.rows[t] = kRows, cfg.colsb[t] = 64;  // C: 16 x 16 int32
     for (int t = 4; t < 6; ++t) cfg.rows[t] = kRows, cfg.colsb[t] = 32;  // A: 16 rows x 32 int8
     for (int t = 6; t < 8; ++t) cfg.rows[t] = 8, cfg.colsb[t] = 64;      // B: 8 x (16 columns x 4 k)
-    _tile_loadconfig(&cfg);
+    amx_load_config(cfg);
 }
 
 // The q4 / q4f / q4s codes of one column tile (all blocks) as B tiles: out[b * 512].
