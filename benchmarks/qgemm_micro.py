@@ -10,7 +10,7 @@ tiles where usable, else AVX-512 BF16 dot products, else the AVX2 GEMM), in one 
 
 Where the process may use AMX tiles, two more columns: the integer GEMM on AMX-INT8 tiles, and
 the quantized weight dequantized to bf16 on AMX-BF16 tiles (``tiles="bf16"``). ``--shape llama-3b``
-times a Llama-3.2-3B layer's shapes (28 layers, the default model's 49,152-token LM head) and
+(or ``llama-8b``) times a Llama-3.2-3B layer's shapes (28 layers; Llama-3-8B's: 32, the default model's 49,152-token LM head) and
 ``--format`` the layers' format (the LM head stays q8).
 
 ``--formats q4s,q4,q4f,q5f,q6k,q8`` instead times every layer (LM head included) in each weight
@@ -43,6 +43,8 @@ MODEL_SHAPES = {
     "smollm2": SHAPES,
     "llama-3b": {"qkv": (5120, 3072, 28), "o": (3072, 3072, 28), "gate_up": (16384, 3072, 28), "down": (3072, 8192, 28),
                  "lm_head": (49152, 3072, 1)},
+    "llama-8b": {"qkv": (6144, 4096, 32), "o": (4096, 4096, 32), "gate_up": (28672, 4096, 32), "down": (4096, 14336, 32),
+                 "lm_head": (49152, 4096, 1)},
 }  # fmt: skip
 
 

@@ -8,6 +8,7 @@ the chat template comes from the tokenizer, else the GGUF metadata, unless overr
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -49,12 +50,23 @@ def _cache_key(gguf: Path) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:24]
 
 
-def _load_cached(folder: Path | None) -> PreTrainedTokenizerBase | None:
-    from transformers import AutoTokenizer
+# Tokenizer classes a cached folder names that load without ``AutoTokenizer``: importing that
+# imports ``transformers.models``, whose import scans all of its ~570 model files (0.6 s of every
+# start-up; a GGUF tokenizer is most often of this plain class).
+_PLAIN_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
+
+def _load_cached(folder: Path | None) -> PreTrainedTokenizerBase | None:
     if folder is None or not (folder / "tokenizer_config.json").is_file() or not owned_by_me(folder):
         return None
     try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        if isinstance(config, dict) and config.get("tokenizer_class") in _PLAIN_TOKENIZER_CLASSES:
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+            return TokenizersBackend.from_pretrained(str(folder), local_files_only=True)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except Exception as exc:  # a damaged or foreign cache entry: rebuild from the GGUF file
         logger.warning("ignoring cached tokenizer in %s: %s", folder, exc)
@@ -82,8 +94,6 @@ def _store_cached(tokenizer: PreTrainedTokenizerBase, folder: Path | None) -> No
 def _gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """The tokenizer transformers rebuilds from GGUF metadata (seconds: it re-parses the whole
     vocabulary), cached on disk after the first build and loaded from there (~0.1 s) after."""
-    from transformers import AutoTokenizer
-
     gguf = Path(path)
     root = tokenizer_cache_dir()
     if root is not None and not private_dir(root):
@@ -93,6 +103,8 @@ def _gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     tokenizer = _load_cached(folder)
     if tokenizer is not None:
         return tokenizer
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
     if not tokenizer.chat_template:
         tokenizer.chat_template = gguf_chat_template(path)
@@ -117,14 +129,14 @@ def read_chat_template(chat_template_path: str) -> str:
 
 def load_tokenizer(model: str | None, chat_template_path: str | None = None) -> PreTrainedTokenizerBase:
     """The model's tokenizer (default model for None), with a chat template when one is known."""
-    from transformers import AutoTokenizer  # slow import; only pay for it when a tokenizer is needed
-
     path = resolve_model_path(model)
     if is_gguf(path):
         tokenizer = _gguf_tokenizer(path)
         if not tokenizer.chat_template:
             tokenizer.chat_template = gguf_chat_template(path)
     else:
+        from transformers import AutoTokenizer  # slow import; only pay for it when it is needed
+
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if chat_template_path is not None:
         tokenizer.chat_template = read_chat_template(chat_template_path)

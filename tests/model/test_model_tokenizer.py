@@ -56,3 +56,25 @@ def test_caches_are_private_and_foreign_ones_unused(tmp_path, monkeypatch) -> No
     assert owned_by_me(shared_object)
     monkeypatch.setattr(os, "getuid", lambda: 12345)  # as another user would see our folder
     assert not private_dir(cache) and not owned_by_me(shared_object)
+
+
+def test_cached_gguf_tokenizer_loads_as_auto_tokenizer_does(default_tokenizer) -> None:
+    """A cached GGUF tokenizer of the plain class loads without ``AutoTokenizer`` (whose import
+    scans every model file of transformers) and is the tokenizer ``AutoTokenizer`` gives."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from pagellm.model.loader import resolve_model_path
+    from pagellm.model.tokenizer import _cache_key, tokenizer_cache_dir
+
+    folder = tokenizer_cache_dir() / _cache_key(Path(resolve_model_path(None)))  # the fixture built it
+    auto = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    assert type(auto) is type(default_tokenizer) and auto.get_vocab() == default_tokenizer.get_vocab()
+    assert auto.encode(TEXT) == default_tokenizer.encode(TEXT)
+    assert auto.chat_template == default_tokenizer.chat_template
+    assert auto.special_tokens_map == default_tokenizer.special_tokens_map
+    code = "import sys; from pagellm.model import load_tokenizer; load_tokenizer(None); print('transformers.models' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
