@@ -314,6 +314,10 @@ def run_vllm(workload: Workload, options: dict[str, Any], progress: bool = True)
     kwargs: dict[str, Any] = dict(model=path, dtype=dtype, seed=0)
     if options.get("max_num_seqs"):
         kwargs["max_num_seqs"] = options["max_num_seqs"]
+    # The model's context (131,072 at Llama 3.2) needs more than vLLM's 4 GiB KV space for one
+    # request, and vLLM refuses to start: the workload's longest request, at least 2,048.
+    longest = max(len(r.prompt_token_ids) + r.max_tokens for r in workload.requests)
+    kwargs["max_model_len"] = options.get("max_model_len") or max(2048, longest)
     if options.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = options["max_num_batched_tokens"]
     if options.get("enable_prefix_caching") is not None:

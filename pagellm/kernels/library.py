@@ -23,12 +23,15 @@ from pagellm.kernels.packing import (
 from pagellm.kernels.quant_formats import (
     AMX_FORMATS, BLOCK, FORMAT_CODES, QUANT_TILES, SUPER_BLOCKS, SUPER_FORMATS, TILE_COLS, checked_gguf_rows, packed_shape,
 )
+from pagellm.kernels.stack_args import DecoderStackArgs
 from pagellm.kernels.weight_memory import empty_weight
 from pagellm.kv_layout import cache_head_dim
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # pagellm_gemm_q_isa() -> the integer GEMM's path name (kernel plan: ``qgemm``).
 GEMM_Q_PATHS = ("none", "avx2", "avx-vnni", "avx512-vnni")
+# dequant_packed's layouts -> the packed panel width in columns (0: plain rows).
+_DEQUANT_LAYOUTS = {"rows": 0, "amx": 32, "amx_silu_mul": 64}
 # (K/V and query dtype, cache dtype) -> the attention and K/V-write kernels' dtype code.
 CACHE_CODES = {(torch.float32, torch.float32): 0, (torch.bfloat16, torch.bfloat16): 1,
                (torch.bfloat16, torch.float8_e4m3fn): 2, (torch.bfloat16, torch.int8): 3, (torch.float32, torch.int8): 4}
@@ -455,6 +458,22 @@ class KernelLibrary:
             raise RuntimeError(f"pagellm_pack_gguf failed with code {rc}")
         return out
 
+    def dequant_packed(self, packed: torch.Tensor, fmt: str, rows: int, k: int, layout: str = "rows") -> torch.Tensor:
+        """A packed weight as bf16 (``dequantize()`` rounded: the dense copy's weight; AMX builds):
+        ``layout`` "rows" [rows, k] in packed column order, "amx" / "amx_silu_mul" the dense AMX
+        GEMM's packed panels (``pack_gemm_weight(w, amx=True)``, ``pack_silu_mul_weight``)."""
+        tiles, width = packed.shape[0], _DEQUANT_LAYOUTS[layout]
+        if packed.dtype != torch.uint8 or tuple(packed.shape) != packed_shape(fmt, rows, k, layout == "amx_silu_mul") \
+                or not packed.is_contiguous():  # fmt: skip
+            raise ValueError(f"packed must be a contiguous uint8 {list(packed_shape(fmt, rows, k))} tensor")
+        shape = (tiles * TILE_COLS, k) if not width else (-(-tiles * TILE_COLS // width), k // 2, width, 2)
+        out = torch.empty(shape, dtype=torch.bfloat16)
+        rc = self._lib.pagellm_dequant_q_bf16(packed.data_ptr(), tiles, k, FORMAT_CODES[fmt], list(_DEQUANT_LAYOUTS).index(layout),
+                                              out.data_ptr(), torch.get_num_threads())  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"pagellm_dequant_q_bf16 failed with code {rc}")
+        return out[:rows] if not width else out
+
     def dequant_gguf_rows(self, fmt: str, source: np.ndarray, row_offsets: torch.Tensor, k: int) -> torch.Tensor:
         """GGUF rows of ``k`` weights (``row_offsets``: each row's first byte in ``source``) as
         float32 [rows, k], exactly as gguf-py dequantizes them (an embedding's looked-up rows)."""
@@ -510,55 +529,6 @@ class KernelLibrary:
         """
         rc = self._lib.pagellm_decoder_stack(ctypes.byref(stack))
         _raise_for("pagellm_decoder_stack", rc, stack.tp_timeout_s)
-
-
-_P = ctypes.c_void_p
-
-
-class LinearArgs(ctypes.Structure):
-    """``PagellmLinear`` of ``csrc/decoder_stack.cpp``: a packed weight and its GEMM (``kind``:
-    ``LINEAR_KINDS``; ``format``: the integer GEMM's format or the AVX2 GEMM's weight dtype code;
-    ``epilogue``: that GEMM's own code); ``next``, where set, the address of the part computing
-    the output columns after this part's first ``cols`` (kept alive by the caller)."""
-
-    _fields_ = [
-        ("weight", _P), ("kind", ctypes.c_int32), ("format", ctypes.c_int32), ("epilogue", ctypes.c_int32),
-        ("reserved", ctypes.c_int32), ("cols", ctypes.c_int64), ("next", _P),
-    ]  # fmt: skip
-
-
-# LinearArgs.kind for each GEMM path: the integer GEMM, then the kernel plan's dense paths.
-LINEAR_KINDS = {"integer": 0, "avx512-bf16": 1, "amx": 2, "avx2": 3, "integer-amx": 4, "dequant-amx": 5}
-
-
-class DecoderLayerArgs(ctypes.Structure):
-    """``PagellmLayer`` of ``csrc/decoder_stack.cpp``: one layer's norms, linears, caches and
-    attention variant (scale, soft cap: 0 none, window: 0 none)."""
-
-    _fields_ = [
-        ("input_norm", _P), ("post_norm", _P), ("qkv_bias", _P), ("q_norm", _P), ("k_norm", _P), ("key_cache", _P),
-        ("value_cache", _P), ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("window", ctypes.c_int32),
-        ("reserved", ctypes.c_int32),
-        ("qkv", LinearArgs), ("o", LinearArgs), ("gate_up", LinearArgs), ("down", LinearArgs),
-    ]  # fmt: skip
-
-
-class DecoderStackArgs(ctypes.Structure):
-    """``PagellmStack`` of ``csrc/decoder_stack.cpp``: one step's shapes, indices and buffers."""
-
-    _fields_ = [
-        ("layers", ctypes.POINTER(DecoderLayerArgs)), ("num_layers", ctypes.c_int64), ("tokens", ctypes.c_int64),
-        ("hidden", ctypes.c_int64), ("num_heads", ctypes.c_int64), ("num_kv_heads", ctypes.c_int64),
-        ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("block_size", ctypes.c_int64),
-        ("eps", ctypes.c_float), ("reserved_f", ctypes.c_float), ("dtype", ctypes.c_int32), ("cache_code", ctypes.c_int32),
-        ("num_threads", ctypes.c_int32), ("reserved", ctypes.c_int32), ("x", _P), ("residual", _P), ("cos", _P),
-        ("sin", _P), ("slot_mapping", _P), ("block_tables", _P), ("block_table_stride", ctypes.c_int64),
-        ("row_token", _P), ("row_req", _P), ("row_start", _P), ("row_ctx", _P), ("num_rows", ctypes.c_int64),
-        ("h", _P), ("qkv", _P),
-        ("attn", _P), ("act", _P), ("tp_region", _P), ("tp_calls", _P), ("tp_scratch", _P),
-        ("tp_slot_elems", ctypes.c_int64), ("tp_timeout_s", ctypes.c_double), ("tp_rank", ctypes.c_int32),
-        ("tp_size", ctypes.c_int32),
-    ]  # fmt: skip
 
 
 def _raise_for(function: str, rc: int, timeout_s: float) -> None:

@@ -135,6 +135,15 @@ class _KernelGemmLinear(nn.Module):
         self.kernels = lib
         self.path = path
 
+    @classmethod
+    def from_packed(
+        cls, in_features: int, out_features: int, packed_weight: torch.Tensor, lib: KernelLibrary, path: str
+    ) -> _KernelGemmLinear:
+        """The layer over a weight already in ``path``'s packed layout (bias-free)."""
+        layer = cls.__new__(cls)
+        _KernelGemmLinear.__init__(layer, in_features, out_features, packed_weight, None, lib, path)
+        return layer
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             shape = x.shape

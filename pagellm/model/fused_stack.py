@@ -27,15 +27,8 @@ from torch import nn
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.attention.cpu_paged import CPUPagedAttention, checked_kernel_rows
 from pagellm.distributed.tensor_parallel import TensorParallel
-from pagellm.kernels.library import (
-    CACHE_CODES,
-    DTYPE_CODES,
-    LINEAR_KINDS,
-    DecoderLayerArgs,
-    DecoderStackArgs,
-    KernelLibrary,
-    LinearArgs,
-)
+from pagellm.kernels.library import CACHE_CODES, DTYPE_CODES, KernelLibrary
+from pagellm.kernels.stack_args import LINEAR_KINDS, DecoderLayerArgs, DecoderStackArgs, LinearArgs
 from pagellm.kernels.packing import avx2_epilogue, gemm_epilogue
 from pagellm.kernels.quant_formats import FORMAT_CODES
 from pagellm.kv_layout import kv_row_width

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.nn.utils import skip_init
 
+from pagellm import kernels
 from pagellm.kernels import quant_formats
 from pagellm.kernels.library import KernelLibrary
 from pagellm.kernels.plan import KernelPlan
@@ -110,7 +111,10 @@ class QuantizedLinear(nn.Module):
             packed_weight = quant_formats.pack_silu_mul(weight) if self.silu_mul else quant_formats.pack(weight)
             self.parts = (PackedPart(weight.format, packed_weight, weight.rows),)
         if self.dense_above_rows is not None:
-            self.dense = self._dense_copy(parts)
+            # The packed records hold the shards' own weights unless they were widened or
+            # re-quantized to one format (``common_format``).
+            exact = from_file is not None or all(p.format == self.parts[0].format for p in parts)
+            self.dense = self._dense_copy(parts, exact)
         for part in parts:
             if isinstance(part, GGUFRows):
                 part.release()
@@ -130,9 +134,19 @@ class QuantizedLinear(nn.Module):
             packed.append(PackedPart(run[0].format, weight, sum(p.rows for p in run)))
         return tuple(packed)
 
-    def _dense_copy(self, parts: list[QuantizedRows]) -> nn.Module | None:
+    def _dense_copy(self, parts: list[QuantizedRows], exact: bool) -> nn.Module | None:
         """The bf16 copy on the plan's dense GEMM, or None where that GEMM does not take this
-        shape (then every batch runs the integer GEMM)."""
+        shape (then every batch runs the integer GEMM). ``exact``: the packed parts hold the
+        shards' weights."""
+        cls = KernelSiluAndMulLinear if self.silu_mul else KernelLinear
+        fits = self.in_features % kernels.GEMM_AMX_K_MULTIPLE == 0
+        if exact and fits and self.dense_gemm == "amx" and self.kernels.gemm_q_amx_available:
+            # Every AMX plan (the only ones with a copy): the packed panels straight from the packed
+            # records, in C++; the shards unpacked in numpy, dequantized and packed in torch took
+            # seconds a billion weights (NOTES 58). The same bf16 values.
+            packed = self._packed_copy()
+            if packed is not None:
+                return cls.from_packed(self.in_features, self.out_features, packed, self.kernels, "amx")
         linear = skip_init(nn.Linear, self.in_features, self.weight_rows, bias=False, dtype=torch.bfloat16)
         if not kernel_gemm_fits(linear, self.dense_gemm):
             return None
@@ -143,6 +157,18 @@ class QuantizedLinear(nn.Module):
         if self.silu_mul:
             return KernelSiluAndMulLinear(linear, self.out_features, self.kernels, self.dense_gemm)
         return KernelLinear(linear, self.kernels, self.dense_gemm)
+
+    def _packed_copy(self) -> torch.Tensor | None:
+        """The dense AMX GEMM's packed weight made from the packed parts, or None where a part's
+        rows do not start on one of its 32-column panels."""
+        k = self.in_features
+        if self.silu_mul:  # one part
+            part = self.parts[0]
+            return self.kernels.dequant_packed(part.packed, part.format, self.out_features, k, "amx_silu_mul")
+        if any(part.rows % kernels.GEMM_AMX_PANEL_COLS for part in self.parts[:-1]):
+            return None
+        panels = [self.kernels.dequant_packed(part.packed, part.format, part.rows, k, "amx") for part in self.parts]
+        return panels[0] if len(panels) == 1 else torch.cat(panels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The integer GEMM (on AMX tiles above ``amx_above_rows``), or the dense copy for

@@ -190,6 +190,29 @@ def test_dense_copy_takes_batches_above_the_threshold(cpu_plan) -> None:
         torch.testing.assert_close(got.float(), expected, rtol=3e-2, atol=3e-2 * float(expected.abs().max()))
 
 
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_dense_copy_from_the_packed_records_equals_the_shards(cpu_plan, monkeypatch, silu_mul: bool) -> None:
+    """On AMX builds the dense copy is dequantized from the packed records in C++ (a silu_mul
+    weight's tiles of 8 gate and 8 up columns put back as [gate; up]): the very weight the
+    shards dequantized in torch give, ragged tiles included."""
+    plan = cpu_plan(torch.bfloat16)
+    if plan.kernels is None or not plan.kernels.gemm_q_amx_available:
+        pytest.skip("no AMX tiles here")
+    g = torch.Generator().manual_seed(5)
+    n = 40 if silu_mul else 24
+    fmt = "q4k" if silu_mul else "q6k"
+    shards = [qf.random_weight(fmt, n, 256, g), qf.random_weight(fmt, n, 256, g)]
+    copies = []
+    for amx in (True, False):
+        monkeypatch.setattr(plan.kernels, "gemm_q_amx_available", amx)
+        layer = QuantizedLinear(256, 2 * n, False, plan.kernels, dense_above_rows=2, dense_gemm="amx", silu_mul=silu_mul)
+        layer.load_rows(slice(0, n), shards[0])
+        layer.load_rows(slice(n, 2 * n), shards[1])
+        layer.finish_loading()
+        copies.append(layer.dense.packed_weight)
+    assert torch.equal(copies[0], copies[1])
+
+
 def test_amx_tiles_take_batches_above_the_threshold(cpu_plan) -> None:
     """With ``amx_above_rows`` bigger batches run on AMX tiles, no dense copy: the integer GEMM's
     int8 tiles give the dot products' bits; the weight dequantized to bf16 tiles gives the dense

@@ -145,17 +145,59 @@ void dequantize_block(const uint8_t* tile, int64_t b, uint8_t* out, int64_t stri
     }
 }
 
-// Column tile `t` (of `tiles`) as column group `group` of the panel; zeros past the last tile.
+// Column tile `t` (of `tiles`) as k-pair rows of 64 bytes from `out`, `stride` bytes apart (a
+// column group of a panel); zeros past the last tile.
 template <int kFmt>
 void dequantize_tile(const uint8_t* packed, int64_t tile_bytes, int64_t t, int64_t tiles, int64_t blocks,
-                     uint8_t* panel, int group) {
-    uint8_t* out = panel + group * 64;
+                     uint8_t* out, int64_t stride) {
     if (t >= tiles) {
-        for (int64_t row = 0; row < blocks * 16; ++row) std::memset(out + row * kPanelRow, 0, 64);
+        for (int64_t row = 0; row < blocks * 16; ++row) std::memset(out + row * stride, 0, 64);
         return;
     }
     const uint8_t* tile = packed + t * tile_bytes;
-    for (int64_t b = 0; b < blocks; ++b) dequantize_block<kFmt>(tile, b, out + b * 16 * kPanelRow, kPanelRow);
+    for (int64_t b = 0; b < blocks; ++b) dequantize_block<kFmt>(tile, b, out + b * 16 * stride, stride);
+}
+
+// Where the dequantized weight goes (pagellm_dequant_q_bf16's layout): rows [16 * tiles, k] in the
+// packed column order; the dense AMX GEMM's plain panels ([k / 2][32][2] bf16, two tiles a
+// panel); or its silu_mul panels ([k / 2][64][2]: 32 gate columns, then the same 32 up ones, from
+// four tiles of 8 gate and 8 up columns). What the dense bf16 copy holds, read from the packed
+// records at load instead of unpacking the file's blocks in numpy and dequantizing in torch.
+constexpr int kRowsLayout = 0, kPlainPanels = 1, kSiluPanels = 2;
+
+template <int kFmt>
+void dequantize_weight(const uint8_t* packed, int64_t tiles, int64_t k, int layout, uint16_t* w, int threads) {
+    const int64_t blocks = k / kBlock, tile_bytes = blocks * kRecordBytes[kFmt], kpairs = k / 2;
+    const int64_t per_panel = layout == kPlainPanels ? 2 : 4, width = 16 * per_panel;  // tiles, columns a panel
+    const int64_t slots = layout == kRowsLayout ? tiles : (tiles + per_panel - 1) / per_panel * per_panel;
+    auto* out = reinterpret_cast<uint32_t*>(w);  // one bf16 pair (k, k + 1) of a column
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<uint32_t> buf(static_cast<size_t>(kpairs * kTileCols + 16));
+        uint8_t* rows = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+        const auto* pairs = reinterpret_cast<const uint32_t*>(rows);
+#pragma omp for schedule(dynamic)
+        for (int64_t t = 0; t < slots; ++t) {  // slots past the last tile: zero columns of the last panel
+            dequantize_tile<kFmt>(packed, tile_bytes, t, tiles, blocks, rows, 64);
+            if (layout == kRowsLayout) {  // k-pair row p, column c -> w[16 t + c][2p .. 2p + 1]
+                for (int c = 0; c < kTileCols; ++c)
+                    for (int64_t p = 0; p < kpairs; ++p) out[(t * kTileCols + c) * kpairs + p] = pairs[p * kTileCols + c];
+                continue;
+            }
+            const int64_t slot = t % per_panel;
+            uint32_t* panel = out + t / per_panel * kpairs * width;
+            for (int64_t p = 0; p < kpairs; ++p) {
+                const uint32_t* src = pairs + p * kTileCols;
+                uint32_t* row = panel + p * width;
+                if (layout == kPlainPanels) {
+                    std::memcpy(row + slot * 16, src, 64);
+                } else {  // gate columns 8 slot .. 8 slot + 7, up columns 32 + the same
+                    std::memcpy(row + slot * 8, src, 32);
+                    std::memcpy(row + 32 + slot * 8, src + 8, 32);
+                }
+            }
+        }
+    }
 }
 
 // Writes the panel's results for `rows` rows from r0 (row r of group j at out + j * group_stride
@@ -205,7 +247,7 @@ void gemm(const uint16_t* a, int64_t lda, int64_t m, int64_t k, const uint8_t* p
                 const int64_t t0 = item.panel * kGroups;
                 if (held != item.panel) {
                     for (int g = 0; g < kGroups; ++g)
-                        dequantize_tile<kFmt>(packed, tile_bytes, t0 + g, tiles, blocks, panel, g);
+                        dequantize_tile<kFmt>(packed, tile_bytes, t0 + g, tiles, blocks, panel + g * 64, kPanelRow);
                     amx_memory_barrier();
                     held = item.panel;
                 }
