@@ -15,6 +15,7 @@ import torch
 
 from pagellm.kernels.packing import (
     GEMM_AMX_K_MULTIPLE,
+    GEMM_AMX_PANEL_COLS,
     SILU_MUL_HALF_COLS,
     avx2_epilogue,
     avx2_packed_shape,
@@ -30,8 +31,6 @@ from pagellm.kv_layout import cache_head_dim
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # pagellm_gemm_q_isa() -> the integer GEMM's path name (kernel plan: ``qgemm``).
 GEMM_Q_PATHS = ("none", "avx2", "avx-vnni", "avx512-vnni")
-# dequant_packed's layouts -> the packed panel width in columns (0: plain rows).
-_DEQUANT_LAYOUTS = {"rows": 0, "amx": 32, "amx_silu_mul": 64}
 # (K/V and query dtype, cache dtype) -> the attention and K/V-write kernels' dtype code.
 CACHE_CODES = {(torch.float32, torch.float32): 0, (torch.bfloat16, torch.bfloat16): 1,
                (torch.bfloat16, torch.float8_e4m3fn): 2, (torch.bfloat16, torch.int8): 3, (torch.float32, torch.int8): 4}
@@ -458,21 +457,21 @@ class KernelLibrary:
             raise RuntimeError(f"pagellm_pack_gguf failed with code {rc}")
         return out
 
-    def dequant_packed(self, packed: torch.Tensor, fmt: str, rows: int, k: int, layout: str = "rows") -> torch.Tensor:
-        """A packed weight as bf16 (``dequantize()`` rounded: the dense copy's weight; AMX builds):
-        ``layout`` "rows" [rows, k] in packed column order, "amx" / "amx_silu_mul" the dense AMX
-        GEMM's packed panels (``pack_gemm_weight(w, amx=True)``, ``pack_silu_mul_weight``)."""
-        tiles, width = packed.shape[0], _DEQUANT_LAYOUTS[layout]
-        if packed.dtype != torch.uint8 or tuple(packed.shape) != packed_shape(fmt, rows, k, layout == "amx_silu_mul") \
-                or not packed.is_contiguous():  # fmt: skip
-            raise ValueError(f"packed must be a contiguous uint8 {list(packed_shape(fmt, rows, k))} tensor")
-        shape = (tiles * TILE_COLS, k) if not width else (-(-tiles * TILE_COLS // width), k // 2, width, 2)
-        out = torch.empty(shape, dtype=torch.bfloat16)
-        rc = self._lib.pagellm_dequant_q_bf16(packed.data_ptr(), tiles, k, FORMAT_CODES[fmt], list(_DEQUANT_LAYOUTS).index(layout),
+    def dequant_packed(self, packed: torch.Tensor, fmt: str, rows: int, k: int, silu_mul: bool = False) -> torch.Tensor:
+        """A packed weight (``rows`` outputs) dequantized to bf16 (``dequantize()`` rounded: the
+        dense copy's weight; AMX builds) straight into the dense AMX GEMM's packed panels:
+        ``pack_gemm_weight(w, amx=True)``, or with ``silu_mul`` ``pack_silu_mul_weight(gate, up)``."""
+        expected = packed_shape(fmt, rows, k, silu_mul)
+        if packed.dtype != torch.uint8 or tuple(packed.shape) != expected or not packed.is_contiguous():
+            raise ValueError(f"packed must be a contiguous uint8 {list(expected)} tensor, got {list(packed.shape)}")
+        width = 2 * SILU_MUL_HALF_COLS if silu_mul else GEMM_AMX_PANEL_COLS
+        tiles = packed.shape[0]
+        out = torch.empty(-(-tiles * TILE_COLS // width), k // 2, width, 2, dtype=torch.bfloat16)
+        rc = self._lib.pagellm_dequant_q_bf16(packed.data_ptr(), tiles, k, FORMAT_CODES[fmt], int(silu_mul),
                                               out.data_ptr(), torch.get_num_threads())  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"pagellm_dequant_q_bf16 failed with code {rc}")
-        return out[:rows] if not width else out
+        return out
 
     def dequant_gguf_rows(self, fmt: str, source: np.ndarray, row_offsets: torch.Tensor, k: int) -> torch.Tensor:
         """GGUF rows of ``k`` weights (``row_offsets``: each row's first byte in ``source``) as

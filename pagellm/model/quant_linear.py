@@ -164,10 +164,10 @@ class QuantizedLinear(nn.Module):
         k = self.in_features
         if self.silu_mul:  # one part
             part = self.parts[0]
-            return self.kernels.dequant_packed(part.packed, part.format, self.out_features, k, "amx_silu_mul")
+            return self.kernels.dequant_packed(part.packed, part.format, self.out_features, k, silu_mul=True)
         if any(part.rows % kernels.GEMM_AMX_PANEL_COLS for part in self.parts[:-1]):
             return None
-        panels = [self.kernels.dequant_packed(part.packed, part.format, part.rows, k, "amx") for part in self.parts]
+        panels = [self.kernels.dequant_packed(part.packed, part.format, part.rows, k) for part in self.parts]
         return panels[0] if len(panels) == 1 else torch.cat(panels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

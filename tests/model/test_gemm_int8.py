@@ -261,15 +261,16 @@ def test_bf16_tiles_equal_the_dense_copy(amx_lib: KernelLibrary, fmt: str, m: in
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantized_packed_weight_is_the_dense_copy(amx_lib: KernelLibrary, fmt: str) -> None:
     """``dequant_packed`` (the dense copy's weight, from the packed records): ``dequantize()``
-    rounded to bf16, bit for bit, as rows or packed panels, ragged last tiles and panels included."""
+    rounded to bf16, bit for bit, in the dense AMX GEMM's packed panels, ragged last tiles and panels
+    included."""
     g = torch.Generator().manual_seed(11)
     k = _width(fmt, 96)
     weight = _random_weight(fmt, 40, k, g)
     dense = weight.dequantize().bfloat16()
-    assert torch.equal(amx_lib.dequant_packed(qf.pack(weight), fmt, 40, k), dense)
-    # ... and straight into the dense AMX GEMM's panels (plain; silu_mul from its tiles of 8 + 8).
-    assert torch.equal(amx_lib.dequant_packed(qf.pack(weight), fmt, 40, k, "amx"), pack_gemm_weight(dense, amx=True))
-    fused = amx_lib.dequant_packed(qf.pack_silu_mul(weight), fmt, 20, k, "amx_silu_mul")
+    panels = amx_lib.dequant_packed(qf.pack(weight), fmt, 40, k)  # [panels, k / 2, 32, 2]
+    assert torch.equal(panels.transpose(1, 2).reshape(-1, k)[:40], dense)
+    assert torch.equal(panels, pack_gemm_weight(dense, amx=True))  # the dense GEMM's panels, zero padding too
+    fused = amx_lib.dequant_packed(qf.pack_silu_mul(weight), fmt, 20, k, silu_mul=True)  # from tiles of 8 + 8
     assert torch.equal(fused, pack_silu_mul_weight(dense[:20], dense[20:]))
 
 

@@ -13,7 +13,7 @@ int pagellm_head_rms_norm(void* x, int64_t row_stride, int64_t tokens, int64_t h
                           const void* weight, float eps, int dtype, int num_threads);
 int pagellm_gemm_q(const void* a, int64_t lda, int64_t m, int64_t k, const void* packed, int64_t n, void* c,
                    int64_t ldc, int a_dtype, int w_format, int epilogue, int num_threads, int tiles);
-int pagellm_dequant_q_bf16(const void* packed, int64_t tiles, int64_t k, int w_format, int layout, void* w,
+int pagellm_dequant_q_bf16(const void* packed, int64_t tiles, int64_t k, int w_format, int silu_mul, void* w,
                            int num_threads);
 int pagellm_gemm_bf16(const void* a, int64_t lda, int64_t m, int64_t k, const void* packed, int64_t n, void* c,
                       int64_t ldc, int epilogue, int num_threads, int use_amx);

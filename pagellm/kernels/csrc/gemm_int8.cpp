@@ -521,26 +521,26 @@ int pagellm_gemm_q(const void* a, int64_t lda, int64_t m, int64_t k, const void*
 }
 
 // A packed weight (w_format, k a multiple of 32; q4k and q6k of 256) of `tiles` column tiles,
-// dequantized to bf16 into w in `layout` (gemm_int8_bf16_tiles.h): 0 rows [16 * tiles, k] in the
-// packed column order; 1 the dense AMX GEMM's plain panels; 2 its silu_mul panels (from a silu_mul
-// weight). QuantizedWeight.dequantize() rounded to bf16: the dense copy's weight. Returns 0, -1
-// on a bad argument, -2 where the build lacks the bf16 tiles.
-int pagellm_dequant_q_bf16(const void* packed, int64_t tiles, int64_t k, int w_format, int layout, void* w,
+// dequantized to bf16 into w in the dense AMX GEMM's packed layout (gemm_bf16.cpp): its plain
+// panels, or with silu_mul (a silu_mul weight) its silu_mul panels. QuantizedWeight.dequantize()
+// rounded to bf16: the dense copy's weight. Returns 0, -1 on a bad argument, -2 where the build
+// lacks the bf16 tiles.
+int pagellm_dequant_q_bf16(const void* packed, int64_t tiles, int64_t k, int w_format, int silu_mul, void* w,
                            int num_threads) {
 #ifdef PAGELLM_QGEMM_AMX
-    if (tiles < 0 || k <= 0 || k % kBlock != 0 || w_format < 0 || w_format >= kFormats || layout < 0 || layout > 2)
+    if (tiles < 0 || k <= 0 || k % kBlock != 0 || w_format < 0 || w_format >= kFormats || (silu_mul != 0 && silu_mul != 1))
         return -1;
     if (super_scaled(w_format) && k % (kSuperBlocks * kBlock) != 0) return -1;
-    using Fn = void (*)(const uint8_t*, int64_t, int64_t, int, uint16_t*, int);
+    using Fn = void (*)(const uint8_t*, int64_t, int64_t, bool, uint16_t*, int);
     static constexpr Fn kDequant[kFormats] = {qbf16::dequantize_weight<kQ4>,  qbf16::dequantize_weight<kQ8>,
                                               qbf16::dequantize_weight<kQ4F>, qbf16::dequantize_weight<kQ5F>,
                                               qbf16::dequantize_weight<kQ6K>, qbf16::dequantize_weight<kQ4S>,
                                               qbf16::dequantize_weight<kQ4K>};
-    kDequant[w_format](static_cast<const uint8_t*>(packed), tiles, k, layout, static_cast<uint16_t*>(w),
+    kDequant[w_format](static_cast<const uint8_t*>(packed), tiles, k, silu_mul == 1, static_cast<uint16_t*>(w),
                        num_threads < 1 ? 1 : num_threads);
     return 0;
 #else
-    (void)packed, (void)tiles, (void)k, (void)w_format, (void)layout, (void)w, (void)num_threads;
+    (void)packed, (void)tiles, (void)k, (void)w_format, (void)silu_mul, (void)w, (void)num_threads;
     return -2;
 #endif
 }

@@ -158,43 +158,44 @@ void dequantize_tile(const uint8_t* packed, int64_t tile_bytes, int64_t t, int64
     for (int64_t b = 0; b < blocks; ++b) dequantize_block<kFmt>(tile, b, out + b * 16 * stride, stride);
 }
 
-// Where the dequantized weight goes (pagellm_dequant_q_bf16's layout): rows [16 * tiles, k] in the
-// packed column order; the dense AMX GEMM's plain panels ([k / 2][32][2] bf16, two tiles a
-// panel); or its silu_mul panels ([k / 2][64][2]: 32 gate columns, then the same 32 up ones, from
-// four tiles of 8 gate and 8 up columns). What the dense bf16 copy holds, read from the packed
-// records at load instead of unpacking the file's blocks in numpy and dequantizing in torch.
-constexpr int kRowsLayout = 0, kPlainPanels = 1, kSiluPanels = 2;
-
+// Panel p: column tiles 2p and 2p + 1 in the dense AMX GEMM's plain layout ([k / 2][32][2] bf16),
+// what the GEMM below multiplies and what the dense copy holds.
 template <int kFmt>
-void dequantize_weight(const uint8_t* packed, int64_t tiles, int64_t k, int layout, uint16_t* w, int threads) {
+void dequantize_panel(const uint8_t* packed, int64_t tile_bytes, int64_t p, int64_t tiles, int64_t blocks,
+                      uint8_t* panel) {
+    for (int64_t g = 0; g < kGroups; ++g)
+        dequantize_tile<kFmt>(packed, tile_bytes, p * kGroups + g, tiles, blocks, panel + g * 64, kPanelRow);
+}
+
+// The whole weight in the dense AMX GEMM's packed layout (pagellm_dequant_q_bf16): plain panels,
+// or (silu_mul) its panels of [k / 2][64][2], 32 gate columns then the same 32 up ones, from four
+// tiles of 8 gate and 8 up columns. The dense bf16 copy, made from the packed records at load
+// instead of unpacking the file's blocks in numpy and dequantizing and packing in torch.
+template <int kFmt>
+void dequantize_weight(const uint8_t* packed, int64_t tiles, int64_t k, bool silu_mul, uint16_t* w, int threads) {
     const int64_t blocks = k / kBlock, tile_bytes = blocks * kRecordBytes[kFmt], kpairs = k / 2;
-    const int64_t per_panel = layout == kPlainPanels ? 2 : 4, width = 16 * per_panel;  // tiles, columns a panel
-    const int64_t slots = layout == kRowsLayout ? tiles : (tiles + per_panel - 1) / per_panel * per_panel;
-    auto* out = reinterpret_cast<uint32_t*>(w);  // one bf16 pair (k, k + 1) of a column
+    auto* out = reinterpret_cast<uint8_t*>(w);
+    if (!silu_mul) {
+        const int64_t panels = (tiles + kGroups - 1) / kGroups;
+#pragma omp parallel for schedule(dynamic) num_threads(threads)
+        for (int64_t p = 0; p < panels; ++p)
+            dequantize_panel<kFmt>(packed, tile_bytes, p, tiles, blocks, out + p * kpairs * kPanelRow);
+        return;
+    }
+    constexpr int64_t kPerPanel = 4, kRow = kPerPanel * 16 * 4;  // tiles a panel; bytes a k-pair row
+    const int64_t slots = (tiles + kPerPanel - 1) / kPerPanel * kPerPanel;  // past the last tile: zeros
 #pragma omp parallel num_threads(threads)
     {
         std::vector<uint32_t> buf(static_cast<size_t>(kpairs * kTileCols + 16));
         uint8_t* rows = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
-        const auto* pairs = reinterpret_cast<const uint32_t*>(rows);
 #pragma omp for schedule(dynamic)
-        for (int64_t t = 0; t < slots; ++t) {  // slots past the last tile: zero columns of the last panel
+        for (int64_t t = 0; t < slots; ++t) {
             dequantize_tile<kFmt>(packed, tile_bytes, t, tiles, blocks, rows, 64);
-            if (layout == kRowsLayout) {  // k-pair row p, column c -> w[16 t + c][2p .. 2p + 1]
-                for (int c = 0; c < kTileCols; ++c)
-                    for (int64_t p = 0; p < kpairs; ++p) out[(t * kTileCols + c) * kpairs + p] = pairs[p * kTileCols + c];
-                continue;
-            }
-            const int64_t slot = t % per_panel;
-            uint32_t* panel = out + t / per_panel * kpairs * width;
-            for (int64_t p = 0; p < kpairs; ++p) {
-                const uint32_t* src = pairs + p * kTileCols;
-                uint32_t* row = panel + p * width;
-                if (layout == kPlainPanels) {
-                    std::memcpy(row + slot * 16, src, 64);
-                } else {  // gate columns 8 slot .. 8 slot + 7, up columns 32 + the same
-                    std::memcpy(row + slot * 8, src, 32);
-                    std::memcpy(row + 32 + slot * 8, src + 8, 32);
-                }
+            const int64_t slot = t % kPerPanel;
+            uint8_t* panel = out + t / kPerPanel * kpairs * kRow;
+            for (int64_t p = 0; p < kpairs; ++p) {  // gate columns 8 slot .. 8 slot + 7, up columns 32 + the same
+                std::memcpy(panel + p * kRow + slot * 32, rows + p * 64, 32);
+                std::memcpy(panel + p * kRow + 128 + slot * 32, rows + p * 64 + 32, 32);
             }
         }
     }
@@ -246,8 +247,7 @@ void gemm(const uint16_t* a, int64_t lda, int64_t m, int64_t k, const uint8_t* p
             do {
                 const int64_t t0 = item.panel * kGroups;
                 if (held != item.panel) {
-                    for (int g = 0; g < kGroups; ++g)
-                        dequantize_tile<kFmt>(packed, tile_bytes, t0 + g, tiles, blocks, panel + g * 64, kPanelRow);
+                    dequantize_panel<kFmt>(packed, tile_bytes, item.panel, tiles, blocks, panel);
                     amx_memory_barrier();
                     held = item.panel;
                 }
