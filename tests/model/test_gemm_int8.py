@@ -272,6 +272,8 @@ def test_dequantized_packed_weight_is_the_dense_copy(amx_lib: KernelLibrary, fmt
     assert torch.equal(panels, pack_gemm_weight(dense, amx=True))  # the dense GEMM's panels, zero padding too
     fused = amx_lib.dequant_packed(qf.pack_silu_mul(weight), fmt, 20, k, silu_mul=True)  # from tiles of 8 + 8
     assert torch.equal(fused, pack_silu_mul_weight(dense[:20], dense[20:]))
+    with pytest.raises(ValueError, match="packed must be a contiguous uint8"):
+        amx_lib.dequant_packed(qf.pack(weight), fmt, 40, k, silu_mul=True)  # a plain weight's records
 
 
 def test_bf16_tiles_take_bf16_rows_of_whole_blocks(amx_lib: KernelLibrary) -> None:
