@@ -261,10 +261,23 @@ def _shards(specs: list[TensorSpec], itemsize: int) -> list[list[TensorSpec]]:
 
 
 def padded_default_tokenizer(vocab_size: int):
-    """The default model's tokenizer with ``<pad_N>`` tokens up to ``vocab_size``."""
+    """The default model's tokenizer with ``<pad_N>`` tokens up to ``vocab_size``: entries of its
+    BPE vocabulary (no merges reach them), as the GGUF writer pads its token list. Added tokens
+    instead would make each load deep-copy tens of thousands of them (seconds a start), which a
+    real checkpoint's tokenizer does not cost."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
     from pagellm.model.default_model import default_model_path
     from pagellm.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_path())
-    tokenizer.add_tokens([f"<pad_{i}>" for i in range(len(tokenizer), vocab_size)])
-    return tokenizer
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    if vocab_size < len(vocab):
+        raise ValueError(f"vocab_size {vocab_size} is below the default tokenizer's {len(vocab)} tokens")
+    vocab.update({f"<pad_{i}>": i for i in range(len(vocab), vocab_size)})
+    special = {name: getattr(tokenizer, name) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+                                   chat_template=tokenizer.chat_template,
+                                   **{name: token for name, token in special.items() if token is not None})

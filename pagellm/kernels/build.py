@@ -35,9 +35,9 @@ from pagellm.utils import owned_by_me, private_dir
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 22
+ABI_VERSION = 23
 _SOURCES = ("attention.cpp", "elementwise.cpp", "gemm_bf16.cpp", "gemm_avx2.cpp", "gemm_int8.cpp", "decoder_stack.cpp",
-            "shm_all_reduce.cpp", "memory_read.cpp", "gguf_rows.cpp")
+            "shm_all_reduce.cpp", "memory_read.cpp", "gguf_rows.cpp", "pack_panels.cpp")
 _HEADERS = (
     "amx_bf16_tiles.h", "attention_avx2.h", "attention_avx512.h", "attention_common.h", "avx2_simd.h", "bf16_simd.h",
     "cpu_common.h",
@@ -162,6 +162,7 @@ _SIGNATURES: dict[str, tuple[type, list[type]]] = {
     "pagellm_gemm_q_amx_available": (_I32, []),
     "pagellm_gemm_q": (_I32, [_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32, _I32, _I32, _I32, _I32]),
     "pagellm_dequant_q_bf16": (_I32, [_P, _I64, _I64, _I32, _I32, _P, _I32]),
+    "pagellm_pack_pairs": (_I32, [_P, _P, _I64, _I64, _I64, _P, _I32]),
     "pagellm_decoder_stack": (_I32, [_P]),
     "pagellm_read_sum": (_I32, [_P, _I64, _I32, _P]),
     "pagellm_pack_gguf": (_I32, [_I32, _P, _P, _I64, _I64, _P, _I32]),

@@ -457,6 +457,29 @@ class KernelLibrary:
             raise RuntimeError(f"pagellm_pack_gguf failed with code {rc}")
         return out
 
+    def pack_pairs(self, first: torch.Tensor, cols: int, second: torch.Tensor | None = None) -> torch.Tensor:
+        """bf16 ``[n, k]`` weights in the GEMMs' pair panels ``[P, k / 2, cols, 2]``, in C++, bit for
+        bit ``packing``'s torch layout: ``cols`` rows of ``first`` a panel, or with ``second``
+        (``silu_mul``: gate, up) ``cols / 2`` rows of each."""
+        for name, t in (("first", first), ("second", second if second is not None else first)):
+            if t.dim() != 2 or t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.shape[0] == 0 or t.shape[1] % 2:
+                raise ValueError(f"{name} must be a 2-D CPU bfloat16 tensor with rows and an even width")
+        if second is not None and (second.shape != first.shape or cols % 2):
+            raise ValueError("second must have first's shape, and cols must be even")
+        n, k = first.shape
+        width = cols // 2 if second is not None else cols
+        if width <= 0:
+            raise ValueError(f"cols must be positive, got {cols}")
+        first = first.contiguous()
+        second = second.contiguous() if second is not None else None
+        shape = (-(-n // width), k // 2, cols)
+        out = empty_weight((*shape, 4)).view(torch.bfloat16)  # huge pages: streamed faster
+        rc = self._lib.pagellm_pack_pairs(first.data_ptr(), None if second is None else second.data_ptr(), n, k, cols,
+                                          out.data_ptr(), torch.get_num_threads())  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"pagellm_pack_pairs failed with code {rc}")
+        return out
+
     def dequant_packed(self, packed: torch.Tensor, fmt: str, rows: int, k: int, silu_mul: bool = False) -> torch.Tensor:
         """A packed weight (``rows`` outputs) dequantized to bf16 (``dequantize()`` rounded: the
         dense copy's weight; AMX builds) straight into the dense AMX GEMM's packed panels:

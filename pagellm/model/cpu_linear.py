@@ -15,6 +15,7 @@ from torch import nn
 
 from pagellm import kernels
 from pagellm.kernels.library import KernelLibrary
+from pagellm.kernels.packing import AVX2_PANEL_COLS, SILU_MUL_HALF_COLS, gemm_epilogue
 from pagellm.kernels.plan import OWN_GEMM_PATHS, KernelPlan
 from pagellm.model.layers import SiluAndMul
 
@@ -103,14 +104,18 @@ class PackedSiluAndMulLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up_weight, self.up_bias, "mul")
 
 
-def _pack(weight: torch.Tensor, path: str) -> torch.Tensor:
-    return kernels.pack_avx2_weight(weight) if path == "avx2" else kernels.pack_gemm_weight(weight, path == "amx")
+def _pack(weight: torch.Tensor, path: str, lib: KernelLibrary) -> torch.Tensor:
+    if weight.dtype != torch.bfloat16:
+        return kernels.pack_avx2_weight(weight)
+    return lib.pack_pairs(weight, AVX2_PANEL_COLS if path == "avx2" else gemm_epilogue("none", path == "amx")[1])
 
 
-def _pack_silu_mul(gate: torch.Tensor, up: torch.Tensor, path: str) -> torch.Tensor:
-    if path == "avx2":
+def _pack_silu_mul(gate: torch.Tensor, up: torch.Tensor, path: str, lib: KernelLibrary) -> torch.Tensor:
+    if gate.dtype != torch.bfloat16:
         return kernels.pack_avx2_silu_mul_weight(gate, up)
-    return kernels.pack_silu_mul_weight(gate, up)
+    if up.shape != gate.shape:
+        raise ValueError("gate and up weights must have the same shape")
+    return lib.pack_pairs(gate, AVX2_PANEL_COLS if path == "avx2" else 2 * SILU_MUL_HALF_COLS, up)
 
 
 class _KernelGemmLinear(nn.Module):
@@ -171,7 +176,7 @@ class KernelLinear(_KernelGemmLinear):
     def __init__(self, linear: nn.Linear, lib: KernelLibrary, path: str = "avx512-bf16") -> None:
         weight = linear.weight.detach()
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        super().__init__(linear.in_features, linear.out_features, _pack(weight, path), bias, lib, path)
+        super().__init__(linear.in_features, linear.out_features, _pack(weight, path, lib), bias, lib, path)
 
 
 class KernelSiluAndMulLinear(_KernelGemmLinear):
@@ -182,7 +187,7 @@ class KernelSiluAndMulLinear(_KernelGemmLinear):
 
     def __init__(self, gate_up: nn.Linear, intermediate_size: int, lib: KernelLibrary, path: str = "avx512-bf16") -> None:
         weight = gate_up.weight.detach()
-        packed = _pack_silu_mul(weight[:intermediate_size], weight[intermediate_size:], path)
+        packed = _pack_silu_mul(weight[:intermediate_size], weight[intermediate_size:], path, lib)
         super().__init__(gate_up.in_features, intermediate_size, packed, None, lib, path)
 
 

@@ -56,18 +56,28 @@ def _cache_key(gguf: Path) -> str:
 _PLAIN_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
 
+def _folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    """A Hugging Face tokenizer folder's tokenizer. One of the plain class (``tokenizer.json``
+    alone: Llama 3's, and the GGUF cache's) loads through that class: ``AutoTokenizer`` would
+    first import ``transformers.models``, whose ``__init__`` scans ~570 model files (0.6-2 s)."""
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # absent or unreadable: AutoTokenizer decides, and names the problem
+        config = None
+    if isinstance(config, dict) and config.get("tokenizer_class") in _PLAIN_TOKENIZER_CLASSES:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(folder), local_files_only=True)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
 def _load_cached(folder: Path | None) -> PreTrainedTokenizerBase | None:
     if folder is None or not (folder / "tokenizer_config.json").is_file() or not owned_by_me(folder):
         return None
     try:
-        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-        if isinstance(config, dict) and config.get("tokenizer_class") in _PLAIN_TOKENIZER_CLASSES:
-            from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
-            return TokenizersBackend.from_pretrained(str(folder), local_files_only=True)
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        return _folder_tokenizer(folder)
     except Exception as exc:  # a damaged or foreign cache entry: rebuild from the GGUF file
         logger.warning("ignoring cached tokenizer in %s: %s", folder, exc)
         return None
@@ -135,9 +145,7 @@ def load_tokenizer(model: str | None, chat_template_path: str | None = None) -> 
         if not tokenizer.chat_template:
             tokenizer.chat_template = gguf_chat_template(path)
     else:
-        from transformers import AutoTokenizer  # slow import; only pay for it when it is needed
-
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = _folder_tokenizer(Path(path))
     if chat_template_path is not None:
         tokenizer.chat_template = read_chat_template(chat_template_path)
     return tokenizer

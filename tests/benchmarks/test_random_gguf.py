@@ -119,4 +119,7 @@ def test_safetensors_folder_holds_the_same_weights_in_shards(tmp_path, monkeypat
             assert torch.equal(f.get_tensor(spec.name), random_tensor(spec, seed=3).to(torch.bfloat16)), spec.name
     from transformers import AutoTokenizer
 
-    assert len(AutoTokenizer.from_pretrained(folder)) == shape["vocab_size"]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert len(tokenizer) == shape["vocab_size"]
+    # padded in the BPE vocabulary, not as added tokens (each load would deep-copy them)
+    assert len(tokenizer.added_tokens_decoder) < 100 and tokenizer.decode([shape["vocab_size"] - 1]).startswith("<pad_")

@@ -78,3 +78,26 @@ def test_cached_gguf_tokenizer_loads_as_auto_tokenizer_does(default_tokenizer) -
     code = "import sys; from pagellm.model import load_tokenizer; load_tokenizer(None); print('transformers.models' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_model_folder_tokenizer_of_the_plain_class_skips_the_model_scan(default_tokenizer, tmp_path) -> None:
+    """A Hugging Face folder whose tokenizer is the plain class (Llama 3's ``tokenizer.json``
+    alone) loads without importing ``transformers.models``, the tokenizer ``AutoTokenizer`` gives."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    default_tokenizer.save_pretrained(str(tmp_path))
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] in ("TokenizersBackend", "PreTrainedTokenizerFast")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    ours = load_tokenizer(str(tmp_path))
+    auto = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    assert ours.get_vocab() == auto.get_vocab() and ours.encode(TEXT) == auto.encode(TEXT)
+    assert ours.chat_template == auto.chat_template and ours.special_tokens_map == auto.special_tokens_map
+    code = (f"import sys; from pagellm.model import load_tokenizer; load_tokenizer({str(tmp_path)!r}); "
+            "print('transformers.models' in sys.modules)")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"

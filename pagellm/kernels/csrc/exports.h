@@ -15,6 +15,8 @@ int pagellm_gemm_q(const void* a, int64_t lda, int64_t m, int64_t k, const void*
                    int64_t ldc, int a_dtype, int w_format, int epilogue, int num_threads, int tiles);
 int pagellm_dequant_q_bf16(const void* packed, int64_t tiles, int64_t k, int w_format, int silu_mul, void* w,
                            int num_threads);
+int pagellm_pack_pairs(const void* first, const void* second, int64_t n, int64_t k, int64_t cols, void* dst,
+                       int num_threads);
 int pagellm_gemm_bf16(const void* a, int64_t lda, int64_t m, int64_t k, const void* packed, int64_t n, void* c,
                       int64_t ldc, int epilogue, int num_threads, int use_amx);
 int pagellm_gemm_avx2(const void* a, int64_t lda, int64_t m, int64_t k, const void* packed, int64_t n, void* c,
