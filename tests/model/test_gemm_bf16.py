@@ -83,9 +83,10 @@ def test_gemm_with_no_rows(amx):
     assert out.shape == (0, 8)
 
 
-@pytest.mark.parametrize("m,k,n", [(700, 576, 100), (300, 1536, 49)])
+@pytest.mark.parametrize("m,k,n", [(700, 576, 100), (300, 1536, 49), (150, 4160, 290)])
 def test_amx_takes_rows_in_chunks_and_agrees_with_dot_products(m, k, n):
-    """Enough rows for several of the AMX path's L2-sized chunks of A, the last one ragged."""
+    """Enough rows for several of the AMX path's L2-sized chunks of A, the last one ragged (at
+    k = 4160: k in two blocks, panels in groups, the last group ragged)."""
     if not GEMM_AMX:
         pytest.skip("no AMX here")
     x, w = _rand(m, k, seed=m), _rand(n, k, seed=k)

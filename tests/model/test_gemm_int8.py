@@ -240,11 +240,13 @@ def test_amx_tiles_are_refused_for_formats_they_do_not_take(fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("m,k,n", [(1, 64, 16), (15, 96, 40), (16, 576, 48), (33, 256, 33), (45, 1536, 160),
-                                   (70, 512, 8)])  # fmt: skip
+                                   (70, 512, 8), (140, 4352, 300)])  # fmt: skip
 def test_bf16_tiles_equal_the_dense_copy(amx_lib: KernelLibrary, fmt: str, m: int, k: int, n: int) -> None:
     """Every format dequantized to bf16 on AMX-BF16 tiles: bit for bit the dense GEMM on AMX
     tiles over ``QuantizedWeight.dequantize()`` rounded to bf16 (the dense copy's weight), for
-    row counts around the 16- and 32-row blocks, odd column tiles, plain and silu_mul."""
+    row counts around the 16- and 32-row blocks, odd column tiles, plain and silu_mul. At k =
+    4352 the dense GEMM splits k into blocks, C tiles stored between them (two chunks of rows,
+    the second ragged; a ragged group of panels): the same float32 sums as unsplit tiles."""
     g = torch.Generator().manual_seed(m * 5 + k + n)
     k = _width(fmt, k)
     x = torch.randn(m, k, generator=g).bfloat16()

@@ -40,13 +40,20 @@ inline void configure() {
 // where the hardware prefetchers stop.
 template <int NZ>
 inline void tile_block(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t ksteps, float* out,
-                       const char* pf, int64_t pf_lines) {
+                       const char* pf, int64_t pf_lines, bool resume = false) {
     static_assert(NZ >= 1 && NZ <= 4, "at most 4 C tiles");
     const int64_t a_stride = lda * 2, b_stride = int64_t{NZ} * kLine;
-    _tile_zero(0);
-    if constexpr (NZ > 1) _tile_zero(1);
-    if constexpr (NZ > 2) _tile_zero(2);
-    if constexpr (NZ > 3) _tile_zero(3);
+    if (resume) {  // the sums of the k-blocks before, as stored below: the same float32 sequence
+        _tile_loadd(0, out, kLine);
+        if constexpr (NZ > 1) _tile_loadd(1, out + 256, kLine);
+        if constexpr (NZ > 2) _tile_loadd(2, out + 512, kLine);
+        if constexpr (NZ > 3) _tile_loadd(3, out + 768, kLine);
+    } else {
+        _tile_zero(0);
+        if constexpr (NZ > 1) _tile_zero(1);
+        if constexpr (NZ > 2) _tile_zero(2);
+        if constexpr (NZ > 3) _tile_zero(3);
+    }
     const char* b = reinterpret_cast<const char*>(panel);
     const int64_t pf_step = (pf_lines + ksteps - 1) / ksteps;
     for (int64_t s = 0; s < ksteps; ++s, b += 16 * b_stride) {
@@ -79,17 +86,24 @@ inline void tile_block(const uint16_t* a, int64_t lda, const uint16_t* panel, in
 // out[j][r][0:16], r < 32.
 template <int NZ>
 inline void pair_block(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t ksteps, float* out,
-                       const char* pf, int64_t pf_lines) {
+                       const char* pf, int64_t pf_lines, bool resume = false) {
     static_assert(NZ == 2 || NZ == 4, "column groups go in pairs");
     constexpr int kPasses = NZ / 2;
     const int64_t a_stride = lda * 2, b_stride = NZ * kLine;
     const int64_t pf_step = (pf_lines + kPasses * ksteps - 1) / (kPasses * ksteps);
     for (int h = 0; h < kPasses; ++h) {
         const int j0 = h, j1 = h + kPasses;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        if (resume) {
+            _tile_loadd(0, out + j0 * 512, kLine);
+            _tile_loadd(2, out + j0 * 512 + 256, kLine);
+            _tile_loadd(1, out + j1 * 512, kLine);
+            _tile_loadd(3, out + j1 * 512 + 256, kLine);
+        } else {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+        }
         const char* b = reinterpret_cast<const char*>(panel) + j0 * kLine;
         for (int64_t s = 0; s < ksteps; ++s, b += 16 * b_stride) {
             for (int64_t i = 0; i < pf_step && pf_lines > 0; ++i, --pf_lines, pf += kLine) _mm_prefetch(pf, _MM_HINT_T1);
@@ -116,28 +130,45 @@ struct TailRows {
     int64_t first = -1;  // the row of A it was copied from
 };
 
+// Where a product's k is split into blocks (the dense GEMM's large k): the block's first k
+// (a multiple of kStep) and width, a float32 buffer holding every row block's C tiles between
+// blocks (16 * NZ * 16 floats for each 16 rows of m0 .. m1, in the tile stores' layout), and
+// whether blocks came before (their sums are loaded, not zeroed) and this is the last (whose
+// results go to `store`). Loading a stored C tile is exact, so the sums are the unsplit ones.
+struct KBlock {
+    int64_t k0 = 0, width = 0;
+    float* c = nullptr;
+    bool resume = false, last = true;
+};
+
 // Rows m0 .. m1 of A over one panel of NZ column groups (k / 32 steps): 32 rows at a time where
 // NZ is even, else 16, the last block padded (`tail`). Each block's float32 results go to
 // store(r0, rows, out, group_stride): row r of group j at out + j * group_stride + r * 16.
 // `next` (or null): the panel to prefetch meanwhile, its lines shared among the blocks.
+// `kb`: k-block `kb.k0 .. kb.k0 + kb.width` of the panel only (panel, next: the whole panels).
 template <int NZ, class Store>
 void panel_rows(const uint16_t* a, int64_t lda, int64_t m0, int64_t m1, int64_t k, const uint16_t* panel,
-                const char* next, TailRows& tail, Store&& store) {
+                const char* next, TailRows& tail, Store&& store, const KBlock& kb = KBlock{}) {
     constexpr bool kPairs = NZ % 2 == 0;
-    alignas(64) float out[NZ * 512];
-    const int64_t ksteps = k / kStep;
+    alignas(64) float local[NZ * 512];
+    const int64_t k0 = kb.width > 0 ? kb.k0 : 0, kc = kb.width > 0 ? kb.width : k;
+    const int64_t ksteps = kc / kStep;
+    panel += k0 / 2 * NZ * 32;
+    if (next != nullptr) next += k0 / 2 * NZ * 32 * 2;
     const int64_t blocks = (m1 - m0 + kRows - 1) / kRows;
-    const int64_t panel_lines = (k / 2) * NZ * 32 * 2 / kLine;
+    const int64_t panel_lines = (kc / 2) * NZ * 32 * 2 / kLine;
     const int64_t lines_per_block = (panel_lines + blocks - 1) / blocks;
     for (int64_t r0 = m0; r0 < m1;) {
+        float* out = kb.c != nullptr ? kb.c + (r0 - m0) / kRows * (NZ * 256) : local;
         // Block b of the chunk prefetches the b-th share of the next panel.
         const int64_t first = (r0 - m0) / kRows * lines_per_block;
         const char* pf = next != nullptr && first < panel_lines ? next + first * kLine : nullptr;
         if (kPairs && m1 - r0 >= 2 * kRows) {
             int64_t pf_lines = next == nullptr ? 0 : panel_lines - first;
             pf_lines = pf_lines < 2 * lines_per_block ? pf_lines : 2 * lines_per_block;
-            if constexpr (kPairs) pair_block<NZ>(a + r0 * lda, lda, panel, ksteps, out, pf, pf_lines > 0 ? pf_lines : 0);
-            store(r0, 2 * kRows, static_cast<const float*>(out), int64_t{512});
+            if constexpr (kPairs)
+                pair_block<NZ>(a + r0 * lda + k0, lda, panel, ksteps, out, pf, pf_lines > 0 ? pf_lines : 0, kb.resume);
+            if (kb.last) store(r0, 2 * kRows, static_cast<const float*>(out), int64_t{512});
             r0 += 2 * kRows;
             continue;
         }
@@ -156,8 +187,8 @@ void panel_rows(const uint16_t* a, int64_t lda, int64_t m0, int64_t m1, int64_t 
             rows_a = tail.rows.data();
             stride = k;
         }
-        tile_block<NZ>(rows_a, stride, panel, ksteps, out, pf, pf_lines > 0 ? pf_lines : 0);
-        store(r0, rows, static_cast<const float*>(out), int64_t{256});
+        tile_block<NZ>(rows_a + k0, stride, panel, ksteps, out, pf, pf_lines > 0 ? pf_lines : 0, kb.resume);
+        if (kb.last) store(r0, rows, static_cast<const float*>(out), int64_t{256});
         r0 += kRows;
     }
 }

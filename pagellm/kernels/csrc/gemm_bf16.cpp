@@ -163,6 +163,21 @@ void gemm(const uint16_t* a, int64_t lda, int64_t m, int64_t k, const uint16_t* 
 namespace amx {
 
 constexpr int64_t kChunkBytes = 384 << 10;  // rows of A kept in L2 while the panels pass
+// Products with a longer k (an MLP's down projection: k = the intermediate width) run k in blocks
+// of at most this, the panels in groups of kGroupPanels: a chunk of A's rows is sized by the
+// block, not by all of k, and each of its k-blocks passes the group's panels while it is in L2,
+// the C tiles kept in a buffer between blocks. Unsplit, k = 8192 left 16-row chunks (single
+// tiles, and the whole weight streamed again every 16 rows): 460-520 GFLOP/s, against 1,100-1,600
+// at k = 2048 (benchmarks/NOTES.md, 59).
+constexpr int64_t kMaxKBlock = 2048;
+constexpr int64_t kGroupPanels = 8;
+
+// The k-block width: k split evenly into blocks of at most kMaxKBlock, rounded up to kStep.
+inline int64_t k_block(int64_t k) {
+    const int64_t count = (k + kMaxKBlock - 1) / kMaxKBlock;
+    const int64_t width = (k + count - 1) / count;
+    return (width + amx_bf16::kStep - 1) / amx_bf16::kStep * amx_bf16::kStep;
+}
 
 template <class Epi>
 void gemm(const uint16_t* a, int64_t lda, int64_t m, int64_t k, const uint16_t* packed, int64_t n, uint16_t* c,
@@ -170,9 +185,12 @@ void gemm(const uint16_t* a, int64_t lda, int64_t m, int64_t k, const uint16_t* 
     constexpr int NZ = Epi::NZ;
     const int64_t panel_elems = (k / 2) * NZ * 32;
     const int64_t panels = (n + Epi::out_cols - 1) / Epi::out_cols;
-    int64_t chunk = kChunkBytes / (k * 2) / amx_bf16::kRows * amx_bf16::kRows;
+    const int64_t kc = k > kMaxKBlock ? k_block(k) : k;
+    const int64_t group = kc < k ? kGroupPanels : 1;
+    const int64_t groups = (panels + group - 1) / group;
+    int64_t chunk = kChunkBytes / (kc * 2) / amx_bf16::kRows * amx_bf16::kRows;
     if (chunk < amx_bf16::kRows) chunk = amx_bf16::kRows;
-    WorkRanges work(panels, (m + chunk - 1) / chunk, num_threads);
+    WorkRanges work(groups, (m + chunk - 1) / chunk, num_threads);
 #pragma omp parallel num_threads(num_threads)
     {
         const int t = omp_get_thread_num();
@@ -180,23 +198,42 @@ void gemm(const uint16_t* a, int64_t lda, int64_t m, int64_t k, const uint16_t* 
         if (work.next(t, item)) {
             amx_bf16::configure();
             amx_bf16::TailRows tail;
+            // C tiles of each panel of a group between k-blocks (a 16-row slot: NZ tiles).
+            const int64_t slots = (chunk + amx_bf16::kRows - 1) / amx_bf16::kRows;
+            std::vector<float> sums(kc < k ? group * slots * NZ * 256 : 0);
             do {
                 const int64_t m0 = item.chunk * chunk;
                 const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
-                const int64_t p = item.panel;
-                const uint16_t* panel = packed + p * panel_elems;
-                const int64_t cols = n - p * Epi::out_cols;
-                const char* next = item.next_is_own ? reinterpret_cast<const char*>(panel + panel_elems) : nullptr;
-                amx_bf16::panel_rows<NZ>(a, lda, m0, m1, k, panel, next, tail,
-                                         [&](int64_t r0, int64_t rows, const float* out, int64_t group_stride) {
-                                             for (int64_t r = 0; r < rows; ++r) {
-                                                 __m512 acc[1][NZ];
-                                                 for (int j = 0; j < NZ; ++j)
-                                                     acc[0][j] = _mm512_load_ps(out + j * group_stride + r * 16);
-                                                 Epi::template store<1>(acc, c + (r0 + r) * ldc + p * Epi::out_cols,
-                                                                        ldc, cols);
-                                             }
-                                         });
+                const int64_t p0 = item.panel * group;
+                const int64_t p1 = p0 + group < panels ? p0 + group : panels;
+                for (int64_t k0 = 0; k0 < k; k0 += kc) {
+                    amx_bf16::KBlock kb;
+                    if (kc < k) kb = {k0, k - k0 < kc ? k - k0 : kc, nullptr, k0 > 0, k0 + kc >= k};
+                    for (int64_t p = p0; p < p1; ++p) {
+                        const uint16_t* panel = packed + p * panel_elems;
+                        const int64_t cols = n - p * Epi::out_cols;
+                        // Prefetched meanwhile: the group's next panel, else its first at the next block.
+                        const char* next = nullptr;
+                        if (p + 1 < p1)
+                            next = reinterpret_cast<const char*>(panel + panel_elems);
+                        else if (kb.width > 0 && !kb.last)
+                            next = reinterpret_cast<const char*>(packed + p0 * panel_elems) + kc * NZ * 32;
+                        else if (kb.width == 0 && item.next_is_own)
+                            next = reinterpret_cast<const char*>(panel + panel_elems);
+                        if (kb.width > 0) kb.c = sums.data() + (p - p0) * slots * NZ * 256;
+                        amx_bf16::panel_rows<NZ>(
+                            a, lda, m0, m1, k, panel, next, tail,
+                            [&](int64_t r0, int64_t rows, const float* out, int64_t group_stride) {
+                                for (int64_t r = 0; r < rows; ++r) {
+                                    __m512 acc[1][NZ];
+                                    for (int j = 0; j < NZ; ++j)
+                                        acc[0][j] = _mm512_loadu_ps(out + j * group_stride + r * 16);
+                                    Epi::template store<1>(acc, c + (r0 + r) * ldc + p * Epi::out_cols, ldc, cols);
+                                }
+                            },
+                            kb);
+                    }
+                }
             } while (work.next(t, item));
             _tile_release();
         }
