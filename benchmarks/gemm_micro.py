@@ -5,7 +5,10 @@ not stay in cache) are run back to back: pagellm's GEMM (AMX tiles where availab
 AVX-512 BF16 dot products), oneDNN with the weight packed once (``PackedLinear``,
 ``PackedSiluAndMulLinear``) and plain ``F.linear``. Prints ms per 30 layers and GFLOP/s.
 
-    python benchmarks/gemm_micro.py [--rows 1,16,64,128,2048] [--threads N]
+    python benchmarks/gemm_micro.py [--rows 1,16,64,128,2048] [--threads N] [--shape llama-1b --layers 8]
+
+``--shape llama-1b`` times a Llama-3.2-1B layer's linears instead (k up to 8192: the down
+projection), ``--layers`` how many distinct weights each shape cycles through.
 """
 
 from __future__ import annotations
@@ -36,7 +39,10 @@ GEMM_BF16 = KERNELS is not None and KERNELS.gemm_bf16_available
 GEMM_AMX = KERNELS is not None and KERNELS.gemm_amx_available
 
 LAYERS = 30
-SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
+SHAPES = {
+    "smollm2": {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)},
+    "llama-1b": {"qkv": (2048, 3072), "o": (2048, 2048), "gate_up": (2048, 16384), "down": (8192, 2048)},
+}
 
 
 def _time(fns: list[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor, reps: int) -> float:
@@ -53,6 +59,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default="1,16,64,128,2048", help="comma-separated M values")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2", help="whose linear shapes")
+    parser.add_argument("--layers", type=int, default=LAYERS, help="distinct weights per shape")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -63,8 +71,8 @@ def main() -> None:
     print(f"threads {torch.get_num_threads()}, pagellm GEMM path: {path} (PAGELLM_ISA picks a lower one)")
     torch.manual_seed(0)
     with torch.inference_mode():
-        for name, (k, n) in SHAPES.items():
-            linears = [nn.Linear(k, n, bias=False).to(torch.bfloat16) for _ in range(LAYERS)]
+        for name, (k, n) in SHAPES[args.shape].items():
+            linears = [nn.Linear(k, n, bias=False).to(torch.bfloat16) for _ in range(args.layers)]
             systems: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {}
             if name == "gate_up":
                 systems["pagellm"] = [KernelSiluAndMulLinear(lin, n // 2, KERNELS, path) for lin in linears]
@@ -78,7 +86,7 @@ def main() -> None:
             for m in [int(v) for v in args.rows.split(",")]:
                 x = torch.randn(m, k).to(torch.bfloat16)
                 reps = max(1, 200 // max(m, 8))
-                flop = 2 * m * k * n * LAYERS
+                flop = 2 * m * k * n * args.layers
                 cells = []
                 for system, fns in systems.items():
                     seconds = _time(fns, x, reps)
