@@ -173,12 +173,17 @@ def load_arch_config(model: str | None) -> ModelArchConfig:
 
 def _iter_safetensors(files: list[Path], keep: Callable[[str], bool] = lambda name: True) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream ``(name, tensor)`` from each shard without loading a whole shard at once (only
-    the tensors ``keep`` names: a pipeline stage never reads another stage's)."""
+    the tensors ``keep`` names: a pipeline stage never reads another stage's). The shard is
+    opened again for each tensor: an open shard's mapping keeps every page read through it in
+    this process's memory (a whole shard, up to 5 GB, by its last tensor); a 1B bf16 model's
+    peak RSS at start-up went 4.48 -> 4.13 GB (benchmarks/NOTES.md, 59)."""
     for file in files:
         with safe_open(str(file), framework="pt") as shard:
-            for name in shard.keys():
-                if keep(name):
-                    yield name, shard.get_tensor(name)
+            names = [name for name in shard.keys() if keep(name)]
+        for name in names:
+            with safe_open(str(file), framework="pt") as shard:
+                tensor = shard.get_tensor(name)
+            yield name, tensor
 
 
 @contextlib.contextmanager
