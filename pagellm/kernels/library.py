@@ -461,15 +461,15 @@ class KernelLibrary:
         """bf16 ``[n, k]`` weights in the GEMMs' pair panels ``[P, k / 2, cols, 2]``, in C++, bit for
         bit ``packing``'s torch layout: ``cols`` rows of ``first`` a panel, or with ``second``
         (``silu_mul``: gate, up) ``cols / 2`` rows of each."""
-        for name, t in (("first", first), ("second", second if second is not None else first)):
-            if t.dim() != 2 or t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.shape[0] == 0 or t.shape[1] % 2:
-                raise ValueError(f"{name} must be a 2-D CPU bfloat16 tensor with rows and an even width")
-        if second is not None and (second.shape != first.shape or cols % 2):
-            raise ValueError("second must have first's shape, and cols must be even")
-        n, k = first.shape
+        bf16_rows = first.dim() == 2 and first.dtype == torch.bfloat16 and first.device.type == "cpu"
+        if not bf16_rows or first.shape[0] == 0 or first.shape[1] % 2:
+            raise ValueError("first must be a 2-D CPU bfloat16 tensor with rows and an even width")
+        if second is not None and (second.shape != first.shape or second.dtype != first.dtype or second.device != first.device):
+            raise ValueError("second must be a tensor of first's shape, dtype and device")
         width = cols // 2 if second is not None else cols
-        if width <= 0:
-            raise ValueError(f"cols must be positive, got {cols}")
+        if width <= 0 or (second is not None and cols % 2):
+            raise ValueError(f"cols must be positive (and even with second), got {cols}")
+        n, k = first.shape
         first = first.contiguous()
         second = second.contiguous() if second is not None else None
         shape = (-(-n // width), k // 2, cols)
@@ -489,7 +489,7 @@ class KernelLibrary:
             raise ValueError(f"packed must be a contiguous uint8 {list(expected)} tensor, got {list(packed.shape)}")
         width = 2 * SILU_MUL_HALF_COLS if silu_mul else GEMM_AMX_PANEL_COLS
         tiles = packed.shape[0]
-        out = torch.empty(-(-tiles * TILE_COLS // width), k // 2, width, 2, dtype=torch.bfloat16)
+        out = empty_weight((-(-tiles * TILE_COLS // width), k // 2, width, 4)).view(torch.bfloat16)  # as pack_pairs
         rc = self._lib.pagellm_dequant_q_bf16(packed.data_ptr(), tiles, k, FORMAT_CODES[fmt], int(silu_mul),
                                               out.data_ptr(), torch.get_num_threads())  # fmt: skip
         if rc != 0:

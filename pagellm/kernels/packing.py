@@ -1,4 +1,6 @@
-"""Weight layouts of the GEMM kernels: linear weights packed once, in torch, at model load.
+"""Weight layouts of the GEMM kernels, and their packing in torch: what float32 weights take at
+model load, and the reference the C++ packing of bf16 weights (``KernelLibrary.pack_pairs``,
+used at load) is tested against bit for bit.
 
 The AVX-512 BF16 / AMX GEMM (``csrc/gemm_bf16.cpp``) takes bf16 panels of [K / 2][cols][2];
 the AVX2 GEMM (``csrc/gemm_avx2.cpp``) 16-column panels of float32 [K][16] or bf16

@@ -113,8 +113,6 @@ def _pack(weight: torch.Tensor, path: str, lib: KernelLibrary) -> torch.Tensor:
 def _pack_silu_mul(gate: torch.Tensor, up: torch.Tensor, path: str, lib: KernelLibrary) -> torch.Tensor:
     if gate.dtype != torch.bfloat16:
         return kernels.pack_avx2_silu_mul_weight(gate, up)
-    if up.shape != gate.shape:
-        raise ValueError("gate and up weights must have the same shape")
     return lib.pack_pairs(gate, AVX2_PANEL_COLS if path == "avx2" else 2 * SILU_MUL_HALF_COLS, up)
 
 
