@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from pagellm.speculative_config import SpeculativeConfig
 from pagellm.utils import is_real, parse_memory_size
 
 _DTYPES = {
@@ -270,6 +271,7 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig.from_env)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
 
 def split_threads(config: EngineConfig, parts: int) -> EngineConfig:

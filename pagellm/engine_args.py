@@ -32,6 +32,7 @@ from pagellm.config import (
     SchedulerConfig,
 )
 from pagellm.model.default_model import DEFAULT_MODEL_NAME
+from pagellm.speculative_config import SpeculativeConfig
 
 # CLI argument groups, in the order the help shows them.
 ENGINE, KERNELS, LIMITS = "engine", "CPU kernels (the kernel plan; the start-up log and /version show it)", "request limits"
@@ -71,6 +72,9 @@ class EngineArgs:
         "K/V storage: auto (the model's dtype), fp8 (= fp8_e4m3: half the memory of bf16, rounded) or int8 "
         "(per-token-per-head scales: about half of bf16's memory, plus 4 bytes a head)",
         choices=KV_CACHE_DTYPE_CHOICES))
+    speculative_config: str | dict[str, Any] | None = field(default=None, metadata=_option(
+        'speculative decoding, a JSON object with vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+        '"prompt_lookup_max": 4}\' (docs/speculative-decoding.md); default: none'))
     max_num_seqs: int = field(default=128, metadata=_option("most sequences in one step", kind=int))
     max_num_batched_tokens: int = field(default=2048, metadata=_option("most tokens computed in one step", kind=int))
     max_model_len: int | None = field(default=None, metadata=_option("context limit (default: the model's)", kind=int))
@@ -142,6 +146,7 @@ class EngineArgs:
                                 grammar_compile_timeout_s=self.grammar_compile_timeout,
                                 max_grammar_chars=self.max_grammar_chars),
             kernels=KernelConfig.from_env(isa=self.cpu_isa, cpu_kernels=self.cpu_kernels, gemm=self.gemm),
+            speculative=SpeculativeConfig.parse(self.speculative_config),
         )  # fmt: skip
 
     @classmethod

@@ -59,6 +59,10 @@ class ScheduledSequence:
     block_table_start: int = 0
     new_block_ids: list[int] = field(default_factory=list)
     forks: list[SampleFork] = field(default_factory=list)
+    # Speculative decoding: tokens proposed to follow the sequence's known ones, computed after
+    # them in this step (the last ``len(draft_token_ids)`` of its ``num_tokens`` query tokens)
+    # and verified against the target's own sampling; never kept by the worker.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -119,3 +123,6 @@ class ModelRunnerOutput:
     # Sequences whose own part of the step failed (e.g. their generator): id -> what went wrong.
     failed: dict[str, str] = field(default_factory=dict)
     route: str = ""  # what the step's forward ran (StepRoute.describe()); "" where it ran none
+    # Sequences that verified drafts: how many of them were accepted; ``sampled`` is then the
+    # token after the accepted drafts (the target's correction, or its next token after all).
+    num_accepted: dict[str, int] = field(default_factory=dict)

@@ -57,14 +57,14 @@ def _scheduled_fields(r: ScheduledSequence) -> list[Any]:
     """A list, not an object: a decode step sends one of these per sequence."""
     forks = [[f.seq_id, _params_fields(f.sampling_params)] for f in r.forks]
     return [r.seq_id, r.start_position, r.num_tokens, r.sample, r.new_token_ids, r.block_table_start,
-            r.new_block_ids, forks]  # fmt: skip
+            r.new_block_ids, forks, r.draft_token_ids]  # fmt: skip
 
 
 def _scheduled(data: list[Any]) -> ScheduledSequence:
-    seq_id, start, num_tokens, sample, new_tokens, table_start, new_blocks, forks = data
+    seq_id, start, num_tokens, sample, new_tokens, table_start, new_blocks, forks, drafts = data
     return ScheduledSequence(
         str(seq_id), _int(start), _int(num_tokens), _bool(sample), _ints(new_tokens), _int(table_start),
-        _ints(new_blocks), [SampleFork(str(i), _params(p)) for i, p in forks],
+        _ints(new_blocks), [SampleFork(str(i), _params(p)) for i, p in forks], _ints(drafts),
     )  # fmt: skip
 
 
@@ -149,7 +149,8 @@ def encode_output(output: ModelRunnerOutput | None, error: str | None = None) ->
     message: dict[str, Any] = {"error": error}
     if output is not None:
         message["output"] = {
-            "sampled": output.sampled, "logprobs": output.logprobs, "failed": output.failed, "route": output.route,
+            "sampled": output.sampled, "num_accepted": output.num_accepted, "logprobs": output.logprobs,
+            "failed": output.failed, "route": output.route,
             "prompt_logprobs": {k: [v.start, v.rows] for k, v in output.prompt_logprobs.items()},
         }  # fmt: skip
     return json.dumps(message, separators=(",", ":")).encode()
@@ -169,6 +170,7 @@ def decode_output(data: bytes) -> tuple[ModelRunnerOutput | None, str | None]:
         o = message["output"]
         output = ModelRunnerOutput(
             sampled={str(k): int(v) for k, v in o["sampled"].items()},
+            num_accepted={str(k): int(v) for k, v in o["num_accepted"].items()},
             logprobs={str(k): _rows(v) for k, v in o["logprobs"].items()},
             prompt_logprobs={str(k): PromptLogprobs(int(s), [_rows(r) for r in rows])
                              for k, (s, rows) in o["prompt_logprobs"].items()},  # fmt: skip

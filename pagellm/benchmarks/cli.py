@@ -55,7 +55,8 @@ def _add_workload_args(parser: argparse.ArgumentParser, default: str) -> None:
 _THROUGHPUT_ENGINE = ("model", "dtype", "quantization", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
                       "block_size", "kv_cache_dtype", "enable_prefix_caching", "num_threads", "attention_backend",
                       "tensor_parallel_size", "pipeline_parallel_size", "cpu_bind")
-_LATENCY_ENGINE = ("model", "dtype", "quantization", "num_threads", "kv_cache_dtype", "attention_backend")
+_LATENCY_ENGINE = ("model", "dtype", "quantization", "num_threads", "kv_cache_dtype", "attention_backend",
+                   "speculative_config")
 
 
 def _add_engine_args(parser: argparse.ArgumentParser, names: tuple[str, ...] = _THROUGHPUT_ENGINE) -> None:
@@ -103,6 +104,9 @@ def _fill_bench_parser(bench: argparse.ArgumentParser) -> None:
     lat.add_argument("--output-len", type=int, default=256, help="greedy tokens generated (256)")
     lat.add_argument("--repeats", type=int, default=3, help="requests timed, one after another (median reported)")
     lat.add_argument("--seed", type=int, default=0)
+    lat.add_argument("--workload", choices=["random", "copy", "chat"], default="random",
+                     help="random prompt tokens (--input-len); copy: a code passage asked back with one name "
+                          "changed (what --speculative-config's n-gram lookup is for); chat: open questions")
     lat_cmp = lat.add_argument_group("comparison")
     lat_cmp.add_argument("--compare", action="append", default=[], choices=["llamacpp", "ik_llama"],
                          help="also run llama.cpp's or ik_llama.cpp's llama-bench on the same GGUF, same threads "
@@ -196,7 +200,7 @@ def bench_main(args: argparse.Namespace) -> int:
                                                          ("ik_llama", args.ik_llama_bench)) if path},
             peer_args={name: shlex.split(text) for name, text in (("llamacpp", args.llama_bench_args),
                                                                   ("ik_llama", args.ik_llama_bench_args)) if text is not None},
-            floor=not args.no_floor,
+            floor=not args.no_floor, workload=args.workload,
         ))
         _emit(report, format_report(report), args.output_json)
         return 0

@@ -1,7 +1,11 @@
 """``pagellm bench latency``: one user at a time (batch 1), prefill and decode tokens per second.
 
 One request of ``input_len`` random prompt tokens generates ``output_len`` greedy tokens (EOS
-ignored), ``repeats`` times, each with a fresh prompt (no prefix-cache hits). Prefill tok/s is
+ignored), ``repeats`` times, each with a fresh prompt (no prefix-cache hits). The ``copy``
+workload instead asks for a code passage back with one name changed (``text_workloads.py``: the
+prompt's own length), where speculative decoding (``--speculative-config``) finds most of the
+answer in the prompt, and ``chat`` asks open questions, with little to copy; the report then has
+the drafts' acceptance. Prefill tok/s is
 ``input_len`` over the time to the first token; decode tok/s is the other ``output_len - 1``
 tokens over the time after it. The engine is stepped directly, so the figures include the
 scheduler, the output processing and detokenization, as a user of ``LLM`` sees them; the kernel
@@ -34,10 +38,12 @@ from pagellm.benchmarks._common import (
     peak_rss_mib,
     routes_since,
 )
+from pagellm.benchmarks.text_workloads import TEXT_WORKLOADS
 from pagellm.benchmarks.floor import DecodeFloor, measure_floor
 from pagellm.benchmarks.workloads import fixed_workload
 
 COMPARE_CHOICES = tuple(llama_bench.PEERS)
+LATENCY_WORKLOADS = ("random", *TEXT_WORKLOADS)
 
 
 @dataclass
@@ -51,9 +57,12 @@ class LatencyConfig:
     peer_binaries: dict[str, str] = field(default_factory=dict)  # peer -> its llama-bench executable
     peer_args: dict[str, list[str]] = field(default_factory=dict)  # peer -> extra arguments (else its defaults)
     floor: bool = True  # measure the read bandwidth and the bytes per token (a few seconds)
+    workload: str = "random"  # LATENCY_WORKLOADS
 
     def __post_init__(self) -> None:
         self.engine = bench_engine_options(self.engine)
+        if self.workload not in LATENCY_WORKLOADS:
+            raise ValueError(f"unknown latency workload {self.workload!r}; choose from {list(LATENCY_WORKLOADS)}")
         if self.input_len < 1 or self.output_len < 2 or self.repeats < 1:
             raise ValueError("latency needs input_len >= 1, output_len >= 2 and repeats >= 1")
         unknown = sorted(set(self.compare) - set(COMPARE_CHOICES))
@@ -104,27 +113,55 @@ def run_latency(cfg: LatencyConfig) -> dict[str, Any]:
     peers = _peers(cfg)
     llm = LLM(**(cfg.engine | dict(max_num_seqs=1, enable_prefix_caching=False)))
     engine = llm.llm_engine
-    vocab_size, special = model_token_facts(cfg.model)
-    prompts = fixed_workload(vocab_size, cfg.repeats + 1, cfg.input_len, cfg.output_len, cfg.seed, special)
-    _time_one(engine, "warmup", prompts.requests[0].prompt_token_ids[:16], 4)
+    prompts = _prompts(cfg, llm)
+    _time_one(engine, "warmup", prompts[0][:16], 4)
     routes_before = dict(engine.stats.step_routes)
+    spec_before = _speculation(engine)
     runs: list[dict[str, float]] = []
     peer_runs: dict[str, list[dict[str, Any]]] = {name: [] for name in peers}
-    for i, r in enumerate(prompts.requests[1:]):
-        runs.append(_time_one(engine, f"latency-{i}", r.prompt_token_ids, cfg.output_len))
+    for i, prompt in enumerate(prompts[1:]):
+        runs.append(_time_one(engine, f"latency-{i}", prompt, cfg.output_len))
         for name, (binary, path, extra) in peers.items():  # the idle engine only holds memory
-            command = llama_bench.bench_command(binary, path, cfg.input_len, cfg.output_len, _pagellm_threads(cfg), 1, extra)
+            command = llama_bench.bench_command(binary, path, len(prompt), cfg.output_len, _pagellm_threads(cfg), 1, extra)
             peer_runs[name].append(dict(llama_bench.run_llama_bench(command), extra_args=list(extra)))
     medians = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
     report = dict(config=flat_config(cfg), machine=machine_info(), kernel_plan=engine.kernel_plan_info, runs=runs,
-                  median=medians, peak_rss_mib=peak_rss_mib(),
+                  median=medians, peak_rss_mib=peak_rss_mib(), prompt_tokens=[len(p) for p in prompts[1:]],
                   step_routes=routes_since(routes_before, engine.stats.step_routes))  # fmt: skip
+    if spec_before is not None:
+        report["speculation"] = _acceptance(spec_before, _speculation(engine))
     if peer_runs:
         report["peers"] = {name: llama_bench.combine_runs(found) for name, found in peer_runs.items()}
         report["pagellm_over"] = {name: llama_bench.ratios(medians, peer) for name, peer in report["peers"].items()}
     if cfg.floor:
         report["floor"] = floor_report(_floor(cfg, engine), report)
     return report
+
+
+def _prompts(cfg: LatencyConfig, llm: Any) -> list[list[int]]:
+    """The warm-up prompt, then one per repeat."""
+    if cfg.workload in TEXT_WORKLOADS:
+        return TEXT_WORKLOADS[cfg.workload](llm.get_tokenizer(), cfg.repeats + 1)
+    vocab_size, special = model_token_facts(cfg.model)
+    workload = fixed_workload(vocab_size, cfg.repeats + 1, cfg.input_len, cfg.output_len, cfg.seed, special)
+    return [r.prompt_token_ids for r in workload.requests]
+
+
+def _speculation(engine: Any) -> tuple[int, int, int] | None:
+    """(verifying steps, draft tokens, accepted ones) so far, or None without speculation."""
+    stats = engine.stats
+    if engine.config.speculative is None:
+        return None
+    return stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens
+
+
+def _acceptance(before: tuple[int, int, int], after: tuple[int, int, int] | None) -> dict[str, float]:
+    """The timed runs' drafts: how many, the share accepted, tokens a verifying step produced."""
+    assert after is not None
+    steps, drafted, accepted = (a - b for a, b in zip(after, before))
+    return dict(verifying_steps=steps, draft_tokens=drafted, accepted_tokens=accepted,
+                acceptance_rate=accepted / drafted if drafted else 0.0,
+                mean_accepted_length=1 + accepted / steps if steps else 0.0)  # fmt: skip
 
 
 def _peers(cfg: LatencyConfig) -> dict[str, tuple[str, str, tuple[str, ...]]]:
@@ -209,9 +246,15 @@ def format_report(report: dict[str, Any]) -> str:
     columns = [("run", "run", "s"), ("ttft_s", "TTFT s", ".3f"), ("prefill_tokens_per_s", "prefill tok/s", ".1f"),
                ("decode_tokens_per_s", "decode tok/s", ".1f"), ("decode_s", "decode s", ".2f")]
     plan = " ".join(f"{k}={v}" for k, v in report["kernel_plan"].items())
-    parts = [f"batch 1: prompt {cfg['input_len']}, {cfg['output_len']} greedy tokens, {cfg['dtype']}\n"
+    lengths = report.get("prompt_tokens") or [cfg["input_len"]]
+    prompt = f"{cfg.get('workload', 'random')} prompts of {min(lengths)}-{max(lengths)} tokens"
+    parts = [f"batch 1: {prompt}, {cfg['output_len']} greedy tokens, {cfg['dtype']}\n"
              f"kernel plan: {plan}\nstep routes: {format_routes(report.get('step_routes', {}))}\n"
              + format_table(rows, columns)]
+    if "speculation" in report:
+        spec = report["speculation"]
+        parts.append(f"speculation: {spec['draft_tokens']} draft tokens in {spec['verifying_steps']} verifying steps, "
+                     f"{spec['acceptance_rate']:.0%} accepted, {spec['mean_accepted_length']:.2f} tokens a verifying step")
     if "peers" in report:
         parts.append(format_peers(report))
     if "floor" in report:

@@ -238,6 +238,18 @@ class KVCacheManager:
         child.block_hashes = parent.block_hashes[: parent.num_computed_tokens // self.block_size]
         self.stats.forks += 1
 
+    def trim(self, seq: Sequence) -> None:
+        """Release the blocks past those its known tokens need (slots taken for speculative
+        drafts that were rejected), last block first. Never cached: a block is keyed only when
+        its tokens are all known."""
+        table = self.tables.get(seq.seq_id)
+        if table is None:
+            return
+        keep = max(cdiv(seq.num_tokens, self.block_size), table.num_released)
+        if len(table.blocks) > keep:
+            self.block_pool.free_blocks(reversed(table.blocks[keep:]))
+            del table.blocks[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Drop all of a request's blocks, last block first so tails are reused first."""
         table = self.tables.pop(seq.seq_id, _EMPTY)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.sequence import Sequence, SequenceStatus
+from pagellm.core.speculation import Speculator
 from pagellm.step import ForkedSequence, ModelRunnerOutput, NewSequence, SampleFork, ScheduledSequence, SchedulerOutput
 
 
@@ -35,8 +36,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        speculator: Speculator | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        self.speculator = speculator  # None: no speculative decoding
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -69,6 +72,8 @@ class Scheduler:
         """The sequences ended since the last call, whatever ended them (the engine drops what it
         keeps of them elsewhere, in one place)."""
         ended, self._ended = self._ended, []
+        if self.speculator is not None:
+            self.speculator.remove(ended)
         return ended
 
     def has_unfinished_sequences(self) -> bool:
@@ -134,6 +139,7 @@ class Scheduler:
         scheduled: list[ScheduledSequence] = []
         num_preemptions_before = self.stats.num_preemptions
 
+        speculator = self.speculator if self.speculator is not None and self.speculator.active(len(self.running)) else None
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled) < seq_budget:
             seq = self.running[i]
@@ -141,9 +147,11 @@ class Scheduler:
             if num_new <= 0 or seq.seq_id in in_flight:
                 i += 1
                 continue
+            drafts = speculator.drafts(seq, budget, self.max_model_len) if speculator is not None else []
+            num_new += len(drafts)
             if not self._allocate_or_preempt(seq, num_new, in_flight):
                 break  # the request itself was preempted: nothing younger is left to run
-            scheduled.append(self._scheduled(seq, num_new))
+            scheduled.append(self._scheduled(seq, num_new, drafts))
             budget -= num_new
             i += 1
         # Admitting new work right after preempting would only preempt again.
@@ -225,12 +233,13 @@ class Scheduler:
         self.stats.num_preemptions += 1
         _insert_by_arrival(self.waiting, seq)
 
-    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+    def _scheduled(self, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> ScheduledSequence:
         """The step's diff for ``seq``: a sequence the worker does not know goes whole into
         ``new_sequences``; otherwise only its unsent tokens and the changed end of its block
-        table (from the block this step writes into: a copy-on-write may replace it)."""
+        table (from the block this step writes into: a copy-on-write may replace it).
+        ``drafts``: speculative tokens computed after its known ones (the last of ``num_new``)."""
         start = seq.num_computed_tokens
-        sample = start + num_new == seq.num_tokens
+        sample = start + num_new - len(drafts or ()) == seq.num_tokens
         new_tokens: list[int] = []
         if seq.num_tokens_sent == 0:
             self._new_sequences.append(NewSequence(seq.seq_id, list(seq.all_token_ids),
@@ -246,7 +255,8 @@ class Scheduler:
             for child in seq.pending_forks:
                 child.num_tokens_sent, child.num_blocks_sent = seq.num_tokens_sent, seq.num_blocks_sent
                 forks.append(SampleFork(child.seq_id, child.sampling_params))
-        return ScheduledSequence(seq.seq_id, start, num_new, sample, new_tokens, table_start, new_blocks, forks)
+        return ScheduledSequence(seq.seq_id, start, num_new, sample, new_tokens, table_start, new_blocks, forks,
+                                 list(drafts or ()))  # fmt: skip
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -259,18 +269,32 @@ class Scheduler:
             if seq is None or seq.status != SequenceStatus.RUNNING:
                 continue  # aborted or preempted after scheduling
             start = seq.num_computed_tokens
-            seq.num_computed_tokens += item.num_tokens
+            token_id = runner_output.sampled.get(item.seq_id)
+            drafts = item.draft_token_ids
+            # Drafts past the accepted ones hold no token of the sequence: not computed.
+            accepted = min(runner_output.num_accepted.get(item.seq_id, 0), len(drafts)) if token_id is not None else 0
+            seq.num_computed_tokens += item.num_tokens - (len(drafts) - accepted)
             prompt_len = seq.num_prompt_tokens
             self.stats.num_prompt_tokens_computed += min(seq.num_computed_tokens, prompt_len) - min(
                 start, prompt_len
             )
-            token_id = runner_output.sampled.get(item.seq_id)
+            if drafts and self.speculator is not None and token_id is not None:
+                self.speculator.record(seq.seq_id, len(drafts), accepted)
             if token_id is None or seq.tokens_chosen_outside:  # no sample this step, or its owner picks
                 continue
             children = self._fork_children(seq) if item.forks else []
             for target in [seq, *children]:
-                self._append_token(target, runner_output.sampled[target.seq_id], updated, finished)
+                tokens = [*drafts[:accepted], token_id] if target is seq else [runner_output.sampled[target.seq_id]]
+                self._append_tokens(target, tokens, updated, finished)
+            if drafts and not seq.is_finished:
+                self._cut_back(seq)
         return updated, finished
+
+    def _cut_back(self, seq: Sequence) -> None:
+        """Release the slots of rejected drafts; the worker's table is sent again from the first
+        entry it may no longer hold."""
+        self.kv_cache_manager.trim(seq)
+        seq.num_blocks_sent = min(seq.num_blocks_sent, len(self.kv_cache_manager.get_block_ids(seq.seq_id)))
 
     def fork_sequence(self, parent_id: str, child: Sequence) -> None:
         """Start ``child`` as a running copy of ``parent_id``, sharing its KV blocks."""
@@ -294,7 +318,9 @@ class Scheduler:
 
     def append_token(self, seq_id: str, token_id: int) -> None:
         """Append a token chosen outside the sampler and the stop rules (a beam search's)."""
-        self.sequences[seq_id].append_output_token(token_id)
+        seq = self.sequences[seq_id]
+        seq.append_output_token(token_id)
+        seq.num_new_tokens = 1
         self.stats.num_generated_tokens += 1
 
     def _fork_children(self, parent: Sequence) -> list[Sequence]:
@@ -306,15 +332,23 @@ class Scheduler:
             _insert_by_arrival(self.running, child)
         return children
 
-    def _append_token(self, seq: Sequence, token_id: int, updated: list[Sequence], finished: list[Sequence]) -> None:
-        seq.append_output_token(token_id)
-        self.stats.num_generated_tokens += 1
+    def _append_tokens(
+        self, seq: Sequence, token_ids: list[int], updated: list[Sequence], finished: list[Sequence]
+    ) -> None:
+        """Append a step's tokens, each through the stop rules (a stop inside accepted drafts
+        drops the rest)."""
+        seq.num_new_tokens = 0
         updated.append(seq)
-        status = self._check_stop(seq, token_id)
-        if status is not None:
-            self.running.remove(seq)
-            self._finish(seq, status)
-            finished.append(seq)
+        for token_id in token_ids:
+            seq.append_output_token(token_id)
+            seq.num_new_tokens += 1
+            self.stats.num_generated_tokens += 1
+            status = self._check_stop(seq, token_id)
+            if status is not None:
+                self.running.remove(seq)
+                self._finish(seq, status)
+                finished.append(seq)
+                return
 
     def _check_stop(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
         params = seq.sampling_params

@@ -69,6 +69,8 @@ class Sequence:
     # Samples 2..n of its request (status WAITING_FOR_FORK), born as copies of this sequence
     # once its prompt is computed: they share its prompt's blocks instead of computing them.
     pending_forks: list[Sequence] = field(default_factory=list)
+    # Tokens the last step appended (several where it accepted speculative drafts).
+    num_new_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -19,6 +19,7 @@ from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.kv_snapshot import DEFAULT_MAX_REQUESTS, KVSnapshot, take_kv_snapshot
 from pagellm.core.sequence import Sequence, SequenceStatus
 from pagellm.core.scheduler import Scheduler
+from pagellm.core.speculation import Speculator
 from pagellm.engine.beam_controller import BeamSearchController
 from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.engine.input_processor import InputProcessor, PromptType
@@ -60,6 +61,7 @@ class LLMEngine:
             config.scheduler.max_num_seqs,
             config.scheduler.max_num_batched_tokens,
             self.executor.max_model_len,
+            None if config.speculative is None else Speculator(config.speculative),
         )
         self.input_processor = InputProcessor(
             self.tokenizer, arch.vocab_size, self.executor.max_model_len, config.limits, config.scheduler.max_num_seqs
@@ -245,8 +247,20 @@ class LLMEngine:
             return self._pipelined_step(outputs)
         scheduler_output = self.scheduler.schedule()
         grammar = self.structured_output.masks(scheduler_output.scheduled)
+        start = time.perf_counter()
         runner_output = self.executor.execute(scheduler_output, grammar)
+        self._observe_step(scheduler_output, time.perf_counter() - start)
         return self._finish_step(scheduler_output, grammar, runner_output, outputs)
+
+    def _observe_step(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+        """Tell speculation what a step of one decoding sequence cost, by its query rows (what
+        it weighs drafts against)."""
+        speculator = self.scheduler.speculator
+        if speculator is None or len(scheduler_output.scheduled) != 1:
+            return
+        (item,) = scheduler_output.scheduled
+        if item.sample and item.start_position > 0 and item.num_tokens == 1 + len(item.draft_token_ids):
+            speculator.observe_step(item.num_tokens, seconds)
 
     def _pipelined_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Keep up to ``pipeline_depth`` steps in flight (each of about an equal share of the
@@ -355,6 +369,11 @@ class LLMEngine:
         self.stats.prefix_cache_hits = cache_stats.hits
         self.stats.num_cow_copies = cache_stats.cow_copies
         self.stats.num_shared_blocks = self.kv_cache_manager.num_shared_blocks()
+        if self.scheduler.speculator is not None:
+            spec = self.scheduler.speculator.stats
+            self.stats.spec_num_drafts = spec.num_drafts
+            self.stats.spec_num_draft_tokens = spec.num_draft_tokens
+            self.stats.spec_num_accepted_tokens = spec.num_accepted_tokens
 
 
 def _by_request(by_sequence: dict[str, str]) -> dict[str, str]:

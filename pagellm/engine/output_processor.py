@@ -155,12 +155,13 @@ class OutputProcessor:
         return outputs, stopped
 
     def _update_sample(self, state: RequestState, seq: Sequence, runner_output: ModelRunnerOutput) -> bool:
-        """Take one sequence's new token; True when a stop string ended it."""
+        """Take one sequence's new tokens (several where it accepted drafts); True when a stop
+        string ended it."""
         sample = state.samples[seq.seq_id]
         if sample.index == 0 and seq.num_cached_tokens > 0:
             state.num_cached_tokens = seq.num_cached_tokens
         self._add_logprobs(sample, runner_output.logprobs.get(seq.seq_id))
-        stop = sample.detokenizer.update([seq.output_token_ids[-1]])
+        stop = sample.detokenizer.update(seq.output_token_ids[-max(1, seq.num_new_tokens) :])
         if stop is not None and sample.finish_reason is None:
             sample.finish_reason, sample.stop_reason = "stop", stop
             return True

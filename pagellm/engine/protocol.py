@@ -78,6 +78,10 @@ class EngineStats:
     num_running: int = 0  # gauge
     num_waiting: int = 0  # gauge
     kv_cache_usage: float = 0.0  # gauge: fraction of blocks in use
+    # Speculative decoding: sequence-steps that verified drafts, tokens proposed, tokens accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
     # Steps per route (StepRoute.describe(): fused stack or layers, linears' GEMM, attention).
     step_routes: dict[str, int] = field(default_factory=dict)
 

@@ -38,6 +38,9 @@ class EngineStatsView(Protocol):
     prefix_cache_hits: int
     num_shared_blocks: int
     num_cow_copies: int
+    spec_num_drafts: int
+    spec_num_draft_tokens: int
+    spec_num_accepted_tokens: int
 
 
 class _EngineStatsCollector(Collector):
@@ -84,6 +87,10 @@ class _EngineStatsCollector(Collector):
             ("pagellm:prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache.", s.prefix_cache_hits),
             ("pagellm:kv_cache_cow_copies", "KV blocks copied because a sequence wrote into a shared block.",
              s.num_cow_copies),
+            ("pagellm:spec_decode_num_drafts", "Sequence-steps that verified speculative drafts.", s.spec_num_drafts),
+            ("pagellm:spec_decode_num_draft_tokens", "Speculative tokens proposed and verified.",
+             s.spec_num_draft_tokens),
+            ("pagellm:spec_decode_num_accepted_tokens", "Speculative tokens accepted.", s.spec_num_accepted_tokens),
         ]
         return [(name, doc, "gauge", value) for name, doc, value in gauges] + [
             (name, doc, "counter", value) for name, doc, value in counters

@@ -29,6 +29,7 @@ __all__ = [
     "apply_penalties",
     "apply_temperature",
     "apply_top_k_top_p",
+    "filtered_probs",
     "gather_logprobs",
     "greedy_sample",
     "is_plain_greedy",
@@ -279,6 +280,21 @@ def is_plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
     )
 
 
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row draws from: temperature, top-k, top-p, min-p, softmax (float32;
+    ``logits`` may be modified in place). Greedy rows ride along with neutral settings (their
+    draws are discarded)."""
+    greedy = [p.is_greedy for p in params]
+    logits = apply_temperature(logits, [1.0 if g else p.temperature for p, g in zip(params, greedy)])
+    logits = apply_top_k_top_p(
+        logits,
+        [0 if g else p.top_k for p, g in zip(params, greedy)],
+        [1.0 if g else p.top_p for p, g in zip(params, greedy)],
+    )
+    logits = apply_min_p(logits, [0.0 if g else p.min_p for p, g in zip(params, greedy)])
+    return logits.softmax(dim=-1, dtype=torch.float32)
+
+
 def greedy_sample(logits: torch.Tensor, lib: KernelLibrary | None = None) -> torch.Tensor:
     """Row-wise argmax (first index among ties) of logits in any float dtype -> [R] int64.
 
@@ -327,16 +343,7 @@ class Sampler:
             return logits.argmax(dim=-1)
         greedy_tokens = logits.argmax(dim=-1) if any(greedy) else None
 
-        # Greedy rows ride along with neutral settings; their draws are discarded below.
-        params = batch.params
-        logits = apply_temperature(logits, [1.0 if g else p.temperature for p, g in zip(params, greedy)])
-        logits = apply_top_k_top_p(
-            logits,
-            [0 if g else p.top_k for p, g in zip(params, greedy)],
-            [1.0 if g else p.top_p for p, g in zip(params, greedy)],
-        )
-        logits = apply_min_p(logits, [0.0 if g else p.min_p for p, g in zip(params, greedy)])
-        probs = logits.softmax(dim=-1, dtype=torch.float32)
+        probs = filtered_probs(logits, batch.params)
         sampled = random_sample(probs, batch.generators, [not g for g in greedy])
 
         if greedy_tokens is None:

@@ -99,10 +99,14 @@ class InputBatch:
         row = self.row_of[item.seq_id]
         if item.block_table_start > self.num_blocks[row]:
             raise ValueError(f"sequence {item.seq_id!r}: block table entries from {self.num_blocks[row]} were never sent")
-        if item.start_position + item.num_tokens > self.num_tokens[row] + len(item.new_token_ids):
+        known = self.num_tokens[row] + len(item.new_token_ids)
+        if item.start_position + item.num_tokens > known + len(item.draft_token_ids):
             raise ValueError(f"sequence {item.seq_id!r}: step computes tokens the worker was never sent")
         if item.new_token_ids:
             self._set_tokens(row, int(self.num_tokens[row]), item.new_token_ids)
+        if item.draft_token_ids:  # read by this step's inputs only: past the row's tokens, not counted
+            self._set_tokens(row, int(known), item.draft_token_ids)
+            self.num_tokens[row] = known
         self._set_blocks(row, item.block_table_start, item.new_block_ids)
 
     def _new_row(self, seq_id: str, params: SamplingParams) -> int:

@@ -12,6 +12,7 @@ from pagellm.distributed.pipeline import PipelineLink, micro_batches
 from pagellm.kernels.plan import KernelPlan
 from pagellm.model.interface import CausalLM
 from pagellm.sample.grammar_mask import apply_token_bitmask
+from pagellm.sample.rejection import accepted_prefix, verify_drafts
 from pagellm.sample.sampler import (
     Sampler,
     SamplerOutput,
@@ -40,6 +41,9 @@ class StepInputs:
     attn_metadata: AttentionMetadata
     sample_indices: torch.Tensor  # [S] rows of the flat batch whose logits are sampled
     sample_rows: list[int]  # [S] the input-batch row of each sequence that samples (a fork: its own)
+    # Sequences verifying drafts: (index of the first of their 1 + k entries in sample_rows, their
+    # input-batch row, the drafts); their logits rows are the k + 1 positions ending at their last.
+    verify: list[tuple[int, int, list[int]]]
     prompt_logprob_plan: list[tuple[int, int, int]]  # (input-batch row, first position, count)
     prompt_logprob_indices: torch.Tensor  # [P] rows whose logits score the next prompt token
     prompt_logprob_targets: torch.Tensor  # [P] those next prompt tokens
@@ -137,11 +141,17 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden_rows, upcast=False)
                 self._apply_grammar(logits, seq_ids, grammar)
                 tokens = greedy_sample(logits, self.argmax_kernels).tolist()
-                output.sampled.update(zip(seq_ids, tokens))
+                if inputs.verify:
+                    self._take_verified(tokens, inputs, output)
+                else:
+                    output.sampled.update(zip(seq_ids, tokens))
             else:
                 logits = self.model.compute_logits(hidden_rows)
                 self._apply_grammar(logits, seq_ids, grammar)
-                self._sample(logits, inputs.sample_rows, output)
+                if inputs.verify:
+                    self._sample_verifying(logits, inputs, output)
+                else:
+                    self._sample(logits, inputs.sample_rows, output)
         if inputs.prompt_logprob_plan:
             logits = self.model.compute_logits(hidden[inputs.prompt_logprob_indices])
             self._prompt_logprobs(logits, inputs, output)
@@ -174,8 +184,8 @@ class ModelRunner:
         tables_np[np.arange(tables_np.shape[1]) >= num_blocks_np[:, None]] = 0  # past each table's end
         slots_np = tables_np[req_index, positions_np // self.block_size] * self.block_size + positions_np % self.block_size
         seq_lens_np = starts_np + query_lens_np
-        sample_rows, logit_rows = self._sample_rows(scheduled, rows_np)
-        sample_np = (query_start_np[1:] - 1)[np.asarray(logit_rows, dtype=np.int64)]
+        sample_rows, sample_positions, verify = self._sample_rows(scheduled, rows_np, query_start_np)
+        sample_np = np.asarray(sample_positions, dtype=np.int64)
         plan, pl_indices, pl_targets = self._plan_prompt_logprobs(scheduled, rows_np, query_start_np.tolist())
 
         # All int64; on CUDA one pinned buffer and one asynchronous copy, on CPU the same tensors.
@@ -207,25 +217,34 @@ class ModelRunner:
             attn_metadata=metadata,
             sample_indices=sample_indices,
             sample_rows=sample_rows,
+            verify=verify,
             prompt_logprob_plan=plan,
             prompt_logprob_indices=pl_indices_t,
             prompt_logprob_targets=pl_targets_t,
         )
 
-    def _sample_rows(self, scheduled: list[ScheduledSequence], rows: np.ndarray) -> tuple[list[int], list[int]]:
-        """The input-batch rows of the sequences that sample this step, and the step row whose
-        logits each samples from (a fork samples from its parent's)."""
+    def _sample_rows(
+        self, scheduled: list[ScheduledSequence], rows: np.ndarray, query_start: np.ndarray
+    ) -> tuple[list[int], list[int], list[tuple[int, int, list[int]]]]:
+        """The input-batch rows of the sequences that sample this step, the position in the flat
+        batch whose logits each samples from (a fork samples from its parent's; a sequence with k
+        drafts takes its last k + 1 positions), and the sequences verifying drafts."""
         sample_rows: list[int] = []
-        logit_rows: list[int] = []
+        positions: list[int] = []
+        verify: list[tuple[int, int, list[int]]] = []
         for index, item in enumerate(scheduled):
             if not item.sample:
                 continue
-            sample_rows.append(int(rows[index]))
-            logit_rows.append(index)
+            row, last = int(rows[index]), int(query_start[index + 1]) - 1
+            k = len(item.draft_token_ids)
+            if k:
+                verify.append((len(sample_rows), row, item.draft_token_ids))
+            sample_rows.extend([row] * (k + 1))
+            positions.extend(range(last - k, last + 1))
             for fork in item.forks:
                 sample_rows.append(self.batch.row_of[fork.seq_id])
-                logit_rows.append(index)
-        return sample_rows, logit_rows
+                positions.append(last)
+        return sample_rows, positions, verify
 
     def _plan_prompt_logprobs(
         self, scheduled: list[ScheduledSequence], rows: np.ndarray, query_start_loc: list[int]
@@ -264,6 +283,35 @@ class ModelRunner:
         output.sampled.update((batch.seq_ids[row], t) for row, t in zip(rows, sampled))
         if result.logprobs is not None:
             self._collect_logprobs(result, rows, output)
+
+    def _take_verified(self, tokens: list[int], inputs: StepInputs, output: ModelRunnerOutput) -> None:
+        """Plain greedy rows, some verifying drafts: a draft is accepted while it is the argmax."""
+        batch, rows = self.batch, inputs.sample_rows
+        in_groups = set()
+        for first, row, drafts in inputs.verify:
+            seq_id = batch.seq_ids[row]
+            accepted = accepted_prefix(tokens[first : first + len(drafts) + 1], drafts)
+            output.sampled[seq_id], output.num_accepted[seq_id] = tokens[first + accepted], accepted
+            in_groups.update(range(first, first + len(drafts) + 1))
+        output.sampled.update((batch.seq_ids[rows[i]], t) for i, t in enumerate(tokens) if i not in in_groups)
+
+    def _sample_verifying(self, logits: torch.Tensor, inputs: StepInputs, output: ModelRunnerOutput) -> None:
+        """Sample the rows without drafts as always; verify each sequence's drafts against its
+        own sampling (``sample/rejection.py``)."""
+        batch, rows = self.batch, inputs.sample_rows
+        grouped: set[int] = set()
+        for first, row, drafts in inputs.verify:
+            seq_id = batch.seq_ids[row]
+            span = range(first, first + len(drafts) + 1)
+            grouped.update(span)
+            generator = self._generator(row, output.failed)
+            if seq_id in output.failed:
+                continue
+            accepted, token = verify_drafts(logits[first : span.stop], drafts, batch.params[row], generator)
+            output.sampled[seq_id], output.num_accepted[seq_id] = token, accepted
+        plain = [i for i in range(len(rows)) if i not in grouped]
+        if plain:
+            self._sample(logits[plain], [rows[i] for i in plain], output)
 
     def _collect_logprobs(self, result: SamplerOutput, rows: list[int], output: ModelRunnerOutput) -> None:
         assert result.logprob_token_ids is not None and result.logprobs is not None

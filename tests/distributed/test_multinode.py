@@ -56,7 +56,8 @@ def test_the_step_codec_round_trips_and_refuses_other_bytes() -> None:
     params = SamplingParams(n=2, best_of=3, temperature=0.7, top_k=5, seed=3, stop=["x"], logprobs=2, prompt_logprobs=1,
                             max_tokens=None, structured_outputs=StructuredOutputsParams(json={"type": "object"}))  # fmt: skip
     sequence = ScheduledSequence("a", 5, 2, True, [1], 1, [4, 5], [SampleFork("b", SamplingParams())])
-    step = SchedulerOutput([sequence], [NewSequence("n", [9, 9, 9, 1], 3, params)],
+    drafting = ScheduledSequence("d", 7, 3, True, [], 1, [6], [], [11, 12])  # its known token and two drafts
+    step = SchedulerOutput([sequence, drafting], [NewSequence("n", [9, 9, 9, 1], 3, params)],
                            [ForkedSequence("f", "a"), ForkedSequence("g", "a", SamplingParams(seed=1))], ["gone"], [(1, 2)])  # fmt: skip
     grammar = GrammarBitmask({"a": 0}, torch.tensor([[1, -1, 7]], dtype=torch.int32))
     step2, grammar2 = decode_step(encode_step(step, grammar))
@@ -64,7 +65,7 @@ def test_the_step_codec_round_trips_and_refuses_other_bytes() -> None:
     assert torch.equal(grammar2.bitmask, grammar.bitmask)
     assert decode_step(encode_step(step, None))[1] is None
     output = ModelRunnerOutput({"a": 3}, {"a": [(3, -0.5, 1), (4, -1.0, 2)]}, {"a": PromptLogprobs(1, [[(2, -0.1, 1)]])},
-                               {"c": "bad seed"}, "decoder=fused linears=integer attention=cpu_paged")  # fmt: skip
+                               {"c": "bad seed"}, "decoder=fused linears=integer attention=cpu_paged", {"d": 1})  # fmt: skip
     assert decode_output(encode_output(output)) == (output, None)
     assert decode_output(encode_output(None, "boom")) == (None, "boom")
     message = encode_step(step, None)

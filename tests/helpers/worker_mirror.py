@@ -64,8 +64,9 @@ class WorkerMirror:
             assert table == scheduler.kv_cache_manager.get_block_ids(item.seq_id), item.seq_id
             assert tokens == seq.all_token_ids, item.seq_id
             start = item.start_position
-            seen.append(Seen(item.seq_id, tokens[start : start + item.num_tokens], start, table, item.sample,
-                             item.num_tokens, [f.seq_id for f in item.forks]))  # fmt: skip
+            computed = batch.token_ids[row, start : start + item.num_tokens].tolist()  # drafts after the known tokens
+            seen.append(Seen(item.seq_id, computed, start, table, item.sample, item.num_tokens,
+                             [f.seq_id for f in item.forks]))  # fmt: skip
         known = {seq_id for seq_id, r in scheduler.sequences.items() if r.num_tokens_sent}
         assert set(batch.row_of) == known
         assert batch.seq_ids == sorted(batch.row_of, key=batch.row_of.__getitem__)
@@ -87,11 +88,17 @@ def sampled_ids(out: SchedulerOutput) -> list[str]:
     return [seq for r in out.scheduled if r.sample for seq in [r.seq_id, *(f.seq_id for f in r.forks)]]
 
 
-def fake_run(out: Step | SchedulerOutput, token: int = 7, tokens: dict[str, int] | None = None) -> ModelRunnerOutput:
-    """A model that samples ``token`` (or tokens[seq_id]) for every sequence that samples."""
+def fake_run(
+    out: Step | SchedulerOutput, token: int = 7, tokens: dict[str, int] | None = None,
+    accepted: dict[str, int] | None = None,
+) -> ModelRunnerOutput:
+    """A model that samples ``token`` (or tokens[seq_id]) for every sequence that samples, after
+    accepting ``accepted[seq_id]`` of its drafts (default: none)."""
     tokens = tokens or {}
     message = out.out if isinstance(out, Step) else out
-    return ModelRunnerOutput(sampled={seq: tokens.get(seq, token) for seq in sampled_ids(message)})
+    drafts = {r.seq_id for r in message.scheduled if r.draft_token_ids}
+    return ModelRunnerOutput(sampled={seq: tokens.get(seq, token) for seq in sampled_ids(message)},
+                             num_accepted={seq: (accepted or {}).get(seq, 0) for seq in drafts})  # fmt: skip
 
 
 def update(scheduler: Scheduler, step: Step, **kwargs):

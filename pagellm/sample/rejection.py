@@ -1,0 +1,48 @@
+"""Verifying speculative drafts so that the output keeps the target's distribution exactly.
+
+A draft proposed without a distribution of its own (n-gram lookup: all its mass on one token
+``d``) is accepted with the target's probability ``p(d)``; on rejection the token is drawn from
+the target's distribution with ``d`` removed (renormalized), and after every draft is accepted the
+next token is drawn from the target's distribution there. Each position then yields token ``x``
+with probability ``p(d) [x = d] + (1 - p(d)) p(x) / (1 - p(d)) [x != d] = p(x)``. Greedy rows
+accept a draft when it is the target's argmax, so their output is plain decoding's, token for
+token. Draws use the sequence's own generator where it has a seed, so a seeded request repeats
+itself with speculation too, though not the draws it makes without (docs/speculative-decoding.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagellm.sample.sampler import filtered_probs, random_sample
+from pagellm.sampling_params import SamplingParams
+
+
+def accepted_prefix(target: list[int], drafts: list[int]) -> int:
+    """How many leading drafts equal the target's tokens at their positions."""
+    n = 0
+    while n < len(drafts) and target[n] == drafts[n]:
+        n += 1
+    return n
+
+
+def verify_drafts(
+    logits: torch.Tensor, drafts: list[int], params: SamplingParams, generator: torch.Generator | None
+) -> tuple[int, int]:
+    """``logits`` [k + 1, V] (float32, modified in place) of the positions before each of the ``k``
+    drafts and after the last -> (drafts accepted, the token that follows them)."""
+    k = len(drafts)
+    if logits.shape[0] != k + 1:
+        raise ValueError(f"need {k + 1} rows of logits for {k} drafts, got {logits.shape[0]}")
+    if params.is_greedy:
+        target = logits.argmax(dim=-1).tolist()
+        n = accepted_prefix(target, drafts)
+        return n, target[n]
+    probs = filtered_probs(logits, [params] * (k + 1))
+    for i, draft in enumerate(drafts):
+        if float(torch.rand((), generator=generator, dtype=torch.float64)) < float(probs[i, draft]):
+            continue
+        residual = probs[i : i + 1].clone()
+        residual[0, draft] = 0.0
+        return i, int(random_sample(residual, [generator])[0])
+    return k, int(random_sample(probs[k : k + 1].clone(), [generator])[0])

@@ -1,0 +1,77 @@
+"""``--speculative-config`` / ``LLM(speculative_config=...)``: vLLM's keys, validated once.
+
+Speculative decoding proposes a few tokens for a sequence cheaply, then the target model checks
+them all in one step (each sequence contributes 1 + k query rows) and keeps the longest prefix
+its own sampling agrees with, plus one token of its own: the output is the target's, exactly
+(docs/speculative-decoding.md).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16  # a verification step's rows per sequence stay small
+MAX_NGRAM = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``method`` "ngram": the tokens that followed the latest earlier occurrence of the
+    sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``), in
+    its prompt or output, up to ``num_speculative_tokens``. A step with more running sequences
+    than ``disable_by_batch_size`` proposes nothing: a big batch already uses each weight read
+    for many tokens, and its extra rows would cost more than they save (None: never).
+    ``adaptive`` (pagellm's): each sequence proposes only as many drafts as its acceptance so far
+    and the measured cost of verification rows say pay (``core/speculation.py``); false: always
+    up to ``num_speculative_tokens``, as vLLM does."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 5
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    disable_by_batch_size: int | None = 4
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method == "draft_model":
+            raise ValueError("speculative method 'draft_model' is not available yet; supported: ngram")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}; supported: {', '.join(SPECULATIVE_METHODS)}")
+        _integer("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
+        _integer("prompt_lookup_max", self.prompt_lookup_max, 1, MAX_NGRAM)
+        _integer("prompt_lookup_min", self.prompt_lookup_min, 1, self.prompt_lookup_max)
+        if self.disable_by_batch_size is not None:
+            _integer("disable_by_batch_size", self.disable_by_batch_size, 1, None)
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config adaptive must be true or false, got {self.adaptive!r}")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | str | None) -> SpeculativeConfig | None:
+        """From a JSON object (the CLI's string) or a mapping; None stays None (no speculation).
+        Unknown keys are refused by name."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(value, Mapping):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}")
+        if "method" not in value:
+            raise ValueError("speculative_config needs a 'method' (supported: ngram)")
+        return cls(**value)
+
+
+def _integer(name: str, value: object, low: int, high: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f"from {low} to {high}" if high is not None else f">= {low}"
+        raise ValueError(f"speculative_config {name} must be an integer {bound}, got {value!r}")

@@ -1,0 +1,126 @@
+"""Speculative decoding end to end (n-gram drafts, tiny model): greedy output equal to plain
+decoding token for token, with drafts accepted; seeded sampling repeatable; requests that do not
+speculate unchanged; preemption, stop strings and max_tokens inside a proposal."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagellm import LLM, SamplingParams
+
+# Not adaptive: every draft found is verified, whatever the steps' timings (core tests cover the choice).
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+        "disable_by_batch_size": None, "adaptive": False}  # fmt: skip
+PROMPTS = [
+    "one two three four one two three four one two three four one two",
+    "The cat sat on the mat. The cat sat on the mat. The cat",
+    "a b c d e f g a b c d e f g a b c",
+    "Completely different words with little to copy from",
+]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_path):
+    return LLM(tiny_llama_path, block_size=4, num_kv_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_llama_path):
+    return LLM(tiny_llama_path, block_size=4, num_kv_blocks=256, speculative_config=SPEC)
+
+
+def tokens(llm: LLM, prompts, params) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def all_blocks_free(llm: LLM) -> bool:
+    engine = llm.llm_engine
+    return engine.kv_cache_manager.num_free_blocks == engine.executor.num_blocks
+
+
+def test_greedy_output_is_plain_decodings_with_drafts_accepted(plain, spec):
+    stats = spec.llm_engine.scheduler.speculator.stats
+    before = stats.num_accepted_tokens
+    for max_tokens in (1, 6, 48):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        assert tokens(spec, PROMPTS, params) == tokens(plain, PROMPTS, params), max_tokens
+    assert stats.num_accepted_tokens > before and stats.num_draft_tokens > stats.num_accepted_tokens
+    assert spec.llm_engine.stats.spec_num_accepted_tokens == stats.num_accepted_tokens
+    assert all_blocks_free(spec)
+
+
+def test_stop_strings_and_stop_tokens_inside_a_proposal(plain, spec):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    reference = plain.generate(PROMPTS[:3], params, use_tqdm=False)
+    checked = 0
+    for out in reference:
+        text, ids = out.outputs[0].text, list(out.outputs[0].token_ids)
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        if not stop.strip():
+            continue
+        with_stop = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
+        got, want = (llm.generate([out.prompt], with_stop, use_tqdm=False)[0].outputs[0] for llm in (spec, plain))
+        assert (got.text, got.finish_reason, got.stop_reason) == (want.text, want.finish_reason, want.stop_reason)
+        stop_id = ids[len(ids) // 2]
+        by_id = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_id])
+        got, want = (llm.generate([out.prompt], by_id, use_tqdm=False)[0].outputs[0] for llm in (spec, plain))
+        assert list(got.token_ids) == list(want.token_ids) and got.stop_reason == want.stop_reason == stop_id
+        checked += 1
+    assert checked >= 2 and all_blocks_free(spec)
+
+
+def test_seeded_sampling_repeats_itself_with_speculation(spec):
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32, seed=7, ignore_eos=True)
+    first = tokens(spec, PROMPTS, params)
+    assert tokens(spec, PROMPTS, params) == first
+    assert all(len(t) == 32 for t in first)
+
+
+def test_requests_that_do_not_speculate_are_unchanged(plain, spec):
+    """Logprobs and penalties take per-position state: such requests run without drafts."""
+    for params in (SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True),
+                   SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3, ignore_eos=True)):  # fmt: skip
+        got, want = (llm.generate(PROMPTS[:2], params, use_tqdm=False) for llm in (spec, plain))
+        assert [list(o.outputs[0].token_ids) for o in got] == [list(o.outputs[0].token_ids) for o in want]
+        if params.logprobs:
+            assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in want]
+
+
+def test_greedy_output_survives_preemption(tiny_llama_path, plain):
+    small = LLM(tiny_llama_path, block_size=4, num_kv_blocks=24, speculative_config=SPEC)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert tokens(small, PROMPTS, params) == tokens(plain, PROMPTS, params)
+    assert small.llm_engine.stats.num_preemptions > 0
+    assert small.llm_engine.scheduler.speculator.stats.num_accepted_tokens > 0
+    assert all_blocks_free(small)
+
+
+def test_streamed_deltas_carry_every_accepted_token(spec):
+    """A step that accepts drafts streams all its tokens at once: the deltas add up to the whole."""
+    engine = spec.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    whole = spec.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+    engine.add_request("streamed", PROMPTS[0], params, stream=True)
+    text, ids, sizes = "", [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text += out.outputs[0].text
+            ids += out.outputs[0].token_ids
+            sizes.append(len(out.outputs[0].token_ids))
+    assert (text, ids) == (whole.text, list(whole.token_ids))
+    assert max(sizes) > 1  # some step delivered accepted drafts with its own token
+
+
+def test_the_cli_flag_takes_a_json_object():
+    import argparse
+
+    from pagellm.engine_args import EngineArgs, add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    config = EngineArgs.from_cli_args(args).create_engine_config().speculative
+    assert config is not None and (config.method, config.num_speculative_tokens) == ("ngram", 2)
+    assert EngineArgs.from_cli_args(parser.parse_args([])).create_engine_config().speculative is None
+    with pytest.raises(ValueError, match="unknown keys"):
+        EngineArgs(speculative_config={"method": "ngram", "k": 2}).create_engine_config()
