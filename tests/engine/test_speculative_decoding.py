@@ -124,3 +124,20 @@ def test_the_cli_flag_takes_a_json_object():
     assert EngineArgs.from_cli_args(parser.parse_args([])).create_engine_config().speculative is None
     with pytest.raises(ValueError, match="unknown keys"):
         EngineArgs(speculative_config={"method": "ngram", "k": 2}).create_engine_config()
+
+
+def test_a_batch_mixing_speculating_and_plain_requests(plain, spec):
+    """Greedy rows verify drafts while a sampled row with logprobs and a penalized row sample as
+    always, in the same steps."""
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.9, max_tokens=24, seed=5, logprobs=3, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=24, presence_penalty=0.8, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)]  # fmt: skip
+    before = spec.llm_engine.scheduler.speculator.stats.num_drafts
+    got, want = (llm.generate(PROMPTS, params, use_tqdm=False) for llm in (spec, plain))
+    assert [list(o.outputs[0].token_ids) for o in got] == [list(o.outputs[0].token_ids) for o in want]
+    # The same tokens and ranks; values to float32 noise (the LM head's batch has other rows).
+    for mine, theirs in zip(got[1].outputs[0].logprobs, want[1].outputs[0].logprobs, strict=True):
+        assert {t: lp.rank for t, lp in mine.items()} == {t: lp.rank for t, lp in theirs.items()}
+        assert all(lp.logprob == pytest.approx(theirs[t].logprob, abs=1e-4) for t, lp in mine.items())
+    assert spec.llm_engine.scheduler.speculator.stats.num_drafts > before
