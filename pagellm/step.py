@@ -126,3 +126,5 @@ class ModelRunnerOutput:
     # Sequences that verified drafts: how many of them were accepted; ``sampled`` is then the
     # token after the accepted drafts (the target's correction, or its next token after all).
     num_accepted: dict[str, int] = field(default_factory=dict)
+    # Verified sequences asking for logprobs: one row for each accepted draft, then the sampled token.
+    step_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)

@@ -150,7 +150,7 @@ def encode_output(output: ModelRunnerOutput | None, error: str | None = None) ->
     if output is not None:
         message["output"] = {
             "sampled": output.sampled, "num_accepted": output.num_accepted, "logprobs": output.logprobs,
-            "failed": output.failed, "route": output.route,
+            "failed": output.failed, "route": output.route, "step_logprobs": output.step_logprobs,
             "prompt_logprobs": {k: [v.start, v.rows] for k, v in output.prompt_logprobs.items()},
         }  # fmt: skip
     return json.dumps(message, separators=(",", ":")).encode()
@@ -171,6 +171,7 @@ def decode_output(data: bytes) -> tuple[ModelRunnerOutput | None, str | None]:
         output = ModelRunnerOutput(
             sampled={str(k): int(v) for k, v in o["sampled"].items()},
             num_accepted={str(k): int(v) for k, v in o["num_accepted"].items()},
+            step_logprobs={str(k): [_rows(r) for r in v] for k, v in o["step_logprobs"].items()},
             logprobs={str(k): _rows(v) for k, v in o["logprobs"].items()},
             prompt_logprobs={str(k): PromptLogprobs(int(s), [_rows(r) for r in rows])
                              for k, (s, rows) in o["prompt_logprobs"].items()},  # fmt: skip

@@ -1,10 +1,12 @@
 """Which running sequences speculate in a step, with how many draft tokens (the scheduler asks).
 
 A sequence speculates when its next step is a plain decode (one known token left to compute)
-and its sampling takes no per-position state that a draft would change: no logprobs, no
-penalties, no structured output, ``min_tokens`` already met, not a beam. Those run as before:
-correct, without drafts (docs/speculative-decoding.md). Drafts never exceed what the request
-may still produce (``max_tokens``, the context limit) nor the step's token budget.
+and its tokens are the sampler's: not a structured output (whose grammar would have to mask each
+proposed position), not a beam. Those run as before: correct, without drafts
+(docs/speculative-decoding.md). Each draft position is penalized and masked (``min_tokens``) as
+plain decoding would be there, and logprobs are reported for every accepted draft. Drafts never
+exceed what the request may still produce (``max_tokens``, the context limit) nor the step's
+token budget.
 
 How many: as many as pay. Each sequence keeps, for each draft position i, a running estimate
 ``a_i`` of the chance that draft i is accepted once those before it were (its own verifications,
@@ -44,16 +46,7 @@ class SpeculationStats:
 
 def speculates(seq: Sequence) -> bool:
     """Whether ``seq``'s sampling lets drafts be verified (see the module docstring)."""
-    params = seq.sampling_params
-    return (
-        not seq.tokens_chosen_outside
-        and params.logprobs is None
-        and params.structured_outputs is None
-        and params.repetition_penalty == 1.0
-        and params.frequency_penalty == 0.0
-        and params.presence_penalty == 0.0
-        and seq.num_output_tokens >= params.min_tokens
-    )
+    return not seq.tokens_chosen_outside and seq.sampling_params.structured_outputs is None
 
 
 # A new sequence's acceptance: as if it had seen this many drafts accepted at this rate.

@@ -160,7 +160,12 @@ class OutputProcessor:
         sample = state.samples[seq.seq_id]
         if sample.index == 0 and seq.num_cached_tokens > 0:
             state.num_cached_tokens = seq.num_cached_tokens
-        self._add_logprobs(sample, runner_output.logprobs.get(seq.seq_id))
+        verified = runner_output.step_logprobs.get(seq.seq_id)
+        if verified is not None:  # accepted drafts, then the sampled token: as many rows as tokens kept
+            for row in verified[: max(1, seq.num_new_tokens)]:
+                self._add_logprobs(sample, row)
+        else:
+            self._add_logprobs(sample, runner_output.logprobs.get(seq.seq_id))
         stop = sample.detokenizer.update(seq.output_token_ids[-max(1, seq.num_new_tokens) :])
         if stop is not None and sample.finish_reason is None:
             sample.finish_reason, sample.stop_reason = "stop", stop

@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from pagellm.sample.sampler import filtered_probs, random_sample
+from collections.abc import Sequence
+
+import numpy as np
+
+from pagellm.sample.sampler import SamplingBatch, apply_min_tokens, apply_penalties, filtered_probs, random_sample
 from pagellm.sampling_params import SamplingParams
 
 
@@ -46,3 +50,20 @@ def verify_drafts(
         residual[0, draft] = 0.0
         return i, int(random_sample(residual, [generator])[0])
     return k, int(random_sample(probs[k : k + 1].clone(), [generator])[0])
+
+
+def verify_in_context(
+    logits: torch.Tensor, drafts: list[int], params: SamplingParams, generator: torch.Generator | None,
+    prompt_token_ids: Sequence[int] | np.ndarray, output_token_ids: Sequence[int] | np.ndarray,
+    eos_token_ids: list[int],
+) -> tuple[int, int]:
+    """``verify_drafts`` after masking (``min_tokens``) and penalizing each position as plain
+    decoding would there: the position after draft i has the drafts before it in its output."""
+    output = np.asarray(output_token_ids, dtype=np.int64)
+    n = len(drafts) + 1
+    batch = SamplingBatch(
+        params=[params] * n, prompt_token_ids=[prompt_token_ids] * n,
+        output_token_ids=[np.concatenate([output, np.asarray(drafts[:i], dtype=np.int64)]) for i in range(n)],
+        generators=[generator] * n, eos_token_ids=eos_token_ids,
+    )  # fmt: skip
+    return verify_drafts(apply_penalties(apply_min_tokens(logits, batch), batch), drafts, params, generator)

@@ -12,7 +12,7 @@ from pagellm.distributed.pipeline import PipelineLink, micro_batches
 from pagellm.kernels.plan import KernelPlan
 from pagellm.model.interface import CausalLM
 from pagellm.sample.grammar_mask import apply_token_bitmask
-from pagellm.sample.rejection import accepted_prefix, verify_drafts
+from pagellm.sample.rejection import accepted_prefix, verify_in_context
 from pagellm.sample.sampler import (
     Sampler,
     SamplerOutput,
@@ -307,11 +307,29 @@ class ModelRunner:
             generator = self._generator(row, output.failed)
             if seq_id in output.failed:
                 continue
-            accepted, token = verify_drafts(logits[first : span.stop], drafts, batch.params[row], generator)
-            output.sampled[seq_id], output.num_accepted[seq_id] = token, accepted
+            self._verify(logits[first : span.stop], row, drafts, generator, output)
         plain = [i for i in range(len(rows)) if i not in grouped]
         if plain:
             self._sample(logits[plain], [rows[i] for i in plain], output)
+
+    def _verify(
+        self, logits: torch.Tensor, row: int, drafts: list[int], generator: torch.Generator | None,
+        output: ModelRunnerOutput,
+    ) -> None:
+        """One sequence's drafts against its sampling: logits [k + 1, V] of the positions before
+        each draft and after the last, each masked (min_tokens) and penalized as plain decoding
+        would there, with the drafts before it as output."""
+        batch, params, seq_id = self.batch, self.batch.params[row], self.batch.seq_ids[row]
+        # Raw logprobs (the model's distribution, as the plain path reports), before the
+        # processing below changes these logits.
+        raw = logits.float().log_softmax(dim=-1) if params.logprobs is not None else None
+        accepted, token = verify_in_context(logits, drafts, params, generator, batch.prompt_token_ids(row),
+                                            batch.output_token_ids(row), self.eos_token_ids)  # fmt: skip
+        output.sampled[seq_id], output.num_accepted[seq_id] = token, accepted
+        if raw is not None and params.logprobs is not None:
+            kept = torch.tensor([*drafts[:accepted], token], device=raw.device)
+            ids, values, ranks = (t.tolist() for t in gather_logprobs(raw[: accepted + 1], kept, params.logprobs))
+            output.step_logprobs[seq_id] = [_token_logprobs(i, v, r, params.logprobs) for i, v, r in zip(ids, values, ranks)]
 
     def _collect_logprobs(self, result: SamplerOutput, rows: list[int], output: ModelRunnerOutput) -> None:
         assert result.logprob_token_ids is not None and result.logprobs is not None

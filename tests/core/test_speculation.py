@@ -11,6 +11,7 @@ from pagellm.core.sequence import Sequence, SequenceStatus
 from pagellm.core.speculation import DEFAULT_ROW_COST, PRIOR_ACCEPTANCE, Speculator, best_num_drafts
 from pagellm.sampling_params import SamplingParams
 from pagellm.speculative_config import SpeculativeConfig
+from pagellm.structured_outputs_params import StructuredOutputsParams
 from tests.helpers.worker_mirror import attach, fake_run, schedule
 
 EOS = 99
@@ -124,7 +125,7 @@ def test_drafts_never_pass_max_tokens_or_the_context_limit():
     assert step.out.scheduled[0].draft_token_ids == [8]
 
 
-def test_no_drafts_for_big_batches_or_per_position_sampling_state():
+def test_no_drafts_for_big_batches_structured_outputs_or_beams():
     s = make_scheduler(k=3, disable_by_batch_size=1)
     s.add_sequence(make_seq("a", [5, 6, 7, 8, 5, 6]))
     s.add_sequence(make_seq("b", [5, 6, 7, 8, 5, 6]))
@@ -132,11 +133,15 @@ def test_no_drafts_for_big_batches_or_per_position_sampling_state():
     step, _, _ = run(s, token=7)
     assert all(not r.draft_token_ids for r in step.out.scheduled)
     s = make_scheduler(k=3)
-    for rid, params in [("lp", {"logprobs": 1}), ("pen", {"presence_penalty": 0.5}), ("min", {"min_tokens": 4})]:
-        s.add_sequence(make_seq(rid, [5, 6, 7, 8, 5, 6], **params))
+    s.add_sequence(make_seq("json", [5, 6, 7, 8, 5, 6], structured_outputs=StructuredOutputsParams(regex="[0-9]+")))
+    beam = make_seq("beam", [5, 6, 7, 8, 5, 6])
+    beam.tokens_chosen_outside = True
+    s.add_sequence(beam)
+    s.add_sequence(make_seq("pen", [5, 6, 7, 8, 5, 6], presence_penalty=0.5, min_tokens=4))
     run(s, token=7)
+    s.append_token("beam", 7)
     step, _, _ = run(s, token=7)
-    assert all(not r.draft_token_ids for r in step.out.scheduled)
+    assert {r.seq_id: r.draft_token_ids for r in step.out.scheduled} == {"json": [], "beam": [], "pen": [8, 5, 6]}
 
 
 def test_the_prefix_cache_never_keys_a_draft():

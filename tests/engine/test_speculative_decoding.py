@@ -76,14 +76,47 @@ def test_seeded_sampling_repeats_itself_with_speculation(spec):
     assert all(len(t) == 32 for t in first)
 
 
-def test_requests_that_do_not_speculate_are_unchanged(plain, spec):
-    """Logprobs and penalties take per-position state: such requests run without drafts."""
-    for params in (SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True),
-                   SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3, ignore_eos=True)):  # fmt: skip
-        got, want = (llm.generate(PROMPTS[:2], params, use_tqdm=False) for llm in (spec, plain))
-        assert [list(o.outputs[0].token_ids) for o in got] == [list(o.outputs[0].token_ids) for o in want]
-        if params.logprobs:
-            assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in want]
+def same_logprobs(got, want) -> bool:
+    """The same tokens and ranks at every position; values to float32 noise (the LM head's batch
+    holds other rows)."""
+    assert len(got) == len(want)
+    for mine, theirs in zip(got, want):
+        assert {t: lp.rank for t, lp in mine.items()} == {t: lp.rank for t, lp in theirs.items()}
+        assert all(lp.logprob == pytest.approx(theirs[t].logprob, abs=1e-4) for t, lp in mine.items())
+    return True
+
+
+@pytest.mark.parametrize("options", [dict(repetition_penalty=1.05), dict(presence_penalty=0.3, frequency_penalty=0.2),
+                                     dict(min_tokens=20)])  # fmt: skip
+def test_penalties_and_min_tokens_at_every_draft_position(plain, spec, options):
+    """Each draft position is penalized (its drafts before it counted as output) and masked by
+    min_tokens as plain decoding would be there: greedy output equal, drafts verified (penalties
+    against repeating make the copied drafts of this tiny model mostly rejected)."""
+    params = SamplingParams(temperature=0, max_tokens=40, **options)
+    stats = spec.llm_engine.scheduler.speculator.stats
+    before = stats.num_draft_tokens
+    got, want = (llm.generate(PROMPTS[:3], params, use_tqdm=False) for llm in (spec, plain))
+    assert [list(o.outputs[0].token_ids) for o in got] == [list(o.outputs[0].token_ids) for o in want]
+    assert stats.num_draft_tokens > before
+
+
+def test_logprobs_of_every_accepted_draft(plain, spec):
+    """Greedy and sampled requests with logprobs speculate; each kept token has its row, equal to
+    plain decoding's (greedy) or to the row of its own token (sampled); the cumulative logprob too."""
+    stats = spec.llm_engine.scheduler.speculator.stats
+    before = stats.num_accepted_tokens
+    greedy = SamplingParams(temperature=0, max_tokens=30, logprobs=2, ignore_eos=True)
+    got, want = (llm.generate(PROMPTS[:3], greedy, use_tqdm=False) for llm in (spec, plain))
+    assert stats.num_accepted_tokens > before
+    for mine, theirs in zip(got, want):
+        assert list(mine.outputs[0].token_ids) == list(theirs.outputs[0].token_ids)
+        assert same_logprobs(mine.outputs[0].logprobs, theirs.outputs[0].logprobs)
+        assert mine.outputs[0].cumulative_logprob == pytest.approx(theirs.outputs[0].cumulative_logprob, abs=1e-3)
+    sampled = SamplingParams(temperature=0.8, max_tokens=30, logprobs=1, seed=3, ignore_eos=True, stop=["the"])
+    for out in spec.generate(PROMPTS, sampled, use_tqdm=False):
+        sample = out.outputs[0]
+        assert len(sample.logprobs) == len(sample.token_ids)  # a stop inside drafts drops their rows too
+        assert all(token in row for token, row in zip(sample.token_ids, sample.logprobs))
 
 
 def test_greedy_output_survives_preemption(tiny_llama_path, plain):
@@ -127,17 +160,17 @@ def test_the_cli_flag_takes_a_json_object():
 
 
 def test_a_batch_mixing_speculating_and_plain_requests(plain, spec):
-    """Greedy rows verify drafts while a sampled row with logprobs and a penalized row sample as
-    always, in the same steps."""
+    """Greedy rows verify drafts while a sampled row with logprobs and a penalized row sample in
+    the same steps (a seeded sampled row draws differently with drafts: compared to itself)."""
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=0.9, max_tokens=24, seed=5, logprobs=3, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=24, presence_penalty=0.8, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)]  # fmt: skip
     before = spec.llm_engine.scheduler.speculator.stats.num_drafts
     got, want = (llm.generate(PROMPTS, params, use_tqdm=False) for llm in (spec, plain))
-    assert [list(o.outputs[0].token_ids) for o in got] == [list(o.outputs[0].token_ids) for o in want]
-    # The same tokens and ranks; values to float32 noise (the LM head's batch has other rows).
-    for mine, theirs in zip(got[1].outputs[0].logprobs, want[1].outputs[0].logprobs, strict=True):
-        assert {t: lp.rank for t, lp in mine.items()} == {t: lp.rank for t, lp in theirs.items()}
-        assert all(lp.logprob == pytest.approx(theirs[t].logprob, abs=1e-4) for t, lp in mine.items())
+    for i in (0, 2, 3):
+        assert list(got[i].outputs[0].token_ids) == list(want[i].outputs[0].token_ids)
+    sampled = got[1].outputs[0]
+    assert len(sampled.token_ids) == len(sampled.logprobs) == 24
+    assert all(token in row for token, row in zip(sampled.token_ids, sampled.logprobs))
     assert spec.llm_engine.scheduler.speculator.stats.num_drafts > before

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagellm.sample.rejection import accepted_prefix, verify_drafts
+from pagellm.sample.rejection import accepted_prefix, verify_drafts, verify_in_context
 from pagellm.sample.sampler import filtered_probs
 from pagellm.sampling_params import SamplingParams
 
@@ -57,3 +57,17 @@ def test_sampled_tokens_follow_the_targets_distribution(params: SamplingParams):
         assert counts[~support].sum() == 0  # never a token the filters removed
         expected = p[support] / p[support].sum() * counts.sum()
         assert chi_square_p_value(counts[support], expected) > 1e-3
+
+
+def test_each_position_is_penalized_and_masked_with_the_drafts_before_it():
+    """Token 1 leads every row; a presence penalty counts the first draft as output at the second
+    position, where 2 then leads: one draft accepted, 2 follows (counting none: both accepted)."""
+    logits = torch.tensor([[0.0, 2.0, 1.0, 0.0]] * 3)
+    greedy = SamplingParams(temperature=0.0, presence_penalty=1.5)
+    assert verify_in_context(logits.clone(), [1, 1], greedy, None, [3], [], [0]) == (1, 2)
+    assert verify_in_context(logits.clone(), [1, 2], greedy, None, [3], [], [0]) == (2, 1)  # 1 and 2 both seen
+    # min_tokens: EOS (3) is masked while the output, drafts included, is shorter than 2.
+    eos_first = torch.tensor([[0.0, 1.0, 0.0, 5.0]] * 3)
+    masked = SamplingParams(temperature=0.0, min_tokens=2)
+    assert verify_in_context(eos_first.clone(), [1, 1], masked, None, [0], [], [3]) == (2, 3)
+    assert verify_in_context(eos_first.clone(), [1, 3], masked, None, [0], [], [3]) == (1, 1)
