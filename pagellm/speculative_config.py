@@ -60,6 +60,8 @@ class SpeculativeConfig:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+            except RecursionError:
+                raise ValueError("speculative_config is nested too deeply") from None
         if not isinstance(value, Mapping):
             raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
         known = {f.name for f in fields(cls)}

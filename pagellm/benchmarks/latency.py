@@ -40,6 +40,7 @@ from pagellm.benchmarks._common import (
 )
 from pagellm.benchmarks.text_workloads import TEXT_WORKLOADS
 from pagellm.benchmarks.floor import DecodeFloor, measure_floor
+from pagellm.core.speculation import SpeculationStats
 from pagellm.benchmarks.workloads import fixed_workload
 
 COMPARE_CHOICES = tuple(llama_bench.PEERS)
@@ -158,10 +159,10 @@ def _speculation(engine: Any) -> tuple[int, int, int] | None:
 def _acceptance(before: tuple[int, int, int], after: tuple[int, int, int] | None) -> dict[str, float]:
     """The timed runs' drafts: how many, the share accepted, tokens a verifying step produced."""
     assert after is not None
-    steps, drafted, accepted = (a - b for a, b in zip(after, before))
-    return dict(verifying_steps=steps, draft_tokens=drafted, accepted_tokens=accepted,
-                acceptance_rate=accepted / drafted if drafted else 0.0,
-                mean_accepted_length=1 + accepted / steps if steps else 0.0)  # fmt: skip
+    timed = SpeculationStats(*(a - b for a, b in zip(after, before)))
+    return dict(verifying_steps=timed.num_drafts, draft_tokens=timed.num_draft_tokens,
+                accepted_tokens=timed.num_accepted_tokens, acceptance_rate=timed.acceptance_rate,
+                mean_accepted_length=timed.mean_accepted_length)  # fmt: skip
 
 
 def _peers(cfg: LatencyConfig) -> dict[str, tuple[str, str, tuple[str, ...]]]:

@@ -12,11 +12,10 @@ itself with speculation too, though not the draws it makes without (docs/specula
 
 from __future__ import annotations
 
-import torch
-
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from pagellm.sample.sampler import SamplingBatch, apply_min_tokens, apply_penalties, filtered_probs, random_sample
 from pagellm.sampling_params import SamplingParams
@@ -43,13 +42,15 @@ def verify_drafts(
         n = accepted_prefix(target, drafts)
         return n, target[n]
     probs = filtered_probs(logits, [params] * (k + 1))
-    for i, draft in enumerate(drafts):
-        if float(torch.rand((), generator=generator, dtype=torch.float64)) < float(probs[i, draft]):
-            continue
-        residual = probs[i : i + 1].clone()
-        residual[0, draft] = 0.0
-        return i, int(random_sample(residual, [generator])[0])
-    return k, int(random_sample(probs[k : k + 1].clone(), [generator])[0])
+    # One uniform draw a draft, all compared at once (one read back, not one a draft).
+    chosen = probs[torch.arange(k, device=probs.device), torch.tensor(drafts, dtype=torch.long, device=probs.device)]
+    uniform = torch.rand(k, generator=generator, dtype=torch.float64, device=probs.device)
+    accepts = (uniform < chosen.double()).tolist()
+    n = accepts.index(False) if False in accepts else k
+    residual = probs[n : n + 1].clone()
+    if n < k:  # rejected: the target's distribution without the draft
+        residual[0, drafts[n]] = 0.0
+    return n, int(random_sample(residual, [generator])[0])
 
 
 def verify_in_context(

@@ -174,6 +174,10 @@ def test_speculative_config_is_validated_by_name():
         ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 4}', "prompt_lookup_min"),
         ('{"method": "ngram", "disable_by_batch_size": 0}', "disable_by_batch_size"),
         ('{"method": "ngram", "adaptive": 1}', "adaptive"),
+        ('{"method": "ngram", "prompt_lookup_max": 4.0}', "prompt_lookup_max"),
+        ('{"method": ["ngram"]}', "unknown speculative method"),
+        ('{"method": "ngram", "disable_by_batch_size": "4"}', "disable_by_batch_size"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
     ]:
         with pytest.raises(ValueError, match=match):
             SpeculativeConfig.parse(bad)
