@@ -51,8 +51,9 @@
 // ymm); AVX2 (vpmaddubsw + vpmaddwd). On AVX2, q4's int16 pair sums of a whole block (both
 // nibbles in one chain) stay in int16 (|sum| <= 16 * 15 * 127 = 30480) and are widened once per
 // block (one chain measured 10-20% faster than two from L2, NOTES 42); with vpdpbusd (no int16
-// step) q4's high nibbles enter in place, as 16 x code, and the block's sum is shifted back once
-// (an AND instead of a shift and an AND per 64 bytes); q8's codes go through
+// step) and few vectors in flight q4's high nibbles enter in place, as 16 x code, and the block's
+// sum is shifted back once (an AND instead of a shift and an AND per 64 bytes), while a tile of
+// 4 rows x 2 zmm takes both nibbles in one chain (one_q4_chain); q8's codes go through
 // |w| and sign(a, w), since (q_w + 128) * 127 * 2 would saturate vpmaddubsw's int16. Where the
 // compiler targets AMX-INT8, the same sums also run on tiles for big batches (gemm_int8_amx.h).
 //
@@ -148,6 +149,13 @@ namespace {
 
 #include "gemm_int8_simd.h"
 
+// q4's nibbles in one int32 chain per output vector, the high nibbles shifted down (one more
+// operation per 64 bytes, shared by the register tile's rows), or in two chains with the high
+// nibbles in place as 16 x code (the block's sum shifted back, per row and vector). Two chains
+// hide vpdpbusd's latency where few vectors are in flight; from 8 on, one does less work a row.
+// AVX2's int16 pair sums always take one chain.
+constexpr bool one_q4_chain(int vectors) { return Simd::kOneQ4Chain || vectors >= 8; }
+
 constexpr int kLanes = kTileCols / Simd::kVecs;  // columns per vector
 constexpr int kGroupBytes = 64;
 // One row (a decode step) takes four tiles at once: four weight streams in flight. From DRAM (1B
@@ -163,8 +171,11 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
     constexpr int V = G * Simd::kVecs;  // vectors across the tiles
     constexpr bool kNibbles = kFmt != kQ8;
     constexpr bool kWide = kFmt == kQ5F || kFmt == kQ6K;  // codes above 15: no int16 chain per block
-    constexpr bool kOneChain = kNibbles && !kWide && Simd::kOneQ4Chain;
-    constexpr bool kInPlaceHigh = kNibbles && !kWide && !Simd::kOneQ4Chain;
+    constexpr bool kOneChain = kNibbles && !kWide && one_q4_chain(R * V);
+    constexpr bool kInPlaceHigh = kNibbles && !kWide && !kOneChain;
+    // q6k on vpdpbusd: a chain per half of the block (both nibbles), or four where few vectors
+    // are in flight (the halves' high nibbles apart, added back per block).
+    constexpr bool kHalfChains = kFmt == kQ6K && !Simd::kOneQ4Chain && R * V >= 4;
     constexpr int kGroups = kNibbles ? 4 : 8;
     const int64_t blocks = qa.blocks, lq = blocks * kBlock;
     F acc[R][V];
@@ -236,6 +247,9 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
                         } else {
                             s0[r][v] = Simd::add(s0[r][v], group);
                         }
+                    } else if constexpr (kHalfChains) {
+                        I& half = g < 2 ? s0[r][v] : s1[r][v];
+                        half = Simd::dot_q4(Simd::dot_q4(half, lo[v], a0), hi[v], a1);
                     } else if constexpr (kFmt == kQ6K) {
                         I& low = g < 2 ? s0[r][v] : s1[r][v];
                         I& high = g < 2 ? s2[r][v] : s3[r][v];
@@ -282,7 +296,8 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
                 if constexpr (kFmt == kQ6K) {
                     const int32_t low = qa.sum_lo[ab], high = qa.sum[ab] - low;
                     I half0 = Simd::add(s0[r][v], Simd::set1(-32 * low)), half1 = Simd::add(s1[r][v], Simd::set1(-32 * high));
-                    if constexpr (!Simd::kOneQ4Chain) half0 = Simd::add(half0, s2[r][v]), half1 = Simd::add(half1, s3[r][v]);
+                    if constexpr (!Simd::kOneQ4Chain && !kHalfChains)
+                        half0 = Simd::add(half0, s2[r][v]), half1 = Simd::add(half1, s3[r][v]);
                     // Summed over the super-block in int32 (|total| <= 16 * 128 * 16 * 32 * 127 < 2^28),
                     // scaled once at its end.
                     total[r][v] = Simd::add(total[r][v], Simd::add(Simd::mullo(sc0, half0), Simd::mullo(sc1, half1)));
@@ -328,12 +343,27 @@ constexpr TileFn tile_kernel() {
     }
 }
 
+// Whether 3-4 rows take two tiles at once: the 4-bit formats on AVX-512, whose 32 registers hold
+// 4 x 2 chains and sums (the weights unpacked once for 4 rows, an activation broadcast serving
+// two tiles); elsewhere one tile (register budget).
+template <int kFmt>
+constexpr bool pair_tiles() {
+    return Simd::kVecs == 1 && (kFmt == kQ4 || kFmt == kQ4S || kFmt == kQ4F || kFmt == kQ4K);
+}
+
 // One row takes kWideGroup tiles at once, 2 rows two (more independent chains for the latency of
-// vpdpbusd, more weight streams in flight), 3-4 rows one (register budget).
+// vpdpbusd, more weight streams in flight), 3-4 rows two or one (pair_tiles).
 template <int kFmt>
 TileFn tile_fn(int rows, int group) {
     if (group == 4) return tile_kernel<1, 4, kFmt>();
-    if (group == 2) return rows == 1 ? tile_kernel<1, 2, kFmt>() : tile_kernel<2, 2, kFmt>();
+    if (group == 2) {
+        if constexpr (pair_tiles<kFmt>()) {
+            static constexpr TileFn kTwo[kMaxRows] = {tile_kernel<1, 2, kFmt>(), tile_kernel<2, 2, kFmt>(),
+                                                      tile_kernel<3, 2, kFmt>(), tile_kernel<4, 2, kFmt>()};
+            return kTwo[rows - 1];
+        }
+        return rows == 1 ? tile_kernel<1, 2, kFmt>() : tile_kernel<2, 2, kFmt>();
+    }
     static constexpr TileFn kOne[kMaxRows] = {tile_kernel<1, 1, kFmt>(), tile_kernel<2, 1, kFmt>(),
                                               tile_kernel<3, 1, kFmt>(), tile_kernel<4, 1, kFmt>()};
     return kOne[rows - 1];
@@ -370,7 +400,7 @@ void gemm(const QuantizedA& qa, int64_t m, const uint8_t* packed, int64_t n, voi
     const int64_t per_tile = silu_mul ? 8 : kTileCols;  // outputs a tile gives
     const int64_t tiles = (n + per_tile - 1) / per_tile;
     const int64_t tile_bytes = qa.blocks * kRecordBytes[kFmt];
-    const int group = m == 1 && tiles >= kWideGroup ? kWideGroup : m <= 2 && tiles >= 2 ? 2 : 1;
+    const int group = m == 1 && tiles >= kWideGroup ? kWideGroup : (m <= 2 || pair_tiles<kFmt>()) && tiles >= 2 ? 2 : 1;
     const int64_t groups = (tiles + group - 1) / group;
     const int64_t row_bytes = qa.blocks * kBlock;
     const int64_t chunk = std::max<int64_t>(kMaxRows, kChunkBytes / row_bytes / kMaxRows * kMaxRows);

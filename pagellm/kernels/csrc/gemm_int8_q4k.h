@@ -59,23 +59,51 @@ inline Simd::F q4k_finish_super(Simd::F acc, Simd::I scaled, Simd::I mins, Simd:
     return Simd::fmadd(Simd::to_float(mins), Simd::mul(dmin, Simd::fset1(-da)), acc);
 }
 
+// Two adjacent int16 as one int32 (the first in the low half), for a broadcast.
+inline int32_t load_pair(const int16_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+}
+
+// A tile's mins of one super-block as int16 pairs for vpdpwssd: pairs[i][c] = mn[2i][c] | mn[2i + 1][c] << 16.
+inline void q4k_min_pairs(const uint8_t* mn, int32_t* pairs) {
+#pragma GCC unroll 4
+    for (int i = 0; i < kSuperBlocks / 2; ++i)
+#pragma GCC unroll 2
+        for (int c = 0; c < kTileCols; c += kLanes) {
+            const Simd::I lo = Simd::uint8_lanes(mn + 32 * i + c), hi = Simd::uint8_lanes(mn + 32 * i + 16 + c);
+            Simd::store_int(pairs + kTileCols * i + c, Simd::or_(lo, Simd::shift_left32(hi, 16)));
+        }
+}
+
 // tile[r][t * 16 + c] = row r0 + r of A times column c of tile t (G tiles, `tile_bytes` apart), for
-// q4k weights and activations with a scale per super-block.
+// q4k weights and activations with a scale per super-block. From 3 rows on, the mins' sum M of a
+// super-block is four vpdpwssd per row and vector (the mins as int16 pairs against the blocks'
+// sums of q), not a multiply per block; the output accumulates in `tile` (one load and store per
+// super-block), so that 4 rows x 2 tiles keep their chains and integer sums in registers.
 template <int R, int G>
 void accumulate_q4k(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile_bytes, float* tile) {
     using I = typename Simd::I;
     using F = typename Simd::F;
     constexpr int V = G * Simd::kVecs;
+    constexpr bool kOneChain = one_q4_chain(R * V);
+    // The mins as pairs cost their preparation per tile and super-block: worth it from 3 rows on
+    // (from memory at 1-2 rows, 4% slower than a multiply per block: NOTES 61). Same sums either way.
+    constexpr bool kMinPairs = R >= 3;
     const int64_t blocks = qa.blocks, lq = blocks * kBlock;
-    F acc[R][V];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-        for (int v = 0; v < V; ++v) acc[r][v] = Simd::fzero();
+        for (int v = 0; v < V; ++v) Simd::store(tile + r * G * kTileCols + v * kLanes, Simd::fzero());
     alignas(64) uint8_t sc[G][kSuperBlocks * kTileCols], mn[G][kSuperBlocks * kTileCols];
+    alignas(64) int32_t min_pairs[G][kSuperBlocks / 2 * kTileCols];
     for (int64_t s = 0; s < blocks / kSuperBlocks; ++s) {
 #pragma GCC unroll 4
-        for (int t = 0; t < G; ++t) q4k_scale_bytes(w + t * tile_bytes + s * kSuperRecord, sc[t], mn[t]);
+        for (int t = 0; t < G; ++t) {
+            q4k_scale_bytes(w + t * tile_bytes + s * kSuperRecord, sc[t], mn[t]);
+            if constexpr (kMinPairs) q4k_min_pairs(mn[t], min_pairs[t]);
+        }
         I scaled[R][V], mins[R][V];
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
@@ -97,9 +125,9 @@ void accumulate_q4k(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t 
                     const uint8_t* rec = block_codes<kQ4K>(w + (v / Simd::kVecs) * tile_bytes, b);
                     const I codes = Simd::load(rec + g * 64 + (v % Simd::kVecs) * (64 / Simd::kVecs));
                     lo[v] = Simd::low_nibbles(codes);
-                    // vpdpbusd (no int16 step to saturate) takes the high nibbles in place, as 16 x
-                    // code; the block's sum is divided back, exactly, once.
-                    hi[v] = Simd::kOneQ4Chain ? Simd::high_nibbles(codes) : Simd::high_nibbles_x16(codes);
+                    // In two chains (vpdpbusd: no int16 step to saturate) the high nibbles enter in
+                    // place, as 16 x code, and the block's sum is divided back, exactly, once.
+                    hi[v] = kOneChain ? Simd::high_nibbles(codes) : Simd::high_nibbles_x16(codes);
                 }
 #pragma GCC unroll 8
                 for (int r = 0; r < R; ++r) {
@@ -107,7 +135,7 @@ void accumulate_q4k(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t 
                     const I a0 = Simd::set1(load4(ar + 8 * g)), a1 = Simd::set1(load4(ar + 8 * g + 4));
 #pragma GCC unroll 8
                     for (int v = 0; v < V; ++v) {
-                        if constexpr (Simd::kOneQ4Chain) {
+                        if constexpr (kOneChain) {
                             s0[r][v] = Simd::dot_q4(Simd::dot_q4(s0[r][v], lo[v], a0), hi[v], a1);
                         } else {
                             s0[r][v] = Simd::dot_q4(s0[r][v], lo[v], a0);
@@ -120,30 +148,38 @@ void accumulate_q4k(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t 
             for (int v = 0; v < V; ++v) {
                 const int lane0 = (v % Simd::kVecs) * kLanes;
                 const I scale = Simd::uint8_lanes(sc[v / Simd::kVecs] + kTileCols * j + lane0);
-                const I min = Simd::uint8_lanes(mn[v / Simd::kVecs] + kTileCols * j + lane0);
 #pragma GCC unroll 8
                 for (int r = 0; r < R; ++r) {
-                    const I isum = Simd::kOneQ4Chain ? Simd::finish_q4(s0[r][v])
-                                                     : Simd::add(s0[r][v], Simd::sra(s1[r][v], 4));
-                    q4k_add_block(scaled[r][v], mins[r][v], isum, scale, min, qa.sum[(r0 + r) * blocks + b]);
+                    const I isum = kOneChain ? Simd::finish_q4(s0[r][v]) : Simd::add(s0[r][v], Simd::sra(s1[r][v], 4));
+                    if constexpr (kMinPairs) {
+                        scaled[r][v] = Simd::add(scaled[r][v], Simd::mullo(scale, isum));
+                    } else {
+                        const I min = Simd::uint8_lanes(mn[v / Simd::kVecs] + kTileCols * j + lane0);
+                        q4k_add_block(scaled[r][v], mins[r][v], isum, scale, min, qa.sum[(r0 + r) * blocks + b]);
+                    }
                 }
             }
         }
-        // The super-block's one float step.
+        // The mins' sums and the super-block's one float step.
 #pragma GCC unroll 8
-        for (int v = 0; v < V; ++v) {
-            const uint8_t* super = w + (v / Simd::kVecs) * tile_bytes + s * kSuperRecord;
-            const int lane0 = (v % Simd::kVecs) * kLanes;
-            const F d = Simd::half(super + kQ4KD + 2 * lane0), dmin = Simd::half(super + kQ4KDmin + 2 * lane0);
+        for (int r = 0; r < R; ++r) {
+            const int16_t* sums = qa.sum16.data() + (r0 + r) * blocks + s * kSuperBlocks;
+            const float da = qa.d[(r0 + r) * blocks + s * kSuperBlocks];
 #pragma GCC unroll 8
-            for (int r = 0; r < R; ++r) {
-                const float da = qa.d[(r0 + r) * blocks + s * kSuperBlocks];
-                acc[r][v] = q4k_finish_super(acc[r][v], scaled[r][v], mins[r][v], d, dmin, da);
+            for (int v = 0; v < V; ++v) {
+                const int lane0 = (v % Simd::kVecs) * kLanes;
+                if constexpr (kMinPairs) {
+                    const int32_t* pairs = min_pairs[v / Simd::kVecs] + lane0;
+#pragma GCC unroll 4
+                    for (int i = 0; i < kSuperBlocks / 2; ++i)
+                        mins[r][v] = Simd::dot_pairs(mins[r][v], Simd::load_int(pairs + kTileCols * i),
+                                                     Simd::set1(load_pair(sums + 2 * i)));
+                }
+                const uint8_t* super = w + (v / Simd::kVecs) * tile_bytes + s * kSuperRecord;
+                const F d = Simd::half(super + kQ4KD + 2 * lane0), dmin = Simd::half(super + kQ4KDmin + 2 * lane0);
+                float* out = tile + r * G * kTileCols + v * kLanes;
+                Simd::store(out, q4k_finish_super(Simd::fload(out), scaled[r][v], mins[r][v], d, dmin, da));
             }
         }
     }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-        for (int v = 0; v < V; ++v) Simd::store(tile + r * G * kTileCols + v * kLanes, acc[r][v]);
 }

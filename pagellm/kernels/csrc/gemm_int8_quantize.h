@@ -11,6 +11,7 @@ struct QuantizedA {
     std::vector<float> d;
     std::vector<int32_t> sum;
     std::vector<int32_t> sum_lo;
+    std::vector<int16_t> sum16;  // with a scale per super-block: sum(q) again as int16 (|sum| <= 32 * 127), for vpdpwssd
     int64_t blocks = 0;
     bool super_scale = false;
 };
@@ -153,6 +154,7 @@ void quantize_rows(const void* a, int64_t lda, int64_t m, int64_t k, bool bf16, 
     out.d.assign(static_cast<size_t>(rows * blocks), 0.0f);
     out.sum.assign(static_cast<size_t>(rows * blocks), 0);
     out.sum_lo.assign(static_cast<size_t>(rows * blocks), 0);
+    out.sum16.assign(super_scale ? static_cast<size_t>(rows * blocks) : 0, 0);
     const int64_t elem = bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(threads) schedule(static) if (m * k >= (1 << 16))
     for (int64_t r = 0; r < m; ++r) {
@@ -165,5 +167,7 @@ void quantize_rows(const void* a, int64_t lda, int64_t m, int64_t k, bool bf16, 
         } else {
             quantize_row<false>(row, k, blocks, group, q, d, sum, sum_lo);
         }
+        if (super_scale)
+            for (int64_t b = 0; b < blocks; ++b) out.sum16[r * blocks + b] = static_cast<int16_t>(sum[b]);
     }
 }

@@ -10,6 +10,11 @@ struct Simd {
     static constexpr int kQ8Offset = 128;  // q8 codes enter vpdpbusd as u8 = q + 128
     static constexpr bool kOneQ4Chain = false;  // two chains hide vpdpbusd's latency
     static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+    static I load_int(const int32_t* p) { return _mm512_loadu_si512(p); }
+    static void store_int(int32_t* p, I v) { _mm512_storeu_si512(p, v); }
+    static I shift_left32(I v, int n) { return _mm512_slli_epi32(v, n); }
+    // acc + x.lo16 * y.lo16 + x.hi16 * y.hi16 per int32 lane (int16 pairs)
+    static I dot_pairs(I acc, I x, I y) { return _mm512_dpwssd_epi32(acc, x, y); }
     static I set1(int32_t v) { return _mm512_set1_epi32(v); }
     static I zero() { return _mm512_setzero_si512(); }
     static I low_nibbles(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
@@ -37,6 +42,7 @@ struct Simd {
     static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
     static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
     static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+    static F fload(const float* p) { return _mm512_loadu_ps(p); }
 };
 #else
 // Two ymm per tile of 16 columns.
@@ -50,6 +56,14 @@ struct Simd {
     static constexpr int kQ8Offset = 0;  // the |w|, sign(a, w) form multiplies the signed codes
 #endif
     static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+    static I load_int(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+    static void store_int(int32_t* p, I v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+    static I shift_left32(I v, int n) { return _mm256_slli_epi32(v, n); }
+#if PAGELLM_QGEMM_ISA == 2
+    static I dot_pairs(I acc, I x, I y) { return _mm256_dpwssd_avx_epi32(acc, x, y); }
+#else
+    static I dot_pairs(I acc, I x, I y) { return _mm256_add_epi32(acc, _mm256_madd_epi16(x, y)); }
+#endif
     static I set1(int32_t v) { return _mm256_set1_epi32(v); }
     static I zero() { return _mm256_setzero_si256(); }
     static I low_nibbles(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
@@ -90,5 +104,6 @@ struct Simd {
     static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
     static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
     static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+    static F fload(const float* p) { return _mm256_loadu_ps(p); }
 };
 #endif
