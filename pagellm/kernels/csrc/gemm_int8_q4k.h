@@ -111,6 +111,8 @@ void accumulate_q4k(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t 
             for (int v = 0; v < V; ++v) scaled[r][v] = mins[r][v] = Simd::zero();
         for (int j = 0; j < kSuperBlocks; ++j) {
             const int64_t b = s * kSuperBlocks + j;
+            if constexpr (R == 1 && G == kWideGroup)
+                prefetch_ahead<G>(w + s * kSuperRecord + j * kRecordBytes[kQ4K], kRecordBytes[kQ4K], tile_bytes);
             I s0[R][V], s1[R][V];
 #pragma GCC unroll 8
             for (int r = 0; r < R; ++r)
