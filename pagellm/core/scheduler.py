@@ -148,9 +148,13 @@ class Scheduler:
                 i += 1
                 continue
             drafts = speculator.drafts(seq, budget, self.max_model_len) if speculator is not None else []
-            num_new += len(drafts)
-            if not self._allocate_or_preempt(seq, num_new, in_flight):
-                break  # the request itself was preempted: nothing younger is left to run
+            # Drafts take free slots only: no sequence is preempted so that another may speculate.
+            if drafts and self.kv_cache_manager.allocate_slots(seq, num_new + len(drafts)):
+                num_new += len(drafts)
+            else:
+                drafts = []
+                if not self._allocate_or_preempt(seq, num_new, in_flight):
+                    break  # the request itself was preempted: nothing younger is left to run
             scheduled.append(self._scheduled(seq, num_new, drafts))
             budget -= num_new
             i += 1

@@ -326,7 +326,7 @@ class ModelRunner:
         accepted, token = verify_in_context(logits, drafts, params, generator, batch.prompt_token_ids(row),
                                             batch.output_token_ids(row), self.eos_token_ids)  # fmt: skip
         output.sampled[seq_id], output.num_accepted[seq_id] = token, accepted
-        if raw is not None and params.logprobs is not None:
+        if raw is not None:
             kept = torch.tensor([*drafts[:accepted], token], device=raw.device)
             ids, values, ranks = (t.tolist() for t in gather_logprobs(raw[: accepted + 1], kept, params.logprobs))
             output.step_logprobs[seq_id] = [_token_logprobs(i, v, r, params.logprobs) for i, v, r in zip(ids, values, ranks)]

@@ -98,6 +98,19 @@ def test_accepted_drafts_join_the_sequence_with_the_targets_token():
     assert stats.mean_accepted_length == 3.0
 
 
+def test_drafts_take_free_blocks_only_and_never_preempt():
+    """With the pool full, a sequence that could speculate runs a plain step instead of
+    preempting another for its drafts' slots."""
+    s = make_scheduler(k=3, num_blocks=4)
+    s.add_sequence(make_seq("a", [5, 6, 7, 8, 5, 6]))
+    s.add_sequence(make_seq("b", [1, 2, 3, 4, 9, 10]))
+    run(s, token=7)  # both prompts: blocks 0-1 and 2-3, no block free
+    step, _, _ = run(s, token=4)
+    assert [(r.seq_id, r.num_tokens, r.block_ids) for r in step.scheduled] == [("a", 1, [0, 1]), ("b", 1, [2, 3])]
+    assert step.out.scheduled[0].draft_token_ids == [] and s.stats.num_preemptions == 0
+    assert s.sequences["a"].output_token_ids == [7, 4] and s.speculator.stats.num_drafts == 0
+
+
 def test_a_stop_token_inside_accepted_drafts_ends_the_sequence_there():
     s = make_scheduler(k=3)
     s.add_sequence(make_seq("a", [5, 3, EOS, 6, 5]))
