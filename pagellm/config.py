@@ -273,6 +273,32 @@ class EngineConfig:
     kernels: KernelConfig = field(default_factory=KernelConfig.from_env)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
+    def __post_init__(self) -> None:
+        spec = self.speculative
+        if spec is not None and spec.uses_draft_model:
+            if self.device.world_size > 1:
+                raise ValueError("speculative method 'draft_model' runs on one rank; tensor and pipeline parallelism "
+                                 "with a draft model are not supported (use 'ngram', or data parallelism)")  # fmt: skip
+            draft_model_config(self)  # its quantization checked here, once
+
+
+def draft_model_config(config: EngineConfig) -> ModelConfig:
+    """What the draft model of ``config.speculative`` loads: its checkpoint (the target's own
+    where none is named), in its own quantization, its dtype what is fast here ("auto")."""
+    spec = config.speculative
+    if spec is None or not spec.uses_draft_model:
+        raise ValueError("no draft model is configured")
+    target = config.model
+    model = spec.model if spec.model is not None else target.model
+    if spec.model is None and spec.quantization == target.quantization:
+        raise ValueError("a draft_model without its own 'model' drafts with the target's checkpoint and needs another "
+                         f"'quantization' than the target's ({target.quantization!r}), e.g. the target with "
+                         "quantization 'none' and the draft with 'gguf'")  # fmt: skip
+    try:
+        return ModelConfig(model=model, dtype="auto", seed=target.seed, quantization=spec.quantization)
+    except ValueError as exc:
+        raise ValueError(f"speculative_config: {exc}") from None
+
 
 def split_threads(config: EngineConfig, parts: int) -> EngineConfig:
     """``config`` for one of ``parts`` processes sharing this machine (data-parallel replicas,

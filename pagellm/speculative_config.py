@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16  # a verification step's rows per sequence stay small
 MAX_NGRAM = 16
 
@@ -22,7 +22,10 @@ MAX_NGRAM = 16
 class SpeculativeConfig:
     """``method`` "ngram": the tokens that followed the latest earlier occurrence of the
     sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``), in
-    its prompt or output, up to ``num_speculative_tokens``. A step with more running sequences
+    its prompt or output, up to ``num_speculative_tokens``. "draft_model": a smaller model with
+    the same vocabulary (``model``; None: the target's own checkpoint, then in the cheaper
+    ``quantization``) continues each sequence greedily; it runs in the worker, in the same step
+    as the target's verification, its KV cache in the same blocks (``worker/drafter.py``). A step with more running sequences
     than ``disable_by_batch_size`` proposes nothing: a big batch already uses each weight read
     for many tokens, and its extra rows would cost more than they save (None: never).
     ``adaptive`` (pagellm's): each sequence proposes only as many drafts as its acceptance so far
@@ -35,10 +38,10 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     disable_by_batch_size: int | None = 4
     adaptive: bool = True
+    model: str | None = None  # draft_model: the draft's checkpoint (None: the target's own)
+    quantization: str = "auto"  # draft_model: how the draft's weights are held (as --quantization)
 
     def __post_init__(self) -> None:
-        if self.method == "draft_model":
-            raise ValueError("speculative method 'draft_model' is not available yet; supported: ngram")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"unknown speculative method {self.method!r}; supported: {', '.join(SPECULATIVE_METHODS)}")
         _integer("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
@@ -48,6 +51,16 @@ class SpeculativeConfig:
             _integer("disable_by_batch_size", self.disable_by_batch_size, 1, None)
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative_config adaptive must be true or false, got {self.adaptive!r}")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
+            raise ValueError(f"speculative_config model must be a path or name, got {self.model!r}")
+        if not isinstance(self.quantization, str):
+            raise ValueError(f"speculative_config quantization must be a string, got {self.quantization!r}")
+        if self.method == "ngram" and (self.model is not None or self.quantization != "auto"):
+            raise ValueError("speculative_config model and quantization belong to method 'draft_model', not 'ngram'")
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -69,7 +82,7 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}")
         if "method" not in value:
-            raise ValueError("speculative_config needs a 'method' (supported: ngram)")
+            raise ValueError(f"speculative_config needs a 'method' (supported: {', '.join(SPECULATIVE_METHODS)})")
         return cls(**value)
 
 

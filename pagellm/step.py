@@ -63,6 +63,14 @@ class ScheduledSequence:
     # them in this step (the last ``len(draft_token_ids)`` of its ``num_tokens`` query tokens)
     # and verified against the target's own sampling; never kept by the worker.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Or drafts the worker's draft model proposes at the start of this step, in the place of
+    # ``draft_token_ids`` (which then stays empty); the worker reports them in its output.
+    num_model_drafts: int = 0
+
+    @property
+    def num_drafts(self) -> int:
+        """The drafts this step verifies for the sequence (the last of its query tokens)."""
+        return len(self.draft_token_ids) + self.num_model_drafts
 
 
 @dataclass
@@ -128,3 +136,8 @@ class ModelRunnerOutput:
     num_accepted: dict[str, int] = field(default_factory=dict)
     # Verified sequences asking for logprobs: one row for each accepted draft, then the sampled token.
     step_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # The drafts the worker's draft model proposed (``ScheduledSequence.num_model_drafts``).
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+    # The most tokens one sequence's draft KV caught up on this step (the draft's prefill the
+    # first time; 1-2 tokens a step after): a step with a long one is no measure of drafting.
+    draft_catch_up: int = 0

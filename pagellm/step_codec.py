@@ -57,14 +57,14 @@ def _scheduled_fields(r: ScheduledSequence) -> list[Any]:
     """A list, not an object: a decode step sends one of these per sequence."""
     forks = [[f.seq_id, _params_fields(f.sampling_params)] for f in r.forks]
     return [r.seq_id, r.start_position, r.num_tokens, r.sample, r.new_token_ids, r.block_table_start,
-            r.new_block_ids, forks, r.draft_token_ids]  # fmt: skip
+            r.new_block_ids, forks, r.draft_token_ids, r.num_model_drafts]  # fmt: skip
 
 
 def _scheduled(data: list[Any]) -> ScheduledSequence:
-    seq_id, start, num_tokens, sample, new_tokens, table_start, new_blocks, forks, drafts = data
+    seq_id, start, num_tokens, sample, new_tokens, table_start, new_blocks, forks, drafts, model_drafts = data
     return ScheduledSequence(
         str(seq_id), _int(start), _int(num_tokens), _bool(sample), _ints(new_tokens), _int(table_start),
-        _ints(new_blocks), [SampleFork(str(i), _params(p)) for i, p in forks], _ints(drafts),
+        _ints(new_blocks), [SampleFork(str(i), _params(p)) for i, p in forks], _ints(drafts), _int(model_drafts),
     )  # fmt: skip
 
 
@@ -151,6 +151,7 @@ def encode_output(output: ModelRunnerOutput | None, error: str | None = None) ->
         message["output"] = {
             "sampled": output.sampled, "num_accepted": output.num_accepted, "logprobs": output.logprobs,
             "failed": output.failed, "route": output.route, "step_logprobs": output.step_logprobs,
+            "drafts": output.drafts, "draft_catch_up": output.draft_catch_up,
             "prompt_logprobs": {k: [v.start, v.rows] for k, v in output.prompt_logprobs.items()},
         }  # fmt: skip
     return json.dumps(message, separators=(",", ":")).encode()
@@ -177,6 +178,8 @@ def decode_output(data: bytes) -> tuple[ModelRunnerOutput | None, str | None]:
                              for k, (s, rows) in o["prompt_logprobs"].items()},  # fmt: skip
             failed={str(k): str(v) for k, v in o["failed"].items()},
             route=str(o["route"]),
+            drafts={str(k): _ints(v) for k, v in o["drafts"].items()},
+            draft_catch_up=_int(o["draft_catch_up"]),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CodecError(f"not an output message: {type(exc).__name__}: {exc}") from exc

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.sequence import Sequence, SequenceStatus
-from pagellm.core.speculation import Speculator
+from pagellm.core.speculation import NO_DRAFTS, Drafts, Speculator
 from pagellm.step import ForkedSequence, ModelRunnerOutput, NewSequence, SampleFork, ScheduledSequence, SchedulerOutput
 
 
@@ -147,12 +147,12 @@ class Scheduler:
             if num_new <= 0 or seq.seq_id in in_flight:
                 i += 1
                 continue
-            drafts = speculator.drafts(seq, budget, self.max_model_len) if speculator is not None else []
+            drafts = speculator.drafts(seq, budget, self.max_model_len) if speculator is not None else NO_DRAFTS
             # Drafts take free slots only: no sequence is preempted so that another may speculate.
-            if drafts and self.kv_cache_manager.allocate_slots(seq, num_new + len(drafts)):
-                num_new += len(drafts)
+            if drafts.count and self.kv_cache_manager.allocate_slots(seq, num_new + drafts.count):
+                num_new += drafts.count
             else:
-                drafts = []
+                drafts = NO_DRAFTS
                 if not self._allocate_or_preempt(seq, num_new, in_flight):
                     break  # the request itself was preempted: nothing younger is left to run
             scheduled.append(self._scheduled(seq, num_new, drafts))
@@ -237,13 +237,13 @@ class Scheduler:
         self.stats.num_preemptions += 1
         _insert_by_arrival(self.waiting, seq)
 
-    def _scheduled(self, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> ScheduledSequence:
+    def _scheduled(self, seq: Sequence, num_new: int, drafts: Drafts = NO_DRAFTS) -> ScheduledSequence:
         """The step's diff for ``seq``: a sequence the worker does not know goes whole into
         ``new_sequences``; otherwise only its unsent tokens and the changed end of its block
         table (from the block this step writes into: a copy-on-write may replace it).
         ``drafts``: speculative tokens computed after its known ones (the last of ``num_new``)."""
         start = seq.num_computed_tokens
-        sample = start + num_new - len(drafts or ()) == seq.num_tokens
+        sample = start + num_new - drafts.count == seq.num_tokens
         new_tokens: list[int] = []
         if seq.num_tokens_sent == 0:
             self._new_sequences.append(NewSequence(seq.seq_id, list(seq.all_token_ids),
@@ -260,7 +260,7 @@ class Scheduler:
                 child.num_tokens_sent, child.num_blocks_sent = seq.num_tokens_sent, seq.num_blocks_sent
                 forks.append(SampleFork(child.seq_id, child.sampling_params))
         return ScheduledSequence(seq.seq_id, start, num_new, sample, new_tokens, table_start, new_blocks, forks,
-                                 list(drafts or ()))  # fmt: skip
+                                 list(drafts.tokens), drafts.in_worker)  # fmt: skip
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -274,23 +274,25 @@ class Scheduler:
                 continue  # aborted or preempted after scheduling
             start = seq.num_computed_tokens
             token_id = runner_output.sampled.get(item.seq_id)
-            drafts = item.draft_token_ids
+            num_drafts = item.num_drafts
+            # A draft model's drafts come back with the output (where the step reached them).
+            drafts = runner_output.drafts.get(item.seq_id, item.draft_token_ids)
             # Drafts past the accepted ones hold no token of the sequence: not computed.
             accepted = min(runner_output.num_accepted.get(item.seq_id, 0), len(drafts)) if token_id is not None else 0
-            seq.num_computed_tokens += item.num_tokens - (len(drafts) - accepted)
+            seq.num_computed_tokens += item.num_tokens - (num_drafts - accepted)
             prompt_len = seq.num_prompt_tokens
             self.stats.num_prompt_tokens_computed += min(seq.num_computed_tokens, prompt_len) - min(
                 start, prompt_len
             )
-            if drafts and self.speculator is not None and token_id is not None:
-                self.speculator.record(seq.seq_id, len(drafts), accepted)
+            if num_drafts and self.speculator is not None and token_id is not None:
+                self.speculator.record(seq.seq_id, num_drafts, accepted)
             if token_id is None or seq.tokens_chosen_outside:  # no sample this step, or its owner picks
                 continue
             children = self._fork_children(seq) if item.forks else []
             for target in [seq, *children]:
                 tokens = [*drafts[:accepted], token_id] if target is seq else [runner_output.sampled[target.seq_id]]
                 self._append_tokens(target, tokens, updated, finished)
-            if drafts and not seq.is_finished:
+            if num_drafts and not seq.is_finished:
                 self._cut_back(seq)
         return updated, finished
 

@@ -1,5 +1,9 @@
 """Which running sequences speculate in a step, with how many draft tokens (the scheduler asks).
 
+N-gram drafts are found here, from the sequence's tokens; a draft model's are proposed by the
+worker at the start of the verifying step (``worker/drafter.py``): the scheduler then reserves
+their slots and the worker reports the tokens with its output.
+
 A sequence speculates when its next step is a plain decode (one known token left to compute)
 and its tokens are the sampler's: not a structured output (whose grammar would have to mask each
 proposed position), not a beam. Those run as before: correct, without drafts
@@ -24,6 +28,22 @@ from dataclasses import dataclass
 from pagellm.core.ngram_proposer import NgramProposer
 from pagellm.core.sequence import Sequence
 from pagellm.speculative_config import SpeculativeConfig
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """What a sequence verifies in its next step: ``tokens`` known now (n-gram), or ``in_worker``
+    drafts the worker's draft model proposes in that step."""
+
+    tokens: tuple[int, ...] = ()
+    in_worker: int = 0
+
+    @property
+    def count(self) -> int:
+        return len(self.tokens) + self.in_worker
+
+
+NO_DRAFTS = Drafts()
 
 
 @dataclass
@@ -101,10 +121,12 @@ def best_num_drafts(rates: list[float], costs: list[float]) -> int:
 
 
 class Speculator:
-    """Draft tokens for the scheduler, and the counters of what verification accepted."""
+    """Draft tokens for the scheduler, and the counters of what verification accepted.
+    ``draft_max_len``: the draft model's positions (a sequence longer than that is not drafted)."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, draft_max_len: int | None = None) -> None:
         self.config = config
+        self.draft_max_len = draft_max_len
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.stats = SpeculationStats()
         self._acceptance: dict[str, _Acceptance] = {}
@@ -131,29 +153,33 @@ class Speculator:
         limit = self.config.disable_by_batch_size
         return limit is None or num_running <= limit
 
-    def drafts(self, seq: Sequence, budget: int, max_model_len: int) -> list[int]:
+    def drafts(self, seq: Sequence, budget: int, max_model_len: int) -> Drafts:
         """The drafts ``seq`` verifies in its next step (``budget``: the step's tokens left,
-        its own token included), or [] for a plain step."""
+        its own token included); none for a plain step."""
         if seq.num_tokens - seq.num_computed_tokens != 1 or not speculates(seq):
-            return []
+            return NO_DRAFTS
         limit = min(
             self.config.num_speculative_tokens,
             budget - 1,
             seq.max_tokens - seq.num_output_tokens - 1,  # every accepted draft and the last token fit
             max_model_len - seq.num_tokens - 1,
         )
+        if self.draft_max_len is not None:  # the draft model computes positions up to num_tokens + k - 2
+            limit = min(limit, self.draft_max_len - seq.num_tokens)
         if limit <= 0:
-            return []
-        if not self.config.adaptive:
-            return self.proposer.propose(seq.seq_id, seq.all_token_ids, limit)
-        acceptance = self._acceptance.get(seq.seq_id)
-        rates = [PRIOR_ACCEPTANCE] * limit if acceptance is None else acceptance.rates()
-        k = best_num_drafts(rates, self.costs(limit))
-        if k == 0:
-            if acceptance is not None:
-                acceptance.relax()
-            return []
-        return self.proposer.propose(seq.seq_id, seq.all_token_ids, k)
+            return NO_DRAFTS
+        k = limit
+        if self.config.adaptive:
+            acceptance = self._acceptance.get(seq.seq_id)
+            rates = [PRIOR_ACCEPTANCE] * limit if acceptance is None else acceptance.rates()
+            k = best_num_drafts(rates, self.costs(limit))
+            if k == 0:
+                if acceptance is not None:
+                    acceptance.relax()
+                return NO_DRAFTS
+        if self.config.uses_draft_model:
+            return Drafts(in_worker=k)
+        return Drafts(tokens=tuple(self.proposer.propose(seq.seq_id, seq.all_token_ids, k)))
 
     def record(self, seq_id: str, num_drafts: int, num_accepted: int) -> None:
         """Count one sequence's verification."""

@@ -14,7 +14,7 @@ from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
-from pagellm.config import EngineConfig
+from pagellm.config import EngineConfig, draft_model_config
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.kv_snapshot import DEFAULT_MAX_REQUESTS, KVSnapshot, take_kv_snapshot
 from pagellm.core.sequence import Sequence, SequenceStatus
@@ -26,6 +26,7 @@ from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.protocol import EngineRequest, EngineStats
 from pagellm.engine.sequence_ids import request_of, sequence_id
+from pagellm.model.loader import load_arch_config
 from pagellm.model.tokenizer import load_tokenizer
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -61,7 +62,7 @@ class LLMEngine:
             config.scheduler.max_num_seqs,
             config.scheduler.max_num_batched_tokens,
             self.executor.max_model_len,
-            None if config.speculative is None else Speculator(config.speculative),
+            None if config.speculative is None else Speculator(config.speculative, draft_max_len(config)),
         )
         self.input_processor = InputProcessor(
             self.tokenizer, arch.vocab_size, self.executor.max_model_len, config.limits, config.scheduler.max_num_seqs
@@ -249,17 +250,17 @@ class LLMEngine:
         grammar = self.structured_output.masks(scheduler_output.scheduled)
         start = time.perf_counter()
         runner_output = self.executor.execute(scheduler_output, grammar)
-        self._observe_step(scheduler_output, time.perf_counter() - start)
+        self._observe_step(scheduler_output, runner_output, time.perf_counter() - start)
         return self._finish_step(scheduler_output, grammar, runner_output, outputs)
 
-    def _observe_step(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+    def _observe_step(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, seconds: float) -> None:
         """Tell speculation what a step of one decoding sequence cost, by its query rows (what
-        it weighs drafts against)."""
+        it weighs drafts against); not a step in which a draft model caught up on a prefill."""
         speculator = self.scheduler.speculator
-        if speculator is None or len(scheduler_output.scheduled) != 1:
+        if speculator is None or len(scheduler_output.scheduled) != 1 or runner_output.draft_catch_up > 2:
             return
         (item,) = scheduler_output.scheduled
-        if item.sample and item.start_position > 0 and item.num_tokens == 1 + len(item.draft_token_ids):
+        if item.sample and item.start_position > 0 and item.num_tokens == 1 + item.num_drafts:
             speculator.observe_step(item.num_tokens, seconds)
 
     def _pipelined_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -382,3 +383,10 @@ def _by_request(by_sequence: dict[str, str]) -> dict[str, str]:
     for seq_id, message in by_sequence.items():
         by_request.setdefault(request_of(seq_id), message)
     return by_request
+
+
+def draft_max_len(config: EngineConfig) -> int | None:
+    """The positions the draft model has (None: no draft model)."""
+    if config.speculative is None or not config.speculative.uses_draft_model:
+        return None
+    return load_arch_config(draft_model_config(config).model).context_length

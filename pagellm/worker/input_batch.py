@@ -7,6 +7,10 @@ parameters and its seeded generator. Rows live in preallocated arrays that grow 
 filled by the last row (the batch stays dense, nothing is reallocated). A step reads its
 inputs from the rows with array indexing: no per-token Python work.
 
+A row also counts the positions whose KV the draft model holds (``num_draft_computed``, only
+where one drafts: ``worker/drafter.py``): never more than the target's computed positions a
+step starts from, since a step recomputes from there (a preemption, rejected drafts).
+
 A preempted sequence keeps its row (tokens and generator; its block table is sent again when
 it resumes), so a seeded sample is the same whether or not it was preempted.
 """
@@ -31,6 +35,7 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(rows, dtype=np.int64)
         self.block_table = np.zeros((rows, blocks), dtype=np.int64)
         self.num_blocks = np.zeros(rows, dtype=np.int64)
+        self.num_draft_computed = np.zeros(rows, dtype=np.int64)
         self.params: list[SamplingParams] = []
         self.generators: list[torch.Generator | None] = []
 
@@ -76,7 +81,7 @@ class InputBatch:
             n, b = int(self.num_tokens[last]), int(self.num_blocks[last])
             self.token_ids[row, :n] = self.token_ids[last, :n]
             self.block_table[row, :b] = self.block_table[last, :b]
-            for array in (self.num_tokens, self.num_prompt_tokens, self.num_blocks):
+            for array in (self.num_tokens, self.num_prompt_tokens, self.num_blocks, self.num_draft_computed):
                 array[row] = array[last]
             self.params[row] = self.params[last]
             self.generators[row] = self.generators[last]
@@ -93,6 +98,7 @@ class InputBatch:
         self._set_blocks(row, 0, self.block_table[parent, :b])
         self.num_tokens[row] = n
         self.num_prompt_tokens[row] = self.num_prompt_tokens[parent]
+        self.num_draft_computed[row] = self.num_draft_computed[parent]  # the same blocks (copied on write)
 
     def _update(self, item: ScheduledSequence) -> None:
         """Checked first, so a step that does not match the row changes nothing of it."""
@@ -100,14 +106,20 @@ class InputBatch:
         if item.block_table_start > self.num_blocks[row]:
             raise ValueError(f"sequence {item.seq_id!r}: block table entries from {self.num_blocks[row]} were never sent")
         known = self.num_tokens[row] + len(item.new_token_ids)
-        if item.start_position + item.num_tokens > known + len(item.draft_token_ids):
+        if item.start_position + item.num_tokens > known + item.num_drafts:
             raise ValueError(f"sequence {item.seq_id!r}: step computes tokens the worker was never sent")
         if item.new_token_ids:
             self._set_tokens(row, int(self.num_tokens[row]), item.new_token_ids)
-        if item.draft_token_ids:  # read by this step's inputs only: past the row's tokens, not counted
-            self._set_tokens(row, int(known), item.draft_token_ids)
-            self.num_tokens[row] = known
+        if item.draft_token_ids:
+            self.set_drafts(row, item.draft_token_ids)
         self._set_blocks(row, item.block_table_start, item.new_block_ids)
+        self.num_draft_computed[row] = min(int(self.num_draft_computed[row]), item.start_position)
+
+    def set_drafts(self, row: int, draft_token_ids: list[int]) -> None:
+        """Drafts after the row's tokens, read by this step's inputs only: not counted as tokens."""
+        known = int(self.num_tokens[row])
+        self._set_tokens(row, known, draft_token_ids)
+        self.num_tokens[row] = known
 
     def _new_row(self, seq_id: str, params: SamplingParams) -> int:
         if seq_id in self.row_of:
@@ -121,6 +133,7 @@ class InputBatch:
         self.generators.append(None)
         self.num_tokens[row] = 0
         self.num_blocks[row] = 0
+        self.num_draft_computed[row] = 0
         return row
 
     def _set_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
@@ -143,6 +156,7 @@ class InputBatch:
         self.num_tokens = _grown(self.num_tokens, rows=rows)
         self.num_prompt_tokens = _grown(self.num_prompt_tokens, rows=rows)
         self.num_blocks = _grown(self.num_blocks, rows=rows)
+        self.num_draft_computed = _grown(self.num_draft_computed, rows=rows)
 
     # ---- what a step reads -------------------------------------------------------------
 

@@ -29,7 +29,8 @@ from pagellm.step import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from pagellm.worker.device import to_device
+from pagellm.worker.drafter import Drafter
+from pagellm.worker.flat_batch import FlatLayout, flat_inputs
 from pagellm.worker.input_batch import InputBatch
 from pagellm.worker.kv_cache import KVCache, copy_blocks
 
@@ -64,8 +65,10 @@ class ModelRunner:
         samples: bool = True,
         link: PipelineLink | None = None,
         micro_batches: int = 1,
+        drafter: Drafter | None = None,
     ) -> None:
         self.model = model
+        self.drafter = drafter  # a draft model proposing the drafts the scheduler reserved
         self.kernel_plan = plan  # (read by benchmarks: the decode floor reads with its library)
         # False on all ranks but one where there are several: tensor-parallel ranks other than 0
         # run the forward (their share of each layer and of its all-reduces), pipeline stages
@@ -91,10 +94,15 @@ class ModelRunner:
         self.batch.apply(scheduler_output)
         copy_blocks(self.kv_cache, scheduler_output.block_copies)
         output = ModelRunnerOutput()
+        if self.drafter is not None:
+            copy_blocks(self.drafter.kv_cache, scheduler_output.block_copies)
         if scheduler_output.is_empty:
             return output
         if self.link is None:
-            inputs = self.prepare_inputs(scheduler_output.scheduled)
+            scheduled = scheduler_output.scheduled
+            if self.drafter is not None:
+                scheduled = self.drafter.propose(self.batch, scheduled, output)
+            inputs = self.prepare_inputs(scheduled)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata)
             if self.samples:
                 self._outputs(hidden, inputs, grammar, output)
@@ -165,56 +173,24 @@ class ModelRunner:
     # ---- inputs ------------------------------------------------------------------
 
     def prepare_inputs(self, scheduled: list[ScheduledSequence]) -> StepInputs:
-        """Flatten the step into one token batch, read from the input batch's rows; positions and
-        slots come from array ops (numpy: a few microseconds an op, where torch's small ops cost
-        ~10 on these CPUs)."""
-        batch = self.batch
+        """Flatten the step into one token batch, read from the input batch's rows."""
         num_reqs = len(scheduled)
-        rows_np = batch.rows([item.seq_id for item in scheduled])
-        query_lens_np = np.fromiter((item.num_tokens for item in scheduled), np.int64, num_reqs)
-        starts_np = np.fromiter((item.start_position for item in scheduled), np.int64, num_reqs)
-        num_tokens = int(query_lens_np.sum())
-        query_start_np = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(query_lens_np, out=query_start_np[1:])
-        req_index = np.repeat(np.arange(num_reqs), query_lens_np)
-        positions_np = np.arange(num_tokens, dtype=np.int64) + (starts_np - query_start_np[:-1])[req_index]
-        ids = batch.token_ids[rows_np[req_index], positions_np].astype(np.int64)
-        num_blocks_np = batch.num_blocks[rows_np]
-        tables_np = batch.block_table[rows_np, : int(num_blocks_np.max())]  # a copy (fancy indexing)
-        tables_np[np.arange(tables_np.shape[1]) >= num_blocks_np[:, None]] = 0  # past each table's end
-        slots_np = tables_np[req_index, positions_np // self.block_size] * self.block_size + positions_np % self.block_size
-        seq_lens_np = starts_np + query_lens_np
-        sample_rows, sample_positions, verify = self._sample_rows(scheduled, rows_np, query_start_np)
-        sample_np = np.asarray(sample_positions, dtype=np.int64)
-        plan, pl_indices, pl_targets = self._plan_prompt_logprobs(scheduled, rows_np, query_start_np.tolist())
-
-        # All int64; on CUDA one pinned buffer and one asynchronous copy, on CPU the same tensors.
-        (
-            input_ids, positions, slot_mapping, block_tables, query_start_loc, seq_lens_t, sample_indices,
-            pl_indices_t, pl_targets_t,
-        ) = to_device(
-            [
-                torch.from_numpy(array) for array in (
-                    ids, positions_np, slots_np, tables_np, query_start_np, seq_lens_np, sample_np,
-                    np.asarray(pl_indices, dtype=np.int64), np.asarray(pl_targets, dtype=np.int64),
-                )
-            ],
-            self.device,
-        )  # fmt: skip
-        query_lens, seq_lens = query_lens_np.tolist(), seq_lens_np.tolist()
-        metadata = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            block_tables=block_tables,
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-            query_start_loc=query_start_loc,
-            seq_lens_tensor=seq_lens_t,
-            block_size=self.block_size,
+        layout = FlatLayout.of(
+            self.batch.rows([item.seq_id for item in scheduled]),
+            np.fromiter((item.start_position for item in scheduled), np.int64, num_reqs),
+            np.fromiter((item.num_tokens for item in scheduled), np.int64, num_reqs),
         )
+        sample_rows, sample_positions, verify = self._sample_rows(scheduled, layout.rows, layout.query_start)
+        plan, pl_indices, pl_targets = self._plan_prompt_logprobs(scheduled, layout.rows, layout.query_start.tolist())
+        flat = flat_inputs(self.batch, layout, self.block_size, self.device, [
+            np.asarray(sample_positions, dtype=np.int64), np.asarray(pl_indices, dtype=np.int64),
+            np.asarray(pl_targets, dtype=np.int64),
+        ])  # fmt: skip
+        sample_indices, pl_indices_t, pl_targets_t = flat.extra
         return StepInputs(
-            input_ids=input_ids,
-            positions=positions,
-            attn_metadata=metadata,
+            input_ids=flat.input_ids,
+            positions=flat.positions,
+            attn_metadata=flat.attn_metadata,
             sample_indices=sample_indices,
             sample_rows=sample_rows,
             verify=verify,

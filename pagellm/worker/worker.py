@@ -12,16 +12,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from pagellm.attention import get_attention_backend
-from pagellm.config import DeviceConfig, EngineConfig, ModelConfig, resolve_dtype, resolve_kv_cache_dtype
+from pagellm.config import (
+    DeviceConfig, EngineConfig, ModelConfig, draft_model_config, resolve_dtype, resolve_kv_cache_dtype,
+)
 from pagellm.distributed.parallel_state import ParallelRank
 from pagellm.distributed.pipeline import stage_layers
 from pagellm.kernels.plan import KernelPlan
 from pagellm.model.arch_config import ModelArchConfig
+from pagellm.model.interface import CausalLM
 from pagellm.model.loader import (
     auto_dtype, is_gguf, load_arch_config, load_model, requested_weights, resolve_model_path, single_threaded,
 )
@@ -34,6 +38,7 @@ from pagellm.worker.kv_budget import (
     gib, step_workspace_bytes, useful_kv_blocks,
 )
 from pagellm.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_budget
+from pagellm.worker.drafter import Drafter
 from pagellm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -56,6 +61,21 @@ def engine_dtype(dtype: str | torch.dtype, model: str | None, device: torch.devi
     """The dtype an engine with default kernel options runs ``model`` in on ``device``."""
     config = EngineConfig(model=ModelConfig(model=model, dtype=dtype), device=DeviceConfig(device=device.type))
     return engine_kernel_plan(config, device).dtype
+
+
+class LoadedDraft(NamedTuple):
+    """A draft model (speculative method "draft_model") as loaded, before its KV cache."""
+
+    plan: KernelPlan
+    model: CausalLM
+    arch: ModelArchConfig
+
+
+def draft_engine_config(config: EngineConfig) -> EngineConfig | None:
+    """The configuration the draft model loads with (None: no draft model)."""
+    if config.speculative is None or not config.speculative.uses_draft_model:
+        return None
+    return dataclasses.replace(config, model=draft_model_config(config), speculative=None)
 
 
 def host_share(config: EngineConfig, parallel: ParallelRank | None) -> HostShare:
@@ -143,13 +163,18 @@ class Worker:
         attn_backend = get_attention_backend(self.kernel_plan.attention, self.device, self.kernel_plan.kernels)
         share = host_share(config, parallel)
         weight_bytes = host_weight_bytes(config, self.kernel_plan, parallel, share)
+        draft_config = draft_engine_config(config)
+        draft_plan = None if draft_config is None else engine_kernel_plan(draft_config, self.device)
+        if draft_config is not None and draft_plan is not None:
+            logger.info("draft model's kernel plan: %s", draft_plan.describe())
+            weight_bytes += host_weight_bytes(draft_config, draft_plan, None, share)
         check_weights_fit(_model_name(config), weight_bytes, available_memory_bytes(self.device), share)
         model, self.arch = load_model(config.model.model, self.dtype, attn_backend, self.device, self.kernel_plan, parallel)
         # The weights repacked once for the plan's CPU kernels (fused MLPs, packed linears).
-        self.cpu_optimizations: dict[str, int] = {}
-        if self.device.type == "cpu":
-            with single_threaded():
-                self.cpu_optimizations = model.optimize_for_cpu_inference(self.kernel_plan)
+        self.cpu_optimizations = self._optimize(model, self.kernel_plan)
+        draft = None
+        if draft_config is not None and draft_plan is not None:
+            draft = self._load_draft(draft_config, draft_plan)
         # The ids that end a sequence (min_tokens masks them while sampling): the model's and the tokenizer's.
         extra = () if tokenizer_eos_token_id is None else (tokenizer_eos_token_id,)
         self.eos_token_ids = frozenset((*self.arch.eos_token_ids, *extra))
@@ -158,7 +183,12 @@ class Worker:
         # Every rank sizes its pool alike (the block ids are shared): for its heads and the
         # biggest stage's layers.
         shard = rank_shard(self.arch, parallel)
-        self.num_blocks = self._pool_blocks(config, shard, parallel, share, weight_bytes)
+        draft_block_bytes = 0
+        if draft is not None:
+            draft_kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, draft.plan.dtype)
+            draft_block_bytes = bytes_per_block(draft.arch.num_hidden_layers, draft.arch.num_key_value_heads,
+                                                draft.arch.head_dim, self.block_size, draft_kv_dtype)  # fmt: skip
+        self.num_blocks = self._pool_blocks(config, shard, parallel, share, weight_bytes, draft_block_bytes)
         self.max_model_len = context_limit(config.model.max_model_len, self.arch, self.num_blocks, self.block_size,
                                            config.scheduler.max_num_batched_tokens)  # fmt: skip
         stage = parallel.stage(self.arch.num_hidden_layers) if parallel is not None else None
@@ -167,20 +197,49 @@ class Worker:
             shard.num_key_value_heads, shard.head_dim, self.kv_cache_dtype, self.device,
         )  # fmt: skip
         link = parallel.link(self.arch.hidden_size, self.dtype, self.arch.num_hidden_layers) if parallel else None
+        drafter = None
+        if draft is not None:
+            draft_cache = allocate_kv_cache(draft.arch.num_hidden_layers, self.num_blocks, self.block_size,
+                                            draft.arch.num_key_value_heads, draft.arch.head_dim, draft_kv_dtype,
+                                            self.device)  # fmt: skip
+            drafter = Drafter(draft.model, draft_cache, self.block_size, self.device, draft.plan.library("argmax"),
+                              config.scheduler.max_num_batched_tokens)  # fmt: skip
         self.model_runner = ModelRunner(
             model, kv_cache, self.block_size, self.device, sorted(self.eos_token_ids), self.kernel_plan,
-            samples=parallel is None or parallel.samples, link=link, micro_batches=micro_batches,
+            samples=parallel is None or parallel.samples, link=link, micro_batches=micro_batches, drafter=drafter,
         )
+
+    def _optimize(self, model: CausalLM, plan: KernelPlan) -> dict[str, int]:
+        """Repack ``model``'s weights once for the plan's CPU kernels (fused MLPs, packed linears)."""
+        if self.device.type != "cpu":
+            return {}
+        with single_threaded():
+            return model.optimize_for_cpu_inference(plan)
+
+    def _load_draft(self, config: EngineConfig, plan: KernelPlan) -> LoadedDraft:
+        """The draft model (speculative method "draft_model"), checked against the target: the
+        same vocabulary (ids the target knows), and every block kept (no window releasing them)."""
+        backend = get_attention_backend(plan.attention, self.device, plan.kernels)
+        model, arch = load_model(config.model.model, plan.dtype, backend, self.device, plan, None)
+        if arch.vocab_size > self.arch.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({arch.vocab_size} ids) is larger than the target's "
+                             f"({self.arch.vocab_size}); a draft model needs the target's tokenizer")  # fmt: skip
+        if self.arch.window_of_every_layer is not None:
+            raise ValueError("a draft model needs every KV block of the target kept; this target releases blocks "
+                             "behind its sliding window (use 'ngram')")  # fmt: skip
+        self._optimize(model, plan)
+        return LoadedDraft(plan, model, arch)
 
     def _pool_blocks(
         self, config: EngineConfig, shard: ModelArchConfig, parallel: ParallelRank | None, share: HostShare,
-        weight_bytes: int,
+        weight_bytes: int, draft_block_bytes: int = 0,
     ) -> int:
         """The pool's block count: the exact number asked for, else what the memory budget
-        holds, else (``auto``) what the memory left once every rank's weights are in holds."""
+        holds, else (``auto``) what the memory left once every rank's weights are in holds.
+        A draft model's layers take their share of every block (``draft_block_bytes``)."""
         cache = config.cache
-        block_bytes = bytes_per_block(shard.num_hidden_layers, shard.num_key_value_heads, shard.head_dim,
-                                      cache.block_size, self.kv_cache_dtype)  # fmt: skip
+        block_bytes = draft_block_bytes + bytes_per_block(shard.num_hidden_layers, shard.num_key_value_heads,
+                                                          shard.head_dim, cache.block_size, self.kv_cache_dtype)  # fmt: skip
         if cache.num_kv_blocks is not None or cache.kv_cache_bytes is not None:
             blocks = cache.num_kv_blocks or num_blocks_for_budget(cache.kv_cache_bytes, block_bytes)
             check_pool_fits(blocks * block_bytes, available_memory_bytes(self.device), share)

@@ -179,8 +179,10 @@ def test_speculative_config_is_validated_by_name():
     for bad, match in [
         ("{", "not valid JSON"), ("[1]", "must be a JSON object"), ("{}", "needs a 'method'"),
         ('{"method": "eagle"}', "unknown speculative method"),
-        ('{"method": "draft_model", "model": "x"}', "unknown keys"),
-        ('{"method": "draft_model"}', "not available yet"),
+        ('{"method": "draft_model", "draft_tensor_parallel_size": 2}', "unknown keys"),
+        ('{"method": "ngram", "model": "x"}', "belong to method 'draft_model'"),
+        ('{"method": "draft_model", "model": ""}', "model must be a path"),
+        ('{"method": "draft_model", "quantization": 4}', "quantization must be a string"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
         ('{"method": "ngram", "num_speculative_tokens": 99}', "num_speculative_tokens"),
         ('{"method": "ngram", "num_speculative_tokens": true}', "num_speculative_tokens"),
@@ -194,6 +196,38 @@ def test_speculative_config_is_validated_by_name():
     ]:
         with pytest.raises(ValueError, match=match):
             SpeculativeConfig.parse(bad)
+
+
+def test_a_draft_models_drafts_are_reserved_here_and_taken_back_from_the_worker():
+    """The scheduler reserves the slots of ``num_model_drafts``; the worker's proposals come back
+    with the output and join the sequence as n-gram drafts do (exact block ids)."""
+    manager = KVCacheManager(16, 4, enable_caching=False)
+    config = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=3,
+                               disable_by_batch_size=None, adaptive=False)  # fmt: skip
+    s = attach(Scheduler(manager, 8, 64, 64, Speculator(config, draft_max_len=64)))
+    s.add_sequence(make_seq("a", [1, 2, 3, 4, 5, 6]))
+    run(s, token=7)
+    step, _, _ = run(s, token=9, accepted={"a": 2}, model_drafts={"a": [8, 11, 12]})
+    (item,) = step.out.scheduled
+    assert (item.start_position, item.num_tokens, item.num_model_drafts, item.draft_token_ids) == (6, 4, 3, [])
+    assert step.scheduled[0].block_ids == [0, 1, 2]  # the slots of positions 7..9 reserved
+    seq = s.sequences["a"]
+    assert seq.output_token_ids == [7, 8, 11, 9] and seq.num_computed_tokens == 9
+    assert manager.get_block_ids("a") == [0, 1, 2]
+    step, _, _ = run(s, token=4, accepted={"a": 0}, model_drafts={"a": [5, 5, 5]})
+    assert seq.output_token_ids == [7, 8, 11, 9, 4] and seq.num_computed_tokens == 10
+    assert manager.get_block_ids("a") == [0, 1, 2] and manager.num_free_blocks == 13  # block 3 released
+    assert (s.speculator.stats.num_draft_tokens, s.speculator.stats.num_accepted_tokens) == (6, 2)
+
+
+def test_a_draft_model_drafts_no_position_past_its_own():
+    config = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=4,
+                               disable_by_batch_size=None, adaptive=False)  # fmt: skip
+    s = attach(Scheduler(KVCacheManager(16, 4, enable_caching=False), 8, 64, 64, Speculator(config, draft_max_len=9)))
+    s.add_sequence(make_seq("a", [1, 2, 3, 4, 5, 6]))
+    run(s, token=7)  # 7 tokens known: the draft computes positions up to 7 + k - 2 < 9
+    step, _, _ = run(s, token=9, model_drafts={"a": [8, 8]})
+    assert step.out.scheduled[0].num_model_drafts == 2
 
 
 # ---- how many drafts pay ---------------------------------------------------------------------

@@ -151,7 +151,10 @@ def test_completion_with_logprobs_shades_tokens(server: RemoteServer, page: Any)
 
 @pytest.fixture(scope="module")
 def secured(tiny_llama_path: str) -> Iterator[RemoteServer]:
-    with RemoteServer(tiny_llama_path, ["--num-kv-blocks", "64", "--max-model-len", "256"], api_key=KEY) as remote:
+    # It speculates too (n-gram drafts, every one found verified): the page shows their acceptance.
+    spec = '{"method": "ngram", "prompt_lookup_min": 1, "disable_by_batch_size": null, "adaptive": false}'
+    args = ["--num-kv-blocks", "64", "--max-model-len", "256", "--speculative-config", spec]
+    with RemoteServer(tiny_llama_path, args, api_key=KEY) as remote:
         yield remote
 
 
@@ -172,9 +175,12 @@ def test_the_page_asks_for_the_api_key(secured: RemoteServer, page: Any, problem
     page.wait_for_function("Number(document.body.dataset.snapshots) >= 1")
     assert page.is_hidden("#key-dialog")
     assert int(page.get_attribute("#kv-grid", "data-cells")) == 64
-    send_chat(page, "Hi", max_tokens=4, ignore_eos=True)  # the playground's calls carry the key too
+    send_chat(page, "Hi", max_tokens=16, ignore_eos=True)  # the playground's calls carry the key too
     page.wait_for_function("document.querySelector('#output').dataset.state === 'done'")
     assert page.locator(".turn.assistant").count() == 1 and page.is_hidden("#key-dialog")
+    # The chat template's tokens repeat: drafts were verified, and the counters say how many were kept.
+    page.wait_for_function("document.querySelector('#counters').textContent.includes('drafts accepted')")
+    assert "tokens / verify" in page.text_content("#counters")
 
 
 @pytest.fixture(params=["open", "secured"])

@@ -90,15 +90,19 @@ def sampled_ids(out: SchedulerOutput) -> list[str]:
 
 def fake_run(
     out: Step | SchedulerOutput, token: int = 7, tokens: dict[str, int] | None = None,
-    accepted: dict[str, int] | None = None,
+    accepted: dict[str, int] | None = None, model_drafts: dict[str, list[int]] | None = None,
 ) -> ModelRunnerOutput:
     """A model that samples ``token`` (or tokens[seq_id]) for every sequence that samples, after
-    accepting ``accepted[seq_id]`` of its drafts (default: none)."""
+    accepting ``accepted[seq_id]`` of its drafts (default: none); a draft model's drafts are
+    ``model_drafts[seq_id]`` (as many as the step reserved)."""
     tokens = tokens or {}
     message = out.out if isinstance(out, Step) else out
-    drafts = {r.seq_id for r in message.scheduled if r.draft_token_ids}
+    drafts = {r.seq_id for r in message.scheduled if r.num_drafts}
+    proposed = {r.seq_id: (model_drafts or {})[r.seq_id][: r.num_model_drafts]
+                for r in message.scheduled if r.num_model_drafts}  # fmt: skip
     return ModelRunnerOutput(sampled={seq: tokens.get(seq, token) for seq in sampled_ids(message)},
-                             num_accepted={seq: (accepted or {}).get(seq, 0) for seq in drafts})  # fmt: skip
+                             num_accepted={seq: (accepted or {}).get(seq, 0) for seq in drafts},
+                             drafts=proposed)  # fmt: skip
 
 
 def update(scheduler: Scheduler, step: Step, **kwargs):

@@ -120,7 +120,13 @@ def test_k_quants_in_their_own_blocks(requantized_default: dict[str, str], name:
     layer = quantized.llm_engine.executor.model_runner.model.model.layers[0]
     assert (layer.self_attn.qkv_proj.format, layer.mlp.down_proj.format) == formats
     assert quantized.llm_engine.executor.kernel_plan.decoder == "fused"
-    _assert_same_greedy_where_clear(LLM(path, dtype="float32", num_kv_blocks=128), quantized)
+    # These files are re-quantized here by gguf-py (numpy, whose SIMD reductions differ by CPU: the
+    # scales, hence the weights, vary in their last bits between machines), and Q4_0 / Q5 blocks
+    # move the logits more than the default file's Q4_1: teacher-forced on the dense run's greedy
+    # text, one token's log-probability moved by up to 0.28-0.52 against float32 dense (a
+    # Sapphire Rapids-class VM, model 167), so a top-2 margin up to about twice that may flip.
+    _assert_same_greedy_where_clear(LLM(path, dtype="float32", num_kv_blocks=128), quantized,
+                                    min_fraction=0.25, margin_limit=MARGIN_BF16)  # fmt: skip
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_path", "tiny_qwen2_path", "tiny_mixtral_path"])

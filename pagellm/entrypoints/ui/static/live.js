@@ -143,6 +143,10 @@ export class LiveView {
       ["TTFT p50", ms(lat.ttft.p50)], ["TPOT p50", ms(lat.tpot.p50)], ["preemptions", s.num_preemptions],
       ["requests done", s.num_finished_requests],
     ];
+    if (s.spec_num_draft_tokens > 0) {  // speculative decoding: the share of drafts kept, tokens a verifying step made
+      counters.push(["drafts accepted", pct(s.spec_num_accepted_tokens / s.spec_num_draft_tokens)],
+                    ["tokens / verify", (1 + s.spec_num_accepted_tokens / s.spec_num_drafts).toFixed(2)]);
+    }
     document.getElementById("counters").innerHTML = counters
       .map(([k, v]) => `<div class="counter"><span class="k">${k}</span><span class="v">${v}</span></div>`).join("");
   }
