@@ -16,6 +16,7 @@ from typing import Any
 
 from pagellm.engine_args import EngineArgs, add_engine_args
 from pagellm.entrypoints.openai.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
+from pagellm.entrypoints.openai.reasoning import REASONING_PARSERS
 from pagellm.entrypoints.openai.tool_calls.parsers import TOOL_PARSERS
 from pagellm.model.default_model import DEFAULT_MODEL_NAME
 from pagellm.utils import LOG_FORMAT
@@ -84,6 +85,12 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         "tools prompt pagellm writes for templates without tools, such as the default model's) or llama3_json",
     )
     group.add_argument(
+        "--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+        help="split reasoning models' thinking from their answers: qwen3 (<think>...</think> the model opens) "
+        "or deepseek_r1 (the template opens it); returned as reasoning_content and reasoning, and as "
+        "Anthropic thinking blocks (default: none)",
+    )
+    group.add_argument(
         "--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
         help='tool_choice "auto": let the model choose to call tools, parsed from its text (default: on)',
     )
@@ -141,6 +148,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_prompts_per_request=args.max_prompts_per_request,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=args.reasoning_parser,
         enable_ui=args.ui,
     )
     if args.max_waiting_requests < 0:

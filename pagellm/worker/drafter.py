@@ -37,13 +37,15 @@ from pagellm.worker.kv_cache import KVCache
 
 class Drafter:
     """The draft model, its KV cache (the target's block ids) and its proposals.
-    ``max_tokens``: the most tokens one catch-up forward takes (the step's token budget)."""
+    ``max_tokens``: the most tokens one catch-up forward takes (the step's token budget);
+    ``vocab_size``: the draft's ids (the target's may go further: padded or added rows)."""
 
     def __init__(
         self, model: CausalLM, kv_cache: KVCache, block_size: int, device: torch.device, argmax_kernels: object,
-        max_tokens: int,
+        max_tokens: int, vocab_size: int,
     ) -> None:
         self.model = model
+        self.vocab_size = vocab_size
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
@@ -112,6 +114,8 @@ class Drafter:
     def _forward(self, batch: InputBatch, layout: FlatLayout, sample_indices: np.ndarray) -> list[int]:
         """One draft forward over ``layout`` (its KV written); the argmax at ``sample_indices``."""
         flat = flat_inputs(batch, layout, self.block_size, self.device, [np.asarray(sample_indices, dtype=np.int64)])
+        # A token the draft does not know reads as id 0: its drafts there are poor, never wrong.
+        flat.input_ids.masked_fill_(flat.input_ids >= self.vocab_size, 0)
         hidden = self.model(flat.input_ids, flat.positions, self.kv_cache, flat.attn_metadata)
         if not len(sample_indices):
             return []

@@ -100,6 +100,19 @@ def test_a_disagreeing_draft_is_rejected_and_the_output_stays_exact(plain, other
     assert all_blocks_free(other_draft)
 
 
+def test_a_draft_with_fewer_ids_than_the_target(plain, tmp_path_factory, default_tokenizer, tiny_llama_path):
+    """The target writes ids the draft has no row for (padded vocabularies): they read as id 0 in
+    the draft, whose drafts there are poor but never wrong."""
+    from transformers import LlamaConfig
+
+    ids = {**token_ids(default_tokenizer), "vocab_size": 20_000}
+    small = write_tiny_model(tmp_path_factory.mktemp("small_vocab"), LlamaConfig(**TINY_SHAPE, **ids), default_tokenizer)
+    llm = LLM(tiny_llama_path, block_size=4, num_kv_blocks=256, speculative_config=draft_spec(small))
+    want = tokens(plain, PROMPTS, GREEDY)
+    assert any(t >= 20_000 for out in want for t in out)  # the target does write such ids
+    assert tokens(llm, PROMPTS, GREEDY) == want and stats(llm).num_draft_tokens > 0
+
+
 def test_sampled_and_forked_requests_repeat_themselves(self_draft, other_draft):
     """Seeded sampling with n = 2 (two rows forked from one prompt, sharing its blocks and their
     draft KV): the same output every time, every token drawn."""

@@ -42,6 +42,7 @@ LONG_MODULES = (
     "tests/entrypoints/test_memory_soak.py",
     "tests/entrypoints/test_ui_browser.py",
     "tests/engine/test_beam_search.py",
+    "tests/engine/test_draft_model.py",
     "tests/reliability/test_storm.py",
     "tests/engine/test_default_model.py",
     "tests/entrypoints/test_default_model.py",
@@ -53,6 +54,7 @@ LONG_MODULES = (
     "tests/model/test_model_gguf.py",
     "tests/entrypoints/test_auth_and_options.py",
     "tests/engine/test_llm.py",
+    "tests/entrypoints/test_anthropic_messages.py",
 )
 
 

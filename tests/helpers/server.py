@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+import anthropic
 import httpx
 import openai
 
@@ -77,6 +78,10 @@ class RemoteServer:
 
     def client(self, **kwargs: object) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "unused", max_retries=0, **kwargs)
+
+    def anthropic_client(self, **kwargs: object) -> anthropic.Anthropic:
+        """The official ``anthropic`` SDK against this server (it sends the key as ``x-api-key``)."""
+        return anthropic.Anthropic(base_url=self.base_url, api_key=self.api_key or "unused", max_retries=0, **kwargs)
 
     def async_client(self, **kwargs: object) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(

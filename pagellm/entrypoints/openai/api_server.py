@@ -23,6 +23,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagellm
 from pagellm.engine.async_engine import AsyncLLMEngine, EngineClient, LoopOptions
+from pagellm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
+from pagellm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from pagellm.entrypoints.openai.errors import (
     AuthenticationError,
     RequestTooLargeError,
@@ -39,6 +41,7 @@ from pagellm.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from pagellm.entrypoints.openai.reasoning import reasoning_parser
 from pagellm.entrypoints.openai.request_body import add_body_schemas, body_openapi, parse_body
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -66,6 +69,7 @@ class ServerSettings:
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST  # in one /v1/completions request
     tool_call_parser: str = "hermes"  # the format tool calls are written in (tool_calls/parsers.py)
     enable_auto_tool_choice: bool = True  # tool_choice "auto": parse calls out of free text
+    reasoning_parser: str | None = None  # how answers' thinking is split off (reasoning.py); None: not
     enable_ui: bool = True  # the web page at / and its snapshot API (pagellm.entrypoints.ui)
     ui: FeedOptions = field(default_factory=FeedOptions)  # how often the page's snapshots are taken
 
@@ -77,6 +81,7 @@ class ServerSettings:
         if self.max_prompts_per_request < 1:
             raise ValueError(f"max_prompts_per_request must be >= 1, got {self.max_prompts_per_request}")
         tool_parser(self.tool_call_parser)  # a ValueError naming the choices
+        reasoning_parser(self.reasoning_parser)
 
 
 # A body larger than this was parsed into enough objects that the C heap is trimmed once its
@@ -134,11 +139,13 @@ class BodySizeLimitMiddleware:
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         error = RequestTooLargeError(f"the request body is larger than {self.max_bytes} bytes", code="body_too_large")
-        await error_response(error)(scope, receive, send)
+        await error_response(error, scope["path"])(scope, receive, send)
 
 
 class APIKeyMiddleware:
-    """Plain ASGI (not BaseHTTPMiddleware), so streaming and disconnects pass through untouched."""
+    """Plain ASGI (not BaseHTTPMiddleware), so streaming and disconnects pass through untouched.
+    The key comes as ``Authorization: Bearer <key>`` (OpenAI's clients) or ``x-api-key: <key>``
+    (Anthropic's)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -149,14 +156,19 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         error = AuthenticationError(
-            "Incorrect or missing API key: send the header 'Authorization: Bearer <key>'.", code="invalid_api_key"
+            "Incorrect or missing API key: send the header 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
+            code="invalid_api_key",
         )
-        await error_response(error)(scope, receive, send)
+        await error_response(error, scope["path"])(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+        headers = Headers(scope=scope)
+        scheme, _, token = headers.get("authorization", "").partition(" ")
         # compare_digest: the time taken must not reveal how much of the key matched.
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._expected)
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._expected):
+            return True
+        api_key = headers.get("x-api-key")
+        return api_key is not None and hmac.compare_digest(api_key.strip().encode(), self._expected)
 
 
 def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: PrometheusMetrics) -> FastAPI:
@@ -180,9 +192,10 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
     completion = OpenAIServingCompletion(engine, names, settings.max_prompts_per_request)
     chat = OpenAIServingChat(
         engine, names, settings.trust_request_chat_template, tool_parser(settings.tool_call_parser),
-        settings.enable_auto_tool_choice,
+        settings.enable_auto_tool_choice, reasoning_parser(settings.reasoning_parser),
     )  # fmt: skip
     tokenization = OpenAIServingTokenization(engine, names)
+    messages = AnthropicServingMessages(chat)
 
     @app.get("/health")
     async def health() -> Response:
@@ -206,7 +219,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
         return Response(body, media_type=content_type)
 
     # Bodies are parsed and validated in a worker thread (request_body.py), not by FastAPI.
-    add_body_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
+    add_body_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
+                           MessagesRequest, CountTokensRequest])  # fmt: skip
 
     @app.post("/v1/completions", openapi_extra=body_openapi(CompletionRequest))
     async def completions(raw_request: Request) -> Response:
@@ -217,6 +231,17 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
     async def chat_completions(raw_request: Request) -> Response:
         request = await parse_body(raw_request, ChatCompletionRequest)
         return await chat.create_chat_completion(request, raw_request)
+
+    # Anthropic's Messages API (its own error shape: anthropic/errors.py).
+    @app.post("/v1/messages", openapi_extra=body_openapi(MessagesRequest))
+    async def create_message(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, MessagesRequest)
+        return await messages.create_message(request, raw_request)
+
+    @app.post("/v1/messages/count_tokens", openapi_extra=body_openapi(CountTokensRequest))
+    async def count_message_tokens(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, CountTokensRequest)
+        return await messages.count_tokens(request)
 
     if settings.enable_ui:
         install_ui(app, SnapshotFeed(engine, metrics, names[0], settings.ui), api_key_required=bool(settings.api_key))

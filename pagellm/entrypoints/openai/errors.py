@@ -2,7 +2,8 @@
 
 Every rejection the server makes, including FastAPI's own (bad JSON, wrong types, unknown
 routes), leaves as ``{"error": {"message", "type", "param", "code"}}`` so OpenAI clients
-raise their usual typed exceptions.
+raise their usual typed exceptions; under ``/v1/messages`` in Anthropic's shape instead
+(``anthropic/errors.py``), for Anthropic's clients.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagellm.entrypoints.anthropic.errors import anthropic_error_body, speaks_anthropic
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +75,10 @@ class ServiceUnavailableError(OpenAIError):
         super().__init__(message, code=code, headers={"Retry-After": str(retry_after_s)})
 
 
-def error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.to_dict(), status_code=error.status_code, headers=error.headers)
+def error_response(error: OpenAIError, path: str = "") -> JSONResponse:
+    """The error's answer, in the shape of the API that ``path`` belongs to."""
+    body = anthropic_error_body(error.status_code, error.message) if speaks_anthropic(path) else error.to_dict()
+    return JSONResponse(body, status_code=error.status_code, headers=error.headers)
 
 
 # SamplingParams and the input processor start their messages with the offending field name.
@@ -102,30 +107,31 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
-async def _on_openai_error(_: Request, exc: Exception) -> JSONResponse:
+async def _on_openai_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, OpenAIError)
-    return error_response(exc)
+    return error_response(exc, request.url.path)
 
 
-async def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
+async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     """FastAPI answers 422 by default; OpenAI clients expect 400 with an error object."""
     assert isinstance(exc, RequestValidationError)
     message, param = _validation_message(exc)
-    return error_response(BadRequestError(message, param=param))
+    return error_response(BadRequestError(message, param=param), request.url.path)
 
 
-async def _on_http_error(_: Request, exc: Exception) -> JSONResponse:
+async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     """Unknown routes, wrong methods and the like, in the same error shape."""
     assert isinstance(exc, StarletteHTTPException)
-    error = OpenAIError(str(exc.detail), code=exc.status_code)
+    error = OpenAIError(str(exc.detail), code=exc.status_code, headers=exc.headers)
+    error.status_code = exc.status_code
     error.error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return JSONResponse(error.to_dict(), status_code=exc.status_code, headers=exc.headers)
+    return error_response(error, request.url.path)
 
 
-async def _on_unexpected_error(_: Request, exc: Exception) -> JSONResponse:
-    """A bug must still answer in the OpenAI error shape (and be logged), never as bare text."""
+async def _on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    """A bug must still answer in the API's error shape (and be logged), never as bare text."""
     logger.error("unhandled error while serving a request", exc_info=exc)
-    return error_response(OpenAIError("internal server error (the server log has the details)"))
+    return error_response(OpenAIError("internal server error (the server log has the details)"), request.url.path)
 
 
 def install_error_handlers(app: FastAPI) -> None:

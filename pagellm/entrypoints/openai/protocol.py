@@ -172,6 +172,8 @@ class ChatMessageParam(OpenAIBaseModel):
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: the call this result answers
+    reasoning_content: str | None = None  # assistant messages: their thinking (templates may render it)
+    reasoning: str | None = None
 
     def to_template_dict(self) -> dict[str, Any]:
         """The plain dict chat templates expect; content parts are joined as vLLM does, and
@@ -185,6 +187,9 @@ class ChatMessageParam(OpenAIBaseModel):
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        thinking = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thinking is not None:
+            message["reasoning_content"] = thinking
         if self.tool_calls:
             message["tool_calls"] = [
                 {"id": c.id, "type": "function",
@@ -236,6 +241,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # with --reasoning-parser: false drops the thinking from the answer
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -330,6 +336,17 @@ class ChatMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    # The thinking of a reasoning model (--reasoning-parser), under both names clients read.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_reasoning(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if self.reasoning is None:
+            data.pop("reasoning", None)
+            data.pop("reasoning_content", None)
+        return data
 
 
 class ChatChoice(OpenAIBaseModel):
@@ -366,6 +383,8 @@ class DeltaToolCall(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")

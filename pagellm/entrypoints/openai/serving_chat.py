@@ -29,6 +29,7 @@ from pagellm.entrypoints.openai.protocol import (
     ChatStreamChoice,
     DeltaMessage,
 )
+from pagellm.entrypoints.openai.reasoning import ReasoningStreams, ThinkTagParser
 from pagellm.entrypoints.openai.serving_engine import (
     CLIENT_CLOSED_REQUEST,
     ChoiceDelta,
@@ -170,6 +171,7 @@ class _Context:
     model: str
     created: int
     tools: ToolPlan
+    reasoning: ThinkTagParser | None  # the answers' thinking split off (--reasoning-parser)
 
     @property
     def top_n(self) -> int | None:
@@ -185,19 +187,21 @@ class OpenAIServingChat(OpenAIServing):
         trust_request_chat_template: bool = False,
         tool_parser: ToolParser | None = None,
         auto_tool_choice: bool = True,
+        reasoning_parser: ThinkTagParser | None = None,
     ) -> None:
         super().__init__(engine, served_model_names)
         self.trust_request_chat_template = trust_request_chat_template
         self.tool_parser = tool_parser if tool_parser is not None else HermesToolParser()
         self.auto_tool_choice = auto_tool_choice
+        self.reasoning_parser = reasoning_parser
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_alive()
         model = self.resolve_model(request.model)
         # Checking options, compiling a constraint, rendering and tokenizing take a while for big
         # requests: all of it off the event loop, so that every other route keeps answering.
-        tools, params, prompt = await asyncio.to_thread(self._prepare, request)
-        ctx = _Context(request, new_request_id("chatcmpl"), model, int(time.time()), tools)
+        tools, params, prompt = await asyncio.to_thread(self.prepare, request)
+        ctx = _Context(request, new_request_id("chatcmpl"), model, int(time.time()), tools, self.reasoning_parser)
 
         tracker = ChoiceTracker(n=request.n, prompt_tokens=len(prompt.prompt_token_ids))
         merged = merge_async_iterators(self.generators([prompt], params, ctx.request_id))
@@ -211,7 +215,7 @@ class OpenAIServingChat(OpenAIServing):
             raise to_openai_error(exc) from exc
         return JSONResponse(self._response(ctx, tracker, items).model_dump())
 
-    def _prepare(
+    def prepare(
         self, request: ChatCompletionRequest
     ) -> tuple[ToolPlan, SamplingParams | BeamSearchParams, ProcessedPrompt]:
         """Everything between the parsed body and the engine, cheapest checks first (a worker thread)."""
@@ -246,11 +250,18 @@ class OpenAIServingChat(OpenAIServing):
         results, _ = accumulate(tracker, items, 1)
         choices = []
         for r in results:
-            message, finish_reason = ChatMessage(role="assistant", content=r.text), r.finish_reason
+            text, reasoning = r.text, None
+            if ctx.reasoning is not None:  # calls are parsed from the answer after the thinking
+                split = ctx.reasoning.split(text)
+                text, reasoning = split.content, split.reasoning
+            message, finish_reason = ChatMessage(role="assistant", content=text), r.finish_reason
             if ctx.tools.parser is not None:
-                extracted = ctx.tools.parser.extract(r.text)
+                extracted = ctx.tools.parser.extract(text)
                 message = ChatMessage(content=extracted.content, tool_calls=tool_calls_out(extracted.calls))
                 finish_reason = finish_reason_with_calls(r.finish_reason, bool(extracted.calls))
+            if reasoning is not None and ctx.request.include_reasoning:
+                message.reasoning = message.reasoning_content = reasoning
+                message.content = message.content or None
             choices.append(ChatChoice(
                 index=r.index, message=message, logprobs=self._logprobs(ctx, r.token_ids, r.logprobs),
                 finish_reason=finish_reason, stop_reason=r.stop_reason,
@@ -268,9 +279,10 @@ class OpenAIServingChat(OpenAIServing):
             role_choice = ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
             yield sse_event(self._chunk(ctx, [role_choice]), exclude)
         tool_streams = ToolStreams(ctx.tools.parser) if ctx.tools.parser is not None else None
+        thinking = ReasoningStreams(ctx.reasoning) if ctx.reasoning is not None else None
         async for _, output in merged:
             for delta in tracker.deltas(0, output):
-                for choice in self._stream_choices(ctx, delta, tool_streams):
+                for choice in self._stream_choices(ctx, delta, tool_streams, thinking):
                     yield sse_event(self._chunk(ctx, [choice]), exclude)
         if ctx.request.include_usage:
             yield sse_event(self._chunk(ctx, [], tracker))
@@ -285,19 +297,26 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     def _stream_choices(
-        self, ctx: _Context, delta: ChoiceDelta, tool_streams: ToolStreams | None
+        self, ctx: _Context, delta: ChoiceDelta, tool_streams: ToolStreams | None,
+        thinking: ReasoningStreams | None = None,
     ) -> list[ChatStreamChoice]:
-        """The chunks' choices for one delta: its text (what is surely not part of a call, when
-        calls are parsed), then each completed call (name, then arguments); the last one carries
-        the finish reason. None at all when there is nothing to send."""
+        """The chunks' choices for one delta: its thinking (with a reasoning parser), its text
+        (what is surely not part of a call, when calls are parsed), then each completed call
+        (name, then arguments); the last one carries the finish reason. None at all when there is
+        nothing to send."""
         text, call_chunks, finish_reason = delta.text, [], delta.finish_reason
+        choices = []
+        if thinking is not None:
+            reasoning, text = thinking.of(delta.index).feed(text, final=delta.finish_reason is not None)
+            if reasoning and ctx.request.include_reasoning:
+                choices.append(ChatStreamChoice(index=delta.index,
+                                                delta=DeltaMessage(reasoning=reasoning, reasoning_content=reasoning)))  # fmt: skip
         if tool_streams is not None:
             stream = tool_streams.of(delta.index)
-            text, call_chunks = stream.feed(delta.text, final=delta.finish_reason is not None)
+            text, call_chunks = stream.feed(text, final=delta.finish_reason is not None)
             finish_reason = finish_reason_with_calls(delta.finish_reason, stream.num_calls > 0)
         logprobs = self._logprobs(ctx, delta.token_ids, delta.logprobs)
         has_logprobs = logprobs is not None and bool(logprobs.content)
-        choices = []
         if text or has_logprobs:
             choices.append(ChatStreamChoice(index=delta.index, delta=DeltaMessage(content=text), logprobs=logprobs))
         choices.extend(
