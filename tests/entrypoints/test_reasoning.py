@@ -111,6 +111,24 @@ def test_a_tool_call_after_the_thinking(thinker: RemoteServer) -> None:
 
 
 @pytest.mark.slow
+def test_responses_open_with_a_reasoning_item(thinker: RemoteServer) -> None:
+    with thinker.client() as client:
+        response = client.responses.create(model=MODEL_NAME, input="Why is the sky blue?", max_output_tokens=48,
+                                           extra_body=forced())  # fmt: skip
+        assert [item.type for item in response.output] == ["reasoning", "message"]
+        thinking = response.output[0].content[0].text
+        assert thinking and "<think>" not in response.output_text
+        events = list(client.responses.create(model=MODEL_NAME, input="Why is the sky blue?", max_output_tokens=48,
+                                              extra_body=forced(), stream=True))  # fmt: skip
+        streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        assert streamed == thinking and events[-1].response.output_text == response.output_text
+        # Continued: the reasoning goes back as the turn's reasoning_content.
+        after = client.responses.create(model=MODEL_NAME, input="And at sunset?", previous_response_id=response.id,
+                                        max_output_tokens=4)  # fmt: skip
+        assert after.output
+
+
+@pytest.mark.slow
 def test_anthropic_answers_open_with_a_thinking_block(thinker: RemoteServer) -> None:
     with thinker.anthropic_client() as claude:
         message = claude.messages.create(model=MODEL_NAME, max_tokens=48, messages=ASK,

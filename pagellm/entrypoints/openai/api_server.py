@@ -42,6 +42,9 @@ from pagellm.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from pagellm.entrypoints.openai.reasoning import reasoning_parser
+from pagellm.entrypoints.openai.responses.protocol import ResponsesRequest
+from pagellm.entrypoints.openai.responses.serving import OpenAIServingResponses
+from pagellm.entrypoints.openai.responses.store import ResponseStore
 from pagellm.entrypoints.openai.request_body import add_body_schemas, body_openapi, parse_body
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -196,6 +199,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
     )  # fmt: skip
     tokenization = OpenAIServingTokenization(engine, names)
     messages = AnthropicServingMessages(chat)
+    responses = OpenAIServingResponses(chat, ResponseStore())
 
     @app.get("/health")
     async def health() -> Response:
@@ -220,7 +224,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
 
     # Bodies are parsed and validated in a worker thread (request_body.py), not by FastAPI.
     add_body_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
-                           MessagesRequest, CountTokensRequest])  # fmt: skip
+                           ResponsesRequest, MessagesRequest, CountTokensRequest])  # fmt: skip
 
     @app.post("/v1/completions", openapi_extra=body_openapi(CompletionRequest))
     async def completions(raw_request: Request) -> Response:
@@ -231,6 +235,19 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
     async def chat_completions(raw_request: Request) -> Response:
         request = await parse_body(raw_request, ChatCompletionRequest)
         return await chat.create_chat_completion(request, raw_request)
+
+    @app.post("/v1/responses", openapi_extra=body_openapi(ResponsesRequest))
+    async def create_response(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, ResponsesRequest)
+        return await responses.create(request, raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> JSONResponse:
+        return await responses.get(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> JSONResponse:
+        return await responses.delete(response_id)
 
     # Anthropic's Messages API (its own error shape: anthropic/errors.py).
     @app.post("/v1/messages", openapi_extra=body_openapi(MessagesRequest))
