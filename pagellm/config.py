@@ -104,18 +104,32 @@ class CacheConfig:
         resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)  # fail early on a bad name
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+# The priorities a request may carry (vLLM's: an integer, lower first).
+MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1
+
+
 @dataclass
 class SchedulerConfig:
-    """How much work one step may take."""
+    """How much work one step may take, and in which order requests are served (``fcfs``, or
+    ``priority``: lower first, aged one level every ``priority_aging_steps`` steps of waiting)."""
 
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    scheduling_policy: str = "fcfs"
+    priority_aging_steps: int = 1000
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")  # fmt: skip
+        if isinstance(self.priority_aging_steps, bool) or not isinstance(self.priority_aging_steps, int) \
+                or self.priority_aging_steps < 1:  # fmt: skip
+            raise ValueError(f"priority_aging_steps must be an integer >= 1, got {self.priority_aging_steps!r}")
 
 
 @dataclass

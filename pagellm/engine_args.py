@@ -23,6 +23,7 @@ from pagellm.config import (
     ISA_CHOICES,
     KV_CACHE_DTYPE_CHOICES,
     QUANTIZATION_CHOICES,
+    SCHEDULING_POLICIES,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -77,6 +78,12 @@ class EngineArgs:
         '"prompt_lookup_max": 4}\' (docs/speculative-decoding.md); default: none'))
     max_num_seqs: int = field(default=128, metadata=_option("most sequences in one step", kind=int))
     max_num_batched_tokens: int = field(default=2048, metadata=_option("most tokens computed in one step", kind=int))
+    scheduling_policy: str = field(default="fcfs", metadata=_option(
+        "fcfs (first come, first served) or priority (each request's priority, lower first, then arrival; a "
+        "waiting request preempts a running one of a worse priority)", choices=SCHEDULING_POLICIES))
+    priority_aging_steps: int = field(default=1000, metadata=_option(
+        "priority policy: a waiting request's priority improves one level every this many steps (bounds "
+        "starvation)", kind=int))
     max_model_len: int | None = field(default=None, metadata=_option("context limit (default: the model's)", kind=int))
     seed: int = field(default=0, metadata=_option("seed for sampling without a per-request seed", kind=int))
     device: str = field(default="cpu", metadata=_option("cpu (or cuda / mps where available)"))
@@ -134,7 +141,9 @@ class EngineArgs:
                 block_size=self.block_size, kv_cache_memory=self.kv_cache_memory, num_kv_blocks=self.num_kv_blocks,
                 enable_prefix_caching=self.enable_prefix_caching, kv_cache_dtype=self.kv_cache_dtype,
             ),
-            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                                      scheduling_policy=self.scheduling_policy,
+                                      priority_aging_steps=self.priority_aging_steps),
             device=DeviceConfig(device=self.device, attention_backend=self.attention_backend,
                                 num_threads=self.num_threads, tensor_parallel_size=self.tensor_parallel_size,
                                 pipeline_parallel_size=self.pipeline_parallel_size, cpu_bind=self.cpu_bind,

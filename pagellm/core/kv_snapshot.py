@@ -65,6 +65,7 @@ class SequenceView:
     num_blocks: int  # block-table entries (the released ones of a sliding window included)
     num_released: int  # leading entries released (outside the sliding window)
     block_ids: list[int]  # the table, logical -> physical, its first ``max_table_blocks`` entries
+    priority: int = 0  # its effective priority (the priority policy: lower first, raised by waiting)
 
 
 @dataclass
@@ -220,4 +221,5 @@ def _sequence_view(manager: KVCacheManager, seq: Sequence, max_table_blocks: int
         num_blocks=len(blocks),
         num_released=table.num_released if table is not None else 0,
         block_ids=list(map(_BLOCK_ID, blocks[:max_table_blocks])),
+        priority=seq.effective_priority,
     )

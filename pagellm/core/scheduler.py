@@ -5,6 +5,13 @@ There are no prefill and decode phases. Each request closes the gap between
 step mixes decode tokens, whole prompts and chunks of long prompts. When the KV
 pool runs dry, the newest running request is preempted: its blocks are freed and
 it is recomputed later from its prompt and the tokens it already produced.
+
+Requests are served first come, first served; under the ``priority`` policy by
+(priority, arrival) instead, lower values first (as vLLM's): the lowest running request is
+the one preempted, and a waiting request of a better priority preempts it when the pool or
+the seats are full. A request's priority improves one level for every ``aging_steps`` steps
+it has waited, so none waits for ever behind a stream of better ones; it keeps the level it
+had reached once admitted.
 """
 
 from __future__ import annotations
@@ -13,10 +20,31 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from pagellm.config import SchedulerConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.sequence import Sequence, SequenceStatus
 from pagellm.core.speculation import NO_DRAFTS, Drafts, Speculator
 from pagellm.step import ForkedSequence, ModelRunnerOutput, NewSequence, SampleFork, ScheduledSequence, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class SchedulingPolicy:
+    """``fcfs``: by arrival; ``priority``: by (priority, arrival), aged one level every
+    ``aging_steps`` steps of waiting (checked as ``SchedulerConfig`` checks them)."""
+
+    name: str = "fcfs"
+    aging_steps: int = 1000
+
+    def __post_init__(self) -> None:
+        SchedulerConfig(scheduling_policy=self.name, priority_aging_steps=self.aging_steps)
+
+    @classmethod
+    def of(cls, config: SchedulerConfig) -> SchedulingPolicy:
+        return cls(config.scheduling_policy, config.priority_aging_steps)
+
+    @property
+    def by_priority(self) -> bool:
+        return self.name == "priority"
 
 
 @dataclass
@@ -37,9 +65,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         speculator: Speculator | None = None,
+        policy: SchedulingPolicy = SchedulingPolicy(),
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.speculator = speculator  # None: no speculative decoding
+        self.policy = policy
+        self._step = 0  # schedule() calls so far: the clock of aging
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -61,8 +92,13 @@ class Scheduler:
         for r in [seq, *(fork_children or [])]:
             if r.seq_id in self.sequences:
                 raise ValueError(f"sequence id {r.seq_id!r} is already in use")
+        if seq.priority != 0 and not self.policy.by_priority:
+            raise ValueError(f"priority is {seq.priority}, but the engine serves first come, first served: start it "
+                             "with --scheduling-policy priority to use priorities")  # fmt: skip
+        seq.queued_step = self._step
+        seq.effective_priority = seq.priority
         self.sequences[seq.seq_id] = seq
-        self.waiting.append(seq)
+        self._insert(self.waiting, seq)
         for child in fork_children or ():
             child.status = SequenceStatus.WAITING_FOR_FORK
             self.sequences[child.seq_id] = child
@@ -137,7 +173,11 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         seq_budget = self.max_num_seqs if max_seqs is None else max_seqs
         scheduled: list[ScheduledSequence] = []
-        num_preemptions_before = self.stats.num_preemptions
+        if self.policy.by_priority:
+            self._age_waiting()
+            self._preempt_for_waiting_head(in_flight)
+        self._step += 1
+        num_preemptions_before = self.stats.num_preemptions  # (those made for the waiting head admit it)
 
         speculator = self.speculator if self.speculator is not None and self.speculator.active(len(self.running)) else None
         i = 0
@@ -192,20 +232,60 @@ class Scheduler:
                 seq.num_cached_tokens = num_cached
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            _insert_by_arrival(self.running, seq)
+            self._insert(self.running, seq)
             scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
         return budget
 
+    # ---- order ------------------------------------------------------------------
+
+    def order_key(self, seq: Sequence) -> tuple[float, ...]:
+        """Where ``seq`` stands in its queue: earlier first (and preempted last)."""
+        if self.policy.by_priority:
+            return (seq.effective_priority, seq.arrival_time)
+        return (seq.arrival_time,)
+
+    def _insert(self, queue: list[Sequence] | deque[Sequence], seq: Sequence) -> None:
+        """Insert after every request whose key is no later (queues stay ordered)."""
+        key = self.order_key(seq)
+        index = len(queue)
+        while index > 0 and self.order_key(queue[index - 1]) > key:
+            index -= 1
+        queue.insert(index, seq)
+
+    def _age_waiting(self) -> None:
+        """Raise each waiting request's priority by its wait (one level per ``aging_steps``), and
+        keep the waiting queue in order of the aged keys."""
+        aging = self.policy.aging_steps
+        for seq in self.waiting:
+            seq.effective_priority = min(seq.effective_priority, seq.priority - (self._step - seq.queued_step) // aging)
+        if len(self.waiting) > 1:
+            self.waiting = deque(sorted(self.waiting, key=self.order_key))
+
+    def _preempt_for_waiting_head(self, in_flight: frozenset[str]) -> None:
+        """Make room for the first waiting request when it outranks the last running one: preempt
+        running requests of a worse key while the seats or the blocks its next chunk needs are
+        short."""
+        if not self.waiting:
+            return
+        head, manager = self.waiting[0], self.kv_cache_manager
+        needed = manager.num_blocks_needed(head, min(head.num_tokens, self.max_num_batched_tokens))
+        while len(self.running) >= self.max_num_seqs or manager.num_free_blocks < needed:
+            victims = [r for r in self.running if r.seq_id not in in_flight]
+            if not victims or self.order_key(victims[-1]) <= self.order_key(head):
+                return
+            self.running.remove(victims[-1])
+            self._preempt(victims[-1])
+
     def _preempt_idle_younger_than(self, head: Sequence, in_flight: frozenset[str]) -> bool:
-        """Break a standstill: free idle running requests younger than the waiting head.
+        """Break a standstill: free idle running requests that come after the waiting head.
 
         Requests that wait on others (beams of a beam search waiting for their siblings)
         hold blocks while computing nothing; without this, the siblings could wait forever.
         """
         idle = [
             r for r in self.running
-            if r.num_computed_tokens == r.num_tokens and r.arrival_time > head.arrival_time and r.seq_id not in in_flight
+            if r.num_computed_tokens == r.num_tokens and self.order_key(r) > self.order_key(head) and r.seq_id not in in_flight
         ]  # fmt: skip
         for victim in reversed(idle):
             self.running.remove(victim)
@@ -235,7 +315,7 @@ class Scheduler:
         seq.num_blocks_sent = 0  # the worker keeps its row (tokens, generator), not its blocks
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
-        _insert_by_arrival(self.waiting, seq)
+        self._insert(self.waiting, seq)
 
     def _scheduled(self, seq: Sequence, num_new: int, drafts: Drafts = NO_DRAFTS) -> ScheduledSequence:
         """The step's diff for ``seq``: a sequence the worker does not know goes whole into
@@ -319,8 +399,9 @@ class Scheduler:
         if parent.num_tokens_sent:
             params = None if child.sampling_params == parent.sampling_params else child.sampling_params
             self._forked_since_last_step.append(ForkedSequence(child.seq_id, parent_id, params))
+        child.priority, child.effective_priority = parent.priority, parent.effective_priority
         self.sequences[child.seq_id] = child
-        _insert_by_arrival(self.running, child)
+        self._insert(self.running, child)
 
     def append_token(self, seq_id: str, token_id: int) -> None:
         """Append a token chosen outside the sampler and the stop rules (a beam search's)."""
@@ -335,7 +416,8 @@ class Scheduler:
         for child in children:
             self.kv_cache_manager.fork(parent, child)
             child.status = SequenceStatus.RUNNING
-            _insert_by_arrival(self.running, child)
+            child.priority, child.effective_priority = parent.priority, parent.effective_priority
+            self._insert(self.running, child)
         return children
 
     def _append_tokens(
@@ -367,11 +449,3 @@ class Scheduler:
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
-
-
-def _insert_by_arrival(queue: list[Sequence] | deque[Sequence], seq: Sequence) -> None:
-    """Insert after every request that arrived no later (queues stay in FCFS order)."""
-    index = len(queue)
-    while index > 0 and queue[index - 1].arrival_time > seq.arrival_time:
-        index -= 1
-    queue.insert(index, seq)

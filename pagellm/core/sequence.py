@@ -71,6 +71,11 @@ class Sequence:
     pending_forks: list[Sequence] = field(default_factory=list)
     # Tokens the last step appended (several where it accepted speculative drafts).
     num_new_tokens: int = 0
+    # Priority scheduling (lower first): the request's own, and what waiting has raised it to
+    # (``Scheduler._age_waiting``; kept once admitted); ``queued_step``: the step it came in.
+    priority: int = 0
+    effective_priority: int = 0
+    queued_step: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -251,9 +251,10 @@ class AsyncLLMEngine:
         *,
         stream: bool = True,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """``submit_all`` for one request."""
-        request = EngineRequest(request_id, prompt_token_ids, params, prompt, cache_salt, stream)
+        request = EngineRequest(request_id, prompt_token_ids, params, prompt, cache_salt, stream, priority=priority)
         return self.submit_all([request])[0]
 
     def submit_all(self, requests: list[EngineRequest]) -> list[RequestStream]:
@@ -283,9 +284,11 @@ class AsyncLLMEngine:
         *,
         stream: bool = True,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """``submit`` on first iteration: the async-generator form (errors arrive while iterating)."""
-        outputs = self.submit(prompt_token_ids, params, request_id, prompt, stream=stream, cache_salt=cache_salt)
+        outputs = self.submit(prompt_token_ids, params, request_id, prompt, stream=stream, cache_salt=cache_salt,
+                              priority=priority)  # fmt: skip
         try:
             async for output in outputs:
                 yield output

@@ -56,6 +56,7 @@ class BeamSearchController:
                                 prompt=request.prompt)  # fmt: skip
         if request.arrival_time is not None:
             group.arrival_time = request.arrival_time
+        group.priority = request.priority
         first = self._new_beam(group)
         group.beams = [Beam(first.seq_id, 0.0, [])]
         self.groups[request.request_id] = group
@@ -99,7 +100,7 @@ class BeamSearchController:
         params = SamplingParams(temperature=0, max_tokens=group.max_tokens, logprobs=group.params.num_candidates)
         return Sequence(
             seq_id, group.prompt_token_ids, params, max_tokens=group.max_tokens, eos_token_ids=self.eos_token_ids,
-            arrival_time=group.arrival_time, tokens_chosen_outside=True,
+            arrival_time=group.arrival_time, tokens_chosen_outside=True, priority=group.priority,
         )  # fmt: skip
 
     def _continue(self, group: BeamSearchGroup, continuations: list[Continuation]) -> str | None:

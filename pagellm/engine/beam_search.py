@@ -111,6 +111,7 @@ class BeamSearchGroup:
     reports: dict[str, TokenLogprobs] = field(default_factory=dict)
     done: bool = False
     arrival_time: float = field(default_factory=time.monotonic)  # shared by all its beams
+    priority: int = 0  # shared by all its beams (the priority scheduling policy)
 
     @property
     def num_generated(self) -> int:

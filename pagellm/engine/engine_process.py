@@ -193,7 +193,8 @@ class EngineProcess:
         self.kernel_plan_info = ready.kernel_plan_info
         self.stats = ready.stats
         self.input_processor = InputProcessor(
-            self.tokenizer, ready.vocab_size, ready.max_model_len, config.limits, config.scheduler.max_num_seqs
+            self.tokenizer, ready.vocab_size, ready.max_model_len, config.limits, config.scheduler.max_num_seqs,
+            config.scheduler.scheduling_policy,
         )
 
     def _start(self) -> _Ready:

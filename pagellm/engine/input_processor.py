@@ -8,7 +8,7 @@ from typing import Any, Union
 
 from transformers import PreTrainedTokenizerBase
 
-from pagellm.config import LimitsConfig
+from pagellm.config import MAX_PRIORITY, MIN_PRIORITY, LimitsConfig
 from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.sampling_params import SamplingParams
 from pagellm.structured_output.grammar import check_grammar
@@ -53,8 +53,10 @@ class InputProcessor:
         max_model_len: int,
         limits: LimitsConfig | None = None,
         max_num_seqs: int | None = None,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         self.tokenizer = tokenizer
+        self.scheduling_policy = scheduling_policy
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.limits = limits or LimitsConfig()
@@ -72,6 +74,14 @@ class InputProcessor:
                 f"{name} is {len(text)} characters long, more than can fit in max_model_len="
                 f"{self.max_model_len} tokens"
             )
+
+    def check_priority(self, priority: object) -> None:
+        """An integer in vLLM's range, and 0 unless the engine schedules by priority."""
+        if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+            raise ValueError(f"priority must be an integer from {MIN_PRIORITY} to {MAX_PRIORITY}, got {priority!r}")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(f"priority is {priority}, but the server serves first come, first served: start it with "
+                             "--scheduling-policy priority to use priorities")  # fmt: skip
 
     def check_params(self, params: SamplingParams | BeamSearchParams) -> None:
         """The limits of this engine on one request's options (their own ranges are checked at construction)."""

@@ -18,7 +18,7 @@ from pagellm.config import EngineConfig, draft_model_config
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.kv_snapshot import DEFAULT_MAX_REQUESTS, KVSnapshot, take_kv_snapshot
 from pagellm.core.sequence import Sequence, SequenceStatus
-from pagellm.core.scheduler import Scheduler
+from pagellm.core.scheduler import Scheduler, SchedulingPolicy
 from pagellm.core.speculation import Speculator
 from pagellm.engine.beam_controller import BeamSearchController
 from pagellm.engine.beam_search import BeamSearchParams
@@ -63,9 +63,11 @@ class LLMEngine:
             config.scheduler.max_num_batched_tokens,
             self.executor.max_model_len,
             None if config.speculative is None else Speculator(config.speculative, draft_max_len(config)),
+            SchedulingPolicy.of(config.scheduler),
         )
         self.input_processor = InputProcessor(
-            self.tokenizer, arch.vocab_size, self.executor.max_model_len, config.limits, config.scheduler.max_num_seqs
+            self.tokenizer, arch.vocab_size, self.executor.max_model_len, config.limits, config.scheduler.max_num_seqs,
+            config.scheduler.scheduling_policy,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
@@ -139,6 +141,7 @@ class LLMEngine:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if not request.params_checked:
             self.input_processor.check_params(request.params)
+        self.input_processor.check_priority(request.priority)
         if isinstance(request.params, BeamSearchParams):
             max_tokens = min(request.params.max_tokens, self.max_model_len - len(request.prompt_token_ids))
             first = self.beams.add(request, request.params, max_tokens)
@@ -170,6 +173,7 @@ class LLMEngine:
                 eos_token_ids=self.executor.eos_token_ids,
                 arrival_time=arrival_time,
                 cache_salt=request.cache_salt,
+                priority=request.priority,
             )
             for i, seq_id in enumerate(seq_ids)
         ]

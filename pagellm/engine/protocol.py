@@ -59,6 +59,8 @@ class EngineRequest:
     # boundary, to answer 400s naming the field): the engine does not check them (nor validate a
     # grammar) a second time.
     params_checked: bool = False
+    # The engine's --scheduling-policy priority serves lower values first (vLLM's); 0 otherwise.
+    priority: int = 0
 
 
 @dataclass

@@ -39,11 +39,15 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+        """Run every prompt to completion; outputs come back in input order. ``priority``: one
+        per prompt, lower first (needs ``scheduling_policy="priority"``)."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast_params(sampling_params, len(prompt_list))
-        request_ids = self._add_requests(prompt_list, params_list)
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"priority holds {len(priority)} values for {len(prompt_list)} prompts")
+        request_ids = self._add_requests(prompt_list, params_list, priority)
         return self._run(request_ids, use_tqdm)
 
     def chat(
@@ -113,16 +117,20 @@ class LLM:
             for out in results
         ]
 
-    def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+    def _add_requests(
+        self, prompts: list[PromptType], params: list[SamplingParams], priority: Sequence[int] | None = None
+    ) -> list[str]:
         engine = self.llm_engine
         # Validate everything first so a bad prompt queues nothing.
         processed = [engine.input_processor.process_prompt(p) for p in prompts]
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        for value in priorities:
+            engine.input_processor.check_priority(value)
         request_ids = []
-        for item, p in zip(processed, params):
+        for item, p, value in zip(processed, params, priorities):
             request_id = engine.new_request_id()
-            engine.add_engine_request(
-                EngineRequest(request_id, item.prompt_token_ids, p, item.prompt, item.cache_salt, stream=False)
-            )
+            engine.add_engine_request(EngineRequest(request_id, item.prompt_token_ids, p, item.prompt, item.cache_salt,
+                                                    stream=False, priority=value))  # fmt: skip
             request_ids.append(request_id)
         return request_ids
 

@@ -120,6 +120,7 @@ class SamplingRequest(RequestBody):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None  # keeps this request's prefix-cache entries apart (per tenant)
+    priority: int = 0  # with --scheduling-policy priority: lower first
     use_beam_search: bool = False  # n becomes the beam width; the n best beams are the choices
     length_penalty: float = 1.0  # beam search: score = cum_logprob / generated_len ** length_penalty
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older

@@ -204,7 +204,8 @@ class OpenAIServingChat(OpenAIServing):
         ctx = _Context(request, new_request_id("chatcmpl"), model, int(time.time()), tools, self.reasoning_parser)
 
         tracker = ChoiceTracker(n=request.n, prompt_tokens=len(prompt.prompt_token_ids))
-        merged = merge_async_iterators(self.generators([prompt], params, ctx.request_id))
+        merged = merge_async_iterators(self.generators([prompt], params, ctx.request_id,
+                                                                priority=request.priority))
         if request.stream:
             return StreamingResponse(guard_sse(self._stream(ctx, merged, tracker)), media_type="text/event-stream")
         try:

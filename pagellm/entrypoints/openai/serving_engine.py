@@ -435,6 +435,7 @@ class OpenAIServing:
         params: SamplingParams | BeamSearchParams,
         request_id: str,
         deltas: bool = True,
+        priority: int = 0,
     ) -> list[RequestStream]:
         """One engine stream per prompt (ids ``{request_id}`` or ``{request_id}-{i}``), all submitted now.
 
@@ -442,12 +443,17 @@ class OpenAIServing:
         An overloaded or dead engine answers 503 here, before any response starts; the prompts
         of one request are admitted all together or not at all.
         """
+        try:
+            self.engine.input_processor.check_priority(priority)
+        except ValueError as exc:
+            raise bad_request_from(exc) from exc
         if len(prompts) == 1:
             ids = [request_id]
         else:
             ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         requests = [  # params come from ``sampling_params``, which checked them
-            EngineRequest(rid, p.prompt_token_ids, params, p.prompt, p.cache_salt, stream=deltas, params_checked=True)
+            EngineRequest(rid, p.prompt_token_ids, params, p.prompt, p.cache_salt, stream=deltas, params_checked=True,
+                          priority=priority)
             for p, rid in zip(prompts, ids)
         ]
         try:

@@ -80,7 +80,7 @@ def build_payload(
             {
                 "id": r.seq_id, "status": r.status, "computed": r.num_computed_tokens, "tokens": r.num_tokens,
                 "prompt": r.num_prompt_tokens, "cached": r.num_cached_tokens, "preemptions": r.num_preemptions,
-                "blocks": r.num_blocks, "released": r.num_released, "table": r.block_ids,
+                "blocks": r.num_blocks, "released": r.num_released, "table": r.block_ids, "priority": r.priority,
             }
             for r in snapshot.sequences
         ],  # fmt: skip

@@ -156,6 +156,7 @@ class ResponsesRequest(RequestBody):
     metadata: dict[str, str] | None = None
     reasoning: dict[str, Any] | None = None  # effort / summary: accepted, the model decides nothing by them
     user: str | None = None
+    priority: int = 0  # vLLM's extension: with --scheduling-policy priority, lower first
     # vLLM's extension, as on the chat route: a regex, grammar, choice or JSON schema.
     structured_outputs: StructuredOutputsRequest | None = None
 

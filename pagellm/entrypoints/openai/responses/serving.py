@@ -117,7 +117,7 @@ class OpenAIServingResponses:
         conversation, tools, params, prompt = await asyncio.to_thread(prepare)
         response = _in_progress(request, new_id("resp"), model)
         tracker = ChoiceTracker(n=1, prompt_tokens=len(prompt.prompt_token_ids))
-        merged = merge_async_iterators(chat.generators([prompt], params, response.id))
+        merged = merge_async_iterators(chat.generators([prompt], params, response.id, priority=request.priority))
         if request.stream:
             stream = _Stream(response, tracker, self, conversation)
             if chat.reasoning_parser is not None:

@@ -164,7 +164,7 @@ export class LiveView {
       const more = r.blocks > TABLE_CHIPS ? `<span class="muted"> +${r.blocks - TABLE_CHIPS}</span>` : "";
       return `<tr data-request="${escapeHtml(r.id)}" data-status="${r.status}">
         <td title="${escapeHtml(r.id)}"><span class="chip" style="background:${colour}"></span>${escapeHtml(shortId(r.id))}</td>
-        <td><span class="badge ${r.status}">${r.status}</span></td>
+        <td><span class="badge ${r.status}">${r.status}</span>${r.priority ? `<span class="muted" title="priority (lower first)"> p${r.priority}</span>` : ""}</td>
         <td><div class="bar"><div style="width:${done.toFixed(1)}%;background:${colour}"></div></div>${r.computed} / ${r.tokens}</td>
         <td>${r.cached > 0 ? r.cached : "–"}</td><td>${r.preemptions || "–"}</td>
         <td class="table">${chips}${more}</td></tr>`;
