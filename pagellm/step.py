@@ -78,7 +78,7 @@ class GrammarBitmask:
     """The tokens each constrained sequence may sample this step: bit ``t % 32`` of word
     ``t // 32`` of its row is set when token ``t`` is allowed."""
 
-    rows: dict[str, int]  # sequence id -> its row of ``bitmask``
+    rows: dict[str, int]  # sequence id -> its row of ``bitmask`` (verifying drafts: its first of 1 + k)
     bitmask: torch.Tensor  # [rows, ceil(vocab / 32)] int32
 
 

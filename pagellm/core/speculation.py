@@ -5,8 +5,11 @@ worker at the start of the verifying step (``worker/drafter.py``): the scheduler
 their slots and the worker reports the tokens with its output.
 
 A sequence speculates when its next step is a plain decode (one known token left to compute)
-and its tokens are the sampler's: not a structured output (whose grammar would have to mask each
-proposed position), not a beam. Those run as before: correct, without drafts
+and its tokens are the sampler's (not a beam's). A structured output speculates with n-gram
+drafts: ``draft_filter`` (the engine wires the grammar's) cuts them at the first token its
+grammar forbids, and the worker masks each verified position by the grammar's state there; a
+draft model's drafts are not checked against a grammar, so constrained sequences do not take
+them. Those run as before: correct, without drafts
 (docs/speculative-decoding.md). Each draft position is penalized and masked (``min_tokens``) as
 plain decoding would be there, and logprobs are reported for every accepted draft. Drafts never
 exceed what the request may still produce (``max_tokens``, the context limit) nor the step's
@@ -22,7 +25,7 @@ by query rows), and the k with the most tokens per cost is proposed (0: a plain 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pagellm.core.ngram_proposer import NgramProposer
@@ -64,9 +67,10 @@ class SpeculationStats:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
-def speculates(seq: Sequence) -> bool:
+def speculates(seq: Sequence, model_drafts: bool = False) -> bool:
     """Whether ``seq``'s sampling lets drafts be verified (see the module docstring)."""
-    return not seq.tokens_chosen_outside and seq.sampling_params.structured_outputs is None
+    constrained = seq.sampling_params.structured_outputs is not None
+    return not seq.tokens_chosen_outside and not (constrained and model_drafts)
 
 
 # A new sequence's acceptance: as if it had seen this many drafts accepted at this rate.
@@ -127,6 +131,9 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, draft_max_len: int | None = None) -> None:
         self.config = config
         self.draft_max_len = draft_max_len
+        # How many leading drafts a constrained sequence's grammar allows (seq id, drafts) -> count;
+        # the engine sets it (None: no constrained sequence has drafts cut).
+        self.draft_filter: Callable[[str, list[int]], int] | None = None
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.stats = SpeculationStats()
         self._acceptance: dict[str, _Acceptance] = {}
@@ -156,7 +163,7 @@ class Speculator:
     def drafts(self, seq: Sequence, budget: int, max_model_len: int) -> Drafts:
         """The drafts ``seq`` verifies in its next step (``budget``: the step's tokens left,
         its own token included); none for a plain step."""
-        if seq.num_tokens - seq.num_computed_tokens != 1 or not speculates(seq):
+        if seq.num_tokens - seq.num_computed_tokens != 1 or not speculates(seq, self.config.uses_draft_model):
             return NO_DRAFTS
         limit = min(
             self.config.num_speculative_tokens,
@@ -179,7 +186,10 @@ class Speculator:
                 return NO_DRAFTS
         if self.config.uses_draft_model:
             return Drafts(in_worker=k)
-        return Drafts(tokens=tuple(self.proposer.propose(seq.seq_id, seq.all_token_ids, k)))
+        tokens = self.proposer.propose(seq.seq_id, seq.all_token_ids, k)
+        if tokens and self.draft_filter is not None and seq.sampling_params.structured_outputs is not None:
+            tokens = tokens[: self.draft_filter(seq.seq_id, tokens)]
+        return Drafts(tokens=tuple(tokens))
 
     def record(self, seq_id: str, num_drafts: int, num_accepted: int) -> None:
         """Count one sequence's verification."""

@@ -120,7 +120,7 @@ class BeamSearchController:
                 seq_ids.append(child.seq_id)
         for seq_id, cont in zip(seq_ids, continuations):
             self.scheduler.append_token(seq_id, cont.token_id)
-        _, refused = self.structured_output.accept((seq_id, cont.token_id) for seq_id, cont in zip(seq_ids, continuations))
+        _, refused = self.structured_output.accept((seq_id, [cont.token_id]) for seq_id, cont in zip(seq_ids, continuations))
         self._drop([beam.seq_id for beam in group.beams if beam.seq_id not in reused])
         group.beams = [
             Beam(seq_id, cont.cum_logprob, cont.parent.generated + [cont.token_id])

@@ -79,6 +79,8 @@ class LLMEngine:
         self.structured_output: StructuredOutputManager[tuple[Sequence, list[Sequence]]] = StructuredOutputManager(
             self.tokenizer, arch.vocab_size, grammar_eos, config.limits.grammar_compile_timeout_s
         )
+        if self.scheduler.speculator is not None:  # constrained drafts are cut where their grammar forbids
+            self.scheduler.speculator.draft_filter = self.structured_output.valid_drafts
         self.beams = BeamSearchController(self.scheduler, self.tokenizer, self.executor.eos_token_ids, self.structured_output)
         # Steps submitted and not yet finished (pipeline parallelism), oldest first.
         self._in_flight: deque[tuple[SchedulerOutput, GrammarBitmask | None]] = deque()
@@ -298,7 +300,9 @@ class LLMEngine:
         updated, finished = self.scheduler.update_from_output(scheduler_output, runner_output)
         refused: dict[str, str] = {}  # sequences whose constraint cannot be followed
         if grammar is not None:
-            complete, refused = self.structured_output.accept((r.seq_id, r.output_token_ids[-1]) for r in updated)
+            complete, refused = self.structured_output.accept(
+                (r.seq_id, r.output_token_ids[-r.num_new_tokens :]) for r in updated
+            )
             finished.extend(self.scheduler.finish_sequences(complete, SequenceStatus.FINISHED_STOPPED))
         step_outputs, stopped = self.output_processor.process(runner_output, updated, finished, failed)
         outputs.extend(step_outputs)

@@ -26,6 +26,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+import numpy as np
 import torch
 from llguidance import LLExecutor, LLMatcher
 # llguidance.numpy, not llguidance.torch: the same calls, without the torch.compile that imports
@@ -110,50 +111,98 @@ class StructuredOutputManager(Generic[Waiting]):
 
     def masks(self, scheduled: list[ScheduledSequence]) -> GrammarBitmask | None:
         """The allowed tokens of every constrained sequence that samples this step; None when
-        none does (unconstrained batches pay nothing)."""
+        none does (unconstrained batches pay nothing). A sequence verifying drafts gets a row
+        for each position, from its own row on: the grammar's state after the drafts before it."""
         if not self._matchers:
             return None
         rows: dict[str, int] = {}
         matchers: list[tuple[LLMatcher, int]] = []
+        drafted: list[tuple[LLMatcher, int, list[int]]] = []
+        num_rows = 0
         for item in scheduled:
             matcher = self._matchers.get(item.seq_id)
             if matcher is None or not item.sample:
                 continue
+            if item.draft_token_ids:
+                rows[item.seq_id] = num_rows
+                drafted.append((matcher, num_rows, item.draft_token_ids))
+                num_rows += 1 + len(item.draft_token_ids)
+                continue
             for seq_id in [item.seq_id, *(fork.seq_id for fork in item.forks)]:
                 if seq_id != item.seq_id:
                     self._matchers[seq_id] = matcher.deep_copy()  # the fork's own state from here
-                rows[seq_id] = len(matchers)
-                matchers.append((self._matchers[seq_id], len(matchers)))
-        if not matchers:
+                rows[seq_id] = num_rows
+                matchers.append((self._matchers[seq_id], num_rows))
+                num_rows += 1
+        if not num_rows:
             return None
         start = time.perf_counter()
-        bitmask = torch.empty(len(matchers), (self.vocab_size + 31) // 32, dtype=torch.int32)
+        bitmask = torch.empty(num_rows, (self.vocab_size + 31) // 32, dtype=torch.int32)
+        words = bitmask.numpy()
         if len(matchers) == 1:
-            fill_next_token_bitmask(matchers[0][0], bitmask.numpy(), 0)
-        else:
+            fill_next_token_bitmask(matchers[0][0], words, matchers[0][1])
+        elif matchers:
             if self._executor is None:
                 self._executor = LLExecutor()
-            fill_next_token_bitmask_par(self._executor, matchers, bitmask.numpy())
+            fill_next_token_bitmask_par(self._executor, matchers, words)
+        for matcher, first, drafts in drafted:
+            self._fill_draft_rows(matcher, words, first, drafts)
         self.mask_seconds += time.perf_counter() - start
         return GrammarBitmask(rows=rows, bitmask=bitmask)
 
-    def accept(self, tokens: Iterable[tuple[str, int]]) -> tuple[list[str], dict[str, str]]:
-        """Advance each constrained sequence by the token appended to it. Returns the sequences
-        whose document is now complete (nothing but EOS could follow: they end here, also with
-        ``ignore_eos``), and those whose matcher refused the token its mask allowed (a
-        constraint needing bytes the vocabulary cannot spell: the request's failure), with why."""
+    @staticmethod
+    def _fill_draft_rows(matcher: LLMatcher, words: np.ndarray, first: int, drafts: list[int]) -> None:
+        """Rows ``first .. first + len(drafts)``: the state now, then after each draft (the drafts
+        were checked against the grammar when proposed: ``valid_drafts``); the state is restored."""
+        fill_next_token_bitmask(matcher, words, first)
+        consumed = 0
+        for offset, token in enumerate(drafts, start=1):
+            if not matcher.consume_token(token):
+                words[first + offset : first + len(drafts) + 1] = 0  # (checked drafts never) nothing past it
+                break
+            consumed += 1
+            fill_next_token_bitmask(matcher, words, first + offset)
+        matcher.rollback(consumed)
+
+    def valid_drafts(self, seq_id: str, drafts: list[int]) -> int:
+        """How many leading ``drafts`` the sequence's grammar allows from its state now, short of
+        one that would complete the document: the target samples that token itself, so that the
+        sequence ends on it as without drafts (no token after it)."""
+        matcher = self._matchers.get(seq_id)
+        if matcher is None:
+            return 0
+        valid = int(matcher.validate_tokens(drafts))
+        consumed = 0
+        for token in drafts[:valid]:
+            matcher.consume_token(token)
+            consumed += 1
+            if matcher.is_stopped():
+                valid = consumed - 1
+                break
+        matcher.rollback(consumed)
+        return valid
+
+    def accept(self, tokens: Iterable[tuple[str, list[int]]]) -> tuple[list[str], dict[str, str]]:
+        """Advance each constrained sequence by the tokens appended to it (several where it
+        accepted drafts). Returns the sequences whose document is now complete (nothing but EOS
+        could follow: they end here, also with ``ignore_eos``), and those whose matcher refused a
+        token its mask allowed (a constraint needing bytes the vocabulary cannot spell: the
+        request's failure), with why."""
         complete: list[str] = []
         failed: dict[str, str] = {}
-        for seq_id, token_id in tokens:
+        for seq_id, token_ids in tokens:
             matcher = self._matchers.get(seq_id)
             if matcher is None:
                 continue
-            if not matcher.consume_token(token_id):
-                # The mask allowed it: the constraint needs bytes this vocabulary cannot spell.
-                reason = matcher.get_error().strip().splitlines()[0][:200]
-                failed[seq_id] = f"structured_outputs is impossible with this model's vocabulary ({reason})"
-            elif matcher.is_stopped():
-                complete.append(seq_id)
+            for token_id in token_ids:
+                if not matcher.consume_token(token_id):
+                    # The mask allowed it: the constraint needs bytes this vocabulary cannot spell.
+                    reason = matcher.get_error().strip().splitlines()[0][:200]
+                    failed[seq_id] = f"structured_outputs is impossible with this model's vocabulary ({reason})"
+                    break
+                if matcher.is_stopped():
+                    complete.append(seq_id)
+                    break
         return complete, failed
 
     def fork(self, parent_seq_id: str, child_seq_id: str) -> None:

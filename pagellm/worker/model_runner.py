@@ -165,9 +165,15 @@ class ModelRunner:
             self._prompt_logprobs(logits, inputs, output)
 
     def _apply_grammar(self, logits: torch.Tensor, seq_ids: list[str], grammar: GrammarBitmask | None) -> None:
-        """Forbid what each constrained row's grammar forbids (before sampling and logprobs)."""
+        """Forbid what each constrained row's grammar forbids (before sampling and logprobs). A
+        sequence verifying drafts has a row per position: its mask rows follow one another."""
         if grammar is not None:
-            rows = [grammar.rows.get(seq_id) for seq_id in seq_ids]
+            rows: list[int | None] = []
+            seen: dict[str, int] = {}
+            for seq_id in seq_ids:
+                first = grammar.rows.get(seq_id)
+                offset = seen[seq_id] = seen.get(seq_id, -1) + 1
+                rows.append(None if first is None else first + offset)
             apply_token_bitmask(logits, grammar.bitmask, rows, self.logits_kernels)
 
     # ---- inputs ------------------------------------------------------------------

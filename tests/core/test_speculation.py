@@ -138,7 +138,7 @@ def test_drafts_never_pass_max_tokens_or_the_context_limit():
     assert step.out.scheduled[0].draft_token_ids == [8]
 
 
-def test_no_drafts_for_big_batches_structured_outputs_or_beams():
+def test_no_drafts_for_big_batches_or_beams_and_constrained_ones_cut_by_their_grammar():
     s = make_scheduler(k=3, disable_by_batch_size=1)
     s.add_sequence(make_seq("a", [5, 6, 7, 8, 5, 6]))
     s.add_sequence(make_seq("b", [5, 6, 7, 8, 5, 6]))
@@ -146,6 +146,9 @@ def test_no_drafts_for_big_batches_structured_outputs_or_beams():
     step, _, _ = run(s, token=7)
     assert all(not r.draft_token_ids for r in step.out.scheduled)
     s = make_scheduler(k=3)
+    # The engine wires the grammar's check; here one that allows the first draft only.
+    checked = []
+    s.speculator.draft_filter = lambda seq_id, drafts: checked.append((seq_id, list(drafts))) or 1
     s.add_sequence(make_seq("json", [5, 6, 7, 8, 5, 6], structured_outputs=StructuredOutputsParams(regex="[0-9]+")))
     beam = make_seq("beam", [5, 6, 7, 8, 5, 6])
     beam.tokens_chosen_outside = True
@@ -154,7 +157,18 @@ def test_no_drafts_for_big_batches_structured_outputs_or_beams():
     run(s, token=7)
     s.append_token("beam", 7)
     step, _, _ = run(s, token=7)
-    assert {r.seq_id: r.draft_token_ids for r in step.out.scheduled} == {"json": [], "beam": [], "pen": [8, 5, 6]}
+    assert {r.seq_id: r.draft_token_ids for r in step.out.scheduled} == {"json": [8], "beam": [], "pen": [8, 5, 6]}
+    assert checked == [("json", [8, 5, 6])]  # only the constrained sequence's drafts are checked
+    assert step.scheduled[0].num_tokens == 2  # the known token and the one draft left: no slot for the others
+    # A draft model's drafts are not checked against a grammar: constrained sequences take none.
+    config = SpeculativeConfig(method="draft_model", model="d", num_speculative_tokens=3, disable_by_batch_size=None,
+                               adaptive=False)  # fmt: skip
+    s = attach(Scheduler(KVCacheManager(16, 4, enable_caching=False), 8, 64, 64, Speculator(config, draft_max_len=64)))
+    s.add_sequence(make_seq("json", [5, 6, 7, 8, 5, 6], structured_outputs=StructuredOutputsParams(regex="[0-9]+")))
+    s.add_sequence(make_seq("free", [5, 6, 7, 8, 5, 6]))
+    run(s, token=7)
+    step, _, _ = run(s, token=7, model_drafts={"free": [1, 2, 3]})
+    assert {r.seq_id: r.num_model_drafts for r in step.out.scheduled} == {"json": 0, "free": 3}
 
 
 def test_the_prefix_cache_never_keys_a_draft():

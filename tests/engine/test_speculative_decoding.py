@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pagellm import LLM, SamplingParams
+from pagellm.structured_outputs_params import StructuredOutputsParams
 
 # Not adaptive: every draft found is verified, whatever the steps' timings (core tests cover the choice).
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
@@ -174,3 +175,31 @@ def test_a_batch_mixing_speculating_and_plain_requests(plain, spec):
     assert len(sampled.token_ids) == len(sampled.logprobs) == 24
     assert all(token in row for token, row in zip(sampled.token_ids, sampled.logprobs))
     assert spec.llm_engine.scheduler.speculator.stats.num_drafts > before
+
+
+def test_structured_outputs_speculate_within_their_grammar(plain, spec):
+    """A constrained request's drafts are cut where its grammar forbids them and each verified
+    position is masked by the grammar's state there: plain decoding's output, drafts accepted."""
+    import json
+
+    import jsonschema
+
+    stats = spec.llm_engine.scheduler.speculator.stats
+    before = stats.num_accepted_tokens
+    repeat = StructuredOutputsParams(regex="(one two three four ){3}one two")
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=repeat)
+    assert tokens(spec, PROMPTS[:2], params) == tokens(plain, PROMPTS[:2], params)
+    assert stats.num_accepted_tokens > before
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 6}},
+              "required": ["a"], "additionalProperties": False}  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema))
+    got = spec.generate(PROMPTS, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in got] == tokens(plain, PROMPTS, params)
+    for out in got:
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    sampled = SamplingParams(temperature=0.9, seed=4, max_tokens=40, structured_outputs=repeat)
+    first = spec.generate(PROMPTS[:2], sampled, use_tqdm=False)
+    assert [o.outputs[0].text for o in first] == [o.outputs[0].text for o in spec.generate(PROMPTS[:2], sampled,
+                                                                                           use_tqdm=False)]
+    assert all(o.outputs[0].text.startswith("one two three four") for o in first)
+    assert all_blocks_free(spec)
