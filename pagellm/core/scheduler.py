@@ -173,13 +173,16 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         seq_budget = self.max_num_seqs if max_seqs is None else max_seqs
         scheduled: list[ScheduledSequence] = []
+        num_preemptions_before = self.stats.num_preemptions
         if self.policy.by_priority:
             self._age_waiting()
             self._preempt_for_waiting_head(in_flight)
         self._step += 1
+        # Blocks freed for the waiting head are not spent on drafts this step.
+        speculating = self.speculator is not None and self.stats.num_preemptions == num_preemptions_before
         num_preemptions_before = self.stats.num_preemptions  # (those made for the waiting head admit it)
 
-        speculator = self.speculator if self.speculator is not None and self.speculator.active(len(self.running)) else None
+        speculator = self.speculator if speculating and self.speculator.active(len(self.running)) else None
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled) < seq_budget:
             seq = self.running[i]
@@ -256,10 +259,12 @@ class Scheduler:
     def _age_waiting(self) -> None:
         """Raise each waiting request's priority by its wait (one level per ``aging_steps``), and
         keep the waiting queue in order of the aged keys."""
-        aging = self.policy.aging_steps
+        aging, changed = self.policy.aging_steps, False
         for seq in self.waiting:
-            seq.effective_priority = min(seq.effective_priority, seq.priority - (self._step - seq.queued_step) // aging)
-        if len(self.waiting) > 1:
+            aged = seq.priority - (self._step - seq.queued_step) // aging
+            if aged < seq.effective_priority:
+                seq.effective_priority, changed = aged, True
+        if changed and len(self.waiting) > 1:
             self.waiting = deque(sorted(self.waiting, key=self.order_key))
 
     def _preempt_for_waiting_head(self, in_flight: frozenset[str]) -> None:
@@ -314,6 +319,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_blocks_sent = 0  # the worker keeps its row (tokens, generator), not its blocks
         seq.num_preemptions += 1
+        seq.queued_step = self._step  # it ages by its waits, not by the time it ran
         self.stats.num_preemptions += 1
         self._insert(self.waiting, seq)
 

@@ -70,7 +70,9 @@ class SpeculationStats:
 def speculates(seq: Sequence, model_drafts: bool = False) -> bool:
     """Whether ``seq``'s sampling lets drafts be verified (see the module docstring)."""
     constrained = seq.sampling_params.structured_outputs is not None
-    return not seq.tokens_chosen_outside and not (constrained and model_drafts)
+    # Samples waiting to fork from this step's token (n > 1) are born from its last position, and
+    # would copy the drafts' computed positions: the first token of such a request is drawn plain.
+    return not seq.tokens_chosen_outside and not seq.pending_forks and not (constrained and model_drafts)
 
 
 # A new sequence's acceptance: as if it had seen this many drafts accepted at this rate.

@@ -27,7 +27,8 @@ from pagellm.step import NewSequence, ScheduledSequence, SchedulerOutput
 class InputBatch:
     """The rows (see the module docstring); ``apply`` brings them up to date with a step."""
 
-    def __init__(self, rows: int = 64, tokens: int = 1024, blocks: int = 64) -> None:
+    def __init__(self, rows: int = 64, tokens: int = 1024, blocks: int = 64, block_size: int | None = None) -> None:
+        self.block_size = block_size  # (a draft model's K/V is followed per block where known)
         self.row_of: dict[str, int] = {}  # sequence id -> row
         self.seq_ids: list[str] = []  # row -> sequence id
         self.token_ids = np.zeros((rows, tokens), dtype=np.int32)
@@ -112,8 +113,14 @@ class InputBatch:
             self._set_tokens(row, int(self.num_tokens[row]), item.new_token_ids)
         if item.draft_token_ids:
             self.set_drafts(row, item.draft_token_ids)
+        drafted = int(self.num_draft_computed[row])
+        if drafted and self.block_size:  # draft K/V only in the blocks the table still holds
+            changed = _first_change(self.block_table[row, item.block_table_start : self.num_blocks[row]],
+                                    item.new_block_ids)  # fmt: skip
+            if changed is not None:
+                drafted = min(drafted, (item.block_table_start + changed) * self.block_size)
         self._set_blocks(row, item.block_table_start, item.new_block_ids)
-        self.num_draft_computed[row] = min(int(self.num_draft_computed[row]), item.start_position)
+        self.num_draft_computed[row] = min(drafted, item.start_position)
 
     def set_drafts(self, row: int, draft_token_ids: list[int]) -> None:
         """Drafts after the row's tokens, read by this step's inputs only: not counted as tokens."""
@@ -175,6 +182,16 @@ class InputBatch:
 
     def num_output_tokens(self, row: int) -> int:
         return int(self.num_tokens[row] - self.num_prompt_tokens[row])
+
+
+def _first_change(old: np.ndarray, new: list[int]) -> int | None:
+    """The first index where a block table's new entries differ from the old ones (a block
+    replaced, or the new table shorter), None when they hold the same blocks."""
+    common = min(len(old), len(new))
+    differs = np.flatnonzero(old[:common] != np.asarray(new[:common], dtype=old.dtype))
+    if len(differs):
+        return int(differs[0])
+    return common if len(new) < len(old) else None
 
 
 def _grown(array: np.ndarray, rows: int | None = None, cols: int | None = None) -> np.ndarray:

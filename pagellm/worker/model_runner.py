@@ -83,7 +83,7 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
-        self.batch = InputBatch()
+        self.batch = InputBatch(block_size=block_size)
         self.argmax_kernels = plan.library("argmax")
         self.logits_kernels = plan.kernels if plan.device == "cpu" else None  # structured outputs' mask
 

@@ -93,6 +93,24 @@ def test_aging_bounds_how_long_a_low_priority_request_waits():
     assert [r.seq_id for r in schedule(s).scheduled] == ["patient"] and s.stats.num_preemptions == 0
 
 
+def test_a_preempted_request_ages_by_its_waits_not_by_its_run():
+    """Preempted after running long, a low-priority request does not come back ahead of the
+    better one that preempted it: its running steps do not count as waiting."""
+    s = make_scheduler(max_num_seqs=1, aging_steps=2)
+    s.add_sequence(make_request("low", 4, priority=5, arrival=0.0, max_tokens=40))
+    for _ in range(20):  # it runs alone for 20 steps
+        update(s, schedule(s))
+    s.add_sequence(make_request("high", 4, priority=0, arrival=1.0, max_tokens=40))
+    out = schedule(s)
+    assert [r.seq_id for r in out.scheduled] == ["high"] and s.sequences["low"].status == SequenceStatus.PREEMPTED
+    update(s, out)
+    for _ in range(4):  # four steps of waiting: two levels, still behind "high"
+        out = schedule(s)
+        assert [r.seq_id for r in out.scheduled] == ["high"]
+        update(s, out)
+    assert s.stats.num_preemptions == 1 and s.sequences["low"].effective_priority == 3
+
+
 def test_the_policy_is_checked_by_name():
     with pytest.raises(ValueError, match="scheduling policy must be one of"):
         SchedulingPolicy("lifo")

@@ -171,6 +171,18 @@ def test_no_drafts_for_big_batches_or_beams_and_constrained_ones_cut_by_their_gr
     assert {r.seq_id: r.num_model_drafts for r in step.out.scheduled} == {"json": 0, "free": 3}
 
 
+def test_no_drafts_while_samples_wait_to_fork():
+    """An n > 1 request's samples are born from the step that samples its first token: that step
+    verifies no drafts (they would be born from the last draft's position, with its count)."""
+    s = make_scheduler(k=3)
+    parent = make_seq("p", [5, 6, 7, 8, 5, 6, 7])
+    parent.num_computed_tokens = 6  # its prompt's last token left, as after a chunk
+    parent.pending_forks = [make_seq("p2", [5, 6, 7, 8, 5, 6, 7])]
+    assert s.speculator.drafts(parent, budget=64, max_model_len=64).count == 0
+    parent.pending_forks = []
+    assert s.speculator.drafts(parent, budget=64, max_model_len=64).tokens == (8, 5, 6)
+
+
 def test_the_prefix_cache_never_keys_a_draft():
     s = make_scheduler(k=3, caching=True)
     s.add_sequence(make_seq("a", [5, 6, 7, 8, 5, 6]))

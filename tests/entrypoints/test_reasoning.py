@@ -108,6 +108,16 @@ def test_a_tool_call_after_the_thinking(thinker: RemoteServer) -> None:
                                                 stream=True, extra_body=forced(pattern))  # fmt: skip
         names = [c.function.name for chunk in stream if chunk.choices for c in chunk.choices[0].delta.tool_calls or []]
         assert "get_time" in names
+    with thinker.anthropic_client() as claude:  # whole and streamed alike: the call from after the thinking
+        anthropic_tools = [{"name": "get_time", "input_schema": {"type": "object"}}]
+        whole = claude.messages.create(model=MODEL_NAME, max_tokens=64, messages=ASK, tools=anthropic_tools,
+                                       extra_body=forced(pattern))  # fmt: skip
+        assert [b.type for b in whole.content] == ["thinking", "tool_use"] and whole.stop_reason == "tool_use"
+        assert whole.content[0].thinking == "I need <tool_call> now"
+        with claude.messages.stream(model=MODEL_NAME, max_tokens=64, messages=ASK, tools=anthropic_tools,
+                                    extra_body=forced(pattern)) as stream:  # fmt: skip
+            streamed = stream.get_final_message()
+        assert [b.type for b in streamed.content] == ["thinking", "tool_use"]
 
 
 @pytest.mark.slow

@@ -135,6 +135,8 @@ def test_text_format_constrains_the_answer(client: openai.OpenAI) -> None:
     ({"input": ASK, "background": True}, 400, "background"),
     ({"input": ASK, "max_output_tokens": 0}, 400, "max_output_tokens"),
     ({"input": ASK, "metadata": {str(i): "v" for i in range(17)}}, 400, "metadata"),
+    ({"input": ASK, "metadata": {"k": "v" * 513}}, 400, "metadata"),
+    ({"input": ASK, "metadata": {"k" * 65: "v"}}, 400, "metadata"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, 400, "item_reference"),
     ({"input": [{"type": "no_such_item"}]}, 400, "input"),
     ({"input": ASK, "previous_response_id": "resp_missing"}, 404, "resp_missing"),

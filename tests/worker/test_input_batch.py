@@ -59,3 +59,22 @@ def test_a_step_that_does_not_match_the_rows_is_refused() -> None:
     assert _row(batch, "a") == ([1, 2], [], 2)  # a refused step changes nothing of the row
     with pytest.raises(KeyError):
         batch.apply(SchedulerOutput([], finished_seq_ids=["nobody"]))
+
+
+def test_draft_kv_is_kept_only_where_the_table_still_holds_its_blocks() -> None:
+    """``num_draft_computed`` (a draft model's K/V) never passes the position a step starts from,
+    nor the first block the step's table replaces (a preempted sequence back on other blocks)."""
+    batch = InputBatch(rows=1, tokens=2, blocks=1, block_size=4)
+    greedy = SamplingParams(temperature=0)
+    batch.apply(SchedulerOutput([ScheduledSequence("a", 0, 10, True, [], 0, [3, 4, 5])],
+                                new_sequences=[NewSequence("a", list(range(10)), 10, greedy)]))  # fmt: skip
+    row = batch.row_of["a"]
+    batch.num_draft_computed[row] = 10  # as the drafter leaves it
+    batch.apply(SchedulerOutput([ScheduledSequence("a", 10, 1, True, [11], 2, [5])]))  # the same blocks
+    assert batch.num_draft_computed[row] == 10
+    batch.apply(SchedulerOutput([ScheduledSequence("a", 8, 3, True, [], 2, [5])]))  # recomputed from 8
+    assert batch.num_draft_computed[row] == 8
+    batch.num_draft_computed[row] = 11
+    # Preempted and back with a prefix hit on blocks 3 and 9: block 1 changed, so only block 0 holds draft K/V.
+    batch.apply(SchedulerOutput([ScheduledSequence("a", 8, 3, True, [], 0, [3, 9, 7])]))
+    assert batch.num_draft_computed[row] == 4

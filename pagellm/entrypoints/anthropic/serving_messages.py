@@ -114,10 +114,10 @@ class AnthropicServingMessages:
         if chat.reasoning_parser is not None:  # the thinking first; calls are parsed from the rest
             split = chat.reasoning_parser.split(text)
             text = split.content
-            if split.reasoning is not None and shows_thinking(request):
+            if split.reasoning and shows_thinking(request):  # (an empty thinking streams no block either)
                 content.append(ThinkingOut(thinking=split.reasoning))
         if tools.parser is not None:
-            extracted = tools.parser.extract(result.text)
+            extracted = tools.parser.extract(text)
             text, calls = extracted.content or "", extracted.calls
         if text:
             content.append(TextOut(text=text))

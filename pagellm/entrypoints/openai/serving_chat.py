@@ -260,7 +260,7 @@ class OpenAIServingChat(OpenAIServing):
                 extracted = ctx.tools.parser.extract(text)
                 message = ChatMessage(content=extracted.content, tool_calls=tool_calls_out(extracted.calls))
                 finish_reason = finish_reason_with_calls(r.finish_reason, bool(extracted.calls))
-            if reasoning is not None and ctx.request.include_reasoning:
+            if reasoning and ctx.request.include_reasoning:  # (an empty thinking streams nothing either)
                 message.reasoning = message.reasoning_content = reasoning
                 message.content = message.content or None
             choices.append(ChatChoice(

@@ -16,8 +16,10 @@ from pydantic import Field, field_validator, model_validator
 
 from pagellm.entrypoints.openai.protocol import OpenAIBaseModel, RequestBody, StructuredOutputsRequest
 
-# OpenAI's bound on a response's metadata.
+# OpenAI's bounds on a response's metadata.
 MAX_METADATA_KEYS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 
 
 def new_id(prefix: str) -> str:
@@ -179,8 +181,14 @@ class ResponsesRequest(RequestBody):
     @field_validator("metadata")
     @classmethod
     def _bounded(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        if value is not None and len(value) > MAX_METADATA_KEYS:
+        if value is None:
+            return value
+        if len(value) > MAX_METADATA_KEYS:
             raise ValueError(f"metadata holds {len(value)} keys, more than the {MAX_METADATA_KEYS} allowed")
+        for key, item in value.items():
+            if len(key) > MAX_METADATA_KEY_CHARS or len(item) > MAX_METADATA_VALUE_CHARS:
+                raise ValueError(f"metadata keys hold at most {MAX_METADATA_KEY_CHARS} characters and values "
+                                 f"{MAX_METADATA_VALUE_CHARS}; {key[:40]!r} is over")  # fmt: skip
         return value
 
 

@@ -64,7 +64,7 @@ def split_answer(text: str, reasoning: ThinkTagParser | None, tools: ToolParser 
     if reasoning is not None:
         split = reasoning.split(text)
         text = split.content
-        if split.reasoning is not None:
+        if split.reasoning:  # (an empty thinking streams no item either)
             items.append(OutputReasoning(id=new_id("rs"), content=[ReasoningText(type="reasoning_text",
                                                                                  text=split.reasoning)]))  # fmt: skip
     calls = []
@@ -148,8 +148,9 @@ class OpenAIServingResponses:
             response.status = "completed"
         response.usage = ResponseUsage(input_tokens=tracker.prompt_tokens, output_tokens=tracker.completion_tokens,
                                        total_tokens=tracker.prompt_tokens + tracker.completion_tokens)  # fmt: skip
-        if response.store:
-            self.store.put(response.id, response.model_dump(), [*conversation, assistant_turn(output)])
+        if response.store and not self.store.put(response.id, response.model_dump(), [*conversation,
+                                                                                     assistant_turn(output)]):
+            response.store = False  # larger than the whole store: answered, not kept
 
     async def get(self, response_id: str) -> JSONResponse:
         stored = self.store.get(response_id)

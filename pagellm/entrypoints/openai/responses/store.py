@@ -2,13 +2,15 @@
 later request's ``previous_response_id`` continues from.
 
 Bounded three ways, so that clients cannot grow the server: at most ``max_responses`` entries,
-at most ``max_chars`` characters of stored conversation in all (the oldest entries go first),
+at most ``max_chars`` characters of stored conversations and response objects in all (the
+oldest entries go first),
 and each entry expires ``ttl_s`` after it was stored. Kept in this process only: a restart
 forgets them (a 404 then, as for an expired one).
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import OrderedDict
@@ -58,8 +60,9 @@ class ResponseStore:
             return len(self._entries)
 
     def put(self, response_id: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> bool:
-        """Store a response; False when its conversation alone exceeds the store (not stored)."""
-        chars = conversation_chars(conversation)
+        """Store a response; False when it alone (its conversation and the response object)
+        exceeds the store (not stored)."""
+        chars = conversation_chars(conversation) + len(json.dumps(response))
         if chars > self.max_chars:
             return False
         with self._lock:
