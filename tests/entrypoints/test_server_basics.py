@@ -31,6 +31,17 @@ def test_models_list(client: openai.OpenAI, http: httpx.Client) -> None:
     assert raw["object"] == "list"
     for card in raw["data"]:
         assert card["object"] == "model" and card["max_model_len"] == MAX_MODEL_LEN and card["owned_by"]
+    assert client.models.retrieve(MODEL_ALIAS).id == MODEL_ALIAS
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+def test_anthropics_client_lists_the_models_too(server) -> None:
+    with server.anthropic_client() as claude:
+        page = claude.models.list()
+        assert [m.id for m in page.data] == [MODEL_NAME, MODEL_ALIAS] and not page.has_more
+        assert page.data[0].display_name == MODEL_NAME and page.data[0].type == "model"
+        assert claude.models.retrieve(MODEL_NAME).created_at.year >= 2026
 
 
 def test_tokenize_detokenize_round_trip(http: httpx.Client) -> None:

@@ -27,6 +27,7 @@ from pagellm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesR
 from pagellm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from pagellm.entrypoints.openai.errors import (
     AuthenticationError,
+    NotFoundError,
     RequestTooLargeError,
     ServiceUnavailableError,
     error_response,
@@ -211,11 +212,21 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
     async def version() -> JSONResponse:
         return JSONResponse({"version": pagellm.__version__, "kernel_plan": engine.kernel_plan_info})
 
+    def model_cards() -> list[ModelCard]:
+        # root names the model as served, never a path on this machine.
+        return [ModelCard(id=name, root=names[0], max_model_len=engine.max_model_len) for name in names]
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        # root names the model as served, never a path on this machine.
-        cards = [ModelCard(id=name, root=names[0], max_model_len=engine.max_model_len) for name in names]
-        return JSONResponse(ModelList(data=cards).model_dump())
+        return JSONResponse(ModelList(data=model_cards()).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")  # (names such as org/model)
+    async def model(model_id: str) -> JSONResponse:
+        card = next((c for c in model_cards() if c.id == model_id), None)
+        if card is None:
+            raise NotFoundError(f"the model {model_id!r} is not served here (served: {', '.join(names)})",
+                                param="model", code="model_not_found")  # fmt: skip
+        return JSONResponse(card.model_dump())
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

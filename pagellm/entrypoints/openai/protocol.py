@@ -412,6 +412,9 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
 
 
 class ModelCard(OpenAIBaseModel):
+    """A served model, as OpenAI's clients read it and (``type``, ``display_name``,
+    ``created_at``) as Anthropic's do."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
@@ -419,11 +422,32 @@ class ModelCard(OpenAIBaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int
+    type: Literal["model"] = "model"
+    display_name: str = ""
+    created_at: str = ""
+
+    @model_validator(mode="after")
+    def _anthropic_fields(self) -> ModelCard:
+        self.display_name = self.display_name or self.id
+        if not self.created_at:
+            self.created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created))
+        return self
 
 
 class ModelList(OpenAIBaseModel):
+    """OpenAI's list, with Anthropic's page fields (one page: every served name)."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
+    has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None
+
+    @model_validator(mode="after")
+    def _page(self) -> ModelList:
+        if self.data:
+            self.first_id, self.last_id = self.data[0].id, self.data[-1].id
+        return self
 
 
 class TokenizeResponse(OpenAIBaseModel):
