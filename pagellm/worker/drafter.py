@@ -67,19 +67,20 @@ class Drafter:
         known = batch.num_tokens[rows].copy()
         starts = batch.num_draft_computed[rows].copy()
         output.draft_catch_up = max(output.draft_catch_up, int((known - starts).max()))
+        batch.reserve_tokens(int((known + counts).max()))  # drafts go past the rows' tokens
         drafts = [[token] for token in self._catch_up(batch, rows, starts, known)]
+        batch.token_ids[rows, known] = [d[0] for d in drafts]
         for j in range(1, int(counts.max())):
             live = np.flatnonzero(counts > j)
-            for i in live:
-                batch.set_drafts(int(rows[i]), drafts[i])
             layout = FlatLayout.of(rows[live], known[live] + j - 1, np.ones(len(live), dtype=np.int64))
-            for i, token in zip(live, self._forward(batch, layout, layout.last_indices)):
+            tokens = self._forward(batch, layout, layout.last_indices)
+            batch.token_ids[rows[live], known[live] + j] = tokens
+            for i, token in zip(live, tokens):
                 drafts[i].append(token)
+        # The last draft's K/V is never written: computed up to the one before it.
+        batch.num_draft_computed[rows] = known + counts - 1
         filled = list(scheduled)
         for n, i in enumerate(wanted):
-            row = int(rows[n])
-            batch.set_drafts(row, drafts[n])
-            batch.num_draft_computed[row] = known[n] + counts[n] - 1  # the last draft's KV is never written
             output.drafts[items[n].seq_id] = drafts[n]
             filled[i] = dataclasses.replace(items[n], draft_token_ids=drafts[n], num_model_drafts=0)
         return filled

@@ -143,10 +143,14 @@ class InputBatch:
         self.num_draft_computed[row] = 0
         return row
 
-    def _set_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
-        end = start + len(token_ids)
+    def reserve_tokens(self, end: int) -> None:
+        """Room for every row's tokens up to position ``end`` (drafts written past their tokens)."""
         if end > self.token_ids.shape[1]:
             self.token_ids = _grown(self.token_ids, cols=max(end, 2 * self.token_ids.shape[1]))
+
+    def _set_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
+        end = start + len(token_ids)
+        self.reserve_tokens(end)
         self.token_ids[row, start:end] = token_ids
         self.num_tokens[row] = end
 

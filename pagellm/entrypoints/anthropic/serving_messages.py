@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,23 +36,18 @@ from pagellm.entrypoints.anthropic.protocol import (
     new_tool_use_id,
 )
 from pagellm.entrypoints.anthropic.to_chat import to_chat_request
-from pagellm.entrypoints.openai.errors import OpenAIError
 from pagellm.entrypoints.openai.reasoning import ThinkStreamer
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_engine import (
     CLIENT_CLOSED_REQUEST,
-    SERVING_ERRORS,
     ChoiceTracker,
-    ClientDisconnected,
     accumulate,
-    collect_until_disconnect,
+    collect_answer,
+    guard_sse,
     merge_async_iterators,
-    to_openai_error,
 )
 from pagellm.entrypoints.openai.tool_calls.parsers import FunctionCall, ToolCallStreamer
 from pagellm.entrypoints.openai.tool_calls.request import ToolPlan
-
-logger = logging.getLogger(__name__)
 
 
 def stop_reason(finish_reason: str | None, matched: int | str | None, has_calls: bool) -> tuple[StopReason, str | None]:
@@ -101,13 +95,12 @@ class AnthropicServingMessages:
         if request.stream:
             thinking = chat.reasoning_parser.streamer() if chat.reasoning_parser is not None else None
             stream = _Stream(message_id, model, tools, tracker, thinking, shows_thinking(request))
-            return StreamingResponse(guard_anthropic_sse(stream.events(merged)), media_type="text/event-stream")
-        try:
-            items = await collect_until_disconnect(merged, raw_request)
-        except ClientDisconnected:
+            guarded = guard_sse(stream.events(merged), lambda error: anthropic_sse_error(error.status_code, error.message),
+                                done=None)  # fmt: skip
+            return StreamingResponse(guarded, media_type="text/event-stream")
+        items = await collect_answer(merged, raw_request)
+        if items is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        except SERVING_ERRORS as exc:
-            raise to_openai_error(exc) from exc
         (result,), _ = accumulate(tracker, items, 1)
         content: list[ThinkingOut | TextOut | ToolUseOut] = []
         text, calls = result.text, []
@@ -139,18 +132,6 @@ class AnthropicServingMessages:
             return len(prompt.prompt_token_ids)
 
         return JSONResponse(CountTokensResponse(input_tokens=await asyncio.to_thread(count)).model_dump())
-
-
-async def guard_anthropic_sse(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """A failure after the stream started becomes Anthropic's in-band ``error`` event."""
-    try:
-        async for event in events:
-            yield event
-    except Exception as exc:  # any failure must end the stream cleanly
-        if not isinstance(exc, (OpenAIError, *SERVING_ERRORS)):
-            logger.exception("stream failed")
-        error = to_openai_error(exc)
-        yield anthropic_sse_error(error.status_code, error.message)
 
 
 @dataclass

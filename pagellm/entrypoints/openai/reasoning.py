@@ -16,7 +16,7 @@ be the start of a tag.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -104,16 +104,3 @@ def reasoning_parser(name: str | None) -> ThinkTagParser | None:
     if name not in REASONING_PARSERS:
         raise ValueError(f"unknown reasoning parser {name!r}; choose one of {', '.join(REASONING_PARSERS)}")
     return REASONING_PARSERS[name]
-
-
-@dataclass
-class ReasoningStreams:
-    """Every streamed choice's split, made on first use."""
-
-    parser: ThinkTagParser
-    choices: dict[int, ThinkStreamer] = field(default_factory=dict)
-
-    def of(self, index: int) -> ThinkStreamer:
-        if index not in self.choices:
-            self.choices[index] = self.parser.streamer()
-        return self.choices[index]

@@ -29,24 +29,22 @@ from pagellm.entrypoints.openai.protocol import (
     ChatStreamChoice,
     DeltaMessage,
 )
-from pagellm.entrypoints.openai.reasoning import ReasoningStreams, ThinkTagParser
+from pagellm.entrypoints.openai.reasoning import ThinkStreamer, ThinkTagParser
 from pagellm.entrypoints.openai.serving_engine import (
     CLIENT_CLOSED_REQUEST,
     ChoiceDelta,
     ChoiceTracker,
-    ClientDisconnected,
-    SERVING_ERRORS,
     OpenAIServing,
+    PerChoice,
     accumulate,
-    collect_until_disconnect,
+    collect_answer,
     guard_sse,
     json_logprob,
     merge_async_iterators,
     new_request_id,
     sse_event,
-    to_openai_error,
 )
-from pagellm.entrypoints.openai.tool_calls.output import ToolStreams, finish_reason_with_calls, tool_calls_out
+from pagellm.entrypoints.openai.tool_calls.output import ChoiceToolStream, finish_reason_with_calls, tool_calls_out
 from pagellm.entrypoints.openai.tool_calls.parsers import HermesToolParser, ToolParser
 from pagellm.entrypoints.openai.tool_calls.prompt import template_renders_tools, write_tools_in
 from pagellm.entrypoints.openai.tool_calls.request import ToolPlan, plan_tools
@@ -208,12 +206,9 @@ class OpenAIServingChat(OpenAIServing):
                                                                 priority=request.priority))
         if request.stream:
             return StreamingResponse(guard_sse(self._stream(ctx, merged, tracker)), media_type="text/event-stream")
-        try:
-            items = await collect_until_disconnect(merged, raw_request)
-        except ClientDisconnected:
+        items = await collect_answer(merged, raw_request)
+        if items is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        except SERVING_ERRORS as exc:
-            raise to_openai_error(exc) from exc
         return JSONResponse(self._response(ctx, tracker, items).model_dump())
 
     def prepare(
@@ -279,8 +274,9 @@ class OpenAIServingChat(OpenAIServing):
         for index in range(ctx.request.n):
             role_choice = ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
             yield sse_event(self._chunk(ctx, [role_choice]), exclude)
-        tool_streams = ToolStreams(ctx.tools.parser) if ctx.tools.parser is not None else None
-        thinking = ReasoningStreams(ctx.reasoning) if ctx.reasoning is not None else None
+        parser = ctx.tools.parser
+        tool_streams = PerChoice(lambda: ChoiceToolStream(parser.streamer())) if parser is not None else None
+        thinking = PerChoice(ctx.reasoning.streamer) if ctx.reasoning is not None else None
         async for _, output in merged:
             for delta in tracker.deltas(0, output):
                 for choice in self._stream_choices(ctx, delta, tool_streams, thinking):
@@ -298,8 +294,8 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     def _stream_choices(
-        self, ctx: _Context, delta: ChoiceDelta, tool_streams: ToolStreams | None,
-        thinking: ReasoningStreams | None = None,
+        self, ctx: _Context, delta: ChoiceDelta, tool_streams: PerChoice[ChoiceToolStream] | None,
+        thinking: PerChoice[ThinkStreamer] | None = None,
     ) -> list[ChatStreamChoice]:
         """The chunks' choices for one delta: its thinking (with a reasoning parser), its text
         (what is surely not part of a call, when calls are parsed), then each completed call

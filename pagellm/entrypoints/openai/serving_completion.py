@@ -29,17 +29,14 @@ from pagellm.entrypoints.openai.serving_engine import (
     ChoiceDelta,
     ChoiceResult,
     ChoiceTracker,
-    ClientDisconnected,
-    SERVING_ERRORS,
     OpenAIServing,
     accumulate,
-    collect_until_disconnect,
+    collect_answer,
     guard_sse,
     json_logprob,
     merge_async_iterators,
     new_request_id,
     sse_event,
-    to_openai_error,
 )
 from pagellm.outputs import PositionLogprobs, RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -145,12 +142,9 @@ class OpenAIServingCompletion(OpenAIServing):
         merged = merge_async_iterators(self.generators(prompts, params, ctx.request_id, deltas, request.priority))
         if request.stream:
             return StreamingResponse(guard_sse(self._stream(ctx, merged, tracker)), media_type="text/event-stream")
-        try:
-            items = await collect_until_disconnect(merged, raw_request)
-        except ClientDisconnected:
+        items = await collect_answer(merged, raw_request)
+        if items is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        except SERVING_ERRORS as exc:
-            raise to_openai_error(exc) from exc
         return JSONResponse(self._response(ctx, tracker, items).model_dump())
 
     def _prepare(self, request: CompletionRequest) -> tuple[SamplingParams | BeamSearchParams, list[ProcessedPrompt]]:

@@ -13,9 +13,9 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -86,16 +86,31 @@ def to_openai_error(error: BaseException) -> OpenAIError:
 SERVING_ERRORS = (ValueError, EngineDeadError, EngineOverloadedError, RequestFailedError)
 
 
-async def guard_sse(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Close every stream with ``[DONE]``; a failure mid-stream becomes an in-band error event."""
+async def guard_sse(
+    events: AsyncIterator[str], on_error: Callable[[OpenAIError], str] = sse_error, done: str | None = SSE_DONE
+) -> AsyncIterator[str]:
+    """Close every stream (with ``done``: OpenAI's ``[DONE]``); a failure mid-stream becomes an
+    in-band error event, framed by ``on_error`` (each API frames its own)."""
     try:
         async for event in events:
             yield event
     except Exception as exc:  # any failure must end the stream cleanly
         if not isinstance(exc, (OpenAIError, *SERVING_ERRORS)):
             logger.exception("stream failed")
-        yield sse_error(exc)
-    yield SSE_DONE
+        yield on_error(to_openai_error(exc))
+    if done is not None:
+        yield done
+
+
+async def collect_answer(stream: AsyncIterator[T], request: Request) -> list[T] | None:
+    """A non-streamed answer's outputs; None when the client left first (the caller answers
+    ``CLIENT_CLOSED_REQUEST``); the engine's failures as OpenAI errors."""
+    try:
+        return await collect_until_disconnect(stream, request)
+    except ClientDisconnected:
+        return None
+    except SERVING_ERRORS as exc:
+        raise to_openai_error(exc) from exc
 
 
 # ---- streams of several prompts ------------------------------------------------------------
@@ -202,6 +217,19 @@ class ChoiceDelta:
     finish_reason: str | None  # set on the choice's last delta only
     stop_reason: int | str | None
     first: bool
+
+
+@dataclass
+class PerChoice(Generic[T]):
+    """A streamed answer's state for each of its choices (a parser's), made on first use."""
+
+    make: Callable[[], T]
+    choices: dict[int, T] = field(default_factory=dict)
+
+    def of(self, index: int) -> T:
+        if index not in self.choices:
+            self.choices[index] = self.make()
+        return self.choices[index]
 
 
 @dataclass

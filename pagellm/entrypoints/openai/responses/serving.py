@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,17 +44,13 @@ from pagellm.entrypoints.openai.responses.to_chat import conversation_of, to_cha
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_engine import (
     CLIENT_CLOSED_REQUEST,
-    SERVING_ERRORS,
     ChoiceTracker,
-    ClientDisconnected,
     accumulate,
-    collect_until_disconnect,
+    collect_answer,
+    guard_sse,
     merge_async_iterators,
-    to_openai_error,
 )
 from pagellm.entrypoints.openai.tool_calls.parsers import ToolCallStreamer, ToolParser
-
-logger = logging.getLogger(__name__)
 
 
 def split_answer(text: str, reasoning: ThinkTagParser | None, tools: ToolParser | None) -> list[OutputItem]:
@@ -124,13 +119,11 @@ class OpenAIServingResponses:
                 stream.thinking = chat.reasoning_parser.streamer()
             if tools.parser is not None:
                 stream.calls = tools.parser.streamer()
-            return StreamingResponse(stream.guarded(merged), media_type="text/event-stream")
-        try:
-            items = await collect_until_disconnect(merged, raw_request)
-        except ClientDisconnected:
+            return StreamingResponse(guard_sse(stream.events(merged), stream.error_event, done=None),
+                                     media_type="text/event-stream")  # fmt: skip
+        items = await collect_answer(merged, raw_request)
+        if items is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        except SERVING_ERRORS as exc:
-            raise to_openai_error(exc) from exc
         (result,), _ = accumulate(tracker, items, 1)
         output = split_answer(result.text, chat.reasoning_parser, tools.parser)
         self.finish(response, output, result.finish_reason, tracker, conversation)
@@ -193,16 +186,9 @@ class _Stream:
     open_item: OutputItem | None = None
     call_ids: dict[str, OutputFunctionCall] = field(default_factory=dict)  # the parser's call id -> its item
 
-    async def guarded(self, merged: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[str]:
-        """The events; a failure after the start becomes an in-band ``error`` event."""
-        try:
-            async for event in self.events(merged):
-                yield event
-        except Exception as exc:  # any failure must end the stream cleanly
-            if not isinstance(exc, (OpenAIError, *SERVING_ERRORS)):
-                logger.exception("stream failed")
-            error = to_openai_error(exc)
-            yield self._event("error", code=error.code, message=error.message, param=error.param)
+    def error_event(self, error: OpenAIError) -> str:
+        """A failure after the start: an in-band ``error`` event, numbered as the others."""
+        return self._event("error", code=error.code, message=error.message, param=error.param)
 
     async def events(self, merged: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[str]:
         yield self._event("response.created", response=self.response.model_dump())

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagellm.entrypoints.openai.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCallOut, ToolCall
-from pagellm.entrypoints.openai.tool_calls.parsers import FunctionCall, ToolCallStreamer, ToolParser
+from pagellm.entrypoints.openai.tool_calls.parsers import FunctionCall, ToolCallStreamer
 
 
 def tool_calls_out(calls: list[FunctionCall]) -> list[ToolCall]:
@@ -43,16 +43,3 @@ class ChoiceToolStream:
                 chunks.append([DeltaToolCall(index=self.indices[delta.call_id],
                                              function=DeltaFunctionCall(arguments=delta.arguments))])  # fmt: skip
         return piece.content, chunks
-
-
-@dataclass
-class ToolStreams:
-    """Every streamed choice's parser state, made on first use."""
-
-    parser: ToolParser
-    choices: dict[int, ChoiceToolStream] = field(default_factory=dict)
-
-    def of(self, index: int) -> ChoiceToolStream:
-        if index not in self.choices:
-            self.choices[index] = ChoiceToolStream(self.parser.streamer())
-        return self.choices[index]
