@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagellm.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 from pagellm.structured_outputs_params import StructuredOutputsParams
 
@@ -16,12 +17,15 @@ __all__ = [
     "LLM",
     "SamplingParams",
     "StructuredOutputsParams",
+    "PoolingParams",
     "BeamSearchParams",
     "BeamSearchOutput",
     "BeamSearchSequence",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
 ]
 __version__ = "0.1.0"
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from pagellm.pooler_config import PoolerConfig
 from pagellm.speculative_config import SpeculativeConfig
 from pagellm.utils import is_real, parse_memory_size
 
@@ -286,6 +287,7 @@ class EngineConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig.from_env)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    pooler: PoolerConfig = field(default_factory=PoolerConfig)  # embeddings: what the flag sets (None: the model's)
 
     def __post_init__(self) -> None:
         spec = self.speculative

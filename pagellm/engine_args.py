@@ -33,6 +33,7 @@ from pagellm.config import (
     SchedulerConfig,
 )
 from pagellm.model.default_model import DEFAULT_MODEL_NAME
+from pagellm.pooler_config import PoolerConfig
 from pagellm.speculative_config import SpeculativeConfig
 
 # CLI argument groups, in the order the help shows them.
@@ -76,6 +77,10 @@ class EngineArgs:
     speculative_config: str | dict[str, Any] | None = field(default=None, metadata=_option(
         'speculative decoding, a JSON object with vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
         '"prompt_lookup_max": 4}\' (docs/speculative-decoding.md); default: none'))
+    pooler_config: str | dict[str, Any] | None = field(default=None, metadata=_option(
+        'how /v1/embeddings and LLM.embed pool hidden states, a JSON object with vLLM\'s keys, e.g. \'{"pooling_type": '
+        '"MEAN", "normalize": true}\' (docs/embeddings.md); default: the model\'s sentence-transformers files, else '
+        'the last token, normalized'))
     max_num_seqs: int = field(default=128, metadata=_option("most sequences in one step", kind=int))
     max_num_batched_tokens: int = field(default=2048, metadata=_option("most tokens computed in one step", kind=int))
     scheduling_policy: str = field(default="fcfs", metadata=_option(
@@ -156,6 +161,7 @@ class EngineArgs:
                                 max_grammar_chars=self.max_grammar_chars),
             kernels=KernelConfig.from_env(isa=self.cpu_isa, cpu_kernels=self.cpu_kernels, gemm=self.gemm),
             speculative=SpeculativeConfig.parse(self.speculative_config),
+            pooler=PoolerConfig.parse(self.pooler_config),
         )  # fmt: skip
 
     @classmethod

@@ -52,3 +52,27 @@ class RequestOutput:
     # The failure is the request's (it cannot be served as asked, e.g. a constraint this
     # model's vocabulary cannot spell): a client error (400) rather than a fault (500).
     error_is_request: bool = False
+    # An embedding request's vector (``LLM.embed``, ``/v1/embeddings``), once it is finished; it
+    # has no completion outputs.
+    embedding: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (vLLM's shape: ``output.outputs.embedding``)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns for each prompt."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagellm.pooling_params import Pooling
 from pagellm.sampling_params import SamplingParams
 
 
@@ -21,6 +22,7 @@ class NewSequence:
     token_ids: list[int]  # every token known so far: the prompt, then any output (a recompute)
     num_prompt_tokens: int
     sampling_params: SamplingParams
+    pooling: Pooling | None = None  # an embedding request: pooled at its last prompt token, never sampled
 
 
 @dataclass
@@ -141,3 +143,5 @@ class ModelRunnerOutput:
     # The most tokens one sequence's draft KV caught up on this step (the draft's prefill the
     # first time; 1-2 tokens a step after): a step with a long one is no measure of drafting.
     draft_catch_up: int = 0
+    # Embedding requests whose prompt this step completed: their pooled vectors (``Pooling``).
+    pooled: dict[str, list[float]] = field(default_factory=dict)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from pagellm.pooling_params import Pooling
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.step import (
     ForkedSequence,
@@ -69,8 +70,15 @@ def _scheduled(data: list[Any]) -> ScheduledSequence:
 
 
 def _new(data: dict[str, Any]) -> NewSequence:
+    pooling = data.get("pooling")
     return NewSequence(str(data["seq_id"]), _ints(data["token_ids"]), _int(data["num_prompt_tokens"]),
-                       _params(data["sampling_params"]))  # fmt: skip
+                       _params(data["sampling_params"]), None if pooling is None else Pooling(**pooling))  # fmt: skip
+
+
+def _new_fields(n: NewSequence) -> dict[str, Any]:
+    pooling = None if n.pooling is None else {f.name: getattr(n.pooling, f.name) for f in fields(n.pooling)}
+    return {"seq_id": n.seq_id, "token_ids": n.token_ids, "num_prompt_tokens": n.num_prompt_tokens,
+            "sampling_params": _params_fields(n.sampling_params), "pooling": pooling}  # fmt: skip
 
 
 def _forked(data: dict[str, Any]) -> ForkedSequence:
@@ -104,8 +112,7 @@ def encode_step(step: SchedulerOutput, grammar: GrammarBitmask | None) -> bytes:
     a JSON header, then the grammar bitmask's raw int32 words."""
     header: dict[str, Any] = {
         "scheduled": [_scheduled_fields(r) for r in step.scheduled],
-        "new": [{"seq_id": n.seq_id, "token_ids": n.token_ids, "num_prompt_tokens": n.num_prompt_tokens,
-                 "sampling_params": _params_fields(n.sampling_params)} for n in step.new_sequences],
+        "new": [_new_fields(n) for n in step.new_sequences],
         "forked": [_fork_fields(f) for f in step.forked_sequences],
         "finished": step.finished_seq_ids,
         "block_copies": step.block_copies,
@@ -151,7 +158,7 @@ def encode_output(output: ModelRunnerOutput | None, error: str | None = None) ->
         message["output"] = {
             "sampled": output.sampled, "num_accepted": output.num_accepted, "logprobs": output.logprobs,
             "failed": output.failed, "route": output.route, "step_logprobs": output.step_logprobs,
-            "drafts": output.drafts, "draft_catch_up": output.draft_catch_up,
+            "drafts": output.drafts, "draft_catch_up": output.draft_catch_up, "pooled": output.pooled,
             "prompt_logprobs": {k: [v.start, v.rows] for k, v in output.prompt_logprobs.items()},
         }  # fmt: skip
     return json.dumps(message, separators=(",", ":")).encode()
@@ -180,6 +187,7 @@ def decode_output(data: bytes) -> tuple[ModelRunnerOutput | None, str | None]:
             route=str(o["route"]),
             drafts={str(k): _ints(v) for k, v in o["drafts"].items()},
             draft_catch_up=_int(o["draft_catch_up"]),
+            pooled={str(k): [float(x) for x in v] for k, v in o["pooled"].items()},
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CodecError(f"not an output message: {type(exc).__name__}: {exc}") from exc

@@ -112,9 +112,10 @@ class KVCacheManager:
         """Leading blocks of ``request`` already in the pool (not yet referenced).
 
         At least the last token is always left to compute: its logits are needed.
-        Requests asking for prompt logprobs compute everything.
+        Requests asking for prompt logprobs, and embeddings pooled over every token, compute everything.
         """
-        if not self.enable_caching or seq.sampling_params.prompt_logprobs is not None:
+        every_token = seq.pooling is not None and seq.pooling.needs_every_token
+        if not self.enable_caching or seq.sampling_params.prompt_logprobs is not None or every_token:
             return []
         self.update_block_hashes(seq)
         max_blocks = (seq.num_tokens - 1) // self.block_size

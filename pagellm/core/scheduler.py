@@ -332,8 +332,8 @@ class Scheduler:
         sample = start + num_new - drafts.count == seq.num_tokens
         new_tokens: list[int] = []
         if seq.num_tokens_sent == 0:
-            self._new_sequences.append(NewSequence(seq.seq_id, list(seq.all_token_ids),
-                                                   seq.num_prompt_tokens, seq.sampling_params))  # fmt: skip
+            self._new_sequences.append(NewSequence(seq.seq_id, list(seq.all_token_ids), seq.num_prompt_tokens,
+                                                   seq.sampling_params, seq.pooling))  # fmt: skip
         elif seq.num_tokens_sent < seq.num_tokens:
             new_tokens = seq.all_token_ids[seq.num_tokens_sent :]
         seq.num_tokens_sent = seq.num_tokens
@@ -370,6 +370,10 @@ class Scheduler:
             self.stats.num_prompt_tokens_computed += min(seq.num_computed_tokens, prompt_len) - min(
                 start, prompt_len
             )
+            if seq.pooling is not None:
+                if item.sample:  # its prompt is done: the worker pooled it
+                    self._finish_pooled(seq, runner_output.pooled.get(item.seq_id), finished)
+                continue
             if num_drafts and self.speculator is not None and token_id is not None:
                 self.speculator.record(seq.seq_id, num_drafts, accepted)
             if token_id is None or seq.tokens_chosen_outside:  # no sample this step, or its owner picks
@@ -381,6 +385,14 @@ class Scheduler:
             if num_drafts and not seq.is_finished:
                 self._cut_back(seq)
         return updated, finished
+
+    def _finish_pooled(self, seq: Sequence, vector: list[float] | None, finished: list[Sequence]) -> None:
+        """End an embedding request with its vector (None where the worker failed it: the step's
+        ``failed`` says why, and the engine fails the request)."""
+        seq.pooled = vector
+        self.running.remove(seq)
+        self._finish(seq, SequenceStatus.FINISHED_STOPPED)
+        finished.append(seq)
 
     def _cut_back(self, seq: Sequence) -> None:
         """Release the slots of rejected drafts; the worker's table is sent again from the first

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pagellm.pooling_params import Pooling
 from pagellm.sampling_params import SamplingParams
 
 
@@ -76,6 +77,10 @@ class Sequence:
     priority: int = 0
     effective_priority: int = 0
     queued_step: int = 0
+    # An embedding request (``pooling_params.py``): its prompt is computed, then the worker's
+    # pooled vector ends it (``pooled``); it samples nothing.
+    pooling: Pooling | None = None
+    pooled: list[float] | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -72,7 +72,8 @@ def speculates(seq: Sequence, model_drafts: bool = False) -> bool:
     constrained = seq.sampling_params.structured_outputs is not None
     # Samples waiting to fork from this step's token (n > 1) are born from its last position, and
     # would copy the drafts' computed positions: the first token of such a request is drawn plain.
-    return not seq.tokens_chosen_outside and not seq.pending_forks and not (constrained and model_drafts)
+    return (not seq.tokens_chosen_outside and not seq.pending_forks and not (constrained and model_drafts)
+            and seq.pooling is None)  # fmt: skip
 
 
 # A new sequence's acceptance: as if it had seen this many drafts accepted at this rate.

@@ -57,6 +57,7 @@ from pagellm.engine.request_latency import NoMetrics, RequestLatency, RequestTim
 from pagellm.engine.request_stream import Channel, Deliveries, RequestStream, StreamItem, post_error
 from pagellm.engine.snapshot_call import SnapshotCall
 from pagellm.outputs import RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 from pagellm.worker.errors import dead_rank_in
 
@@ -245,7 +246,7 @@ class AsyncLLMEngine:
     def submit(
         self,
         prompt_token_ids: list[int],
-        params: SamplingParams | BeamSearchParams,
+        params: SamplingParams | BeamSearchParams | PoolingParams,
         request_id: str,
         prompt: str | None = None,
         *,
@@ -278,7 +279,7 @@ class AsyncLLMEngine:
     async def generate(
         self,
         prompt_token_ids: list[int],
-        params: SamplingParams | BeamSearchParams,
+        params: SamplingParams | BeamSearchParams | PoolingParams,
         request_id: str,
         prompt: str | None = None,
         *,

@@ -37,6 +37,7 @@ from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.protocol import EngineRequest, EngineStats
 from pagellm.model.tokenizer import load_tokenizer
 from pagellm.outputs import RequestOutput
+from pagellm.pooler_config import PoolerConfig
 from pagellm.utils import LOG_FORMAT, release_free_memory
 from pagellm.worker.executor import Executor
 
@@ -56,6 +57,8 @@ class _Ready:
     vocab_size: int
     stats: EngineStats
     kernel_plan_info: dict[str, str]
+    pooler: PoolerConfig  # the model's embedding pooler, resolved (the front end checks requests with it)
+    hidden_size: int
 
 
 # How often a waiting call checks that the child is still alive.
@@ -117,7 +120,9 @@ def _engine_main(config: EngineConfig, conn: Connection, log_level: int) -> None
         watchdog = threading.Thread(target=_watch_ranks, args=(engine.executor, conn, send_lock, closing),
                                     name="pagellm-rank-watch", daemon=True)  # fmt: skip
         watchdog.start()
-    conn.send(("ok", _Ready(engine.max_model_len, engine.input_processor.vocab_size, engine.stats, engine.kernel_plan_info)))
+    processor = engine.input_processor
+    conn.send(("ok", _Ready(engine.max_model_len, processor.vocab_size, engine.stats, engine.kernel_plan_info,
+                            processor.pooler, processor.hidden_size)))  # fmt: skip
     # Ctrl-C reaches the whole process group: the child leaves shutdown to the parent (which
     # closes the pipe), so a shutdown is never mistaken for a crash and restarted.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -194,7 +199,7 @@ class EngineProcess:
         self.stats = ready.stats
         self.input_processor = InputProcessor(
             self.tokenizer, ready.vocab_size, ready.max_model_len, config.limits, config.scheduler.max_num_seqs,
-            config.scheduler.scheduling_policy,
+            config.scheduler.scheduling_policy, ready.pooler, ready.hidden_size,
         )
 
     def _start(self) -> _Ready:

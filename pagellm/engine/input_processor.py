@@ -10,6 +10,8 @@ from transformers import PreTrainedTokenizerBase
 
 from pagellm.config import MAX_PRIORITY, MIN_PRIORITY, LimitsConfig
 from pagellm.engine.beam_search import BeamSearchParams
+from pagellm.pooler_config import PoolerConfig
+from pagellm.pooling_params import Pooling, PoolingParams
 from pagellm.sampling_params import SamplingParams
 from pagellm.structured_output.grammar import check_grammar
 from pagellm.structured_outputs_params import StructuredOutputsParams
@@ -54,8 +56,12 @@ class InputProcessor:
         limits: LimitsConfig | None = None,
         max_num_seqs: int | None = None,
         scheduling_policy: str = "fcfs",
+        pooler: PoolerConfig | None = None,
+        hidden_size: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
+        self.pooler = pooler or PoolerConfig(pooling_type="LAST", normalize=True)  # every field resolved
+        self.hidden_size = hidden_size  # an embedding's full size
         self.scheduling_policy = scheduling_policy
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -83,8 +89,16 @@ class InputProcessor:
             raise ValueError(f"priority is {priority}, but the server serves first come, first served: start it with "
                              "--scheduling-policy priority to use priorities")  # fmt: skip
 
-    def check_params(self, params: SamplingParams | BeamSearchParams) -> None:
+    def pooling(self, params: PoolingParams) -> Pooling:
+        """An embedding request's pooling: the model's pooler with the request's options;
+        ValueError for ``dimensions`` this model cannot give."""
+        return self.pooler.resolve(params, self.hidden_size)
+
+    def check_params(self, params: SamplingParams | BeamSearchParams | PoolingParams) -> None:
         """The limits of this engine on one request's options (their own ranges are checked at construction)."""
+        if isinstance(params, PoolingParams):
+            self.pooling(params)
+            return
         if isinstance(params, BeamSearchParams):
             if params.beam_width > self.max_n:
                 raise ValueError(f"beam_width must be <= {self.max_n}, got {params.beam_width}.")
@@ -129,43 +143,46 @@ class InputProcessor:
         if bad:
             raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[0]}.")
 
-    def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
-        """Tokenize text prompts; check token-id prompts."""
+    def process_prompt(self, prompt: PromptType, generates: bool = True) -> ProcessedPrompt:
+        """Tokenize text prompts; check token-id prompts. ``generates`` False: an embedding's
+        prompt, which may fill ``max_model_len`` (no room is left for output)."""
         if isinstance(prompt, str):
             self.check_prompt_text(prompt)
             token_ids = self.tokenizer(prompt).input_ids
-            return self._checked(ProcessedPrompt(prompt=prompt, prompt_token_ids=list(token_ids)))
+            return self._checked(ProcessedPrompt(prompt=prompt, prompt_token_ids=list(token_ids)), generates)
         if isinstance(prompt, Mapping):
             salt = prompt.get("cache_salt")
             if salt is not None and not isinstance(salt, str):
                 raise ValueError("cache_salt must be a string")
-            processed = self._process_mapping(prompt)
+            processed = self._process_mapping(prompt, generates)
             processed.cache_salt = salt
             return processed
         raise ValueError(
             f"a prompt must be a string or a dict with 'prompt_token_ids'; got {type(prompt).__name__}"
         )
 
-    def _process_mapping(self, prompt: Mapping[str, Any]) -> ProcessedPrompt:
+    def _process_mapping(self, prompt: Mapping[str, Any], generates: bool) -> ProcessedPrompt:
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, Sequence) or isinstance(ids, str) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in ids
             ):
                 raise ValueError("prompt_token_ids must be a list of integers")
-            return self._checked(ProcessedPrompt(prompt=prompt.get("prompt"), prompt_token_ids=list(ids)))
+            return self._checked(ProcessedPrompt(prompt=prompt.get("prompt"), prompt_token_ids=list(ids)), generates)
         if isinstance(prompt.get("prompt"), str):
-            return self.process_prompt(prompt["prompt"])
+            return self.process_prompt(prompt["prompt"], generates)
         raise ValueError("a prompt dict needs 'prompt_token_ids' (a list of integers) or 'prompt' (a string)")
 
-    def _checked(self, processed: ProcessedPrompt) -> ProcessedPrompt:
+    def _checked(self, processed: ProcessedPrompt, generates: bool) -> ProcessedPrompt:
         ids = processed.prompt_token_ids
         if not ids:
             raise ValueError("the prompt is empty: it must contain at least one token")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of the vocabulary range [0, {self.vocab_size})")
-        if len(ids) >= self.max_model_len:
+        if not generates and len(ids) > self.max_model_len:
+            raise ValueError(f"the input has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
+        if generates and len(ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens, which leaves no room to generate within "
                 f"max_model_len={self.max_model_len}"

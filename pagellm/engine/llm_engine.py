@@ -28,7 +28,9 @@ from pagellm.engine.protocol import EngineRequest, EngineStats
 from pagellm.engine.sequence_ids import request_of, sequence_id
 from pagellm.model.loader import load_arch_config
 from pagellm.model.tokenizer import load_tokenizer
+from pagellm.model.pooler_defaults import resolve_pooler
 from pagellm.outputs import RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 from pagellm.structured_output.manager import StructuredOutputManager
 from pagellm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
@@ -38,6 +40,9 @@ logger = logging.getLogger(__name__)
 
 # What a client is told when the engine fails its request; the details go to the server log.
 REQUEST_FAILED_MESSAGE = "internal error while processing this request (the server log has the details)"
+# What an embedding request's sequence carries for the parts of the engine that read sampling
+# options (it samples nothing: its prompt is pooled, ``Sequence.pooling``).
+POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
 # How long a step with only compiling grammars to wait for blocks on them before returning.
 GRAMMAR_WAIT_S = 0.05
 
@@ -67,7 +72,7 @@ class LLMEngine:
         )
         self.input_processor = InputProcessor(
             self.tokenizer, arch.vocab_size, self.executor.max_model_len, config.limits, config.scheduler.max_num_seqs,
-            config.scheduler.scheduling_policy,
+            config.scheduler.scheduling_policy, resolve_pooler(config.model.model, config.pooler), arch.hidden_size,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
@@ -118,7 +123,9 @@ class LLMEngine:
     def new_request_id(self) -> str:
         return str(next(self._request_counter))
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, stream: bool = False) -> None:
+    def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams, stream: bool = False
+    ) -> None:
         """Tokenize, validate and queue a prompt; raises ValueError on bad input (nothing is queued then)."""
         processed = self.input_processor.process_prompt(prompt)
         request = EngineRequest(request_id, processed.prompt_token_ids, params, processed.prompt,
@@ -144,7 +151,9 @@ class LLMEngine:
         if not request.params_checked:
             self.input_processor.check_params(request.params)
         self.input_processor.check_priority(request.priority)
-        if isinstance(request.params, BeamSearchParams):
+        if isinstance(request.params, PoolingParams):
+            self._add_pooling(request, request.params)
+        elif isinstance(request.params, BeamSearchParams):
             max_tokens = min(request.params.max_tokens, self.max_model_len - len(request.prompt_token_ids))
             first = self.beams.add(request, request.params, max_tokens)
             if request.params.structured_outputs is not None:  # every beam waits for the grammar
@@ -186,6 +195,18 @@ class LLMEngine:
             return
         # One prefill: samples 2..n fork from the first once its prompt is computed.
         self.scheduler.add_sequence(sequences[0], sequences[1:])
+
+    def _add_pooling(self, request: EngineRequest, params: PoolingParams) -> None:
+        """Queue an embedding request: one sequence whose prompt is computed, then pooled."""
+        seq_id = sequence_id(request.request_id, 0)
+        pooling = self.input_processor.pooling(params)
+        self.output_processor.add_request(request.request_id, request.prompt, request.prompt_token_ids,
+                                          POOLING_SAMPLING, [seq_id], stream=False)  # fmt: skip
+        arrival_time = request.arrival_time if request.arrival_time is not None else time.monotonic()
+        self.scheduler.add_sequence(Sequence(
+            seq_id, request.prompt_token_ids, POOLING_SAMPLING, max_tokens=1, eos_token_ids=self.executor.eos_token_ids,
+            arrival_time=arrival_time, cache_salt=request.cache_salt, priority=request.priority, pooling=pooling,
+        ))  # fmt: skip
 
     @staticmethod
     def _sequence_params(params: SamplingParams, index: int, num_seqs: int) -> SamplingParams:

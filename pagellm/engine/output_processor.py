@@ -60,6 +60,7 @@ class RequestState:
     stream: bool = False  # True: an output every step with only what is new; False: one final output
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    embedding: list[float] | None = None  # an embedding request's vector, once pooled
 
     @property
     def finished(self) -> bool:
@@ -141,6 +142,12 @@ class OutputProcessor:
             except Exception as exc:  # noqa: BLE001 -- this request's fault only
                 _record_failure(seq.seq_id, exc, failed)
         for seq in finished:
+            if seq.pooling is not None:
+                state = self._state_of(seq.seq_id)
+                if state is None or seq.pooled is None:
+                    continue  # (failed: the engine finishes it with an error)
+                state.embedding = seq.pooled
+                state.num_cached_tokens = max(seq.num_cached_tokens, 0)
             self.finish_sequence(seq.seq_id, seq.finish_reason, seq.stop_reason, touched)
         outputs = []
         for state in touched.values():
@@ -248,6 +255,7 @@ class OutputProcessor:
             finished=state.finished,
             prompt_logprobs=list(state.prompt_logprobs) if state.prompt_logprobs is not None else None,
             num_cached_tokens=state.num_cached_tokens,
+            embedding=state.embedding,
         )
 
     @staticmethod

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 from pagellm.core.kv_snapshot import KVSnapshot, SequenceView  # noqa: F401 -- re-exported
 from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.outputs import RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ class EngineRequest:
 
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams | BeamSearchParams
+    params: SamplingParams | BeamSearchParams | PoolingParams  # PoolingParams: an embedding
     prompt: str | None = None
     cache_salt: str | None = None  # isolates its prefix-cache entries (per tenant)
     stream: bool = True  # deltas; False: one whole output at the end (what best_of needs)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from tqdm.auto import tqdm
 
@@ -13,10 +13,12 @@ from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.protocol import EngineRequest
 from pagellm.engine_args import EngineArgs
 from pagellm.entrypoints.openai.tool_calls.prompt import template_renders_tools, write_tools_in
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
+P = TypeVar("P", SamplingParams, PoolingParams)
 
 
 class LLM:
@@ -44,11 +46,30 @@ class LLM:
         """Run every prompt to completion; outputs come back in input order. ``priority``: one
         per prompt, lower first (needs ``scheduling_policy="priority"``)."""
         prompt_list = _as_prompt_list(prompts)
-        params_list = _broadcast_params(sampling_params, len(prompt_list))
-        if priority is not None and len(priority) != len(prompt_list):
-            raise ValueError(f"priority holds {len(priority)} values for {len(prompt_list)} prompts")
+        params_list = _broadcast_params(sampling_params, len(prompt_list), SamplingParams)
         request_ids = self._add_requests(prompt_list, params_list, priority)
         return self._run(request_ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt, in input order, pooled as the model (or ``pooler_config``)
+        says: each prompt is computed through the same scheduler as generation, then pooled
+        (docs/embeddings.md). A request the engine failed raises RuntimeError."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _broadcast_params(pooling_params, len(prompt_list), PoolingParams)
+        outputs = self._run(self._add_requests(prompt_list, params_list, priority), use_tqdm)
+        results = []
+        for output in outputs:
+            if output.embedding is None:
+                raise RuntimeError(f"embedding request {output.request_id} failed: {output.error or 'no vector'}")
+            results.append(EmbeddingRequestOutput(output.request_id, EmbeddingOutput(output.embedding),
+                                                  output.prompt_token_ids))  # fmt: skip
+        return results
 
     def chat(
         self,
@@ -118,11 +139,15 @@ class LLM:
         ]
 
     def _add_requests(
-        self, prompts: list[PromptType], params: list[SamplingParams], priority: Sequence[int] | None = None
+        self, prompts: list[PromptType], params: Sequence[SamplingParams | PoolingParams],
+        priority: Sequence[int] | None = None,
     ) -> list[str]:
+        """Queue one request per prompt (``priority``: one per prompt, lower first)."""
         engine = self.llm_engine
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority holds {len(priority)} values for {len(prompts)} prompts")
         # Validate everything first so a bad prompt queues nothing.
-        processed = [engine.input_processor.process_prompt(p) for p in prompts]
+        processed = [engine.input_processor.process_prompt(p, isinstance(params[0], SamplingParams)) for p in prompts]
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         for value in priorities:
             engine.input_processor.check_priority(value)
@@ -161,14 +186,13 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     return prompt_list
 
 
-def _broadcast_params(
-    params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
-) -> list[SamplingParams]:
+def _broadcast_params(params: P | Sequence[P] | None, num_prompts: int, kind: type[P]) -> list[P]:
+    """One ``kind`` per prompt: the defaults, the one given, or one each as given."""
     if params is None:
-        return [SamplingParams() for _ in range(num_prompts)]
-    if isinstance(params, SamplingParams):
+        return [kind() for _ in range(num_prompts)]
+    if isinstance(params, kind):
         return [params] * num_prompts
     params_list = list(params)
     if len(params_list) != num_prompts:
-        raise ValueError(f"got {len(params_list)} sampling params for {num_prompts} prompts; pass one or one each")
+        raise ValueError(f"got {len(params_list)} {kind.__name__} for {num_prompts} prompts; pass one or one each")
     return params_list

@@ -33,6 +33,7 @@ from pagellm.worker.drafter import Drafter
 from pagellm.worker.flat_batch import FlatLayout, flat_inputs
 from pagellm.worker.input_batch import InputBatch
 from pagellm.worker.kv_cache import KVCache, copy_blocks
+from pagellm.worker.pooler import PoolChunk, Pooler
 
 
 @dataclass
@@ -48,6 +49,7 @@ class StepInputs:
     prompt_logprob_plan: list[tuple[int, int, int]]  # (input-batch row, first position, count)
     prompt_logprob_indices: torch.Tensor  # [P] rows whose logits score the next prompt token
     prompt_logprob_targets: torch.Tensor  # [P] those next prompt tokens
+    pool_chunks: list[PoolChunk]  # embedding sequences' rows (they pool instead of sampling)
 
 
 class ModelRunner:
@@ -84,6 +86,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
         self.batch = InputBatch(block_size=block_size)
+        self.pooler = Pooler()
         self.argmax_kernels = plan.library("argmax")
         self.logits_kernels = plan.kernels if plan.device == "cpu" else None  # structured outputs' mask
 
@@ -92,6 +95,7 @@ class ModelRunner:
         self, scheduler_output: SchedulerOutput, grammar: GrammarBitmask | None = None
     ) -> ModelRunnerOutput:
         self.batch.apply(scheduler_output)
+        self.pooler.apply(scheduler_output)
         copy_blocks(self.kv_cache, scheduler_output.block_copies)
         output = ModelRunnerOutput()
         if self.drafter is not None:
@@ -141,6 +145,8 @@ class ModelRunner:
     ) -> None:
         """Sample (and score prompt tokens) from the final hidden states into ``output``."""
         batch = self.batch
+        if inputs.pool_chunks:
+            output.pooled.update(self.pooler.pool(hidden, inputs.pool_chunks, output.failed))
         if inputs.sample_rows:
             hidden_rows = hidden[inputs.sample_indices]
             seq_ids = [batch.seq_ids[row] for row in inputs.sample_rows]
@@ -203,6 +209,7 @@ class ModelRunner:
             prompt_logprob_plan=plan,
             prompt_logprob_indices=pl_indices_t,
             prompt_logprob_targets=pl_targets_t,
+            pool_chunks=self._pool_chunks(scheduled, layout.query_start) if self.pooler else [],
         )
 
     def _sample_rows(
@@ -215,7 +222,7 @@ class ModelRunner:
         positions: list[int] = []
         verify: list[tuple[int, int, list[int]]] = []
         for index, item in enumerate(scheduled):
-            if not item.sample:
+            if not item.sample or item.seq_id in self.pooler:
                 continue
             row, last = int(rows[index]), int(query_start[index + 1]) - 1
             k = len(item.draft_token_ids)
@@ -227,6 +234,13 @@ class ModelRunner:
                 sample_rows.append(self.batch.row_of[fork.seq_id])
                 positions.append(last)
         return sample_rows, positions, verify
+
+    def _pool_chunks(self, scheduled: list[ScheduledSequence], query_start: np.ndarray) -> list[PoolChunk]:
+        """The flat-batch rows of the step's embedding sequences."""
+        return [
+            PoolChunk(item.seq_id, item.start_position, int(query_start[i]), int(query_start[i + 1]), item.sample)
+            for i, item in enumerate(scheduled) if item.seq_id in self.pooler
+        ]  # fmt: skip
 
     def _plan_prompt_logprobs(
         self, scheduled: list[ScheduledSequence], rows: np.ndarray, query_start_loc: list[int]

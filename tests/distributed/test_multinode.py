@@ -15,6 +15,7 @@ import torch
 
 from pagellm import LLM, SamplingParams
 from pagellm.distributed.parallel_state import free_port
+from pagellm.pooling_params import Pooling
 from pagellm.sampling_params import StructuredOutputsParams
 from pagellm.step import (
     ForkedSequence,
@@ -57,7 +58,8 @@ def test_the_step_codec_round_trips_and_refuses_other_bytes() -> None:
                             max_tokens=None, structured_outputs=StructuredOutputsParams(json={"type": "object"}))  # fmt: skip
     sequence = ScheduledSequence("a", 5, 2, True, [1], 1, [4, 5], [SampleFork("b", SamplingParams())])
     drafting = ScheduledSequence("d", 7, 3, True, [], 1, [6], [], [11, 12])  # its known token and two drafts
-    step = SchedulerOutput([sequence, drafting], [NewSequence("n", [9, 9, 9, 1], 3, params)],
+    embedding = NewSequence("e", [5, 6], 2, SamplingParams(max_tokens=1), Pooling("MEAN", True, 8))
+    step = SchedulerOutput([sequence, drafting], [NewSequence("n", [9, 9, 9, 1], 3, params), embedding],
                            [ForkedSequence("f", "a"), ForkedSequence("g", "a", SamplingParams(seed=1))], ["gone"], [(1, 2)])  # fmt: skip
     grammar = GrammarBitmask({"a": 0}, torch.tensor([[1, -1, 7]], dtype=torch.int32))
     step2, grammar2 = decode_step(encode_step(step, grammar))
@@ -65,7 +67,8 @@ def test_the_step_codec_round_trips_and_refuses_other_bytes() -> None:
     assert torch.equal(grammar2.bitmask, grammar.bitmask)
     assert decode_step(encode_step(step, None))[1] is None
     output = ModelRunnerOutput({"a": 3}, {"a": [(3, -0.5, 1), (4, -1.0, 2)]}, {"a": PromptLogprobs(1, [[(2, -0.1, 1)]])},
-                               {"c": "bad seed"}, "decoder=fused linears=integer attention=cpu_paged", {"d": 1})  # fmt: skip
+                               {"c": "bad seed"}, "decoder=fused linears=integer attention=cpu_paged", {"d": 1},
+                               pooled={"e": [0.25, -1.5e-07, 3.0]})  # fmt: skip
     assert decode_output(encode_output(output)) == (output, None)
     assert decode_output(encode_output(None, "boom")) == (None, "boom")
     message = encode_step(step, None)
@@ -80,6 +83,8 @@ def test_the_step_codec_round_trips_and_refuses_other_bytes() -> None:
                  edited(b'"a",5,2,true', b'"a",5,2,true,1'), edited(b'"a",5,2,true', b'"a",5')):  # negative, misshapen
         with pytest.raises(CodecError):
             decode_step(junk)
+    with pytest.raises(CodecError):  # a pooling rebuilt through Pooling: validated again
+        decode_step(edited(b'"pooling_type":"MEAN"', b'"pooling_type":"MAX"'))
     bad = edited(b'"temperature":0.7', b'"temperature":-1')
     with pytest.raises(ValueError, match="temperature"):  # rebuilt through SamplingParams: validated again
         decode_step(bad)

@@ -200,7 +200,7 @@ def test_config_errors(tiny_llama_path):
         LLM(tiny_llama_path, dtype="int8")
     with pytest.raises(ValueError, match="memory size"):
         LLM(tiny_llama_path, kv_cache_memory="lots")
-    with pytest.raises(ValueError, match="sampling params"):
+    with pytest.raises(ValueError, match="3 SamplingParams for 2 prompts"):
         LLM(tiny_llama_path, num_kv_blocks=64).generate(["a", "b"], [SamplingParams()] * 3, use_tqdm=False)
     with pytest.raises(TypeError, match="num_blocks"):  # an option EngineArgs does not declare, named
         LLM(tiny_llama_path, num_blocks=64)

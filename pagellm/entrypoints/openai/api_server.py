@@ -44,6 +44,9 @@ from pagellm.entrypoints.openai.protocol import (
 )
 from pagellm.entrypoints.openai.reasoning import reasoning_parser
 from pagellm.entrypoints.openai.responses.protocol import ResponsesRequest
+from pagellm.entrypoints.openai.embeddings.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
+from pagellm.entrypoints.openai.embeddings.scoring import OpenAIServingScores
+from pagellm.entrypoints.openai.embeddings.serving import OpenAIServingEmbedding
 from pagellm.entrypoints.openai.responses.serving import OpenAIServingResponses
 from pagellm.entrypoints.openai.responses.store import ResponseStore
 from pagellm.entrypoints.openai.request_body import add_body_schemas, body_openapi, parse_body
@@ -199,6 +202,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
         settings.enable_auto_tool_choice, reasoning_parser(settings.reasoning_parser),
     )  # fmt: skip
     tokenization = OpenAIServingTokenization(engine, names)
+    embedding = OpenAIServingEmbedding(engine, names, settings.max_prompts_per_request)
+    scores = OpenAIServingScores(embedding)
     messages = AnthropicServingMessages(chat)
     responses = OpenAIServingResponses(chat, ResponseStore())
 
@@ -235,7 +240,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
 
     # Bodies are parsed and validated in a worker thread (request_body.py), not by FastAPI.
     add_body_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
-                           ResponsesRequest, MessagesRequest, CountTokensRequest])  # fmt: skip
+                           ResponsesRequest, MessagesRequest, CountTokensRequest, EmbeddingRequest,
+                           ScoreRequest, RerankRequest])  # fmt: skip
 
     @app.post("/v1/completions", openapi_extra=body_openapi(CompletionRequest))
     async def completions(raw_request: Request) -> Response:
@@ -259,6 +265,24 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> JSONResponse:
         return await responses.delete(response_id)
+
+    @app.post("/v1/embeddings", openapi_extra=body_openapi(EmbeddingRequest))
+    async def create_embedding(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, EmbeddingRequest)
+        return await embedding.create_embedding(request, raw_request)
+
+    # vLLM's scoring APIs, by the cosine similarity of embeddings (embeddings/scoring.py).
+    @app.post("/v1/score", openapi_extra=body_openapi(ScoreRequest))
+    @app.post("/score", openapi_extra=body_openapi(ScoreRequest), include_in_schema=False)
+    async def score(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, ScoreRequest)
+        return await scores.score(request, raw_request)
+
+    @app.post("/v1/rerank", openapi_extra=body_openapi(RerankRequest))
+    @app.post("/rerank", openapi_extra=body_openapi(RerankRequest), include_in_schema=False)
+    async def rerank(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, RerankRequest)
+        return await scores.rerank(request, raw_request)
 
     # Anthropic's Messages API (its own error shape: anthropic/errors.py).
     @app.post("/v1/messages", openapi_extra=body_openapi(MessagesRequest))

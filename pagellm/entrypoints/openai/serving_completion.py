@@ -36,6 +36,7 @@ from pagellm.entrypoints.openai.serving_engine import (
     json_logprob,
     merge_async_iterators,
     new_request_id,
+    prompt_entries,
     sse_event,
 )
 from pagellm.outputs import PositionLogprobs, RequestOutput
@@ -151,7 +152,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """Everything between the parsed body and the engine, cheapest checks first (a worker
         thread): the number of prompts is checked before any of them is tokenized."""
         _check_completion_options(request)
-        entries = self._entries(request)
+        entries = prompt_entries(request.prompt, self.max_prompts_per_request, "prompt")
         echo_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
         params = self.sampling_params(
             request, request.max_tokens, request.logprobs, prompt_logprobs=echo_logprobs, best_of=request.best_of
@@ -162,25 +163,6 @@ class OpenAIServingCompletion(OpenAIServing):
         return params, prompts
 
     # ---- prompts -------------------------------------------------------------------------------
-
-    def _entries(self, request: CompletionRequest) -> list[str | list[int]]:
-        """The four prompt forms as a list of prompts (text or token ids), each checked non-empty."""
-        prompt = request.prompt
-        if isinstance(prompt, str):
-            entries: list[str | list[int]] = [prompt]
-        elif prompt and all(isinstance(t, int) for t in prompt):
-            entries = [prompt]  # type: ignore[list-item]
-        else:
-            entries = list(prompt)  # type: ignore[arg-type]
-        if len(entries) > self.max_prompts_per_request:
-            raise BadRequestError(
-                f"prompt holds {len(entries)} prompts, more than the server's limit of "
-                f"{self.max_prompts_per_request} (--max-prompts-per-request)",
-                param="prompt",
-            )
-        if not entries or any(len(entry) == 0 for entry in entries):
-            raise BadRequestError("prompt must not be empty", param="prompt")
-        return entries
 
     def _process_entry(self, entry: str | list[int], request: CompletionRequest) -> ProcessedPrompt:
         if isinstance(entry, str):

@@ -40,6 +40,7 @@ from pagellm.entrypoints.openai.errors import (
 from pagellm.entrypoints.openai.protocol import SamplingRequest, UsageInfo
 from pagellm.entrypoints.openai.structured_outputs import constraint_error, structured_outputs_of
 from pagellm.outputs import PositionLogprobs, RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 from pagellm.structured_outputs_params import StructuredOutputsParams
 
@@ -352,12 +353,15 @@ class OpenAIServing:
         if not self.engine.is_running:
             raise ServiceUnavailableError(self.engine.status_message, code="engine_unavailable", retry_after_s=5)
 
-    def process_prompt(self, prompt: dict[str, Any], param: str, cache_salt: str | None = None) -> ProcessedPrompt:
-        """Check one tokenized prompt with the engine's own rules (read-only, safe here)."""
+    def process_prompt(
+        self, prompt: dict[str, Any], param: str, cache_salt: str | None = None, generates: bool = True
+    ) -> ProcessedPrompt:
+        """Check one tokenized prompt with the engine's own rules (read-only, safe here);
+        ``generates`` False: an embedding's input (it may fill the context)."""
         if cache_salt is not None:
             prompt = {**prompt, "cache_salt": cache_salt}
         try:
-            return self.engine.input_processor.process_prompt(prompt)
+            return self.engine.input_processor.process_prompt(prompt, generates)
         except ValueError as exc:
             raise BadRequestError(str(exc), param=param) from exc
 
@@ -460,7 +464,7 @@ class OpenAIServing:
     def generators(
         self,
         prompts: list[ProcessedPrompt],
-        params: SamplingParams | BeamSearchParams,
+        params: SamplingParams | BeamSearchParams | PoolingParams,
         request_id: str,
         deltas: bool = True,
         priority: int = 0,
@@ -488,6 +492,23 @@ class OpenAIServing:
             return self.engine.submit_all(requests)
         except (ValueError, EngineDeadError, EngineOverloadedError) as exc:
             raise to_openai_error(exc) from exc
+
+
+def prompt_entries(value: str | list[str] | list[int] | list[list[int]], limit: int, param: str) -> list[str | list[int]]:
+    """The four prompt forms (text, texts, token ids, token-id lists) as a list of prompts, at
+    most ``limit`` of them (--max-prompts-per-request), each checked non-empty."""
+    if isinstance(value, str):
+        entries: list[str | list[int]] = [value]
+    elif value and all(isinstance(t, int) for t in value):
+        entries = [value]  # type: ignore[list-item]
+    else:
+        entries = list(value)  # type: ignore[arg-type]
+    if len(entries) > limit:
+        raise BadRequestError(f"{param} holds {len(entries)} prompts, more than the server's limit of {limit} "
+                              "(--max-prompts-per-request)", param=param)  # fmt: skip
+    if not entries or any(len(entry) == 0 for entry in entries):
+        raise BadRequestError(f"{param} must not be empty", param=param)
+    return entries
 
 
 def _beam_request_error(error: ValueError) -> BadRequestError:

@@ -1,0 +1,1 @@
+"""OpenAI's embeddings API (``/v1/embeddings``): protocol models and serving."""
