@@ -27,6 +27,7 @@ def test_serve_options_map_to_the_engine() -> None:
         "--nnodes", "3", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29500",
         "--distributed-executor-backend", "ray", "--no-ui", "--speculative-config", '{"method": "ngram"}',
         "--scheduling-policy", "priority", "--priority-aging-steps", "50", "--reasoning-parser", "deepseek_r1",
+        "--pooler-config", '{"pooling_type": "MEAN"}',
     ])
     assert args.port == 9001 and args.served_model_name == ["a", "b"] and args.api_key == "k"
     assert args.tool_call_parser == "llama3_json" and args.enable_auto_tool_choice is False
@@ -36,7 +37,7 @@ def test_serve_options_map_to_the_engine() -> None:
     assert EngineArgs.from_cli_args(args).as_dict() == {
         "model": "/models/x", "dtype": "bfloat16", "quantization": "int8", "block_size": 32, "kv_cache_memory": "2GiB",
         "num_kv_blocks": None, "enable_prefix_caching": False, "kv_cache_dtype": "fp8",
-        "speculative_config": '{"method": "ngram"}', "max_num_seqs": 8, "max_num_batched_tokens": 512,
+        "speculative_config": '{"method": "ngram"}', "pooler_config": '{"pooling_type": "MEAN"}', "max_num_seqs": 8, "max_num_batched_tokens": 512,
         "scheduling_policy": "priority", "priority_aging_steps": 50, "max_model_len": 1024,
         "seed": 3, "device": "cpu", "attention_backend": "auto", "chat_template": "t.jinja", "num_threads": None,
         "tensor_parallel_size": 2, "pipeline_parallel_size": 3, "nnodes": 3, "node_rank": 1,
