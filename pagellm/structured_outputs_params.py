@@ -15,6 +15,10 @@ from typing import Any
 from pagellm.bounded_json import check_json_depth, parse_json_text
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# Where a reasoning model's answer starts (``thinking``): after a <think>...</think> block it may
+# open ("optional": Qwen3), or after the </think> closing the block its prompt opened ("open":
+# DeepSeek-R1 distills).
+THINKING_MODES = ("optional", "open")
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,9 @@ class StructuredOutputsParams:
     ``whitespace_pattern`` (a regex for the whitespace allowed between tokens) says otherwise;
     ``disable_any_whitespace`` drops those single spaces too. Unbounded whitespace is never the
     default: a small greedy model would pad with newlines up to ``max_tokens``.
+
+    ``thinking`` (pagellm's; the server sets it from ``--reasoning-parser``): the constraint
+    applies to the answer after the model's thinking (``THINKING_MODES``), which is free text.
     """
 
     json: dict[str, Any] | str | None = None
@@ -35,6 +42,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     whitespace_pattern: str | None = None
     disable_any_whitespace: bool = False
+    thinking: str | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
@@ -67,6 +75,9 @@ class StructuredOutputsParams:
             object.__setattr__(self, "choice", list(self.choice))
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError("structured_outputs.disable_any_whitespace must be a boolean")
+        if self.thinking is not None and self.thinking not in THINKING_MODES:
+            raise ValueError(f"structured_outputs.thinking must be one of {', '.join(THINKING_MODES)}, "
+                             f"got {self.thinking!r}")  # fmt: skip
 
     @property
     def kind(self) -> str:
@@ -86,5 +97,6 @@ class StructuredOutputsParams:
         """The same constraint (as text) gives the same key: one compile serves them all."""
         value: Any = getattr(self, self.kind)
         return json.dumps(
-            [self.kind, value, self.whitespace_pattern, self.disable_any_whitespace], sort_keys=True, default=str
+            [self.kind, value, self.whitespace_pattern, self.disable_any_whitespace, self.thinking], sort_keys=True,
+            default=str,
         )

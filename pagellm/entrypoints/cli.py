@@ -91,6 +91,12 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         "Anthropic thinking blocks (default: none)",
     )
     group.add_argument(
+        "--structured-outputs-config", default=None,
+        help='vLLM\'s structured-outputs options that apply here, a JSON object: \'{"enable_in_reasoning": true}\' '
+        "constrains reasoning models' thinking too (default: with --reasoning-parser, a constraint applies to the "
+        "answer after the thinking)",
+    )
+    group.add_argument(
         "--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
         help='tool_choice "auto": let the model choose to call tools, parsed from its text (default: on)',
     )
@@ -138,6 +144,7 @@ def _serve(args: argparse.Namespace) -> int:
     from pagellm.engine.engine_process import EngineProcess
     from pagellm.engine.llm_engine import LLMEngine
     from pagellm.entrypoints.openai.api_server import ServerSettings, run_server
+    from pagellm.entrypoints.openai.structured_outputs import enable_in_reasoning
     from pagellm.utils import parse_memory_size
 
     settings = ServerSettings(
@@ -149,6 +156,7 @@ def _serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
+        structured_outputs_in_reasoning=enable_in_reasoning(args.structured_outputs_config),
         enable_ui=args.ui,
     )
     if args.max_waiting_requests < 0:

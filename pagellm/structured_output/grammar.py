@@ -110,8 +110,39 @@ def _json_options(params: StructuredOutputsParams) -> dict[str, object]:
     return {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+# A reasoning model's thinking before the constrained answer (``StructuredOutputsParams.thinking``):
+# free text up to the first </think> (a lazy rule: the shortest), any newlines, then the answer
+# (the request's own grammar, ``@answer``). The tags are text: Qwen3's and DeepSeek-R1's are
+# tokens of their own whose text is the tag, which llguidance matches as text.
+_THINKING_GRAMMARS = {
+    "optional": 'start: think NL @answer | think @answer | @answer\nthink[lazy]: "<think>" /(?s:.*)/ "</think>"\n'
+                'NL: /\\n+/\n',
+    "open": 'start: think NL @answer | think @answer\nthink[lazy]: /(?s:.*)/ "</think>"\nNL: /\\n+/\n',
+}  # fmt: skip
+
+
 def grammar_source(params: StructuredOutputsParams) -> str:
-    """llguidance's grammar text for ``params``; ValueError when it cannot even be read."""
+    """llguidance's grammar text for ``params`` (after the thinking, where it says so);
+    ValueError when it cannot even be read."""
+    source = _answer_source(params)
+    if params.thinking is None:
+        return source
+    answer = _as_grammar(source)
+    answer["name"] = "answer"
+    return json.dumps({"grammars": [{"name": "thinking", "lark_grammar": _THINKING_GRAMMARS[params.thinking]}, answer]})
+
+
+def _as_grammar(source: str) -> dict[str, object]:
+    """One grammar of llguidance's JSON form from what ``_answer_source`` gave (that form with
+    one grammar, or Lark text)."""
+    if source.lstrip().startswith("{"):
+        (grammar,) = json.loads(source)["grammars"]
+        return dict(grammar)
+    return {"lark_grammar": source}
+
+
+def _answer_source(params: StructuredOutputsParams) -> str:
+    """The grammar of the constraint itself."""
     kind = params.kind
     try:
         if kind in ("json", "json_object"):

@@ -51,7 +51,8 @@ def test_an_unknown_parser_is_refused_by_name() -> None:
 
 # ---- through the server ---------------------------------------------------------------------
 
-# The tiny model thinks only when a grammar makes it: the thinking, then the answer.
+# The tiny model thinks only when a grammar makes it: the thinking, then the answer (a grammar
+# over the thinking too: --structured-outputs-config enable_in_reasoning).
 THINKING = r"<think>[a-z]{3,8}( [a-z]{3,8}){0,3}</think>\n\n[A-Z][a-z]{2,8}( [a-z]{2,8}){0,3}\."
 ASK = [{"role": "user", "content": "Why is the sky blue?"}]
 
@@ -59,7 +60,7 @@ ASK = [{"role": "user", "content": "Why is the sky blue?"}]
 @pytest.fixture(scope="module")
 def thinker(tiny_llama_path: str) -> Iterator[RemoteServer]:
     args = ["--served-model-name", MODEL_NAME, "--num-kv-blocks", "64", "--max-model-len", "256",
-            "--reasoning-parser", "qwen3"]  # fmt: skip
+            "--reasoning-parser", "qwen3", "--structured-outputs-config", '{"enable_in_reasoning": true}']  # fmt: skip
     with RemoteServer(tiny_llama_path, args) as remote:
         yield remote
 

@@ -77,6 +77,7 @@ class ServerSettings:
     tool_call_parser: str = "hermes"  # the format tool calls are written in (tool_calls/parsers.py)
     enable_auto_tool_choice: bool = True  # tool_choice "auto": parse calls out of free text
     reasoning_parser: str | None = None  # how answers' thinking is split off (reasoning.py); None: not
+    structured_outputs_in_reasoning: bool = False  # constraints apply to the thinking too (vLLM's enable_in_reasoning)
     enable_ui: bool = True  # the web page at / and its snapshot API (pagellm.entrypoints.ui)
     ui: FeedOptions = field(default_factory=FeedOptions)  # how often the page's snapshots are taken
 
@@ -200,6 +201,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
     chat = OpenAIServingChat(
         engine, names, settings.trust_request_chat_template, tool_parser(settings.tool_call_parser),
         settings.enable_auto_tool_choice, reasoning_parser(settings.reasoning_parser),
+        settings.structured_outputs_in_reasoning,
     )  # fmt: skip
     tokenization = OpenAIServingTokenization(engine, names)
     embedding = OpenAIServingEmbedding(engine, names, settings.max_prompts_per_request)

@@ -34,6 +34,12 @@ class ThinkTagParser:
 
     starts_inside: bool
 
+    @property
+    def constraint_thinking(self) -> str:
+        """Where a structured-outputs constraint starts (``StructuredOutputsParams.thinking``):
+        after the thinking block the answer may open, or after the one the prompt opened."""
+        return "open" if self.starts_inside else "optional"
+
     def split(self, text: str) -> ReasoningSplit:
         stream = self.streamer()
         reasoning, content = stream.feed(text, final=True)

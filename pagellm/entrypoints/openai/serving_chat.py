@@ -186,12 +186,18 @@ class OpenAIServingChat(OpenAIServing):
         tool_parser: ToolParser | None = None,
         auto_tool_choice: bool = True,
         reasoning_parser: ThinkTagParser | None = None,
+        constrain_thinking: bool = False,
     ) -> None:
         super().__init__(engine, served_model_names)
         self.trust_request_chat_template = trust_request_chat_template
         self.tool_parser = tool_parser if tool_parser is not None else HermesToolParser()
         self.auto_tool_choice = auto_tool_choice
         self.reasoning_parser = reasoning_parser
+        # A reasoning model's constraints (response formats, forced tool calls) apply after its
+        # thinking, unless ``constrain_thinking`` (--structured-outputs-config enable_in_reasoning).
+        self.constraint_thinking = (
+            reasoning_parser.constraint_thinking if reasoning_parser is not None and not constrain_thinking else None
+        )
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_alive()
@@ -219,7 +225,8 @@ class OpenAIServingChat(OpenAIServing):
         tools = plan_tools(request, self.tool_parser, self.auto_tool_choice)
         max_tokens = request.effective_max_tokens
         top_n = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.sampling_params(request, max_tokens, top_n, tool_constraint=tools.constraint)
+        params = self.sampling_params(request, max_tokens, top_n, tool_constraint=tools.constraint,
+                                      thinking=self.constraint_thinking)  # fmt: skip
         template_kwargs = check_template_kwargs(request.chat_template_kwargs, self.trust_request_chat_template)
         prompt = self._prompt(request, template_kwargs, tools.functions)
         self.check_length(len(prompt.prompt_token_ids), max_tokens, "messages")

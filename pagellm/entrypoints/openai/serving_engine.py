@@ -384,10 +384,12 @@ class OpenAIServing:
         prompt_logprobs: int | None = None,
         best_of: int | None = None,
         tool_constraint: StructuredOutputsParams | None = None,
+        thinking: str | None = None,
     ) -> SamplingParams | BeamSearchParams:
-        """The one conversion both endpoints use; bad values become 400s naming the field."""
+        """The one conversion both endpoints use; bad values become 400s naming the field
+        (``thinking``: a constraint applies after a reasoning model's thinking)."""
         check_unsupported(request)
-        constraint, constraint_param = structured_outputs_of(request, tool_constraint)
+        constraint, constraint_param = structured_outputs_of(request, tool_constraint, thinking)
         params = (
             self._beam_search_params(request, max_tokens, logprobs, prompt_logprobs, best_of, constraint)
             if request.use_beam_search

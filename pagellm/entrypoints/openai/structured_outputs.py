@@ -7,6 +7,8 @@ them; a constraint that does not compile is a 400 naming the field it came from.
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from typing import Any
 
 from pagellm.entrypoints.openai.errors import BadRequestError
@@ -17,12 +19,13 @@ _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 def structured_outputs_of(
-    request: SamplingRequest, tool_constraint: StructuredOutputsParams | None = None
+    request: SamplingRequest, tool_constraint: StructuredOutputsParams | None = None, thinking: str | None = None
 ) -> tuple[StructuredOutputsParams | None, str | None]:
     """The request's constraint (None: free text) and the field it came in; a 400 when its
     fields are malformed. Whether it compiles is the engine's check (``check_params``): a
     failure there is reported under that field (:func:`constraint_error`).
-    ``tool_constraint`` is the grammar a forced tool choice asks for (field ``tool_choice``)."""
+    ``tool_constraint`` is the grammar a forced tool choice asks for (field ``tool_choice``);
+    ``thinking``: the constraint applies after a reasoning model's thinking (``THINKING_MODES``)."""
     sources = _given_sources(request) + (["tool_choice"] if tool_constraint is not None else [])
     if not sources:
         return None, None
@@ -33,6 +36,8 @@ def structured_outputs_of(
     param = sources[0]
     try:
         params = tool_constraint if tool_constraint is not None else StructuredOutputsParams(**_fields(request, param))
+        if thinking is not None:
+            params = replace(params, thinking=thinking)
     except ValueError as exc:
         raise constraint_error(exc, param) from exc
     return params, param
@@ -74,3 +79,29 @@ def _fields(request: SamplingRequest, param: str) -> dict[str, Any]:
         }  # fmt: skip
     kind = param.removeprefix("guided_")
     return {kind: getattr(request, param), "whitespace_pattern": request.guided_whitespace_pattern}
+
+
+# ``--structured-outputs-config``: vLLM's keys that apply to this server.
+STRUCTURED_OUTPUTS_CONFIG_KEYS = ("enable_in_reasoning",)
+
+
+def enable_in_reasoning(config: str | None) -> bool:
+    """``--structured-outputs-config``'s ``enable_in_reasoning`` (vLLM's): constraints apply from
+    the answer's first token, thinking included, instead of after the thinking (false, the
+    default, with a ``--reasoning-parser``). ValueError naming what is wrong."""
+    if config is None:
+        return False
+    try:
+        value = json.loads(config)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--structured-outputs-config is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError("--structured-outputs-config must be a JSON object")
+    unknown = sorted(set(value) - set(STRUCTURED_OUTPUTS_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"--structured-outputs-config keys {unknown} are not supported; supported: "
+                         f"{', '.join(STRUCTURED_OUTPUTS_CONFIG_KEYS)}")  # fmt: skip
+    enabled = value.get("enable_in_reasoning", False)
+    if not isinstance(enabled, bool):
+        raise ValueError("--structured-outputs-config enable_in_reasoning must be true or false")
+    return enabled
