@@ -118,6 +118,20 @@ def test_a_function_call_then_its_output_over_two_turns(client: openai.OpenAI) -
 
 
 @pytest.mark.slow
+def test_hosted_tools_are_left_out_and_namespaces_give_their_functions(client: openai.OpenAI) -> None:
+    """As Codex CLI sends them: a hosted web search (not run here: the model is not told of it)
+    beside a namespace of functions, one of which the model is made to call."""
+    tools = [{"type": "web_search", "external_web_access": False},
+             {"type": "namespace", "name": "weather_v1", "description": "Weather tools", "tools": [WEATHER]}]
+    response = client.responses.create(model=MODEL_NAME, input=ASK, tools=tools, max_output_tokens=56, temperature=0,
+                                       tool_choice={"type": "function", "name": "get_weather"})  # fmt: skip
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    assert call.name == "get_weather" and set(json.loads(call.arguments)) == {"city", "unit"}
+    free = client.responses.create(model=MODEL_NAME, input=ASK, tools=tools[:1], max_output_tokens=4)
+    assert free.output and free.status in ("completed", "incomplete")
+
+
+@pytest.mark.slow
 def test_text_format_constrains_the_answer(client: openai.OpenAI) -> None:
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
               "additionalProperties": False}  # fmt: skip
@@ -128,7 +142,9 @@ def test_text_format_constrains_the_answer(client: openai.OpenAI) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("body,status,needle", [
-    ({"input": ASK, "tools": [{"type": "web_search"}]}, 400, "hosted tool"),
+    ({"input": ASK, "tools": [{"type": "namespace", "name": "n", "tools": [{"type": "web_search"}]}]}, 400,
+     "namespace holds function tools"),
+    ({"input": ASK, "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, 400, "tool_choice"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, 400,
      "text only"),
     ({"input": [{"type": "function_call_output", "call_id": "call_nope", "output": "1"}]}, 400, "no earlier"),

@@ -114,13 +114,15 @@ InputItem = Annotated[
 
 
 class FunctionTool(OpenAIBaseModel):
-    """A function tool; any other ``type`` is a hosted tool, refused by name when served."""
+    """A function tool, a ``namespace`` grouping function tools (``tools``), or a hosted tool
+    (any other ``type``: the server does not run those)."""
 
     type: str
     name: str | None = Field(default=None, pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    tools: list[FunctionTool] | None = None  # a namespace's
 
 
 class NamedFunctionChoice(OpenAIBaseModel):

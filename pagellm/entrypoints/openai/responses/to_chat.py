@@ -6,8 +6,10 @@ one just before, or a new one), ``function_call_output`` items ``tool`` messages
 item the next assistant turn's ``reasoning_content``. ``previous_response_id`` puts the stored
 conversation first; ``instructions`` are this request's own system message (never carried
 over, as OpenAI's). Tools, ``tool_choice``, ``text.format`` and sampling map to their chat fields.
-Refused naming the field: hosted tools and their items, images and files (text-only models), a
-call's output whose call is in no earlier item, and ``background``.
+Hosted tools (``web_search``, ...) are left out of the tools the model sees: the server does not
+run them, and agent clients list them whatever the task; a ``namespace`` gives its functions.
+Refused naming the field: hosted tools' items, images and files (text-only models), a call's
+output whose call is in no earlier item, and ``background``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pagellm.entrypoints.openai.errors import BadRequestError
 from pagellm.entrypoints.openai.protocol import TEXT_CHECKED, ChatCompletionRequest
 from pagellm.entrypoints.openai.responses.protocol import (
     FunctionCallItem,
+    FunctionTool,
     FunctionCallOutputItem,
     InputMedia,
     MessageItem,
@@ -89,22 +92,33 @@ def to_chat_request(request: ResponsesRequest, model: str, conversation: list[di
 
 
 def _tools(request: ResponsesRequest) -> dict[str, Any]:
+    """The function tools as chat tools: a namespace's functions among them, hosted tools left out
+    (agent clients list them whatever the task: Codex CLI always offers ``web_search``; the model
+    is told only of the tools its caller runs)."""
     fields: dict[str, Any] = {}
     functions = []
     for i, tool in enumerate(request.tools or []):
-        if tool.type != "function":
-            raise BadRequestError(f"tools[{i}] is the hosted tool {tool.type!r}, which this server does not run: "
-                                  "define a function tool and run it yourself", param=f"tools[{i}].type")  # fmt: skip
-        if tool.name is None:
-            raise BadRequestError(f"tools[{i}] needs a name", param=f"tools[{i}].name")
-        functions.append({"type": "function", "function": {"name": tool.name, "description": tool.description,
-                                                           "parameters": tool.parameters}})  # fmt: skip
+        if tool.type == "namespace":
+            functions.extend(_function(inner, f"tools[{i}].tools[{j}]") for j, inner in enumerate(tool.tools or []))
+        elif tool.type == "function":
+            functions.append(_function(tool, f"tools[{i}]"))
     if functions:
         fields["tools"] = functions
     choice = request.tool_choice
     if choice is not None:
         fields["tool_choice"] = choice if isinstance(choice, str) else {"type": "function", "function": {"name": choice.name}}
     return fields
+
+
+def _function(tool: FunctionTool, where: str) -> dict[str, Any]:
+    """One function tool as a chat tool (a namespace holds function tools only)."""
+    if tool.type != "function":
+        raise BadRequestError(f"{where} is a {tool.type!r} tool: a namespace holds function tools",
+                              param=f"{where}.type")  # fmt: skip
+    if tool.name is None:
+        raise BadRequestError(f"{where} needs a name", param=f"{where}.name")
+    return {"type": "function", "function": {"name": tool.name, "description": tool.description,
+                                             "parameters": tool.parameters}}  # fmt: skip
 
 
 def _format(request: ResponsesRequest) -> dict[str, Any]:
