@@ -286,3 +286,85 @@ def _worker_threads(request: pytest.FixtureRequest) -> None:
     threads = parallel.worker_threads(request.config)
     if threads is not None and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_phi4_mini_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny Phi-4-mini: Phi-3 with partial rotary (half of each head turned) and LongRoPE over
+    the rotary dims, a short original context so that both factor sets run."""
+    from transformers import Phi3Config
+
+    half = TINY_SHAPE["hidden_size"] // TINY_SHAPE["num_attention_heads"] // 4  # rotary dims / 2
+    config = Phi3Config(
+        **{**TINY_SHAPE, "max_position_embeddings": 256}, **token_ids(default_tokenizer),
+        partial_rotary_factor=0.5, original_max_position_embeddings=32, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                         "long_factor": [2.0 + 0.5 * i for i in range(half)], "original_max_position_embeddings": 32},
+        initializer_range=0.1,
+    )  # fmt: skip
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_phi4_mini"), config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm3_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny SmolLM3: every other layer without rotary (NoPE; the real model: every 4th), 4 layers."""
+    from transformers import SmolLM3Config
+
+    config = SmolLM3Config(**{**TINY_SHAPE, "num_hidden_layers": 4}, **token_ids(default_tokenizer),
+                           no_rope_layer_interval=2, tie_word_embeddings=True, initializer_range=0.1)  # fmt: skip
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_smollm3"), config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_olmo2_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny OLMo 2: norms after each block only, q/k norms over the whole projection."""
+    from transformers import Olmo2Config
+
+    config = Olmo2Config(**TINY_SHAPE, **token_ids(default_tokenizer), tie_word_embeddings=False, initializer_range=0.1)
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_olmo2"), config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_granite_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny Granite (3.x): embedding, attention and residual multipliers, logits divided."""
+    from transformers import GraniteConfig
+
+    config = GraniteConfig(**TINY_SHAPE, **token_ids(default_tokenizer), embedding_multiplier=6.0,
+                           attention_multiplier=0.2, residual_multiplier=0.3, logits_scaling=4.0,
+                           tie_word_embeddings=True, initializer_range=0.1)  # fmt: skip
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_granite"), config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4_moe_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny GLM-4.5 (Air): sigmoid routing with a correction bias over 4 groups of 2 experts (the
+    best 2 groups), a shared expert, the first layer dense, partial rotary (half), q/k norms, q/k/v
+    bias, and a multi-token-prediction layer in the checkpoint that the causal LM does not load."""
+    from transformers import Glm4MoeConfig
+
+    config = Glm4MoeConfig(
+        **{**TINY_SHAPE, "num_hidden_layers": 3}, **token_ids(default_tokenizer), moe_intermediate_size=32,
+        n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+        num_nextn_predict_layers=1, tie_word_embeddings=False, initializer_range=0.1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    )  # fmt: skip
+    folder = tmp_path_factory.mktemp("tiny_glm4_moe")
+    write_tiny_model(folder, config, default_tokenizer)
+    _add_correction_bias_and_mtp_layer(folder)
+    return str(folder)
+
+
+def _add_correction_bias_and_mtp_layer(folder: Path) -> None:
+    """A random correction bias (transformers initializes it to zeros, which would test nothing)
+    and a stray layer past the model's, as GLM-4.5's checkpoints carry (the MTP layer)."""
+    from safetensors.torch import load_file, save_file
+
+    (shard,) = folder.glob("*.safetensors")
+    tensors = load_file(str(shard))
+    generator = torch.Generator().manual_seed(7)
+    for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
+        tensors[name] = torch.rand(tensors[name].shape, generator=generator) * 0.5
+    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(4, 4)
+    save_file(tensors, str(shard), metadata={"format": "pt"})

@@ -25,6 +25,10 @@ _MODEL_TYPE_TO_ARCH = {
     "mixtral": "MixtralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 # Architectures whose q/k/v projections always carry a bias (no config flag for it).
 _ALWAYS_QKV_BIAS = {"Qwen2ForCausalLM"}
@@ -32,6 +36,8 @@ _ALWAYS_QKV_BIAS = {"Qwen2ForCausalLM"}
 _O_PROJ_FOLLOWS_ATTENTION_BIAS = {"LlamaForCausalLM"}
 # Architectures with an RMSNorm over each head of q and of k before the rotary embedding.
 _QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"}
+# Architectures whose config's ``use_qk_norm`` switches those per-head norms on (GLM-4.5).
+_QK_NORM_BY_FLAG = {"Glm4MoeForCausalLM"}
 # Gemma: RMSNorm scaled by (1 + weight), a norm after attention and around the MLP, embeddings
 # scaled by sqrt(hidden_size), windowed and global layers alternating (layer_types).
 _GEMMA = {"Gemma2ForCausalLM", "Gemma3ForCausalLM"}
@@ -41,8 +47,17 @@ _GLOBAL_LAYER_EVERY = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
 SLIDING, FULL = "sliding_attention", "full_attention"
 # Mixture-of-experts families; Mixtral scales each expert's output by its float32 routing
 # weight, Qwen3-MoE by the weight cast to the model dtype first (as the reference does).
-_MOE = {"Qwen3MoeForCausalLM", "MixtralForCausalLM"}
-_MOE_COMBINE_IN_FLOAT32 = {"MixtralForCausalLM"}
+_MOE = {"Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM"}
+# OLMo 2: no norm before a block, one after each block's output (before its residual add), and q
+# and k RMS-normed over their whole projection (before the heads are split).
+_OLMO2 = {"Olmo2ForCausalLM"}
+# SmolLM3: layers without a rotary embedding (NoPE), listed per layer in ``no_rope_layers``.
+_NOPE = {"SmolLM3ForCausalLM"}
+_MOE_COMBINE_IN_FLOAT32 = {"MixtralForCausalLM", "Glm4MoeForCausalLM"}
+# DeepSeek-V3-style routing (GLM-4.5): sigmoid scores, a per-expert correction bias in the choice
+# only, the best ``topk_group`` of ``n_group`` groups first, weights scaled; shared experts beside;
+# the first ``first_k_dense_replace`` layers dense.
+_SIGMOID_ROUTING = {"Glm4MoeForCausalLM"}
 
 
 @dataclass
@@ -70,7 +85,8 @@ class ModelArchConfig:
     hidden_act: str = "silu"
     sliding_window: int | None = None  # effective window (None when the model attends to everything)
     qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head (weights [head_dim]) before rotary
-    partial_rotary_factor: float = 1.0  # share of each head the rotary embedding turns (1: all; checked)
+    partial_rotary_factor: float = 1.0  # share of each head the rotary embedding turns (Phi-4-mini: 0.75)
+    nope_layers: tuple[int, ...] = ()  # layers that turn no rotary embedding (SmolLM3: every 4th)
     # Mixture of experts (pagellm.model.moe): the layers whose MLP is a routed set of experts.
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -78,6 +94,10 @@ class ModelArchConfig:
     norm_topk_prob: bool = False  # renormalise the chosen experts' probabilities to sum to 1
     moe_combine_in_float32: bool = False
     moe_layers: tuple[int, ...] = ()
+    moe_scoring: str = "softmax"  # or "sigmoid" (with a correction bias and groups: _SIGMOID_ROUTING)
+    moe_groups: tuple[int, int] = (1, 1)  # (n_group, topk_group): experts chosen from the best groups only
+    routed_scaling_factor: float = 1.0  # the chosen experts' weights scaled by this
+    num_shared_experts: int = 0  # an MLP of num_shared_experts * moe_intermediate_size beside the routed ones
     # Per-layer attention (Gemma): "sliding_attention" / "full_attention" for each layer; empty
     # where every layer attends alike (with `sliding_window`, if any, on all of them).
     layer_types: tuple[str, ...] = ()
@@ -87,7 +107,11 @@ class ModelArchConfig:
     final_logit_softcapping: float | None = None  # Gemma 2: logits capped likewise
     norm_unit_offset: bool = False  # Gemma: RMSNorm scales by (1 + weight), in float32
     sandwich_norms: bool = False  # Gemma: norms after attention, and before and after the MLP
-    embedding_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    embedding_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size); Granite: its multiplier
+    pre_norms: bool = True  # a norm before each block (OLMo 2: none; its norms follow each block)
+    qk_norm_over_projection: bool = False  # OLMo 2: q and k RMS-normed whole (weights [q_size], [kv_size])
+    residual_multiplier: float = 1.0  # Granite: each block's output scaled before its residual add
+    logits_scaling: float = 1.0  # Granite: logits divided by this
 
     @property
     def attention_window(self) -> int | None:
@@ -123,6 +147,15 @@ class ModelArchConfig:
         return self.max_position_embeddings
 
     @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head the rotary embedding turns (the rest pass unturned)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_rotary_dim(self, layer: int) -> int:
+        """``rotary_dim`` for layer ``layer``; 0 for a NoPE layer."""
+        return 0 if layer in self.nope_layers else self.rotary_dim
+
+    @property
     def q_size(self) -> int:
         """Width of the query projection output."""
         return self.num_attention_heads * self.head_dim
@@ -137,6 +170,9 @@ class ModelArchConfig:
                 raise ValueError(f"tensor_parallel_size={size} must divide the model's {name} ({getattr(self, name)})")
         if self.o_proj_bias or self.mlp_bias:
             raise ValueError("tensor parallelism does not support a bias on o_proj or the MLP yet")
+        if self.qk_norm_over_projection:
+            raise ValueError(f"tensor parallelism does not support {self.architecture}'s q/k norms over the whole "
+                             "projection yet (each rank holds only some heads)")  # fmt: skip
         return dataclasses.replace(
             self, num_attention_heads=self.num_attention_heads // size,
             num_key_value_heads=self.num_key_value_heads // size, intermediate_size=self.intermediate_size // size,
@@ -152,7 +188,8 @@ class ModelArchConfig:
         """Weights of every linear layer (the decoder's and the LM head), biases aside."""
         hidden, inter = self.hidden_size, self.intermediate_size
         attention = hidden * (self.q_size + 2 * self.kv_size) + self.q_size * hidden
-        moe = len(self.moe_layers) * self.num_experts * (3 * hidden * self.moe_intermediate_size + hidden)
+        experts = self.num_experts + self.num_shared_experts
+        moe = len(self.moe_layers) * (experts * 3 * hidden * self.moe_intermediate_size + self.num_experts * hidden)
         dense = (self.num_hidden_layers - len(self.moe_layers)) * 3 * hidden * inter
         return self.num_hidden_layers * attention + moe + dense + self.vocab_size * hidden
 
@@ -195,9 +232,13 @@ class ModelArchConfig:
             bos_token_id=_optional_int(config.get("bos_token_id")),
             eos_token_ids=_merge_eos(config, generation_config),
             sliding_window=_effective_sliding_window(config),
-            qk_norm=architecture in _QK_NORM,
+            qk_norm=architecture in _QK_NORM or architecture in _OLMO2
+            or (architecture in _QK_NORM_BY_FLAG and bool(config.get("use_qk_norm"))),
             partial_rotary_factor=_partial_rotary_factor(config),
+            nope_layers=_nope_layers(architecture, config),
             **_moe_fields(architecture, config),
+            **_olmo2_fields(architecture),
+            **_granite_fields(architecture, config),
             **_gemma_fields(architecture, config, hidden_size),
             **({} if architecture in _GEMMA else {"layer_types": _layer_types(config)}),
         )
@@ -261,23 +302,64 @@ def _partial_rotary_factor(config: dict[str, Any]) -> float:
     return 1.0 if value is None else float(value)
 
 
+def _nope_layers(architecture: str, config: dict[str, Any]) -> tuple[int, ...]:
+    """SmolLM3's layers without rope: ``no_rope_layers`` (1: rope, 0: none), else every
+    ``no_rope_layer_interval``-th layer (4 by default), as its config class derives them."""
+    if architecture not in _NOPE:
+        return ()
+    layers = int(config["num_hidden_layers"])
+    flags = config.get("no_rope_layers")
+    if flags is None:
+        interval = int(config.get("no_rope_layer_interval") or 4)
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(flags) != layers:
+        raise ValueError(f"no_rope_layers lists {len(flags)} layers, the model has {layers}")
+    return tuple(i for i, rope in enumerate(flags) if not rope)
+
+
+def _olmo2_fields(architecture: str) -> dict[str, Any]:
+    """OLMo 2's norms: after each block only, and over the whole q and k projections."""
+    if architecture not in _OLMO2:
+        return {}
+    return dict(pre_norms=False, sandwich_norms=True, qk_norm_over_projection=True)
+
+
+def _granite_fields(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Granite's multipliers: of the embeddings, of the scores (in place of head_dim**-0.5), of
+    each block's output, and the logits' divisor."""
+    if architecture != "GraniteForCausalLM":
+        return {}
+    return dict(
+        embedding_scale=float(config.get("embedding_multiplier", 1.0)),
+        attention_scale=float(config.get("attention_multiplier", 1.0)),
+        residual_multiplier=float(config.get("residual_multiplier", 1.0)),
+        logits_scaling=float(config.get("logits_scaling", 1.0)),
+    )
+
+
 def _moe_fields(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
     """The mixture-of-experts fields: which layers route to experts (Qwen3-MoE: every
     ``decoder_sparse_step``-th layer not in ``mlp_only_layers``; Mixtral: all), and how."""
     if architecture not in _MOE:
         return {}
-    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0)
     layers = int(config["num_hidden_layers"])
     mixtral = architecture == "MixtralForCausalLM"  # every layer, experts as wide as intermediate_size
     step = 1 if mixtral else int(config.get("decoder_sparse_step") or 1)
     dense = set() if mixtral else set(config.get("mlp_only_layers") or [])
+    dense |= set(range(int(config.get("first_k_dense_replace") or 0)))
     moe_layers = tuple(i for i in range(layers) if experts > 0 and i not in dense and (i + 1) % step == 0)
     width = config["intermediate_size"] if mixtral else config.get("moe_intermediate_size") or config["intermediate_size"]
-    return dict(
+    fields = dict(
         num_experts=experts, num_experts_per_tok=int(config.get("num_experts_per_tok") or 0),
         moe_intermediate_size=int(width), norm_topk_prob=mixtral or bool(config.get("norm_topk_prob", False)),
         moe_combine_in_float32=architecture in _MOE_COMBINE_IN_FLOAT32, moe_layers=moe_layers,
     )  # fmt: skip
+    if architecture in _SIGMOID_ROUTING:
+        fields.update(moe_scoring="sigmoid", routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
+                      moe_groups=(int(config.get("n_group") or 1), int(config.get("topk_group") or 1)),
+                      num_shared_experts=int(config.get("n_shared_experts") or 0))  # fmt: skip
+    return fields
 
 
 def _gemma_fields(architecture: str, config: dict[str, Any], hidden_size: int) -> dict[str, Any]:

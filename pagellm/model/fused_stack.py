@@ -184,7 +184,7 @@ class FusedDecoderStack:
         """The stack for these layers (``arch``: a tensor-parallel rank's share, under ``tp``),
         or None where any layer does not fit the call (logged once, naming the first such layer
         and why)."""
-        dtype = layers[0].input_layernorm.weight.dtype if len(layers) else None
+        dtype = layers[0].post_attention_layernorm.weight.dtype if len(layers) else None
         if dtype not in DTYPE_CODES:
             logger.info("decoder: module by module (no kernels for %s)", dtype)
             return None

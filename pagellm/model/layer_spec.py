@@ -36,6 +36,10 @@ class LayerSpec:
     local_rope: bool  # Gemma 3's windowed layers: q and k turned by the local rope base
     scale: float  # attention scores' scale
     softcap: float | None  # Gemma 2: scores capped by c * tanh(s / c)
+    rotary_dim: int = 0  # each head's leading dims the rotary turns: head_dim, fewer (partial), 0 (NoPE)
+    pre_norms: bool = True  # a norm before each block (OLMo 2: none)
+    qk_norm_over_projection: bool = False  # OLMo 2: q and k normed whole, before the heads are split
+    residual_multiplier: float = 1.0  # Granite: each block's output scaled before its residual add
 
     @property
     def q_size(self) -> int:
@@ -68,6 +72,10 @@ def layer_spec(arch: ModelArchConfig, index: int) -> LayerSpec:
         local_rope=arch.layer_uses_local_rope(index),
         scale=arch.attention_scale or arch.head_dim**-0.5,
         softcap=arch.attn_logit_softcapping,
+        rotary_dim=arch.layer_rotary_dim(index),
+        pre_norms=arch.pre_norms,
+        qk_norm_over_projection=arch.qk_norm_over_projection,
+        residual_multiplier=arch.residual_multiplier,
     )
 
 
@@ -83,9 +91,15 @@ def stack_refusal(spec: LayerSpec) -> str | None:
     if spec.moe:
         return "a mixture of experts"
     if spec.norm_unit_offset or spec.sandwich_norms:
-        return "Gemma's norms (scaled by 1 + weight, around each block)"
+        return "norms around each block (Gemma's, scaled by 1 + weight; OLMo 2's)"
     if spec.local_rope:
         return "a second rotary base for windowed layers"
+    if spec.rotary_dim != spec.head_dim:
+        return "a rotary embedding over part of each head (partial rotary, or none: NoPE)"
+    if spec.qk_norm_over_projection:
+        return "q/k norms over the whole projection"
+    if spec.residual_multiplier != 1.0:
+        return "a residual multiplier"
     if spec.activation != "silu":
         return f"the {spec.activation} activation"
     if spec.o_bias or spec.mlp_bias:

@@ -28,7 +28,7 @@ from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.cpu_linear import pack_linear_layers
 from pagellm.model.fused_stack import FusedDecoderStack
 from pagellm.model.layer_spec import LayerSpec, layer_specs
-from pagellm.model.layers import RotaryEmbedding, apply_rotary_, make_rms_norm
+from pagellm.model.layers import RotaryEmbedding, apply_rotary, apply_rotary_, make_rms_norm
 from pagellm.model.mlp import LlamaMLP
 from pagellm.model.moe import SparseMoeBlock
 from pagellm.model.quant_embedding import QuantizedEmbedding, embedding_for_plan
@@ -83,11 +83,14 @@ class LlamaAttention(nn.Module):
         self.o_proj = linear_for_plan(self.q_size, spec.hidden_size, spec.o_bias, plan)
         self.attn_backend = attn_backend
         self.rotary_kernels = plan.library("rotary") if plan is not None else None
-        # Qwen3, Gemma 3: each head of q and k RMS-normed (over head_dim) before the rotary embedding.
+        # Qwen3, Gemma 3: each head of q and k RMS-normed (over head_dim) before the rotary embedding;
+        # OLMo 2: q and k normed whole (over q_size and kv_size).
         norm_kernels = plan.library("norm") if plan is not None else None
         eps, offset = spec.norm_eps, spec.norm_unit_offset
-        self.q_norm = make_rms_norm(self.head_dim, eps, offset, norm_kernels) if spec.qk_norm else None
-        self.k_norm = make_rms_norm(self.head_dim, eps, offset, norm_kernels) if spec.qk_norm else None
+        whole = spec.qk_norm_over_projection
+        q_width, k_width = (self.q_size, self.kv_size) if whole else (self.head_dim, self.head_dim)
+        self.q_norm = make_rms_norm(q_width, eps, offset, norm_kernels) if spec.qk_norm else None
+        self.k_norm = make_rms_norm(k_width, eps, offset, norm_kernels) if spec.qk_norm else None
 
     def shard_slices(self) -> dict[str, slice]:
         """Rows of ``qkv_proj`` holding each of q, k, v."""
@@ -104,15 +107,22 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        spec, q_end, k_end = self.spec, self.q_size, self.q_size + self.kv_size
+        if self.q_norm is not None and self.k_norm is not None and spec.qk_norm_over_projection:
+            qkv[:, :q_end] = self.q_norm(qkv[:, :q_end].contiguous())
+            qkv[:, q_end:k_end] = self.k_norm(qkv[:, q_end:k_end].contiguous())
         # q and k rotated together (one set of elementwise ops; the same arithmetic per element).
-        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        qk = qkv[:, :k_end].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None and not spec.qk_norm_over_projection:
             self.q_norm.norm_heads_(qk[:, : self.num_heads])
             self.k_norm.norm_heads_(qk[:, self.num_heads :])
-        q, k = apply_rotary_(qk, cos, sin, self.rotary_kernels).split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if spec.rotary_dim == self.head_dim:
+            qk = apply_rotary_(qk, cos, sin, self.rotary_kernels)
+        elif spec.rotary_dim:  # partial rotary: the leading dims turn, the rest pass (NoPE: none turn)
+            qk[..., : spec.rotary_dim] = apply_rotary(qk[..., : spec.rotary_dim], cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, k_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
-        spec = self.spec
         out = self.attn_backend.forward(q, k, v, key_cache, value_cache, attn_metadata, spec.scale, spec.window,
                                         spec.softcap)  # fmt: skip
         out = self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -136,11 +146,11 @@ class LlamaDecoderLayer(nn.Module):
         def norm() -> nn.Module:
             return make_rms_norm(spec.hidden_size, spec.norm_eps, spec.norm_unit_offset, norm_kernels)
 
-        self.input_layernorm = norm()
+        self.input_layernorm = norm() if spec.pre_norms else None
         self.self_attn = LlamaAttention(spec, attn_backend, plan, tp)
         self.post_attention_layernorm = norm()
         self.mlp = SparseMoeBlock(arch, plan, tp) if spec.moe else LlamaMLP(arch, plan, tp)
-        self.pre_feedforward_layernorm = norm() if spec.sandwich_norms else None
+        self.pre_feedforward_layernorm = norm() if spec.sandwich_norms and spec.pre_norms else None
         self.post_feedforward_layernorm = norm() if spec.sandwich_norms else None
 
     def forward(
@@ -153,27 +163,35 @@ class LlamaDecoderLayer(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(block output, residual stream)``; the residual add happens inside the next norm."""
-        if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:
+        if self.post_feedforward_layernorm is not None:
             return self._sandwich(hidden, residual, cos, sin, kv_cache, attn_metadata)
+        assert self.input_layernorm is not None
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, cos, sin, kv_cache, attn_metadata)
+        multiplier = self.spec.residual_multiplier  # Granite: each block's output scaled
+        if multiplier != 1.0:
+            hidden = hidden * multiplier
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        out = self.mlp(hidden)
+        return (out * multiplier if multiplier != 1.0 else out), residual
 
     def _sandwich(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
         kv_cache: KVCache, attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gemma's order: each block's output normed before its residual add."""
-        assert self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None
+        """Gemma's order: each block's output normed before its residual add (OLMo 2: and no norm
+        before a block)."""
+        assert self.post_feedforward_layernorm is not None
         residual = hidden if residual is None else hidden + residual
-        attended = self.self_attn(self.input_layernorm(residual), cos, sin, kv_cache, attn_metadata)
+        normed = self.input_layernorm(residual) if self.input_layernorm is not None else residual
+        attended = self.self_attn(normed, cos, sin, kv_cache, attn_metadata)
         residual = residual + self.post_attention_layernorm(attended)
-        return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(residual))), residual
+        pre = self.pre_feedforward_layernorm
+        return self.post_feedforward_layernorm(self.mlp(pre(residual) if pre is not None else residual)), residual
 
 
 class LlamaModel(nn.Module):
@@ -198,11 +216,11 @@ class LlamaModel(nn.Module):
         )
         norm_kernels = plan.library("norm") if plan is not None else None
         self.norm = make_rms_norm(arch.hidden_size, arch.rms_norm_eps, arch.norm_unit_offset, norm_kernels)
-        self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings)
+        self.rotary_emb = RotaryEmbedding(arch.rotary_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings)
         # Gemma 3: the windowed layers turn q and k by their own (local) base, unscaled.
         local = arch.local_rope_theta
         self.local_rotary_emb = (
-            RotaryEmbedding(arch.head_dim, local, None, arch.max_position_embeddings) if local is not None else None
+            RotaryEmbedding(arch.rotary_dim, local, None, arch.max_position_embeddings) if local is not None else None
         )
 
     @property
@@ -334,6 +352,8 @@ class LlamaForCausalLM(nn.Module):
         cap = self.arch.final_logit_softcapping
         if cap is not None:  # Gemma 2, in the model dtype as HF
             logits = torch.tanh(logits / cap) * cap
+        if self.arch.logits_scaling != 1.0:  # Granite
+            logits = logits / self.arch.logits_scaling
         return logits.float() if upcast else logits
 
     def expected_weight_names(self) -> set[str]:
@@ -346,9 +366,13 @@ class LlamaForCausalLM(nn.Module):
             names.add("lm_head.weight")
         for i in range(self.model.start, self.model.end):
             prefix = f"model.layers.{i}."
-            names |= {prefix + "input_layernorm.weight", prefix + "post_attention_layernorm.weight"}
+            names.add(prefix + "post_attention_layernorm.weight")
+            if arch.pre_norms:
+                names.add(prefix + "input_layernorm.weight")
             if arch.sandwich_norms:
-                names |= {prefix + "pre_feedforward_layernorm.weight", prefix + "post_feedforward_layernorm.weight"}
+                names.add(prefix + "post_feedforward_layernorm.weight")
+                if arch.pre_norms:
+                    names.add(prefix + "pre_feedforward_layernorm.weight")
             names |= {f"{prefix}self_attn.{p}_proj.weight" for p in "qkvo"}
             names |= mlp_weight_names(arch, i)
             if arch.attention_bias:

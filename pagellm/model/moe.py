@@ -1,5 +1,6 @@
-"""Mixture-of-experts feed-forward (Qwen3-MoE, Mixtral): a router picks each token's top-k
-experts, each expert is an ordinary SwiGLU MLP.
+"""Mixture-of-experts feed-forward (Qwen3-MoE, Mixtral, GLM-4.5): a router picks each token's
+top-k experts, each expert is an ordinary SwiGLU MLP; GLM-4.5 adds shared experts (one MLP every
+token runs) and routes as DeepSeek-V3 does (sigmoid scores, a correction bias, expert groups).
 
 The experts run as one GEMM each over the rows routed to them: the (token, expert) pairs are
 sorted by expert, so expert ``e`` multiplies one contiguous slice of gathered rows, and the
@@ -26,13 +27,17 @@ from pagellm.model.mlp import LlamaMLP
 class Router(nn.Module):
     """The expert-choice linear (HF's ``gate``). A module of its own, not an ``nn.Linear``, so
     that CPU repacking leaves it alone: its logits stay the reference's own arithmetic, since a
-    rounding difference here can move a token to another expert."""
+    rounding difference here can move a token to another expert. Sigmoid routing (GLM-4.5)
+    computes them in float32, and adds its ``e_score_correction_bias`` to the scores it chooses by."""
 
-    def __init__(self, hidden_size: int, num_experts: int) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, sigmoid: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts)) if sigmoid else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.e_score_correction_bias is not None:
+            return F.linear(x.float(), self.weight.float())
         return F.linear(x, self.weight)
 
 
@@ -49,17 +54,45 @@ class SparseMoeBlock(nn.Module):
         self.top_k = arch.num_experts_per_tok
         self.normalize = arch.norm_topk_prob
         self.combine_in_float32 = arch.moe_combine_in_float32
-        self.gate = Router(arch.hidden_size, arch.num_experts)
+        self.sigmoid = arch.moe_scoring == "sigmoid"
+        self.groups, self.scaling = arch.moe_groups, arch.routed_scaling_factor
+        self.gate = Router(arch.hidden_size, arch.num_experts, self.sigmoid)
         expert_arch = dataclasses.replace(arch, intermediate_size=arch.moe_intermediate_size)
         self.experts = nn.ModuleList(LlamaMLP(expert_arch, plan) for _ in range(arch.num_experts))
+        shared = arch.num_shared_experts * arch.moe_intermediate_size
+        self.shared_experts = (
+            LlamaMLP(dataclasses.replace(arch, intermediate_size=shared), plan) if arch.num_shared_experts else None
+        )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k], expert ids [T, k])`` for each token, as the reference computes them."""
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.sigmoid:
+            weights, experts = self._sigmoid_route(x)
+        else:
+            probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+            weights, experts = torch.topk(probs, self.top_k, dim=-1)
+            if self.normalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights if self.combine_in_float32 else weights.to(x.dtype)), experts
+
+    def _sigmoid_route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's choice: by sigmoid score plus the correction bias, among the experts of
+        the ``topk_group`` groups whose two best such scores sum highest; weighted by the plain
+        scores (renormalised where the config says), times the routed scaling factor."""
+        assert self.gate.e_score_correction_bias is not None
+        scores = self.gate(x).sigmoid()
+        choice = scores + self.gate.e_score_correction_bias.float()
+        groups, chosen = self.groups
+        if groups > 1:
+            grouped = choice.view(len(x), groups, -1)
+            best = torch.topk(grouped.topk(2, dim=-1)[0].sum(dim=-1), chosen, dim=-1, sorted=False)[1]
+            keep = torch.zeros(len(x), groups, dtype=torch.bool, device=x.device).scatter_(1, best, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
+        experts = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, experts)
+        if self.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
@@ -76,6 +109,8 @@ class SparseMoeBlock(nn.Module):
                 start += count
         weighted = (outputs * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
         out = torch.zeros_like(x).index_add_(0, rows, weighted)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
         return out if self.tp is None else self.tp.all_reduce_(out)
 
     def fuse_for_cpu(self, plan: KernelPlan, verify: bool = True) -> bool:
@@ -83,6 +118,6 @@ class SparseMoeBlock(nn.Module):
         first, *rest = self.experts
         if not first.fuse_for_cpu(plan, verify):
             return False
-        for expert in rest:
+        for expert in [*rest, *([self.shared_experts] if self.shared_experts is not None else [])]:
             expert.fuse_for_cpu(plan, verify=False)
         return True

@@ -11,7 +11,10 @@ from pagellm.model.llama import LlamaForCausalLM
 # store q/k/v and gate/up fused (split on load); Qwen3-MoE and Mixtral are Qwen3 and Mistral with
 # mixture-of-experts MLPs (pagellm.model.moe; checkpoint names mapped in weight_names); Gemma 2/3
 # are Llama with (1 + w) norms around each block, GeGLU, scaled embeddings, windowed and global
-# layers, soft caps (Gemma 2), q/k norms and a local rope base (Gemma 3), all arch-config fields.
+# layers, soft caps (Gemma 2), q/k norms and a local rope base (Gemma 3); SmolLM3 is Llama with
+# NoPE layers; OLMo 2 is Llama with norms after each block only and q/k norms over the whole
+# projection; Granite is Llama with multipliers; Phi-4-mini is Phi-3 with partial rotary: all
+# arch-config fields.
 _MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
@@ -22,6 +25,10 @@ _MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "MixtralForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": LlamaForCausalLM,
+    "SmolLM3ForCausalLM": LlamaForCausalLM,
+    "Olmo2ForCausalLM": LlamaForCausalLM,
+    "GraniteForCausalLM": LlamaForCausalLM,
+    "Glm4MoeForCausalLM": LlamaForCausalLM,
 }
 
 
@@ -45,9 +52,9 @@ def validate_arch_config(arch: ModelArchConfig) -> type[LlamaForCausalLM]:
     beyond the experts); return the class."""
     model_class = get_model_class(arch.architecture)
     check_rope_scaling(arch.rope_scaling)
-    if arch.partial_rotary_factor != 1.0:
-        raise ValueError(f"{arch.architecture} with partial_rotary_factor={arch.partial_rotary_factor} is not "
-                         "supported: the rotary embedding turns whole heads only")  # fmt: skip
+    if arch.rotary_dim % 2 or not 0 < arch.rotary_dim <= arch.head_dim:
+        raise ValueError(f"{arch.architecture} with partial_rotary_factor={arch.partial_rotary_factor} turns "
+                         f"{arch.rotary_dim} of {arch.head_dim} dims a head: it must be an even count, at least 2")  # fmt: skip
     if arch.num_attention_heads % arch.num_key_value_heads:
         raise ValueError(
             f"num_attention_heads={arch.num_attention_heads} is not a multiple of "
@@ -56,4 +63,9 @@ def validate_arch_config(arch: ModelArchConfig) -> type[LlamaForCausalLM]:
     if arch.moe_layers and not 0 < arch.num_experts_per_tok <= arch.num_experts:
         raise ValueError(f"num_experts_per_tok={arch.num_experts_per_tok} must be between 1 and the number of "
                          f"experts ({arch.num_experts})")  # fmt: skip
+    groups, chosen = arch.moe_groups
+    if arch.moe_layers and (groups < 1 or arch.num_experts % groups or not 1 <= chosen <= groups
+                            or arch.num_experts_per_tok > chosen * (arch.num_experts // groups)):  # fmt: skip
+        raise ValueError(f"n_group={groups}, topk_group={chosen} do not split {arch.num_experts} experts into groups "
+                         f"that hold num_experts_per_tok={arch.num_experts_per_tok}")  # fmt: skip
     return model_class

@@ -37,6 +37,10 @@ _RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
 _DROPPED: dict[str, re.Pattern[str]] = {
     "Gemma3ForCausalLM": re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\."),
 }
+# Architectures whose checkpoints carry layers past the model's (GLM-4.5's multi-token prediction
+# layer, ``num_nextn_predict_layers``): not part of the causal LM, not loaded.
+_LAYERS_PAST_THE_MODEL_DROPPED = {"Glm4MoeForCausalLM"}
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 # q/k/v or gate/up stored fused (Phi-3): split into the parts by rows.
 _PREFUSED = re.compile(r"^(?P<prefix>.*\.)(?P<fused>qkv_proj|gate_up_proj)\.(?P<kind>weight|bias)$")
 # Every expert in one 3-D tensor (transformers 5's own layout: gate_up [E, 2I, H], down [E, H, I]).
@@ -50,6 +54,10 @@ def checkpoint_parts(arch: ModelArchConfig, name: str, tensor: Tensor) -> list[t
     dropped = _DROPPED.get(arch.architecture)
     if dropped is not None and dropped.match(name):
         return []
+    if arch.architecture in _LAYERS_PAST_THE_MODEL_DROPPED:
+        layer = _LAYER_INDEX.match(name)
+        if layer is not None and int(layer[1]) >= arch.num_hidden_layers:
+            return []
     for pattern, replacement in _RENAMES.get(arch.architecture, ()):
         name = pattern.sub(replacement, name)
     if (match := _PREFUSED.match(name)) is not None:
@@ -66,7 +74,9 @@ def mlp_weight_names(arch: ModelArchConfig, layer: int) -> set[str]:
     parts = ("gate_proj", "up_proj", "down_proj")
     if layer in arch.moe_layers:
         experts = {f"{prefix}experts.{e}.{p}.weight" for e in range(arch.num_experts) for p in parts}
-        return experts | {prefix + "gate.weight"}
+        shared = {f"{prefix}shared_experts.{p}.weight" for p in parts} if arch.num_shared_experts else set()
+        bias = {prefix + "gate.e_score_correction_bias"} if arch.moe_scoring == "sigmoid" else set()
+        return experts | shared | bias | {prefix + "gate.weight"}
     kinds = ("weight", "bias") if arch.mlp_bias else ("weight",)
     return {f"{prefix}{p}.{kind}" for p in parts for kind in kinds}
 

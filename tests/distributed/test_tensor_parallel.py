@@ -3,6 +3,8 @@ layer give what one process gives: greedy tokens equal, logprobs within float32 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -30,7 +32,8 @@ def _run(path: str, tp: int, params: SamplingParams, **options: object) -> list:
                                            ("tiny_llama_path", "gloo"), ("tiny_qwen2_path", "int8"),
                                            ("tiny_qwen3_path", "shm"), ("tiny_phi3_path", "int8"),
                                            ("tiny_mixtral_path", "shm"), ("tiny_qwen3_moe_path", "shm"),
-                                           ("tiny_gemma2_path", "shm")])  # fmt: skip
+                                           ("tiny_gemma2_path", "shm"), ("tiny_phi4_mini_path", "shm"),
+                                           ("tiny_smollm3_path", "shm"), ("tiny_glm4_moe_path", "shm")])  # fmt: skip
 def test_two_ranks_give_what_one_gives(request: pytest.FixtureRequest, model: str, variant: str) -> None:
     """Dense weights with the shared-memory all-reduce, with gloo's (no kernel library), and
     int8 blocks on the integer GEMM (each rank's blocks are the whole model's: same integers)."""
@@ -100,6 +103,9 @@ def test_shares_and_refusals(tiny_llama_path: str) -> None:
         LLM(tiny_llama_path, **OPTIONS, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
         LLM(tiny_llama_path, **OPTIONS, tensor_parallel_size=0)
+    olmo2 = dataclasses.replace(arch, architecture="Olmo2ForCausalLM", qk_norm_over_projection=True)
+    with pytest.raises(ValueError, match="q/k norms over the whole projection"):  # OLMo 2: each rank lacks heads
+        olmo2.shard(2)
 
 
 def test_quantized_shares_are_whole_blocks() -> None:

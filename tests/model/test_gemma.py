@@ -88,7 +88,7 @@ def test_bf16_gemma_runs_its_layers_as_modules(tiny_gemma2_path: str, caplog: py
     bf16 = LLM(tiny_gemma2_path, dtype="bfloat16")
     with caplog.at_level(logging.INFO, logger="pagellm.model.fused_stack"):
         assert bf16.llm_engine.executor.model_runner.model._decoder_stack() is None
-    assert "module by module (layer 0: Gemma's norms" in caplog.text
+    assert "module by module (layer 0: norms around each block (Gemma's" in caplog.text
     fp32 = LLM(tiny_gemma2_path, dtype="float32")
     for a, b in zip(bf16.generate(prompts, params, use_tqdm=False), fp32.generate(prompts, params, use_tqdm=False)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -158,13 +158,25 @@ def test_model_path_forms(tmp_path: Path, tiny_llama_path: str) -> None:
         resolve_model_path(str(tmp_path))
 
 
-def test_partial_rotary_is_refused() -> None:
-    """A rotary embedding over part of each head (phi-4-mini, GPT-NeoX style) would run wrongly: refused."""
+def test_partial_rotary_turns_the_leading_dims() -> None:
+    """A rotary embedding over part of each head (Phi-4-mini: 3/4 of 128 dims); an odd count of
+    dims cannot be turned in pairs: refused."""
     from pagellm.model.registry import validate_arch_config
 
     config = dict(LLAMA31_CONFIG, architectures=["Phi3ForCausalLM"], rope_scaling=None,
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75})  # fmt: skip
     arch = ModelArchConfig.from_hf_config(config)
-    assert arch.partial_rotary_factor == 0.75
-    with pytest.raises(ValueError, match="partial_rotary_factor=0.75 is not supported"):
-        validate_arch_config(arch)
+    assert arch.partial_rotary_factor == 0.75 and arch.rotary_dim == 96 == arch.layer_rotary_dim(0)
+    validate_arch_config(arch)
+    odd = ModelArchConfig.from_hf_config({**config, "partial_rotary_factor": 0.7})  # 89.6 -> 89 dims
+    with pytest.raises(ValueError, match="turns 89 of 128 dims a head: it must be an even count"):
+        validate_arch_config(odd)
+
+
+def test_smollm3_nope_layers() -> None:
+    config = dict(LLAMA31_CONFIG, architectures=["SmolLM3ForCausalLM"], num_hidden_layers=8)
+    assert ModelArchConfig.from_hf_config(config).nope_layers == (3, 7)  # every 4th by default
+    listed = ModelArchConfig.from_hf_config({**config, "no_rope_layers": [1, 0, 1, 1, 1, 1, 1, 0]})
+    assert listed.nope_layers == (1, 7) and listed.layer_rotary_dim(1) == 0 and listed.layer_rotary_dim(2) == 128
+    with pytest.raises(ValueError, match="no_rope_layers lists 2 layers, the model has 8"):
+        ModelArchConfig.from_hf_config({**config, "no_rope_layers": [1, 0]})
