@@ -368,3 +368,35 @@ def _add_correction_bias_and_mtp_layer(folder: Path) -> None:
         tensors[name] = torch.rand(tensors[name].shape, generator=generator) * 0.5
     tensors["model.layers.3.eh_proj.weight"] = torch.zeros(4, 4)
     save_file(tensors, str(shard), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny gpt-oss: attention sinks, windowed (8) and global layers alternating, YaRN, a router
+    with a bias, experts with biases and a SwiGLU clamped low enough (0.5) to bite."""
+    from transformers import GptOssConfig
+
+    config = GptOssConfig(
+        **{**TINY_SHAPE, "intermediate_size": 32}, **token_ids(default_tokenizer), head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        swiglu_limit=0.5, tie_word_embeddings=False, initializer_range=0.1,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128},
+    )  # fmt: skip
+    folder = tmp_path_factory.mktemp("tiny_gpt_oss")
+    write_tiny_model(folder, config, default_tokenizer)
+    _randomize_expert_biases(folder)
+    return str(folder)
+
+
+def _randomize_expert_biases(folder: Path) -> None:
+    """transformers initializes gpt-oss's expert biases to zeros (and our randomizer sees only
+    names ending in ".bias"): random ones, so a misplaced bias shows."""
+    from safetensors.torch import load_file, save_file
+
+    (shard,) = folder.glob("*.safetensors")
+    tensors = load_file(str(shard))
+    generator = torch.Generator().manual_seed(11)
+    for name in [n for n in tensors if n.endswith("_proj_bias")]:
+        tensors[name] = torch.randn(tensors[name].shape, generator=generator) * 0.2
+    save_file(tensors, str(shard), metadata={"format": "pt"})

@@ -154,9 +154,12 @@ class AttentionBackend(ABC):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, H, D]
         """Attention of each query over its request's context: every position up to its own,
         or with a ``window`` its last ``window`` positions (its own included); with a
         ``softcap`` the scaled scores pass through ``softcap * tanh(score / softcap)`` first
-        (Gemma 2). Both are per layer: a model mixes windowed and global layers."""
+        (Gemma 2); with ``sinks`` (float32 [H]: gpt-oss) each head's softmax has one more logit,
+        its sink's, over no value (the weights sum to less than 1). All are per layer: a model
+        mixes windowed and global layers."""
         ...

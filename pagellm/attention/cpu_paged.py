@@ -175,10 +175,11 @@ class CPUPagedAttention(AttentionBackend):
         return self.name
 
     def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale,
-                window=None, softcap=None):  # fmt: skip
+                window=None, softcap=None, sinks=None):  # fmt: skip
         cdtype = attention_dtype(query.dtype, key_cache.dtype)
-        if query.device.type != "cpu" or (cdtype, key_cache.dtype) not in _KERNEL_PAIRS:
-            return self.sdpa.forward(query, key, value, key_cache, value_cache, metadata, scale, window, softcap)
+        # Sinks (gpt-oss): not in the kernel yet; its layers run through SDPA's explicit path.
+        if query.device.type != "cpu" or (cdtype, key_cache.dtype) not in _KERNEL_PAIRS or sinks is not None:
+            return self.sdpa.forward(query, key, value, key_cache, value_cache, metadata, scale, window, softcap, sinks)
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = key_cache.shape[-2]
         if num_heads % num_kv_heads != 0:

@@ -32,11 +32,12 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int)
 
 def dense_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None,
-    softcap: float | None = None,
+    softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of q ([Q, H, D], the last Q positions) over k, v ([S, H_kv, D]); with a
     ``window``, over each query's last ``window`` positions only; with a ``softcap``, scores
-    capped by ``softcap * tanh(score / softcap)``."""
+    capped by ``softcap * tanh(score / softcap)``; with ``sinks`` ([H]), one more logit per head
+    in the softmax, over no value."""
     q_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -51,7 +52,11 @@ def dense_attention(
     if window is not None:
         hidden |= k_pos <= q_pos - window
     scores = scores.masked_fill(hidden, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        sink_column = sinks.float().view(num_heads, 1, 1).expand(num_heads, q_len, 1)
+        probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
 
 
@@ -59,13 +64,13 @@ class ReferenceAttention(AttentionBackend):
     name = "reference"
 
     def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale,
-                window=None, softcap=None):  # fmt: skip
+                window=None, softcap=None, sinks=None):  # fmt: skip
         write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
         out = torch.empty_like(query)
         start = 0
         for r, (q_len, seq_len) in enumerate(zip(metadata.query_lens, metadata.seq_lens)):
             k = gather_context(key_cache, metadata.block_tables[r], seq_len)
             v = gather_context(value_cache, metadata.block_tables[r], seq_len)
-            out[start : start + q_len] = dense_attention(query[start : start + q_len], k, v, scale, window, softcap)
+            out[start : start + q_len] = dense_attention(query[start : start + q_len], k, v, scale, window, softcap, sinks)
             start += q_len
         return out

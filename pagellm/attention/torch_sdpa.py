@@ -235,7 +235,7 @@ def _build_plan(metadata: AttentionMetadata, device: torch.device, window: int |
 
 def decode_attention_bmm(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive_mask: torch.Tensor | None, scale: float,
-    softcap: float | None = None,
+    softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Single-query attention for ``R`` decode rows as two batched matmuls and a softmax.
 
@@ -247,7 +247,8 @@ def decode_attention_bmm(
     KV head) the flash kernel pays its per-block GEMM set-up hundreds of times per layer,
     while ``matmul`` runs one batched GEMM over all of them. Scores come out of the GEMM in
     the cache dtype (float32 accumulation inside, one rounding, as HF's eager attention), the
-    softmax runs in float32. A ``softcap`` caps the scaled scores (``softcap * tanh(s / softcap)``).
+    softmax runs in float32. A ``softcap`` caps the scaled scores (``softcap * tanh(s / softcap)``);
+    ``sinks`` ([H], query head h = kv * G + g) add a logit per head to its softmax.
     """
     scores = torch.matmul(q, k.transpose(-1, -2))
     scores = scores.float() if scores.dtype != torch.float32 else scores
@@ -256,26 +257,40 @@ def decode_attention_bmm(
         scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
     if additive_mask is not None:
         scores.add_(additive_mask)
-    probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs.to(v.dtype), v)
+    heads = None if sinks is None else sinks.view(1, q.shape[1], q.shape[2], 1)  # head h = kv * G + g
+    return torch.matmul(_softmax(scores, heads).to(v.dtype), v)
 
 
-def _softcapped_prefill(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: _PrefillPlan, scale: float, softcap: float
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of float32 ``scores``; with ``sinks`` (shaped to broadcast over
+    ``scores[..., :1]``: one per head), each head's sink logit joins its row's softmax, and its
+    weight is dropped after."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    column = sinks.float().expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+
+
+def _explicit_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: _PrefillPlan, scale: float, softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """One prefill request's attention with capped scores: q [1, H, Q, D], k, v [1, H_kv, S, D]
-    (HF's eager arithmetic: scores in the compute dtype, softmax in float32)."""
+    """One prefill request's attention with capped scores or sinks, which SDPA lacks: q [1, H,
+    Q, D], k, v [1, H_kv, S, D] (HF's eager arithmetic: scores in the compute dtype, softmax in
+    float32)."""
     if k.shape[1] != q.shape[1]:  # grouped-query heads
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
-    scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+    if softcap is not None:
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
     if p.mask is not None:
         scores.masked_fill_(~p.mask, float("-inf"))
     else:  # no context: causal over the new tokens
         causal = torch.ones(p.query_len, p.seq_len, dtype=torch.bool, device=q.device).tril(p.seq_len - p.query_len)
         scores.masked_fill_(~causal, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+    heads = None if sinks is None else sinks.view(1, -1, 1, 1)
+    return torch.matmul(_softmax(scores, heads).to(v.dtype), v)
 
 
 class TorchSDPAAttention(AttentionBackend):
@@ -339,7 +354,8 @@ class TorchSDPAAttention(AttentionBackend):
     # Below this many rows one SDPA call beats the matmul path (fewer op launches).
     _BMM_MIN_ROWS = 4
 
-    def _decode(self, q, key_cache, value_cache, dec: _DecodePlan, num_kv_heads, group, head_dim, scale, softcap):
+    def _decode(self, q, key_cache, value_cache, dec: _DecodePlan, num_kv_heads, group, head_dim, scale, softcap,
+                sinks=None):  # fmt: skip
         """Attention of one decode group: [rows, H, D] in q's dtype (the compute dtype)."""
         rows = dec.num_rows
         if dec.token_range is not None:
@@ -352,14 +368,14 @@ class TorchSDPAAttention(AttentionBackend):
         k, v = k.view(shape), v.view(shape)
         # Query heads h = kv * group + g share KV head kv: fold the group into the query dim.
         q_dec = q_dec.reshape(rows, num_kv_heads, group, head_dim)
-        if softcap is not None or (self.decode_impl == "bmm" and rows >= self._BMM_MIN_ROWS):
-            o = decode_attention_bmm(q_dec, k, v, dec.additive_mask(), scale, softcap)
+        if softcap is not None or sinks is not None or (self.decode_impl == "bmm" and rows >= self._BMM_MIN_ROWS):
+            o = decode_attention_bmm(q_dec, k, v, dec.additive_mask(), scale, softcap, sinks)
         else:
             o = F.scaled_dot_product_attention(q_dec, k, v, attn_mask=dec.mask, scale=scale)
         return o.reshape(rows, num_kv_heads * group, head_dim)
 
     def _prefill(self, q, key, value, key_cache, value_cache, p: _PrefillPlan, out, num_kv_heads, group, head_dim, scale,
-                 softcap):  # fmt: skip
+                 softcap, sinks=None):  # fmt: skip
         """One prefill request with SDPA, written into ``out``'s rows of that request."""
         sl = slice(p.start, p.start + p.query_len)
         q_p = q[sl].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
@@ -373,8 +389,8 @@ class TorchSDPAAttention(AttentionBackend):
             v_p = v_p.repeat_interleave(group, dim=1)
         k_p = k_p.transpose(0, 1).unsqueeze(0)  # [1, H_kv, S, D]
         v_p = v_p.transpose(0, 1).unsqueeze(0)
-        if softcap is not None:  # SDPA has no cap on the scores: the explicit matmuls
-            out[sl] = _softcapped_prefill(q_p, k_p, v_p, p, scale, softcap)[0].transpose(0, 1)
+        if softcap is not None or sinks is not None:  # SDPA has neither: the explicit matmuls
+            out[sl] = _explicit_prefill(q_p, k_p, v_p, p, scale, softcap, sinks)[0].transpose(0, 1)
             return
         o = F.scaled_dot_product_attention(
             q_p,
@@ -388,7 +404,7 @@ class TorchSDPAAttention(AttentionBackend):
         out[sl] = o[0].transpose(0, 1)
 
     def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale,
-                window=None, softcap=None):  # fmt: skip
+                window=None, softcap=None, sinks=None):  # fmt: skip
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = key_cache.shape[-2]
         if num_heads % num_kv_heads != 0:
@@ -403,7 +419,7 @@ class TorchSDPAAttention(AttentionBackend):
 
         out = None
         for dec in plan.decodes:
-            dec_out = self._decode(q, key_cache, value_cache, dec, num_kv_heads, group, head_dim, scale, softcap)
+            dec_out = self._decode(q, key_cache, value_cache, dec, num_kv_heads, group, head_dim, scale, softcap, sinks)
             if len(plan.decodes) == 1 and not plan.prefills and dec.num_rows == num_tokens:
                 return dec_out if dec_out.dtype == query.dtype else dec_out.to(query.dtype)
             if out is None:
@@ -416,7 +432,8 @@ class TorchSDPAAttention(AttentionBackend):
             out = torch.empty_like(query)
 
         for p in plan.prefills:
-            self._prefill(q, key, value, key_cache, value_cache, p, out, num_kv_heads, group, head_dim, scale, softcap)
+            self._prefill(q, key, value, key_cache, value_cache, p, out, num_kv_heads, group, head_dim, scale, softcap,
+                          sinks)  # fmt: skip
         return out
 
     def prefill_rows(self, q, key, value, key_cache, value_cache, metadata: AttentionMetadata, out, scale,

@@ -29,11 +29,12 @@ _MODEL_TYPE_TO_ARCH = {
     "olmo2": "Olmo2ForCausalLM",
     "granite": "GraniteForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 # Architectures whose q/k/v projections always carry a bias (no config flag for it).
 _ALWAYS_QKV_BIAS = {"Qwen2ForCausalLM"}
 # Architectures whose `attention_bias` flag also puts a bias on o_proj.
-_O_PROJ_FOLLOWS_ATTENTION_BIAS = {"LlamaForCausalLM"}
+_O_PROJ_FOLLOWS_ATTENTION_BIAS = {"LlamaForCausalLM", "GptOssForCausalLM"}
 # Architectures with an RMSNorm over each head of q and of k before the rotary embedding.
 _QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"}
 # Architectures whose config's ``use_qk_norm`` switches those per-head norms on (GLM-4.5).
@@ -47,7 +48,7 @@ _GLOBAL_LAYER_EVERY = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
 SLIDING, FULL = "sliding_attention", "full_attention"
 # Mixture-of-experts families; Mixtral scales each expert's output by its float32 routing
 # weight, Qwen3-MoE by the weight cast to the model dtype first (as the reference does).
-_MOE = {"Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM"}
+_MOE = {"Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM", "GptOssForCausalLM"}
 # OLMo 2: no norm before a block, one after each block's output (before its residual add), and q
 # and k RMS-normed over their whole projection (before the heads are split).
 _OLMO2 = {"Olmo2ForCausalLM"}
@@ -58,6 +59,9 @@ _MOE_COMBINE_IN_FLOAT32 = {"MixtralForCausalLM", "Glm4MoeForCausalLM"}
 # only, the best ``topk_group`` of ``n_group`` groups first, weights scaled; shared experts beside;
 # the first ``first_k_dense_replace`` layers dense.
 _SIGMOID_ROUTING = {"Glm4MoeForCausalLM"}
+# gpt-oss: attention sinks; a router with a bias whose chosen logits are softmaxed; experts with
+# biases and a clamped SwiGLU; every layer's MLP a mixture of experts.
+_GPT_OSS = {"GptOssForCausalLM"}
 
 
 @dataclass
@@ -94,7 +98,10 @@ class ModelArchConfig:
     norm_topk_prob: bool = False  # renormalise the chosen experts' probabilities to sum to 1
     moe_combine_in_float32: bool = False
     moe_layers: tuple[int, ...] = ()
-    moe_scoring: str = "softmax"  # or "sigmoid" (with a correction bias and groups: _SIGMOID_ROUTING)
+    # "softmax" over every expert, then the top k; "sigmoid" (a correction bias and groups:
+    # _SIGMOID_ROUTING); "topk_softmax": the top k logits, then a softmax over them (gpt-oss)
+    moe_scoring: str = "softmax"
+    moe_router_bias: bool = False  # gpt-oss: the router linear has a bias
     moe_groups: tuple[int, int] = (1, 1)  # (n_group, topk_group): experts chosen from the best groups only
     routed_scaling_factor: float = 1.0  # the chosen experts' weights scaled by this
     num_shared_experts: int = 0  # an MLP of num_shared_experts * moe_intermediate_size beside the routed ones
@@ -112,6 +119,9 @@ class ModelArchConfig:
     qk_norm_over_projection: bool = False  # OLMo 2: q and k RMS-normed whole (weights [q_size], [kv_size])
     residual_multiplier: float = 1.0  # Granite: each block's output scaled before its residual add
     logits_scaling: float = 1.0  # Granite: logits divided by this
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax, over no value
+    swiglu_limit: float | None = None  # gpt-oss: the clamped SwiGLU (gate <= limit, |up| <= limit)
+    swiglu_alpha: float = 1.702  # gpt-oss: gate * sigmoid(alpha * gate)
 
     @property
     def attention_window(self) -> int | None:
@@ -227,7 +237,7 @@ class ModelArchConfig:
             attention_bias=attention_bias,
             o_proj_bias=bool(config.get("attention_bias", False))
             and architecture in _O_PROJ_FOLLOWS_ATTENTION_BIAS,
-            mlp_bias=bool(config.get("mlp_bias", False)),
+            mlp_bias=bool(config.get("mlp_bias", False)) or architecture in _GPT_OSS,  # (gpt-oss: its experts')
             hidden_act=str(config.get("hidden_activation") or config.get("hidden_act") or "silu"),
             bos_token_id=_optional_int(config.get("bos_token_id")),
             eos_token_ids=_merge_eos(config, generation_config),
@@ -239,6 +249,7 @@ class ModelArchConfig:
             **_moe_fields(architecture, config),
             **_olmo2_fields(architecture),
             **_granite_fields(architecture, config),
+            **_gpt_oss_fields(architecture, config),
             **_gemma_fields(architecture, config, hidden_size),
             **({} if architecture in _GEMMA else {"layer_types": _layer_types(config)}),
         )
@@ -337,6 +348,14 @@ def _granite_fields(architecture: str, config: dict[str, Any]) -> dict[str, Any]
     )
 
 
+def _gpt_oss_fields(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's attention sinks and clamped SwiGLU (its experts' biases: ``mlp_bias``)."""
+    if architecture not in _GPT_OSS:
+        return {}
+    return dict(attention_sinks=True, swiglu_limit=float(config.get("swiglu_limit", 7.0)),
+                swiglu_alpha=float(config.get("swiglu_alpha", 1.702)))  # fmt: skip
+
+
 def _moe_fields(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
     """The mixture-of-experts fields: which layers route to experts (Qwen3-MoE: every
     ``decoder_sparse_step``-th layer not in ``mlp_only_layers``; Mixtral: all), and how."""
@@ -355,6 +374,8 @@ def _moe_fields(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
         moe_intermediate_size=int(width), norm_topk_prob=mixtral or bool(config.get("norm_topk_prob", False)),
         moe_combine_in_float32=architecture in _MOE_COMBINE_IN_FLOAT32, moe_layers=moe_layers,
     )  # fmt: skip
+    if architecture in _GPT_OSS:
+        fields.update(moe_scoring="topk_softmax", moe_router_bias=True)
     if architecture in _SIGMOID_ROUTING:
         fields.update(moe_scoring="sigmoid", routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
                       moe_groups=(int(config.get("n_group") or 1), int(config.get("topk_group") or 1)),

@@ -40,6 +40,7 @@ class LayerSpec:
     pre_norms: bool = True  # a norm before each block (OLMo 2: none)
     qk_norm_over_projection: bool = False  # OLMo 2: q and k normed whole, before the heads are split
     residual_multiplier: float = 1.0  # Granite: each block's output scaled before its residual add
+    sinks: bool = False  # gpt-oss: a learned logit per head in its softmax (the attention's ``sinks``)
 
     @property
     def q_size(self) -> int:
@@ -76,6 +77,7 @@ def layer_spec(arch: ModelArchConfig, index: int) -> LayerSpec:
         pre_norms=arch.pre_norms,
         qk_norm_over_projection=arch.qk_norm_over_projection,
         residual_multiplier=arch.residual_multiplier,
+        sinks=arch.attention_sinks,
     )
 
 
@@ -100,6 +102,8 @@ def stack_refusal(spec: LayerSpec) -> str | None:
         return "q/k norms over the whole projection"
     if spec.residual_multiplier != 1.0:
         return "a residual multiplier"
+    if spec.sinks:
+        return "attention sinks"
     if spec.activation != "silu":
         return f"the {spec.activation} activation"
     if spec.o_bias or spec.mlp_bias:

@@ -101,6 +101,21 @@ class GeluTanhAndMul(nn.Module):
         return F.gelu(gate, approximate="tanh") * up
 
 
+class ClampedSwiGLU(nn.Module):
+    """gpt-oss's gated activation on a fused ``[gate | up]`` output: the gate capped at ``limit``
+    and the up part within ``±limit``, then ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+
+    def __init__(self, limit: float, alpha: float) -> None:
+        super().__init__()
+        self.limit, self.alpha = limit, alpha
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 # HF activation name -> the gated activation over a fused gate_up output.
 GATED_ACTIVATIONS: dict[str, type[nn.Module]] = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
 

@@ -91,6 +91,8 @@ class LlamaAttention(nn.Module):
         q_width, k_width = (self.q_size, self.kv_size) if whole else (self.head_dim, self.head_dim)
         self.q_norm = make_rms_norm(q_width, eps, offset, norm_kernels) if spec.qk_norm else None
         self.k_norm = make_rms_norm(k_width, eps, offset, norm_kernels) if spec.qk_norm else None
+        # gpt-oss: each head's sink logit (float32 whatever the model's dtype: it joins a float32 softmax).
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32)) if spec.sinks else None
 
     def shard_slices(self) -> dict[str, slice]:
         """Rows of ``qkv_proj`` holding each of q, k, v."""
@@ -124,7 +126,7 @@ class LlamaAttention(nn.Module):
         v = qkv[:, k_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         out = self.attn_backend.forward(q, k, v, key_cache, value_cache, attn_metadata, spec.scale, spec.window,
-                                        spec.softcap)  # fmt: skip
+                                        spec.softcap, self.sinks)  # fmt: skip
         out = self.o_proj(out.reshape(num_tokens, self.q_size))
         return out if self.tp is None else self.tp.all_reduce_(out)
 
@@ -381,6 +383,8 @@ class LlamaForCausalLM(nn.Module):
                 names.add(prefix + "self_attn.o_proj.bias")
             if arch.qk_norm:
                 names |= {prefix + "self_attn.q_norm.weight", prefix + "self_attn.k_norm.weight"}
+            if arch.attention_sinks:
+                names.add(prefix + "self_attn.sinks")
         return names
 
     @torch.no_grad()

@@ -27,6 +27,7 @@ from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.default_model import default_model_path
 from pagellm.model.gguf_loader import arch_config_from_gguf, has_quantized_linears, iter_gguf_weights, open_gguf
 from pagellm.model.llama import LlamaForCausalLM
+from pagellm.model.mxfp4 import join_mxfp4_pairs
 from pagellm.model.registry import validate_arch_config
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
@@ -280,7 +281,8 @@ def load_model(
             weights = iter_gguf_weights(reader, arch, dtype, keep_float32=True, keep_quantized=keep_quantized,
                                         keep=net.holds_weight)  # fmt: skip
         else:
-            weights = _iter_safetensors(safetensors_files(path), keep=net.holds_weight)
+            # gpt-oss's MXFP4 experts come as blocks and scales: dequantized as each pair arrives.
+            weights = join_mxfp4_pairs(_iter_safetensors(safetensors_files(path), keep=net.holds_weight))
         net.load_weights(weights)
     net.requires_grad_(False)
     return net.eval(), arch

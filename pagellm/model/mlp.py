@@ -10,7 +10,7 @@ from pagellm.distributed.tensor_parallel import TensorParallel
 from pagellm.kernels.plan import KernelPlan
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.cpu_linear import fuse_silu_and_mul
-from pagellm.model.layers import GATED_ACTIVATIONS
+from pagellm.model.layers import GATED_ACTIVATIONS, ClampedSwiGLU
 from pagellm.model.quant_linear import linear_for_plan, quantized_plan
 
 
@@ -24,11 +24,16 @@ class LlamaMLP(nn.Module):
             raise NotImplementedError(f"hidden_act {arch.hidden_act!r} is not supported; supported: "
                                       f"{', '.join(GATED_ACTIVATIONS)}")  # fmt: skip
         self.intermediate_size = arch.intermediate_size
-        self.silu = arch.hidden_act == "silu"  # the kernels fuse SiLU-and-mul only
+        # The kernels fuse SiLU-and-mul only (gpt-oss's clamped SwiGLU is another activation).
+        self.silu = arch.hidden_act == "silu" and arch.swiglu_limit is None
         # Quantized: SiLU-and-mul runs in the integer GEMM's epilogue (bias-free MLPs).
         fused = quantized_plan(plan) and not arch.mlp_bias and self.silu
         self.gate_up_proj = linear_for_plan(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias, plan, fused)
-        self.act: nn.Module = nn.Identity() if fused else GATED_ACTIVATIONS[arch.hidden_act]()
+        self.act: nn.Module = (
+            nn.Identity() if fused
+            else ClampedSwiGLU(arch.swiglu_limit, arch.swiglu_alpha) if arch.swiglu_limit is not None
+            else GATED_ACTIVATIONS[arch.hidden_act]()
+        )  # fmt: skip
         self.down_proj = linear_for_plan(arch.intermediate_size, arch.hidden_size, arch.mlp_bias, plan)
 
     def shard_slices(self) -> dict[str, slice]:

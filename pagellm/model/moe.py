@@ -30,15 +30,16 @@ class Router(nn.Module):
     rounding difference here can move a token to another expert. Sigmoid routing (GLM-4.5)
     computes them in float32, and adds its ``e_score_correction_bias`` to the scores it chooses by."""
 
-    def __init__(self, hidden_size: int, num_experts: int, sigmoid: bool = False) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, sigmoid: bool = False, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None  # gpt-oss
         self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts)) if sigmoid else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.e_score_correction_bias is not None:
             return F.linear(x.float(), self.weight.float())
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class SparseMoeBlock(nn.Module):
@@ -54,9 +55,9 @@ class SparseMoeBlock(nn.Module):
         self.top_k = arch.num_experts_per_tok
         self.normalize = arch.norm_topk_prob
         self.combine_in_float32 = arch.moe_combine_in_float32
-        self.sigmoid = arch.moe_scoring == "sigmoid"
+        self.scoring = arch.moe_scoring
         self.groups, self.scaling = arch.moe_groups, arch.routed_scaling_factor
-        self.gate = Router(arch.hidden_size, arch.num_experts, self.sigmoid)
+        self.gate = Router(arch.hidden_size, arch.num_experts, self.scoring == "sigmoid", arch.moe_router_bias)
         expert_arch = dataclasses.replace(arch, intermediate_size=arch.moe_intermediate_size)
         self.experts = nn.ModuleList(LlamaMLP(expert_arch, plan) for _ in range(arch.num_experts))
         shared = arch.num_shared_experts * arch.moe_intermediate_size
@@ -66,8 +67,11 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k], expert ids [T, k])`` for each token, as the reference computes them."""
-        if self.sigmoid:
+        if self.scoring == "sigmoid":
             weights, experts = self._sigmoid_route(x)
+        elif self.scoring == "topk_softmax":  # gpt-oss: the chosen logits softmaxed (in their dtype)
+            logits, experts = torch.topk(self.gate(x), self.top_k, dim=-1)
+            weights = torch.softmax(logits, dim=-1, dtype=logits.dtype)
         else:
             probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
             weights, experts = torch.topk(probs, self.top_k, dim=-1)

@@ -29,6 +29,7 @@ _MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Olmo2ForCausalLM": LlamaForCausalLM,
     "GraniteForCausalLM": LlamaForCausalLM,
     "Glm4MoeForCausalLM": LlamaForCausalLM,
+    "GptOssForCausalLM": LlamaForCausalLM,
 }
 
 

@@ -27,6 +27,8 @@ _RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
         (re.compile(r"\.experts\.(\d+)\.w3\."), r".experts.\1.up_proj."),
         (re.compile(r"\.experts\.(\d+)\.w2\."), r".experts.\1.down_proj."),
     ),
+    # gpt-oss: the router is `router` (with a bias).
+    "GptOssForCausalLM": ((re.compile(r"\.mlp\.router\."), ".mlp.gate."),),
     # Gemma 3 4B and up (Gemma3ForConditionalGeneration): the text model under `language_model`.
     "Gemma3ForCausalLM": (
         (re.compile(r"^(language_model\.model|model\.language_model)\."), "model."),
@@ -43,6 +45,9 @@ _LAYERS_PAST_THE_MODEL_DROPPED = {"Glm4MoeForCausalLM"}
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 # q/k/v or gate/up stored fused (Phi-3): split into the parts by rows.
 _PREFUSED = re.compile(r"^(?P<prefix>.*\.)(?P<fused>qkv_proj|gate_up_proj)\.(?P<kind>weight|bias)$")
+# gpt-oss's experts, all in one tensor each: gate_up [E, H, 2I] (x @ W; gate and up columns
+# interleaved) and its bias [E, 2I], down [E, I, H] and its bias [E, H].
+_GPT_OSS_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts\.)(?P<fused>gate_up_proj|down_proj)(?P<bias>_bias)?$")
 # Every expert in one 3-D tensor (transformers 5's own layout: gate_up [E, 2I, H], down [E, H, I]).
 _STACKED_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts\.)(?P<fused>gate_up_proj|down_proj)$")
 
@@ -62,6 +67,8 @@ def checkpoint_parts(arch: ModelArchConfig, name: str, tensor: Tensor) -> list[t
         name = pattern.sub(replacement, name)
     if (match := _PREFUSED.match(name)) is not None:
         return _split_prefused(arch, match, tensor)
+    if arch.architecture == "GptOssForCausalLM" and (match := _GPT_OSS_EXPERTS.match(name)) is not None:
+        return _split_gpt_oss_experts(arch, match, tensor)
     if (match := _STACKED_EXPERTS.match(name)) is not None:
         return _split_stacked_experts(arch, match, tensor)
     return [(name, tensor)]
@@ -73,7 +80,10 @@ def mlp_weight_names(arch: ModelArchConfig, layer: int) -> set[str]:
     prefix = f"model.layers.{layer}.mlp."
     parts = ("gate_proj", "up_proj", "down_proj")
     if layer in arch.moe_layers:
-        experts = {f"{prefix}experts.{e}.{p}.weight" for e in range(arch.num_experts) for p in parts}
+        kinds = ("weight", "bias") if arch.mlp_bias else ("weight",)  # (gpt-oss's experts have biases)
+        experts = {f"{prefix}experts.{e}.{p}.{k}" for e in range(arch.num_experts) for p in parts for k in kinds}
+        if arch.moe_router_bias:
+            experts.add(prefix + "gate.bias")
         shared = {f"{prefix}shared_experts.{p}.weight" for p in parts} if arch.num_shared_experts else set()
         bias = {prefix + "gate.e_score_correction_bias"} if arch.moe_scoring == "sigmoid" else set()
         return experts | shared | bias | {prefix + "gate.weight"}
@@ -99,6 +109,29 @@ def _split_prefused(arch: ModelArchConfig, match: re.Match[str], tensor: Tensor)
         out.append((f"{prefix}{part}.{match['kind']}", piece))
         start += size
     return out
+
+
+def _split_gpt_oss_experts(arch: ModelArchConfig, match: re.Match[str], tensor: Tensor) -> list[tuple[str, Tensor]]:
+    """gpt-oss's stacked experts as each expert's gate, up and down weights and biases (the
+    weights transposed to the rows-out layout every linear here loads, gate and up de-interleaved)."""
+    name, inter, hidden, experts = match.string, arch.moe_intermediate_size, arch.hidden_size, arch.num_experts
+    gate_up, bias = match["fused"] == "gate_up_proj", match["bias"] is not None
+    if bias:
+        expected: tuple[int, ...] = (experts, 2 * inter) if gate_up else (experts, hidden)
+    else:
+        expected = (experts, hidden, 2 * inter) if gate_up else (experts, inter, hidden)
+    if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != expected:
+        shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else "quantized"
+        raise ValueError(f"weight {name!r} is {shape}, expected a dense tensor of shape {expected}")
+    kind, prefix = "bias" if bias else "weight", match["prefix"]
+    if not gate_up:
+        return [(f"{prefix}{e}.down_proj.{kind}", tensor[e] if bias else tensor[e].t()) for e in range(experts)]
+    parts = []
+    for e in range(experts):
+        for part, columns in (("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2))):
+            piece = tensor[e, columns] if bias else tensor[e][:, columns].t()
+            parts.append((f"{prefix}{e}.{part}.{kind}", piece))
+    return parts
 
 
 def _split_stacked_experts(arch: ModelArchConfig, match: re.Match[str], tensor: Tensor) -> list[tuple[str, Tensor]]:

@@ -51,6 +51,19 @@ def test_sliding_window_and_capped_scores(backend_cls, kind, dtype, window, soft
     check_step(step, backend_cls, window, softcap)
 
 
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+@pytest.mark.parametrize("backend_cls", FAST_BACKENDS, ids=lambda c: c.name)
+def test_attention_sinks(backend_cls, kind, dtype, window):
+    """gpt-oss's sinks: a logit per head in its softmax, over no value (some large enough to
+    take most of the weight, some far below the scores), with and without a window."""
+    reqs = random_reqs(kind, n=9, seed=13)
+    step = make_step(reqs, 4, 8, 2, dtype=dtype, seed=5)
+    sinks = torch.tensor([0.0, 3.0, -2.0, 8.0, -30.0, 1.5, 0.5, -0.5])
+    check_step(step, backend_cls, window, None, sinks)
+
+
 @pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("kind", ["decode", "mixed", "mixed_decode_first"])
 @pytest.mark.parametrize("backend_cls", FAST_BACKENDS, ids=lambda c: c.name)

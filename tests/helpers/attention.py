@@ -156,9 +156,12 @@ def same_cache(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan], b[~nan])
 
 
-def dense_expected(step: Step, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+def dense_expected(
+    step: Step, window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
     """Causal softmax attention over each request's unpaged history, in float64 (each query
-    over its last ``window`` positions; scores capped by ``softcap * tanh(s / softcap)``)."""
+    over its last ``window`` positions; scores capped by ``softcap * tanh(s / softcap)``; with
+    ``sinks``, each head's sink logit in its softmax, over no value)."""
     md = step.metadata
     num_heads = step.query.shape[1]
     group = num_heads // step.k_hist[0].shape[1]
@@ -180,14 +183,19 @@ def dense_expected(step: Step, window: int | None = None, softcap: float | None 
             scores[k_pos > q_pos] = float("-inf")
             if window is not None:
                 scores[k_pos <= q_pos - window] = float("-inf")
+            if sinks is not None:  # one more logit per row, over no value
+                with_sink = torch.cat([scores, torch.full((q_len, 1), float(sinks[h]), dtype=torch.float64)], dim=1)
+                out[:, h] = torch.softmax(with_sink, dim=-1)[:, :-1] @ v[:, kv]
+                continue
             out[:, h] = torch.softmax(scores, dim=-1) @ v[:, kv]
         outs.append(out)
     return torch.cat(outs)
 
 
-def run_backend(backend, step: Step, window: int | None = None, softcap: float | None = None):
+def run_backend(backend, step: Step, window: int | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None):  # fmt: skip
     kc, vc = step.key_cache.clone(), step.value_cache.clone()
-    out = backend.forward(step.query, step.key, step.value, kc, vc, step.metadata, step.scale, window, softcap)
+    out = backend.forward(step.query, step.key, step.value, kc, vc, step.metadata, step.scale, window, softcap, sinks)
     return out, kc, vc
 
 
@@ -201,17 +209,18 @@ FAST_BACKENDS = [TorchSDPAAttention, cpu_paged_all_dtypes]
 
 
 def check_step(
-    step: Step, backend_cls: type = TorchSDPAAttention, window: int | None = None, softcap: float | None = None
+    step: Step, backend_cls: type = TorchSDPAAttention, window: int | None = None, softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     # The arithmetic's dtype sets the tolerance (an fp8 cache is checked against its stored values).
     tol = TOL[attention_dtype(step.query.dtype, step.key_cache.dtype)]
-    out_ref, kc_ref, vc_ref = run_backend(ReferenceAttention(), step, window, softcap)
-    out, kc, vc = run_backend(backend_cls(), step, window, softcap)
+    out_ref, kc_ref, vc_ref = run_backend(ReferenceAttention(), step, window, softcap, sinks)
+    out, kc, vc = run_backend(backend_cls(), step, window, softcap, sinks)
 
     assert out.shape == step.query.shape and out.dtype == step.query.dtype
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, out_ref, **tol)
-    torch.testing.assert_close(out.double(), dense_expected(step, window, softcap), **tol)
+    torch.testing.assert_close(out.double(), dense_expected(step, window, softcap, sinks), **tol)
 
     # The new K/V landed at their slots, as rows of the cache dtype, and nothing else changed.
     num_kv_heads, width = kc.shape[-2:]
