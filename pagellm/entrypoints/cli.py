@@ -86,9 +86,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     )
     group.add_argument(
         "--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
-        help="split reasoning models' thinking from their answers: qwen3 (<think>...</think> the model opens) "
-        "or deepseek_r1 (the template opens it); returned as reasoning_content and reasoning, and as "
-        "Anthropic thinking blocks (default: none)",
+        help="split reasoning models' thinking from their answers: qwen3 (<think>...</think> the model opens), "
+        "deepseek_r1 (the template opens it) or openai_gptoss (gpt-oss's harmony channels, its tool calls "
+        "too); returned as reasoning_content and reasoning, and as Anthropic thinking blocks (default: none)",
     )
     group.add_argument(
         "--structured-outputs-config", default=None,

@@ -36,7 +36,7 @@ from pagellm.entrypoints.anthropic.protocol import (
     new_tool_use_id,
 )
 from pagellm.entrypoints.anthropic.to_chat import to_chat_request
-from pagellm.entrypoints.openai.reasoning import ThinkStreamer
+from pagellm.entrypoints.openai.reasoning import ReasoningStreamer
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_engine import (
     CLIENT_CLOSED_REQUEST,
@@ -142,7 +142,7 @@ class _Stream:
     model: str
     tools: ToolPlan
     tracker: ChoiceTracker
-    thinking: ThinkStreamer | None = None  # splits the thinking off (--reasoning-parser)
+    thinking: ReasoningStreamer | None = None  # splits the thinking off (--reasoning-parser)
     show_thinking: bool = True
     index: int = -1
     open_kind: str | None = None

@@ -17,6 +17,7 @@ be the start of a tag.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -28,11 +29,38 @@ class ReasoningSplit:
     content: str
 
 
+class ReasoningStreamer(Protocol):
+    """One answer's split as its text arrives."""
+
+    thought: bool  # some of the answer so far was thinking
+
+    def feed(self, text: str, final: bool) -> tuple[str, str]:
+        """The new (thinking, content) of ``text`` (``final``: nothing follows)."""
+
+
+class ReasoningParser(Protocol):
+    """What the serving paths need of a reasoning parser (``--reasoning-parser``)."""
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether its markers are special tokens the decoded text must keep."""
+
+    @property
+    def constraint_thinking(self) -> str | None:
+        """Where a structured-outputs constraint starts (``StructuredOutputsParams.thinking``);
+        None: it constrains the whole answer."""
+
+    def split(self, text: str) -> ReasoningSplit: ...
+
+    def streamer(self) -> ReasoningStreamer: ...
+
+
 @dataclass(frozen=True)
 class ThinkTagParser:
     """``starts_inside``: the prompt opened the tag (``deepseek_r1``)."""
 
     starts_inside: bool
+    keeps_special_tokens: bool = False
 
     @property
     def constraint_thinking(self) -> str:
@@ -100,10 +128,19 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-REASONING_PARSERS = {"qwen3": ThinkTagParser(starts_inside=False), "deepseek_r1": ThinkTagParser(starts_inside=True)}
+def _harmony() -> ReasoningParser:
+    from pagellm.entrypoints.openai.harmony import HarmonyParser  # (it imports this module's ReasoningSplit)
+
+    return HarmonyParser()
 
 
-def reasoning_parser(name: str | None) -> ThinkTagParser | None:
+REASONING_PARSERS: dict[str, ReasoningParser] = {
+    "qwen3": ThinkTagParser(starts_inside=False), "deepseek_r1": ThinkTagParser(starts_inside=True),
+    "openai_gptoss": _harmony(),
+}  # fmt: skip
+
+
+def reasoning_parser(name: str | None) -> ReasoningParser | None:
     """The parser ``--reasoning-parser`` names (None: answers are not split)."""
     if name is None:
         return None

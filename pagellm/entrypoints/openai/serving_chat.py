@@ -29,7 +29,7 @@ from pagellm.entrypoints.openai.protocol import (
     ChatStreamChoice,
     DeltaMessage,
 )
-from pagellm.entrypoints.openai.reasoning import ThinkStreamer, ThinkTagParser
+from pagellm.entrypoints.openai.reasoning import ReasoningParser, ReasoningStreamer
 from pagellm.entrypoints.openai.serving_engine import (
     CLIENT_CLOSED_REQUEST,
     ChoiceDelta,
@@ -169,7 +169,7 @@ class _Context:
     model: str
     created: int
     tools: ToolPlan
-    reasoning: ThinkTagParser | None  # the answers' thinking split off (--reasoning-parser)
+    reasoning: ReasoningParser | None  # the answers' thinking split off (--reasoning-parser)
 
     @property
     def top_n(self) -> int | None:
@@ -185,7 +185,7 @@ class OpenAIServingChat(OpenAIServing):
         trust_request_chat_template: bool = False,
         tool_parser: ToolParser | None = None,
         auto_tool_choice: bool = True,
-        reasoning_parser: ThinkTagParser | None = None,
+        reasoning_parser: ReasoningParser | None = None,
         constrain_thinking: bool = False,
     ) -> None:
         super().__init__(engine, served_model_names)
@@ -222,6 +222,8 @@ class OpenAIServingChat(OpenAIServing):
     ) -> tuple[ToolPlan, SamplingParams | BeamSearchParams, ProcessedPrompt]:
         """Everything between the parsed body and the engine, cheapest checks first (a worker thread)."""
         _check_chat_options(request, self.engine.input_processor.limits.max_logprobs)
+        if self.reasoning_parser is not None and self.reasoning_parser.keeps_special_tokens:
+            request = request.model_copy(update={"skip_special_tokens": False})  # (harmony's markers)
         tools = plan_tools(request, self.tool_parser, self.auto_tool_choice)
         max_tokens = request.effective_max_tokens
         top_n = (request.top_logprobs or 0) if request.logprobs else None
@@ -302,7 +304,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def _stream_choices(
         self, ctx: _Context, delta: ChoiceDelta, tool_streams: PerChoice[ChoiceToolStream] | None,
-        thinking: PerChoice[ThinkStreamer] | None = None,
+        thinking: PerChoice[ReasoningStreamer] | None = None,
     ) -> list[ChatStreamChoice]:
         """The chunks' choices for one delta: its thinking (with a reasoning parser), its text
         (what is surely not part of a call, when calls are parsed), then each completed call

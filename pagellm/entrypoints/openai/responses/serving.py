@@ -26,7 +26,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagellm.entrypoints.openai.errors import NotFoundError, OpenAIError
-from pagellm.entrypoints.openai.reasoning import ThinkStreamer, ThinkTagParser
+from pagellm.entrypoints.openai.reasoning import ReasoningParser, ReasoningStreamer
 from pagellm.entrypoints.openai.responses.protocol import (
     OutputFunctionCall,
     OutputItem,
@@ -53,7 +53,7 @@ from pagellm.entrypoints.openai.serving_engine import (
 from pagellm.entrypoints.openai.tool_calls.parsers import ToolCallStreamer, ToolParser
 
 
-def split_answer(text: str, reasoning: ThinkTagParser | None, tools: ToolParser | None) -> list[OutputItem]:
+def split_answer(text: str, reasoning: ReasoningParser | None, tools: ToolParser | None) -> list[OutputItem]:
     """An answer's output items: its thinking, its text, its calls (each present or not)."""
     items: list[OutputItem] = []
     if reasoning is not None:
@@ -179,7 +179,7 @@ class _Stream:
     tracker: ChoiceTracker
     serving: OpenAIServingResponses
     conversation: list[dict[str, Any]]
-    thinking: ThinkStreamer | None = None
+    thinking: ReasoningStreamer | None = None
     calls: ToolCallStreamer | None = None
     sequence: int = 0
     output: list[OutputItem] = field(default_factory=list)
