@@ -44,7 +44,7 @@ def test_whole_and_streamed_answers_split_alike(name: str, text: str, qwen3: tup
 
 
 def test_an_unknown_parser_is_refused_by_name() -> None:
-    assert reasoning_parser(None) is None and set(REASONING_PARSERS) == {"qwen3", "deepseek_r1"}
+    assert reasoning_parser(None) is None and set(REASONING_PARSERS) == {"qwen3", "deepseek_r1", "openai_gptoss"}
     with pytest.raises(ValueError, match="unknown reasoning parser 'o1'"):
         reasoning_parser("o1")
 
