@@ -44,6 +44,10 @@ FAMILIES: dict[str, GGUFFamily] = {
     "qwen3moe": GGUFFamily("Qwen3MoeForCausalLM"),
     "gemma2": GGUFFamily("Gemma2ForCausalLM", norm_plus_one=True, block_names=_GEMMA_NAMES),
     "gemma3": GGUFFamily("Gemma3ForCausalLM", norm_plus_one=True, block_names=_GEMMA_NAMES),
+    "smollm3": GGUFFamily("SmolLM3ForCausalLM", qk_permuted=True),  # (llama.cpp: NoPE every 4th layer, as HF's default)
+    "granite": GGUFFamily("GraniteForCausalLM", qk_permuted=True),
+    "olmo2": GGUFFamily("Olmo2ForCausalLM", block_names=(("post_attention_norm", "post_attention_layernorm"),
+                                                         ("post_ffw_norm", "post_feedforward_layernorm"))),
     # Phi-3: q/k/v in one tensor, gate and up in `ffn_up` (split by rows on load).
     "phi3": GGUFFamily("Phi3ForCausalLM", block_names=(("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj"))),
 }
@@ -94,6 +98,11 @@ def hf_config(gguf_arch: str, meta: Metadata) -> dict[str, Any]:
                       norm_topk_prob=True)  # llama.cpp renormalises Qwen3-MoE's top-k (Mixtral always does)
     if gguf_arch in _GEMMA_27B_LAYERS:
         config.update(_gemma_config(gguf_arch, meta))
+    if gguf_arch == "granite":  # its multipliers, as the converter names them
+        config.update(embedding_multiplier=meta(f"{prefix}.embedding_scale", 1.0),
+                      residual_multiplier=meta(f"{prefix}.residual_scale", 1.0),
+                      attention_multiplier=meta(f"{prefix}.attention.scale", 1.0),
+                      logits_scaling=meta(f"{prefix}.logit_scale", 1.0))  # fmt: skip
     if gguf_arch == "phi3":  # (a window of 0: none, as the converter writes Phi-4's)
         config.update(sliding_window=meta(f"{prefix}.attention.sliding_window", 0) or None,
                       original_max_position_embeddings=meta(f"{prefix}.rope.scaling.original_context_length", None))

@@ -248,8 +248,8 @@ def _check_rope(reader: GGUFFile | _ReaderAdapter, prefix: str, head_dim: int) -
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise NotImplementedError("GGUF rope frequency factors (rope_freqs, Llama-3.1 style) are not supported")
     rope_dims = read_metadata(reader, f"{prefix}.rope.dimension_count", head_dim)
-    if rope_dims != head_dim:
-        raise NotImplementedError(f"partial rotary (rope dims {rope_dims} < head_dim {head_dim}) is not supported")
+    if not 0 < rope_dims <= head_dim:
+        raise ValueError(f"GGUF rope dimension count {rope_dims} is not within the head's {head_dim} dims")
 
 
 def _eos_ids(reader: GGUFFile | _ReaderAdapter) -> list[int]:
@@ -295,6 +295,8 @@ def arch_config_from_gguf(reader: GGUFFile | _ReaderAdapter) -> ModelArchConfig:
         tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
         bos_token_id=read_metadata(reader, "tokenizer.ggml.bos_token_id", None),
         eos_token_id=_eos_ids(reader),
+        # Partial rotary (Phi-4-mini): the converter writes the rotary dims.
+        partial_rotary_factor=int(read_metadata(reader, f"{prefix}.rope.dimension_count", head_dim)) / head_dim,
     )
     if scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(read_metadata(reader, f"{prefix}.rope.scaling.factor"))}

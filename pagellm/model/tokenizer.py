@@ -7,12 +7,14 @@ the chat template comes from the tokenizer, else the GGUF metadata, unless overr
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -101,6 +103,27 @@ def _store_cached(tokenizer: PreTrainedTokenizerBase, folder: Path | None) -> No
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _gguf_architecture_known(path: str) -> Iterator[None]:
+    """transformers reads a GGUF file's tokenizer only for the architectures whose weights it
+    loads, though the tokenizer depends only on the file's ``tokenizer.ggml.*`` keys: a family it
+    lacks (SmolLM3, Granite, OLMo 2) is listed for the time of the read."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from pagellm.model.gguf_loader import open_gguf, read_metadata
+
+    known = gguf_utils.GGUF_SUPPORTED_ARCHITECTURES
+    architecture = str(read_metadata(open_gguf(path), "general.architecture", ""))
+    added = bool(architecture) and architecture not in known
+    if added:
+        known.append(architecture)
+    try:
+        yield
+    finally:
+        if added:
+            known.remove(architecture)
+
+
 def _gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """The tokenizer transformers rebuilds from GGUF metadata (seconds: it re-parses the whole
     vocabulary), cached on disk after the first build and loaded from there (~0.1 s) after."""
@@ -115,7 +138,8 @@ def _gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
         return tokenizer
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+    with _gguf_architecture_known(path):
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
     if not tokenizer.chat_template:
         tokenizer.chat_template = gguf_chat_template(path)
     _store_cached(tokenizer, folder)

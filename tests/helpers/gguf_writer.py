@@ -32,9 +32,13 @@ _GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforw
                 "post_feedforward_layernorm": "post_ffw_norm"}  # fmt: skip
 _EXPERT_PARTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
                  "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}  # fmt: skip
+_OLMO2_NAMES = {"post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 _ARCHS = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
           "Qwen3MoeForCausalLM": "qwen3moe", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
-          "Phi3ForCausalLM": "phi3"}  # fmt: skip
+          "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite",
+          "Olmo2ForCausalLM": "olmo2"}  # fmt: skip
+# The converter's LlamaModel subclasses: q/k rows permuted, vocab size and rope dims written.
+_LLAMA_LIKE = ("llama", "smollm3", "granite")
 
 
 def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -52,10 +56,12 @@ def _metadata(writer: GGUFWriter, arch: str, config: dict) -> None:
     writer.add_head_count(heads)
     writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    if arch in ("llama", "phi3"):  # (the converter writes these instead of the key/value lengths)
-        if arch == "llama":
+    if arch in (*_LLAMA_LIKE, "phi3"):  # (the converter writes these instead of the key/value lengths)
+        if arch in _LLAMA_LIKE:
             writer.add_vocab_size(config["vocab_size"])
-        writer.add_rope_dimension_count(head_dim)
+        rope_params = config.get("rope_parameters") or {}
+        factor = config.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))
+        writer.add_rope_dimension_count(int(factor * hidden) // heads)  # (Phi-4-mini: 3/4 of each head)
     else:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -75,6 +81,11 @@ def _metadata(writer: GGUFWriter, arch: str, config: dict) -> None:
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     if arch == "phi3":
         _phi3_metadata(writer, config, full)
+    if arch == "granite":
+        writer.add_float32("granite.embedding_scale", config["embedding_multiplier"])
+        writer.add_float32("granite.residual_scale", config["residual_multiplier"])
+        writer.add_float32("granite.attention.scale", config["attention_multiplier"])
+        writer.add_float32("granite.logit_scale", config["logits_scaling"])
     if arch.startswith("gemma"):
         writer.add_sliding_window(config["sliding_window"])
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -105,8 +116,8 @@ def _block_tensors(name: str, tensor: torch.Tensor, arch: str, config: dict) -> 
     """The GGUF name and data of one HF block tensor (experts are gathered by the caller)."""
     layer, rest = name.removeprefix("model.layers.").split(".", 1)
     module, kind = rest.rsplit(".", 1)
-    names = {**_NAMES, **(_GEMMA_NAMES if arch.startswith("gemma") else {})}
-    if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+    names = {**_NAMES, **(_GEMMA_NAMES if arch.startswith("gemma") else _OLMO2_NAMES if arch == "olmo2" else {})}
+    if arch in _LLAMA_LIKE and module in ("self_attn.q_proj", "self_attn.k_proj"):
         heads = config["num_attention_heads"] if module.endswith("q_proj") else config["num_key_value_heads"]
         tensor = _permute(tensor, heads)
     if arch.startswith("gemma") and module.endswith("norm"):
