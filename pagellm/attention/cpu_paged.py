@@ -177,8 +177,7 @@ class CPUPagedAttention(AttentionBackend):
     def forward(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale,
                 window=None, softcap=None, sinks=None):  # fmt: skip
         cdtype = attention_dtype(query.dtype, key_cache.dtype)
-        # Sinks (gpt-oss): not in the kernel yet; its layers run through SDPA's explicit path.
-        if query.device.type != "cpu" or (cdtype, key_cache.dtype) not in _KERNEL_PAIRS or sinks is not None:
+        if query.device.type != "cpu" or (cdtype, key_cache.dtype) not in _KERNEL_PAIRS:
             return self.sdpa.forward(query, key, value, key_cache, value_cache, metadata, scale, window, softcap, sinks)
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = key_cache.shape[-2]
@@ -203,8 +202,9 @@ class CPUPagedAttention(AttentionBackend):
         if rows.num_tokens:
             self.kernels.paged_attention(
                 q, out, key_cache, value_cache, rows.block_tables, rows.row_token, rows.row_req, rows.row_ctx, scale,
-                row_start=rows.start_for(window), softcap=softcap, rows_checked=True,
-            )
+                row_start=rows.start_for(window), softcap=softcap, sinks=None if sinks is None else sinks.float().contiguous(),
+                rows_checked=True,
+            )  # fmt: skip
         if split:  # the prefill requests through SDPA (their K/V are in the cache already)
-            self.sdpa.prefill_rows(q, key, value, key_cache, value_cache, metadata, out, scale, window, softcap)
+            self.sdpa.prefill_rows(q, key, value, key_cache, value_cache, metadata, out, scale, window, softcap, sinks)
         return out if out.dtype == query.dtype else out.to(query.dtype)

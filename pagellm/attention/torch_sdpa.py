@@ -437,10 +437,11 @@ class TorchSDPAAttention(AttentionBackend):
         return out
 
     def prefill_rows(self, q, key, value, key_cache, value_cache, metadata: AttentionMetadata, out, scale,
-                     window=None, softcap=None) -> None:  # fmt: skip
+                     window=None, softcap=None, sinks=None) -> None:  # fmt: skip
         """Only the step's prefill requests, written into their rows of ``out`` (their K/V already
         in the cache): what another backend hands over for the rows it does not compute."""
         num_kv_heads, head_dim = key_cache.shape[-2], q.shape[-1]
         group = q.shape[1] // num_kv_heads
         for p in self._get_plan(metadata, q.device, window).prefills:
-            self._prefill(q, key, value, key_cache, value_cache, p, out, num_kv_heads, group, head_dim, scale, softcap)
+            self._prefill(q, key, value, key_cache, value_cache, p, out, num_kv_heads, group, head_dim, scale, softcap,
+                          sinks)  # fmt: skip

@@ -35,7 +35,7 @@ from pagellm.utils import owned_by_me, private_dir
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 23
+ABI_VERSION = 24
 _SOURCES = ("attention.cpp", "elementwise.cpp", "gemm_bf16.cpp", "gemm_avx2.cpp", "gemm_int8.cpp", "decoder_stack.cpp",
             "shm_all_reduce.cpp", "memory_read.cpp", "gguf_rows.cpp", "pack_panels.cpp")
 _HEADERS = (
@@ -143,7 +143,8 @@ _P, _I64, _I32, _F32, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctyp
 _SIGNATURES: dict[str, tuple[type, list[type]]] = {
     "pagellm_abi_version": (_I32, []),
     "pagellm_paged_attention": (
-        _I32, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _F32, _I32, _I32],
+        _I32, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _F32, _P, _I32,
+               _I32],
     ),
     "pagellm_write_kv": (_I32, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I32, _I32]),
     "pagellm_add_rms_norm": (_I32, [_P, _P, _P, _P, _I64, _I64, _F32, _I32, _I32]),

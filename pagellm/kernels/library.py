@@ -155,13 +155,15 @@ class KernelLibrary:
         *,
         row_start: torch.Tensor | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
         rows_checked: bool = False,
     ) -> None:
         """For each row r: ``out[row_token[r]]`` = attention of ``query[row_token[r]]`` ([H, D])
         over positions ``row_start[r]`` (0 without it: a sliding window's first) to
         ``row_ctx[r] - 1`` of request ``row_req[r]``, read in place from the paged cache
         ([num_blocks, block_size, H_kv, row], pagellm/kv_layout.py) through ``block_tables[row_req[r]]``; scores capped
-        by ``softcap * tanh(score / softcap)`` with a ``softcap``.
+        by ``softcap * tanh(score / softcap)`` with a ``softcap``; with ``sinks`` (float32 [H]), each
+        head's sink logit joins its softmax, over no value (gpt-oss).
 
         Every index is range-checked (:func:`check_paged_attention_rows`) unless ``rows_checked``
         says the caller already did so for these exact index tensors (once per engine step).
@@ -177,6 +179,9 @@ class KernelLibrary:
             raise ValueError("out and query must have the same number of rows")
         if softcap is not None and not softcap > 0:
             raise ValueError(f"softcap must be positive, got {softcap}")
+        if sinks is not None and (sinks.dtype != torch.float32 or tuple(sinks.shape) != (num_heads,)
+                                  or not sinks.is_contiguous() or sinks.device.type != "cpu"):  # fmt: skip
+            raise ValueError(f"sinks must be a contiguous float32 CPU tensor of shape ({num_heads},)")
         if not rows_checked:
             check_paged_attention_rows(query.shape[0], key_cache, block_tables, row_token, row_req, row_ctx, row_start)
         rc = self._lib.pagellm_paged_attention(
@@ -184,7 +189,7 @@ class KernelLibrary:
             key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
             row_token.data_ptr(), row_req.data_ptr(), None if row_start is None else row_start.data_ptr(),
             row_ctx.data_ptr(), row_token.numel(), num_heads, num_kv_heads, head_dim, block_size, float(scale),
-            float(softcap or 0.0), code, torch.get_num_threads(),
+            float(softcap or 0.0), None if sinks is None else sinks.data_ptr(), code, torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"pagellm_paged_attention failed with code {rc}")

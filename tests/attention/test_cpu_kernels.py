@@ -111,6 +111,34 @@ def test_window_and_softcap_match_dense(num_heads, num_kv_heads, head_dim, dtype
     torch.testing.assert_close(out.double(), dense_expected(step, window, softcap), **tol)
 
 
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8], ids=["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 4, 128), (4, 2, 256), (6, 3, 48)],
+    ids=["d64", "d128", "d256", "odd48"],
+)
+def test_sinks_match_dense(num_heads, num_kv_heads, head_dim, dtype, window):
+    # gpt-oss's sinks on every path of the kernel (AMX tiles, AVX-512, AVX2, the generic one; in
+    # the portable builds too): a logit per head, some above every score, some far below.
+    step = make_step(WINDOW_REQS, 16, num_heads, num_kv_heads, head_dim=head_dim,
+                     dtype=torch.bfloat16 if dtype == FP8 else dtype, seed=head_dim + 1)  # fmt: skip
+    if dtype == FP8:
+        step = to_fp8_step(step)
+    sinks = torch.linspace(-20.0, 6.0, num_heads)
+    kc, vc = step.key_cache.clone(), step.value_cache.clone()
+    write_kv(step.key, step.value, kc, vc, step.metadata.slot_mapping)
+    rows = build_kernel_rows(step.metadata)
+    out = torch.empty_like(step.query)
+    KERNELS.paged_attention(step.query, out, kc, vc, rows.block_tables, rows.row_token, rows.row_req, rows.row_ctx,
+                            step.scale, row_start=rows.start_for(window), sinks=sinks)  # fmt: skip
+    tol = TOL[torch.float32 if dtype == torch.float32 else torch.bfloat16]
+    torch.testing.assert_close(out.double(), dense_expected(step, window, None, sinks), **tol)
+    check_step(step, cpu_paged_all_dtypes, window, None, sinks)
+    with pytest.raises(ValueError, match="sinks must be a contiguous float32"):
+        KERNELS.paged_attention(step.query, out, kc, vc, rows.block_tables, rows.row_token, rows.row_req,
+                                rows.row_ctx, step.scale, sinks=sinks[:-1])  # fmt: skip
+
+
 @pytest.mark.parametrize("head_dim,kernel_rows", [(64, 4 + 9 + 40 + 16 + 20), (256, 4), (48, 4)])
 def test_prefill_rows_of_head_dims_without_a_fast_path_go_to_sdpa(monkeypatch, head_dim, kernel_rows):
     # Decode rows stay on the kernel whatever the head dim; prefill rows only for 64 and 128.

@@ -14,7 +14,7 @@ void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_r
                      int64_t block_table_stride, const int32_t* row_token, const int32_t* row_req,
                      const int32_t* row_start, const int32_t* row_ctx, int64_t num_rows, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float softcap,
-                     int num_threads) {
+                     const float* sinks, int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
     // Rows attend from position 0 unless a sliding window gives each its first position.
     std::vector<int32_t> zeros;
@@ -65,11 +65,11 @@ void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_r
                     if (head_dim == 64)
                         attend_tile_amx<2>(query, q_row_stride, out, out_row_stride, key_cache, value_cache, table,
                                            row_token + r, row_start + r, row_ctx + r, n, kvh, group, num_kv_heads,
-                                           scale, softcap, scores);
+                                           scale, softcap, sinks, scores);
                     else
                         attend_tile_amx<4>(query, q_row_stride, out, out_row_stride, key_cache, value_cache, table,
                                            row_token + r, row_start + r, row_ctx + r, n, kvh, group, num_kv_heads,
-                                           scale, softcap, scores);
+                                           scale, softcap, sinks, scores);
                     continue;
                 }
             }
@@ -85,12 +85,12 @@ void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_r
             if constexpr (std::is_same_v<T, uint16_t>) {
                 if (head_dim == 64) {
                     attend_one_avx512<2, KV>(q_row, out_row, key_cache, value_cache, table, start, ctx, kvh, group,
-                                         num_kv_heads, block_size, scale, softcap, scores, work, amx, lone);
+                                         num_kv_heads, block_size, scale, softcap, sinks, scores, work, amx, lone);
                     continue;
                 }
                 if (head_dim == 128) {
                     attend_one_avx512<4, KV>(q_row, out_row, key_cache, value_cache, table, start, ctx, kvh, group,
-                                         num_kv_heads, block_size, scale, softcap, scores, work, amx, lone);
+                                         num_kv_heads, block_size, scale, softcap, sinks, scores, work, amx, lone);
                     continue;
                 }
             }
@@ -98,22 +98,22 @@ void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_r
 #ifdef PAGELLM_ATTENTION_AVX2
             if (head_dim == 64) {
                 attend_one_avx2<64, T, KV>(q_row, out_row, key_cache, value_cache, table, start, ctx, kvh, group,
-                                           num_kv_heads, block_size, scale, softcap, scores, work, lone);
+                                           num_kv_heads, block_size, scale, softcap, sinks, scores, work, lone);
                 continue;
             }
             if (head_dim == 128) {
                 attend_one_avx2<128, T, KV>(q_row, out_row, key_cache, value_cache, table, start, ctx, kvh, group,
-                                            num_kv_heads, block_size, scale, softcap, scores, work, lone);
+                                            num_kv_heads, block_size, scale, softcap, sinks, scores, work, lone);
                 continue;
             }
             if (head_dim == 256) {  // Gemma 2 and 3
                 attend_one_avx2<256, T, KV>(q_row, out_row, key_cache, value_cache, table, start, ctx, kvh, group,
-                                            num_kv_heads, block_size, scale, softcap, scores, work, lone);
+                                            num_kv_heads, block_size, scale, softcap, sinks, scores, work, lone);
                 continue;
             }
 #endif
             attend_one<T, KV>(q_row, out_row, key_cache, value_cache, table, start, ctx, kvh, group, num_kv_heads,
-                          head_dim, block_size, scale, softcap, scores, work);
+                          head_dim, block_size, scale, softcap, sinks, scores, work);
         }
 #ifdef PAGELLM_AMX
         if (amx) _tile_release();
@@ -128,7 +128,8 @@ extern "C" {
 // out[row_token[r], h, :] = attention of query[row_token[r], h, :] over positions
 // [row_start[r], row_ctx[r]) of request row_req[r] (block_tables row), for every row r and query
 // head h; row_start null: from 0. Scores are capped by softcap * tanh(score / softcap) where
-// softcap > 0 (0: no cap). dtype: 0 float32, 1 bfloat16, 2 bfloat16 query and out over an fp8
+// softcap > 0 (0: no cap); sinks (null: none): a logit per query head in its softmax, over no value
+// (gpt-oss). dtype: 0 float32, 1 bfloat16, 2 bfloat16 query and out over an fp8
 // (e4m3) cache, 3 bfloat16 and 4 float32 over an int8 cache (rows of head_dim codes and a scale).
 // Returns 0 on success, -1 on an unsupported argument.
 int pagellm_paged_attention(const void* query, int64_t q_row_stride, void* out, int64_t out_row_stride,
@@ -136,7 +137,7 @@ int pagellm_paged_attention(const void* query, int64_t q_row_stride, void* out, 
                             int64_t block_table_stride, const int32_t* row_token, const int32_t* row_req,
                             const int32_t* row_start, const int32_t* row_ctx, int64_t num_rows, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float softcap,
-                            int dtype, int num_threads) {
+                            const float* sinks, int dtype, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0) return -1;
     if (num_threads < 1) num_threads = 1;
     const auto run = [&](auto tag, auto cache_tag) {
@@ -145,7 +146,7 @@ int pagellm_paged_attention(const void* query, int64_t q_row_stride, void* out, 
         paged_attention<T, KV>(static_cast<const T*>(query), q_row_stride, static_cast<T*>(out), out_row_stride,
                                static_cast<const KV*>(key_cache), static_cast<const KV*>(value_cache), block_tables,
                                block_table_stride, row_token, row_req, row_start, row_ctx, num_rows, num_heads,
-                               num_kv_heads, head_dim, block_size, scale, softcap, num_threads);
+                               num_kv_heads, head_dim, block_size, scale, softcap, sinks, num_threads);
     };
     return with_cache_types(dtype, run) ? 0 : -1;
 }

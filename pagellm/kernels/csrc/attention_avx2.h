@@ -203,10 +203,11 @@ inline void value_group(const float* w, int64_t cs, const KV* const* rows, int64
 }
 
 // sg[0:cs] (cs = ctx rounded up to 8; the lanes past ctx hold copies of the last score) ->
-// exp(sg - max) over the first ctx, 0 past them; returns their sum. A NaN score is passed over
-// by the max and makes the sum, so the head's whole output, NaN (as attend_one, and torch).
+// exp(sg - max) over the first ctx, 0 past them; returns their sum (and a sink's exp(sink - max)
+// where it is not -inf). A NaN score is passed over by the max and makes the sum, so the head's
+// whole output, NaN (as attend_one, and torch).
 template <bool kPrecise>
-inline float exp_scores(float* sg, int64_t ctx, int64_t cs) {
+inline float exp_scores(float* sg, int64_t ctx, int64_t cs, float sink = -INFINITY) {
     __m256 vm = _mm256_set1_ps(-INFINITY);
     for (int64_t p = 0; p < cs; p += 8) vm = _mm256_max_ps(_mm256_loadu_ps(sg + p), vm);
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
@@ -225,7 +226,7 @@ inline float exp_scores(float* sg, int64_t ctx, int64_t cs) {
     }
     __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(vsum), _mm256_extractf128_ps(vsum, 1));
     s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
+    return _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4))) + sink_term(sink, _mm_cvtss_f32(m4));
 }
 
 // The rows the score and value loops read for a tile of n positions (ContextTiles::next's
@@ -281,7 +282,7 @@ inline void scale_tile(const KV* const* rows, int64_t n, float* s, int64_t G, in
 template <int D, typename T, typename KV>
 void attend_one_avx2(const T* q_row, T* out_row, const KV* key_cache, const KV* value_cache,
                      const int64_t* block_table, int64_t start, int64_t ctx, int64_t kvh, int64_t G,
-                     int64_t num_kv_heads, int64_t block_size, float scale, float softcap,
+                     int64_t num_kv_heads, int64_t block_size, float scale, float softcap, const float* sinks,
                      std::vector<float>& scores, std::vector<float>& work, bool lone) {
     static_assert(D % 64 == 0, "head_dim a multiple of 64");
     const int64_t len = ctx - start;  // positions attended (a sliding window's, or all)
@@ -332,7 +333,7 @@ void attend_one_avx2(const T* q_row, T* out_row, const KV* key_cache, const KV* 
 
     for (int64_t g = 0; g < G; ++g) {
         cap_scores(s + g * cs, cs, softcap);  // the lanes past len are copies, dropped by exp_scores
-        inv[g] = 1.f / exp_scores<std::is_same_v<T, float>>(s + g * cs, len, cs);
+        inv[g] = 1.f / exp_scores<std::is_same_v<T, float>>(s + g * cs, len, cs, sink_of(sinks, kvh * G + g));
     }
 
     std::memset(acc, 0, sizeof(float) * static_cast<size_t>(G * D));

@@ -24,8 +24,8 @@ inline __m512 exp_nonpositive_x16(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
-// In place: sg[0:n] = softmax(sg[0:n]).
-inline void softmax_avx512(float* sg, int64_t n) {
+// In place: sg[0:n] = softmax(sg[0:n]), with a sink's logit in the sum where it is not -inf.
+inline void softmax_avx512(float* sg, int64_t n, float sink = -INFINITY) {
     __m512 vm = _mm512_set1_ps(-INFINITY);
     __mmask16 nan = 0;
     int64_t p = 0;
@@ -54,7 +54,7 @@ inline void softmax_avx512(float* sg, int64_t n) {
         _mm512_mask_storeu_ps(sg + p, mask, e);
         vsum = _mm512_add_ps(vsum, e);
     }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+    const __m512 inv = _mm512_set1_ps(1.f / (_mm512_reduce_add_ps(vsum) + sink_term(sink, m)));
     for (p = 0; p + 16 <= n; p += 16) _mm512_storeu_ps(sg + p, _mm512_mul_ps(_mm512_loadu_ps(sg + p), inv));
     for (; p < n; ++p) sg[p] *= _mm512_cvtss_f32(inv);
 }
@@ -353,7 +353,7 @@ void attend_tile_amx(const uint16_t* query, int64_t q_row_stride, uint16_t* out,
                      const uint16_t* key_cache, const uint16_t* value_cache, const int64_t* block_table,
                      const int32_t* row_token, const int32_t* row_start, const int32_t* row_ctx, int64_t n,
                      int64_t kvh, int64_t G, int64_t num_kv_heads, float scale, float softcap,
-                     std::vector<float>& scores) {
+                     const float* sinks, std::vector<float>& scores) {
     constexpr int64_t D = 32 * C;
     const int64_t row_stride = num_kv_heads * D;
     int64_t ctx_max = 0, lo = INT64_MAX;
@@ -382,7 +382,7 @@ void attend_tile_amx(const uint16_t* query, int64_t q_row_stride, uint16_t* out,
             float* sj = s + j * width;
             const int64_t a = row_start[j] - lo, b = row_ctx[j] - lo;
             cap_scores(sj + a, b - a, softcap);
-            softmax_avx512(sj + a, b - a);
+            softmax_avx512(sj + a, b - a, sink_of(sinks, kvh * G + g));
             std::fill(sj, sj + a, 0.0f);
             std::fill(sj + b, sj + width, 0.0f);
         }
@@ -408,7 +408,8 @@ template <int C, typename KV = uint16_t>
 void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const KV* key_cache,
                        const KV* value_cache, const int64_t* block_table, int64_t start, int64_t ctx,
                        int64_t kvh, int64_t group, int64_t num_kv_heads, int64_t block_size, float scale,
-                       float softcap, std::vector<float>& scores, std::vector<float>& work, bool amx, bool lone) {
+                       float softcap, const float* sinks, std::vector<float>& scores, std::vector<float>& work, bool amx,
+                       bool lone) {
     constexpr int64_t D = 32 * C;
     const int64_t G = group;
     const int64_t len = ctx - start;  // positions attended (a sliding window's, or all)
@@ -469,7 +470,7 @@ void attend_one_avx512(const uint16_t* q_row, uint16_t* out_row, const KV* key_c
 
     for (int64_t g = 0; g < G; ++g) {
         cap_scores(s + g * len, len, softcap);
-        softmax_avx512(s + g * len, len);
+        softmax_avx512(s + g * len, len, sink_of(sinks, kvh * G + g));
     }
 
     // Value sums, a few query heads at a time so the accumulators stay in registers.

@@ -78,6 +78,12 @@ inline void cap_scores(float* s, int64_t n, float cap) {
     for (; p < n; ++p) s[p] = std::tanh(s[p] / cap) * cap;
 }
 
+// A head's sink logit (gpt-oss: one more logit in its softmax, over no value); -inf: none.
+inline float sink_of(const float* sinks, int64_t head) { return sinks != nullptr ? sinks[head] : -INFINITY; }
+
+// What a sink adds to a softmax's sum of exp(score - m): exp(sink - m), 0 for none.
+inline float sink_term(float sink, float m) { return sink == -INFINITY ? 0.f : std::exp(sink - m); }
+
 // One (query row, KV head) pair: the G query heads sharing KV head `kvh` attend over positions
 // [start, ctx) of the request's context (start > 0 under a sliding window), read in place
 // through its block table, scores capped by `softcap` where it is > 0.
@@ -89,7 +95,7 @@ template <typename T, typename KV = T>
 void attend_one(const T* q_row, T* out_row, const KV* key_cache, const KV* value_cache,
                 const int64_t* block_table, int64_t start, int64_t ctx, int64_t kvh, int64_t group,
                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float softcap,
-                std::vector<float>& scores, std::vector<float>& work) {
+                const float* sinks, std::vector<float>& scores, std::vector<float>& work) {
     const int64_t D = head_dim;
     const int64_t len = ctx - start;
     const int64_t G = group;
@@ -140,7 +146,7 @@ void attend_one(const T* q_row, T* out_row, const KV* key_cache, const KV* value
             sg[p] = e;
             sum += e;
         }
-        inv[g] = 1.f / sum;
+        inv[g] = 1.f / (sum + sink_term(sink_of(sinks, kvh * G + g), m));
     }
 
     std::memset(acc, 0, sizeof(float) * static_cast<size_t>(G * D));

@@ -195,7 +195,7 @@ int layer(const PagellmStack& s, const PagellmLayer& L, bool first, int32_t* win
         rc = pagellm_paged_attention(s.qkv, W, s.attn, q, L.key_cache, L.value_cache, s.block_tables,
                                      s.block_table_stride, s.row_token, s.row_req, row_starts(s, L.window, window),
                                      s.row_ctx, s.num_rows, s.num_heads, s.num_kv_heads, dh, s.block_size, L.scale,
-                                     L.softcap, s.cache_code, th);
+                                     L.softcap, nullptr, s.cache_code, th);
     if (rc == 0) rc = linear(L.o, s.attn, T, q, s.x, H, dt, th);
     if (rc == 0 && s.tp_size > 1) rc = all_reduce(s);
     if (rc == 0) rc = pagellm_add_rms_norm(s.x, s.residual, L.post_norm, s.h, T, H, s.eps, dt, th);

@@ -31,7 +31,7 @@ int pagellm_paged_attention(const void* query, int64_t q_row_stride, void* out, 
                             int64_t block_table_stride, const int32_t* row_token, const int32_t* row_req,
                             const int32_t* row_start, const int32_t* row_ctx, int64_t num_rows, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float softcap,
-                            int dtype, int num_threads);
+                            const float* sinks, int dtype, int num_threads);
 int pagellm_shm_all_reduce(void* region, int rank, int size, float* data, int64_t n, int64_t slot_elems, uint64_t seq,
                            double timeout_s);
 
