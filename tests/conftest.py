@@ -400,3 +400,31 @@ def _randomize_expert_biases(folder: Path) -> None:
     for name in [n for n in tensors if n.endswith("_proj_bias")]:
         tensors[name] = torch.randn(tensors[name].shape, generator=generator) * 0.2
     save_file(tensors, str(shard), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="session")
+def tiny_olmo3_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny OLMo 3: OLMo 2's norms, three windowed layers (window 8) then a global one, each type
+    with its own rope (the global layers' YaRN-scaled)."""
+    from transformers import Olmo3Config
+
+    config = Olmo3Config(
+        **{**TINY_SHAPE, "num_hidden_layers": 4}, **token_ids(default_tokenizer), sliding_window=8,
+        tie_word_embeddings=False, initializer_range=0.1,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0,
+                                            "original_max_position_embeddings": 128}},
+    )  # fmt: skip
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_olmo3"), config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny Qwen2-MoE: top-4 of 8 experts (not renormalised), a shared expert gated by a sigmoid,
+    q/k/v bias, the second of two layers sparse."""
+    from transformers import Qwen2MoeConfig
+
+    config = Qwen2MoeConfig(**TINY_SHAPE, **token_ids(default_tokenizer), moe_intermediate_size=32, num_experts=8,
+                            num_experts_per_tok=4, shared_expert_intermediate_size=48, decoder_sparse_step=2,
+                            tie_word_embeddings=False, initializer_range=0.1)  # fmt: skip
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_qwen2_moe"), config, default_tokenizer)

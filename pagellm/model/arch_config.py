@@ -22,11 +22,13 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
@@ -48,10 +50,12 @@ _GLOBAL_LAYER_EVERY = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
 SLIDING, FULL = "sliding_attention", "full_attention"
 # Mixture-of-experts families; Mixtral scales each expert's output by its float32 routing
 # weight, Qwen3-MoE by the weight cast to the model dtype first (as the reference does).
-_MOE = {"Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM", "GptOssForCausalLM"}
+_MOE = {"Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM", "GptOssForCausalLM", "Qwen2MoeForCausalLM"}
 # OLMo 2: no norm before a block, one after each block's output (before its residual add), and q
 # and k RMS-normed over their whole projection (before the heads are split).
-_OLMO2 = {"Olmo2ForCausalLM"}
+_OLMO2 = {"Olmo2ForCausalLM", "Olmo3ForCausalLM"}  # (OLMo 3: with windowed layers, per-type rope bases)
+# Architectures whose windowed layers turn by their own rope base (``rope_parameters`` per type).
+_LOCAL_ROPE = {"Gemma3ForCausalLM", "Olmo3ForCausalLM"}
 # SmolLM3: layers without a rotary embedding (NoPE), listed per layer in ``no_rope_layers``.
 _NOPE = {"SmolLM3ForCausalLM"}
 _MOE_COMBINE_IN_FLOAT32 = {"MixtralForCausalLM", "Glm4MoeForCausalLM"}
@@ -104,7 +108,8 @@ class ModelArchConfig:
     moe_router_bias: bool = False  # gpt-oss: the router linear has a bias
     moe_groups: tuple[int, int] = (1, 1)  # (n_group, topk_group): experts chosen from the best groups only
     routed_scaling_factor: float = 1.0  # the chosen experts' weights scaled by this
-    num_shared_experts: int = 0  # an MLP of num_shared_experts * moe_intermediate_size beside the routed ones
+    shared_expert_size: int = 0  # the width of an MLP every token runs beside the routed experts (0: none)
+    shared_expert_gate: bool = False  # Qwen2-MoE: the shared MLP's output scaled by sigmoid(a linear of the input)
     # Per-layer attention (Gemma): "sliding_attention" / "full_attention" for each layer; empty
     # where every layer attends alike (with `sliding_window`, if any, on all of them).
     layer_types: tuple[str, ...] = ()
@@ -198,8 +203,8 @@ class ModelArchConfig:
         """Weights of every linear layer (the decoder's and the LM head), biases aside."""
         hidden, inter = self.hidden_size, self.intermediate_size
         attention = hidden * (self.q_size + 2 * self.kv_size) + self.q_size * hidden
-        experts = self.num_experts + self.num_shared_experts
-        moe = len(self.moe_layers) * (experts * 3 * hidden * self.moe_intermediate_size + self.num_experts * hidden)
+        routed = self.num_experts * 3 * hidden * self.moe_intermediate_size + self.num_experts * hidden
+        moe = len(self.moe_layers) * (routed + 3 * hidden * self.shared_expert_size)
         dense = (self.num_hidden_layers - len(self.moe_layers)) * 3 * hidden * inter
         return self.num_hidden_layers * attention + moe + dense + self.vocab_size * hidden
 
@@ -219,7 +224,8 @@ class ModelArchConfig:
         hidden_size = int(config["hidden_size"])
         num_heads = int(config["num_attention_heads"])
         rope_theta, rope_scaling = _rope_from_hf(config)
-        attention_bias = bool(config.get("attention_bias", False)) or architecture in _ALWAYS_QKV_BIAS
+        attention_bias = (bool(config.get("attention_bias", False)) or architecture in _ALWAYS_QKV_BIAS
+                          or (architecture == "Qwen2MoeForCausalLM" and bool(config.get("qkv_bias", True))))  # fmt: skip
         return cls(
             architecture=architecture,
             vocab_size=int(config["vocab_size"]),
@@ -250,6 +256,7 @@ class ModelArchConfig:
             **_olmo2_fields(architecture),
             **_granite_fields(architecture, config),
             **_gpt_oss_fields(architecture, config),
+            **({"local_rope_theta": _local_rope_theta(architecture, config)} if architecture in _LOCAL_ROPE - _GEMMA else {}),
             **_gemma_fields(architecture, config, hidden_size),
             **({} if architecture in _GEMMA else {"layer_types": _layer_types(config)}),
         )
@@ -379,7 +386,9 @@ def _moe_fields(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
     if architecture in _SIGMOID_ROUTING:
         fields.update(moe_scoring="sigmoid", routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
                       moe_groups=(int(config.get("n_group") or 1), int(config.get("topk_group") or 1)),
-                      num_shared_experts=int(config.get("n_shared_experts") or 0))  # fmt: skip
+                      shared_expert_size=int(config.get("n_shared_experts") or 0) * int(width))  # fmt: skip
+    if architecture == "Qwen2MoeForCausalLM":
+        fields.update(shared_expert_size=int(config.get("shared_expert_intermediate_size") or 0), shared_expert_gate=True)
     return fields
 
 
@@ -416,11 +425,14 @@ def _layer_types(config: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _local_rope_theta(architecture: str, config: dict[str, Any]) -> float | None:
-    """Gemma 3's rope base for windowed layers: ``rope_parameters["sliding_attention"]`` or the
-    older ``rope_local_base_freq`` (10000 by default)."""
-    if architecture != "Gemma3ForCausalLM":
+    """The windowed layers' rope base: ``rope_parameters["sliding_attention"]``; Gemma 3's older
+    ``rope_local_base_freq`` (10000 by default); None where the config has none of its own (OLMo 3
+    then turns every layer alike)."""
+    if architecture not in _LOCAL_ROPE:
         return None
     local = (config.get("rope_parameters") or {}).get(SLIDING) or {}
+    if not local and architecture != "Gemma3ForCausalLM":
+        return None
     if local.get("rope_type", "default") != "default":
         raise NotImplementedError(f"rope scaling of the sliding-window layers ({local['rope_type']!r}) is not supported")
     return float(local.get("rope_theta") or config.get("rope_local_base_freq") or 10000.0)

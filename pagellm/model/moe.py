@@ -1,6 +1,7 @@
 """Mixture-of-experts feed-forward (Qwen3-MoE, Mixtral, GLM-4.5): a router picks each token's
 top-k experts, each expert is an ordinary SwiGLU MLP; GLM-4.5 adds shared experts (one MLP every
-token runs) and routes as DeepSeek-V3 does (sigmoid scores, a correction bias, expert groups).
+token runs) and routes as DeepSeek-V3 does (sigmoid scores, a correction bias, expert groups);
+Qwen2-MoE gates its shared expert by a sigmoid per token.
 
 The experts run as one GEMM each over the rows routed to them: the (token, expert) pairs are
 sorted by expert, so expert ``e`` multiplies one contiguous slice of gathered rows, and the
@@ -60,10 +61,10 @@ class SparseMoeBlock(nn.Module):
         self.gate = Router(arch.hidden_size, arch.num_experts, self.scoring == "sigmoid", arch.moe_router_bias)
         expert_arch = dataclasses.replace(arch, intermediate_size=arch.moe_intermediate_size)
         self.experts = nn.ModuleList(LlamaMLP(expert_arch, plan) for _ in range(arch.num_experts))
-        shared = arch.num_shared_experts * arch.moe_intermediate_size
-        self.shared_experts = (
-            LlamaMLP(dataclasses.replace(arch, intermediate_size=shared), plan) if arch.num_shared_experts else None
-        )
+        shared = arch.shared_expert_size
+        self.shared_experts = LlamaMLP(dataclasses.replace(arch, intermediate_size=shared), plan) if shared else None
+        # Qwen2-MoE: the shared MLP's output times sigmoid(a linear of the input), one number a token.
+        self.shared_expert_gate = Router(arch.hidden_size, 1) if arch.shared_expert_gate else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k], expert ids [T, k])`` for each token, as the reference computes them."""
@@ -114,7 +115,10 @@ class SparseMoeBlock(nn.Module):
         weighted = (outputs * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
         out = torch.zeros_like(x).index_add_(0, rows, weighted)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return out if self.tp is None else self.tp.all_reduce_(out)
 
     def fuse_for_cpu(self, plan: KernelPlan, verify: bool = True) -> bool:

@@ -27,6 +27,8 @@ _RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
         (re.compile(r"\.experts\.(\d+)\.w3\."), r".experts.\1.up_proj."),
         (re.compile(r"\.experts\.(\d+)\.w2\."), r".experts.\1.down_proj."),
     ),
+    # Qwen2-MoE: one shared expert, `shared_expert` (GLM-4.5's `shared_experts`).
+    "Qwen2MoeForCausalLM": ((re.compile(r"\.mlp\.shared_expert\."), ".mlp.shared_experts."),),
     # gpt-oss: the router is `router` (with a bias).
     "GptOssForCausalLM": ((re.compile(r"\.mlp\.router\."), ".mlp.gate."),),
     # Gemma 3 4B and up (Gemma3ForConditionalGeneration): the text model under `language_model`.
@@ -84,7 +86,9 @@ def mlp_weight_names(arch: ModelArchConfig, layer: int) -> set[str]:
         experts = {f"{prefix}experts.{e}.{p}.{k}" for e in range(arch.num_experts) for p in parts for k in kinds}
         if arch.moe_router_bias:
             experts.add(prefix + "gate.bias")
-        shared = {f"{prefix}shared_experts.{p}.weight" for p in parts} if arch.num_shared_experts else set()
+        shared = {f"{prefix}shared_experts.{p}.weight" for p in parts} if arch.shared_expert_size else set()
+        if arch.shared_expert_gate:
+            shared.add(prefix + "shared_expert_gate.weight")
         bias = {prefix + "gate.e_score_correction_bias"} if arch.moe_scoring == "sigmoid" else set()
         return experts | shared | bias | {prefix + "gate.weight"}
     kinds = ("weight", "bias") if arch.mlp_bias else ("weight",)
