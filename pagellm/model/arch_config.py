@@ -180,7 +180,8 @@ class ModelArchConfig:
         attention heads, KV heads and MLP width (``pagellm.distributed.tensor_parallel``)."""
         if size == 1:
             return self
-        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size"):
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
+                     "shared_expert_size"):
             if getattr(self, name) % size:
                 raise ValueError(f"tensor_parallel_size={size} must divide the model's {name} ({getattr(self, name)})")
         if self.o_proj_bias or self.mlp_bias:
@@ -191,7 +192,7 @@ class ModelArchConfig:
         return dataclasses.replace(
             self, num_attention_heads=self.num_attention_heads // size,
             num_key_value_heads=self.num_key_value_heads // size, intermediate_size=self.intermediate_size // size,
-            moe_intermediate_size=self.moe_intermediate_size // size,
+            moe_intermediate_size=self.moe_intermediate_size // size, shared_expert_size=self.shared_expert_size // size,
         )  # fmt: skip
 
     @property
