@@ -165,3 +165,19 @@ def test_default_gguf_model_embeds() -> None:
     vectors = _embed(llm, ["The capital of France is Paris.", "Paris is the capital of France.", "Bananas are yellow."])
     assert [v.shape[0] for v in vectors] == [576] * 3
     assert all(v.norm().item() == pytest.approx(1.0, abs=1e-4) for v in vectors)
+
+
+def test_a_gguf_file_says_how_it_pools(tmp_path: Path) -> None:
+    """llama.cpp's converter writes an embedding model's pooling as ``{arch}.pooling_type``."""
+    from gguf import GGUFWriter
+
+    for code, kind in ((1, "MEAN"), (2, "CLS"), (3, "LAST"), (None, None)):
+        path = tmp_path / f"p{code}.gguf"
+        writer = GGUFWriter(str(path), "qwen3")
+        if code is not None:
+            writer.add_uint32("qwen3.pooling_type", code)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        assert model_pooler_config(str(path)).pooling_type == kind
