@@ -271,26 +271,37 @@ def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
     return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
 
 
+# The most bytes of float32 scores one explicit prefill step holds (a chunk of its query rows).
+_EXPLICIT_SCORES_BYTES = 64 << 20
+
+
 def _explicit_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: _PrefillPlan, scale: float, softcap: float | None,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """One prefill request's attention with capped scores or sinks, which SDPA lacks: q [1, H,
     Q, D], k, v [1, H_kv, S, D] (HF's eager arithmetic: scores in the compute dtype, softmax in
-    float32)."""
+    float32). Query rows go a chunk at a time, so the float32 scores [H, rows, S] stay within
+    ``_EXPLICIT_SCORES_BYTES`` whatever the context."""
     if k.shape[1] != q.shape[1]:  # grouped-query heads
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
-    if softcap is not None:
-        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
-    if p.mask is not None:
-        scores.masked_fill_(~p.mask, float("-inf"))
-    else:  # no context: causal over the new tokens
-        causal = torch.ones(p.query_len, p.seq_len, dtype=torch.bool, device=q.device).tril(p.seq_len - p.query_len)
-        scores.masked_fill_(~causal, float("-inf"))
     heads = None if sinks is None else sinks.view(1, -1, 1, 1)
-    return torch.matmul(_softmax(scores, heads).to(v.dtype), v)
+    rows = max(1, _EXPLICIT_SCORES_BYTES // (4 * q.shape[1] * p.seq_len))
+    outs = []
+    for first in range(0, p.query_len, rows):
+        last = min(first + rows, p.query_len)
+        scores = torch.matmul(q[:, :, first:last], k.transpose(-1, -2)).float().mul_(scale)
+        if softcap is not None:
+            scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+        if p.mask is not None:
+            scores.masked_fill_(~p.mask[first:last], float("-inf"))
+        else:  # no context: causal over the new tokens (query row i sees positions up to S - Q + i)
+            positions = torch.arange(p.seq_len, device=q.device)
+            limit = torch.arange(first, last, device=q.device) + (p.seq_len - p.query_len)
+            scores.masked_fill_(positions[None, :] > limit[:, None], float("-inf"))
+        outs.append(torch.matmul(_softmax(scores, heads).to(v.dtype), v))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 class TorchSDPAAttention(AttentionBackend):

@@ -127,7 +127,7 @@ class LLMEngine:
         self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams, stream: bool = False
     ) -> None:
         """Tokenize, validate and queue a prompt; raises ValueError on bad input (nothing is queued then)."""
-        processed = self.input_processor.process_prompt(prompt)
+        processed = self.input_processor.process_prompt(prompt, generates=not isinstance(params, PoolingParams))
         request = EngineRequest(request_id, processed.prompt_token_ids, params, processed.prompt,
                                 processed.cache_salt, stream)  # fmt: skip
         self.add_engine_request(request)

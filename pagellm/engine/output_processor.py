@@ -144,8 +144,11 @@ class OutputProcessor:
         for seq in finished:
             if seq.pooling is not None:
                 state = self._state_of(seq.seq_id)
-                if state is None or seq.pooled is None:
-                    continue  # (failed: the engine finishes it with an error)
+                if state is None:
+                    continue
+                if seq.pooled is None:  # the engine finishes it with an error
+                    failed.setdefault(seq.seq_id, "the worker returned no pooled vector")
+                    continue
                 state.embedding = seq.pooled
                 state.num_cached_tokens = max(seq.num_cached_tokens, 0)
             self.finish_sequence(seq.seq_id, seq.finish_reason, seq.stop_reason, touched)

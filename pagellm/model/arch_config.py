@@ -427,13 +427,13 @@ def _layer_types(config: dict[str, Any]) -> tuple[str, ...]:
 
 def _local_rope_theta(architecture: str, config: dict[str, Any]) -> float | None:
     """The windowed layers' rope base: ``rope_parameters["sliding_attention"]``; Gemma 3's older
-    ``rope_local_base_freq`` (10000 by default); None where the config has none of its own (OLMo 3
-    then turns every layer alike)."""
+    ``rope_local_base_freq`` (10000 by default); OLMo 3's older configs (one ``rope_theta``, maybe
+    ``rope_scaling``): that base, unscaled (the scaling is the global layers' only)."""
     if architecture not in _LOCAL_ROPE:
         return None
     local = (config.get("rope_parameters") or {}).get(SLIDING) or {}
     if not local and architecture != "Gemma3ForCausalLM":
-        return None
+        return _rope_from_hf(config)[0]
     if local.get("rope_type", "default") != "default":
         raise NotImplementedError(f"rope scaling of the sliding-window layers ({local['rope_type']!r}) is not supported")
     return float(local.get("rope_theta") or config.get("rope_local_base_freq") or 10000.0)

@@ -25,6 +25,8 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} ({blocks.dtype}) and scales {tuple(scales.shape)} "
                          f"({scales.dtype}) do not pair: uint8 [..., G, 16] and uint8 [..., G]")  # fmt: skip
+    if blocks.dim() > 3:  # one expert (leading index) at a time: the index tensors stay small
+        return torch.stack([dequantize_mxfp4(b, s) for b, s in zip(blocks, scales)])
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
     values = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1).flatten(-2)
     values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)

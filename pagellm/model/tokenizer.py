@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -103,6 +104,9 @@ def _store_cached(tokenizer: PreTrainedTokenizerBase, folder: Path | None) -> No
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+_GGUF_ARCHITECTURES_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _gguf_architecture_known(path: str) -> Iterator[None]:
     """transformers reads a GGUF file's tokenizer only for the architectures whose weights it
@@ -114,14 +118,15 @@ def _gguf_architecture_known(path: str) -> Iterator[None]:
 
     known = gguf_utils.GGUF_SUPPORTED_ARCHITECTURES
     architecture = str(read_metadata(open_gguf(path), "general.architecture", ""))
-    added = bool(architecture) and architecture not in known
-    if added:
-        known.append(architecture)
-    try:
-        yield
-    finally:
+    with _GGUF_ARCHITECTURES_LOCK:  # (one reader at a time changes transformers' list)
+        added = bool(architecture) and architecture not in known
         if added:
-            known.remove(architecture)
+            known.append(architecture)
+        try:
+            yield
+        finally:
+            if added:
+                known.remove(architecture)
 
 
 def _gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:

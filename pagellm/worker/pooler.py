@@ -65,7 +65,14 @@ class Pooler:
                     failed[chunk.seq_id] = f"{pooling.pooling_type} pooling lacks the prompt's first positions"
                 else:
                     finished.append((chunk.seq_id, pooling, vector))
-        return {seq_id: _finish(vector, pooling).tolist() for seq_id, pooling, vector in finished}
+        vectors = {}
+        for seq_id, pooling, vector in finished:
+            vector = _finish(vector, pooling)
+            if not bool(torch.isfinite(vector).all()):
+                failed[seq_id] = "the pooled vector is not finite (the model's hidden states overflowed)"
+                continue
+            vectors[seq_id] = vector.tolist()
+        return vectors
 
     def _take(self, chunk: PoolChunk, pooling: Pooling, hidden: torch.Tensor) -> torch.Tensor | None:
         """Add a chunk to its sequence's partial result; the whole result on its last chunk."""

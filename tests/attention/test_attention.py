@@ -189,3 +189,18 @@ def test_non_contiguous_qkv_from_fused_projection(backend_cls):
     step.query, step.key, step.value = q.view(t, h, d), k.view(t, h_kv, d), v.view(t, h_kv, d)
     assert not step.query.is_contiguous()
     check_step(step, backend_cls)
+
+
+def test_explicit_prefill_goes_in_chunks_of_query_rows(monkeypatch) -> None:
+    """Capped scores or sinks take the explicit path: its query rows go a chunk at a time (a
+    bound of a few rows here), with the same result as all at once."""
+    import pagellm.attention.torch_sdpa as sdpa
+
+    reqs = random_reqs("prefill", n=5, seed=3) + [(20, 9)]  # with and without cached context
+    step = make_step(reqs, 4, 8, 2, dtype=torch.float32, seed=9)
+    sinks = torch.linspace(-3.0, 3.0, 8)
+    whole, _, _ = run_backend(TorchSDPAAttention(), step, 7, 0.5, sinks)
+    monkeypatch.setattr(sdpa, "_EXPLICIT_SCORES_BYTES", 4 * 8 * 60 * 3)  # about 3 rows of 60 positions
+    chunked, _, _ = run_backend(TorchSDPAAttention(), step, 7, 0.5, sinks)
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
+    check_step(step, TorchSDPAAttention, 7, 0.5, sinks)

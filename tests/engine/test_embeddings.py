@@ -181,3 +181,19 @@ def test_a_gguf_file_says_how_it_pools(tmp_path: Path) -> None:
         writer.write_tensors_to_file()
         writer.close()
         assert model_pooler_config(str(path)).pooling_type == kind
+
+
+def test_a_vector_that_is_not_finite_fails_its_request_alone() -> None:
+    """An overflow in the hidden states: that request fails (named), the others get their vectors."""
+    from pagellm.pooling_params import Pooling
+    from pagellm.step import NewSequence, SchedulerOutput
+    from pagellm.worker.pooler import PoolChunk, Pooler
+
+    pooler = Pooler()
+    pooler.apply(SchedulerOutput([], new_sequences=[
+        NewSequence(s, [1, 2], 2, SamplingParams(max_tokens=1), Pooling("MEAN", True)) for s in ("a", "b")]))  # fmt: skip
+    hidden = torch.tensor([[1.0, 2.0], [3.0, 4.0], [float("inf"), 0.0], [1.0, 1.0]])
+    failed: dict[str, str] = {}
+    vectors = pooler.pool(hidden, [PoolChunk("a", 0, 0, 2, True), PoolChunk("b", 0, 2, 4, True)], failed)
+    assert set(vectors) == {"a"} and "not finite" in failed["b"]
+    torch.testing.assert_close(torch.tensor(vectors["a"]), F.normalize(torch.tensor([2.0, 3.0]), dim=-1))

@@ -63,10 +63,10 @@ def test_vllm_options(client: openai.OpenAI, http: httpx.Client) -> None:
         ({"input": ["x"] * 5000}, "input", "more than the server's limit"),
         ({"input": "hi", "dimensions": 8}, "dimensions", "matryoshka"),
         ({"input": "hi", "dimensions": 0}, "dimensions", "positive integer"),
-        ({"input": "hi", "encoding_format": "int8"}, "encoding_format", ""),
-        ({"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ""),
+        ({"input": "hi", "encoding_format": "int8"}, "encoding_format", "'float' or 'base64'"),
+        ({"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "greater than or equal to 1"),
         ({"input": "hi", "model": "other"}, "model", "does not exist"),
-        ({"input": {"text": "hi"}}, "input", ""),
+        ({"input": {"text": "hi"}}, "input", "input"),
     ],
 )
 def test_refusals_are_openai_errors(http: httpx.Client, body: dict, param: str, words: str) -> None:

@@ -4,6 +4,7 @@ random model has no harmony of its own)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -21,6 +22,8 @@ CASES = [
     ("<|channel|>final<|message|>Hello <there> <| x", None, "Hello <there> <| x"),  # cut off, a stray "<|"
     (THINK + "<|start|>assistant<|channel|>final<|message|>cut", "The user wants the weather.", "cut"),
     ("<|channel|>analysis<|message|>still thinking", "still thinking", ""),
+    ('{"city": "Paris"}', None, '{"city": "Paris"}'),  # a constraint forced the answer: no channels
+    ("<tool_call>\n{}\n</tool_call>", None, "<tool_call>\n{}\n</tool_call>"),
 ]
 
 
@@ -71,3 +74,16 @@ def test_chat_and_responses_split_the_channels(gptoss_server: RemoteServer) -> N
         response = client.responses.create(model=MODEL_NAME, input="Why?", max_output_tokens=60, extra_body=body)
         assert [item.type for item in response.output] == ["reasoning", "message"]
         assert response.output_text == answer["content"]
+        # A JSON schema constrains the whole answer (no channels then): it is the content.
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+        constrained = client.chat.completions.create(model=MODEL_NAME, messages=ask, max_tokens=30, temperature=0,
+                                                     response_format={"type": "json_schema", "json_schema": {
+                                                         "name": "a", "schema": schema}})  # fmt: skip
+        assert isinstance(json.loads(constrained.choices[0].message.content)["a"], int)
+
+
+def test_harmony_needs_the_hermes_tool_parser() -> None:
+    from pagellm.entrypoints.openai.api_server import ServerSettings
+
+    with pytest.raises(ValueError, match="use --tool-call-parser hermes"):
+        ServerSettings(served_model_names=["m"], reasoning_parser="openai_gptoss", tool_call_parser="llama3_json")

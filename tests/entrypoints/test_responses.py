@@ -145,6 +145,8 @@ def test_text_format_constrains_the_answer(client: openai.OpenAI) -> None:
     ({"input": ASK, "tools": [{"type": "namespace", "name": "n", "tools": [{"type": "web_search"}]}]}, 400,
      "namespace holds function tools"),
     ({"input": ASK, "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, 400, "tool_choice"),
+    ({"input": ASK, "tools": [{"type": "namespace", "name": f"n{i}", "tools": [{"type": "function", "name": "f"}]}
+                              for i in range(2)]}, 400, "more than once"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, 400,
      "text only"),
     ({"input": [{"type": "function_call_output", "call_id": "call_nope", "output": "1"}]}, 400, "no earlier"),

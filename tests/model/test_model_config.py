@@ -180,3 +180,19 @@ def test_smollm3_nope_layers() -> None:
     assert listed.nope_layers == (1, 7) and listed.layer_rotary_dim(1) == 0 and listed.layer_rotary_dim(2) == 128
     with pytest.raises(ValueError, match="no_rope_layers lists 2 layers, the model has 8"):
         ModelArchConfig.from_hf_config({**config, "no_rope_layers": [1, 0]})
+
+
+def test_olmo3_windowed_layers_turn_unscaled() -> None:
+    """OLMo 3: YaRN on the global layers only; the windowed ones turn by the plain base, in the
+    per-type format and in the older one (one rope_theta and rope_scaling)."""
+    layers = ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    base = dict(LLAMA31_CONFIG, architectures=["Olmo3ForCausalLM"], num_hidden_layers=4, layer_types=layers,
+                sliding_window=8)  # fmt: skip
+    yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192}
+    older = ModelArchConfig.from_hf_config({**base, "rope_theta": 500000.0, "rope_scaling": yarn, "rope_parameters": None})
+    newer = ModelArchConfig.from_hf_config({**base, "rope_scaling": None, "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0},
+        "full_attention": {**yarn, "rope_theta": 500000.0}}})  # fmt: skip
+    for arch in (older, newer):
+        assert arch.local_rope_theta == 500000.0 and arch.rope_scaling["rope_type"] == "yarn"
+        assert [arch.layer_uses_local_rope(i) for i in range(4)] == [True, True, True, False]

@@ -89,7 +89,10 @@ class ServerSettings:
         if self.max_prompts_per_request < 1:
             raise ValueError(f"max_prompts_per_request must be >= 1, got {self.max_prompts_per_request}")
         tool_parser(self.tool_call_parser)  # a ValueError naming the choices
-        reasoning_parser(self.reasoning_parser)
+        parser = reasoning_parser(self.reasoning_parser)
+        if parser is not None and parser.keeps_special_tokens and self.tool_call_parser != "hermes":
+            raise ValueError(f"--reasoning-parser {self.reasoning_parser} hands tool calls on in hermes form: use "
+                             f"--tool-call-parser hermes, not {self.tool_call_parser}")  # fmt: skip
 
 
 # A body larger than this was parsed into enough objects that the C heap is trimmed once its

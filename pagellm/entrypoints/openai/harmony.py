@@ -21,7 +21,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from pagellm.entrypoints.openai.reasoning import ReasoningSplit
+from pagellm.entrypoints.openai.reasoning_types import ReasoningSplit
 
 MESSAGE = "<|message|>"
 TERMINATORS = ("<|end|>", "<|call|>", "<|return|>")
@@ -39,7 +39,7 @@ class HarmonyParser:
     @property
     def constraint_thinking(self) -> str | None:
         """Structured outputs constrain the whole answer (the harmony channels are not in the
-        constraint grammar yet)."""
+        constraint grammar yet): the answer is then the constrained text alone, read as content."""
         return None
 
     def split(self, text: str) -> ReasoningSplit:
@@ -68,6 +68,9 @@ class HarmonyStreamer:
         content: list[str] = []
         while True:
             if not self.in_body:
+                if _headerless(self.buffer):  # (an answer a constraint forced: no channels)
+                    self.in_body, self.channel, self.recipient, self.arguments = True, "final", None, ""
+                    continue
                 end = self.buffer.find(MESSAGE)
                 if end < 0:
                     if final:
@@ -117,6 +120,13 @@ class HarmonyStreamer:
         except ValueError:
             arguments = json.dumps(arguments)  # not JSON: passed on as a string
         return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": {arguments}}}\n</tool_call>'
+
+
+def _headerless(text: str) -> bool:
+    """Whether text where a message's header should be cannot start one: content without
+    channels (an answer a structured-outputs constraint or a forced call wrote)."""
+    stripped = text.lstrip()
+    return bool(stripped) and not stripped.startswith(_MARKER_START) and not _MARKER_START.startswith(stripped)
 
 
 def _first_terminator(text: str) -> tuple[int, str]:

@@ -17,42 +17,15 @@ be the start of a tag.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+
+from pagellm.entrypoints.openai.harmony import HarmonyParser
+from pagellm.entrypoints.openai.reasoning_types import ReasoningParser, ReasoningSplit, ReasoningStreamer
+
+__all__ = ["REASONING_PARSERS", "ReasoningParser", "ReasoningSplit", "ReasoningStreamer", "ThinkTagParser",
+           "reasoning_parser"]  # fmt: skip
 
 THINK_START = "<think>"
 THINK_END = "</think>"
-
-
-@dataclass(frozen=True)
-class ReasoningSplit:
-    reasoning: str | None  # None: the answer has no thinking
-    content: str
-
-
-class ReasoningStreamer(Protocol):
-    """One answer's split as its text arrives."""
-
-    thought: bool  # some of the answer so far was thinking
-
-    def feed(self, text: str, final: bool) -> tuple[str, str]:
-        """The new (thinking, content) of ``text`` (``final``: nothing follows)."""
-
-
-class ReasoningParser(Protocol):
-    """What the serving paths need of a reasoning parser (``--reasoning-parser``)."""
-
-    @property
-    def keeps_special_tokens(self) -> bool:
-        """Whether its markers are special tokens the decoded text must keep."""
-
-    @property
-    def constraint_thinking(self) -> str | None:
-        """Where a structured-outputs constraint starts (``StructuredOutputsParams.thinking``);
-        None: it constrains the whole answer."""
-
-    def split(self, text: str) -> ReasoningSplit: ...
-
-    def streamer(self) -> ReasoningStreamer: ...
 
 
 @dataclass(frozen=True)
@@ -128,15 +101,9 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def _harmony() -> ReasoningParser:
-    from pagellm.entrypoints.openai.harmony import HarmonyParser  # (it imports this module's ReasoningSplit)
-
-    return HarmonyParser()
-
-
 REASONING_PARSERS: dict[str, ReasoningParser] = {
     "qwen3": ThinkTagParser(starts_inside=False), "deepseek_r1": ThinkTagParser(starts_inside=True),
-    "openai_gptoss": _harmony(),
+    "openai_gptoss": HarmonyParser(),
 }  # fmt: skip
 
 

@@ -14,6 +14,7 @@ output whose call is in no earlier item, and ``background``.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from pydantic import ValidationError
@@ -102,6 +103,10 @@ def _tools(request: ResponsesRequest) -> dict[str, Any]:
             functions.extend(_function(inner, f"tools[{i}].tools[{j}]") for j, inner in enumerate(tool.tools or []))
         elif tool.type == "function":
             functions.append(_function(tool, f"tools[{i}]"))
+    repeated = sorted(n for n, count in Counter(f["function"]["name"] for f in functions).items() if count > 1)
+    if repeated:
+        raise BadRequestError(f"tools name the function {repeated[0]!r} more than once (namespaces included)",
+                              param="tools")  # fmt: skip
     if functions:
         fields["tools"] = functions
     choice = request.tool_choice
