@@ -9,11 +9,11 @@ model by its last token's final hidden state, L2-normalized (vLLM's default for 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pagellm.bounded_json import parse_json_text
 from pagellm.pooling_params import POOLING_TYPES, Pooling, PoolingParams
 from pagellm.utils import is_int
 
@@ -58,10 +58,7 @@ class PoolerConfig:
         if isinstance(value, PoolerConfig):
             return value
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"pooler_config is not valid JSON: {exc}") from None
+            value = parse_json_text(value, "pooler_config")
         if not isinstance(value, Mapping):
             raise ValueError(f"pooler_config must be a JSON object, got {value!r}")
         known = {f.name for f in dataclasses.fields(cls)}

@@ -359,14 +359,23 @@ def tiny_glm4_moe_path(tmp_path_factory: pytest.TempPathFactory, default_tokeniz
 def _add_correction_bias_and_mtp_layer(folder: Path) -> None:
     """A random correction bias (transformers initializes it to zeros, which would test nothing)
     and a stray layer past the model's, as GLM-4.5's checkpoints carry (the MTP layer)."""
+    generator = torch.Generator().manual_seed(7)
+
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
+            tensors[name] = torch.rand(tensors[name].shape, generator=generator) * 0.5
+        tensors["model.layers.3.eh_proj.weight"] = torch.zeros(4, 4)
+
+    _edit_tensors(folder, edit)
+
+
+def _edit_tensors(folder: Path, edit) -> None:
+    """Change a tiny model's one safetensors shard in place (``edit`` takes its name -> tensor dict)."""
     from safetensors.torch import load_file, save_file
 
     (shard,) = folder.glob("*.safetensors")
     tensors = load_file(str(shard))
-    generator = torch.Generator().manual_seed(7)
-    for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
-        tensors[name] = torch.rand(tensors[name].shape, generator=generator) * 0.5
-    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(4, 4)
+    edit(tensors)
     save_file(tensors, str(shard), metadata={"format": "pt"})
 
 
@@ -392,14 +401,13 @@ def tiny_gpt_oss_path(tmp_path_factory: pytest.TempPathFactory, default_tokenize
 def _randomize_expert_biases(folder: Path) -> None:
     """transformers initializes gpt-oss's expert biases to zeros (and our randomizer sees only
     names ending in ".bias"): random ones, so a misplaced bias shows."""
-    from safetensors.torch import load_file, save_file
-
-    (shard,) = folder.glob("*.safetensors")
-    tensors = load_file(str(shard))
     generator = torch.Generator().manual_seed(11)
-    for name in [n for n in tensors if n.endswith("_proj_bias")]:
-        tensors[name] = torch.randn(tensors[name].shape, generator=generator) * 0.2
-    save_file(tensors, str(shard), metadata={"format": "pt"})
+
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        for name in [n for n in tensors if n.endswith("_proj_bias")]:
+            tensors[name] = torch.randn(tensors[name].shape, generator=generator) * 0.2
+
+    _edit_tensors(folder, edit)
 
 
 @pytest.fixture(scope="session")

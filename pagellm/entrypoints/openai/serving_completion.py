@@ -11,12 +11,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.engine.detokenizer import decode_token
 from pagellm.engine.input_processor import ProcessedPrompt
 from pagellm.entrypoints.openai.errors import BadRequestError
-from pagellm.entrypoints.openai.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from pagellm.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -113,13 +111,6 @@ class _Context:
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    def __init__(
-        self, engine: AsyncLLMEngine, served_model_names: list[str],
-        max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
-    ) -> None:  # fmt: skip
-        super().__init__(engine, served_model_names)
-        self.max_prompts_per_request = max_prompts_per_request
-
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         self.check_alive()
         model = self.resolve_model(request.model)

@@ -37,6 +37,7 @@ from pagellm.entrypoints.openai.errors import (
     ServiceUnavailableError,
     bad_request_from,
 )
+from pagellm.entrypoints.openai.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from pagellm.entrypoints.openai.protocol import SamplingRequest, UsageInfo
 from pagellm.entrypoints.openai.structured_outputs import constraint_error, structured_outputs_of
 from pagellm.outputs import PositionLogprobs, RequestOutput
@@ -337,9 +338,13 @@ def new_request_id(prefix: str) -> str:
 class OpenAIServing:
     """Checks and conversions every generation endpoint makes before calling the engine."""
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]) -> None:
+    def __init__(
+        self, engine: AsyncLLMEngine, served_model_names: list[str],
+        max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    ) -> None:  # fmt: skip
         self.engine = engine
         self.served_model_names = served_model_names
+        self.max_prompts_per_request = max_prompts_per_request  # prompts or inputs in one request
 
     def resolve_model(self, requested: str | None) -> str:
         """The model name to answer with; 404 for a name this server does not serve."""

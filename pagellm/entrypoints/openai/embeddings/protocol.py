@@ -31,13 +31,18 @@ class EmbeddingData(OpenAIBaseModel):
     embedding: list[float] | str  # str: base64 of the little-endian float32 values
 
 
-class EmbeddingResponse(OpenAIBaseModel):
+class ListResponse(OpenAIBaseModel):
+    """What an embeddings or scores answer holds besides its ``data``."""
+
     id: str
     object: Literal["list"] = "list"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    data: list[EmbeddingData]
     usage: UsageInfo
+
+
+class EmbeddingResponse(ListResponse):
+    data: list[EmbeddingData]
 
 
 class ScoreRequest(RequestBody):
@@ -56,13 +61,8 @@ class ScoreData(OpenAIBaseModel):
     score: float
 
 
-class ScoreResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class ScoreResponse(ListResponse):
     data: list[ScoreData]
-    usage: UsageInfo
 
 
 class RerankRequest(RequestBody):

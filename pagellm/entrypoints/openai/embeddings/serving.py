@@ -12,11 +12,9 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.engine.input_processor import ProcessedPrompt
 from pagellm.entrypoints.openai.embeddings.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse
 from pagellm.entrypoints.openai.errors import BadRequestError, bad_request_from
-from pagellm.entrypoints.openai.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from pagellm.entrypoints.openai.protocol import UsageInfo
 from pagellm.entrypoints.openai.serving_engine import (
     CLIENT_CLOSED_REQUEST,
@@ -49,13 +47,6 @@ class Embedded:
 
 
 class OpenAIServingEmbedding(OpenAIServing):
-    def __init__(
-        self, engine: AsyncLLMEngine, served_model_names: list[str],
-        max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
-    ) -> None:  # fmt: skip
-        super().__init__(engine, served_model_names)
-        self.max_prompts_per_request = max_prompts_per_request
-
     async def create_embedding(self, request: EmbeddingRequest, raw_request: Request) -> Response:
         self.check_alive()
         model = self.resolve_model(request.model)
