@@ -436,3 +436,15 @@ def tiny_qwen2_moe_path(tmp_path_factory: pytest.TempPathFactory, default_tokeni
                             num_experts_per_tok=4, shared_expert_intermediate_size=48, decoder_sparse_step=2,
                             tie_word_embeddings=False, initializer_range=0.1)  # fmt: skip
     return write_tiny_model(tmp_path_factory.mktemp("tiny_qwen2_moe"), config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny GLM-4 (0414): norms before and after each block, gate and up fused, q/k/v bias, and a
+    rotary over interleaved pairs of half of each head's dims."""
+    from transformers import Glm4Config
+
+    config = Glm4Config(**TINY_SHAPE, **token_ids(default_tokenizer), head_dim=16, attention_bias=True,
+                        tie_word_embeddings=False, initializer_range=0.1,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})  # fmt: skip
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_glm4"), config, default_tokenizer)

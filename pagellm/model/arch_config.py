@@ -31,6 +31,7 @@ _MODEL_TYPE_TO_ARCH = {
     "olmo3": "Olmo3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "glm4": "Glm4ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
 }
 # Architectures whose q/k/v projections always carry a bias (no config flag for it).
@@ -56,6 +57,9 @@ _MOE = {"Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM", "GptO
 _OLMO2 = {"Olmo2ForCausalLM", "Olmo3ForCausalLM"}  # (OLMo 3: with windowed layers, per-type rope bases)
 # Architectures whose windowed layers turn by their own rope base (``rope_parameters`` per type).
 _LOCAL_ROPE = {"Gemma3ForCausalLM", "Olmo3ForCausalLM"}
+# GLM-4 (0414, Z1): norms before and after each block (Gemma's sandwich, plain weights), and the
+# rotary over interleaved pairs of dims (undone on load: its q/k rows reordered to rotate-half's).
+_GLM4 = {"Glm4ForCausalLM"}
 # SmolLM3: layers without a rotary embedding (NoPE), listed per layer in ``no_rope_layers``.
 _NOPE = {"SmolLM3ForCausalLM"}
 _MOE_COMBINE_IN_FLOAT32 = {"MixtralForCausalLM", "Glm4MoeForCausalLM"}
@@ -95,6 +99,9 @@ class ModelArchConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head (weights [head_dim]) before rotary
     partial_rotary_factor: float = 1.0  # share of each head the rotary embedding turns (Phi-4-mini: 0.75)
     nope_layers: tuple[int, ...] = ()  # layers that turn no rotary embedding (SmolLM3: every 4th)
+    # GLM-4: the checkpoint's rotary turns interleaved pairs (2i, 2i + 1); its q/k rows are reordered
+    # on load to rotate-half's (i, i + rotary_dim / 2), which turn alike (weight_names.py)
+    rotary_interleaved: bool = False
     # Mixture of experts (pagellm.model.moe): the layers whose MLP is a routed set of experts.
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -257,6 +264,7 @@ class ModelArchConfig:
             **_olmo2_fields(architecture),
             **_granite_fields(architecture, config),
             **_gpt_oss_fields(architecture, config),
+            **({"sandwich_norms": True, "rotary_interleaved": True} if architecture in _GLM4 else {}),
             **({"local_rope_theta": _local_rope_theta(architecture, config)} if architecture in _LOCAL_ROPE - _GEMMA else {}),
             **_gemma_fields(architecture, config, hidden_size),
             **({} if architecture in _GEMMA else {"layer_types": _layer_types(config)}),

@@ -27,6 +27,12 @@ _RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
         (re.compile(r"\.experts\.(\d+)\.w3\."), r".experts.\1.up_proj."),
         (re.compile(r"\.experts\.(\d+)\.w2\."), r".experts.\1.down_proj."),
     ),
+    # GLM-4: its sandwich norms by Gemma's names (the pre-MLP norm first: its name is taken next).
+    "Glm4ForCausalLM": (
+        (re.compile(r"\.post_attention_layernorm\."), ".pre_feedforward_layernorm."),
+        (re.compile(r"\.post_self_attn_layernorm\."), ".post_attention_layernorm."),
+        (re.compile(r"\.post_mlp_layernorm\."), ".post_feedforward_layernorm."),
+    ),
     # Qwen2-MoE: one shared expert, `shared_expert` (GLM-4.5's `shared_experts`).
     "Qwen2MoeForCausalLM": ((re.compile(r"\.mlp\.shared_expert\."), ".mlp.shared_experts."),),
     # gpt-oss: the router is `router` (with a bias).
@@ -45,6 +51,7 @@ _DROPPED: dict[str, re.Pattern[str]] = {
 # layer, ``num_nextn_predict_layers``): not part of the causal LM, not loaded.
 _LAYERS_PAST_THE_MODEL_DROPPED = {"Glm4MoeForCausalLM"}
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+_QK_ROWS = re.compile(r"^.*\.self_attn\.(?P<proj>q_proj|k_proj)\.(weight|bias)$")
 # q/k/v or gate/up stored fused (Phi-3): split into the parts by rows.
 _PREFUSED = re.compile(r"^(?P<prefix>.*\.)(?P<fused>qkv_proj|gate_up_proj)\.(?P<kind>weight|bias)$")
 # gpt-oss's experts, all in one tensor each: gate_up [E, H, 2I] (x @ W; gate and up columns
@@ -67,6 +74,8 @@ def checkpoint_parts(arch: ModelArchConfig, name: str, tensor: Tensor) -> list[t
             return []
     for pattern, replacement in _RENAMES.get(arch.architecture, ()):
         name = pattern.sub(replacement, name)
+    if arch.rotary_interleaved and (match := _QK_ROWS.match(name)) is not None:
+        tensor = _rotate_half_order(arch, match["proj"], tensor)
     if (match := _PREFUSED.match(name)) is not None:
         return _split_prefused(arch, match, tensor)
     if arch.architecture == "GptOssForCausalLM" and (match := _GPT_OSS_EXPERTS.match(name)) is not None:
@@ -113,6 +122,19 @@ def _split_prefused(arch: ModelArchConfig, match: re.Match[str], tensor: Tensor)
         out.append((f"{prefix}{part}.{match['kind']}", piece))
         start += size
     return out
+
+
+def _rotate_half_order(arch: ModelArchConfig, proj: str, tensor: Tensor) -> Tensor:
+    """q or k rows of an interleaved rotary (GLM-4: dims 2i and 2i + 1 turn together) in
+    rotate-half's order (dims i and i + rotary_dim / 2): each head's even rotary rows, then its odd
+    ones, then the rows the rotary leaves. The same order for q and k keeps every score."""
+    heads = arch.num_attention_heads if proj == "q_proj" else arch.num_key_value_heads
+    rotary, head_dim = arch.rotary_dim, arch.head_dim
+    within = torch.cat([torch.arange(0, rotary, 2), torch.arange(1, rotary, 2), torch.arange(rotary, head_dim)])
+    order = (torch.arange(heads)[:, None] * head_dim + within[None, :]).flatten()
+    if not isinstance(tensor, torch.Tensor):
+        return tensor.select_rows(order)
+    return tensor[order]
 
 
 def _split_gpt_oss_experts(arch: ModelArchConfig, match: re.Match[str], tensor: Tensor) -> list[tuple[str, Tensor]]:
