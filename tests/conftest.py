@@ -448,3 +448,34 @@ def tiny_glm4_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) 
                         tie_word_embeddings=False, initializer_range=0.1,
                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})  # fmt: skip
     return write_tiny_model(tmp_path_factory.mktemp("tiny_glm4"), config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_exaone4_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny EXAONE 4 (hybrid): three windowed layers (window 8) then a global one without rope,
+    norms after each block only, per-head q/k norms."""
+    from transformers import Exaone4Config
+
+    config = Exaone4Config(**{**TINY_SHAPE, "num_hidden_layers": 4}, **token_ids(default_tokenizer), sliding_window=8,
+                           sliding_window_pattern=4, tie_word_embeddings=False, initializer_range=0.1)  # fmt: skip
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_exaone4"), config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_seed_oss_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny Seed-OSS: q/k/v bias, an o_proj bias of its own switch, an MLP bias."""
+    from transformers import SeedOssConfig
+
+    config = SeedOssConfig(**TINY_SHAPE, **token_ids(default_tokenizer), head_dim=16, attention_bias=True,
+                           attention_out_bias=True, mlp_bias=True, initializer_range=0.1)  # fmt: skip
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_seed_oss"), config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_ernie4_5_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny ERNIE 4.5 (dense): biases on every linear, a rotary over interleaved pairs."""
+    from transformers import Ernie4_5Config
+
+    config = Ernie4_5Config(**TINY_SHAPE, **token_ids(default_tokenizer), head_dim=16, use_bias=True,
+                            initializer_range=0.1)  # fmt: skip
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_ernie4_5"), config, default_tokenizer)

@@ -32,6 +32,9 @@ _MODEL_TYPE_TO_ARCH = {
     "granite": "GraniteForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
+    "seed_oss": "SeedOssForCausalLM",
+    "ernie4_5": "Ernie4_5ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
 }
 # Architectures whose q/k/v projections always carry a bias (no config flag for it).
@@ -39,7 +42,7 @@ _ALWAYS_QKV_BIAS = {"Qwen2ForCausalLM"}
 # Architectures whose `attention_bias` flag also puts a bias on o_proj.
 _O_PROJ_FOLLOWS_ATTENTION_BIAS = {"LlamaForCausalLM", "GptOssForCausalLM"}
 # Architectures with an RMSNorm over each head of q and of k before the rotary embedding.
-_QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"}
+_QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Exaone4ForCausalLM"}
 # Architectures whose config's ``use_qk_norm`` switches those per-head norms on (GLM-4.5).
 _QK_NORM_BY_FLAG = {"Glm4MoeForCausalLM"}
 # Gemma: RMSNorm scaled by (1 + weight), a norm after attention and around the MLP, embeddings
@@ -232,8 +235,7 @@ class ModelArchConfig:
         hidden_size = int(config["hidden_size"])
         num_heads = int(config["num_attention_heads"])
         rope_theta, rope_scaling = _rope_from_hf(config)
-        attention_bias = (bool(config.get("attention_bias", False)) or architecture in _ALWAYS_QKV_BIAS
-                          or (architecture == "Qwen2MoeForCausalLM" and bool(config.get("qkv_bias", True))))  # fmt: skip
+        qkv_bias, o_bias, mlp_bias = _biases(architecture, config)
         return cls(
             architecture=architecture,
             vocab_size=int(config["vocab_size"]),
@@ -248,10 +250,9 @@ class ModelArchConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=attention_bias,
-            o_proj_bias=bool(config.get("attention_bias", False))
-            and architecture in _O_PROJ_FOLLOWS_ATTENTION_BIAS,
-            mlp_bias=bool(config.get("mlp_bias", False)) or architecture in _GPT_OSS,  # (gpt-oss: its experts')
+            attention_bias=qkv_bias,
+            o_proj_bias=o_bias,
+            mlp_bias=mlp_bias,
             hidden_act=str(config.get("hidden_activation") or config.get("hidden_act") or "silu"),
             bos_token_id=_optional_int(config.get("bos_token_id")),
             eos_token_ids=_merge_eos(config, generation_config),
@@ -265,6 +266,8 @@ class ModelArchConfig:
             **_granite_fields(architecture, config),
             **_gpt_oss_fields(architecture, config),
             **({"sandwich_norms": True, "rotary_interleaved": True} if architecture in _GLM4 else {}),
+            **({"rotary_interleaved": True} if architecture == "Ernie4_5ForCausalLM" else {}),
+            **_exaone4_fields(architecture, config),
             **({"local_rope_theta": _local_rope_theta(architecture, config)} if architecture in _LOCAL_ROPE - _GEMMA else {}),
             **_gemma_fields(architecture, config, hidden_size),
             **({} if architecture in _GEMMA else {"layer_types": _layer_types(config)}),
@@ -329,9 +332,35 @@ def _partial_rotary_factor(config: dict[str, Any]) -> float:
     return 1.0 if value is None else float(value)
 
 
+def _biases(architecture: str, config: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """Which projections carry a bias, as each family's config says it: (q/k/v, o_proj, MLP)."""
+    attention = bool(config.get("attention_bias", False))
+    if architecture == "Ernie4_5ForCausalLM":  # one switch for every linear
+        return (bool(config.get("use_bias", False)),) * 3  # type: ignore[return-value]
+    qkv = attention or architecture in _ALWAYS_QKV_BIAS or (
+        architecture == "Qwen2MoeForCausalLM" and bool(config.get("qkv_bias", True)))  # fmt: skip
+    o_proj = (attention and architecture in _O_PROJ_FOLLOWS_ATTENTION_BIAS) or (
+        architecture == "SeedOssForCausalLM" and bool(config.get("attention_out_bias", False)))  # fmt: skip
+    mlp = bool(config.get("mlp_bias", False)) or architecture in _GPT_OSS  # (gpt-oss: its experts')
+    return qkv, o_proj, mlp
+
+
+def _exaone4_fields(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
+    """EXAONE 4: norms after each block only (as OLMo 2's), per-head q/k norms, and with windowed
+    layers (the hybrid models) no rope in the global ones."""
+    if architecture != "Exaone4ForCausalLM":
+        return {}
+    return dict(pre_norms=False, sandwich_norms=True)  # (its NoPE layers: _nope_layers)
+
+
 def _nope_layers(architecture: str, config: dict[str, Any]) -> tuple[int, ...]:
     """SmolLM3's layers without rope: ``no_rope_layers`` (1: rope, 0: none), else every
-    ``no_rope_layer_interval``-th layer (4 by default), as its config class derives them."""
+    ``no_rope_layer_interval``-th layer (4 by default), as its config class derives them;
+    EXAONE 4's global layers where it has windowed ones too."""
+    if architecture == "Exaone4ForCausalLM":
+        types = _layer_types(config)
+        hybrid = config.get("sliding_window") is not None and SLIDING in types
+        return tuple(i for i, t in enumerate(types) if t == FULL) if hybrid else ()
     if architecture not in _NOPE:
         return ()
     layers = int(config["num_hidden_layers"])

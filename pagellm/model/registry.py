@@ -32,6 +32,9 @@ _MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "GraniteForCausalLM": LlamaForCausalLM,
     "Glm4MoeForCausalLM": LlamaForCausalLM,
     "Glm4ForCausalLM": LlamaForCausalLM,
+    "Exaone4ForCausalLM": LlamaForCausalLM,
+    "SeedOssForCausalLM": LlamaForCausalLM,
+    "Ernie4_5ForCausalLM": LlamaForCausalLM,
     "GptOssForCausalLM": LlamaForCausalLM,
 }
 
