@@ -46,6 +46,10 @@ FAMILIES: dict[str, GGUFFamily] = {
     "gemma3": GGUFFamily("Gemma3ForCausalLM", norm_plus_one=True, block_names=_GEMMA_NAMES),
     "smollm3": GGUFFamily("SmolLM3ForCausalLM", qk_permuted=True),  # (llama.cpp: NoPE every 4th layer, as HF's default)
     "granite": GGUFFamily("GraniteForCausalLM", qk_permuted=True),
+    # GLM-4: its four norms, gate and up fused in `ffn_up`; q/k rows as HF's (interleaved rotary).
+    "glm4": GGUFFamily("Glm4ForCausalLM", block_names=(
+        ("post_attention_norm", "post_self_attn_layernorm"), ("post_ffw_norm", "post_mlp_layernorm"),
+        ("ffn_up", "mlp.gate_up_proj"))),  # fmt: skip
     "olmo2": GGUFFamily("Olmo2ForCausalLM", block_names=(("post_attention_norm", "post_attention_layernorm"),
                                                          ("post_ffw_norm", "post_feedforward_layernorm"))),
     # Phi-3: q/k/v in one tensor, gate and up in `ffn_up` (split by rows on load).

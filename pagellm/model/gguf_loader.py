@@ -301,6 +301,8 @@ def arch_config_from_gguf(reader: GGUFFile | _ReaderAdapter) -> ModelArchConfig:
     if scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(read_metadata(reader, f"{prefix}.rope.scaling.factor"))}
     config.update(hf_config(prefix, meta))
+    if prefix == "glm4":  # its q/k/v bias is in the tensors (the config's attention_bias)
+        config["attention_bias"] = any(t.name == "blk.0.attn_q.bias" for t in reader.tensors)
     factors = {ROPE_FACTOR_TENSORS[t.name]: _dequantized(reader, t).tolist() for t in reader.tensors if t.name in ROPE_FACTOR_TENSORS}
     if factors:  # Phi-3 LongRoPE (its attention factor follows from the two context lengths, as HF's)
         config["rope_scaling"] = {"rope_type": "longrope", **factors,

@@ -33,10 +33,12 @@ _GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforw
 _EXPERT_PARTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
                  "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}  # fmt: skip
 _OLMO2_NAMES = {"post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+_GLM4_NAMES = {"post_self_attn_layernorm": "post_attention_norm", "post_attention_layernorm": "ffn_norm",
+               "post_mlp_layernorm": "post_ffw_norm"}  # fmt: skip
 _ARCHS = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
           "Qwen3MoeForCausalLM": "qwen3moe", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
           "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite",
-          "Olmo2ForCausalLM": "olmo2"}  # fmt: skip
+          "Olmo2ForCausalLM": "olmo2", "Glm4ForCausalLM": "glm4"}  # fmt: skip
 # The converter's LlamaModel subclasses: q/k rows permuted, vocab size and rope dims written.
 _LLAMA_LIKE = ("llama", "smollm3", "granite")
 
@@ -65,6 +67,8 @@ def _metadata(writer: GGUFWriter, arch: str, config: dict) -> None:
     else:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+        if arch == "glm4":  # (the rotary's share of each head)
+            writer.add_rope_dimension_count(int(head_dim * (config.get("rope_parameters") or {})["partial_rotary_factor"]))
     rope = config.get("rope_parameters") or {}
     full, local = rope.get("full_attention", rope), rope.get("sliding_attention")
     writer.add_rope_freq_base(full.get("rope_theta", 10000.0))
@@ -116,7 +120,7 @@ def _block_tensors(name: str, tensor: torch.Tensor, arch: str, config: dict) -> 
     """The GGUF name and data of one HF block tensor (experts are gathered by the caller)."""
     layer, rest = name.removeprefix("model.layers.").split(".", 1)
     module, kind = rest.rsplit(".", 1)
-    names = {**_NAMES, **(_GEMMA_NAMES if arch.startswith("gemma") else _OLMO2_NAMES if arch == "olmo2" else {})}
+    names = {**_NAMES, **{"olmo2": _OLMO2_NAMES, "glm4": _GLM4_NAMES}.get(arch, _GEMMA_NAMES if arch.startswith("gemma") else {})}
     if arch in _LLAMA_LIKE and module in ("self_attn.q_proj", "self_attn.k_proj"):
         heads = config["num_attention_heads"] if module.endswith("q_proj") else config["num_key_value_heads"]
         tensor = _permute(tensor, heads)
