@@ -479,3 +479,16 @@ def tiny_ernie4_5_path(tmp_path_factory: pytest.TempPathFactory, default_tokeniz
     config = Ernie4_5Config(**TINY_SHAPE, **token_ids(default_tokenizer), head_dim=16, use_bias=True,
                             initializer_range=0.1)  # fmt: skip
     return write_tiny_model(tmp_path_factory.mktemp("tiny_ernie4_5"), config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_hunyuan_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny Hunyuan (dense v1): per-head q/k norms after the rotary, a rope base stretched by a
+    fixed NTK alpha (its checkpoints' "dynamic" rope)."""
+    from transformers import HunYuanDenseV1Config
+
+    config = HunYuanDenseV1Config(**TINY_SHAPE, **token_ids(default_tokenizer), head_dim=16, tie_word_embeddings=False,
+                                  initializer_range=0.1,
+                                  rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 50.0,
+                                                   "factor": 1.0})  # fmt: skip
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_hunyuan"), config, default_tokenizer)

@@ -33,6 +33,7 @@ _MODEL_TYPE_TO_ARCH = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
+    "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
@@ -42,7 +43,10 @@ _ALWAYS_QKV_BIAS = {"Qwen2ForCausalLM"}
 # Architectures whose `attention_bias` flag also puts a bias on o_proj.
 _O_PROJ_FOLLOWS_ATTENTION_BIAS = {"LlamaForCausalLM", "GptOssForCausalLM"}
 # Architectures with an RMSNorm over each head of q and of k before the rotary embedding.
-_QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Exaone4ForCausalLM"}
+_QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Exaone4ForCausalLM",
+            "HunYuanDenseV1ForCausalLM"}  # fmt: skip
+# Architectures whose per-head q/k norms come after the rotary embedding, not before (Hunyuan).
+_QK_NORM_AFTER_ROTARY = {"HunYuanDenseV1ForCausalLM"}
 # Architectures whose config's ``use_qk_norm`` switches those per-head norms on (GLM-4.5).
 _QK_NORM_BY_FLAG = {"Glm4MoeForCausalLM"}
 # Gemma: RMSNorm scaled by (1 + weight), a norm after attention and around the MLP, embeddings
@@ -105,6 +109,7 @@ class ModelArchConfig:
     # GLM-4: the checkpoint's rotary turns interleaved pairs (2i, 2i + 1); its q/k rows are reordered
     # on load to rotate-half's (i, i + rotary_dim / 2), which turn alike (weight_names.py)
     rotary_interleaved: bool = False
+    qk_norm_after_rotary: bool = False  # Hunyuan: the per-head q/k norms follow the rotary
     # Mixture of experts (pagellm.model.moe): the layers whose MLP is a routed set of experts.
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -234,7 +239,7 @@ class ModelArchConfig:
         architecture = _architecture_name(config)
         hidden_size = int(config["hidden_size"])
         num_heads = int(config["num_attention_heads"])
-        rope_theta, rope_scaling = _rope_from_hf(config)
+        rope_theta, rope_scaling = _ntk_alpha(config, *_rope_from_hf(config))
         qkv_bias, o_bias, mlp_bias = _biases(architecture, config)
         return cls(
             architecture=architecture,
@@ -268,6 +273,7 @@ class ModelArchConfig:
             **({"sandwich_norms": True, "rotary_interleaved": True} if architecture in _GLM4 else {}),
             **({"rotary_interleaved": True} if architecture == "Ernie4_5ForCausalLM" else {}),
             **_exaone4_fields(architecture, config),
+            qk_norm_after_rotary=architecture in _QK_NORM_AFTER_ROTARY,
             **({"local_rope_theta": _local_rope_theta(architecture, config)} if architecture in _LOCAL_ROPE - _GEMMA else {}),
             **_gemma_fields(architecture, config, hidden_size),
             **({} if architecture in _GEMMA else {"layer_types": _layer_types(config)}),
@@ -323,6 +329,15 @@ def _rope_from_hf(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]
     if "original_max_position_embeddings" not in scaling and "original_max_position_embeddings" in config:
         scaling["original_max_position_embeddings"] = config["original_max_position_embeddings"]  # Phi-3 keeps it here
     return theta, scaling
+
+
+def _ntk_alpha(config: dict[str, Any], theta: float, scaling: dict[str, Any] | None) -> tuple[float, dict[str, Any] | None]:
+    """Hunyuan's "dynamic" rope with a fixed ``alpha``: a static base, ``theta * alpha ** (d / (d -
+    2))`` over the head's d dims (no scaling by length), as transformers computes it."""
+    if scaling is None or scaling.get("rope_type") != "dynamic" or not scaling.get("alpha"):
+        return theta, scaling
+    dim = int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
+    return theta * float(scaling["alpha"]) ** (dim / (dim - 2)), None
 
 
 def _partial_rotary_factor(config: dict[str, Any]) -> float:

@@ -41,6 +41,7 @@ class LayerSpec:
     qk_norm_over_projection: bool = False  # OLMo 2: q and k normed whole, before the heads are split
     residual_multiplier: float = 1.0  # Granite: each block's output scaled before its residual add
     sinks: bool = False  # gpt-oss: a learned logit per head in its softmax (the attention's ``sinks``)
+    qk_norm_after_rotary: bool = False  # Hunyuan: the per-head q/k norms follow the rotary
 
     @property
     def q_size(self) -> int:
@@ -78,6 +79,7 @@ def layer_spec(arch: ModelArchConfig, index: int) -> LayerSpec:
         qk_norm_over_projection=arch.qk_norm_over_projection,
         residual_multiplier=arch.residual_multiplier,
         sinks=arch.attention_sinks,
+        qk_norm_after_rotary=arch.qk_norm_after_rotary,
     )
 
 
@@ -104,6 +106,8 @@ def stack_refusal(spec: LayerSpec) -> str | None:
         return "a residual multiplier"
     if spec.sinks:
         return "attention sinks"
+    if spec.qk_norm_after_rotary:
+        return "q/k norms after the rotary"
     if spec.activation != "silu":
         return f"the {spec.activation} activation"
     if spec.o_bias or spec.mlp_bias:

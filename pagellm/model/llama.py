@@ -94,6 +94,12 @@ class LlamaAttention(nn.Module):
         # gpt-oss: each head's sink logit (float32 whatever the model's dtype: it joins a float32 softmax).
         self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32)) if spec.sinks else None
 
+    def _norm_heads(self, qk: torch.Tensor) -> None:
+        """Each q and k head RMS-normed in place (``qk``: [T, heads + kv heads, head_dim])."""
+        assert self.q_norm is not None and self.k_norm is not None
+        self.q_norm.norm_heads_(qk[:, : self.num_heads])
+        self.k_norm.norm_heads_(qk[:, self.num_heads :])
+
     def shard_slices(self) -> dict[str, slice]:
         """Rows of ``qkv_proj`` holding each of q, k, v."""
         q, kv = self.q_size, self.kv_size
@@ -115,13 +121,15 @@ class LlamaAttention(nn.Module):
             qkv[:, q_end:k_end] = self.k_norm(qkv[:, q_end:k_end].contiguous())
         # q and k rotated together (one set of elementwise ops; the same arithmetic per element).
         qk = qkv[:, :k_end].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None and not spec.qk_norm_over_projection:
-            self.q_norm.norm_heads_(qk[:, : self.num_heads])
-            self.k_norm.norm_heads_(qk[:, self.num_heads :])
+        per_head = self.q_norm is not None and self.k_norm is not None and not spec.qk_norm_over_projection
+        if per_head and not spec.qk_norm_after_rotary:
+            self._norm_heads(qk)
         if spec.rotary_dim == self.head_dim:
             qk = apply_rotary_(qk, cos, sin, self.rotary_kernels)
         elif spec.rotary_dim:  # partial rotary: the leading dims turn, the rest pass (NoPE: none turn)
             qk[..., : spec.rotary_dim] = apply_rotary(qk[..., : spec.rotary_dim], cos, sin)
+        if per_head and spec.qk_norm_after_rotary:  # (Hunyuan)
+            self._norm_heads(qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, k_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache

@@ -33,6 +33,7 @@ _MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Glm4MoeForCausalLM": LlamaForCausalLM,
     "Glm4ForCausalLM": LlamaForCausalLM,
     "Exaone4ForCausalLM": LlamaForCausalLM,
+    "HunYuanDenseV1ForCausalLM": LlamaForCausalLM,
     "SeedOssForCausalLM": LlamaForCausalLM,
     "Ernie4_5ForCausalLM": LlamaForCausalLM,
     "GptOssForCausalLM": LlamaForCausalLM,

@@ -33,6 +33,9 @@ _RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
         (re.compile(r"\.post_self_attn_layernorm\."), ".post_attention_layernorm."),
         (re.compile(r"\.post_mlp_layernorm\."), ".post_feedforward_layernorm."),
     ),
+    # Hunyuan: its q/k norms as `query_layernorm` / `key_layernorm`.
+    "HunYuanDenseV1ForCausalLM": ((re.compile(r"\.self_attn\.query_layernorm\."), ".self_attn.q_norm."),
+                                  (re.compile(r"\.self_attn\.key_layernorm\."), ".self_attn.k_norm.")),
     # Qwen2-MoE: one shared expert, `shared_expert` (GLM-4.5's `shared_experts`).
     "Qwen2MoeForCausalLM": ((re.compile(r"\.mlp\.shared_expert\."), ".mlp.shared_experts."),),
     # gpt-oss: the router is `router` (with a bias).

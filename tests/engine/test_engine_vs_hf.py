@@ -25,7 +25,7 @@ MAX_TOKENS = 24
                                                  "tiny_smollm3_path", "tiny_olmo2_path", "tiny_granite_path",
                                                  "tiny_glm4_moe_path", "tiny_gpt_oss_path", "tiny_olmo3_path",
                                                  "tiny_qwen2_moe_path", "tiny_glm4_path", "tiny_exaone4_path",
-                                                 "tiny_seed_oss_path", "tiny_ernie4_5_path"])
+                                                 "tiny_seed_oss_path", "tiny_ernie4_5_path", "tiny_hunyuan_path"])
 def model_and_reference(request, default_tokenizer):
     """A tiny model's path and HF's greedy tokens for every prompt (computed once)."""
     path = request.getfixturevalue(request.param)
