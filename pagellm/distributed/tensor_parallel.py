@@ -58,6 +58,11 @@ class TensorParallel:
         blocks of 32 along k for a row-parallel one); the tensor itself if every rank holds it
         whole."""
         module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+        if name.endswith("self_attn.sinks"):  # (gpt-oss) one per query head: this rank's heads'
+            return tensor.chunk(self.size, dim=0)[self.rank]  # type: ignore[union-attr]
+        if module in ROW_PARALLEL and name.endswith(".bias"):
+            # Every rank's partial output joins in one sum: the bias is added once, by rank 0.
+            return tensor if self.rank == 0 else torch.zeros_like(tensor)  # type: ignore[arg-type]
         if module in COLUMN_PARALLEL:
             if not isinstance(tensor, torch.Tensor):
                 rows = tensor.rows // self.size  # divisibility checked with the model's shapes

@@ -199,8 +199,6 @@ class ModelArchConfig:
                      "shared_expert_size"):
             if getattr(self, name) % size:
                 raise ValueError(f"tensor_parallel_size={size} must divide the model's {name} ({getattr(self, name)})")
-        if self.o_proj_bias or self.mlp_bias:
-            raise ValueError("tensor parallelism does not support a bias on o_proj or the MLP yet")
         if self.qk_norm_over_projection:
             raise ValueError(f"tensor parallelism does not support {self.architecture}'s q/k norms over the whole "
                              "projection yet (each rank holds only some heads)")  # fmt: skip

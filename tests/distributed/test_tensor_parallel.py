@@ -34,7 +34,8 @@ def _run(path: str, tp: int, params: SamplingParams, **options: object) -> list:
                                            ("tiny_mixtral_path", "shm"), ("tiny_qwen3_moe_path", "shm"),
                                            ("tiny_gemma2_path", "shm"), ("tiny_phi4_mini_path", "shm"),
                                            ("tiny_smollm3_path", "shm"), ("tiny_glm4_moe_path", "shm"),
-                                           ("tiny_qwen2_moe_path", "shm"), ("tiny_glm4_path", "shm")])  # fmt: skip
+                                           ("tiny_qwen2_moe_path", "shm"), ("tiny_glm4_path", "shm"),
+                                           ("tiny_gpt_oss_path", "shm"), ("tiny_seed_oss_path", "gloo")])  # fmt: skip
 def test_two_ranks_give_what_one_gives(request: pytest.FixtureRequest, model: str, variant: str) -> None:
     """Dense weights with the shared-memory all-reduce, with gloo's (no kernel library), and
     int8 blocks on the integer GEMM (each rank's blocks are the whole model's: same integers)."""
@@ -97,6 +98,10 @@ def test_shares_and_refusals(tiny_llama_path: str) -> None:
     assert torch.equal(rank1.share("model.layers.0.self_attn.k_proj.weight", weight), weight[2:])
     assert torch.equal(rank1.share("model.layers.0.mlp.down_proj.weight", weight), weight[:, 3:])
     assert torch.equal(rank1.share("model.layers.0.self_attn.q_proj.bias", weight[0]), weight[0, 3:])
+    # A row-parallel bias joins the ranks' sum once (rank 0's); sinks go with their heads.
+    assert torch.equal(rank1.share("model.layers.0.self_attn.o_proj.bias", weight[0]), torch.zeros(6))
+    assert torch.equal(TensorParallel(rank=0, size=2).share("model.layers.0.mlp.down_proj.bias", weight[0]), weight[0])
+    assert torch.equal(rank1.share("model.layers.0.self_attn.sinks", weight[0]), weight[0, 3:])
     assert rank1.share("model.norm.weight", weight) is weight and rank1.share("lm_head.weight", weight) is weight
     arch = ModelArchConfig("LlamaForCausalLM", 100, 64, 128, 2, 4, 2, 16, 1e-5, 10000.0, None, 512, False, False, None)
     assert (arch.shard(2).num_attention_heads, arch.shard(2).num_key_value_heads, arch.shard(2).intermediate_size) == (2, 1, 64)

@@ -1,6 +1,5 @@
 """gpt-oss beyond its equality with transformers (tests/engine/test_engine_vs_hf.py): its MXFP4
-experts dequantized at load as transformers dequantizes them, and what the one-call stack and
-tensor parallelism refuse."""
+experts dequantized at load as transformers dequantizes them, and what the one-call stack refuses."""
 
 from __future__ import annotations
 
@@ -78,11 +77,10 @@ def test_mxfp4_experts_load_as_their_dequantized_values(mxfp4_and_dense: tuple[s
 
 
 def test_what_gpt_oss_runs_on(tiny_gpt_oss_path: str, caplog: pytest.LogCaptureFixture) -> None:
-    """Its layers run module by module (the one-call stack lacks sinks and MoE); tensor
-    parallelism is refused (its o_proj and experts have biases)."""
+    """Its layers run module by module (the one-call stack lacks sinks and MoE) and say why;
+    tensor parallelism: tests/distributed/test_tensor_parallel.py."""
     bf16 = LLM(tiny_gpt_oss_path, dtype="bfloat16", num_kv_blocks=64)
     with caplog.at_level(logging.INFO, logger="pagellm.model.fused_stack"):
         assert bf16.llm_engine.executor.model_runner.model._decoder_stack() is None
+    assert "module by module" in caplog.text
     assert bf16.generate("Hi", SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
-    with pytest.raises(ValueError, match="tensor parallelism does not support a bias on o_proj or the MLP"):
-        LLM(tiny_gpt_oss_path, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
