@@ -36,7 +36,7 @@ from pagellm.entrypoints.anthropic.protocol import (
     new_tool_use_id,
 )
 from pagellm.entrypoints.anthropic.to_chat import to_chat_request
-from pagellm.entrypoints.openai.reasoning import ReasoningStreamer
+from pagellm.entrypoints.openai.answer_stream import AnswerStream
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_engine import (
     CLIENT_CLOSED_REQUEST,
@@ -46,8 +46,7 @@ from pagellm.entrypoints.openai.serving_engine import (
     guard_sse,
     merge_async_iterators,
 )
-from pagellm.entrypoints.openai.tool_calls.parsers import FunctionCall, ToolCallStreamer
-from pagellm.entrypoints.openai.tool_calls.request import ToolPlan
+from pagellm.entrypoints.openai.tool_calls.parsers import FunctionCall
 
 
 def stop_reason(finish_reason: str | None, matched: int | str | None, has_calls: bool) -> tuple[StopReason, str | None]:
@@ -93,8 +92,8 @@ class AnthropicServingMessages:
         tracker = ChoiceTracker(n=1, prompt_tokens=len(prompt.prompt_token_ids))
         merged = merge_async_iterators(chat.generators([prompt], params, message_id))
         if request.stream:
-            thinking = chat.reasoning_parser.streamer() if chat.reasoning_parser is not None else None
-            stream = _Stream(message_id, model, tools, tracker, thinking, shows_thinking(request))
+            answer = AnswerStream(chat.reasoning_parser, tools.parser)
+            stream = _Stream(message_id, model, tracker, answer, shows_thinking(request))
             guarded = guard_sse(stream.events(merged), lambda error: anthropic_sse_error(error.status_code, error.message),
                                 done=None)  # fmt: skip
             return StreamingResponse(guarded, media_type="text/event-stream")
@@ -140,19 +139,15 @@ class _Stream:
 
     message_id: str
     model: str
-    tools: ToolPlan
     tracker: ChoiceTracker
-    thinking: ReasoningStreamer | None = None  # splits the thinking off (--reasoning-parser)
+    answer: AnswerStream  # the thinking, the text and the calls of the answer
     show_thinking: bool = True
     index: int = -1
     open_kind: str | None = None
-    streamer: ToolCallStreamer | None = None
     num_calls: int = 0
     call_ids: dict[str, str] = field(default_factory=dict)  # the parser's call id -> the tool_use id
 
     async def events(self, merged: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[str]:
-        if self.tools.parser is not None:
-            self.streamer = self.tools.parser.streamer()
         message = MessageResponse(id=self.message_id, model=self.model, content=[], stop_reason=None,
                                   usage=Usage(input_tokens=self.tracker.prompt_tokens, output_tokens=0))  # fmt: skip
         yield sse("message_start", {"type": "message_start", "message": message.model_dump()})
@@ -174,19 +169,13 @@ class _Stream:
     def _feed(self, text: str, final: bool) -> Iterator[str]:
         """The events for a piece of the answer: its thinking, its text, then each call's start
         and arguments."""
-        if self.thinking is not None:
-            reasoning, text = self.thinking.feed(text, final)
-            if reasoning and self.show_thinking:
-                yield from self._block_delta("thinking", {"type": "thinking", "thinking": "", "signature": ""},
-                                             {"type": "thinking_delta", "thinking": reasoning})  # fmt: skip
-        if self.streamer is None:
-            if text:
-                yield from self._text(text)
-            return
-        piece = self.streamer.feed(text, final)
+        piece = self.answer.feed(text, final)
+        if piece.reasoning and self.show_thinking:
+            yield from self._block_delta("thinking", {"type": "thinking", "thinking": "", "signature": ""},
+                                         {"type": "thinking_delta", "thinking": piece.reasoning})  # fmt: skip
         if piece.content:
             yield from self._text(piece.content)
-        for call in piece.deltas:
+        for call in piece.calls:
             if call.name is not None:
                 yield from self._close()
                 self.num_calls += 1

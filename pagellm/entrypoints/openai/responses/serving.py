@@ -25,8 +25,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pagellm.entrypoints.openai.answer_stream import AnswerStream
 from pagellm.entrypoints.openai.errors import NotFoundError, OpenAIError
-from pagellm.entrypoints.openai.reasoning import ReasoningParser, ReasoningStreamer
+from pagellm.entrypoints.openai.reasoning import ReasoningParser
 from pagellm.entrypoints.openai.responses.protocol import (
     OutputFunctionCall,
     OutputItem,
@@ -50,7 +51,7 @@ from pagellm.entrypoints.openai.serving_engine import (
     guard_sse,
     merge_async_iterators,
 )
-from pagellm.entrypoints.openai.tool_calls.parsers import ToolCallStreamer, ToolParser
+from pagellm.entrypoints.openai.tool_calls.parsers import ToolParser
 
 
 def split_answer(text: str, reasoning: ReasoningParser | None, tools: ToolParser | None) -> list[OutputItem]:
@@ -114,11 +115,7 @@ class OpenAIServingResponses:
         tracker = ChoiceTracker(n=1, prompt_tokens=len(prompt.prompt_token_ids))
         merged = merge_async_iterators(chat.generators([prompt], params, response.id, priority=request.priority))
         if request.stream:
-            stream = _Stream(response, tracker, self, conversation)
-            if chat.reasoning_parser is not None:
-                stream.thinking = chat.reasoning_parser.streamer()
-            if tools.parser is not None:
-                stream.calls = tools.parser.streamer()
+            stream = _Stream(response, tracker, self, conversation, AnswerStream(chat.reasoning_parser, tools.parser))
             return StreamingResponse(guard_sse(stream.events(merged), stream.error_event, done=None),
                                      media_type="text/event-stream")  # fmt: skip
         items = await collect_answer(merged, raw_request)
@@ -179,8 +176,7 @@ class _Stream:
     tracker: ChoiceTracker
     serving: OpenAIServingResponses
     conversation: list[dict[str, Any]]
-    thinking: ReasoningStreamer | None = None
-    calls: ToolCallStreamer | None = None
+    answer: AnswerStream
     sequence: int = 0
     output: list[OutputItem] = field(default_factory=list)
     open_item: OutputItem | None = None
@@ -207,18 +203,12 @@ class _Stream:
         yield self._event(kind, response=self.response.model_dump())
 
     def _feed(self, text: str, final: bool) -> Iterator[str]:
-        if self.thinking is not None:
-            reasoning, text = self.thinking.feed(text, final)
-            if reasoning:
-                yield from self._reasoning(reasoning)
-        if self.calls is None:
-            if text:
-                yield from self._text(text)
-            return
-        piece = self.calls.feed(text, final)
+        piece = self.answer.feed(text, final)
+        if piece.reasoning:
+            yield from self._reasoning(piece.reasoning)
         if piece.content:
             yield from self._text(piece.content)
-        for call in piece.deltas:
+        for call in piece.calls:
             if call.name is not None:
                 yield from self._close()
                 item = OutputFunctionCall(id=new_id("fc"), call_id=call.call_id, name=call.name, arguments="",
