@@ -74,6 +74,7 @@ def test_refusals_are_openai_errors(http: httpx.Client, body: dict, param: str, 
     assert response.status_code in (400, 404), response.text
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"]
+    assert http.post("/v1/embeddings", json={"input": "still serving"}).status_code == 200
 
 
 def test_score_and_rerank_are_cosine_similarities(client: openai.OpenAI, http: httpx.Client) -> None:
@@ -105,9 +106,14 @@ def test_score_and_rerank_are_cosine_similarities(client: openai.OpenAI, http: h
         ("/rerank", {"query": "a", "documents": []}, "documents"),
         ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
         ("/rerank", {"query": "", "documents": ["b"]}, "text"),
+        ("/rerank", {"query": "a", "documents": [f"d{i}" for i in range(5000)]}, "text"),  # over the prompt limit
+        ("/rerank", {"query": "a", "documents": "not a list"}, "documents"),
+        ("/score", {"text_1": "a", "text_2": [[1, 2]]}, "text_2"),
+        ("/score", {"text_1": "a", "text_2": "b", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ],
 )
 def test_scoring_refusals(http: httpx.Client, path: str, body: dict, param: str) -> None:
     response = http.post(path, json=body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+    assert http.post("/score", json={"text_1": "a", "text_2": "b"}).status_code == 200  # still serving

@@ -147,6 +147,10 @@ def test_text_format_constrains_the_answer(client: openai.OpenAI) -> None:
     ({"input": ASK, "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, 400, "tool_choice"),
     ({"input": ASK, "tools": [{"type": "namespace", "name": f"n{i}", "tools": [{"type": "function", "name": "f"}]}
                               for i in range(2)]}, 400, "more than once"),
+    ({"input": ASK, "tools": [{"type": "namespace", "name": "n", "tools": [{"type": "function", "name": f"f{i}"}
+                                                                            for i in range(200)]}]}, 400, "more than the 128"),
+    ({"input": ASK, "tools": [{"type": "namespace", "name": "n", "tools": [{"type": "namespace", "name": "m"}]}]}, 400,
+     "namespace holds function tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, 400,
      "text only"),
     ({"input": [{"type": "function_call_output", "call_id": "call_nope", "output": "1"}]}, 400, "no earlier"),
@@ -166,6 +170,8 @@ def test_refusals_as_openai_errors(http: httpx.Client, body: dict, status: int, 
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert needle in error["message"] or needle in str(error.get("param"))
+    still = http.post("/v1/responses", json={"model": MODEL_NAME, "input": "hi", "max_output_tokens": 1, "store": False})
+    assert still.status_code == 200  # the server still serves
 
 
 @pytest.mark.slow
