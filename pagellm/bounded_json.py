@@ -40,15 +40,19 @@ def parse_json_text(
     return value
 
 
-def check_json_depth(value: Any, what: str, max_depth: int = MAX_JSON_DEPTH) -> None:
-    """ValueError when ``value`` (parsed JSON: dicts, lists, scalars) nests deeper than ``max_depth``.
+def check_json_depth(value: Any, what: str, max_depth: int = MAX_JSON_DEPTH, max_containers: int | None = None) -> None:
+    """ValueError when ``value`` (parsed JSON: dicts, lists, scalars) nests deeper than ``max_depth``
+    or, where ``max_containers`` is given, holds more objects and arrays than that.
 
     Iterative, so that the check itself cannot exhaust the recursion limit; only containers are
-    visited, so a long list of strings or numbers costs one ``isinstance`` an item.
+    visited, so a long list of strings or numbers costs one ``isinstance`` an item. The walk is
+    Python, so a thread running it yields the interpreter to the event loop; the count bounds the
+    validation after it, which does not (pydantic validates a body in one native call).
     """
     if not isinstance(value, (dict, list)):
         return
     stack: list[tuple[Any, int]] = [(value, 1)]
+    seen = 1
     while stack:
         item, depth = stack.pop()
         children = item.values() if isinstance(item, dict) else item
@@ -56,5 +60,7 @@ def check_json_depth(value: Any, what: str, max_depth: int = MAX_JSON_DEPTH) -> 
         if containers:
             if depth >= max_depth:
                 raise ValueError(f"{what} is nested deeper than {max_depth} levels")
+            seen += len(containers)
+            if max_containers is not None and seen > max_containers:
+                raise ValueError(f"{what} holds more than {max_containers} JSON objects and arrays")
             stack.extend((c, depth + 1) for c in containers)
-

@@ -35,3 +35,11 @@ def test_depth_of_parsed_values() -> None:
         check_json_depth([value], "v")
     check_json_depth(["x"] * 1_000_000, "long but flat")
     check_json_depth("a string", "scalar")
+
+
+def test_count_of_objects_and_arrays() -> None:
+    value = {"a": [{"b": 1}, {"c": [1, 2]}], "d": "text"}  # the root, a list, two dicts, a list: 5
+    check_json_depth(value, "body", max_containers=5)
+    with pytest.raises(ValueError, match="body holds more than 4 JSON objects and arrays"):
+        check_json_depth(value, "body", max_containers=4)
+    check_json_depth(["x"] * 10_000, "body", max_containers=1)  # scalars are not counted

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from pagellm.entrypoints.openai.limits import MAX_BODY_CONTAINERS
 from tests.helpers.server import MODEL_NAME
 
 pytestmark = pytest.mark.slow
@@ -115,6 +116,15 @@ def test_more_messages_than_tokens_is_a_400(http: httpx.Client) -> None:
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
 
 
+def test_a_body_of_more_objects_than_the_bound_is_a_400_before_validation(http: httpx.Client) -> None:
+    messages = [{"role": "user", "content": ""}] * MAX_BODY_CONTAINERS
+    response = http.post(CHAT, json=chat(messages=messages))
+    assert response.status_code == 400, response.text[:300]
+    assert f"more than {MAX_BODY_CONTAINERS} JSON objects and arrays" in response.json()["error"]["message"]
+    accepted = http.post(CHAT, json=chat(messages=USER * 8, max_tokens=1))
+    assert accepted.status_code == 200, accepted.text[:300]
+
+
 # ---- /health while one heavy request is being prepared ---------------------------------------
 
 HEALTH_BOUND_S = 5.0  # the issue asks for 1 s; generous for a loaded 2-core CI machine
@@ -129,7 +139,7 @@ HEAVY: list[tuple[str, str, Callable[[], bytes]]] = [
     ("three_million_prompts", CMPL, lambda: raw(cmpl(prompt=["x"] * 3_000_000, max_tokens=1))),
     # 200,000 choices: refused by size, after parsing.
     ("two_hundred_thousand_choices", CMPL, lambda: raw(cmpl(guided_choice=[f"c{i}" for i in range(200_000)]))),
-    # A million tiny messages.
+    # A million tiny messages: refused by their count of objects, before validation.
     ("a_million_messages", CHAT, lambda: raw(chat(messages=[{"role": "user", "content": ""}] * 1_000_000))),
     # Ten million characters to tokenize: refused by length, after parsing.
     ("ten_million_characters", TOKENIZE, lambda: raw({"prompt": "word " * 2_000_000})),

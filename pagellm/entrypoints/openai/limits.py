@@ -9,3 +9,8 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
 # The most prompts one /v1/completions request may hold: each becomes an engine request, so the
 # list is bounded before any of them is tokenized (--max-prompts-per-request).
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 1024
+# The most JSON objects and arrays one request body may hold (messages, content parts, tools,
+# schema nodes). The body is validated in one native call that holds the interpreter, so this
+# bounds how long every other route waits (about a second on a loaded 2-core machine); a
+# million one-line messages fit in the body limit and took 3-6 s.
+MAX_BODY_CONTAINERS = 1 << 18

@@ -5,7 +5,8 @@ server accepts (32 MiB: three million one-character prompts) that is seconds of 
 which no other route answers, ``/health`` included. Generation routes therefore take the raw
 request and hand its body to :func:`parse_body`, which does the same work (the same errors,
 turned into the same 400s by ``errors.py``) in a worker thread, and bounds the body's nesting
-(``bounded_json``) so no later step can hit the recursion limit. The routes' OpenAPI document
+(``bounded_json``) so no later step can hit the recursion limit, and its count of objects and
+arrays, which bounds how long the validation holds the interpreter. The routes' OpenAPI document
 still describes the bodies (:func:`body_openapi`, :func:`add_body_schemas`), so clients and the
 fuzz tests see the same API.
 """
@@ -23,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 
 from pagellm.bounded_json import MAX_JSON_DEPTH, check_json_depth
+from pagellm.entrypoints.openai.limits import MAX_BODY_CONTAINERS
 from pagellm.entrypoints.openai.protocol import TEXT_CHECKED
 
 M = TypeVar("M", bound=BaseModel)
@@ -56,7 +58,7 @@ def decode_body(body: bytes, model: type[M]) -> M:
     except ValueError as exc:  # not UTF-8 (RFC 8259's encoding), or an integer past Python's digit limit
         raise _body_error("json_invalid", f"the request body is not valid JSON: {exc}") from None
     try:
-        check_json_depth(data, "the request body")
+        check_json_depth(data, "the request body", max_containers=MAX_BODY_CONTAINERS)
     except ValueError as exc:
         raise _body_error("value_error", str(exc)) from None
     context = {TEXT_CHECKED: _SURROGATE_ESCAPE.search(body) is None}
