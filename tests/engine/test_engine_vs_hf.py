@@ -18,14 +18,30 @@ PROMPTS = [
 MAX_TOKENS = 24
 
 
-@pytest.fixture(scope="module", params=["tiny_llama_path", "tiny_qwen2_path", "tiny_qwen3_path", "tiny_qwen2_yarn_path",
-                                                 "tiny_phi3_path", "tiny_phi3_longrope_path", "tiny_mistral_window_path",
-                                                 "tiny_qwen3_moe_path", "tiny_mixtral_path", "tiny_gemma2_path",
-                                                 "tiny_gemma3_path", "tiny_qwen3_window_path", "tiny_phi4_mini_path",
-                                                 "tiny_smollm3_path", "tiny_olmo2_path", "tiny_granite_path",
-                                                 "tiny_glm4_moe_path", "tiny_gpt_oss_path", "tiny_olmo3_path",
-                                                 "tiny_qwen2_moe_path", "tiny_glm4_path", "tiny_exaone4_path",
-                                                 "tiny_seed_oss_path", "tiny_ernie4_5_path", "tiny_hunyuan_path"])
+# Families whose attention, cache or expert path differs (windows, soft caps, sinks, MoE routing,
+# scaled rope): every batching configuration below. The rest differ from these only in how their
+# weights map onto the shared layer description: a plain and a chunked run each.
+BATCHING_FAMILIES = ["tiny_llama_path", "tiny_qwen2_path", "tiny_qwen3_path", "tiny_qwen2_yarn_path", "tiny_phi3_path",
+                     "tiny_phi3_longrope_path", "tiny_mistral_window_path", "tiny_qwen3_moe_path", "tiny_mixtral_path",
+                     "tiny_gemma2_path", "tiny_gemma3_path", "tiny_qwen3_window_path", "tiny_gpt_oss_path",
+                     "tiny_olmo3_path", "tiny_exaone4_path"]  # fmt: skip
+MAPPING_FAMILIES = ["tiny_phi4_mini_path", "tiny_smollm3_path", "tiny_olmo2_path", "tiny_granite_path",
+                    "tiny_glm4_moe_path", "tiny_qwen2_moe_path", "tiny_glm4_path", "tiny_seed_oss_path",
+                    "tiny_ernie4_5_path", "tiny_hunyuan_path"]  # fmt: skip
+CONFIGS = {
+    "bs16": dict(block_size=16),
+    "bs1": dict(block_size=1),
+    # Small step budget: long prompts are prefilled in chunks, mixed with decodes.
+    "chunked": dict(block_size=4, max_num_batched_tokens=7),
+    # A pool so small that requests are preempted and recomputed.
+    "preempt": dict(block_size=4, num_kv_blocks=24, max_model_len=96),
+}
+CASES = [pytest.param(family, CONFIGS[name], id=f"{family}-{name}")
+         for families, names in ((BATCHING_FAMILIES, CONFIGS), (MAPPING_FAMILIES, ["bs16", "chunked"]))
+         for family in families for name in names]  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=BATCHING_FAMILIES + MAPPING_FAMILIES)
 def model_and_reference(request, default_tokenizer):
     """A tiny model's path and HF's greedy tokens for every prompt (computed once)."""
     path = request.getfixturevalue(request.param)
@@ -34,18 +50,7 @@ def model_and_reference(request, default_tokenizer):
     return path, expected
 
 
-@pytest.mark.parametrize(
-    "engine_kwargs",
-    [
-        dict(block_size=16),
-        dict(block_size=1),
-        # Small step budget: long prompts are prefilled in chunks, mixed with decodes.
-        dict(block_size=4, max_num_batched_tokens=7),
-        # A pool so small that requests are preempted and recomputed.
-        dict(block_size=4, num_kv_blocks=24, max_model_len=96),
-    ],
-    ids=["bs16", "bs1", "chunked", "preempt"],
-)
+@pytest.mark.parametrize(("model_and_reference", "engine_kwargs"), CASES, indirect=["model_and_reference"])
 def test_greedy_matches_hf(model_and_reference, engine_kwargs):
     path, expected = model_and_reference
     if engine_kwargs.get("num_kv_blocks") and load_arch_config(path).window_of_every_layer:
