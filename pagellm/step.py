@@ -68,6 +68,9 @@ class ScheduledSequence:
     # Or drafts the worker's draft model proposes at the start of this step, in the place of
     # ``draft_token_ids`` (which then stays empty); the worker reports them in its output.
     num_model_drafts: int = 0
+    # A hybrid model's recurrent-state slot for the sequence (``core/state_slots.py``), sent on
+    # the step after each admission (a preempted sequence may come back to another); None: unchanged.
+    state_slot: int | None = None
 
     @property
     def num_drafts(self) -> int:
@@ -96,6 +99,9 @@ class SchedulerOutput:
     finished_seq_ids: list[str] = field(default_factory=list)
     # (src, dst) block copies to apply before the forward (copy-on-write).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # (src, dst) recurrent-state slot copies to apply before the forward (a hybrid model's
+    # samples born from their parent's prompt, ``core/state_slots.py``).
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -108,7 +114,8 @@ class SchedulerOutput:
     @property
     def changes_worker(self) -> bool:
         """Whether the worker must hear of this step even if it runs nothing."""
-        return bool(self.scheduled or self.new_sequences or self.forked_sequences or self.finished_seq_ids)
+        return bool(self.scheduled or self.new_sequences or self.forked_sequences or self.finished_seq_ids
+                    or self.state_copies)  # fmt: skip
 
 
 # (token_id, logprob, rank) triples: the sampled (or actual prompt) token first, then the top-N.

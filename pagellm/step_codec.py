@@ -58,14 +58,15 @@ def _scheduled_fields(r: ScheduledSequence) -> list[Any]:
     """A list, not an object: a decode step sends one of these per sequence."""
     forks = [[f.seq_id, _params_fields(f.sampling_params)] for f in r.forks]
     return [r.seq_id, r.start_position, r.num_tokens, r.sample, r.new_token_ids, r.block_table_start,
-            r.new_block_ids, forks, r.draft_token_ids, r.num_model_drafts]  # fmt: skip
+            r.new_block_ids, forks, r.draft_token_ids, r.num_model_drafts, r.state_slot]  # fmt: skip
 
 
 def _scheduled(data: list[Any]) -> ScheduledSequence:
-    seq_id, start, num_tokens, sample, new_tokens, table_start, new_blocks, forks, drafts, model_drafts = data
+    seq_id, start, num_tokens, sample, new_tokens, table_start, new_blocks, forks, drafts, model_drafts, slot = data
     return ScheduledSequence(
         str(seq_id), _int(start), _int(num_tokens), _bool(sample), _ints(new_tokens), _int(table_start),
         _ints(new_blocks), [SampleFork(str(i), _params(p)) for i, p in forks], _ints(drafts), _int(model_drafts),
+        None if slot is None else _int(slot),
     )  # fmt: skip
 
 
@@ -116,6 +117,7 @@ def encode_step(step: SchedulerOutput, grammar: GrammarBitmask | None) -> bytes:
         "forked": [_fork_fields(f) for f in step.forked_sequences],
         "finished": step.finished_seq_ids,
         "block_copies": step.block_copies,
+        "state_copies": step.state_copies,
     }  # fmt: skip
     words = b""
     if grammar is not None:
@@ -139,6 +141,7 @@ def decode_step(data: bytes) -> tuple[SchedulerOutput, GrammarBitmask | None]:
             forked_sequences=[_forked(f) for f in message["forked"]],
             finished_seq_ids=[str(i) for i in message["finished"]],
             block_copies=[(_int(src), _int(dst)) for src, dst in message["block_copies"]],
+            state_copies=[(_int(src), _int(dst)) for src, dst in message["state_copies"]],
         )
         grammar = None
         if "grammar" in message:

@@ -492,3 +492,14 @@ def tiny_hunyuan_path(tmp_path_factory: pytest.TempPathFactory, default_tokenize
                                   rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 50.0,
                                                    "factor": 1.0})  # fmt: skip
     return write_tiny_model(tmp_path_factory.mktemp("tiny_hunyuan"), config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_lfm2_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny LFM2 (hybrid): short-convolution layers around one attention layer (per-head q/k
+    norms), so a short prompt carries each convolution's state across chunks and steps."""
+    from transformers import Lfm2Config
+
+    config = Lfm2Config(**{**TINY_SHAPE, "num_hidden_layers": 4}, **token_ids(default_tokenizer),
+                        norm_eps=1e-5, layer_types=["conv", "conv", "full_attention", "conv"], initializer_range=0.1)  # fmt: skip
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_lfm2"), config, default_tokenizer)

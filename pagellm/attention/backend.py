@@ -33,6 +33,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_reqs + 1] int64, cumulative query_lens
     seq_lens_tensor: torch.Tensor  # [num_reqs] int64
     block_size: int
+    # A hybrid model's recurrent-state slot of each request (``core/state_slots.py``); None for a
+    # model without recurrent layers. A request whose context starts at 0 starts its state afresh.
+    state_slots: list[int] | None = None
     # What a backend derives from this step's metadata once and every layer reuses (index
     # tensors, range checks), keyed by the backend; filled lazily, dropped with the step.
     derived: dict[object, object] = field(default_factory=dict)

@@ -24,6 +24,7 @@ from pagellm.config import SchedulerConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.sequence import Sequence, SequenceStatus
 from pagellm.core.speculation import NO_DRAFTS, Drafts, Speculator
+from pagellm.core.state_slots import StateSlotPool
 from pagellm.step import ForkedSequence, ModelRunnerOutput, NewSequence, SampleFork, ScheduledSequence, SchedulerOutput
 
 
@@ -66,8 +67,10 @@ class Scheduler:
         max_model_len: int,
         speculator: Speculator | None = None,
         policy: SchedulingPolicy = SchedulingPolicy(),
+        state_slots: StateSlotPool | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        self.state_slots = state_slots  # a hybrid model's recurrent-state slots (None: no recurrent layers)
         self.speculator = speculator  # None: no speculative decoding
         self.policy = policy
         self._step = 0  # schedule() calls so far: the clock of aging
@@ -83,6 +86,9 @@ class Scheduler:
         self._ended: list[str] = []  # every sequence ended since the engine last asked (``take_ended``)
         self._forked_since_last_step: list[ForkedSequence] = []
         self._new_sequences: list[NewSequence] = []
+        # Recurrent states the worker copies before the next step's forward (slot -> slot): a
+        # sample born from its parent's prompt starts from the parent's state after it.
+        self._state_copies: list[tuple[int, int]] = []
         self.stats = SchedulerStats()
 
     # ---- queue management -------------------------------------------------
@@ -151,7 +157,7 @@ class Scheduler:
         """The one place a sequence ends (stop rules, aborts, stop strings, beams dropped, a
         grammar complete): its blocks go, the worker hears of it, the engine is told."""
         seq.status = status
-        self.kv_cache_manager.free(seq)
+        self._release(seq)
         del self.sequences[seq.seq_id]
         self._ended.append(seq.seq_id)
         if seq.num_tokens_sent:
@@ -215,8 +221,10 @@ class Scheduler:
             forked_sequences=self._forked_since_last_step,
             finished_seq_ids=self._finished_since_last_step,
             block_copies=self.kv_cache_manager.take_block_copies(),
+            state_copies=self._state_copies,
         )
         self._new_sequences, self._forked_since_last_step, self._finished_since_last_step = [], [], []
+        self._state_copies = []
         return output
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSequence], seq_budget: int) -> int:
@@ -225,6 +233,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(scheduled) < seq_budget):  # fmt: skip
             seq = self.waiting[0]
+            if self.state_slots is not None and self.state_slots.num_free < 1 + len(seq.pending_forks):
+                break  # (its samples' slots are taken with its own: their states are copied from it)
             cached = manager.get_computed_blocks(seq)
             num_cached = len(cached) * manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
@@ -234,6 +244,9 @@ class Scheduler:
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = num_cached
             self.waiting.popleft()
+            if self.state_slots is not None:
+                for holder in (seq, *seq.pending_forks):
+                    holder.state_slot = self.state_slots.allocate()
             seq.status = SequenceStatus.RUNNING
             self._insert(self.running, seq)
             scheduled.append(self._scheduled(seq, num_new))
@@ -313,8 +326,19 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence) -> None:
+        """What a sequence holds that others can use: its blocks, its state slot and those taken
+        for its samples not yet born (taken again with its own when it is admitted again)."""
         self.kv_cache_manager.free(seq)
+        if self.state_slots is None:
+            return
+        for holder in (seq, *seq.pending_forks):
+            if holder.state_slot is not None:
+                self.state_slots.free(holder.state_slot)
+                holder.state_slot, holder.state_slot_sent = None, False
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
         seq.status = SequenceStatus.PREEMPTED
         seq.num_computed_tokens = 0
         seq.num_blocks_sent = 0  # the worker keeps its row (tokens, generator), not its blocks
@@ -345,8 +369,10 @@ class Scheduler:
             for child in seq.pending_forks:
                 child.num_tokens_sent, child.num_blocks_sent = seq.num_tokens_sent, seq.num_blocks_sent
                 forks.append(SampleFork(child.seq_id, child.sampling_params))
+        slot = None if seq.state_slot_sent else seq.state_slot
+        seq.state_slot_sent = seq.state_slot is not None
         return ScheduledSequence(seq.seq_id, start, num_new, sample, new_tokens, table_start, new_blocks, forks,
-                                 list(drafts.tokens), drafts.in_worker)  # fmt: skip
+                                 list(drafts.tokens), drafts.in_worker, slot)  # fmt: skip
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -403,6 +429,8 @@ class Scheduler:
     def fork_sequence(self, parent_id: str, child: Sequence) -> None:
         """Start ``child`` as a running copy of ``parent_id``, sharing its KV blocks."""
         parent = self.sequences[parent_id]
+        if self.state_slots is not None:
+            raise ValueError("beams of a model with recurrent layers are not forked yet")
         if child.seq_id in self.sequences or child.seq_id in self._finished_since_last_step:
             # (a fork is copied before the step's finished rows go: its id must be a fresh one)
             raise ValueError(f"sequence id {child.seq_id!r} is already in use")
@@ -433,6 +461,8 @@ class Scheduler:
         children, parent.pending_forks = parent.pending_forks, []
         for child in children:
             self.kv_cache_manager.fork(parent, child)
+            if parent.state_slot is not None and child.state_slot is not None:  # its state, as its blocks
+                self._state_copies.append((parent.state_slot, child.state_slot))
             child.status = SequenceStatus.RUNNING
             child.priority, child.effective_priority = parent.priority, parent.effective_priority
             self._insert(self.running, child)

@@ -81,6 +81,10 @@ class Sequence:
     # pooled vector ends it (``pooled``); it samples nothing.
     pooling: Pooling | None = None
     pooled: list[float] | None = None
+    # A hybrid model's recurrent-state slot (``state_slots.py``) while it runs, and whether the
+    # worker has been told it (sent with the step that first schedules it after each admission).
+    state_slot: int | None = None
+    state_slot_sent: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -20,6 +20,7 @@ from pagellm.core.kv_snapshot import DEFAULT_MAX_REQUESTS, KVSnapshot, take_kv_s
 from pagellm.core.sequence import Sequence, SequenceStatus
 from pagellm.core.scheduler import Scheduler, SchedulingPolicy
 from pagellm.core.speculation import Speculator
+from pagellm.core.state_slots import StateSlotPool
 from pagellm.engine.beam_controller import BeamSearchController
 from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.engine.input_processor import InputProcessor, PromptType
@@ -58,9 +59,14 @@ class LLMEngine:
         self.executor: Executor = make_executor(config, self.tokenizer.eos_token_id)
         arch = self.executor.arch
         block_size = config.cache.block_size
+        # A hybrid model's prefix cache would need its recurrent states at block boundaries too
+        # (not kept yet): its requests compute every prompt token.
+        caching = config.cache.enable_prefix_caching and not arch.recurrent_layers
+        if config.cache.enable_prefix_caching and not caching:
+            logger.info("prefix caching is off: %s has recurrent layers, whose states it does not keep yet",
+                        arch.architecture)  # fmt: skip
         self.kv_cache_manager = KVCacheManager(
-            self.executor.num_blocks, block_size, enable_caching=config.cache.enable_prefix_caching,
-            sliding_window=arch.window_of_every_layer,
+            self.executor.num_blocks, block_size, enable_caching=caching, sliding_window=arch.window_of_every_layer,
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
@@ -69,10 +75,13 @@ class LLMEngine:
             self.executor.max_model_len,
             None if config.speculative is None else Speculator(config.speculative, draft_max_len(config)),
             SchedulingPolicy.of(config.scheduler),
+            StateSlotPool(config.scheduler.max_num_seqs) if arch.recurrent_layers else None,
         )
         self.input_processor = InputProcessor(
             self.tokenizer, arch.vocab_size, self.executor.max_model_len, config.limits, config.scheduler.max_num_seqs,
             config.scheduler.scheduling_policy, resolve_pooler(config.model.model, config.pooler), arch.hidden_size,
+            f"{arch.architecture}'s recurrent layers keep one state a sequence, not forked for beams yet"
+            if arch.recurrent_layers else None,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()

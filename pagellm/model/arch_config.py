@@ -37,6 +37,7 @@ _MODEL_TYPE_TO_ARCH = {
     "seed_oss": "SeedOssForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
 }
 # Architectures whose q/k/v projections always carry a bias (no config flag for it).
 _ALWAYS_QKV_BIAS = {"Qwen2ForCausalLM"}
@@ -44,7 +45,7 @@ _ALWAYS_QKV_BIAS = {"Qwen2ForCausalLM"}
 _O_PROJ_FOLLOWS_ATTENTION_BIAS = {"LlamaForCausalLM", "GptOssForCausalLM"}
 # Architectures with an RMSNorm over each head of q and of k before the rotary embedding.
 _QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Exaone4ForCausalLM",
-            "HunYuanDenseV1ForCausalLM"}  # fmt: skip
+            "HunYuanDenseV1ForCausalLM", "Lfm2ForCausalLM"}  # fmt: skip
 # Architectures whose per-head q/k norms come after the rotary embedding, not before (Hunyuan).
 _QK_NORM_AFTER_ROTARY = {"HunYuanDenseV1ForCausalLM"}
 # Architectures whose config's ``use_qk_norm`` switches those per-head norms on (GLM-4.5).
@@ -55,7 +56,7 @@ _GEMMA = {"Gemma2ForCausalLM", "Gemma3ForCausalLM"}
 # Where a config without `layer_types` puts its global layers: every N-th (Gemma 2: 2, Gemma 3:
 # its `sliding_window_pattern`, 6 by default).
 _GLOBAL_LAYER_EVERY = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
-SLIDING, FULL = "sliding_attention", "full_attention"
+SLIDING, FULL, CONV = "sliding_attention", "full_attention", "conv"
 # Mixture-of-experts families; Mixtral scales each expert's output by its float32 routing
 # weight, Qwen3-MoE by the weight cast to the model dtype first (as the reference does).
 _MOE = {"Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM", "GptOssForCausalLM", "Qwen2MoeForCausalLM"}
@@ -77,6 +78,9 @@ _SIGMOID_ROUTING = {"Glm4MoeForCausalLM"}
 # gpt-oss: attention sinks; a router with a bias whose chosen logits are softmaxed; experts with
 # biases and a clamped SwiGLU; every layer's MLP a mixture of experts.
 _GPT_OSS = {"GptOssForCausalLM"}
+# LFM2: short-convolution layers beside attention ones (``layer_types``), per-head q/k norms,
+# the MLP's width derived from ``intermediate_size`` (``_lfm2_config``).
+_LFM2 = {"Lfm2ForCausalLM"}
 
 
 @dataclass
@@ -142,6 +146,20 @@ class ModelArchConfig:
     attention_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax, over no value
     swiglu_limit: float | None = None  # gpt-oss: the clamped SwiGLU (gate <= limit, |up| <= limit)
     swiglu_alpha: float = 1.702  # gpt-oss: gate * sigmoid(alpha * gate)
+    # LFM2: short-convolution layers (``layer_types`` "conv") in place of attention: the
+    # convolution's taps (its state keeps the last conv_kernel - 1 inputs), biases or not.
+    conv_kernel: int = 0
+    conv_bias: bool = False
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """The layers that carry a state per sequence instead of K/V (a hybrid model's)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == CONV)
+
+    @property
+    def num_attention_layers(self) -> int:
+        """The layers that keep K/V in the paged cache."""
+        return self.num_hidden_layers - len(self.recurrent_layers)
 
     @property
     def attention_window(self) -> int | None:
@@ -160,7 +178,8 @@ class ModelArchConfig:
     def window_of_every_layer(self) -> int | None:
         """The window where every layer keeps one (KV blocks before it can be released, as no
         layer reads them again); None where any layer attends to everything."""
-        windows = {self.layer_window(i) for i in range(self.num_hidden_layers)}
+        recurrent = set(self.recurrent_layers)
+        windows = {self.layer_window(i) for i in range(self.num_hidden_layers) if i not in recurrent}
         return windows.pop() if len(windows) == 1 else None
 
     def layer_uses_local_rope(self, layer: int) -> bool:
@@ -199,6 +218,8 @@ class ModelArchConfig:
                      "shared_expert_size"):
             if getattr(self, name) % size:
                 raise ValueError(f"tensor_parallel_size={size} must divide the model's {name} ({getattr(self, name)})")
+        if self.recurrent_layers:
+            raise ValueError(f"tensor parallelism does not support {self.architecture}'s short-convolution layers yet")
         if self.qk_norm_over_projection:
             raise ValueError(f"tensor parallelism does not support {self.architecture}'s q/k norms over the whole "
                              "projection yet (each rank holds only some heads)")  # fmt: skip
@@ -220,12 +241,13 @@ class ModelArchConfig:
         routed = self.num_experts * 3 * hidden * self.moe_intermediate_size + self.num_experts * hidden
         moe = len(self.moe_layers) * (routed + 3 * hidden * self.shared_expert_size)
         dense = (self.num_hidden_layers - len(self.moe_layers)) * 3 * hidden * inter
-        return self.num_hidden_layers * attention + moe + dense + self.vocab_size * hidden
+        convolution = len(self.recurrent_layers) * 4 * hidden * hidden  # in_proj (3 parts) and out_proj
+        return self.num_attention_layers * attention + convolution + moe + dense + self.vocab_size * hidden
 
     def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
         """K+V bytes one token occupies across all layers in a cache of ``dtype`` (for sizing the
         paged cache and the bytes a decode token reads; an int8 row holds its scale too)."""
-        return kv_bytes_per_token(self.num_hidden_layers, self.num_key_value_heads, self.head_dim, dtype)
+        return kv_bytes_per_token(self.num_attention_layers, self.num_key_value_heads, self.head_dim, dtype)
 
     @classmethod
     def from_hf_config(
@@ -235,6 +257,8 @@ class ModelArchConfig:
         a multimodal checkpoint's text model, :func:`text_model_config`)."""
         config = text_model_config(config)
         architecture = _architecture_name(config)
+        if architecture in _LFM2:
+            config = _lfm2_config(config)
         hidden_size = int(config["hidden_size"])
         num_heads = int(config["num_attention_heads"])
         rope_theta, rope_scaling = _ntk_alpha(config, *_rope_from_hf(config))
@@ -271,6 +295,8 @@ class ModelArchConfig:
             **({"sandwich_norms": True, "rotary_interleaved": True} if architecture in _GLM4 else {}),
             **({"rotary_interleaved": True} if architecture == "Ernie4_5ForCausalLM" else {}),
             **_exaone4_fields(architecture, config),
+            **({"conv_kernel": int(config.get("conv_L_cache", 3)), "conv_bias": bool(config.get("conv_bias", False))}
+               if architecture in _LFM2 else {}),
             qk_norm_after_rotary=architecture in _QK_NORM_AFTER_ROTARY,
             **({"local_rope_theta": _local_rope_theta(architecture, config)} if architecture in _LOCAL_ROPE - _GEMMA else {}),
             **_gemma_fields(architecture, config, hidden_size),
@@ -364,6 +390,26 @@ def _exaone4_fields(architecture: str, config: dict[str, Any]) -> dict[str, Any]
     if architecture != "Exaone4ForCausalLM":
         return {}
     return dict(pre_norms=False, sandwich_norms=True)  # (its NoPE layers: _nope_layers)
+
+
+def _lfm2_config(config: dict[str, Any]) -> dict[str, Any]:
+    """LFM2's config in the common spelling: its MLP's width as its config class derives it
+    (``block_auto_adjust_ff_dim``: two thirds, times the multiplier, rounded up to a multiple),
+    ``norm_eps``, and ``layer_types`` from ``full_attn_idxs`` where only those are given."""
+    config = dict(config)
+    width = int(config["intermediate_size"])
+    if config.get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        multiplier = config.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            multiple = int(config.get("block_multiple_of", 256))
+            width = multiple * ((int(float(multiplier) * width) + multiple - 1) // multiple)
+    config["intermediate_size"] = width
+    config["rms_norm_eps"] = config.get("norm_eps", 1e-5)
+    if not config.get("layer_types"):
+        full = set(config.get("full_attn_idxs") or range(int(config["num_hidden_layers"])))
+        config["layer_types"] = [FULL if i in full else CONV for i in range(int(config["num_hidden_layers"]))]
+    return config
 
 
 def _nope_layers(architecture: str, config: dict[str, Any]) -> tuple[int, ...]:
@@ -467,9 +513,10 @@ def _layer_types(config: dict[str, Any]) -> tuple[str, ...]:
     """The config's ``layer_types`` (sliding or full attention per layer; transformers writes
     them for Qwen2/Qwen3 from ``max_window_layers``), checked; empty where it has none."""
     types = tuple(str(t) for t in config.get("layer_types") or ())
-    unknown = sorted(set(types) - {SLIDING, FULL})
+    unknown = sorted(set(types) - {SLIDING, FULL, CONV})
     if unknown:
-        raise NotImplementedError(f"layer types {unknown} are not supported (only {SLIDING!r} and {FULL!r})")
+        raise NotImplementedError(f"layer types {unknown} are not supported (only {SLIDING!r}, {FULL!r} and "
+                                  f"LFM2's {CONV!r})")  # fmt: skip
     if types and len(types) != int(config["num_hidden_layers"]):
         raise ValueError(f"layer_types lists {len(types)} layers, the model has {config['num_hidden_layers']}")
     return types

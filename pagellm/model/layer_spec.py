@@ -42,6 +42,15 @@ class LayerSpec:
     residual_multiplier: float = 1.0  # Granite: each block's output scaled before its residual add
     sinks: bool = False  # gpt-oss: a learned logit per head in its softmax (the attention's ``sinks``)
     qk_norm_after_rotary: bool = False  # Hunyuan: the per-head q/k norms follow the rotary
+    # LFM2: a short convolution (``model/short_conv.py``) in place of attention, over this many
+    # taps (0: an attention layer), with biases or not.
+    conv_kernel: int = 0
+    conv_bias: bool = False
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether the layer carries a state from token to token (a state slot) instead of K/V."""
+        return self.conv_kernel > 0
 
     @property
     def q_size(self) -> int:
@@ -80,6 +89,8 @@ def layer_spec(arch: ModelArchConfig, index: int) -> LayerSpec:
         residual_multiplier=arch.residual_multiplier,
         sinks=arch.attention_sinks,
         qk_norm_after_rotary=arch.qk_norm_after_rotary,
+        conv_kernel=arch.conv_kernel if index in arch.recurrent_layers else 0,
+        conv_bias=arch.conv_bias,
     )
 
 
@@ -92,6 +103,8 @@ def stack_refusal(spec: LayerSpec) -> str | None:
     """Why the one-call C++ decoder stack cannot run this layer, or None where it can. What it
     runs: RMSNorm (weight-scaled), q/k/v bias, per-head q/k norms, one rotary table, any score
     scale, soft cap and sliding window per layer, a bias-free SiLU-gated dense MLP."""
+    if spec.recurrent:
+        return "a short-convolution layer"
     if spec.moe:
         return "a mixture of experts"
     if spec.norm_unit_offset or spec.sandwich_norms:

@@ -33,10 +33,14 @@ from pagellm.model.mlp import LlamaMLP
 from pagellm.model.moe import SparseMoeBlock
 from pagellm.model.quant_embedding import QuantizedEmbedding, embedding_for_plan
 from pagellm.model.quant_linear import QuantizedLinear, linear_for_plan
+from pagellm.model.short_conv import ShortConv
 from pagellm.model.step_route import StepRoute, route_step
 from pagellm.model.weight_names import checkpoint_parts, mlp_weight_names
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+# What each layer keeps between steps: an attention layer its K/V pair, a recurrent layer (a
+# hybrid's short convolution) its state tensor, one row a state slot.
+LayerCache = KVCache | torch.Tensor
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +161,10 @@ class LlamaDecoderLayer(nn.Module):
             return make_rms_norm(spec.hidden_size, spec.norm_eps, spec.norm_unit_offset, norm_kernels)
 
         self.input_layernorm = norm() if spec.pre_norms else None
-        self.self_attn = LlamaAttention(spec, attn_backend, plan, tp)
+        if spec.recurrent:  # (LFM2's convolution layers)
+            self.conv = ShortConv(spec, plan)
+        else:
+            self.self_attn = LlamaAttention(spec, attn_backend, plan, tp)
         self.post_attention_layernorm = norm()
         self.mlp = SparseMoeBlock(arch, plan, tp) if spec.moe else LlamaMLP(arch, plan, tp)
         self.pre_feedforward_layernorm = norm() if spec.sandwich_norms and spec.pre_norms else None
@@ -169,7 +176,7 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: KVCache,
+        kv_cache: LayerCache,
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(block output, residual stream)``; the residual add happens inside the next norm."""
@@ -181,7 +188,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, kv_cache, attn_metadata)
+        hidden = self._mix(hidden, cos, sin, kv_cache, attn_metadata)
         multiplier = self.spec.residual_multiplier  # Granite: each block's output scaled
         if multiplier != 1.0:
             hidden = hidden * multiplier
@@ -189,16 +196,28 @@ class LlamaDecoderLayer(nn.Module):
         out = self.mlp(hidden)
         return (out * multiplier if multiplier != 1.0 else out), residual
 
+    def _mix(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """The block that mixes tokens: attention over the K/V pair, or the convolution over its state."""
+        if self.spec.recurrent:
+            if not isinstance(cache, torch.Tensor):
+                raise TypeError(f"layer {self.spec.index} is a convolution layer: it keeps a state tensor, not K/V")
+            return self.conv(hidden, cache, metadata)
+        if isinstance(cache, torch.Tensor):
+            raise TypeError(f"layer {self.spec.index} is an attention layer: it keeps K/V, not a state tensor")
+        return self.self_attn(hidden, cos, sin, cache, metadata)
+
     def _sandwich(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-        kv_cache: KVCache, attn_metadata: AttentionMetadata,
+        kv_cache: LayerCache, attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gemma's order: each block's output normed before its residual add (OLMo 2: and no norm
         before a block)."""
         assert self.post_feedforward_layernorm is not None
         residual = hidden if residual is None else hidden + residual
         normed = self.input_layernorm(residual) if self.input_layernorm is not None else residual
-        attended = self.self_attn(normed, cos, sin, kv_cache, attn_metadata)
+        attended = self._mix(normed, cos, sin, kv_cache, attn_metadata)
         residual = residual + self.post_attention_layernorm(attended)
         pre = self.pre_feedforward_layernorm
         return self.post_feedforward_layernorm(self.mlp(pre(residual) if pre is not None else residual)), residual
@@ -280,7 +299,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[KVCache],
+        kv_caches: list[LayerCache],
         attn_metadata: AttentionMetadata,
         stream: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -317,12 +336,13 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def _route(
-        self, hidden: torch.Tensor, kv_caches: list[KVCache], metadata: AttentionMetadata,
+        self, hidden: torch.Tensor, kv_caches: list[LayerCache], metadata: AttentionMetadata,
         stack: FusedDecoderStack | None,
     ) -> StepRoute:
         """This step's route (:mod:`pagellm.model.step_route`), logged at debug level where it
         differs from the last step's."""
-        cache_dtype = kv_caches[0][0].dtype if kv_caches else hidden.dtype
+        pairs = [cache for cache in kv_caches if not isinstance(cache, torch.Tensor)]
+        cache_dtype = pairs[0][0].dtype if pairs else hidden.dtype
         fits = stack is not None and stack.fits(hidden, kv_caches)
         route = route_step(self.plan, self.attn_backend, metadata, hidden.shape[0], hidden.dtype, cache_dtype,
                            self.arch.head_dim, fits)  # fmt: skip
@@ -383,8 +403,14 @@ class LlamaForCausalLM(nn.Module):
                 names.add(prefix + "post_feedforward_layernorm.weight")
                 if arch.pre_norms:
                     names.add(prefix + "pre_feedforward_layernorm.weight")
-            names |= {f"{prefix}self_attn.{p}_proj.weight" for p in "qkvo"}
             names |= mlp_weight_names(arch, i)
+            if i in arch.recurrent_layers:
+                kinds = ("weight", "bias") if arch.conv_bias else ("weight",)
+                names |= {f"{prefix}conv.{part}.{kind}" for part in ("in_proj", "out_proj") for kind in kinds}
+                names.add(prefix + "conv.conv_weight")
+                names |= {prefix + "conv.conv_bias"} if arch.conv_bias else set()
+                continue
+            names |= {f"{prefix}self_attn.{p}_proj.weight" for p in "qkvo"}
             if arch.attention_bias:
                 names |= {f"{prefix}self_attn.{p}_proj.bias" for p in "qkv"}
             if arch.o_proj_bias:

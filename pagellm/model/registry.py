@@ -37,6 +37,7 @@ _MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "SeedOssForCausalLM": LlamaForCausalLM,
     "Ernie4_5ForCausalLM": LlamaForCausalLM,
     "GptOssForCausalLM": LlamaForCausalLM,
+    "Lfm2ForCausalLM": LlamaForCausalLM,
 }
 
 

@@ -38,6 +38,19 @@ _RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
                                   (re.compile(r"\.self_attn\.key_layernorm\."), ".self_attn.k_norm.")),
     # Qwen2-MoE: one shared expert, `shared_expert` (GLM-4.5's `shared_experts`).
     "Qwen2MoeForCausalLM": ((re.compile(r"\.mlp\.shared_expert\."), ".mlp.shared_experts."),),
+    # LFM2: its norms, MLP, output projection and q/k norms by Llama's names; the convolution's
+    # Conv1d as the mixer's own parameters.
+    "Lfm2ForCausalLM": (
+        (re.compile(r"\.operator_norm\."), ".input_layernorm."),
+        (re.compile(r"\.ffn_norm\."), ".post_attention_layernorm."),
+        (re.compile(r"\.self_attn\.out_proj\."), ".self_attn.o_proj."),
+        (re.compile(r"\.self_attn\.(q|k)_layernorm\."), r".self_attn.\1_norm."),
+        (re.compile(r"\.feed_forward\.w1\."), ".mlp.gate_proj."),
+        (re.compile(r"\.feed_forward\.w3\."), ".mlp.up_proj."),
+        (re.compile(r"\.feed_forward\.w2\."), ".mlp.down_proj."),
+        (re.compile(r"^model\.embedding_norm\."), "model.norm."),
+        (re.compile(r"\.conv\.conv\.(weight|bias)$"), r".conv.conv_\1"),
+    ),
     # gpt-oss: the router is `router` (with a bias).
     "GptOssForCausalLM": ((re.compile(r"\.mlp\.router\."), ".mlp.gate."),),
     # Gemma 3 4B and up (Gemma3ForConditionalGeneration): the text model under `language_model`.

@@ -76,5 +76,6 @@ def flat_inputs(
         query_start_loc=query_start_loc,
         seq_lens_tensor=seq_lens_t,
         block_size=block_size,
+        state_slots=batch.state_slot[rows].tolist() if batch.uses_states else None,
     )
     return FlatInputs(input_ids, positions_t, metadata, tensors[6:])

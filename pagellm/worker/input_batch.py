@@ -37,6 +37,10 @@ class InputBatch:
         self.block_table = np.zeros((rows, blocks), dtype=np.int64)
         self.num_blocks = np.zeros(rows, dtype=np.int64)
         self.num_draft_computed = np.zeros(rows, dtype=np.int64)
+        # A hybrid model's recurrent-state slot of each row (-1: none yet); ``uses_states`` once
+        # any row has one, so that only a hybrid model's steps read them.
+        self.state_slot = np.full(rows, -1, dtype=np.int64)
+        self.uses_states = False
         self.params: list[SamplingParams] = []
         self.generators: list[torch.Generator | None] = []
 
@@ -82,7 +86,8 @@ class InputBatch:
             n, b = int(self.num_tokens[last]), int(self.num_blocks[last])
             self.token_ids[row, :n] = self.token_ids[last, :n]
             self.block_table[row, :b] = self.block_table[last, :b]
-            for array in (self.num_tokens, self.num_prompt_tokens, self.num_blocks, self.num_draft_computed):
+            for array in (self.num_tokens, self.num_prompt_tokens, self.num_blocks, self.num_draft_computed,
+                          self.state_slot):  # fmt: skip
                 array[row] = array[last]
             self.params[row] = self.params[last]
             self.generators[row] = self.generators[last]
@@ -121,6 +126,9 @@ class InputBatch:
                 drafted = min(drafted, (item.block_table_start + changed) * self.block_size)
         self._set_blocks(row, item.block_table_start, item.new_block_ids)
         self.num_draft_computed[row] = min(drafted, item.start_position)
+        if item.state_slot is not None:
+            self.state_slot[row] = item.state_slot
+            self.uses_states = True
 
     def set_drafts(self, row: int, draft_token_ids: list[int]) -> None:
         """Drafts after the row's tokens, read by this step's inputs only: not counted as tokens."""
@@ -141,6 +149,7 @@ class InputBatch:
         self.num_tokens[row] = 0
         self.num_blocks[row] = 0
         self.num_draft_computed[row] = 0
+        self.state_slot[row] = -1
         return row
 
     def reserve_tokens(self, end: int) -> None:
@@ -168,6 +177,7 @@ class InputBatch:
         self.num_prompt_tokens = _grown(self.num_prompt_tokens, rows=rows)
         self.num_blocks = _grown(self.num_blocks, rows=rows)
         self.num_draft_computed = _grown(self.num_draft_computed, rows=rows)
+        self.state_slot = _grown(self.state_slot, rows=rows)
 
     # ---- what a step reads -------------------------------------------------------------
 

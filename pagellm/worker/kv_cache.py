@@ -1,4 +1,5 @@
-"""The KV cache tensors: sizing from a memory budget, allocation, block copies."""
+"""The KV cache tensors: sizing from a memory budget, allocation, block copies; and a hybrid
+model's recurrent states, one tensor a recurrent layer, one row a state slot."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import torch
 
 from pagellm.attention.backend import indexable
 from pagellm.kv_layout import kv_bytes_per_token, kv_row_width
+from pagellm.model.arch_config import ModelArchConfig
 
-KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (key_cache, value_cache)
+# Per layer: (key_cache, value_cache) for an attention layer; a recurrent layer's state tensor.
+KVCache = list[tuple[torch.Tensor, torch.Tensor] | torch.Tensor]
 
 
 def bytes_per_block(
@@ -77,9 +80,44 @@ def copy_blocks(kv_cache: KVCache, copies: list[tuple[int, int]]) -> None:
     """Copy whole blocks src -> dst in every layer (copy-on-write), one indexed copy per tensor."""
     if not copies:
         return
-    device = kv_cache[0][0].device
+    pairs = [pair for pair in kv_cache if not isinstance(pair, torch.Tensor)]  # (a state has no blocks)
+    device = pairs[0][0].device
     src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=device)
     dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=device)
-    for key_cache, value_cache in kv_cache:
+    for key_cache, value_cache in pairs:
         for cache in (indexable(key_cache), indexable(value_cache)):
             cache.index_copy_(0, dst, cache.index_select(0, src))
+
+
+def copy_states(caches: KVCache, copies: list[tuple[int, int]]) -> None:
+    """Copy recurrent-state slots src -> dst in every recurrent layer (all read before any is written)."""
+    if not copies:
+        return
+    states = [cache for cache in caches if isinstance(cache, torch.Tensor)]
+    if not states:
+        raise ValueError("state copies for a model without recurrent layers")
+    src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=states[0].device)
+    dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=states[0].device)
+    for state in states:
+        state.index_copy_(0, dst, state.index_select(0, src))
+
+
+def with_recurrent_states(
+    arch: ModelArchConfig, attention: KVCache, num_slots: int, dtype: torch.dtype, device: torch.device
+) -> KVCache:
+    """Every layer's cache in layer order: ``attention``'s K/V pairs (one an attention layer, in
+    order) and, for each recurrent layer, its zeroed state: ``[num_slots, conv_kernel - 1,
+    hidden]`` (a short convolution's last inputs; ``model/short_conv.py``)."""
+    recurrent = set(arch.recurrent_layers)
+    if not recurrent:
+        return attention
+    pairs = iter(attention)
+    shape = (num_slots, arch.conv_kernel - 1, arch.hidden_size)
+    return [torch.zeros(shape, dtype=dtype, device=device) if i in recurrent else next(pairs)
+            for i in range(arch.num_hidden_layers)]  # fmt: skip
+
+
+def recurrent_state_bytes(arch: ModelArchConfig, num_slots: int, dtype: torch.dtype) -> int:
+    """The memory of every recurrent layer's states (``with_recurrent_states``)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return len(arch.recurrent_layers) * num_slots * (arch.conv_kernel - 1) * arch.hidden_size * itemsize

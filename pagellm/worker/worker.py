@@ -37,7 +37,13 @@ from pagellm.worker.kv_budget import (
     AutoPool, HostShare, auto_kv_blocks, auto_kv_budget, check_pool_fits, check_weights_fit, estimated_weight_bytes,
     gib, step_workspace_bytes, useful_kv_blocks,
 )
-from pagellm.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_budget
+from pagellm.worker.kv_cache import (
+    allocate_kv_cache,
+    bytes_per_block,
+    num_blocks_for_budget,
+    recurrent_state_bytes,
+    with_recurrent_states,
+)
 from pagellm.worker.drafter import Drafter
 from pagellm.worker.model_runner import ModelRunner
 
@@ -119,6 +125,19 @@ def rank_shard(arch: ModelArchConfig, parallel: ParallelRank | None) -> ModelArc
     return dataclasses.replace(shard, num_hidden_layers=end - start)
 
 
+def check_recurrent_support(arch: ModelArchConfig, config: EngineConfig, parallel: ParallelRank | None) -> None:
+    """Refuse, naming it, what a model with recurrent layers (LFM2's convolutions) cannot run yet:
+    its state is not split across ranks, nor rolled back for rejected drafts."""
+    if not arch.recurrent_layers:
+        return
+    if parallel is not None:
+        raise ValueError(f"{arch.architecture} has recurrent (short-convolution) layers: tensor and pipeline "
+                         "parallelism do not support them yet (data parallelism does)")  # fmt: skip
+    if config.speculative is not None:
+        raise ValueError(f"{arch.architecture} has recurrent (short-convolution) layers: speculative decoding does "
+                         "not support them yet (a rejected draft would have to roll their state back)")  # fmt: skip
+
+
 def context_limit(
     requested: int | None, arch: ModelArchConfig, num_blocks: int, block_size: int, step_tokens: int
 ) -> int:
@@ -170,6 +189,7 @@ class Worker:
             weight_bytes += host_weight_bytes(draft_config, draft_plan, None, share)
         check_weights_fit(_model_name(config), weight_bytes, available_memory_bytes(self.device), share)
         model, self.arch = load_model(config.model.model, self.dtype, attn_backend, self.device, self.kernel_plan, parallel)
+        check_recurrent_support(self.arch, config, parallel)
         # The weights repacked once for the plan's CPU kernels (fused MLPs, packed linears).
         self.cpu_optimizations = self._optimize(model, self.kernel_plan)
         draft = None
@@ -193,9 +213,10 @@ class Worker:
                                            config.scheduler.max_num_batched_tokens)  # fmt: skip
         stage = parallel.stage(self.arch.num_hidden_layers) if parallel is not None else None
         kv_cache = allocate_kv_cache(
-            stage.num_layers if stage is not None else shard.num_hidden_layers, self.num_blocks, self.block_size,
+            stage.num_layers if stage is not None else shard.num_attention_layers, self.num_blocks, self.block_size,
             shard.num_key_value_heads, shard.head_dim, self.kv_cache_dtype, self.device,
         )  # fmt: skip
+        kv_cache = with_recurrent_states(self.arch, kv_cache, config.scheduler.max_num_seqs, self.dtype, self.device)
         link = parallel.link(self.arch.hidden_size, self.dtype, self.arch.num_hidden_layers) if parallel else None
         drafter = None
         if draft is not None:
@@ -238,7 +259,7 @@ class Worker:
         holds, else (``auto``) what the memory left once every rank's weights are in holds.
         A draft model's layers take their share of every block (``draft_block_bytes``)."""
         cache = config.cache
-        block_bytes = draft_block_bytes + bytes_per_block(shard.num_hidden_layers, shard.num_key_value_heads,
+        block_bytes = draft_block_bytes + bytes_per_block(shard.num_attention_layers, shard.num_key_value_heads,
                                                           shard.head_dim, cache.block_size, self.kv_cache_dtype)  # fmt: skip
         if cache.num_kv_blocks is not None or cache.kv_cache_bytes is not None:
             blocks = cache.num_kv_blocks or num_blocks_for_budget(cache.kv_cache_bytes, block_bytes)
@@ -254,7 +275,8 @@ class Worker:
         scheduler = config.scheduler
         pool = AutoPool(
             available=available, host_weight_bytes=weight_bytes, block_bytes=block_bytes,
-            workspace=step_workspace_bytes(self.arch, scheduler.max_num_batched_tokens, scheduler.max_num_seqs),
+            workspace=step_workspace_bytes(self.arch, scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
+            + recurrent_state_bytes(self.arch, scheduler.max_num_seqs, self.dtype),
             useful_blocks=useful_kv_blocks(scheduler.max_num_seqs, context, cache.block_size),
         )  # fmt: skip
         # Every rank takes the smallest budget, so all size alike and any refusal is every rank's.

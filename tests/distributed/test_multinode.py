@@ -58,9 +58,11 @@ def test_the_step_codec_round_trips_and_refuses_other_bytes() -> None:
                             max_tokens=None, structured_outputs=StructuredOutputsParams(json={"type": "object"}))  # fmt: skip
     sequence = ScheduledSequence("a", 5, 2, True, [1], 1, [4, 5], [SampleFork("b", SamplingParams())])
     drafting = ScheduledSequence("d", 7, 3, True, [], 1, [6], [], [11, 12])  # its known token and two drafts
+    hybrid = ScheduledSequence("h", 0, 4, True, [], 0, [7], state_slot=3)  # told its recurrent-state slot
     embedding = NewSequence("e", [5, 6], 2, SamplingParams(max_tokens=1), Pooling("MEAN", True, 8))
-    step = SchedulerOutput([sequence, drafting], [NewSequence("n", [9, 9, 9, 1], 3, params), embedding],
-                           [ForkedSequence("f", "a"), ForkedSequence("g", "a", SamplingParams(seed=1))], ["gone"], [(1, 2)])  # fmt: skip
+    step = SchedulerOutput([sequence, drafting, hybrid], [NewSequence("n", [9, 9, 9, 1], 3, params), embedding],
+                           [ForkedSequence("f", "a"), ForkedSequence("g", "a", SamplingParams(seed=1))], ["gone"], [(1, 2)],
+                           [(3, 0)])  # fmt: skip
     grammar = GrammarBitmask({"a": 0}, torch.tensor([[1, -1, 7]], dtype=torch.int32))
     step2, grammar2 = decode_step(encode_step(step, grammar))
     assert step2 == step and grammar2 is not None and grammar2.rows == grammar.rows

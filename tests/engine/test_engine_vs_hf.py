@@ -24,7 +24,7 @@ MAX_TOKENS = 24
 BATCHING_FAMILIES = ["tiny_llama_path", "tiny_qwen2_path", "tiny_qwen3_path", "tiny_qwen2_yarn_path", "tiny_phi3_path",
                      "tiny_phi3_longrope_path", "tiny_mistral_window_path", "tiny_qwen3_moe_path", "tiny_mixtral_path",
                      "tiny_gemma2_path", "tiny_gemma3_path", "tiny_qwen3_window_path", "tiny_gpt_oss_path",
-                     "tiny_olmo3_path", "tiny_exaone4_path"]  # fmt: skip
+                     "tiny_olmo3_path", "tiny_exaone4_path", "tiny_lfm2_path"]  # fmt: skip
 MAPPING_FAMILIES = ["tiny_phi4_mini_path", "tiny_smollm3_path", "tiny_olmo2_path", "tiny_granite_path",
                     "tiny_glm4_moe_path", "tiny_qwen2_moe_path", "tiny_glm4_path", "tiny_seed_oss_path",
                     "tiny_ernie4_5_path", "tiny_hunyuan_path"]  # fmt: skip
@@ -76,7 +76,10 @@ def test_prefix_cache_hits_give_the_same_tokens(model_and_reference):
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == expected
     again = llm.generate(PROMPTS[::-1], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == expected[::-1]
-    assert llm.llm_engine.stats.prefix_cache_hits > 0
+    if load_arch_config(path).recurrent_layers:  # (their states at block boundaries are not kept yet)
+        assert llm.llm_engine.stats.prefix_cache_hits == 0
+    else:
+        assert llm.llm_engine.stats.prefix_cache_hits > 0
 
 
 def test_a_window_every_layer_keeps_holds_only_its_blocks(tiny_mistral_window_path: str):

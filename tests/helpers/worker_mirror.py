@@ -23,6 +23,7 @@ class Seen:
     sample: bool
     num_tokens: int
     forks: list[str] = field(default_factory=list)
+    state_slot: int = -1  # a hybrid model's recurrent-state slot, as the worker holds it
 
 
 @dataclass
@@ -63,10 +64,12 @@ class WorkerMirror:
             seq = scheduler.sequences[item.seq_id]
             assert table == scheduler.kv_cache_manager.get_block_ids(item.seq_id), item.seq_id
             assert tokens == seq.all_token_ids, item.seq_id
+            slot = int(batch.state_slot[row])
+            assert slot == (-1 if seq.state_slot is None else seq.state_slot), item.seq_id
             start = item.start_position
             computed = batch.token_ids[row, start : start + item.num_tokens].tolist()  # drafts after the known tokens
             seen.append(Seen(item.seq_id, computed, start, table, item.sample, item.num_tokens,
-                             [f.seq_id for f in item.forks]))  # fmt: skip
+                             [f.seq_id for f in item.forks], slot))  # fmt: skip
         known = {seq_id for seq_id, r in scheduler.sequences.items() if r.num_tokens_sent}
         assert set(batch.row_of) == known
         assert batch.seq_ids == sorted(batch.row_of, key=batch.row_of.__getitem__)

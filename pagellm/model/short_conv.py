@@ -1,0 +1,102 @@
+"""LFM2's short-convolution mixer: a gated, depthwise causal convolution over the last few inputs,
+in place of attention in a hybrid model's convolution layers.
+
+``in_proj`` makes three parts of each token, B, C and x; the convolution runs over ``B * x``
+along the sequence (each channel its own ``kernel``-tap filter over its last inputs), and its
+output gated by C goes through ``out_proj``. What a sequence carries from step to step is its
+last ``kernel - 1`` inputs to the convolution: a row of the layer's state (``[slots, kernel - 1,
+hidden]``, one row a sequence's state slot, ``core/state_slots.py``). A request whose context
+starts at position 0 starts from zeros, as the reference pads.
+
+The step's tokens are convolved at once: each token's window of inputs is gathered from one
+table, the requests' previous inputs (zeros for a fresh start) followed by the step's new ones;
+the gather indices depend only on the step's spans, so they are built once a step
+(:func:`conv_plan`) and every convolution layer reuses them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagellm.attention.backend import AttentionMetadata
+from pagellm.kernels.plan import KernelPlan
+from pagellm.model.layer_spec import LayerSpec
+from pagellm.model.quant_linear import linear_for_plan
+
+
+@dataclass(frozen=True)
+class ConvPlan:
+    """One step's gather indices into the table ``[zero row, previous inputs of each request
+    (kernel - 1 rows each), the step's new inputs]``."""
+
+    slots: torch.Tensor  # [R] each request's state slot
+    windows: torch.Tensor  # [T, kernel] the table rows each new token's output convolves
+    last: torch.Tensor  # [R, kernel - 1] the table rows that become each request's state
+
+
+def conv_plan(metadata: AttentionMetadata, kernel: int, device: torch.device) -> ConvPlan:
+    """The step's :class:`ConvPlan` (cached in ``metadata.derived``: the same for every layer)."""
+    key = ("short_conv", kernel)
+    plan = metadata.derived.get(key)
+    if plan is None:
+        plan = metadata.derived[key] = _build_plan(metadata, kernel, device)
+    return plan  # type: ignore[return-value]
+
+
+def _build_plan(metadata: AttentionMetadata, kernel: int, device: torch.device) -> ConvPlan:
+    if metadata.state_slots is None:
+        raise ValueError("a convolution layer needs each request's state slot (AttentionMetadata.state_slots)")
+    keep = kernel - 1
+    query_lens = np.asarray(metadata.query_lens, dtype=np.int64)
+    fresh = (np.asarray(metadata.seq_lens, dtype=np.int64) - query_lens) == 0
+    num_reqs = len(query_lens)
+    starts = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=starts[1:])
+    new_base = 1 + num_reqs * keep  # the first new input's row in the table
+
+    def rows(req: np.ndarray, k: np.ndarray) -> np.ndarray:
+        """Table rows of request ``req``'s input ``k`` (k < 0: its previous inputs, -1 the latest)."""
+        previous = np.where(fresh[req], 0, 1 + req * keep + keep + k)
+        return np.where(k >= 0, new_base + starts[req] + k, previous)
+
+    req = np.repeat(np.arange(num_reqs), query_lens)
+    index = np.arange(int(starts[-1])) - starts[req]  # each token's place in its request's span
+    windows = rows(req[:, None], index[:, None] - keep + np.arange(kernel)[None, :])
+    last_req = np.arange(num_reqs)[:, None]
+    last = rows(last_req, query_lens[:, None] - keep + np.arange(keep)[None, :])
+    as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)  # noqa: E731
+    return ConvPlan(as_tensor(metadata.state_slots), as_tensor(windows), as_tensor(last))
+
+
+class ShortConv(nn.Module):
+    """The mixer of one convolution layer (see the module docstring)."""
+
+    def __init__(self, spec: LayerSpec, plan: KernelPlan | None) -> None:
+        super().__init__()
+        hidden = spec.hidden_size
+        self.hidden_size = hidden
+        self.kernel = spec.conv_kernel
+        self.in_proj = linear_for_plan(hidden, 3 * hidden, spec.conv_bias, plan)
+        self.out_proj = linear_for_plan(hidden, hidden, spec.conv_bias, plan)
+        # (the checkpoint's Conv1d layout: [channels, 1, taps])
+        self.conv_weight = nn.Parameter(torch.empty(hidden, 1, self.kernel))
+        self.conv_bias = nn.Parameter(torch.empty(hidden)) if spec.conv_bias else None
+
+    def forward(self, hidden: torch.Tensor, state: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """``hidden`` [T, hidden] -> [T, hidden]; ``state`` [slots, kernel - 1, hidden] is read for
+        each request's previous inputs and left holding its latest ones."""
+        b, c, x = self.in_proj(hidden).chunk(3, dim=-1)
+        inputs = b * x
+        plan = conv_plan(metadata, self.kernel, hidden.device)
+        zero = inputs.new_zeros(1, self.hidden_size)
+        table = torch.cat((zero, state[plan.slots].to(inputs.dtype).flatten(0, 1), inputs))
+        taps = self.conv_weight[:, 0, :].t().to(inputs.dtype)  # [kernel, hidden]
+        out = (table[plan.windows] * taps).sum(dim=1)
+        if self.conv_bias is not None:
+            out = out + self.conv_bias.to(out.dtype)
+        state[plan.slots] = table[plan.last].to(state.dtype)
+        return self.out_proj(c * out)

@@ -1,0 +1,117 @@
+"""Recurrent-state slots (hybrid models): exact slot ids through admission, finish, abort and
+preemption, each told to the worker once per admission (the worker mirror checks its copy)."""
+
+import pytest
+
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.scheduler import Scheduler
+from pagellm.core.sequence import SequenceStatus
+from pagellm.core.state_slots import StateSlotPool
+from tests.core.test_scheduler import make_request
+from tests.helpers.worker_mirror import attach, schedule, update
+
+
+def make_scheduler(num_slots=2, num_blocks=16, block_size=4, max_num_seqs=8, budget=64):
+    manager = KVCacheManager(num_blocks, block_size, enable_caching=False)
+    return attach(Scheduler(manager, max_num_seqs, budget, 64, state_slots=StateSlotPool(num_slots)))
+
+
+def test_pool_hands_out_the_lowest_free_slot_and_refuses_double_frees():
+    pool = StateSlotPool(3)
+    assert [pool.allocate(), pool.allocate()] == [0, 1]
+    pool.free(0)
+    assert pool.allocate() == 0 and pool.allocate() == 2 and pool.allocate() is None
+    assert pool.num_free == 0
+    pool.free(1)
+    with pytest.raises(ValueError, match="state slot 1 is not held"):
+        pool.free(1)
+    with pytest.raises(ValueError, match="state slot 7 is not held"):
+        pool.free(7)
+    with pytest.raises(ValueError, match="at least one slot"):
+        StateSlotPool(0)
+
+
+def test_slots_are_taken_on_admission_bound_it_and_return_on_finish_and_abort():
+    s = make_scheduler(num_slots=2)
+    for rid in "abc":
+        s.add_sequence(make_request(rid, 3, max_tokens=2))
+    step = schedule(s)
+    # Two slots: the third request waits for one although blocks and max_num_seqs allow it.
+    assert [(r.seq_id, r.state_slot) for r in step.scheduled] == [("a", 0), ("b", 1)]
+    assert [r.state_slot for r in step.out.scheduled] == [0, 1]
+    assert [r.seq_id for r in s.waiting] == ["c"]
+    update(s, step)
+    step = schedule(s)  # decodes: the slots are not sent again
+    assert [r.state_slot for r in step.out.scheduled] == [None, None]
+    s.finish_sequences(["b"], SequenceStatus.FINISHED_ABORTED)
+    update(s, step)  # "a" reaches max_tokens: both slots are free again
+    step = schedule(s)
+    assert [(r.seq_id, r.state_slot) for r in step.scheduled] == [("c", 0)]
+    assert s.state_slots.num_free == 1
+    update(s, step)
+    update(s, schedule(s))
+    assert not s.has_unfinished_sequences() and s.state_slots.num_free == 2
+
+
+def test_a_preempted_sequence_gives_its_slot_back_and_is_told_its_next_one():
+    # 4 blocks of 2 tokens: two requests of 3 prompt tokens fill them after one decode each.
+    s = make_scheduler(num_slots=2, num_blocks=4, block_size=2)
+    s.add_sequence(make_request("old", 3, max_tokens=4))
+    s.add_sequence(make_request("new", 3, max_tokens=4))
+    update(s, schedule(s))
+    update(s, schedule(s))
+    step = schedule(s)  # "new" is preempted for "old"'s next block
+    new = s.sequences["new"]
+    assert new.status == SequenceStatus.PREEMPTED and new.state_slot is None and s.state_slots.num_free == 1
+    update(s, step)
+    resumed = []
+    for _ in range(20):
+        step = schedule(s)
+        resumed += [(r.start_position, r.state_slot) for r in step.out.scheduled if r.seq_id == "new"
+                    and r.state_slot is not None]  # fmt: skip
+        update(s, step)
+        if not s.has_unfinished_sequences():
+            break
+    assert resumed[0][0] == 0 and len(resumed) == 1  # recomputed from 0, its slot sent once
+    assert s.state_slots.num_free == 2
+
+
+def test_samples_take_their_slots_with_their_parent_and_copy_its_state_when_born():
+    s = make_scheduler(num_slots=3)
+    s.add_sequence(make_request("a", 3, max_tokens=2, n=2), fork_children=[make_request("a-1", 3, max_tokens=2)])
+    s.add_sequence(make_request("b", 3, max_tokens=2))
+    s.add_sequence(make_request("c", 3, max_tokens=2))
+    step = schedule(s)  # "a" and its sample take two slots, "b" the third; "c" waits for one
+    assert [(r.seq_id, r.state_slot, r.forks) for r in step.scheduled] == [("a", 0, ["a-1"]), ("b", 2, [])]
+    assert s.sequences["a-1"].state_slot == 1 and step.out.state_copies == []
+    update(s, step)  # the sample is born from "a"'s prompt
+    step = schedule(s)
+    assert step.out.state_copies == [(0, 1)]  # before the forward: "a"'s state after its prompt
+    assert [(r.seq_id, r.state_slot) for r in step.scheduled] == [("a", 0), ("a-1", 1), ("b", 2)]
+    assert [r.state_slot for r in step.out.scheduled] == [None, 1, None]
+    update(s, step)
+    while s.has_unfinished_sequences():
+        update(s, schedule(s))
+    assert s.state_slots.num_free == 3
+
+
+def test_a_preempted_or_aborted_parent_gives_back_its_unborn_samples_slots():
+    s = make_scheduler(num_slots=4, budget=2)  # a 3-token prompt takes two steps
+    s.add_sequence(make_request("a", 3, max_tokens=2, n=3),
+                   fork_children=[make_request("a-1", 3, max_tokens=2), make_request("a-2", 3, max_tokens=2)])
+    update(s, schedule(s))  # the first chunk: three slots held, the samples unborn
+    assert s.state_slots.num_free == 1
+    s._preempt(s.running.pop())  # (as the scheduler preempts: off the running list, then released)
+    assert s.state_slots.num_free == 4 and all(s.sequences[k].state_slot is None for k in ("a", "a-1", "a-2"))
+    update(s, schedule(s))  # admitted again: three slots again
+    assert s.state_slots.num_free == 1
+    s.finish_sequences(["a"], SequenceStatus.FINISHED_ABORTED)
+    assert s.state_slots.num_free == 4 and not s.has_unfinished_sequences()
+
+
+def test_beams_of_sequences_with_states_are_not_forked():
+    s = make_scheduler()
+    s.add_sequence(make_request("a", 3))
+    update(s, schedule(s))
+    with pytest.raises(ValueError, match="beams of a model with recurrent layers are not forked yet"):
+        s.fork_sequence("a", make_request("b", 3))

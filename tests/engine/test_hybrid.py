@@ -1,0 +1,53 @@
+"""A hybrid model (LFM2's convolution layers beside attention): its states in slots as few as
+the running sequences, and what it cannot do yet refused by name, never answered wrongly."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagellm import LLM, SamplingParams
+from pagellm.engine.beam_search import BeamSearchParams
+from pagellm.model import load_arch_config
+from tests.engine.test_engine_vs_hf import MAX_TOKENS, PROMPTS
+from tests.helpers.hf_reference import hf_greedy, load_hf_model
+
+
+@pytest.fixture(scope="module")
+def lfm2(tiny_lfm2_path: str) -> LLM:
+    """Two state slots (max_num_seqs=2) for five prompts: slots are reused as requests finish."""
+    return LLM(tiny_lfm2_path, dtype="float32", block_size=4, max_num_seqs=2)
+
+
+def test_slots_reused_by_later_requests_start_afresh(lfm2: LLM, tiny_lfm2_path: str, default_tokenizer) -> None:
+    hf = load_hf_model(tiny_lfm2_path)
+    expected = [hf_greedy(hf, default_tokenizer(p).input_ids, MAX_TOKENS) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for _ in range(2):  # the second round's requests take slots the first round's left dirty
+        assert [o.outputs[0].token_ids for o in lfm2.generate(PROMPTS, params, use_tqdm=False)] == expected
+    engine = lfm2.llm_engine
+    assert engine.scheduler.state_slots is not None and engine.scheduler.state_slots.num_free == 2
+    assert engine.stats.prefix_cache_hits == 0  # off: states at block boundaries are not kept yet
+
+
+def test_samples_start_from_their_parents_state(lfm2: LLM, tiny_lfm2_path: str, default_tokenizer) -> None:
+    """n = 2, greedy: each sample is born from the prompt's state (copied into its own slot) and
+    continues alike; a sample starting from another state would drift from the reference."""
+    hf = load_hf_model(tiny_lfm2_path)
+    prompts = PROMPTS[:3]
+    expected = [hf_greedy(hf, default_tokenizer(p).input_ids, MAX_TOKENS) for p in prompts]
+    params = SamplingParams(n=2, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = lfm2.generate(prompts, params, use_tqdm=False)  # two slots: one request at a time
+    assert [[c.token_ids for c in o.outputs] for o in outputs] == [[e, e] for e in expected]
+    assert lfm2.llm_engine.scheduler.state_slots.num_free == 2
+
+
+def test_beam_search_is_refused_by_name(lfm2: LLM) -> None:
+    with pytest.raises(ValueError, match="beam search is not available: .*recurrent layers"):
+        lfm2.beam_search([{"prompt": "Hello"}], BeamSearchParams(beam_width=2, max_tokens=2))
+
+
+def test_speculation_and_tensor_parallelism_are_refused_by_name(tiny_lfm2_path: str) -> None:
+    with pytest.raises(ValueError, match="speculative decoding does not support them"):
+        LLM(tiny_lfm2_path, dtype="float32", speculative_config={"method": "ngram"})
+    with pytest.raises(ValueError, match="tensor parallelism does not support Lfm2ForCausalLM's short-convolution"):
+        load_arch_config(tiny_lfm2_path).shard(2)
