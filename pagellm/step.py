@@ -102,6 +102,9 @@ class SchedulerOutput:
     # (src, dst) recurrent-state slot copies to apply before the forward (a hybrid model's
     # samples born from their parent's prompt, ``core/state_slots.py``).
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # (block, slot): state slots started from a KV block's snapshot before the forward (a hybrid
+    # model's request whose first blocks came from the prefix cache; applied before the copies).
+    state_loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -115,7 +118,7 @@ class SchedulerOutput:
     def changes_worker(self) -> bool:
         """Whether the worker must hear of this step even if it runs nothing."""
         return bool(self.scheduled or self.new_sequences or self.forked_sequences or self.finished_seq_ids
-                    or self.state_copies)  # fmt: skip
+                    or self.state_copies or self.state_loads)  # fmt: skip
 
 
 # (token_id, logprob, rank) triples: the sampled (or actual prompt) token first, then the top-N.

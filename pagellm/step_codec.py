@@ -118,6 +118,7 @@ def encode_step(step: SchedulerOutput, grammar: GrammarBitmask | None) -> bytes:
         "finished": step.finished_seq_ids,
         "block_copies": step.block_copies,
         "state_copies": step.state_copies,
+        "state_loads": step.state_loads,
     }  # fmt: skip
     words = b""
     if grammar is not None:
@@ -142,6 +143,7 @@ def decode_step(data: bytes) -> tuple[SchedulerOutput, GrammarBitmask | None]:
             finished_seq_ids=[str(i) for i in message["finished"]],
             block_copies=[(_int(src), _int(dst)) for src, dst in message["block_copies"]],
             state_copies=[(_int(src), _int(dst)) for src, dst in message["state_copies"]],
+            state_loads=[(_int(block), _int(slot)) for block, slot in message["state_loads"]],
         )
         grammar = None
         if "grammar" in message:

@@ -89,6 +89,7 @@ class Scheduler:
         # Recurrent states the worker copies before the next step's forward (slot -> slot): a
         # sample born from its parent's prompt starts from the parent's state after it.
         self._state_copies: list[tuple[int, int]] = []
+        self._state_loads: list[tuple[int, int]] = []  # (block, slot): from a cached block's snapshot
         self.stats = SchedulerStats()
 
     # ---- queue management -------------------------------------------------
@@ -222,9 +223,10 @@ class Scheduler:
             finished_seq_ids=self._finished_since_last_step,
             block_copies=self.kv_cache_manager.take_block_copies(),
             state_copies=self._state_copies,
+            state_loads=self._state_loads,
         )
         self._new_sequences, self._forked_since_last_step, self._finished_since_last_step = [], [], []
-        self._state_copies = []
+        self._state_copies, self._state_loads = [], []
         return output
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSequence], seq_budget: int) -> int:
@@ -247,6 +249,8 @@ class Scheduler:
             if self.state_slots is not None:
                 for holder in (seq, *seq.pending_forks):
                     holder.state_slot = self.state_slots.allocate()
+                if cached:  # it resumes from the state its last cached block ends with
+                    self._state_loads.append((cached[-1].block_id, seq.state_slot))
             seq.status = SequenceStatus.RUNNING
             self._insert(self.running, seq)
             scheduled.append(self._scheduled(seq, num_new))

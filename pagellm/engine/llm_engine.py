@@ -59,14 +59,9 @@ class LLMEngine:
         self.executor: Executor = make_executor(config, self.tokenizer.eos_token_id)
         arch = self.executor.arch
         block_size = config.cache.block_size
-        # A hybrid model's prefix cache would need its recurrent states at block boundaries too
-        # (not kept yet): its requests compute every prompt token.
-        caching = config.cache.enable_prefix_caching and not arch.recurrent_layers
-        if config.cache.enable_prefix_caching and not caching:
-            logger.info("prefix caching is off: %s has recurrent layers, whose states it does not keep yet",
-                        arch.architecture)  # fmt: skip
         self.kv_cache_manager = KVCacheManager(
-            self.executor.num_blocks, block_size, enable_caching=caching, sliding_window=arch.window_of_every_layer,
+            self.executor.num_blocks, block_size, enable_caching=config.cache.enable_prefix_caching,
+            sliding_window=arch.window_of_every_layer,
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,

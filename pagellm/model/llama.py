@@ -33,14 +33,14 @@ from pagellm.model.mlp import LlamaMLP
 from pagellm.model.moe import SparseMoeBlock
 from pagellm.model.quant_embedding import QuantizedEmbedding, embedding_for_plan
 from pagellm.model.quant_linear import QuantizedLinear, linear_for_plan
-from pagellm.model.short_conv import ShortConv
+from pagellm.model.short_conv import ConvState, ShortConv
 from pagellm.model.step_route import StepRoute, route_step
 from pagellm.model.weight_names import checkpoint_parts, mlp_weight_names
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 # What each layer keeps between steps: an attention layer its K/V pair, a recurrent layer (a
-# hybrid's short convolution) its state tensor, one row a state slot.
-LayerCache = KVCache | torch.Tensor
+# hybrid's short convolution) its states (one a state slot, one a KV block).
+LayerCache = KVCache | ConvState
 
 logger = logging.getLogger(__name__)
 
@@ -201,11 +201,11 @@ class LlamaDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """The block that mixes tokens: attention over the K/V pair, or the convolution over its state."""
         if self.spec.recurrent:
-            if not isinstance(cache, torch.Tensor):
-                raise TypeError(f"layer {self.spec.index} is a convolution layer: it keeps a state tensor, not K/V")
+            if not isinstance(cache, ConvState):
+                raise TypeError(f"layer {self.spec.index} is a convolution layer: it keeps states, not K/V")
             return self.conv(hidden, cache, metadata)
-        if isinstance(cache, torch.Tensor):
-            raise TypeError(f"layer {self.spec.index} is an attention layer: it keeps K/V, not a state tensor")
+        if isinstance(cache, ConvState):
+            raise TypeError(f"layer {self.spec.index} is an attention layer: it keeps K/V, not states")
         return self.self_attn(hidden, cos, sin, cache, metadata)
 
     def _sandwich(
@@ -341,7 +341,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> StepRoute:
         """This step's route (:mod:`pagellm.model.step_route`), logged at debug level where it
         differs from the last step's."""
-        pairs = [cache for cache in kv_caches if not isinstance(cache, torch.Tensor)]
+        pairs = [cache for cache in kv_caches if isinstance(cache, tuple)]
         cache_dtype = pairs[0][0].dtype if pairs else hidden.dtype
         fits = stack is not None and stack.fits(hidden, kv_caches)
         route = route_step(self.plan, self.attn_backend, metadata, hidden.shape[0], hidden.dtype, cache_dtype,

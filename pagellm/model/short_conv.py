@@ -4,9 +4,14 @@ in place of attention in a hybrid model's convolution layers.
 ``in_proj`` makes three parts of each token, B, C and x; the convolution runs over ``B * x``
 along the sequence (each channel its own ``kernel``-tap filter over its last inputs), and its
 output gated by C goes through ``out_proj``. What a sequence carries from step to step is its
-last ``kernel - 1`` inputs to the convolution: a row of the layer's state (``[slots, kernel - 1,
-hidden]``, one row a sequence's state slot, ``core/state_slots.py``). A request whose context
-starts at position 0 starts from zeros, as the reference pads.
+last ``kernel - 1`` inputs to the convolution: a row of the layer's state (``ConvState.slots``,
+one row a sequence's state slot, ``core/state_slots.py``). A request whose context starts at
+position 0 starts from zeros, as the reference pads.
+
+For the prefix cache, each KV block also keeps the state at its last position
+(``ConvState.blocks``, written when a step computes that position): a request whose first blocks
+come from the cache starts from the last cached block's state (the scheduler's ``state_loads``)
+instead of computing its prompt again.
 
 The step's tokens are convolved at once: each token's window of inputs is gathered from one
 table, the requests' previous inputs (zeros for a fresh start) followed by the step's new ones;
@@ -28,6 +33,16 @@ from pagellm.model.layer_spec import LayerSpec
 from pagellm.model.quant_linear import linear_for_plan
 
 
+@dataclass
+class ConvState:
+    """What one convolution layer keeps between steps: each running sequence's latest inputs
+    (``slots``: [state slots, kernel - 1, hidden]) and each KV block's inputs up to its last
+    position (``blocks``: [KV blocks, kernel - 1, hidden]; the prefix cache's snapshots)."""
+
+    slots: torch.Tensor
+    blocks: torch.Tensor
+
+
 @dataclass(frozen=True)
 class ConvPlan:
     """One step's gather indices into the table ``[zero row, previous inputs of each request
@@ -36,6 +51,8 @@ class ConvPlan:
     slots: torch.Tensor  # [R] each request's state slot
     windows: torch.Tensor  # [T, kernel] the table rows each new token's output convolves
     last: torch.Tensor  # [R, kernel - 1] the table rows that become each request's state
+    snapshot_rows: torch.Tensor  # [S, kernel - 1] the state at each block end the step computes
+    snapshot_blocks: torch.Tensor  # [S] the KV block each of those ends
 
 
 def conv_plan(metadata: AttentionMetadata, kernel: int, device: torch.device) -> ConvPlan:
@@ -68,8 +85,16 @@ def _build_plan(metadata: AttentionMetadata, kernel: int, device: torch.device) 
     windows = rows(req[:, None], index[:, None] - keep + np.arange(kernel)[None, :])
     last_req = np.arange(num_reqs)[:, None]
     last = rows(last_req, query_lens[:, None] - keep + np.arange(keep)[None, :])
+    # Block ends: the positions p with p % block_size == block_size - 1 this step computes.
+    block_size = metadata.block_size
+    positions = (np.asarray(metadata.seq_lens, dtype=np.int64) - query_lens)[req] + index
+    ends = np.flatnonzero(positions % block_size == block_size - 1)
+    snapshot_rows = rows(req[ends][:, None], index[ends][:, None] - keep + 1 + np.arange(keep)[None, :])
     as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)  # noqa: E731
-    return ConvPlan(as_tensor(metadata.state_slots), as_tensor(windows), as_tensor(last))
+    end_req, end_block = as_tensor(req[ends]), as_tensor(positions[ends] // block_size)
+    snapshot_blocks = metadata.block_tables[end_req, end_block] if len(ends) else end_req
+    return ConvPlan(as_tensor(metadata.state_slots), as_tensor(windows), as_tensor(last), as_tensor(snapshot_rows),
+                    snapshot_blocks)  # fmt: skip
 
 
 class ShortConv(nn.Module):
@@ -86,17 +111,19 @@ class ShortConv(nn.Module):
         self.conv_weight = nn.Parameter(torch.empty(hidden, 1, self.kernel))
         self.conv_bias = nn.Parameter(torch.empty(hidden)) if spec.conv_bias else None
 
-    def forward(self, hidden: torch.Tensor, state: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """``hidden`` [T, hidden] -> [T, hidden]; ``state`` [slots, kernel - 1, hidden] is read for
-        each request's previous inputs and left holding its latest ones."""
+    def forward(self, hidden: torch.Tensor, state: ConvState, metadata: AttentionMetadata) -> torch.Tensor:
+        """``hidden`` [T, hidden] -> [T, hidden]; each request's state slot is read for its previous
+        inputs and left holding its latest ones, and each block end computed is kept in its block."""
         b, c, x = self.in_proj(hidden).chunk(3, dim=-1)
         inputs = b * x
         plan = conv_plan(metadata, self.kernel, hidden.device)
         zero = inputs.new_zeros(1, self.hidden_size)
-        table = torch.cat((zero, state[plan.slots].to(inputs.dtype).flatten(0, 1), inputs))
+        table = torch.cat((zero, state.slots[plan.slots].to(inputs.dtype).flatten(0, 1), inputs))
         taps = self.conv_weight[:, 0, :].t().to(inputs.dtype)  # [kernel, hidden]
         out = (table[plan.windows] * taps).sum(dim=1)
         if self.conv_bias is not None:
             out = out + self.conv_bias.to(out.dtype)
-        state[plan.slots] = table[plan.last].to(state.dtype)
+        state.slots[plan.slots] = table[plan.last].to(state.slots.dtype)
+        if len(plan.snapshot_blocks):
+            state.blocks[plan.snapshot_blocks] = table[plan.snapshot_rows].to(state.blocks.dtype)
         return self.out_proj(c * out)

@@ -3,15 +3,18 @@ model's recurrent states, one tensor a recurrent layer, one row a state slot."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
 from pagellm.attention.backend import indexable
 from pagellm.kv_layout import kv_bytes_per_token, kv_row_width
 from pagellm.model.arch_config import ModelArchConfig
+from pagellm.model.short_conv import ConvState
 
-# Per layer: (key_cache, value_cache) for an attention layer; a recurrent layer's state tensor.
-KVCache = list[tuple[torch.Tensor, torch.Tensor] | torch.Tensor]
+# Per layer: (key_cache, value_cache) for an attention layer; a recurrent layer's states.
+KVCache = list[tuple[torch.Tensor, torch.Tensor] | ConvState]
 
 
 def bytes_per_block(
@@ -80,7 +83,9 @@ def copy_blocks(kv_cache: KVCache, copies: list[tuple[int, int]]) -> None:
     """Copy whole blocks src -> dst in every layer (copy-on-write), one indexed copy per tensor."""
     if not copies:
         return
-    pairs = [pair for pair in kv_cache if not isinstance(pair, torch.Tensor)]  # (a state has no blocks)
+    # (not a recurrent layer's block snapshots: only a full block has one, and a copied block is
+    # one being written, so never full)
+    pairs = [pair for pair in kv_cache if isinstance(pair, tuple)]
     device = pairs[0][0].device
     src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=device)
     dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=device)
@@ -91,33 +96,55 @@ def copy_blocks(kv_cache: KVCache, copies: list[tuple[int, int]]) -> None:
 
 def copy_states(caches: KVCache, copies: list[tuple[int, int]]) -> None:
     """Copy recurrent-state slots src -> dst in every recurrent layer (all read before any is written)."""
-    if not copies:
+    _copy_rows(caches, copies, lambda state: (state.slots, state.slots))
+
+
+def load_states(caches: KVCache, loads: list[tuple[int, int]]) -> None:
+    """Start state slots from KV blocks' snapshots, (block, slot) pairs, in every recurrent layer
+    (a request whose first blocks came from the prefix cache)."""
+    _copy_rows(caches, loads, lambda state: (state.blocks, state.slots))
+
+
+def _copy_rows(
+    caches: KVCache, pairs: list[tuple[int, int]], tensors: Callable[[ConvState], tuple[torch.Tensor, torch.Tensor]]
+) -> None:
+    """dst[pair[1]] = src[pair[0]] for each pair, in each recurrent layer's (src, dst) tensors."""
+    if not pairs:
         return
-    states = [cache for cache in caches if isinstance(cache, torch.Tensor)]
+    states = [cache for cache in caches if isinstance(cache, ConvState)]
     if not states:
         raise ValueError("state copies for a model without recurrent layers")
-    src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=states[0].device)
-    dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=states[0].device)
+    src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=states[0].slots.device)
+    dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=states[0].slots.device)
     for state in states:
-        state.index_copy_(0, dst, state.index_select(0, src))
+        source, target = tensors(state)
+        target.index_copy_(0, dst, source.index_select(0, src))
 
 
 def with_recurrent_states(
-    arch: ModelArchConfig, attention: KVCache, num_slots: int, dtype: torch.dtype, device: torch.device
+    arch: ModelArchConfig, attention: KVCache, num_slots: int, num_blocks: int, dtype: torch.dtype,
+    device: torch.device,
 ) -> KVCache:
     """Every layer's cache in layer order: ``attention``'s K/V pairs (one an attention layer, in
-    order) and, for each recurrent layer, its zeroed state: ``[num_slots, conv_kernel - 1,
-    hidden]`` (a short convolution's last inputs; ``model/short_conv.py``)."""
+    order) and, for each recurrent layer, its zeroed states (``model/short_conv.py``): a
+    convolution's last ``conv_kernel - 1`` inputs for each state slot and each KV block."""
     recurrent = set(arch.recurrent_layers)
     if not recurrent:
         return attention
     pairs = iter(attention)
-    shape = (num_slots, arch.conv_kernel - 1, arch.hidden_size)
-    return [torch.zeros(shape, dtype=dtype, device=device) if i in recurrent else next(pairs)
-            for i in range(arch.num_hidden_layers)]  # fmt: skip
+    row = (arch.conv_kernel - 1, arch.hidden_size)
+
+    def states() -> ConvState:
+        if device.type == "cpu":  # (pages of snapshots never written stay untouched)
+            blocks = _zeroed_cpu_buffer(num_blocks * row[0] * row[1], dtype).view(num_blocks, *row)
+        else:
+            blocks = torch.zeros((num_blocks, *row), dtype=dtype, device=device)
+        return ConvState(torch.zeros((num_slots, *row), dtype=dtype, device=device), blocks)
+
+    return [states() if i in recurrent else next(pairs) for i in range(arch.num_hidden_layers)]
 
 
-def recurrent_state_bytes(arch: ModelArchConfig, num_slots: int, dtype: torch.dtype) -> int:
-    """The memory of every recurrent layer's states (``with_recurrent_states``)."""
+def recurrent_state_bytes(arch: ModelArchConfig, num_rows: int, dtype: torch.dtype) -> int:
+    """The memory of ``num_rows`` rows (state slots or KV blocks) of every recurrent layer's states."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return len(arch.recurrent_layers) * num_slots * (arch.conv_kernel - 1) * arch.hidden_size * itemsize
+    return len(arch.recurrent_layers) * num_rows * (arch.conv_kernel - 1) * arch.hidden_size * itemsize

@@ -32,7 +32,7 @@ from pagellm.step import (
 from pagellm.worker.drafter import Drafter
 from pagellm.worker.flat_batch import FlatLayout, flat_inputs
 from pagellm.worker.input_batch import InputBatch
-from pagellm.worker.kv_cache import KVCache, copy_blocks, copy_states
+from pagellm.worker.kv_cache import KVCache, copy_blocks, copy_states, load_states
 from pagellm.worker.pooler import PoolChunk, Pooler
 
 
@@ -97,6 +97,7 @@ class ModelRunner:
         self.batch.apply(scheduler_output)
         self.pooler.apply(scheduler_output)
         copy_blocks(self.kv_cache, scheduler_output.block_copies)
+        load_states(self.kv_cache, scheduler_output.state_loads)
         copy_states(self.kv_cache, scheduler_output.state_copies)
         output = ModelRunnerOutput()
         if self.drafter is not None:

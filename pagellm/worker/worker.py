@@ -216,7 +216,8 @@ class Worker:
             stage.num_layers if stage is not None else shard.num_attention_layers, self.num_blocks, self.block_size,
             shard.num_key_value_heads, shard.head_dim, self.kv_cache_dtype, self.device,
         )  # fmt: skip
-        kv_cache = with_recurrent_states(self.arch, kv_cache, config.scheduler.max_num_seqs, self.dtype, self.device)
+        kv_cache = with_recurrent_states(self.arch, kv_cache, config.scheduler.max_num_seqs, self.num_blocks, self.dtype,
+                                         self.device)  # fmt: skip
         link = parallel.link(self.arch.hidden_size, self.dtype, self.arch.num_hidden_layers) if parallel else None
         drafter = None
         if draft is not None:
@@ -261,6 +262,7 @@ class Worker:
         cache = config.cache
         block_bytes = draft_block_bytes + bytes_per_block(shard.num_attention_layers, shard.num_key_value_heads,
                                                           shard.head_dim, cache.block_size, self.kv_cache_dtype)  # fmt: skip
+        block_bytes += recurrent_state_bytes(shard, 1, self.dtype)  # (each block's state snapshots)
         if cache.num_kv_blocks is not None or cache.kv_cache_bytes is not None:
             blocks = cache.num_kv_blocks or num_blocks_for_budget(cache.kv_cache_bytes, block_bytes)
             check_pool_fits(blocks * block_bytes, available_memory_bytes(self.device), share)

@@ -62,7 +62,7 @@ def test_the_step_codec_round_trips_and_refuses_other_bytes() -> None:
     embedding = NewSequence("e", [5, 6], 2, SamplingParams(max_tokens=1), Pooling("MEAN", True, 8))
     step = SchedulerOutput([sequence, drafting, hybrid], [NewSequence("n", [9, 9, 9, 1], 3, params), embedding],
                            [ForkedSequence("f", "a"), ForkedSequence("g", "a", SamplingParams(seed=1))], ["gone"], [(1, 2)],
-                           [(3, 0)])  # fmt: skip
+                           [(3, 0)], [(5, 1)])  # fmt: skip
     grammar = GrammarBitmask({"a": 0}, torch.tensor([[1, -1, 7]], dtype=torch.int32))
     step2, grammar2 = decode_step(encode_step(step, grammar))
     assert step2 == step and grammar2 is not None and grammar2.rows == grammar.rows
