@@ -405,7 +405,7 @@ def _lfm2_config(config: dict[str, Any]) -> dict[str, Any]:
             multiple = int(config.get("block_multiple_of", 256))
             width = multiple * ((int(float(multiplier) * width) + multiple - 1) // multiple)
     config["intermediate_size"] = width
-    config["rms_norm_eps"] = config.get("norm_eps", 1e-5)
+    config["rms_norm_eps"] = config.get("norm_eps", config.get("rms_norm_eps", 1e-5))
     if not config.get("layer_types"):
         full = set(config.get("full_attn_idxs") or range(int(config["num_hidden_layers"])))
         config["layer_types"] = [FULL if i in full else CONV for i in range(int(config["num_hidden_layers"]))]

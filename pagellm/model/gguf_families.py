@@ -33,6 +33,7 @@ class GGUFFamily:
     qk_permuted: bool = False  # q/k rows interleaved for llama.cpp's rotary layout
     norm_plus_one: bool = False  # Gemma: norm weights stored as 1 + w
     block_names: tuple[tuple[str, str], ...] = ()  # family-specific GGUF -> HF block names
+    top_names: tuple[tuple[str, str], ...] = ()  # family-specific GGUF -> HF names outside the blocks
 
 
 _GEMMA_NAMES = (("ffn_norm", "pre_feedforward_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
@@ -52,6 +53,10 @@ FAMILIES: dict[str, GGUFFamily] = {
         ("ffn_up", "mlp.gate_up_proj"))),  # fmt: skip
     "olmo2": GGUFFamily("Olmo2ForCausalLM", block_names=(("post_attention_norm", "post_attention_layernorm"),
                                                          ("post_ffw_norm", "post_feedforward_layernorm"))),
+    # LFM2: its convolutions' tensors, the final norm as `token_embd_norm`; q/k rows as HF's.
+    "lfm2": GGUFFamily("Lfm2ForCausalLM", block_names=(
+        ("shortconv.conv", "conv.conv"), ("shortconv.in_proj", "conv.in_proj"),
+        ("shortconv.out_proj", "conv.out_proj")), top_names=(("token_embd_norm.weight", "model.norm.weight"),)),
     # Phi-3: q/k/v in one tensor, gate and up in `ffn_up` (split by rows on load).
     "phi3": GGUFFamily("Phi3ForCausalLM", block_names=(("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj"))),
 }
@@ -78,7 +83,7 @@ _BLOCK_NAMES = {
 }
 # Every expert of a layer in one 3-D tensor [experts, rows, cols] (HF shape order).
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-_BLOCK_TENSOR = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<name>\w+)\.(?P<kind>weight|bias)$")
+_BLOCK_TENSOR = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<name>[\w.]+)\.(?P<kind>weight|bias)$")
 # llama.cpp's Gemma 27B (by layer count) scales scores by 1/sqrt(hidden / heads), others by
 # 1/sqrt(head_dim): the files do not say (HF's query_pre_attn_scalar).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -107,6 +112,8 @@ def hf_config(gguf_arch: str, meta: Metadata) -> dict[str, Any]:
                       residual_multiplier=meta(f"{prefix}.residual_scale", 1.0),
                       attention_multiplier=meta(f"{prefix}.attention.scale", 1.0),
                       logits_scaling=meta(f"{prefix}.logit_scale", 1.0))  # fmt: skip
+    if gguf_arch == "lfm2":  # (its MLP's width as written: already the one the config derives)
+        config.update(_lfm2_config(meta))
     if gguf_arch == "phi3":  # (a window of 0: none, as the converter writes Phi-4's)
         config.update(sliding_window=meta(f"{prefix}.attention.sliding_window", 0) or None,
                       original_max_position_embeddings=meta(f"{prefix}.rope.scaling.original_context_length", None))
@@ -118,6 +125,15 @@ def architecture(gguf_arch: str, meta: Metadata) -> str:
     if gguf_arch == "llama" and int(meta("llama.expert_count", 0) or 0):
         return "MixtralForCausalLM"
     return family(gguf_arch).hf_architecture
+
+
+def _lfm2_config(meta: Metadata) -> dict[str, Any]:
+    """LFM2's layer types: the converter writes ``head_count_kv`` per layer, 0 for a convolution."""
+    kv_heads = meta("lfm2.attention.head_count_kv", None)
+    if not isinstance(kv_heads, list):
+        raise ValueError("an LFM2 file lists lfm2.attention.head_count_kv per layer (0: a convolution layer)")
+    return dict(layer_types=["full_attention" if n else "conv" for n in kv_heads], num_key_value_heads=max(kv_heads),
+                conv_L_cache=int(meta("lfm2.shortconv.l_cache", 3)), block_auto_adjust_ff_dim=False)  # fmt: skip
 
 
 def _gemma_config(gguf_arch: str, meta: Metadata) -> dict[str, Any]:
@@ -144,8 +160,9 @@ def _gemma_config(gguf_arch: str, meta: Metadata) -> dict[str, Any]:
 
 def hf_tensor_name(gguf_name: str, gguf_arch: str = "llama") -> str:
     """GGUF tensor name -> HF parameter name; ValueError for names we do not know."""
-    if gguf_name in _TOP_LEVEL_NAMES:
-        return _TOP_LEVEL_NAMES[gguf_name]
+    top = {**_TOP_LEVEL_NAMES, **dict(family(gguf_arch).top_names)}
+    if gguf_name in top:
+        return top[gguf_name]
     match = _BLOCK_TENSOR.match(gguf_name)
     names = {**_BLOCK_NAMES, **dict(family(gguf_arch).block_names), **_EXPERT_NAMES}
     if match is None or match["name"] not in names:
@@ -191,6 +208,8 @@ def hf_tensors(
         tensor = tensor[order] if isinstance(tensor, torch.Tensor) else tensor.select_rows(order)
     if fam.norm_plus_one and name.endswith("norm.weight") and isinstance(tensor, torch.Tensor):
         tensor = tensor - 1
+    if gguf_arch == "lfm2" and name.endswith(".conv.conv.weight") and isinstance(tensor, torch.Tensor):
+        tensor = tensor.unsqueeze(1)  # (the converter squeezes Conv1d's [channels, 1, taps])
     yield name, tensor
 
 

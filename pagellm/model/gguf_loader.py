@@ -230,6 +230,20 @@ def read_metadata(reader: GGUFFile | _ReaderAdapter, key: str, default: Any = _M
     return value
 
 
+# Per-layer metadata arrays (LFM2's head_count_kv, Gemma's window pattern) hold one item a layer.
+MAX_LAYER_ARRAY = 4096
+
+
+def read_layer_metadata(reader: GGUFFile | _ReaderAdapter, key: str, default: Any = _MISSING) -> Any:
+    """``read_metadata``, or a short array (one item a layer) as a list."""
+    value = reader.fields.get(key)
+    if not isinstance(value, (GGUFArray, _AdaptedArray)):
+        return read_metadata(reader, key, default)
+    if len(value) > MAX_LAYER_ARRAY:
+        raise ValueError(f"GGUF metadata {key!r} holds {len(value)} items, more than a model has layers")
+    return list(value.values())
+
+
 def _gguf_arch(reader: GGUFFile | _ReaderAdapter) -> str:
     """``general.architecture``, refused where no family here reads it."""
     gguf_arch = str(read_metadata(reader, "general.architecture"))
@@ -267,6 +281,11 @@ def _vocab_size(reader: GGUFFile | _ReaderAdapter, prefix: str) -> int:
     return int(read_metadata(reader, f"{prefix}.vocab_size"))
 
 
+def _kv_heads(value: Any) -> int:
+    """``head_count_kv``: one number, or one a layer (LFM2: 0 for its convolution layers)."""
+    return max(int(v) for v in value) if isinstance(value, list) else int(value)
+
+
 def arch_config_from_gguf(reader: GGUFFile | _ReaderAdapter) -> ModelArchConfig:
     """Build the model shape from GGUF metadata alone (no tensor data read), as the
     ``config.json`` the file was converted from would give it."""
@@ -278,7 +297,7 @@ def arch_config_from_gguf(reader: GGUFFile | _ReaderAdapter) -> ModelArchConfig:
     scaling = read_metadata(reader, f"{prefix}.rope.scaling.type", "none")
 
     def meta(key: str, default: Any) -> Any:
-        return read_metadata(reader, key, default)
+        return read_layer_metadata(reader, key, default)
 
     config: dict[str, Any] = dict(
         architectures=[architecture(prefix, meta)],
@@ -287,7 +306,7 @@ def arch_config_from_gguf(reader: GGUFFile | _ReaderAdapter) -> ModelArchConfig:
         intermediate_size=int(read_metadata(reader, f"{prefix}.feed_forward_length")),
         num_hidden_layers=int(read_metadata(reader, f"{prefix}.block_count")),
         num_attention_heads=num_heads,
-        num_key_value_heads=int(read_metadata(reader, f"{prefix}.attention.head_count_kv", num_heads)),
+        num_key_value_heads=_kv_heads(read_layer_metadata(reader, f"{prefix}.attention.head_count_kv", num_heads)),
         head_dim=head_dim,
         rms_norm_eps=float(read_metadata(reader, f"{prefix}.attention.layer_norm_rms_epsilon")),
         rope_theta=float(read_metadata(reader, f"{prefix}.rope.freq_base", 10000.0)),

@@ -38,7 +38,12 @@ _GLM4_NAMES = {"post_self_attn_layernorm": "post_attention_norm", "post_attentio
 _ARCHS = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
           "Qwen3MoeForCausalLM": "qwen3moe", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
           "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite",
-          "Olmo2ForCausalLM": "olmo2", "Glm4ForCausalLM": "glm4"}  # fmt: skip
+          "Olmo2ForCausalLM": "olmo2", "Glm4ForCausalLM": "glm4", "Lfm2ForCausalLM": "lfm2"}  # fmt: skip
+_LFM2_NAMES = {"operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "self_attn.out_proj": "attn_output",
+               "self_attn.q_layernorm": "attn_q_norm", "self_attn.k_layernorm": "attn_k_norm",
+               "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down",
+               "conv.conv": "shortconv.conv", "conv.in_proj": "shortconv.in_proj",
+               "conv.out_proj": "shortconv.out_proj"}  # fmt: skip
 # The converter's LlamaModel subclasses: q/k rows permuted, vocab size and rope dims written.
 _LLAMA_LIKE = ("llama", "smollm3", "granite")
 
@@ -54,6 +59,9 @@ def _metadata(writer: GGUFWriter, arch: str, config: dict) -> None:
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(hidden)
+    if arch == "lfm2":
+        _lfm2_metadata(writer, config)
+        return
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
@@ -97,6 +105,22 @@ def _metadata(writer: GGUFWriter, arch: str, config: dict) -> None:
                 writer.add_float32(f"{arch}.{key}", config[key])
 
 
+def _lfm2_metadata(writer: GGUFWriter, config: dict) -> None:
+    """LFM2's (the converter's ``LFM2Model``): KV heads per layer (0 for a convolution layer), the
+    MLP's width as its config derives it, the convolutions' taps, ``norm_eps``."""
+    writer.add_head_count(config["num_attention_heads"])
+    kv = [config["num_key_value_heads"] if t == "full_attention" else 0 for t in config["layer_types"]]
+    writer.add_head_count_kv(kv)
+    writer.add_layer_norm_rms_eps(config["norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_uint32("lfm2.shortconv.l_cache", config["conv_L_cache"])
+    width = int(2 * config["intermediate_size"] / 3)
+    multiple = config["block_multiple_of"]
+    width = multiple * ((int(config["block_ffn_dim_multiplier"] * width) + multiple - 1) // multiple)
+    writer.add_feed_forward_length(width)
+    writer.add_rope_freq_base((config.get("rope_parameters") or {}).get("rope_theta", 1000000.0))
+
+
 def _phi3_metadata(writer: GGUFWriter, config: dict, rope: dict) -> None:
     """Phi-3's: the original context, its window (0: none), LongRoPE's attention factor."""
     original = rope.get("original_max_position_embeddings") or config["original_max_position_embeddings"]
@@ -120,12 +144,15 @@ def _block_tensors(name: str, tensor: torch.Tensor, arch: str, config: dict) -> 
     """The GGUF name and data of one HF block tensor (experts are gathered by the caller)."""
     layer, rest = name.removeprefix("model.layers.").split(".", 1)
     module, kind = rest.rsplit(".", 1)
-    names = {**_NAMES, **{"olmo2": _OLMO2_NAMES, "glm4": _GLM4_NAMES}.get(arch, _GEMMA_NAMES if arch.startswith("gemma") else {})}
+    names = {**_NAMES, **{"olmo2": _OLMO2_NAMES, "glm4": _GLM4_NAMES, "lfm2": _LFM2_NAMES}.get(
+        arch, _GEMMA_NAMES if arch.startswith("gemma") else {})}  # fmt: skip
     if arch in _LLAMA_LIKE and module in ("self_attn.q_proj", "self_attn.k_proj"):
         heads = config["num_attention_heads"] if module.endswith("q_proj") else config["num_key_value_heads"]
         tensor = _permute(tensor, heads)
     if arch.startswith("gemma") and module.endswith("norm"):
         tensor = tensor + 1
+    if arch == "lfm2" and module == "conv.conv":
+        tensor = tensor.squeeze(1)  # (the converter's: its conv op takes [channels, taps])
     return f"blk.{layer}.{names[module]}.{kind}", tensor
 
 
@@ -139,7 +166,7 @@ def write_gguf(hf_folder: str, out: Path, tokenizer_gguf: str) -> str:
     _copy_tokenizer(writer, tokenizer_gguf)
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}  # fmt: skip
+           "lm_head.weight": "output.weight", "model.embedding_norm.weight": "token_embd_norm.weight"}  # fmt: skip
     for name, tensor in tensors.items():
         tensor = tensor.float()
         if name in top:

@@ -24,7 +24,7 @@ MAX_TOKENS = 10
 def gguf_families(tmp_path_factory: pytest.TempPathFactory, default_tokenizer, default_model_path_fixture: str,
                   tiny_qwen3_path: str, tiny_mixtral_path: str, tiny_phi3_path: str,
                   tiny_phi3_longrope_path: str, tiny_phi4_mini_path: str, tiny_granite_path: str,
-                  tiny_olmo2_path: str, tiny_glm4_path: str) -> dict[str, tuple[str, str]]:  # fmt: skip
+                  tiny_olmo2_path: str, tiny_glm4_path: str, tiny_lfm2_path: str) -> dict[str, tuple[str, str]]:  # fmt: skip
     """Family -> (HF folder, its GGUF file). Gemma's score scale is head_dim's, as llama.cpp
     reads a file without query_pre_attn_scalar; Gemma 3 keeps its default pattern of windowed
     layers (a file does not say another); Qwen3-MoE routes in every layer; SmolLM3 has no rope
@@ -47,7 +47,7 @@ def gguf_families(tmp_path_factory: pytest.TempPathFactory, default_tokenizer, d
     }  # fmt: skip
     folders = {"qwen3": tiny_qwen3_path, "mixtral": tiny_mixtral_path, "phi3": tiny_phi3_path,
                "phi3-longrope": tiny_phi3_longrope_path, "phi4-mini": tiny_phi4_mini_path, "granite": tiny_granite_path,
-               "olmo2": tiny_olmo2_path, "glm4": tiny_glm4_path}
+               "olmo2": tiny_olmo2_path, "glm4": tiny_glm4_path, "lfm2": tiny_lfm2_path}
     for name, config in built.items():
         folders[name] = write_tiny_model(tmp_path_factory.mktemp(f"hf_{name}"), config, default_tokenizer)
     out = tmp_path_factory.mktemp("gguf")
@@ -56,7 +56,7 @@ def gguf_families(tmp_path_factory: pytest.TempPathFactory, default_tokenizer, d
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3moe", "mixtral", "gemma2", "gemma3", "phi3", "phi3-longrope",
-                                    "phi4-mini", "smollm3", "granite", "olmo2", "glm4"])
+                                    "phi4-mini", "smollm3", "granite", "olmo2", "glm4", "lfm2"])
 def test_gguf_greedy_equals_hf(gguf_families: dict[str, tuple[str, str]], family: str) -> None:
     folder, gguf = gguf_families[family]
     expected = [hf_greedy(load_hf_model(folder), p, MAX_TOKENS) for p in PROMPTS]
@@ -77,6 +77,9 @@ def test_gguf_fields_follow_llama_cpp(gguf_families: dict[str, tuple[str, str]])
     gemma2 = load_arch_config(gguf_families["gemma2"][1])
     assert gemma2.attention_scale == 16**-0.5 and gemma2.attn_logit_softcapping == 5.0
     assert load_arch_config(gguf_families["gemma2"][0]).layer_types == gemma2.layer_types
+    lfm2, lfm2_hf = load_arch_config(gguf_families["lfm2"][1]), load_arch_config(gguf_families["lfm2"][0])
+    assert lfm2.layer_types == lfm2_hf.layer_types == ("conv", "conv", "full_attention", "conv")
+    assert (lfm2.intermediate_size, lfm2.conv_kernel, lfm2.num_key_value_heads) == (256, 3, 2)
 
 
 def test_quantized_experts_keep_their_blocks(gguf_families: dict[str, tuple[str, str]], tmp_path: Path) -> None:
