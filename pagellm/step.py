@@ -103,7 +103,7 @@ class SchedulerOutput:
     # samples born from their parent's prompt, ``core/state_slots.py``).
     state_copies: list[tuple[int, int]] = field(default_factory=list)
     # (block, slot): state slots started from a KV block's snapshot before the forward (a hybrid
-    # model's request whose first blocks came from the prefix cache; applied before the copies).
+    # model's request whose first blocks came from the prefix cache; applied after the copies).
     state_loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property

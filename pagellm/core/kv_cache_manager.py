@@ -81,6 +81,8 @@ class KVCacheManager:
         self.tables: dict[str, BlockTable] = {}  # sequence id -> its blocks
         self.stats = PrefixCacheStats()
         self._pending_copies: list[tuple[int, int]] = []
+        # Blocks registered since ``begin_step``: the step being scheduled computes them.
+        self._cached_this_step: set[int] = set()
 
     @property
     def num_blocks(self) -> int:
@@ -108,11 +110,18 @@ class KVCacheManager:
             salt = seq.cache_salt if i == 0 else None
             hashes.append(hash_block_tokens(parent, seq.all_token_ids[i * size : (i + 1) * size], salt))
 
-    def get_computed_blocks(self, seq: Sequence) -> list[KVCacheBlock]:
+    def begin_step(self) -> None:
+        """A new step is being scheduled: blocks registered before now are computed by earlier steps."""
+        self._cached_this_step.clear()
+
+    def get_computed_blocks(self, seq: Sequence, computed_before: bool = False) -> list[KVCacheBlock]:
         """Leading blocks of ``request`` already in the pool (not yet referenced).
 
         At least the last token is always left to compute: its logits are needed.
         Requests asking for prompt logprobs, and embeddings pooled over every token, compute everything.
+        ``computed_before``: only blocks an earlier step computed, not those the step being
+        scheduled fills (a hybrid model's block keeps a state the forward writes; K/V are written
+        before any attention reads them, so other models share those blocks at once).
         """
         every_token = seq.pooling is not None and seq.pooling.needs_every_token
         if not self.enable_caching or seq.sampling_params.prompt_logprobs is not None or every_token:
@@ -122,7 +131,7 @@ class KVCacheManager:
         hits: list[KVCacheBlock] = []
         for block_hash in seq.block_hashes[:max_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
+            if block is None or (computed_before and block.block_id in self._cached_this_step):
                 break
             hits.append(block)
         return hits
@@ -148,6 +157,8 @@ class KVCacheManager:
         num_full = min(num_tokens // self.block_size, len(seq.block_hashes))
         start = table.num_released  # (released: cached when they filled)
         for block, block_hash in zip(blocks[start:num_full], seq.block_hashes[start:num_full]):
+            if block.block_hash is None:
+                self._cached_this_step.add(block.block_id)
             self.block_pool.cache_full_block(block, block_hash)
 
     # ---- allocation -------------------------------------------------------------------

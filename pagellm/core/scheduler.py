@@ -179,6 +179,7 @@ class Scheduler:
         """
         budget = self.max_num_batched_tokens
         seq_budget = self.max_num_seqs if max_seqs is None else max_seqs
+        self.kv_cache_manager.begin_step()
         scheduled: list[ScheduledSequence] = []
         num_preemptions_before = self.stats.num_preemptions
         if self.policy.by_priority:
@@ -237,7 +238,8 @@ class Scheduler:
             seq = self.waiting[0]
             if self.state_slots is not None and self.state_slots.num_free < 1 + len(seq.pending_forks):
                 break  # (its samples' slots are taken with its own: their states are copied from it)
-            cached = manager.get_computed_blocks(seq)
+            # (a hybrid's blocks filled this step hold their states only once its forward ran)
+            cached = manager.get_computed_blocks(seq, computed_before=self.state_slots is not None)
             num_cached = len(cached) * manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
             if not manager.allocate_slots(seq, num_new, cached):
@@ -286,13 +288,14 @@ class Scheduler:
 
     def _preempt_for_waiting_head(self, in_flight: frozenset[str]) -> None:
         """Make room for the first waiting request when it outranks the last running one: preempt
-        running requests of a worse key while the seats or the blocks its next chunk needs are
-        short."""
+        running requests of a worse key while the seats, the blocks its next chunk needs or (a
+        hybrid model) the state slots it and its samples need are short."""
         if not self.waiting:
             return
-        head, manager = self.waiting[0], self.kv_cache_manager
+        head, manager, slots = self.waiting[0], self.kv_cache_manager, self.state_slots
         needed = manager.num_blocks_needed(head, min(head.num_tokens, self.max_num_batched_tokens))
-        while len(self.running) >= self.max_num_seqs or manager.num_free_blocks < needed:
+        while (len(self.running) >= self.max_num_seqs or manager.num_free_blocks < needed
+               or (slots is not None and slots.num_free < 1 + len(head.pending_forks))):  # fmt: skip
             victims = [r for r in self.running if r.seq_id not in in_flight]
             if not victims or self.order_key(victims[-1]) <= self.order_key(head):
                 return
@@ -338,8 +341,11 @@ class Scheduler:
             return
         for holder in (seq, *seq.pending_forks):
             if holder.state_slot is not None:
-                self.state_slots.free(holder.state_slot)
+                slot = holder.state_slot
+                self.state_slots.free(slot)
                 holder.state_slot, holder.state_slot_sent = None, False
+                # (a copy into it not yet made would land on whoever takes the slot next)
+                self._state_copies = [c for c in self._state_copies if c[1] != slot]
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
@@ -465,7 +471,9 @@ class Scheduler:
         children, parent.pending_forks = parent.pending_forks, []
         for child in children:
             self.kv_cache_manager.fork(parent, child)
-            if parent.state_slot is not None and child.state_slot is not None:  # its state, as its blocks
+            if self.state_slots is not None:  # its state, as its blocks (slots taken with the parent's)
+                if parent.state_slot is None or child.state_slot is None:
+                    raise RuntimeError(f"sample {child.seq_id!r} is born without a state slot")
                 self._state_copies.append((parent.state_slot, child.state_slot))
             child.status = SequenceStatus.RUNNING
             child.priority, child.effective_priority = parent.priority, parent.effective_priority

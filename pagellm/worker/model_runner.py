@@ -97,8 +97,10 @@ class ModelRunner:
         self.batch.apply(scheduler_output)
         self.pooler.apply(scheduler_output)
         copy_blocks(self.kv_cache, scheduler_output.block_copies)
-        load_states(self.kv_cache, scheduler_output.state_loads)
+        # Copies first: they were queued when the last step ended, and a slot they read or write
+        # may have been given since to a request that loads its state now.
         copy_states(self.kv_cache, scheduler_output.state_copies)
+        load_states(self.kv_cache, scheduler_output.state_loads)
         output = ModelRunnerOutput()
         if self.drafter is not None:
             copy_blocks(self.drafter.kv_cache, scheduler_output.block_copies)

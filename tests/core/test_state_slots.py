@@ -4,7 +4,7 @@ preemption, each told to the worker once per admission (the worker mirror checks
 import pytest
 
 from pagellm.core.kv_cache_manager import KVCacheManager
-from pagellm.core.scheduler import Scheduler
+from pagellm.core.scheduler import Scheduler, SchedulingPolicy
 from pagellm.core.sequence import SequenceStatus
 from pagellm.core.state_slots import StateSlotPool
 from tests.core.test_scheduler import make_request
@@ -115,3 +115,16 @@ def test_beams_of_sequences_with_states_are_not_forked():
     update(s, schedule(s))
     with pytest.raises(ValueError, match="beams of a model with recurrent layers are not forked yet"):
         s.fork_sequence("a", make_request("b", 3))
+
+
+def test_a_better_waiting_request_preempts_for_the_slots_its_samples_need():
+    manager = KVCacheManager(16, 4, enable_caching=False)
+    s = attach(Scheduler(manager, 8, 64, 64, policy=SchedulingPolicy("priority"), state_slots=StateSlotPool(2)))
+    s.add_sequence(make_request("low", 3, max_tokens=8))
+    update(s, schedule(s))  # "low" holds one of the two slots
+    head = make_request("high", 3, max_tokens=2, n=2)
+    head.priority = -1
+    s.add_sequence(head, fork_children=[make_request("high-1", 3, max_tokens=2)])
+    step = schedule(s)  # two slots needed, one free: "low" is preempted for them
+    assert [(r.seq_id, r.state_slot) for r in step.scheduled] == [("high", 0)]
+    assert s.sequences["high-1"].state_slot == 1 and s.sequences["low"].status == SequenceStatus.PREEMPTED

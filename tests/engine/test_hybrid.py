@@ -50,3 +50,44 @@ def test_speculation_and_tensor_parallelism_are_refused_by_name(tiny_lfm2_path: 
         LLM(tiny_lfm2_path, dtype="float32", speculative_config={"method": "ngram"})
     with pytest.raises(ValueError, match="tensor parallelism does not support Lfm2ForCausalLM's short-convolution"):
         load_arch_config(tiny_lfm2_path).shard(2)
+
+
+@pytest.fixture(scope="module")
+def uncached(tiny_lfm2_path: str) -> LLM:
+    """The reference: the same engine without the prefix cache (equal to transformers above)."""
+    return LLM(tiny_lfm2_path, dtype="float32", block_size=4, max_num_seqs=2, enable_prefix_caching=False)
+
+
+BASE = list(range(1000, 1013))  # 13 tokens: three full blocks of 4
+SHARED = {"prompt_token_ids": BASE[:12] + [5000, 5001, 5002]}  # A's three blocks, then its own
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def tokens(llm: LLM, prompts: list, params) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_a_prefix_cached_in_the_same_step_is_not_read_before_its_state_is_written(
+    tiny_lfm2_path: str, uncached: LLM
+) -> None:
+    """A and a prompt sharing its first blocks admitted together: those blocks are registered
+    when the step computing them is scheduled, but their states exist only after its forward."""
+    llm = LLM(tiny_lfm2_path, dtype="float32", block_size=4, max_num_seqs=2)
+    first = {"prompt_token_ids": BASE}
+    expected = [tokens(uncached, [p], GREEDY)[0] for p in (first, SHARED)]
+    assert tokens(llm, [first, SHARED], GREEDY) == expected
+    assert tokens(llm, [SHARED], GREEDY) == expected[1:]  # now from the cache (blocks computed)
+    assert llm.llm_engine.stats.prefix_cache_hits > 0
+
+
+def test_a_slot_given_again_takes_its_load_after_the_copy_queued_into_it(
+    tiny_lfm2_path: str, uncached: LLM
+) -> None:
+    """A (n = 2, one token) ends with a copy into its sample's slot still queued; the next step
+    gives that slot to a request loading a cached block's state: the load must win."""
+    llm = LLM(tiny_lfm2_path, dtype="float32", block_size=4, max_num_seqs=2)
+    other = {"prompt_token_ids": list(range(3000, 3010))}
+    one = SamplingParams(n=2, temperature=0, max_tokens=1, ignore_eos=True)
+    expected = [tokens(uncached, [p], GREEDY)[0] for p in (other, SHARED)]
+    outputs = llm.generate([{"prompt_token_ids": BASE}, other, SHARED], [one, GREEDY, GREEDY], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs[1:]] == expected
