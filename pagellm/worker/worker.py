@@ -249,6 +249,9 @@ class Worker:
         if self.arch.window_of_every_layer is not None:
             raise ValueError("a draft model needs every KV block of the target kept; this target releases blocks "
                              "behind its sliding window (use 'ngram')")  # fmt: skip
+        if arch.recurrent_layers:
+            raise ValueError(f"the draft model {arch.architecture} has recurrent (short-convolution) layers: a draft "
+                             "model with them is not supported yet")  # fmt: skip
         self._optimize(model, plan)
         return LoadedDraft(plan, model, arch)
 

@@ -91,3 +91,9 @@ def test_a_slot_given_again_takes_its_load_after_the_copy_queued_into_it(
     expected = [tokens(uncached, [p], GREEDY)[0] for p in (other, SHARED)]
     outputs = llm.generate([{"prompt_token_ids": BASE}, other, SHARED], [one, GREEDY, GREEDY], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs[1:]] == expected
+
+
+def test_a_hybrid_draft_model_is_refused_by_name(tiny_llama_path: str, tiny_lfm2_path: str) -> None:
+    config = {"method": "draft_model", "model": tiny_lfm2_path, "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="draft model Lfm2ForCausalLM has recurrent"):
+        LLM(tiny_llama_path, dtype="float32", speculative_config=config)
