@@ -60,6 +60,8 @@ class TensorParallel:
         module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
         if name.endswith("self_attn.sinks"):  # (gpt-oss) one per query head: this rank's heads'
             return tensor.chunk(self.size, dim=0)[self.rank]  # type: ignore[union-attr]
+        if ".conv." in name:  # (LFM2's convolutions) this rank's channels
+            return self._convolution_share(name, tensor)
         if module in ROW_PARALLEL and name.endswith(".bias"):
             # Every rank's partial output joins in one sum: the bias is added once, by rank 0.
             return tensor if self.rank == 0 else torch.zeros_like(tensor)  # type: ignore[arg-type]
@@ -69,12 +71,31 @@ class TensorParallel:
                 return tensor.select_rows(slice(self.rank * rows, (self.rank + 1) * rows))
             return tensor.chunk(self.size, dim=0)[self.rank]
         if module in ROW_PARALLEL and name.endswith(".weight"):
-            if not isinstance(tensor, torch.Tensor):
-                if tensor.k % (BLOCK * self.size):
-                    raise ValueError(f"quantized {name} has {tensor.k} input columns: tensor parallelism over "
-                                     f"{self.size} ranks needs a multiple of {BLOCK * self.size} (whole blocks "
-                                     "of 32 per rank); serve it with --quantization none")  # fmt: skip
-                blocks = tensor.k // BLOCK // self.size
-                return tensor.select_blocks(self.rank * blocks, (self.rank + 1) * blocks)
-            return tensor.chunk(self.size, dim=1)[self.rank]
+            return self._input_columns(name, tensor)
         return tensor
+
+    def _input_columns(self, name: str, tensor: torch.Tensor | QuantizedRows) -> torch.Tensor | QuantizedRows:
+        """This rank's share of a row-parallel weight's input columns (whole blocks where quantized)."""
+        if not isinstance(tensor, torch.Tensor):
+            if tensor.k % (BLOCK * self.size):
+                raise ValueError(f"quantized {name} has {tensor.k} input columns: tensor parallelism over "
+                                 f"{self.size} ranks needs a multiple of {BLOCK * self.size} (whole blocks "
+                                 "of 32 per rank); serve it with --quantization none")  # fmt: skip
+            blocks = tensor.k // BLOCK // self.size
+            return tensor.select_blocks(self.rank * blocks, (self.rank + 1) * blocks)
+        return tensor.chunk(self.size, dim=1)[self.rank]
+
+    def _convolution_share(self, name: str, tensor: torch.Tensor | QuantizedRows) -> torch.Tensor | QuantizedRows:
+        """A convolution layer's weights by channel: ``in_proj``'s rows of this rank's channels in
+        each of its three parts (B, C, x), the filters and their biases of those channels, and
+        ``out_proj`` as a row-parallel output projection."""
+        if ".conv.out_proj." in name:  # (its bias added once, by rank 0: the ranks' outputs are summed)
+            if name.endswith(".bias"):
+                return tensor if self.rank == 0 else torch.zeros_like(tensor)  # type: ignore[arg-type]
+            return self._input_columns(name, tensor)
+        if ".conv.in_proj." not in name:  # conv_weight [channels, 1, taps], conv_bias [channels]
+            return tensor.chunk(self.size, dim=0)[self.rank]  # type: ignore[union-attr]
+        rows = tensor.shape[0] if isinstance(tensor, torch.Tensor) else tensor.rows
+        part, share = rows // 3, rows // 3 // self.size
+        index = torch.cat([torch.arange(p * part + self.rank * share, p * part + (self.rank + 1) * share) for p in range(3)])
+        return tensor[index] if isinstance(tensor, torch.Tensor) else tensor.select_rows(index)

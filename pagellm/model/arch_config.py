@@ -150,6 +150,12 @@ class ModelArchConfig:
     # convolution's taps (its state keeps the last conv_kernel - 1 inputs), biases or not.
     conv_kernel: int = 0
     conv_bias: bool = False
+    conv_channels: int = 0  # a tensor-parallel rank's share of the convolutions' channels (0: hidden_size)
+
+    @property
+    def convolution_channels(self) -> int:
+        """The channels each convolution layer runs here (all, or this rank's share)."""
+        return self.conv_channels or self.hidden_size
 
     @property
     def recurrent_layers(self) -> tuple[int, ...]:
@@ -218,8 +224,9 @@ class ModelArchConfig:
                      "shared_expert_size"):
             if getattr(self, name) % size:
                 raise ValueError(f"tensor_parallel_size={size} must divide the model's {name} ({getattr(self, name)})")
-        if self.recurrent_layers:
-            raise ValueError(f"tensor parallelism does not support {self.architecture}'s short-convolution layers yet")
+        if self.recurrent_layers and self.hidden_size % size:
+            raise ValueError(f"tensor_parallel_size={size} must divide the model's hidden_size ({self.hidden_size}): "
+                             "its convolutions' channels are shared out")  # fmt: skip
         if self.qk_norm_over_projection:
             raise ValueError(f"tensor parallelism does not support {self.architecture}'s q/k norms over the whole "
                              "projection yet (each rank holds only some heads)")  # fmt: skip
@@ -227,6 +234,7 @@ class ModelArchConfig:
             self, num_attention_heads=self.num_attention_heads // size,
             num_key_value_heads=self.num_key_value_heads // size, intermediate_size=self.intermediate_size // size,
             moe_intermediate_size=self.moe_intermediate_size // size, shared_expert_size=self.shared_expert_size // size,
+            conv_channels=self.hidden_size // size if self.recurrent_layers else 0,
         )  # fmt: skip
 
     @property

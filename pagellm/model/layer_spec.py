@@ -46,6 +46,7 @@ class LayerSpec:
     # taps (0: an attention layer), with biases or not.
     conv_kernel: int = 0
     conv_bias: bool = False
+    conv_channels: int = 0  # the channels it runs (a tensor-parallel rank's share)
 
     @property
     def recurrent(self) -> bool:
@@ -91,6 +92,7 @@ def layer_spec(arch: ModelArchConfig, index: int) -> LayerSpec:
         qk_norm_after_rotary=arch.qk_norm_after_rotary,
         conv_kernel=arch.conv_kernel if index in arch.recurrent_layers else 0,
         conv_bias=arch.conv_bias,
+        conv_channels=arch.convolution_channels,
     )
 
 

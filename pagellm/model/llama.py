@@ -162,7 +162,7 @@ class LlamaDecoderLayer(nn.Module):
 
         self.input_layernorm = norm() if spec.pre_norms else None
         if spec.recurrent:  # (LFM2's convolution layers)
-            self.conv = ShortConv(spec, plan)
+            self.conv = ShortConv(spec, plan, tp)
         else:
             self.self_attn = LlamaAttention(spec, attn_backend, plan, tp)
         self.post_attention_layernorm = norm()

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from pagellm.attention.backend import AttentionMetadata
+from pagellm.distributed.tensor_parallel import TensorParallel
 from pagellm.kernels.plan import KernelPlan
 from pagellm.model.layer_spec import LayerSpec
 from pagellm.model.quant_linear import linear_for_plan
@@ -98,18 +99,22 @@ def _build_plan(metadata: AttentionMetadata, kernel: int, device: torch.device) 
 
 
 class ShortConv(nn.Module):
-    """The mixer of one convolution layer (see the module docstring)."""
+    """The mixer of one convolution layer (see the module docstring). Under tensor parallelism a
+    rank runs its share of the channels (each channel is its own filter): ``in_proj`` gives its
+    channels of B, C and x, ``out_proj`` takes them as its share of the input, and the ranks'
+    partial outputs are summed."""
 
-    def __init__(self, spec: LayerSpec, plan: KernelPlan | None) -> None:
+    def __init__(self, spec: LayerSpec, plan: KernelPlan | None, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        hidden = spec.hidden_size
-        self.hidden_size = hidden
+        channels = spec.conv_channels or spec.hidden_size
+        self.channels = channels
         self.kernel = spec.conv_kernel
-        self.in_proj = linear_for_plan(hidden, 3 * hidden, spec.conv_bias, plan)
-        self.out_proj = linear_for_plan(hidden, hidden, spec.conv_bias, plan)
+        self.tp = tp
+        self.in_proj = linear_for_plan(spec.hidden_size, 3 * channels, spec.conv_bias, plan)
+        self.out_proj = linear_for_plan(channels, spec.hidden_size, spec.conv_bias, plan)
         # (the checkpoint's Conv1d layout: [channels, 1, taps])
-        self.conv_weight = nn.Parameter(torch.empty(hidden, 1, self.kernel))
-        self.conv_bias = nn.Parameter(torch.empty(hidden)) if spec.conv_bias else None
+        self.conv_weight = nn.Parameter(torch.empty(channels, 1, self.kernel))
+        self.conv_bias = nn.Parameter(torch.empty(channels)) if spec.conv_bias else None
 
     def forward(self, hidden: torch.Tensor, state: ConvState, metadata: AttentionMetadata) -> torch.Tensor:
         """``hidden`` [T, hidden] -> [T, hidden]; each request's state slot is read for its previous
@@ -117,7 +122,7 @@ class ShortConv(nn.Module):
         b, c, x = self.in_proj(hidden).chunk(3, dim=-1)
         inputs = b * x
         plan = conv_plan(metadata, self.kernel, hidden.device)
-        zero = inputs.new_zeros(1, self.hidden_size)
+        zero = inputs.new_zeros(1, self.channels)
         table = torch.cat((zero, state.slots[plan.slots].to(inputs.dtype).flatten(0, 1), inputs))
         taps = self.conv_weight[:, 0, :].t().to(inputs.dtype)  # [kernel, hidden]
         out = (table[plan.windows] * taps).sum(dim=1)
@@ -126,4 +131,5 @@ class ShortConv(nn.Module):
         state.slots[plan.slots] = table[plan.last].to(state.slots.dtype)
         if len(plan.snapshot_blocks):
             state.blocks[plan.snapshot_blocks] = table[plan.snapshot_rows].to(state.blocks.dtype)
-        return self.out_proj(c * out)
+        out = self.out_proj(c * out)
+        return out if self.tp is None else self.tp.all_reduce_(out)

@@ -127,12 +127,13 @@ def with_recurrent_states(
 ) -> KVCache:
     """Every layer's cache in layer order: ``attention``'s K/V pairs (one an attention layer, in
     order) and, for each recurrent layer, its zeroed states (``model/short_conv.py``): a
-    convolution's last ``conv_kernel - 1`` inputs for each state slot and each KV block."""
+    convolution's last ``conv_kernel - 1`` inputs for each state slot and each KV block (``arch``:
+    this rank's share, whose channels they are)."""
     recurrent = set(arch.recurrent_layers)
     if not recurrent:
         return attention
     pairs = iter(attention)
-    row = (arch.conv_kernel - 1, arch.hidden_size)
+    row = (arch.conv_kernel - 1, arch.convolution_channels)
 
     def states() -> ConvState:
         if device.type == "cpu":  # (pages of snapshots never written stay untouched)
@@ -147,4 +148,4 @@ def with_recurrent_states(
 def recurrent_state_bytes(arch: ModelArchConfig, num_rows: int, dtype: torch.dtype) -> int:
     """The memory of ``num_rows`` rows (state slots or KV blocks) of every recurrent layer's states."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return len(arch.recurrent_layers) * num_rows * (arch.conv_kernel - 1) * arch.hidden_size * itemsize
+    return len(arch.recurrent_layers) * num_rows * (arch.conv_kernel - 1) * arch.convolution_channels * itemsize

@@ -127,12 +127,12 @@ def rank_shard(arch: ModelArchConfig, parallel: ParallelRank | None) -> ModelArc
 
 def check_recurrent_support(arch: ModelArchConfig, config: EngineConfig, parallel: ParallelRank | None) -> None:
     """Refuse, naming it, what a model with recurrent layers (LFM2's convolutions) cannot run yet:
-    its state is not split across ranks, nor rolled back for rejected drafts."""
+    its state is not split across pipeline stages, nor rolled back for rejected drafts."""
     if not arch.recurrent_layers:
         return
-    if parallel is not None:
-        raise ValueError(f"{arch.architecture} has recurrent (short-convolution) layers: tensor and pipeline "
-                         "parallelism do not support them yet (data parallelism does)")  # fmt: skip
+    if parallel is not None and parallel.pp_size > 1:
+        raise ValueError(f"{arch.architecture} has recurrent (short-convolution) layers: pipeline parallelism does "
+                         "not support them yet (tensor and data parallelism do)")  # fmt: skip
     if config.speculative is not None:
         raise ValueError(f"{arch.architecture} has recurrent (short-convolution) layers: speculative decoding does "
                          "not support them yet (a rejected draft would have to roll their state back)")  # fmt: skip
@@ -216,7 +216,7 @@ class Worker:
             stage.num_layers if stage is not None else shard.num_attention_layers, self.num_blocks, self.block_size,
             shard.num_key_value_heads, shard.head_dim, self.kv_cache_dtype, self.device,
         )  # fmt: skip
-        kv_cache = with_recurrent_states(self.arch, kv_cache, config.scheduler.max_num_seqs, self.num_blocks, self.dtype,
+        kv_cache = with_recurrent_states(shard, kv_cache, config.scheduler.max_num_seqs, self.num_blocks, self.dtype,
                                          self.device)  # fmt: skip
         link = parallel.link(self.arch.hidden_size, self.dtype, self.arch.num_hidden_layers) if parallel else None
         drafter = None

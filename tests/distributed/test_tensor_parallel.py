@@ -21,7 +21,8 @@ def _run(path: str, tp: int, params: SamplingParams, **options: object) -> list:
     llm = LLM(path, **{**OPTIONS, **options}, tensor_parallel_size=tp)
     try:
         if tp > 1:  # the forward's all-reduces: shared memory where the kernels are built, else gloo
-            shm = llm.llm_engine.executor.model_runner.model.model.layers[0].self_attn.tp.shm
+            layers = llm.llm_engine.executor.model_runner.model.model.layers
+            shm = next(layer.self_attn for layer in layers if hasattr(layer, "self_attn")).tp.shm
             assert (shm is not None) == (llm.llm_engine.executor.kernel_plan.kernels is not None)
         return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     finally:
@@ -35,7 +36,8 @@ def _run(path: str, tp: int, params: SamplingParams, **options: object) -> list:
                                            ("tiny_gemma2_path", "shm"), ("tiny_phi4_mini_path", "shm"),
                                            ("tiny_smollm3_path", "shm"), ("tiny_glm4_moe_path", "shm"),
                                            ("tiny_qwen2_moe_path", "shm"), ("tiny_glm4_path", "shm"),
-                                           ("tiny_gpt_oss_path", "shm"), ("tiny_seed_oss_path", "gloo")])  # fmt: skip
+                                           ("tiny_gpt_oss_path", "shm"), ("tiny_seed_oss_path", "gloo"),
+                                           ("tiny_lfm2_path", "shm")])  # fmt: skip
 def test_two_ranks_give_what_one_gives(request: pytest.FixtureRequest, model: str, variant: str) -> None:
     """Dense weights with the shared-memory all-reduce, with gloo's (no kernel library), and
     int8 blocks on the integer GEMM (each rank's blocks are the whole model's: same integers)."""

@@ -45,11 +45,15 @@ def test_beam_search_is_refused_by_name(lfm2: LLM) -> None:
         lfm2.beam_search([{"prompt": "Hello"}], BeamSearchParams(beam_width=2, max_tokens=2))
 
 
-def test_speculation_and_tensor_parallelism_are_refused_by_name(tiny_lfm2_path: str) -> None:
+def test_speculation_is_refused_by_name(tiny_lfm2_path: str) -> None:
     with pytest.raises(ValueError, match="speculative decoding does not support them"):
         LLM(tiny_lfm2_path, dtype="float32", speculative_config={"method": "ngram"})
-    with pytest.raises(ValueError, match="tensor parallelism does not support Lfm2ForCausalLM's short-convolution"):
-        load_arch_config(tiny_lfm2_path).shard(2)
+
+
+def test_a_tensor_parallel_rank_holds_its_share_of_the_channels(tiny_lfm2_path: str) -> None:
+    """(Two ranks equal to one process: tests/distributed/test_tensor_parallel.py.)"""
+    arch = load_arch_config(tiny_lfm2_path)
+    assert (arch.convolution_channels, arch.shard(2).convolution_channels) == (64, 32)
 
 
 @pytest.fixture(scope="module")
