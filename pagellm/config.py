@@ -292,9 +292,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         spec = self.speculative
         if spec is not None and spec.uses_draft_model:
-            if self.device.world_size > 1:
-                raise ValueError("speculative method 'draft_model' runs on one rank; tensor and pipeline parallelism "
-                                 "with a draft model are not supported (use 'ngram', or data parallelism)")  # fmt: skip
+            if self.device.pipeline_parallel_size > 1:
+                raise ValueError("speculative method 'draft_model' under pipeline parallelism is not supported (use "
+                                 "'ngram', tensor or data parallelism)")  # fmt: skip
             draft_model_config(self)  # its quantization checked here, once
 
 

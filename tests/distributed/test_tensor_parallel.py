@@ -174,18 +174,22 @@ def test_a_rank_that_dies_before_joining_fails_the_start(tmp_path, tiny_llama_pa
     assert "ended during start-up" in proc.stderr
 
 
-def test_speculative_drafts_are_verified_across_ranks(tiny_llama_path: str) -> None:
-    """N-gram drafts under tensor parallelism: every rank runs the verifying rows, rank 0 samples;
-    greedy output is one process's plain decoding. (A draft model runs on one rank only: refused.)"""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_drafts_are_verified_across_ranks(tiny_llama_path: str, tiny_qwen3_path: str, method: str) -> None:
+    """Drafts under tensor parallelism: every rank runs the verifying rows, rank 0 samples; greedy
+    output is one process's plain decoding. A draft model runs whole on every rank (the same
+    weights, inputs and kernels: the same drafts on each)."""
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
             "disable_by_batch_size": None, "adaptive": False}  # fmt: skip
+    if method == "draft_model":
+        spec = {"method": "draft_model", "model": tiny_qwen3_path, "num_speculative_tokens": 3, "adaptive": False}
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    repeating = [{"prompt_token_ids": [7, 8, 9, 10] * 6}]
+    repeating = [{"prompt_token_ids": [7, 8, 9, 10] * 6}, {"prompt_token_ids": list(range(200, 260))}]
     plain = LLM(tiny_llama_path, **OPTIONS).generate(repeating, params, use_tqdm=False)
     llm = LLM(tiny_llama_path, **OPTIONS, tensor_parallel_size=2, speculative_config=spec)
     try:
         got = llm.generate(repeating, params, use_tqdm=False)
-        assert got[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
         assert llm.llm_engine.scheduler.speculator.stats.num_draft_tokens > 0
     finally:
         llm.llm_engine.close()

@@ -139,8 +139,8 @@ def test_draft_model_configurations_refused_by_name(tiny_llama_path, tmp_path, d
         draft_model_config(EngineConfig(model=ModelConfig(tiny_llama_path), speculative=same))
     with pytest.raises(ValueError, match="quantization must be one of"):
         draft_model_config(EngineConfig(speculative=SpeculativeConfig(method="draft_model", quantization="fp4")))
-    with pytest.raises(ValueError, match="tensor and pipeline parallelism"):
-        LLM(tiny_llama_path, tensor_parallel_size=2, speculative_config=draft_spec(tiny_llama_path))
+    with pytest.raises(ValueError, match="'draft_model' under pipeline parallelism is not supported"):
+        LLM(tiny_llama_path, pipeline_parallel_size=2, speculative_config=draft_spec(tiny_llama_path))
     from transformers import LlamaConfig
 
     ids = {**token_ids(default_tokenizer), "vocab_size": len(default_tokenizer) + 64}
