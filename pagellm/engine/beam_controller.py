@@ -26,7 +26,7 @@ from pagellm.engine.protocol import EngineRequest
 from pagellm.engine.sequence_ids import request_of, sequence_id
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
-from pagellm.step import ModelRunnerOutput, TokenLogprobs
+from pagellm.step import TokenLogprobs
 from pagellm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class BeamSearchController:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.groups
 
-    def add(self, request: EngineRequest, params: BeamSearchParams, max_tokens: int) -> Request:
+    def add(self, request: EngineRequest, params: BeamSearchParams, max_tokens: int) -> Sequence:
         """Start a beam search (checked by the caller); its result is one output, beams best first.
         Returns the first beam, for the caller to schedule (at once, or once its grammar is ready)."""
         group = BeamSearchGroup(request.request_id, request.prompt_token_ids, params, max_tokens, self.eos_token_ids,
