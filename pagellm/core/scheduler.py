@@ -236,8 +236,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(scheduled) < seq_budget):  # fmt: skip
             seq = self.waiting[0]
-            if self.state_slots is not None and self.state_slots.num_free < self._slots_needed(seq):
-                break  # (its samples' and beams' slots are taken with its own: their states are copied from it)
+            if self.state_slots is not None and self.state_slots.num_free < 1 + len(seq.pending_forks):
+                break  # (its samples' slots are taken with its own: their states are copied from it)
             # (a hybrid's blocks filled this step hold their states only once its forward ran)
             cached = manager.get_computed_blocks(seq, computed_before=self.state_slots is not None)
             num_cached = len(cached) * manager.block_size
@@ -251,7 +251,6 @@ class Scheduler:
             if self.state_slots is not None:
                 for holder in (seq, *seq.pending_forks):
                     holder.state_slot = self.state_slots.allocate()
-                seq.reserved_slots = [self._take_slot() for _ in range(seq.slot_reserve)]
                 if cached:  # it resumes from the state its last cached block ends with
                     self._state_loads.append((cached[-1].block_id, seq.state_slot))
             seq.status = SequenceStatus.RUNNING
@@ -296,7 +295,7 @@ class Scheduler:
         head, manager, slots = self.waiting[0], self.kv_cache_manager, self.state_slots
         needed = manager.num_blocks_needed(head, min(head.num_tokens, self.max_num_batched_tokens))
         while (len(self.running) >= self.max_num_seqs or manager.num_free_blocks < needed
-               or (slots is not None and slots.num_free < self._slots_needed(head))):  # fmt: skip
+               or (slots is not None and slots.num_free < 1 + len(head.pending_forks))):  # fmt: skip
             victims = [r for r in self.running if r.seq_id not in in_flight]
             if not victims or self.order_key(victims[-1]) <= self.order_key(head):
                 return
@@ -340,27 +339,13 @@ class Scheduler:
         self.kv_cache_manager.free(seq)
         if self.state_slots is None:
             return
-        held = [h.state_slot for h in (seq, *seq.pending_forks) if h.state_slot is not None] + seq.reserved_slots
         for holder in (seq, *seq.pending_forks):
-            holder.state_slot, holder.state_slot_sent = None, False
-        seq.reserved_slots = []
-        for slot in held:
-            self.state_slots.free(slot)
-        # (a copy into a slot given back, not yet made, would land on whoever takes the slot next)
-        self._state_copies = [c for c in self._state_copies if c[1] not in held]
-
-    def _slots_needed(self, seq: Sequence) -> int:
-        """The state slots admitting ``seq`` takes: its own, its samples', its beams' to come."""
-        return 1 + len(seq.pending_forks) + seq.slot_reserve
-
-    def _take_slot(self, holder: Sequence | None = None) -> int:
-        """A free state slot (one ``holder`` reserved first); the caller checked that one is free."""
-        if holder is not None and holder.reserved_slots:
-            return holder.reserved_slots.pop()
-        slot = self.state_slots.allocate() if self.state_slots is not None else None
-        if slot is None:
-            raise RuntimeError("no state slot is free")
-        return slot
+            if holder.state_slot is not None:
+                slot = holder.state_slot
+                self.state_slots.free(slot)
+                holder.state_slot, holder.state_slot_sent = None, False
+                # (a copy into it not yet made would land on whoever takes the slot next)
+                self._state_copies = [c for c in self._state_copies if c[1] != slot]
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
@@ -454,6 +439,8 @@ class Scheduler:
     def fork_sequence(self, parent_id: str, child: Sequence) -> None:
         """Start ``child`` as a running copy of ``parent_id``, sharing its KV blocks."""
         parent = self.sequences[parent_id]
+        if self.state_slots is not None:
+            raise ValueError("beams of a model with recurrent layers are not forked yet")
         if child.seq_id in self.sequences or child.seq_id in self._finished_since_last_step:
             # (a fork is copied before the step's finished rows go: its id must be a fresh one)
             raise ValueError(f"sequence id {child.seq_id!r} is already in use")
@@ -461,11 +448,6 @@ class Scheduler:
         child.output_token_ids = list(parent.output_token_ids)
         child.all_token_ids = list(parent.all_token_ids)
         self.kv_cache_manager.fork(parent, child)
-        if self.state_slots is not None:  # its state, as its blocks (a slot its beam search reserved)
-            if parent.state_slot is None:
-                raise RuntimeError(f"beam {parent_id!r} runs without a state slot")
-            child.state_slot = self._take_slot(parent)
-            self._state_copies.append((parent.state_slot, child.state_slot))
         child.status = SequenceStatus.RUNNING
         child.arrival_time = parent.arrival_time
         # The worker copies its row of the parent (a parent it has not met yet: the child is new to it too).

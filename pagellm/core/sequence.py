@@ -85,10 +85,6 @@ class Sequence:
     # worker has been told it (sent with the step that first schedules it after each admission).
     state_slot: int | None = None
     state_slot_sent: bool = False
-    # A beam search's first beam: slots to hold, from its admission, for the beams to be forked from
-    # it (``slot_reserve`` of them; ``reserved_slots`` while held), so that forking never waits.
-    slot_reserve: int = 0
-    reserved_slots: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -58,7 +58,6 @@ class BeamSearchController:
             group.arrival_time = request.arrival_time
         group.priority = request.priority
         first = self._new_beam(group)
-        first.slot_reserve = params.beam_width - 1  # (a hybrid model's state slots for the beams to come)
         group.beams = [Beam(first.seq_id, 0.0, [])]
         self.groups[request.request_id] = group
         return first
@@ -108,11 +107,8 @@ class BeamSearchController:
         """Reuse each chosen beam once, fork it for further choices, free beams not chosen.
         Returns why the group's constraint refused a chosen token, if it did."""
         seq_ids: list[str] = []
-        reused = {cont.parent.seq_id for cont in continuations}
-        # Beams not chosen go first: a hybrid model's forks take the state slots they held.
-        self._drop([beam.seq_id for beam in group.beams if beam.seq_id not in reused])
-        reused = set()
-        for cont in continuations:  # all forks before any token: a fork copies its parent's tokens
+        reused: set[str] = set()
+        for cont in continuations:  # all forks first: a fork copies its parent's tokens
             parent_id = cont.parent.seq_id
             if parent_id not in reused:
                 reused.add(parent_id)
@@ -125,6 +121,7 @@ class BeamSearchController:
         for seq_id, cont in zip(seq_ids, continuations):
             self.scheduler.append_token(seq_id, cont.token_id)
         _, refused = self.structured_output.accept((seq_id, [cont.token_id]) for seq_id, cont in zip(seq_ids, continuations))
+        self._drop([beam.seq_id for beam in group.beams if beam.seq_id not in reused])
         group.beams = [
             Beam(seq_id, cont.cum_logprob, cont.parent.generated + [cont.token_id])
             for seq_id, cont in zip(seq_ids, continuations)

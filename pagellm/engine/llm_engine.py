@@ -75,6 +75,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             self.tokenizer, arch.vocab_size, self.executor.max_model_len, config.limits, config.scheduler.max_num_seqs,
             config.scheduler.scheduling_policy, resolve_pooler(config.model.model, config.pooler), arch.hidden_size,
+            f"{arch.architecture}'s recurrent layers keep one state a sequence, not forked for beams yet"
+            if arch.recurrent_layers else None,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()

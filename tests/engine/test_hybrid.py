@@ -40,23 +40,9 @@ def test_samples_start_from_their_parents_state(lfm2: LLM, tiny_lfm2_path: str, 
     assert lfm2.llm_engine.scheduler.state_slots.num_free == 2
 
 
-@pytest.mark.parametrize("width", [2, 4])
-def test_beam_search_equals_hf(tiny_lfm2_path: str, default_tokenizer, width: int) -> None:
-    """Beams forked from a beam start from its state (a slot reserved for each when the search
-    is admitted, or given back by a beam not chosen); two searches at once, slots to spare for
-    only one: the second waits for the first's."""
-    from tests.engine.test_beam_search import PROMPTS as BEAM_PROMPTS
-    from tests.engine.test_beam_search import hf_beam_search
-
-    llm = LLM(tiny_lfm2_path, dtype="float32", block_size=4, max_num_seqs=width + 1)
-    hf = load_hf_model(tiny_lfm2_path)
-    prompts = BEAM_PROMPTS[:2]
-    outputs = llm.beam_search(prompts, BeamSearchParams(beam_width=width, max_tokens=10), use_tqdm=False)
-    for prompt, output in zip(prompts, outputs):
-        ids = default_tokenizer(prompt).input_ids
-        expected = hf_beam_search(hf, ids, width, 10, 1.0, default_tokenizer.eos_token_id)
-        assert output.sequences[0].tokens == ids + expected, prompt
-    assert llm.llm_engine.scheduler.state_slots.num_free == width + 1
+def test_beam_search_is_refused_by_name(lfm2: LLM) -> None:
+    with pytest.raises(ValueError, match="beam search is not available: .*recurrent layers"):
+        lfm2.beam_search([{"prompt": "Hello"}], BeamSearchParams(beam_width=2, max_tokens=2))
 
 
 def test_speculation_is_refused_by_name(tiny_lfm2_path: str) -> None:
