@@ -295,6 +295,11 @@ class EngineConfig:
             if self.device.pipeline_parallel_size > 1:
                 raise ValueError("speculative method 'draft_model' under pipeline parallelism is not supported (use "
                                  "'ngram', tensor or data parallelism)")  # fmt: skip
+            # Every rank drafts for itself: ranks on one host run the same kernels on the same
+            # inputs and draft alike; other nodes' CPUs might round differently.
+            if self.device.world_size > 1 and (self.device.nnodes > 1 or self.device.distributed_executor_backend == "ray"):
+                raise ValueError("speculative method 'draft_model' under tensor parallelism runs on one node's "
+                                 "processes only (not with --nnodes or the ray backend)")  # fmt: skip
             draft_model_config(self)  # its quantization checked here, once
 
 

@@ -186,7 +186,8 @@ class Worker:
         draft_plan = None if draft_config is None else engine_kernel_plan(draft_config, self.device)
         if draft_config is not None and draft_plan is not None:
             logger.info("draft model's kernel plan: %s", draft_plan.describe())
-            weight_bytes += host_weight_bytes(draft_config, draft_plan, None, share)
+            # (every rank on this host loads the whole draft model)
+            weight_bytes += host_weight_bytes(draft_config, draft_plan, None, share) * share.ranks
         check_weights_fit(_model_name(config), weight_bytes, available_memory_bytes(self.device), share)
         model, self.arch = load_model(config.model.model, self.dtype, attn_backend, self.device, self.kernel_plan, parallel)
         check_recurrent_support(self.arch, config, parallel)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from pagellm import LLM, SamplingParams
-from pagellm.config import EngineConfig, ModelConfig, draft_model_config
+from pagellm.config import DeviceConfig, EngineConfig, ModelConfig, draft_model_config
 from pagellm.speculative_config import SpeculativeConfig
 from tests.helpers.tiny_models import TINY_LLAMA_ROPE, TINY_SHAPE, token_ids, write_tiny_model
 
@@ -141,6 +141,9 @@ def test_draft_model_configurations_refused_by_name(tiny_llama_path, tmp_path, d
         draft_model_config(EngineConfig(speculative=SpeculativeConfig(method="draft_model", quantization="fp4")))
     with pytest.raises(ValueError, match="'draft_model' under pipeline parallelism is not supported"):
         LLM(tiny_llama_path, pipeline_parallel_size=2, speculative_config=draft_spec(tiny_llama_path))
+    with pytest.raises(ValueError, match="runs on one node's processes only"):
+        EngineConfig(device=DeviceConfig(tensor_parallel_size=2, distributed_executor_backend="ray"),
+                     speculative=SpeculativeConfig(method="draft_model", model=tiny_llama_path))
     from transformers import LlamaConfig
 
     ids = {**token_ids(default_tokenizer), "vocab_size": len(default_tokenizer) + 64}
