@@ -119,7 +119,7 @@ def test_output_config_constrains_the_answer_to_a_schema(claude: anthropic.Anthr
     ({"model": MODEL_NAME, "max_tokens": 4, "messages": ASK, "tool_choice": {"type": "tool"}}, 400, "needs a name"),
     ({"model": MODEL_NAME, "max_tokens": 10**9, "messages": ASK}, 400, "maximum context length"),
     ({"model": MODEL_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}] * 100_000}, 400,
-     "messages"),
+     "JSON objects and arrays"),
 ])  # fmt: skip
 def test_refusals_in_anthropics_error_shape(http: httpx.Client, body: dict, status: int, needle: str) -> None:
     response = http.post("/v1/messages", json=body)

@@ -163,7 +163,7 @@ def test_text_format_constrains_the_answer(client: openai.OpenAI) -> None:
     ({"input": [{"type": "no_such_item"}]}, 400, "input"),
     ({"input": ASK, "previous_response_id": "resp_missing"}, 404, "resp_missing"),
     ({"input": ASK, "model": "no-such-model"}, 404, "no-such-model"),
-    ({"input": [{"role": "user", "content": "x"}] * 100_000}, 400, "messages"),
+    ({"input": [{"role": "user", "content": "x"}] * 100_000}, 400, "JSON objects and arrays"),
 ])  # fmt: skip
 def test_refusals_as_openai_errors(http: httpx.Client, body: dict, status: int, needle: str) -> None:
     response = http.post("/v1/responses", json={"model": MODEL_NAME, **body})
