@@ -236,7 +236,7 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(scheduled) < seq_budget):  # fmt: skip
             seq = self.waiting[0]
-            if self.state_slots is not None and self.state_slots.num_free < 1 + len(seq.pending_forks):
+            if self.state_slots is not None and self.state_slots.num_free < self._slots_needed(seq):
                 break  # (its samples' slots are taken with its own: their states are copied from it)
             # (a hybrid's blocks filled this step hold their states only once its forward ran)
             cached = manager.get_computed_blocks(seq, computed_before=self.state_slots is not None)
@@ -295,7 +295,7 @@ class Scheduler:
         head, manager, slots = self.waiting[0], self.kv_cache_manager, self.state_slots
         needed = manager.num_blocks_needed(head, min(head.num_tokens, self.max_num_batched_tokens))
         while (len(self.running) >= self.max_num_seqs or manager.num_free_blocks < needed
-               or (slots is not None and slots.num_free < 1 + len(head.pending_forks))):  # fmt: skip
+               or (slots is not None and slots.num_free < self._slots_needed(head))):  # fmt: skip
             victims = [r for r in self.running if r.seq_id not in in_flight]
             if not victims or self.order_key(victims[-1]) <= self.order_key(head):
                 return
@@ -346,6 +346,11 @@ class Scheduler:
                 holder.state_slot, holder.state_slot_sent = None, False
                 # (a copy into it not yet made would land on whoever takes the slot next)
                 self._state_copies = [c for c in self._state_copies if c[1] != slot]
+
+    @staticmethod
+    def _slots_needed(seq: Sequence) -> int:
+        """The state slots admitting ``seq`` takes: its own and one for each of its samples."""
+        return 1 + len(seq.pending_forks)
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)

@@ -11,6 +11,8 @@ Tensor-free, like the block pool.
 
 from __future__ import annotations
 
+import heapq
+
 
 class StateSlotPool:
     """``num_slots`` slot ids, 0 .. num_slots - 1, each held by at most one sequence."""
@@ -19,7 +21,8 @@ class StateSlotPool:
         if num_slots < 1:
             raise ValueError(f"a state slot pool needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: lowest id first
+        self._free = list(range(num_slots))  # a heap: the lowest id first
+        self._held: set[int] = set()
 
     @property
     def num_free(self) -> int:
@@ -27,11 +30,15 @@ class StateSlotPool:
 
     def allocate(self) -> int | None:
         """A free slot's id (the lowest), or None when every slot is held."""
-        return self._free.pop() if self._free else None
+        if not self._free:
+            return None
+        slot = heapq.heappop(self._free)
+        self._held.add(slot)
+        return slot
 
     def free(self, slot: int) -> None:
         """Give ``slot`` back; freeing a slot that is not held is an error (a double free)."""
-        if not 0 <= slot < self.num_slots or slot in self._free:
+        if slot not in self._held:
             raise ValueError(f"state slot {slot} is not held")
-        self._free.append(slot)
-        self._free.sort(reverse=True)
+        self._held.remove(slot)
+        heapq.heappush(self._free, slot)

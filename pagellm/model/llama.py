@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -200,13 +201,9 @@ class LlamaDecoderLayer(nn.Module):
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache, metadata: AttentionMetadata
     ) -> torch.Tensor:
         """The block that mixes tokens: attention over the K/V pair, or the convolution over its state."""
-        if self.spec.recurrent:
-            if not isinstance(cache, ConvState):
-                raise TypeError(f"layer {self.spec.index} is a convolution layer: it keeps states, not K/V")
-            return self.conv(hidden, cache, metadata)
-        if isinstance(cache, ConvState):
-            raise TypeError(f"layer {self.spec.index} is an attention layer: it keeps K/V, not states")
-        return self.self_attn(hidden, cos, sin, cache, metadata)
+        if self.spec.recurrent:  # (its cache: worker/kv_cache.py with_recurrent_states)
+            return self.conv(hidden, cast(ConvState, cache), metadata)
+        return self.self_attn(hidden, cos, sin, cast(KVCache, cache), metadata)
 
     def _sandwich(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
@@ -341,8 +338,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> StepRoute:
         """This step's route (:mod:`pagellm.model.step_route`), logged at debug level where it
         differs from the last step's."""
-        pairs = [cache for cache in kv_caches if isinstance(cache, tuple)]
-        cache_dtype = pairs[0][0].dtype if pairs else hidden.dtype
+        pair = next((cache for cache in kv_caches if isinstance(cache, tuple)), None)  # (the first attention layer's)
+        cache_dtype = pair[0].dtype if pair is not None else hidden.dtype
         fits = stack is not None and stack.fits(hidden, kv_caches)
         route = route_step(self.plan, self.attn_backend, metadata, hidden.shape[0], hidden.dtype, cache_dtype,
                            self.arch.head_dim, fits)  # fmt: skip

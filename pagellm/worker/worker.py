@@ -189,8 +189,8 @@ class Worker:
             # (every rank on this host loads the whole draft model)
             weight_bytes += host_weight_bytes(draft_config, draft_plan, None, share) * share.ranks
         check_weights_fit(_model_name(config), weight_bytes, available_memory_bytes(self.device), share)
+        check_recurrent_support(load_arch_config(config.model.model), config, parallel)  # (before any weight loads)
         model, self.arch = load_model(config.model.model, self.dtype, attn_backend, self.device, self.kernel_plan, parallel)
-        check_recurrent_support(self.arch, config, parallel)
         # The weights repacked once for the plan's CPU kernels (fused MLPs, packed linears).
         self.cpu_optimizations = self._optimize(model, self.kernel_plan)
         draft = None
