@@ -125,3 +125,39 @@ def test_non_gguf_file_is_refused(tmp_path: Path) -> None:
     checkpoint.write_bytes(b"")
     with pytest.raises(ValueError, match="not a .gguf"):
         resolve_model_path(str(checkpoint))
+
+
+def _lfm2_gguf(path: Path, kv_heads: object) -> str:
+    """An LFM2 file's metadata with ``head_count_kv`` as given (no tensors: the shape is read first)."""
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "lfm2")
+    for key, value in (("block_count", 4), ("embedding_length", 64), ("feed_forward_length", 256), ("vocab_size", 100),
+                       ("attention.head_count", 4), ("context_length", 512)):  # fmt: skip
+        writer.add_uint32(f"lfm2.{key}", value)
+    writer.add_float32("lfm2.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_head_count_kv(kv_heads)  # type: ignore[arg-type]
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+@pytest.mark.parametrize(("kv_heads", "words"), [
+    ([2] * 5000, "holds 5000 items, more than a model has layers"),  # huge
+    (2, "lists lfm2.attention.head_count_kv per layer"),  # wrong type: one number
+])  # fmt: skip
+def test_hostile_lfm2_layer_metadata_is_named(tmp_path: Path, kv_heads: object, words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        load_arch_config(_lfm2_gguf(tmp_path / "lfm2.gguf", kv_heads))
+
+
+def test_an_unknown_layer_type_is_named(tmp_path: Path, tiny_lfm2_path: str) -> None:
+    folder = tmp_path / "odd"
+    shutil.copytree(tiny_lfm2_path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["layer_types"] = ["conv", "mamba", "full_attention", "conv"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotImplementedError, match=r"layer types \['mamba'\] are not supported"):
+        load_arch_config(str(folder))
