@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pagellm.lora_request import LoRARequest
 from pagellm.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
@@ -18,6 +19,7 @@ __all__ = [
     "SamplingParams",
     "StructuredOutputsParams",
     "PoolingParams",
+    "LoRARequest",
     "BeamSearchParams",
     "BeamSearchOutput",
     "BeamSearchSequence",

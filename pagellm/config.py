@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from pagellm.lora_config import LoRAConfig
 from pagellm.pooler_config import PoolerConfig
 from pagellm.speculative_config import SpeculativeConfig
 from pagellm.utils import is_real, parse_memory_size
@@ -288,8 +289,11 @@ class EngineConfig:
     kernels: KernelConfig = field(default_factory=KernelConfig.from_env)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     pooler: PoolerConfig = field(default_factory=PoolerConfig)  # embeddings: what the flag sets (None: the model's)
+    lora: LoRAConfig | None = None  # None: no LoRA adapters (--enable-lora)
 
     def __post_init__(self) -> None:
+        if self.lora is not None:
+            self._check_lora()
         spec = self.speculative
         if spec is not None and spec.uses_draft_model:
             if self.device.pipeline_parallel_size > 1:
@@ -301,6 +305,15 @@ class EngineConfig:
                 raise ValueError("speculative method 'draft_model' under tensor parallelism runs on one node's "
                                  "processes only (not with --nnodes or the ray backend)")  # fmt: skip
             draft_model_config(self)  # its quantization checked here, once
+
+
+    def _check_lora(self) -> None:
+        """What LoRA adapters do not run with yet, refused by name."""
+        if self.device.pipeline_parallel_size > 1:
+            raise ValueError("--enable-lora with pipeline parallelism is not supported yet (use tensor or data "
+                             "parallelism)")  # fmt: skip
+        if self.speculative is not None:
+            raise ValueError("--enable-lora with speculative decoding is not supported yet")
 
 
 def draft_model_config(config: EngineConfig) -> ModelConfig:

@@ -32,6 +32,7 @@ from pagellm.config import (
     ModelConfig,
     SchedulerConfig,
 )
+from pagellm.lora_config import LoRAConfig
 from pagellm.model.default_model import DEFAULT_MODEL_NAME
 from pagellm.pooler_config import PoolerConfig
 from pagellm.speculative_config import SpeculativeConfig
@@ -81,6 +82,14 @@ class EngineArgs:
         'how /v1/embeddings and LLM.embed pool hidden states, a JSON object with vLLM\'s keys, e.g. \'{"pooling_type": '
         '"MEAN", "normalize": true}\' (docs/embeddings.md); default: the model\'s sentence-transformers files, else '
         'the last token, normalized'))
+    enable_lora: bool = field(default=False, metadata=_option(
+        "serve LoRA adapters over the model, mixed in one batch (docs/lora.md)", flag=True))
+    max_loras: int = field(default=1, metadata=_option(
+        "--enable-lora: most adapters one step mixes (each resident in its own weight buffers)", kind=int))
+    max_lora_rank: int = field(default=16, metadata=_option("--enable-lora: the largest adapter rank served", kind=int))
+    max_cpu_loras: int | None = field(default=None, metadata=_option(
+        "--enable-lora: adapters kept loaded in host memory, least recently used evicted (default: --max-loras)",
+        kind=int))
     max_num_seqs: int = field(default=128, metadata=_option("most sequences in one step", kind=int))
     max_num_batched_tokens: int = field(default=2048, metadata=_option("most tokens computed in one step", kind=int))
     scheduling_policy: str = field(default="fcfs", metadata=_option(
@@ -162,6 +171,7 @@ class EngineArgs:
             kernels=KernelConfig.from_env(isa=self.cpu_isa, cpu_kernels=self.cpu_kernels, gemm=self.gemm),
             speculative=SpeculativeConfig.parse(self.speculative_config),
             pooler=PoolerConfig.parse(self.pooler_config),
+            lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None,
         )  # fmt: skip
 
     @classmethod

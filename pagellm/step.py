@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagellm.lora_request import LoRARequest
 from pagellm.pooling_params import Pooling
 from pagellm.sampling_params import SamplingParams
 
@@ -23,6 +24,7 @@ class NewSequence:
     num_prompt_tokens: int
     sampling_params: SamplingParams
     pooling: Pooling | None = None  # an embedding request: pooled at its last prompt token, never sampled
+    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from pagellm.lora_request import LoRARequest
 from pagellm.pooling_params import Pooling
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.step import (
@@ -71,15 +72,17 @@ def _scheduled(data: list[Any]) -> ScheduledSequence:
 
 
 def _new(data: dict[str, Any]) -> NewSequence:
-    pooling = data.get("pooling")
+    pooling, lora = data.get("pooling"), data.get("lora")
     return NewSequence(str(data["seq_id"]), _ints(data["token_ids"]), _int(data["num_prompt_tokens"]),
-                       _params(data["sampling_params"]), None if pooling is None else Pooling(**pooling))  # fmt: skip
+                       _params(data["sampling_params"]), None if pooling is None else Pooling(**pooling),
+                       None if lora is None else LoRARequest(**lora))  # fmt: skip
 
 
 def _new_fields(n: NewSequence) -> dict[str, Any]:
     pooling = None if n.pooling is None else {f.name: getattr(n.pooling, f.name) for f in fields(n.pooling)}
+    lora = None if n.lora is None else {f.name: getattr(n.lora, f.name) for f in fields(n.lora)}
     return {"seq_id": n.seq_id, "token_ids": n.token_ids, "num_prompt_tokens": n.num_prompt_tokens,
-            "sampling_params": _params_fields(n.sampling_params), "pooling": pooling}  # fmt: skip
+            "sampling_params": _params_fields(n.sampling_params), "pooling": pooling, "lora": lora}  # fmt: skip
 
 
 def _forked(data: dict[str, Any]) -> ForkedSequence:

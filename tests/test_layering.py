@@ -50,7 +50,7 @@ LAYERS: tuple[Layer, ...] = (
             "pagellm.step", "pagellm.step_codec", "pagellm.outputs", "pagellm.sampling_params",
             "pagellm.structured_outputs_params", "pagellm.config", "pagellm.bounded_json",
             "pagellm.utils", "pagellm.metrics", "pagellm.kv_layout", "pagellm.speculative_config",
-            "pagellm.pooling_params", "pagellm.pooler_config",
+            "pagellm.pooling_params", "pagellm.pooler_config", "pagellm.lora_request", "pagellm.lora_config",
         ),
     ),
 )

@@ -107,7 +107,7 @@ class KVCacheManager:
         size = self.block_size
         for i in range(len(hashes), seq.num_tokens // size):
             parent = hashes[-1] if hashes else None
-            salt = seq.cache_salt if i == 0 else None
+            salt = seq.prefix_key if i == 0 else None
             hashes.append(hash_block_tokens(parent, seq.all_token_ids[i * size : (i + 1) * size], salt))
 
     def begin_step(self) -> None:

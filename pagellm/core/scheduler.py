@@ -68,8 +68,11 @@ class Scheduler:
         speculator: Speculator | None = None,
         policy: SchedulingPolicy = SchedulingPolicy(),
         state_slots: StateSlotPool | None = None,
+        max_loras: int = 0,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        # Most LoRA adapters the running sequences may use at once (the worker's slots; 0: no LoRA).
+        self.max_loras = max_loras
         self.state_slots = state_slots  # a hybrid model's recurrent-state slots (None: no recurrent layers)
         self.speculator = speculator  # None: no speculative decoding
         self.policy = policy
@@ -233,9 +236,14 @@ class Scheduler:
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSequence], seq_budget: int) -> int:
         """Move waiting requests to running while blocks, budget and max_num_seqs allow."""
         manager = self.kv_cache_manager
+        adapters = self._running_adapters()
+        skipped: list[Sequence] = []  # waiting for an adapter slot: those behind them go on
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(scheduled) < seq_budget):  # fmt: skip
             seq = self.waiting[0]
+            if not self._adapter_fits(seq, adapters):
+                skipped.append(self.waiting.popleft())
+                continue
             if self.state_slots is not None and self.state_slots.num_free < self._slots_needed(seq):
                 break  # (its samples' slots are taken with its own: their states are copied from it)
             # (a hybrid's blocks filled this step hold their states only once its forward ran)
@@ -257,7 +265,20 @@ class Scheduler:
             self._insert(self.running, seq)
             scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
+            adapters.add(seq.lora_id)
+        self.waiting.extendleft(reversed(skipped))
         return budget
+
+    def _running_adapters(self) -> set[int]:
+        """The LoRA adapters the running sequences use (0: the base model's, which takes no slot)."""
+        return {seq.lora_id for seq in self.running} if self.max_loras else set()
+
+    def _adapter_fits(self, seq: Sequence, adapters: set[int]) -> bool:
+        """Whether ``seq`` may run beside sequences using ``adapters``: its adapter is among
+        them, or a slot is left for it."""
+        if seq.lora is None or seq.lora_id in adapters:
+            return True
+        return len(adapters - {0}) < self.max_loras
 
     # ---- order ------------------------------------------------------------------
 
@@ -295,7 +316,8 @@ class Scheduler:
         head, manager, slots = self.waiting[0], self.kv_cache_manager, self.state_slots
         needed = manager.num_blocks_needed(head, min(head.num_tokens, self.max_num_batched_tokens))
         while (len(self.running) >= self.max_num_seqs or manager.num_free_blocks < needed
-               or (slots is not None and slots.num_free < self._slots_needed(head))):  # fmt: skip
+               or (slots is not None and slots.num_free < self._slots_needed(head))
+               or not self._adapter_fits(head, self._running_adapters())):  # fmt: skip
             victims = [r for r in self.running if r.seq_id not in in_flight]
             if not victims or self.order_key(victims[-1]) <= self.order_key(head):
                 return
@@ -372,7 +394,7 @@ class Scheduler:
         new_tokens: list[int] = []
         if seq.num_tokens_sent == 0:
             self._new_sequences.append(NewSequence(seq.seq_id, list(seq.all_token_ids), seq.num_prompt_tokens,
-                                                   seq.sampling_params, seq.pooling))  # fmt: skip
+                                                   seq.sampling_params, seq.pooling, seq.lora))  # fmt: skip
         elif seq.num_tokens_sent < seq.num_tokens:
             new_tokens = seq.all_token_ids[seq.num_tokens_sent :]
         seq.num_tokens_sent = seq.num_tokens
@@ -450,6 +472,7 @@ class Scheduler:
             # (a fork is copied before the step's finished rows go: its id must be a fresh one)
             raise ValueError(f"sequence id {child.seq_id!r} is already in use")
         child.prompt_token_ids = parent.prompt_token_ids
+        child.lora = parent.lora
         child.output_token_ids = list(parent.output_token_ids)
         child.all_token_ids = list(parent.all_token_ids)
         self.kv_cache_manager.fork(parent, child)

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pagellm.lora_request import LoRARequest
 from pagellm.pooling_params import Pooling
 from pagellm.sampling_params import SamplingParams
 
@@ -85,9 +86,25 @@ class Sequence:
     # worker has been told it (sent with the step that first schedules it after each admission).
     state_slot: int | None = None
     state_slot_sent: bool = False
+    # The LoRA adapter it runs with (None: the base model); its KV is its own (the prefix cache
+    # keys its blocks by the adapter too).
+    lora: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def lora_id(self) -> int:
+        """Its adapter's id (0: the base model)."""
+        return 0 if self.lora is None else self.lora.lora_int_id
+
+    @property
+    def prefix_key(self) -> str | None:
+        """What its first block's prefix-cache key mixes in besides tokens: its tenant's salt
+        and its adapter (blocks of different adapters hold different K/V for the same tokens)."""
+        if self.lora is None:
+            return self.cache_salt
+        return self.lora.cache_key if self.cache_salt is None else f"{self.cache_salt}\x00{self.lora.cache_key}"
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -56,6 +56,7 @@ from pagellm.engine.protocol import (
 from pagellm.engine.request_latency import NoMetrics, RequestLatency, RequestTiming
 from pagellm.engine.request_stream import Channel, Deliveries, RequestStream, StreamItem, post_error
 from pagellm.engine.snapshot_call import SnapshotCall
+from pagellm.lora_request import LoRARequest
 from pagellm.outputs import RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
@@ -253,9 +254,11 @@ class AsyncLLMEngine:
         stream: bool = True,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """``submit_all`` for one request."""
-        request = EngineRequest(request_id, prompt_token_ids, params, prompt, cache_salt, stream, priority=priority)
+        request = EngineRequest(request_id, prompt_token_ids, params, prompt, cache_salt, stream, priority=priority,
+                                lora_request=lora_request)  # fmt: skip
         return self.submit_all([request])[0]
 
     def submit_all(self, requests: list[EngineRequest]) -> list[RequestStream]:
@@ -286,10 +289,11 @@ class AsyncLLMEngine:
         stream: bool = True,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """``submit`` on first iteration: the async-generator form (errors arrive while iterating)."""
         outputs = self.submit(prompt_token_ids, params, request_id, prompt, stream=stream, cache_salt=cache_salt,
-                              priority=priority)  # fmt: skip
+                              priority=priority, lora_request=lora_request)  # fmt: skip
         try:
             async for output in outputs:
                 yield output

@@ -24,9 +24,11 @@ from pagellm.core.state_slots import StateSlotPool
 from pagellm.engine.beam_controller import BeamSearchController
 from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.engine.input_processor import InputProcessor, PromptType
+from pagellm.engine.lora_registry import LoRARegistry
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.protocol import EngineRequest, EngineStats
 from pagellm.engine.sequence_ids import request_of, sequence_id
+from pagellm.lora_request import LoRARequest
 from pagellm.model.loader import load_arch_config
 from pagellm.model.tokenizer import load_tokenizer
 from pagellm.model.pooler_defaults import resolve_pooler
@@ -71,7 +73,9 @@ class LLMEngine:
             None if config.speculative is None else Speculator(config.speculative, draft_max_len(config)),
             SchedulingPolicy.of(config.scheduler),
             StateSlotPool(config.scheduler.max_num_seqs) if arch.recurrent_layers else None,
+            config.lora.max_loras if config.lora is not None else 0,
         )
+        self.loras = LoRARegistry(config.lora, arch)
         self.input_processor = InputProcessor(
             self.tokenizer, arch.vocab_size, self.executor.max_model_len, config.limits, config.scheduler.max_num_seqs,
             config.scheduler.scheduling_policy, resolve_pooler(config.model.model, config.pooler), arch.hidden_size,
@@ -128,12 +132,13 @@ class LLMEngine:
         return str(next(self._request_counter))
 
     def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams, stream: bool = False
+        self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams, stream: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Tokenize, validate and queue a prompt; raises ValueError on bad input (nothing is queued then)."""
         processed = self.input_processor.process_prompt(prompt, generates=not isinstance(params, PoolingParams))
         request = EngineRequest(request_id, processed.prompt_token_ids, params, processed.prompt,
-                                processed.cache_salt, stream)  # fmt: skip
+                                processed.cache_salt, stream, lora_request=lora_request)  # fmt: skip
         self.add_engine_request(request)
 
     def add_requests(self, requests: list[EngineRequest]) -> list[ValueError | None]:
@@ -155,11 +160,13 @@ class LLMEngine:
         if not request.params_checked:
             self.input_processor.check_params(request.params)
         self.input_processor.check_priority(request.priority)
+        self.loras.check(request.lora_request)
         if isinstance(request.params, PoolingParams):
             self._add_pooling(request, request.params)
         elif isinstance(request.params, BeamSearchParams):
             max_tokens = min(request.params.max_tokens, self.max_model_len - len(request.prompt_token_ids))
             first = self.beams.add(request, request.params, max_tokens)
+            first.lora = request.lora_request  # (each beam forked from it runs with it too)
             if request.params.structured_outputs is not None:  # every beam waits for the grammar
                 self.structured_output.submit(request.request_id, first.seq_id, request.params.structured_outputs,
                                               (first, []))  # fmt: skip
@@ -189,6 +196,7 @@ class LLMEngine:
                 arrival_time=arrival_time,
                 cache_salt=request.cache_salt,
                 priority=request.priority,
+                lora=request.lora_request,
             )
             for i, seq_id in enumerate(seq_ids)
         ]
@@ -210,6 +218,7 @@ class LLMEngine:
         self.scheduler.add_sequence(Sequence(
             seq_id, request.prompt_token_ids, POOLING_SAMPLING, max_tokens=1, eos_token_ids=self.executor.eos_token_ids,
             arrival_time=arrival_time, cache_salt=request.cache_salt, priority=request.priority, pooling=pooling,
+            lora=request.lora_request,
         ))  # fmt: skip
 
     @staticmethod

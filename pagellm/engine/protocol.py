@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from pagellm.core.kv_snapshot import KVSnapshot, SequenceView  # noqa: F401 -- re-exported
 from pagellm.engine.beam_search import BeamSearchParams
+from pagellm.lora_request import LoRARequest
 from pagellm.outputs import RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
@@ -62,6 +63,7 @@ class EngineRequest:
     params_checked: bool = False
     # The engine's --scheduling-policy priority serves lower values first (vLLM's); 0 otherwise.
     priority: int = 0
+    lora_request: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 @dataclass

@@ -38,6 +38,15 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         help="name(s) clients use for the model; the first one is reported in responses",
     )
     group.add_argument(
+        "--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+        help="LoRA adapters to serve (needs --enable-lora): name=path of a PEFT folder, or a JSON object with "
+        "name, path and base_model_name; a request picks one by its model",
+    )
+    group.add_argument(
+        "--allow-runtime-lora-updating", action="store_true",
+        help="add /v1/load_lora_adapter and /v1/unload_lora_adapter (they read folders of this machine)",
+    )
+    group.add_argument(
         "--api-key", default=None,
         help=f"require 'Authorization: Bearer KEY' on the API routes; better: set {API_KEY_ENV} instead, "
         "which other users cannot see in the process list",
@@ -144,9 +153,11 @@ def _serve(args: argparse.Namespace) -> int:
     from pagellm.engine.engine_process import EngineProcess
     from pagellm.engine.llm_engine import LLMEngine
     from pagellm.entrypoints.openai.api_server import ServerSettings, run_server
+    from pagellm.entrypoints.openai.serving_models import LoRAModule, adapter_check
     from pagellm.entrypoints.openai.structured_outputs import enable_in_reasoning
     from pagellm.utils import parse_memory_size
 
+    config = EngineArgs.from_cli_args(args).create_engine_config()
     settings = ServerSettings(
         served_model_names=args.served_model_name or [args.model or DEFAULT_MODEL_NAME],
         api_key=_api_key(args.api_key),
@@ -158,10 +169,12 @@ def _serve(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
         structured_outputs_in_reasoning=enable_in_reasoning(args.structured_outputs_config),
         enable_ui=args.ui,
+        lora_modules=[LoRAModule.parse(text) for text in args.lora_modules],
+        lora_check=None if config.lora is None else adapter_check(config),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     if args.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
-    config = EngineArgs.from_cli_args(args).create_engine_config()
     if config.device.node_rank > 0:
         return _serve_headless_node(config)
     if config.device.nnodes > 1 and args.data_parallel_size != 1:

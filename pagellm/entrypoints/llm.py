@@ -13,12 +13,14 @@ from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.protocol import EngineRequest
 from pagellm.engine_args import EngineArgs
 from pagellm.entrypoints.openai.tool_calls.prompt import template_renders_tools, write_tools_in
+from pagellm.lora_request import LoRARequest
 from pagellm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
 P = TypeVar("P", SamplingParams, PoolingParams)
+LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None  # one adapter for every prompt, or one each
 
 
 class LLM:
@@ -42,12 +44,14 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRAArg = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order. ``priority``: one
-        per prompt, lower first (needs ``scheduling_policy="priority"``)."""
+        per prompt, lower first (needs ``scheduling_policy="priority"``); ``lora_request``: the
+        LoRA adapter of every prompt, or one each (None: the base model; needs ``enable_lora``)."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast_params(sampling_params, len(prompt_list), SamplingParams)
-        request_ids = self._add_requests(prompt_list, params_list, priority)
+        request_ids = self._add_requests(prompt_list, params_list, priority, lora_request)
         return self._run(request_ids, use_tqdm)
 
     def embed(
@@ -56,13 +60,14 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRAArg = None,
     ) -> list[EmbeddingRequestOutput]:
         """One vector per prompt, in input order, pooled as the model (or ``pooler_config``)
         says: each prompt is computed through the same scheduler as generation, then pooled
         (docs/embeddings.md). A request the engine failed raises RuntimeError."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast_params(pooling_params, len(prompt_list), PoolingParams)
-        outputs = self._run(self._add_requests(prompt_list, params_list, priority), use_tqdm)
+        outputs = self._run(self._add_requests(prompt_list, params_list, priority, lora_request), use_tqdm)
         results = []
         for output in outputs:
             if output.embedding is None:
@@ -81,6 +86,7 @@ class LLM:
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRAArg = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate.
 
@@ -103,13 +109,14 @@ class LLM:
                 conv = write_tools_in(list(conv), functions)
             ids = processor.apply_chat_template(conv, add_generation_prompt, continue_final_message, chat_template, **kwargs)
             prompts.append({"prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def beam_search(
         self,
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
         use_tqdm: bool = True,
+        lora_request: LoRAArg = None,
     ) -> list[BeamSearchOutput]:
         """Beam search per prompt, in the engine: beams share KV blocks and fork at every split.
 
@@ -117,10 +124,14 @@ class LLM:
         """
         engine = self.llm_engine
         processed = [engine.input_processor.process_prompt(p) for p in _as_prompt_list(prompts)]
+        loras = _broadcast_loras(lora_request, len(processed))
+        for lora in loras:
+            engine.loras.check(lora)
         request_ids = []
-        for item in processed:
+        for item, lora in zip(processed, loras):
             request_id = engine.new_request_id()
-            engine.add_engine_request(EngineRequest(request_id, item.prompt_token_ids, params, item.prompt))
+            engine.add_engine_request(EngineRequest(request_id, item.prompt_token_ids, params, item.prompt,
+                                                    lora_request=lora))  # fmt: skip
             request_ids.append(request_id)
         results = self._run(request_ids, use_tqdm)
         return [
@@ -140,9 +151,10 @@ class LLM:
 
     def _add_requests(
         self, prompts: list[PromptType], params: Sequence[SamplingParams | PoolingParams],
-        priority: Sequence[int] | None = None,
+        priority: Sequence[int] | None = None, lora_request: LoRAArg = None,
     ) -> list[str]:
-        """Queue one request per prompt (``priority``: one per prompt, lower first)."""
+        """Queue one request per prompt (``priority``: one per prompt, lower first; ``lora_request``:
+        one adapter for all, or one per prompt)."""
         engine = self.llm_engine
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority holds {len(priority)} values for {len(prompts)} prompts")
@@ -151,11 +163,14 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         for value in priorities:
             engine.input_processor.check_priority(value)
+        loras = _broadcast_loras(lora_request, len(prompts))
+        for lora in loras:
+            engine.loras.check(lora)
         request_ids = []
-        for item, p, value in zip(processed, params, priorities):
+        for item, p, value, lora in zip(processed, params, priorities, loras):
             request_id = engine.new_request_id()
             engine.add_engine_request(EngineRequest(request_id, item.prompt_token_ids, p, item.prompt, item.cache_salt,
-                                                    stream=False, priority=value))  # fmt: skip
+                                                    stream=False, priority=value, lora_request=lora))  # fmt: skip
             request_ids.append(request_id)
         return request_ids
 
@@ -196,3 +211,13 @@ def _broadcast_params(params: P | Sequence[P] | None, num_prompts: int, kind: ty
     if len(params_list) != num_prompts:
         raise ValueError(f"got {len(params_list)} {kind.__name__} for {num_prompts} prompts; pass one or one each")
     return params_list
+
+
+def _broadcast_loras(lora_request: LoRAArg, num_prompts: int) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt: the one given for all, or one each as given."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(f"got {len(loras)} lora requests for {num_prompts} prompts; pass one or one each")
+    return loras

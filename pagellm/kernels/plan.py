@@ -61,6 +61,9 @@ class KernelPlan:
     # "fused": the decoder layers in one C++ call (quantized weights or pagellm's dense GEMMs,
     # cpu_paged attention, kernel norm and rotary); "layers": module by module.
     decoder: str = "layers"
+    # LoRA adapters add to linears' outputs (--enable-lora): the MLP's gate/up stay apart from
+    # its activation, and a step with adapters runs the layers one by one.
+    lora: bool = False
     kernels: KernelLibrary | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -125,6 +128,7 @@ class KernelPlan:
             "quant_max_rows": "none" if self.quant_max_rows is None else str(self.quant_max_rows),
             "quant_large": "none" if self.quant_max_rows is None else self.quant_large,
             "decoder": self.decoder,
+            **({"lora": "on"} if self.lora else {}),
         }
 
     def describe(self) -> str:

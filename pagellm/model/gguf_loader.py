@@ -322,7 +322,7 @@ def arch_config_from_gguf(reader: GGUFFile | _ReaderAdapter) -> ModelArchConfig:
     config.update(hf_config(prefix, meta))
     if prefix == "glm4":  # its q/k/v bias is in the tensors (the config's attention_bias)
         config["attention_bias"] = any(t.name == "blk.0.attn_q.bias" for t in reader.tensors)
-    factors = {ROPE_FACTOR_TENSORS[t.name]: _dequantized(reader, t).tolist() for t in reader.tensors if t.name in ROPE_FACTOR_TENSORS}
+    factors = {ROPE_FACTOR_TENSORS[t.name]: dequantized_tensor(reader, t).tolist() for t in reader.tensors if t.name in ROPE_FACTOR_TENSORS}
     if factors:  # Phi-3 LongRoPE (its attention factor follows from the two context lengths, as HF's)
         config["rope_scaling"] = {"rope_type": "longrope", **factors,
                                   "original_max_position_embeddings": config["original_max_position_embeddings"]}
@@ -339,7 +339,7 @@ def gguf_chat_template(path: str) -> str | None:
     return read_metadata(open_gguf(path), "tokenizer.chat_template", None)
 
 
-def _dequantized(reader: GGUFFile | _ReaderAdapter, tensor: Any) -> torch.Tensor:
+def dequantized_tensor(reader: GGUFFile | _ReaderAdapter, tensor: Any) -> torch.Tensor:
     """One GGUF tensor as a float32 torch tensor in HF shape (GGUF lists dims reversed): the
     types the integer GEMM keeps through their blocks (torch ops, bit-identical to gguf-py's
     numpy path: the same float32 products and sums, and several times faster), others through
@@ -393,7 +393,7 @@ def iter_gguf_weights(
         if blocks is not None:
             yield from hf_tensors(name, blocks, gguf_arch, heads)
             continue
-        weight = _dequantized(reader, tensor)
+        weight = dequantized_tensor(reader, tensor)
         # Float32 as dequantized: the copy into the model's parameter casts to its dtype in the
         # same pass (``dtype`` only matters to callers that keep the tensors themselves).
         weight = weight if dtype == torch.float32 or keep_float32 else weight.to(dtype)

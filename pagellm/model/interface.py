@@ -13,6 +13,7 @@ import torch
 
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.kernels.plan import KernelPlan
+from pagellm.model.lora import LoRAStep
 from pagellm.model.step_route import StepRoute
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (key_cache, value_cache)
@@ -23,10 +24,11 @@ class CausalLM(Protocol):
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-        attn_metadata: AttentionMetadata, stream: torch.Tensor | None = None,
+        attn_metadata: AttentionMetadata, stream: torch.Tensor | None = None, lora: LoRAStep | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states ``[T, hidden]`` for a flat batch of ``T`` tokens (a
-        pipeline stage: from and to the residual ``stream`` between stages)."""
+        pipeline stage: from and to the residual ``stream`` between stages); ``lora``: the
+        adapters of the rows that run with one."""
 
     @property
     def last_route(self) -> StepRoute | None:

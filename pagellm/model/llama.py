@@ -30,6 +30,7 @@ from pagellm.model.cpu_linear import pack_linear_layers
 from pagellm.model.fused_stack import FusedDecoderStack
 from pagellm.model.layer_spec import LayerSpec, layer_specs
 from pagellm.model.layers import RotaryEmbedding, apply_rotary, apply_rotary_, make_rms_norm
+from pagellm.model.lora import LoRAStep
 from pagellm.model.mlp import LlamaMLP
 from pagellm.model.moe import SparseMoeBlock
 from pagellm.model.quant_embedding import QuantizedEmbedding, embedding_for_plan
@@ -117,9 +118,12 @@ class LlamaAttention(nn.Module):
         sin: torch.Tensor,
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
+        lora: LoRAStep | None = None,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        if lora is not None:
+            lora.add_(qkv, hidden, self.spec.index, "qkv_proj")
         spec, q_end, k_end = self.spec, self.q_size, self.q_size + self.kv_size
         if self.q_norm is not None and self.k_norm is not None and spec.qk_norm_over_projection:
             qkv[:, :q_end] = self.q_norm(qkv[:, :q_end].contiguous())
@@ -140,7 +144,10 @@ class LlamaAttention(nn.Module):
         key_cache, value_cache = kv_cache
         out = self.attn_backend.forward(q, k, v, key_cache, value_cache, attn_metadata, spec.scale, spec.window,
                                         spec.softcap, self.sinks)  # fmt: skip
-        out = self.o_proj(out.reshape(num_tokens, self.q_size))
+        attended = out.reshape(num_tokens, self.q_size)
+        out = self.o_proj(attended)
+        if lora is not None:
+            lora.add_(out, attended, self.spec.index, "o_proj")
         return out if self.tp is None else self.tp.all_reduce_(out)
 
 
@@ -179,45 +186,55 @@ class LlamaDecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_cache: LayerCache,
         attn_metadata: AttentionMetadata,
+        lora: LoRAStep | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(block output, residual stream)``; the residual add happens inside the next norm."""
+        """``(block output, residual stream)``; the residual add happens inside the next norm.
+        ``lora``: the step's adapters, added to the projections of the rows that have one."""
         if self.post_feedforward_layernorm is not None:
-            return self._sandwich(hidden, residual, cos, sin, kv_cache, attn_metadata)
+            return self._sandwich(hidden, residual, cos, sin, kv_cache, attn_metadata, lora)
         assert self.input_layernorm is not None
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self._mix(hidden, cos, sin, kv_cache, attn_metadata)
+        hidden = self._mix(hidden, cos, sin, kv_cache, attn_metadata, lora)
         multiplier = self.spec.residual_multiplier  # Granite: each block's output scaled
         if multiplier != 1.0:
             hidden = hidden * multiplier
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        out = self.mlp(hidden)
+        out = self._feed_forward(hidden, lora)
         return (out * multiplier if multiplier != 1.0 else out), residual
 
     def _mix(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache, metadata: AttentionMetadata
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache, metadata: AttentionMetadata,
+        lora: LoRAStep | None,
     ) -> torch.Tensor:
         """The block that mixes tokens: attention over the K/V pair, or the convolution over its state."""
         if self.spec.recurrent:  # (its cache: worker/kv_cache.py with_recurrent_states)
             return self.conv(hidden, cast(ConvState, cache), metadata)
-        return self.self_attn(hidden, cos, sin, cast(KVCache, cache), metadata)
+        return self.self_attn(hidden, cos, sin, cast(KVCache, cache), metadata, lora)
+
+    def _feed_forward(self, hidden: torch.Tensor, lora: LoRAStep | None) -> torch.Tensor:
+        """The MLP (adapters add to a dense one's projections), or the mixture of experts."""
+        if lora is None or self.spec.moe:
+            return self.mlp(hidden)
+        return self.mlp(hidden, lora, self.spec.index)
 
     def _sandwich(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-        kv_cache: LayerCache, attn_metadata: AttentionMetadata,
+        kv_cache: LayerCache, attn_metadata: AttentionMetadata, lora: LoRAStep | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gemma's order: each block's output normed before its residual add (OLMo 2: and no norm
         before a block)."""
         assert self.post_feedforward_layernorm is not None
         residual = hidden if residual is None else hidden + residual
         normed = self.input_layernorm(residual) if self.input_layernorm is not None else residual
-        attended = self._mix(normed, cos, sin, kv_cache, attn_metadata)
+        attended = self._mix(normed, cos, sin, kv_cache, attn_metadata, lora)
         residual = residual + self.post_attention_layernorm(attended)
         pre = self.pre_feedforward_layernorm
-        return self.post_feedforward_layernorm(self.mlp(pre(residual) if pre is not None else residual)), residual
+        out = self._feed_forward(pre(residual) if pre is not None else residual, lora)
+        return self.post_feedforward_layernorm(out), residual
 
 
 class LlamaModel(nn.Module):
@@ -299,10 +316,13 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[LayerCache],
         attn_metadata: AttentionMetadata,
         stream: torch.Tensor | None = None,
+        lora: LoRAStep | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states ``[T, hidden]`` for a flat batch of ``T`` tokens; under
         pipeline parallelism a stage after the first starts from the previous stage's residual
-        ``stream`` instead of the token ids, and a stage before the last returns its own."""
+        ``stream`` instead of the token ids, and a stage before the last returns its own.
+        ``lora``: the adapters of the step's rows (None: none has one); such a step runs the
+        layers one by one (the fused stack has no adapters)."""
         layers = self.model.own_layers
         if len(kv_caches) != len(layers):
             raise ValueError(f"expected {len(layers)} KV cache pairs, got {len(kv_caches)}")
@@ -318,7 +338,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.model.rotary_emb(positions, hidden.dtype, seq_lens)
         local_rotary = self.model.local_rotary_emb
         local = local_rotary(positions, hidden.dtype) if local_rotary is not None else (cos, sin)
-        stack = self._decoder_stack()
+        stack = self._decoder_stack() if lora is None else None
         route = self._route(hidden, kv_caches, attn_metadata, stack)
         if stack is not None and route.decoder == "fused":
             hidden, residual = stack(hidden, cos, sin, kv_caches, stack.layer_args(route.big_batch), attn_metadata)
@@ -326,7 +346,7 @@ class LlamaForCausalLM(nn.Module):
             residual = None
             for layer, kv_cache in zip(layers, kv_caches):
                 rope = local if layer.spec.local_rope else (cos, sin)
-                hidden, residual = layer(hidden, residual, *rope, kv_cache, attn_metadata)
+                hidden, residual = layer(hidden, residual, *rope, kv_cache, attn_metadata, lora)
         if self.pp is not None and not self.pp.is_last:
             return hidden if residual is None else hidden + residual  # what the next layer's norm adds first
         hidden, _ = self.model.norm(hidden, residual)

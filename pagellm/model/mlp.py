@@ -11,6 +11,7 @@ from pagellm.kernels.plan import KernelPlan
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.cpu_linear import fuse_silu_and_mul
 from pagellm.model.layers import GATED_ACTIVATIONS, ClampedSwiGLU
+from pagellm.model.lora import LoRAStep
 from pagellm.model.quant_linear import linear_for_plan, quantized_plan
 
 
@@ -26,8 +27,10 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = arch.intermediate_size
         # The kernels fuse SiLU-and-mul only (gpt-oss's clamped SwiGLU is another activation).
         self.silu = arch.hidden_act == "silu" and arch.swiglu_limit is None
-        # Quantized: SiLU-and-mul runs in the integer GEMM's epilogue (bias-free MLPs).
-        fused = quantized_plan(plan) and not arch.mlp_bias and self.silu
+        # Quantized: SiLU-and-mul runs in the integer GEMM's epilogue (bias-free MLPs); never
+        # where adapters add to gate and up before the activation (``plan.lora``).
+        self.lora = plan is not None and plan.lora
+        fused = quantized_plan(plan) and not arch.mlp_bias and self.silu and not self.lora
         self.gate_up_proj = linear_for_plan(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias, plan, fused)
         self.act: nn.Module = (
             nn.Identity() if fused
@@ -41,14 +44,24 @@ class LlamaMLP(nn.Module):
         size = self.intermediate_size
         return {"gate": slice(0, size), "up": slice(size, 2 * size)}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, lora: LoRAStep | None = None, layer: int = 0) -> torch.Tensor:
+        """``lora``: the step's adapters, added to gate/up and down of the rows that have one
+        (this MLP being layer ``layer``'s)."""
+        if lora is None:
+            out = self.down_proj(self.act(self.gate_up_proj(x)))
+            return out if self.tp is None else self.tp.all_reduce_(out)
+        gate_up = self.gate_up_proj(x)
+        lora.add_(gate_up, x, layer, "gate_up_proj")
+        hidden = self.act(gate_up)
+        out = self.down_proj(hidden)
+        lora.add_(out, hidden, layer, "down_proj")
         return out if self.tp is None else self.tp.all_reduce_(out)
 
     def fuse_for_cpu(self, plan: KernelPlan, verify: bool = True) -> bool:
         """Swap gate_up + SiluAndMul for one fused packed module (bf16/fp16 on CPU); True if done
-        (never for another activation: the GEMM's epilogue is SiLU's)."""
-        fused = fuse_silu_and_mul(self.gate_up_proj, self.intermediate_size, plan, verify) if self.silu else None
+        (never for another activation: the GEMM's epilogue is SiLU's; nor where adapters add to
+        gate and up)."""
+        fused = fuse_silu_and_mul(self.gate_up_proj, self.intermediate_size, plan, verify) if self.silu and not self.lora else None
         if fused is None:
             return False
         self.gate_up_proj, self.act = fused, nn.Identity()

@@ -41,6 +41,9 @@ class InputBatch:
         # any row has one, so that only a hybrid model's steps read them.
         self.state_slot = np.full(rows, -1, dtype=np.int64)
         self.uses_states = False
+        # The LoRA adapter id each row runs with (0: the base model); ``uses_lora`` once any has one.
+        self.lora_id = np.zeros(rows, dtype=np.int64)
+        self.uses_lora = False
         self.params: list[SamplingParams] = []
         self.generators: list[torch.Generator | None] = []
 
@@ -74,6 +77,9 @@ class InputBatch:
         self._set_tokens(row, 0, new.token_ids)
         self.num_prompt_tokens[row] = new.num_prompt_tokens
         self.num_blocks[row] = 0
+        if new.lora is not None:
+            self.lora_id[row] = new.lora.lora_int_id
+            self.uses_lora = True
 
     def remove(self, seq_id: str) -> None:
         """Drop a finished sequence's row; the last row moves into its place."""
@@ -87,7 +93,7 @@ class InputBatch:
             self.token_ids[row, :n] = self.token_ids[last, :n]
             self.block_table[row, :b] = self.block_table[last, :b]
             for array in (self.num_tokens, self.num_prompt_tokens, self.num_blocks, self.num_draft_computed,
-                          self.state_slot):  # fmt: skip
+                          self.state_slot, self.lora_id):  # fmt: skip
                 array[row] = array[last]
             self.params[row] = self.params[last]
             self.generators[row] = self.generators[last]
@@ -105,6 +111,7 @@ class InputBatch:
         self.num_tokens[row] = n
         self.num_prompt_tokens[row] = self.num_prompt_tokens[parent]
         self.num_draft_computed[row] = self.num_draft_computed[parent]  # the same blocks (copied on write)
+        self.lora_id[row] = self.lora_id[parent]
 
     def _update(self, item: ScheduledSequence) -> None:
         """Checked first, so a step that does not match the row changes nothing of it."""
@@ -150,6 +157,7 @@ class InputBatch:
         self.num_blocks[row] = 0
         self.num_draft_computed[row] = 0
         self.state_slot[row] = -1
+        self.lora_id[row] = 0
         return row
 
     def reserve_tokens(self, end: int) -> None:
@@ -178,6 +186,7 @@ class InputBatch:
         self.num_blocks = _grown(self.num_blocks, rows=rows)
         self.num_draft_computed = _grown(self.num_draft_computed, rows=rows)
         self.state_slot = _grown(self.state_slot, rows=rows)
+        self.lora_id = _grown(self.lora_id, rows=rows)
 
     # ---- what a step reads -------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from pagellm.attention.backend import AttentionMetadata
 from pagellm.distributed.pipeline import PipelineLink, micro_batches
 from pagellm.kernels.plan import KernelPlan
 from pagellm.model.interface import CausalLM
+from pagellm.model.lora import LoRAStep
 from pagellm.sample.grammar_mask import apply_token_bitmask
 from pagellm.sample.rejection import accepted_prefix, verify_in_context
 from pagellm.sample.sampler import (
@@ -33,6 +34,7 @@ from pagellm.worker.drafter import Drafter
 from pagellm.worker.flat_batch import FlatLayout, flat_inputs
 from pagellm.worker.input_batch import InputBatch
 from pagellm.worker.kv_cache import KVCache, copy_blocks, copy_states, load_states
+from pagellm.worker.lora_manager import LoRAManager
 from pagellm.worker.pooler import PoolChunk, Pooler
 
 
@@ -68,8 +70,10 @@ class ModelRunner:
         link: PipelineLink | None = None,
         micro_batches: int = 1,
         drafter: Drafter | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora  # LoRA adapters (--enable-lora): which rows run with which
         self.drafter = drafter  # a draft model proposing the drafts the scheduler reserved
         self.kernel_plan = plan  # (read by benchmarks: the decode floor reads with its library)
         # False on all ranks but one where there are several: tensor-parallel ranks other than 0
@@ -96,6 +100,10 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         self.batch.apply(scheduler_output)
         self.pooler.apply(scheduler_output)
+        if self.lora is not None:
+            for new in scheduler_output.new_sequences:
+                if new.lora is not None:
+                    self.lora.register(new.lora)
         copy_blocks(self.kv_cache, scheduler_output.block_copies)
         # Copies first: they were queued when the last step ended, and a slot they read or write
         # may have been given since to a request that loads its state now.
@@ -110,8 +118,12 @@ class ModelRunner:
             scheduled = scheduler_output.scheduled
             if self.drafter is not None:
                 scheduled = self.drafter.propose(self.batch, scheduled, output)
+            if self.lora is not None and self.batch.uses_lora:  # each adapter's rows side by side: a slice each
+                ids = self.batch.lora_id
+                scheduled = sorted(scheduled, key=lambda item: int(ids[self.batch.row_of[item.seq_id]]))
             inputs = self.prepare_inputs(scheduled)
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata)
+            lora = self._lora_step(scheduled, output)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata, lora=lora)
             if self.samples:
                 self._outputs(hidden, inputs, grammar, output)
             output.route = self._route()
@@ -119,6 +131,23 @@ class ModelRunner:
         self._execute_stage(self.link, scheduler_output.scheduled, grammar, output)
         output.route = self._route()
         return output
+
+    def _lora_step(self, scheduled: list[ScheduledSequence], output: ModelRunnerOutput) -> LoRAStep | None:
+        """The step's rows grouped by adapter (None: none runs with one); a sequence whose adapter
+        could not be loaded runs the base model and fails alone."""
+        if self.lora is None or not self.batch.uses_lora:
+            return None
+        ids = self.batch.lora_id[self.batch.rows([item.seq_id for item in scheduled])]
+        query_lens = np.fromiter((item.num_tokens for item in scheduled), np.int64, len(scheduled))
+        lora, failed = self.lora.step(ids, query_lens)
+        if failed:
+            for item, lora_id in zip(scheduled, ids.tolist()):
+                if lora_id in failed:
+                    output.failed[item.seq_id] = f"LoRA adapter {lora_id} could not be loaded: {failed[lora_id]}"
+        if len(self.batch) == 0 or not self.batch.lora_id[: len(self.batch)].any():
+            self.batch.uses_lora = False
+        self.lora.forget(set(self.batch.lora_id[: len(self.batch)].tolist()))
+        return lora
 
     def _route(self) -> str:
         """What this rank's last forward ran (a pipeline stage: its own layers' last micro-batch)."""

@@ -45,6 +45,7 @@ from pagellm.worker.kv_cache import (
     with_recurrent_states,
 )
 from pagellm.worker.drafter import Drafter
+from pagellm.worker.lora_manager import LoRAManager
 from pagellm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,8 @@ def engine_kernel_plan(config: EngineConfig, device: torch.device) -> KernelPlan
         )
 
     weights = requested_weights(config.model)
-    return plan_kernels(config.kernels, device, config.device.attention_backend, choose_dtype, weights)
+    plan = plan_kernels(config.kernels, device, config.device.attention_backend, choose_dtype, weights)
+    return dataclasses.replace(plan, lora=config.lora is not None)
 
 
 def engine_dtype(dtype: str | torch.dtype, model: str | None, device: torch.device) -> torch.dtype:
@@ -196,6 +198,9 @@ class Worker:
         draft = None
         if draft_config is not None and draft_plan is not None:
             draft = self._load_draft(draft_config, draft_plan)
+        # The adapters' slots, allocated before the KV pool is sized from the memory left.
+        lora = None if config.lora is None else LoRAManager(config.lora, self.arch, self.dtype, self.device,
+                                                            parallel.tp if parallel is not None else None)  # fmt: skip
         # The ids that end a sequence (min_tokens masks them while sampling): the model's and the tokenizer's.
         extra = () if tokenizer_eos_token_id is None else (tokenizer_eos_token_id,)
         self.eos_token_ids = frozenset((*self.arch.eos_token_ids, *extra))
@@ -230,6 +235,7 @@ class Worker:
         self.model_runner = ModelRunner(
             model, kv_cache, self.block_size, self.device, sorted(self.eos_token_ids), self.kernel_plan,
             samples=parallel is None or parallel.samples, link=link, micro_batches=micro_batches, drafter=drafter,
+            lora=lora,
         )
 
     def _optimize(self, model: CausalLM, plan: KernelPlan) -> dict[str, int]:

@@ -27,6 +27,7 @@ from pagellm.step import (
     ScheduledSequence,
     SchedulerOutput,
 )
+from pagellm.lora_request import LoRARequest
 from pagellm.step_codec import CodecError, decode_output, decode_step, encode_output, encode_step
 from pagellm.worker.errors import DeadRankError
 from tests.helpers.engine import assert_same_outputs
@@ -60,7 +61,8 @@ def test_the_step_codec_round_trips_and_refuses_other_bytes() -> None:
     drafting = ScheduledSequence("d", 7, 3, True, [], 1, [6], [], [11, 12])  # its known token and two drafts
     hybrid = ScheduledSequence("h", 0, 4, True, [], 0, [7], state_slot=3)  # told its recurrent-state slot
     embedding = NewSequence("e", [5, 6], 2, SamplingParams(max_tokens=1), Pooling("MEAN", True, 8))
-    step = SchedulerOutput([sequence, drafting, hybrid], [NewSequence("n", [9, 9, 9, 1], 3, params), embedding],
+    adapted = NewSequence("l", [5], 1, SamplingParams(), lora=LoRARequest("ft", 7, "/adapters/ft"))
+    step = SchedulerOutput([sequence, drafting, hybrid], [NewSequence("n", [9, 9, 9, 1], 3, params), embedding, adapted],
                            [ForkedSequence("f", "a"), ForkedSequence("g", "a", SamplingParams(seed=1))], ["gone"], [(1, 2)],
                            [(3, 0)], [(5, 1)])  # fmt: skip
     grammar = GrammarBitmask({"a": 0}, torch.tensor([[1, -1, 7]], dtype=torch.int32))
@@ -87,6 +89,8 @@ def test_the_step_codec_round_trips_and_refuses_other_bytes() -> None:
             decode_step(junk)
     with pytest.raises(CodecError):  # a pooling rebuilt through Pooling: validated again
         decode_step(edited(b'"pooling_type":"MEAN"', b'"pooling_type":"MAX"'))
+    with pytest.raises(CodecError):  # an adapter rebuilt through LoRARequest: validated again
+        decode_step(edited(b'"lora_int_id":7', b'"lora_int_id":-7'))
     bad = edited(b'"temperature":0.7', b'"temperature":-1')
     with pytest.raises(ValueError, match="temperature"):  # rebuilt through SamplingParams: validated again
         decode_step(bad)

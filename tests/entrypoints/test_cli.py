@@ -27,17 +27,20 @@ def test_serve_options_map_to_the_engine() -> None:
         "--nnodes", "3", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29500",
         "--distributed-executor-backend", "ray", "--no-ui", "--speculative-config", '{"method": "ngram"}',
         "--scheduling-policy", "priority", "--priority-aging-steps", "50", "--reasoning-parser", "deepseek_r1",
-        "--pooler-config", '{"pooling_type": "MEAN"}',
+        "--pooler-config", '{"pooling_type": "MEAN"}', "--enable-lora", "--max-loras", "3", "--max-lora-rank", "32",
+        "--max-cpu-loras", "5", "--lora-modules", "sql=/adapters/sql", "--allow-runtime-lora-updating",
     ])
     assert args.port == 9001 and args.served_model_name == ["a", "b"] and args.api_key == "k"
     assert args.tool_call_parser == "llama3_json" and args.enable_auto_tool_choice is False
     assert args.ui is False  # a server option: no web page
     assert args.reasoning_parser == "deepseek_r1"  # a server option too
     assert args.data_parallel_size == 2  # a server option: replicas, each an engine of these options
+    assert args.lora_modules == ["sql=/adapters/sql"] and args.allow_runtime_lora_updating  # server options
     assert EngineArgs.from_cli_args(args).as_dict() == {
         "model": "/models/x", "dtype": "bfloat16", "quantization": "int8", "block_size": 32, "kv_cache_memory": "2GiB",
         "num_kv_blocks": None, "enable_prefix_caching": False, "kv_cache_dtype": "fp8",
-        "speculative_config": '{"method": "ngram"}', "pooler_config": '{"pooling_type": "MEAN"}', "max_num_seqs": 8, "max_num_batched_tokens": 512,
+        "speculative_config": '{"method": "ngram"}', "pooler_config": '{"pooling_type": "MEAN"}', "enable_lora": True,
+        "max_loras": 3, "max_lora_rank": 32, "max_cpu_loras": 5, "max_num_seqs": 8, "max_num_batched_tokens": 512,
         "scheduling_policy": "priority", "priority_aging_steps": 50, "max_model_len": 1024,
         "seed": 3, "device": "cpu", "attention_backend": "auto", "chat_template": "t.jinja", "num_threads": None,
         "tensor_parallel_size": 2, "pipeline_parallel_size": 3, "nnodes": 3, "node_rank": 1,

@@ -90,7 +90,7 @@ class AnthropicServingMessages:
         tools, params, prompt = await asyncio.to_thread(chat.prepare, chat_request)
         message_id = new_message_id()
         tracker = ChoiceTracker(n=1, prompt_tokens=len(prompt.prompt_token_ids))
-        merged = merge_async_iterators(chat.generators([prompt], params, message_id))
+        merged = merge_async_iterators(chat.generators([prompt], params, message_id, model=model))
         if request.stream:
             answer = AnswerStream(chat.reasoning_parser, tools.parser)
             stream = _Stream(message_id, model, tracker, answer, shows_thinking(request))

@@ -10,7 +10,7 @@ import asyncio
 import hmac
 import logging
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from types import FrameType
@@ -28,6 +28,7 @@ from pagellm.entrypoints.anthropic.serving_messages import AnthropicServingMessa
 from pagellm.entrypoints.openai.errors import (
     AuthenticationError,
     NotFoundError,
+    OpenAIError,
     RequestTooLargeError,
     ServiceUnavailableError,
     error_response,
@@ -52,6 +53,8 @@ from pagellm.entrypoints.openai.responses.store import ResponseStore
 from pagellm.entrypoints.openai.request_body import add_body_schemas, body_openapi, parse_body
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagellm.entrypoints.openai.lora_routes import install_lora_routes
+from pagellm.entrypoints.openai.serving_models import LoRAModule, ServedModels
 from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagellm.entrypoints.openai.tool_calls.parsers import tool_parser
 from pagellm.entrypoints.ui.feed import FeedOptions, SnapshotFeed
@@ -80,6 +83,10 @@ class ServerSettings:
     structured_outputs_in_reasoning: bool = False  # constraints apply to the thinking too (vLLM's enable_in_reasoning)
     enable_ui: bool = True  # the web page at / and its snapshot API (pagellm.entrypoints.ui)
     ui: FeedOptions = field(default_factory=FeedOptions)  # how often the page's snapshots are taken
+    lora_modules: list[LoRAModule] = field(default_factory=list)  # adapters served from the start
+    # Raises ValueError naming what is wrong with an adapter folder for the model (None: LoRA is off).
+    lora_check: Callable[[str], None] | None = None
+    allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -88,6 +95,8 @@ class ServerSettings:
             raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
         if self.max_prompts_per_request < 1:
             raise ValueError(f"max_prompts_per_request must be >= 1, got {self.max_prompts_per_request}")
+        if (self.lora_modules or self.allow_runtime_lora_updating) and self.lora_check is None:
+            raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
         tool_parser(self.tool_call_parser)  # a ValueError naming the choices
         parser = reasoning_parser(self.reasoning_parser)
         if parser is not None and parser.keeps_special_tokens and self.tool_call_parser != "hermes":
@@ -200,14 +209,15 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)  # outermost: no body read before auth
     names = settings.served_model_names
-    completion = OpenAIServingCompletion(engine, names, settings.max_prompts_per_request)
+    served = served_models(settings)
+    completion = OpenAIServingCompletion(engine, served, settings.max_prompts_per_request)
     chat = OpenAIServingChat(
-        engine, names, settings.trust_request_chat_template, tool_parser(settings.tool_call_parser),
+        engine, served, settings.trust_request_chat_template, tool_parser(settings.tool_call_parser),
         settings.enable_auto_tool_choice, reasoning_parser(settings.reasoning_parser),
         settings.structured_outputs_in_reasoning,
     )  # fmt: skip
-    tokenization = OpenAIServingTokenization(engine, names)
-    embedding = OpenAIServingEmbedding(engine, names, settings.max_prompts_per_request)
+    tokenization = OpenAIServingTokenization(engine, served)
+    embedding = OpenAIServingEmbedding(engine, served, settings.max_prompts_per_request)
     scores = OpenAIServingScores(embedding)
     messages = AnthropicServingMessages(chat)
     responses = OpenAIServingResponses(chat, ResponseStore())
@@ -223,8 +233,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
         return JSONResponse({"version": pagellm.__version__, "kernel_plan": engine.kernel_plan_info})
 
     def model_cards() -> list[ModelCard]:
-        # root names the model as served, never a path on this machine.
-        return [ModelCard(id=name, root=names[0], max_model_len=engine.max_model_len) for name in names]
+        return served.cards(engine.max_model_len)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -234,7 +243,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
     async def model(model_id: str) -> JSONResponse:
         card = next((c for c in model_cards() if c.id == model_id), None)
         if card is None:
-            raise NotFoundError(f"the model {model_id!r} is not served here (served: {', '.join(names)})",
+            raise NotFoundError(f"the model {model_id!r} is not served here (served: {', '.join(served.names)})",
                                 param="model", code="model_not_found")  # fmt: skip
         return JSONResponse(card.model_dump())
 
@@ -300,6 +309,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
         request = await parse_body(raw_request, CountTokensRequest)
         return await messages.count_tokens(request)
 
+    if settings.allow_runtime_lora_updating:
+        install_lora_routes(app, served)
     if settings.enable_ui:
         install_ui(app, SnapshotFeed(engine, metrics, names[0], settings.ui), api_key_required=bool(settings.api_key))
 
@@ -316,6 +327,18 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
         return JSONResponse(response.model_dump())
 
     return app
+
+
+def served_models(settings: ServerSettings) -> ServedModels:
+    """The served names: the model's, then each ``--lora-modules`` adapter (checked now: a bad
+    one is a ValueError naming it, and the server does not start)."""
+    served = ServedModels(settings.served_model_names, settings.lora_check)
+    for module in settings.lora_modules:
+        try:
+            served.add(module.name, module.path, module.base_model_name)
+        except OpenAIError as exc:
+            raise ValueError(f"--lora-modules {module.name}={module.path}: {exc.message}") from None
+    return served
 
 
 class _Server(uvicorn.Server):

@@ -30,6 +30,7 @@ from pagellm.entrypoints.openai.protocol import (
     DeltaMessage,
 )
 from pagellm.entrypoints.openai.reasoning import ReasoningParser, ReasoningStreamer
+from pagellm.entrypoints.openai.serving_models import ServedModels
 from pagellm.entrypoints.openai.serving_engine import (
     CLIENT_CLOSED_REQUEST,
     ChoiceDelta,
@@ -181,14 +182,14 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(
         self,
         engine: AsyncLLMEngine,
-        served_model_names: list[str],
+        models: ServedModels | list[str],
         trust_request_chat_template: bool = False,
         tool_parser: ToolParser | None = None,
         auto_tool_choice: bool = True,
         reasoning_parser: ReasoningParser | None = None,
         constrain_thinking: bool = False,
     ) -> None:
-        super().__init__(engine, served_model_names)
+        super().__init__(engine, models)
         self.trust_request_chat_template = trust_request_chat_template
         self.tool_parser = tool_parser if tool_parser is not None else HermesToolParser()
         self.auto_tool_choice = auto_tool_choice
@@ -208,8 +209,8 @@ class OpenAIServingChat(OpenAIServing):
         ctx = _Context(request, new_request_id("chatcmpl"), model, int(time.time()), tools, self.reasoning_parser)
 
         tracker = ChoiceTracker(n=request.n, prompt_tokens=len(prompt.prompt_token_ids))
-        merged = merge_async_iterators(self.generators([prompt], params, ctx.request_id,
-                                                                priority=request.priority))
+        merged = merge_async_iterators(self.generators([prompt], params, ctx.request_id, priority=request.priority,
+                                                       model=model))  # fmt: skip
         if request.stream:
             return StreamingResponse(guard_sse(self._stream(ctx, merged, tracker)), media_type="text/event-stream")
         items = await collect_answer(merged, raw_request)

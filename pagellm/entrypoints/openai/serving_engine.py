@@ -32,13 +32,13 @@ from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.engine.input_processor import ProcessedPrompt
 from pagellm.entrypoints.openai.errors import (
     BadRequestError,
-    NotFoundError,
     OpenAIError,
     ServiceUnavailableError,
     bad_request_from,
 )
 from pagellm.entrypoints.openai.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from pagellm.entrypoints.openai.protocol import SamplingRequest, UsageInfo
+from pagellm.entrypoints.openai.serving_models import ServedModels
 from pagellm.entrypoints.openai.structured_outputs import constraint_error, structured_outputs_of
 from pagellm.outputs import PositionLogprobs, RequestOutput
 from pagellm.pooling_params import PoolingParams
@@ -339,20 +339,18 @@ class OpenAIServing:
     """Checks and conversions every generation endpoint makes before calling the engine."""
 
     def __init__(
-        self, engine: AsyncLLMEngine, served_model_names: list[str],
+        self, engine: AsyncLLMEngine, models: ServedModels | list[str],
         max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
     ) -> None:  # fmt: skip
+        """``models``: the names served (a list: the base model's alone, no adapters)."""
         self.engine = engine
-        self.served_model_names = served_model_names
+        self.models = models if isinstance(models, ServedModels) else ServedModels(models)
         self.max_prompts_per_request = max_prompts_per_request  # prompts or inputs in one request
 
     def resolve_model(self, requested: str | None) -> str:
-        """The model name to answer with; 404 for a name this server does not serve."""
-        if requested is None:
-            return self.served_model_names[0]
-        if requested not in self.served_model_names:
-            raise NotFoundError(f"The model `{requested}` does not exist.", param="model", code="model_not_found")
-        return requested
+        """The model name to answer with (a base model's or a LoRA adapter's); 404 for a name
+        this server does not serve."""
+        return self.models.resolve(requested)
 
     def check_alive(self) -> None:
         if not self.engine.is_running:
@@ -475,8 +473,10 @@ class OpenAIServing:
         request_id: str,
         deltas: bool = True,
         priority: int = 0,
+        model: str | None = None,
     ) -> list[RequestStream]:
-        """One engine stream per prompt (ids ``{request_id}`` or ``{request_id}-{i}``), all submitted now.
+        """One engine stream per prompt (ids ``{request_id}`` or ``{request_id}-{i}``), all submitted now;
+        ``model``: the resolved name asked for (a LoRA adapter's runs the request with it).
 
         ``deltas=False`` asks the engine for one whole output per prompt (what best_of needs).
         An overloaded or dead engine answers 503 here, before any response starts; the prompts
@@ -486,13 +486,14 @@ class OpenAIServing:
             self.engine.input_processor.check_priority(priority)
         except ValueError as exc:
             raise bad_request_from(exc) from exc
+        lora = self.models.lora(model)
         if len(prompts) == 1:
             ids = [request_id]
         else:
             ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         requests = [  # params come from ``sampling_params``, which checked them
             EngineRequest(rid, p.prompt_token_ids, params, p.prompt, p.cache_salt, stream=deltas, params_checked=True,
-                          priority=priority)
+                          priority=priority, lora_request=lora)
             for p, rid in zip(prompts, ids)
         ]
         try:

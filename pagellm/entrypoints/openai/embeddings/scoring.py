@@ -41,7 +41,8 @@ class OpenAIServingScores:
             raise BadRequestError(f"text_1 holds {len(firsts)} texts and text_2 {len(seconds)}: give text_1 one text, "
                                   "or as many as text_2", param="text_1")  # fmt: skip
         request_id = new_request_id("score")
-        options = EmbedOptions(truncate_prompt_tokens=request.truncate_prompt_tokens, priority=request.priority)
+        options = EmbedOptions(truncate_prompt_tokens=request.truncate_prompt_tokens, priority=request.priority,
+                               model=model)  # fmt: skip
         scores = await self._similarities(request_id, firsts, seconds, options, raw_request)
         if scores is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -56,7 +57,8 @@ class OpenAIServingScores:
         if not request.documents:
             raise BadRequestError("documents must not be empty", param="documents")
         request_id = new_request_id("rerank")
-        options = EmbedOptions(truncate_prompt_tokens=request.truncate_prompt_tokens, priority=request.priority)
+        options = EmbedOptions(truncate_prompt_tokens=request.truncate_prompt_tokens, priority=request.priority,
+                               model=model)  # fmt: skip
         scores = await self._similarities(request_id, [request.query], request.documents, options, raw_request)
         if scores is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)

@@ -36,6 +36,7 @@ class EmbedOptions:
     truncate_prompt_tokens: int | None = None  # keep each input's last N tokens
     add_special_tokens: bool = True
     priority: int = 0
+    model: str | None = None  # the resolved name asked for (a LoRA adapter's pools with it)
 
 
 @dataclass
@@ -51,7 +52,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         self.check_alive()
         model = self.resolve_model(request.model)
         options = EmbedOptions(request.dimensions, request.normalize, request.truncate_prompt_tokens,
-                               request.add_special_tokens, request.priority)  # fmt: skip
+                               request.add_special_tokens, request.priority, model)  # fmt: skip
         request_id = new_request_id("embd")
         embedded = await self.embed(request_id, request.input, "input", options, raw_request)
         if embedded is None:
@@ -67,7 +68,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         """One vector per input (``param``: the field they came in, for errors); None when the
         client left first. Tokenizing many inputs takes a while: off the event loop."""
         params, prompts = await asyncio.to_thread(self._prepare, inputs, param, options)
-        streams = self.generators(prompts, params, request_id, deltas=False, priority=options.priority)
+        streams = self.generators(prompts, params, request_id, deltas=False, priority=options.priority,
+                                  model=options.model)  # fmt: skip
         items = await collect_answer(merge_async_iterators(streams), raw_request)
         if items is None:
             return None

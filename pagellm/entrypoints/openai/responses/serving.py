@@ -113,7 +113,8 @@ class OpenAIServingResponses:
         conversation, tools, params, prompt = await asyncio.to_thread(prepare)
         response = _in_progress(request, new_id("resp"), model)
         tracker = ChoiceTracker(n=1, prompt_tokens=len(prompt.prompt_token_ids))
-        merged = merge_async_iterators(chat.generators([prompt], params, response.id, priority=request.priority))
+        merged = merge_async_iterators(chat.generators([prompt], params, response.id, priority=request.priority,
+                                                       model=model))  # fmt: skip
         if request.stream:
             stream = _Stream(response, tracker, self, conversation, AnswerStream(chat.reasoning_parser, tools.parser))
             return StreamingResponse(guard_sse(stream.events(merged), stream.error_event, done=None),

@@ -1,0 +1,138 @@
+"""The worker's LoRA adapters: which are loaded in host memory (least recently used evicted past
+``max_cpu_loras``), which sit in the ``max_loras`` slots a step reads (``model/lora.py``), and
+each step's rows grouped by slot.
+
+The scheduler never runs more adapters in one step than there are slots (``core/scheduler.py``),
+so every adapter of a step finds one: a free slot, else the one used longest ago by an adapter
+not in this step. Loading depends only on the steps, so tensor-parallel ranks would agree.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from pagellm.lora_config import LoRAConfig
+from pagellm.lora_request import LoRARequest
+from pagellm.model.arch_config import ModelArchConfig
+from pagellm.model.layer_spec import layer_specs
+from pagellm.model.lora import LoRASlots, LoRAStep, Rows
+from pagellm.distributed.tensor_parallel import TensorParallel
+from pagellm.model.lora_adapter import LoRAAdapter, LoRAAdapterError, rank_share, read_adapter
+
+logger = logging.getLogger(__name__)
+
+NO_LORA = 0  # a row's adapter id when it runs the base model
+
+
+class LoRAManager:
+    """See the module docstring; ``register`` each adapter as its sequences arrive, then call
+    ``step`` with the step's rows."""
+
+    def __init__(
+        self, config: LoRAConfig, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
+        tp: TensorParallel | None = None,
+    ) -> None:
+        """``arch``: the whole model (adapters are checked against it); ``tp``: this rank's share
+        of each layer, and of each adapter."""
+        self.config = config
+        self.arch = arch
+        self.device = device
+        self.tp = tp
+        specs = layer_specs(arch.shard(tp.size) if tp is not None else arch)
+        # (float32 on CPU: an adapter's small products run several times faster than in bf16)
+        slot_dtype = torch.float32 if device.type == "cpu" else dtype
+        self.slots = LoRASlots(specs, config.max_loras, config.max_lora_rank, slot_dtype, device)
+        self.requests: dict[int, LoRARequest] = {}  # adapter id -> where it is (every id a row may name)
+        self.loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()  # host memory, least recently used first
+        self.slot_of: dict[int, int] = {}  # adapter id -> slot
+        self.in_slot: list[int] = [NO_LORA] * config.max_loras
+        self.last_used = [0] * config.max_loras  # the step each slot last served
+        self._step = 0
+        logger.info("LoRA: %d slots of rank %d (%.1f MiB)", config.max_loras, config.max_lora_rank,
+                    self.slots.num_bytes() / 2**20)  # fmt: skip
+
+    def register(self, request: LoRARequest) -> None:
+        """An adapter rows will name by its id (a new sequence's); a changed path reloads it."""
+        known = self.requests.get(request.lora_int_id)
+        if known is not None and known.lora_path != request.lora_path:
+            self.loaded.pop(request.lora_int_id, None)
+            slot = self.slot_of.pop(request.lora_int_id, None)
+            if slot is not None:
+                self.slots.clear(slot)
+                self.in_slot[slot] = NO_LORA
+        self.requests[request.lora_int_id] = request
+
+    def forget(self, live_ids: set[int]) -> None:
+        """Drop the paths of adapters no row names any more (those loaded stay, as a cache)."""
+        for lora_id in [i for i in self.requests if i not in live_ids and i not in self.loaded]:
+            del self.requests[lora_id]
+
+    def step(self, row_ids: np.ndarray, query_lens: np.ndarray) -> tuple[LoRAStep | None, dict[int, str]]:
+        """The step's adapters put in slots and its token rows grouped by slot (None: no row
+        runs with one), and the adapters that could not be loaded (id -> why; their rows run
+        the base model and the engine fails their requests alone)."""
+        self._step += 1
+        ids = [int(i) for i in np.unique(row_ids) if i != NO_LORA]
+        failed: dict[int, str] = {}
+        for lora_id in ids:
+            try:
+                self._make_resident(lora_id, ids)
+            except (LoRAAdapterError, OSError, RuntimeError) as exc:
+                failed[lora_id] = str(exc)
+        if len(failed) == len(ids):
+            return None, failed
+        slot_of = [self.slot_of.get(int(i), -1) if int(i) not in failed else -1 for i in row_ids]
+        token_slots = np.repeat(np.array(slot_of, dtype=np.int64), query_lens)
+        groups: list[tuple[int, Rows]] = []
+        for slot in np.unique(token_slots):
+            if slot < 0:
+                continue
+            rows = np.flatnonzero(token_slots == slot)
+            contiguous = rows[-1] - rows[0] + 1 == len(rows)
+            where: Rows = slice(int(rows[0]), int(rows[-1]) + 1) if contiguous else torch.from_numpy(rows).to(self.device)
+            groups.append((int(slot), where))
+        return (LoRAStep(self.slots, groups) if groups else None), failed
+
+    def _make_resident(self, lora_id: int, step_ids: list[int]) -> None:
+        """``lora_id``'s adapter in a slot (loaded from its files first where it is not in host memory)."""
+        slot = self.slot_of.get(lora_id)
+        if slot is None:
+            adapter = self._adapter(lora_id)
+            busy = {self.slot_of[i] for i in step_ids if i in self.slot_of}
+            free = [s for s in range(self.config.max_loras) if s not in busy]
+            if not free:  # (the scheduler never sends more adapters than slots)
+                raise LoRAAdapterError(f"no LoRA slot is free for adapter {lora_id}: this step holds more adapters "
+                                       f"than --max-loras {self.config.max_loras}")  # fmt: skip
+            slot = min(free, key=lambda s: self.last_used[s])
+            old = self.in_slot[slot]
+            if old != NO_LORA:
+                del self.slot_of[old]
+            self.slots.load(slot, adapter)
+            self.in_slot[slot], self.slot_of[lora_id] = lora_id, slot
+        self.last_used[slot] = self._step
+        if lora_id in self.loaded:
+            self.loaded.move_to_end(lora_id)
+
+    def _adapter(self, lora_id: int) -> LoRAAdapter:
+        """The adapter's weights from host memory, or read from its files (evicting the least recently used)."""
+        adapter = self.loaded.get(lora_id)
+        if adapter is not None:
+            return adapter
+        request = self.requests.get(lora_id)
+        if request is None:
+            raise LoRAAdapterError(f"adapter id {lora_id} was never registered with the worker")
+        start = time.perf_counter()
+        adapter = read_adapter(request.lora_path, self.arch, self.config.max_lora_rank)
+        if self.tp is not None:
+            adapter = rank_share(adapter, self.tp)
+        logger.info("LoRA adapter %r (rank %d) loaded in %.0f ms", request.lora_name, adapter.info.rank,
+                    (time.perf_counter() - start) * 1e3)  # fmt: skip
+        self.loaded[lora_id] = adapter
+        while len(self.loaded) > self.config.cpu_loras:
+            self.loaded.popitem(last=False)
+        return adapter

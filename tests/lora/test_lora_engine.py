@@ -1,0 +1,125 @@
+"""LoRA adapters served by the engine: greedy output equal to PEFT's over transformers, alone and
+mixed in one batch with other adapters and the base model, through the prefix cache, chunked
+prefill, a slot shortage (adapters swapped in and out of the resident slots and of host memory),
+``n`` samples and a quantized base."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagellm import LLM, LoRARequest, SamplingParams
+from tests.helpers.lora_adapters import MAX_TOKENS, PROMPTS
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def _run(llm: LLM, order: list[str | None], requests: dict[str, LoRARequest], params: SamplingParams = GREEDY):
+    prompts = [{"prompt_token_ids": p} for _ in order for p in PROMPTS]
+    loras = [requests[name] if name is not None else None for name in order for _ in PROMPTS]
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    return {name: [outputs[i * len(PROMPTS) + j] for j in range(len(PROMPTS))] for i, name in enumerate(order)}
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_mixed_batch_equals_peft_and_prefix_cache_keeps_adapters_apart(tiny_llama_path, references, requests):
+    llm = LLM(tiny_llama_path, dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=8, num_kv_blocks=128)
+    order: list[str | None] = [None, "all", "qv", "mlp0"]
+    first = _run(llm, order, requests)
+    for name in order:
+        assert _tokens(first[name]) == references[name], name
+    # The same prompts again, in another order: each adapter's blocks come from the prefix cache,
+    # never another adapter's (or the base model's) blocks for the same tokens.
+    again = _run(llm, list(reversed(order)), requests)
+    for name in order:
+        assert _tokens(again[name]) == references[name], name
+        assert all(o.num_cached_tokens == 16 * (len(p) // 16) - (16 if len(p) % 16 == 0 else 0)
+                   for o, p in zip(again[name], PROMPTS)), name  # fmt: skip
+
+
+def test_more_adapters_than_slots_take_turns(tiny_llama_path, references, requests):
+    """One slot and one adapter kept in host memory: every switch evicts and reads files again."""
+    llm = LLM(tiny_llama_path, dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8,
+              num_kv_blocks=128, enable_prefix_caching=False)  # fmt: skip
+    order: list[str | None] = ["all", "qv", None, "mlp0", "all"]
+    got = _run(llm, order, requests)
+    for name in order:
+        assert _tokens(got[name]) == references[name], name
+
+
+def test_chunked_prefill_and_n_samples(tiny_llama_path, references, requests):
+    llm = LLM(tiny_llama_path, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=128,
+              max_num_batched_tokens=16)  # fmt: skip
+    params = SamplingParams(n=2, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    got = _run(llm, ["qv", None, "all"], requests, params)
+    for name, outputs in got.items():
+        for output, reference in zip(outputs, references[name]):
+            assert [list(c.token_ids) for c in output.outputs] == [reference, reference], name
+
+
+def test_quantized_base_with_adapter_follows_the_float_path(tiny_llama_path, requests):
+    """int8 weights on the integer GEMM (MLPs unfused under LoRA) plus the adapter: its prompt
+    logprobs stay near the float32 path's, and far from the base model's."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    prompt = [{"prompt_token_ids": PROMPTS[0]}]
+
+    def logprobs(llm: LLM, lora: LoRARequest | None) -> list[float]:
+        output = llm.generate(prompt, params, use_tqdm=False, lora_request=lora)[0]
+        return [next(iter(row.values())).logprob for row in output.prompt_logprobs[1:]]
+
+    float_llm = LLM(tiny_llama_path, dtype="float32", enable_lora=True, max_lora_rank=8, num_kv_blocks=32)
+    reference, base = logprobs(float_llm, requests["all"]), logprobs(float_llm, None)
+    del float_llm
+    quantized = LLM(tiny_llama_path, dtype="bfloat16", quantization="int8", enable_lora=True, max_lora_rank=8,
+                    num_kv_blocks=32)  # fmt: skip
+    got = logprobs(quantized, requests["all"])
+    assert max(abs(a - b) for a, b in zip(got, reference)) < 0.25
+    assert max(abs(a - b) for a, b in zip(base, reference)) > 1.0  # (so the check above means something)
+    assert max(abs(a - b) for a, b in zip(logprobs(quantized, None), base)) < 0.25
+
+
+def test_tensor_parallel_ranks_split_the_adapters(tiny_llama_path, references, requests):
+    """Two ranks, each with its share of every adapter (B's rows of q/k/v and gate/up, A's
+    columns of o and down), give PEFT's tokens; the base model's rows mixed in."""
+    llm = LLM(tiny_llama_path, dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=8, num_kv_blocks=128,
+              tensor_parallel_size=2, num_threads=2)  # fmt: skip
+    try:
+        order: list[str | None] = ["all", None, "qv", "mlp0"]
+        got = _run(llm, order, requests)
+        for name in order:
+            assert _tokens(got[name]) == references[name], name
+    finally:
+        llm.llm_engine.close()
+
+
+def test_what_lora_does_not_run_with_is_refused(tiny_llama_path, requests):
+    with pytest.raises(ValueError, match="pipeline parallelism"):
+        LLM(tiny_llama_path, enable_lora=True, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="speculative decoding"):
+        LLM(tiny_llama_path, enable_lora=True, speculative_config={"method": "ngram"})
+    with pytest.raises(ValueError, match="max_lora_rank must be an integer from 1 to 512"):
+        LLM(tiny_llama_path, enable_lora=True, max_lora_rank=0)
+    plain = LLM(tiny_llama_path, dtype="float32", num_kv_blocks=16)
+    with pytest.raises(ValueError, match="LoRA is off"):
+        plain.generate("hi", lora_request=requests["qv"], use_tqdm=False)
+    small = LLM(tiny_llama_path, dtype="float32", num_kv_blocks=16, enable_lora=True, max_lora_rank=4)
+    with pytest.raises(ValueError, match="rank 8 .* above --max-lora-rank 4"):
+        small.generate(["a", "b"], lora_request=[requests["qv"], requests["all"]], use_tqdm=False)
+    assert not small.llm_engine.has_unfinished_requests()  # a bad adapter queues none of the prompts
+    with pytest.raises(ValueError, match="already names adapter"):
+        small.generate("a", lora_request=LoRARequest("other", requests["qv"].lora_int_id, "/elsewhere"), use_tqdm=False)
+    assert small.generate("a", SamplingParams(max_tokens=2), lora_request=requests["qv"], use_tqdm=False)[0].outputs
+
+
+def test_a_gguf_lora_file_equals_its_peft_folder(tiny_llama_path, references, lora_adapters, tmp_path):
+    """The adapter written as llama.cpp's converter writes it (q/k rows of B permuted) gives
+    PEFT's tokens, beside the PEFT folder of another adapter."""
+    from tests.helpers.lora_adapters import write_gguf_lora
+
+    gguf = write_gguf_lora(lora_adapters["all"], str(tmp_path / "all.gguf"), {"q_proj": 4, "k_proj": 2})
+    llm = LLM(tiny_llama_path, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=64)
+    loras = {"all": LoRARequest("all-gguf", 11, gguf), "qv": LoRARequest("qv", 12, lora_adapters["qv"])}
+    got = _run(llm, ["all", "qv"], loras)
+    assert _tokens(got["all"]) == references["all"] and _tokens(got["qv"]) == references["qv"]
