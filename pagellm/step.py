@@ -157,3 +157,6 @@ class ModelRunnerOutput:
     draft_catch_up: int = 0
     # Embedding requests whose prompt this step completed: their pooled vectors (``Pooling``).
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    # LoRA adapter ids that could not be loaded (on any rank): their sequences are in ``failed``,
+    # and the engine retires the ids (the prefix cache may hold blocks of theirs computed without).
+    failed_adapters: list[int] = field(default_factory=list)

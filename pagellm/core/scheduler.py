@@ -237,11 +237,13 @@ class Scheduler:
         """Move waiting requests to running while blocks, budget and max_num_seqs allow."""
         manager = self.kv_cache_manager
         adapters = self._running_adapters()
-        skipped: list[Sequence] = []  # waiting for an adapter slot: those behind them go on
+        # Waiting for an adapter slot: the base model's requests behind them go on, other
+        # adapters' wait too (so that a busy adapter's slot frees and no request starves).
+        skipped: list[Sequence] = []
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(scheduled) < seq_budget):  # fmt: skip
             seq = self.waiting[0]
-            if not self._adapter_fits(seq, adapters):
+            if seq.lora is not None and (skipped or not self._adapter_fits(seq, adapters)):
                 skipped.append(self.waiting.popleft())
                 continue
             if self.state_slots is not None and self.state_slots.num_free < self._slots_needed(seq):
@@ -316,13 +318,31 @@ class Scheduler:
         head, manager, slots = self.waiting[0], self.kv_cache_manager, self.state_slots
         needed = manager.num_blocks_needed(head, min(head.num_tokens, self.max_num_batched_tokens))
         while (len(self.running) >= self.max_num_seqs or manager.num_free_blocks < needed
-               or (slots is not None and slots.num_free < self._slots_needed(head))
-               or not self._adapter_fits(head, self._running_adapters())):  # fmt: skip
+               or (slots is not None and slots.num_free < self._slots_needed(head))):  # fmt: skip
             victims = [r for r in self.running if r.seq_id not in in_flight]
             if not victims or self.order_key(victims[-1]) <= self.order_key(head):
                 return
             self.running.remove(victims[-1])
             self._preempt(victims[-1])
+        if not self._adapter_fits(head, self._running_adapters()):
+            self._free_adapter_slot(head, in_flight)
+
+    def _free_adapter_slot(self, head: Sequence, in_flight: frozenset[str]) -> None:
+        """Free a LoRA slot for the waiting head: preempt every running sequence of one adapter,
+        where all of them rank below the head (and none is in flight); else preempt none (a slot
+        would not free: the head waits for one)."""
+        holders: dict[int, list[Sequence]] = {}
+        for seq in self.running:
+            if seq.lora is not None:
+                holders.setdefault(seq.lora_id, []).append(seq)
+        head_key = self.order_key(head)
+        movable = [seqs for seqs in holders.values()
+                   if all(self.order_key(s) > head_key and s.seq_id not in in_flight for s in seqs)]  # fmt: skip
+        if not movable:
+            return
+        for seq in max(movable, key=lambda seqs: min(self.order_key(s) for s in seqs)):  # the worst-ranked adapter
+            self.running.remove(seq)
+            self._preempt(seq)
 
     def _preempt_idle_younger_than(self, head: Sequence, in_flight: frozenset[str]) -> bool:
         """Break a standstill: free idle running requests that come after the waiting head.

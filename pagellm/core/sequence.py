@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -101,10 +102,11 @@ class Sequence:
     @property
     def prefix_key(self) -> str | None:
         """What its first block's prefix-cache key mixes in besides tokens: its tenant's salt
-        and its adapter (blocks of different adapters hold different K/V for the same tokens)."""
-        if self.lora is None:
-            return self.cache_salt
-        return self.lora.cache_key if self.cache_salt is None else f"{self.cache_salt}\x00{self.lora.cache_key}"
+        and its adapter (blocks of different adapters hold different K/V for the same tokens), as
+        a JSON pair: no salt a client picks can spell another request's pair."""
+        if self.lora is None and self.cache_salt is None:
+            return None
+        return json.dumps([self.cache_salt, None if self.lora is None else self.lora.cache_key])
 
     @property
     def num_prompt_tokens(self) -> int:

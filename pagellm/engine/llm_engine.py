@@ -331,6 +331,8 @@ class LLMEngine:
         """Update the requests from a step's sampled tokens (the runner's output is only read);
         ``outputs`` with the step's added."""
         failed = dict(runner_output.failed)  # sequences: the worker's failures, then the engine's own
+        for lora_id in runner_output.failed_adapters:
+            self.loras.retire(lora_id)
         updated, finished = self.scheduler.update_from_output(scheduler_output, runner_output)
         refused: dict[str, str] = {}  # sequences whose constraint cannot be followed
         if grammar is not None:

@@ -77,6 +77,8 @@ class LoRASlots:
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         """Put ``adapter`` in ``slot`` (what was there is cleared)."""
         self.clear(slot)
+        # (named first: a copy that fails half way leaves what it wrote to be cleared next time)
+        self.targets[slot] = frozenset((layer, _FUSED_OF[target]) for layer, target in adapter.weights)
         rank = self.max_rank
         for (layer, target), (a, b) in adapter.weights.items():
             fused = _FUSED_OF[target]
@@ -85,7 +87,6 @@ class LoRASlots:
             r, first = a.shape[0], part * rank
             linear.a[slot, first : first + r].copy_(a)
             linear.b[slot, linear.rows[part], first : first + r].copy_(b)
-        self.targets[slot] = frozenset((layer, _FUSED_OF[target]) for layer, target in adapter.weights)
 
     def clear(self, slot: int) -> None:
         for key in self.targets[slot]:

@@ -34,6 +34,7 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 MAX_CONFIG_BYTES = 1 << 20
+FLOAT_DTYPES = ("F32", "F16", "BF16")  # safetensors' names of the dtypes an adapter's weights may have
 # The projections an adapter may target, each the part of one of the model's fused linears.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_TARGETS = frozenset(("q_proj", "k_proj", "v_proj", "o_proj"))
@@ -107,10 +108,16 @@ def inspect_adapter(path: str, arch: ModelArchConfig, max_rank: int) -> AdapterI
     try:
         with safe_open(weights, framework="pt") as f:
             shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+            dtypes = {key: f.get_slice(key).get_dtype() for key in f.keys()}
     except (SafetensorError, OSError, ValueError) as exc:
         raise LoRAAdapterError(f"adapter {path!r}: {WEIGHTS_FILE} is not a readable safetensors file ({exc})") from None
+    odd = sorted({dtype for dtype in dtypes.values() if dtype not in FLOAT_DTYPES})
+    if odd:
+        raise LoRAAdapterError(f"adapter {path!r} holds {', '.join(odd)} tensors; LoRA weights are {'/'.join(FLOAT_DTYPES)}")
     ranks = _check_shapes(path, shapes, layer_specs(arch), arch, max_rank)
-    alpha, rslora = config.get("lora_alpha", 8), bool(config.get("use_rslora", False))
+    alpha, rslora = config.get("lora_alpha", 8), config.get("use_rslora", False)
+    if not isinstance(rslora, bool):
+        raise LoRAAdapterError(f"adapter {path!r}: use_rslora must be true or false, got {rslora!r}")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise LoRAAdapterError(f"adapter {path!r}: lora_alpha must be a number, got {alpha!r}")
     scaling = {key: alpha / (math.sqrt(r) if rslora else r) for key, r in ranks.items()}

@@ -60,11 +60,7 @@ class LoRAManager:
         """An adapter rows will name by its id (a new sequence's); a changed path reloads it."""
         known = self.requests.get(request.lora_int_id)
         if known is not None and known.lora_path != request.lora_path:
-            self.loaded.pop(request.lora_int_id, None)
-            slot = self.slot_of.pop(request.lora_int_id, None)
-            if slot is not None:
-                self.slots.clear(slot)
-                self.in_slot[slot] = NO_LORA
+            self._evict(request.lora_int_id)
         self.requests[request.lora_int_id] = request
 
     def forget(self, live_ids: set[int]) -> None:
@@ -78,12 +74,15 @@ class LoRAManager:
         the base model and the engine fails their requests alone)."""
         self._step += 1
         ids = [int(i) for i in np.unique(row_ids) if i != NO_LORA]
+        loading = [lora_id for lora_id in ids if lora_id not in self.slot_of]  # (alike on every rank)
         failed: dict[int, str] = {}
         for lora_id in ids:
             try:
                 self._make_resident(lora_id, ids)
-            except (LoRAAdapterError, OSError, RuntimeError) as exc:
+            except (LoRAAdapterError, OSError, RuntimeError, MemoryError) as exc:
                 failed[lora_id] = str(exc)
+        if loading and self.tp is not None:
+            self._agree(loading, failed)
         if len(failed) == len(ids):
             return None, failed
         slot_of = [self.slot_of.get(int(i), -1) if int(i) not in failed else -1 for i in row_ids]
@@ -97,6 +96,25 @@ class LoRAManager:
             where: Rows = slice(int(rows[0]), int(rows[-1]) + 1) if contiguous else torch.from_numpy(rows).to(self.device)
             groups.append((int(slot), where))
         return (LoRAStep(self.slots, groups) if groups else None), failed
+
+    def _agree(self, loading: list[int], failed: dict[int, str]) -> None:
+        """Tensor-parallel ranks agree on which of the adapters this step loaded failed: one that
+        failed on any rank fails on all (a rank's share alone would sum to garbage)."""
+        assert self.tp is not None
+        flags = torch.tensor([float(lora_id in failed) for lora_id in loading], dtype=torch.float32)
+        self.tp.all_reduce_(flags)
+        for lora_id, flag in zip(loading, flags.tolist()):
+            if flag and lora_id not in failed:
+                failed[lora_id] = "it could not be loaded on another tensor-parallel rank (that rank's log says why)"
+                self._evict(lora_id)
+
+    def _evict(self, lora_id: int) -> None:
+        """Take ``lora_id`` out of its slot (and host memory)."""
+        slot = self.slot_of.pop(lora_id, None)
+        if slot is not None:
+            self.slots.clear(slot)
+            self.in_slot[slot] = NO_LORA
+        self.loaded.pop(lora_id, None)
 
     def _make_resident(self, lora_id: int, step_ids: list[int]) -> None:
         """``lora_id``'s adapter in a slot (loaded from its files first where it is not in host memory)."""
@@ -112,7 +130,8 @@ class LoRAManager:
             old = self.in_slot[slot]
             if old != NO_LORA:
                 del self.slot_of[old]
-            self.slots.load(slot, adapter)
+                self.in_slot[slot] = NO_LORA
+            self.slots.load(slot, adapter)  # (a load that fails leaves the slot empty, and free)
             self.in_slot[slot], self.slot_of[lora_id] = lora_id, slot
         self.last_used[slot] = self._step
         if lora_id in self.loaded:

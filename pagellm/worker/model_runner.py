@@ -140,6 +140,7 @@ class ModelRunner:
         ids = self.batch.lora_id[self.batch.rows([item.seq_id for item in scheduled])]
         query_lens = np.fromiter((item.num_tokens for item in scheduled), np.int64, len(scheduled))
         lora, failed = self.lora.step(ids, query_lens)
+        output.failed_adapters = sorted(failed)
         if failed:
             for item, lora_id in zip(scheduled, ids.tolist()):
                 if lora_id in failed:

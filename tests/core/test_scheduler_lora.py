@@ -1,6 +1,8 @@
 """LoRA adapters in the scheduler: the running sequences never use more adapters than the
-worker has slots; a request whose adapter finds none waits (those behind it go on), and runs
-once a slot is free; the worker's batch learns each sequence's adapter (forks inherit it)."""
+worker has slots; a request whose adapter finds none waits (the base model's requests behind it
+go on, other adapters' wait behind it: none starves), and runs once a slot is free; priority
+preemption frees a slot only where it can; the worker's batch learns each sequence's adapter
+(forks inherit it)."""
 
 from __future__ import annotations
 
@@ -29,16 +31,16 @@ def _running_adapters(s: Scheduler) -> set[int]:
     return {seq.lora_id for seq in s.running} - {0}
 
 
-def test_an_adapter_without_a_slot_waits_and_those_behind_it_go_on():
+def test_an_adapter_without_a_slot_waits_and_the_base_models_requests_go_on():
     s = _scheduler(max_loras=1)
     s.add_sequence(_request("a", 1))
     s.add_sequence(_request("b", 2))  # no slot left for adapter 2 while adapter 1 runs
-    s.add_sequence(_request("c", 1))
+    s.add_sequence(_request("c", 1))  # behind b: it waits, or adapter 1's slot might never free
     s.add_sequence(_request("d", None))  # the base model takes no slot
     step = schedule(s)
-    assert [r.seq_id for r in step.scheduled] == ["a", "c", "d"]
-    assert [seq.seq_id for seq in s.waiting] == ["b"]
-    assert s.mirror.batch.lora_id[s.mirror.batch.rows(["a", "c", "d"])].tolist() == [1, 1, 0]
+    assert [r.seq_id for r in step.scheduled] == ["a", "d"]
+    assert [seq.seq_id for seq in s.waiting] == ["b", "c"]
+    assert s.mirror.batch.lora_id[s.mirror.batch.rows(["a", "d"])].tolist() == [1, 0]
     seen_adapters = [_running_adapters(s)]
     for _ in range(6):
         step = schedule(s)
@@ -46,13 +48,15 @@ def test_an_adapter_without_a_slot_waits_and_those_behind_it_go_on():
         seen_adapters.append(_running_adapters(s))
     assert all(len(adapters) <= 1 for adapters in seen_adapters)
     assert {2} in seen_adapters and not s.has_unfinished_sequences()
+    assert seen_adapters.index({2}) < len(seen_adapters) - 1 - seen_adapters[::-1].index({1})  # b ran before c
 
 
 def test_two_slots_run_two_adapters_together_and_samples_inherit_theirs():
     s = _scheduler(max_loras=2)
-    for seq_id, lora in (("a", 1), ("b", 2), ("c", 3)):
+    for seq_id, lora in (("a", 1), ("b", 2)):
         s.add_sequence(_request(seq_id, lora))
     s.add_sequence(_request("n", 2, n=2), [_request("n#1", 2)])
+    s.add_sequence(_request("c", 3))
     step = schedule(s)
     assert [r.seq_id for r in step.scheduled] == ["a", "b", "n"] and _running_adapters(s) == {1, 2}
     update(s, step)  # n's prompt is done: its second sample is born on the worker from its row
@@ -67,3 +71,17 @@ def test_a_better_priority_preempts_for_an_adapter_slot():
     step = schedule(s)
     assert [r.seq_id for r in step.scheduled] == ["high"] and _running_adapters(s) == {2}
     assert [seq.seq_id for seq in s.waiting] == ["low"]
+
+
+def test_priority_preempts_only_where_a_slot_frees():
+    """The head's adapter finds no slot, and the adapter holding it has an older, better-ranked
+    sequence: preempting its younger ones (or the base model's) would free nothing."""
+    s = _scheduler(max_loras=1, policy="priority")
+    s.add_sequence(_request("keeper", 1, max_tokens=8, priority=0))
+    s.add_sequence(_request("young", 1, max_tokens=8, priority=9))
+    s.add_sequence(_request("base", None, max_tokens=8, priority=9))
+    update(s, schedule(s))
+    s.add_sequence(_request("head", 2, priority=5))
+    for _ in range(3):
+        update(s, schedule(s))
+    assert s.stats.num_preemptions == 0 and [seq.seq_id for seq in s.waiting] == ["head"]

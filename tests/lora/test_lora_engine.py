@@ -123,3 +123,39 @@ def test_a_gguf_lora_file_equals_its_peft_folder(tiny_llama_path, references, lo
     loras = {"all": LoRARequest("all-gguf", 11, gguf), "qv": LoRARequest("qv", 12, lora_adapters["qv"])}
     got = _run(llm, ["all", "qv"], loras)
     assert _tokens(got["all"]) == references["all"] and _tokens(got["qv"]) == references["qv"]
+
+
+def test_an_adapter_the_worker_cannot_load_fails_its_requests_alone_and_is_retired(tiny_llama_path, references,
+                                                                                   lora_adapters, tmp_path):
+    """Checked by the engine, then gone before the worker reads it again (evicted from its one
+    slot and from host memory meanwhile): its request fails, the others in the step go on, and
+    its id is refused from then on (blocks cached under its key were computed without it)."""
+    import shutil
+
+    copy = shutil.copytree(lora_adapters["qv"], tmp_path / "qv-copy")
+    llm = LLM(tiny_llama_path, dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8,
+              num_kv_blocks=64)  # fmt: skip
+    doomed, other = LoRARequest("doomed", 21, str(copy)), LoRARequest("all", 22, lora_adapters["all"])
+    prompt = [{"prompt_token_ids": PROMPTS[1]}]
+    assert _tokens(llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=doomed)) == [references["qv"][1]]
+    llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=other)  # evicts "doomed" from the slot and from memory
+    shutil.rmtree(copy)
+    outputs = llm.generate(prompt * 2, GREEDY, use_tqdm=False, lora_request=[doomed, None])
+    assert outputs[0].error is not None and outputs[1].error is None
+    assert _tokens(outputs[1:]) == [references[None][1]]
+    with pytest.raises(ValueError, match="failed to load in the worker and is retired"):
+        llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=doomed)
+    assert _tokens(llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=other)) == [references["all"][1]]
+
+
+def test_a_tenant_salt_never_spells_an_adapters_prefix_key():
+    from pagellm.core.sequence import Sequence
+
+    lora = LoRARequest("sql", 1, "/adapters/sql")
+
+    def key(salt, adapter):
+        return Sequence("s", [1], GREEDY, max_tokens=1, cache_salt=salt, lora=adapter).prefix_key
+
+    keys = [key(None, lora), key("t", lora), key(None, None)]
+    assert key(keys[0], None) not in keys and key(keys[1], None) not in keys and keys[2] is None
+    assert key("t\x00" + lora.cache_key, None) != keys[1]

@@ -120,6 +120,6 @@ def test_lora_module_entries_and_server_settings_are_checked():
     with pytest.raises(ValueError, match="need --enable-lora"):
         ServerSettings(served_model_names=["m"], lora_modules=[LoRAModule("x", "/p")])
     served = ServedModels(["m"])  # LoRA off: adapters are refused, the base name resolves
-    assert served.resolve(None) == "m" and served.lora("m") is None
+    assert served.resolve(None) == ("m", None) and served.resolve("m") == ("m", None)
     with pytest.raises(openai_errors.BadRequestError, match="LoRA adapters are off"):
         served.add("x", "/p")

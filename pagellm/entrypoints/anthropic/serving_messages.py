@@ -85,12 +85,12 @@ class AnthropicServingMessages:
     async def create_message(self, request: MessagesRequest, raw_request: Request) -> Response:
         chat = self.chat
         chat.check_alive()
-        model = chat.resolve_model(request.model)
+        model, lora = chat.resolve(request.model)
         chat_request = await asyncio.to_thread(to_chat_request, request, model)
         tools, params, prompt = await asyncio.to_thread(chat.prepare, chat_request)
         message_id = new_message_id()
         tracker = ChoiceTracker(n=1, prompt_tokens=len(prompt.prompt_token_ids))
-        merged = merge_async_iterators(chat.generators([prompt], params, message_id, model=model))
+        merged = merge_async_iterators(chat.generators([prompt], params, message_id, lora=lora))
         if request.stream:
             answer = AnswerStream(chat.reasoning_parser, tools.parser)
             stream = _Stream(message_id, model, tracker, answer, shows_thinking(request))

@@ -202,7 +202,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_alive()
-        model = self.resolve_model(request.model)
+        model, lora = self.resolve(request.model)
         # Checking options, compiling a constraint, rendering and tokenizing take a while for big
         # requests: all of it off the event loop, so that every other route keeps answering.
         tools, params, prompt = await asyncio.to_thread(self.prepare, request)
@@ -210,7 +210,7 @@ class OpenAIServingChat(OpenAIServing):
 
         tracker = ChoiceTracker(n=request.n, prompt_tokens=len(prompt.prompt_token_ids))
         merged = merge_async_iterators(self.generators([prompt], params, ctx.request_id, priority=request.priority,
-                                                       model=model))  # fmt: skip
+                                                       lora=lora))  # fmt: skip
         if request.stream:
             return StreamingResponse(guard_sse(self._stream(ctx, merged, tracker)), media_type="text/event-stream")
         items = await collect_answer(merged, raw_request)

@@ -113,7 +113,7 @@ class _Context:
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         self.check_alive()
-        model = self.resolve_model(request.model)
+        model, lora = self.resolve(request.model)
         # Checking options, compiling a constraint and tokenizing take a while for big requests:
         # all of it off the event loop, so that every other route keeps answering.
         params, prompts = await asyncio.to_thread(self._prepare, request)
@@ -131,7 +131,7 @@ class OpenAIServingCompletion(OpenAIServing):
         tracker = ChoiceTracker(n=request.n, prompt_tokens=sum(len(p.prompt_token_ids) for p in prompts))
         # best_of > n: the winners are known only at the end, so ask the engine for whole outputs.
         deltas = not isinstance(params, SamplingParams) or params.best_of is None or params.best_of <= params.n
-        merged = merge_async_iterators(self.generators(prompts, params, ctx.request_id, deltas, request.priority, model))
+        merged = merge_async_iterators(self.generators(prompts, params, ctx.request_id, deltas, request.priority, lora))
         if request.stream:
             return StreamingResponse(guard_sse(self._stream(ctx, merged, tracker)), media_type="text/event-stream")
         items = await collect_answer(merged, raw_request)

@@ -39,6 +39,7 @@ from pagellm.entrypoints.openai.errors import (
 from pagellm.entrypoints.openai.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from pagellm.entrypoints.openai.protocol import SamplingRequest, UsageInfo
 from pagellm.entrypoints.openai.serving_models import ServedModels
+from pagellm.lora_request import LoRARequest
 from pagellm.entrypoints.openai.structured_outputs import constraint_error, structured_outputs_of
 from pagellm.outputs import PositionLogprobs, RequestOutput
 from pagellm.pooling_params import PoolingParams
@@ -350,6 +351,10 @@ class OpenAIServing:
     def resolve_model(self, requested: str | None) -> str:
         """The model name to answer with (a base model's or a LoRA adapter's); 404 for a name
         this server does not serve."""
+        return self.models.resolve(requested)[0]
+
+    def resolve(self, requested: str | None) -> tuple[str, LoRARequest | None]:
+        """The model name to answer with and the LoRA adapter a generation runs with."""
         return self.models.resolve(requested)
 
     def check_alive(self) -> None:
@@ -473,10 +478,10 @@ class OpenAIServing:
         request_id: str,
         deltas: bool = True,
         priority: int = 0,
-        model: str | None = None,
+        lora: LoRARequest | None = None,
     ) -> list[RequestStream]:
         """One engine stream per prompt (ids ``{request_id}`` or ``{request_id}-{i}``), all submitted now;
-        ``model``: the resolved name asked for (a LoRA adapter's runs the request with it).
+        ``lora``: the adapter they run with (``resolve``'s).
 
         ``deltas=False`` asks the engine for one whole output per prompt (what best_of needs).
         An overloaded or dead engine answers 503 here, before any response starts; the prompts
@@ -486,7 +491,6 @@ class OpenAIServing:
             self.engine.input_processor.check_priority(priority)
         except ValueError as exc:
             raise bad_request_from(exc) from exc
-        lora = self.models.lora(model)
         if len(prompts) == 1:
             ids = [request_id]
         else:

@@ -61,17 +61,18 @@ class ServedModels:
     def names(self) -> list[str]:
         return [*self.base_names, *self.adapters]
 
-    def resolve(self, requested: str | None) -> str:
-        """The model name to answer with; 404 for a name this server does not serve."""
+    def resolve(self, requested: str | None) -> tuple[str, LoRARequest | None]:
+        """The model name to answer with and the adapter the request runs with (None: the base
+        model), looked up once (an unload meanwhile does not change what a request runs); 404
+        for a name this server does not serve."""
         if requested is None:
-            return self.base_names[0]
-        if requested not in self.base_names and requested not in self.adapters:
+            return self.base_names[0], None
+        if requested in self.base_names:
+            return requested, None
+        lora = self.adapters.get(requested)
+        if lora is None:
             raise NotFoundError(f"The model `{requested}` does not exist.", param="model", code="model_not_found")
-        return requested
-
-    def lora(self, name: str | None) -> LoRARequest | None:
-        """The adapter a request for ``name`` runs with (None: the base model)."""
-        return None if name is None else self.adapters.get(name)
+        return requested, lora
 
     def cards(self, max_model_len: int) -> list[ModelCard]:
         """``/v1/models``: the base model's names, then each adapter with its base as parent

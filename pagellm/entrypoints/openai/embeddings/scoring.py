@@ -32,7 +32,7 @@ class OpenAIServingScores:
 
     async def score(self, request: ScoreRequest, raw_request: Request) -> Response:
         self.embedding.check_alive()
-        model = self.embedding.resolve_model(request.model)
+        model, lora = self.embedding.resolve(request.model)
         firsts = [request.text_1] if isinstance(request.text_1, str) else request.text_1
         seconds = [request.text_2] if isinstance(request.text_2, str) else request.text_2
         if not firsts or not seconds:
@@ -42,7 +42,7 @@ class OpenAIServingScores:
                                   "or as many as text_2", param="text_1")  # fmt: skip
         request_id = new_request_id("score")
         options = EmbedOptions(truncate_prompt_tokens=request.truncate_prompt_tokens, priority=request.priority,
-                               model=model)  # fmt: skip
+                               lora=lora)  # fmt: skip
         scores = await self._similarities(request_id, firsts, seconds, options, raw_request)
         if scores is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -53,12 +53,12 @@ class OpenAIServingScores:
 
     async def rerank(self, request: RerankRequest, raw_request: Request) -> Response:
         self.embedding.check_alive()
-        model = self.embedding.resolve_model(request.model)
+        model, lora = self.embedding.resolve(request.model)
         if not request.documents:
             raise BadRequestError("documents must not be empty", param="documents")
         request_id = new_request_id("rerank")
         options = EmbedOptions(truncate_prompt_tokens=request.truncate_prompt_tokens, priority=request.priority,
-                               model=model)  # fmt: skip
+                               lora=lora)  # fmt: skip
         scores = await self._similarities(request_id, [request.query], request.documents, options, raw_request)
         if scores is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)

@@ -24,6 +24,7 @@ from pagellm.entrypoints.openai.serving_engine import (
     new_request_id,
     prompt_entries,
 )
+from pagellm.lora_request import LoRARequest
 from pagellm.pooling_params import PoolingParams
 
 
@@ -36,7 +37,7 @@ class EmbedOptions:
     truncate_prompt_tokens: int | None = None  # keep each input's last N tokens
     add_special_tokens: bool = True
     priority: int = 0
-    model: str | None = None  # the resolved name asked for (a LoRA adapter's pools with it)
+    lora: LoRARequest | None = None  # the adapter whose hidden states are pooled (None: the base model's)
 
 
 @dataclass
@@ -50,9 +51,9 @@ class Embedded:
 class OpenAIServingEmbedding(OpenAIServing):
     async def create_embedding(self, request: EmbeddingRequest, raw_request: Request) -> Response:
         self.check_alive()
-        model = self.resolve_model(request.model)
+        model, lora = self.resolve(request.model)
         options = EmbedOptions(request.dimensions, request.normalize, request.truncate_prompt_tokens,
-                               request.add_special_tokens, request.priority, model)  # fmt: skip
+                               request.add_special_tokens, request.priority, lora)  # fmt: skip
         request_id = new_request_id("embd")
         embedded = await self.embed(request_id, request.input, "input", options, raw_request)
         if embedded is None:
@@ -69,7 +70,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         client left first. Tokenizing many inputs takes a while: off the event loop."""
         params, prompts = await asyncio.to_thread(self._prepare, inputs, param, options)
         streams = self.generators(prompts, params, request_id, deltas=False, priority=options.priority,
-                                  model=options.model)  # fmt: skip
+                                  lora=options.lora)  # fmt: skip
         items = await collect_answer(merge_async_iterators(streams), raw_request)
         if items is None:
             return None

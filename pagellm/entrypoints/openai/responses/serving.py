@@ -97,7 +97,7 @@ class OpenAIServingResponses:
     async def create(self, request: ResponsesRequest, raw_request: Request) -> Response:
         chat = self.chat
         chat.check_alive()
-        model = chat.resolve_model(request.model)
+        model, lora = chat.resolve(request.model)
         previous: list[dict[str, Any]] = []
         if request.previous_response_id is not None:
             stored = self.store.get(request.previous_response_id)
@@ -114,7 +114,7 @@ class OpenAIServingResponses:
         response = _in_progress(request, new_id("resp"), model)
         tracker = ChoiceTracker(n=1, prompt_tokens=len(prompt.prompt_token_ids))
         merged = merge_async_iterators(chat.generators([prompt], params, response.id, priority=request.priority,
-                                                       model=model))  # fmt: skip
+                                                       lora=lora))  # fmt: skip
         if request.stream:
             stream = _Stream(response, tracker, self, conversation, AnswerStream(chat.reasoning_parser, tools.parser))
             return StreamingResponse(guard_sse(stream.events(merged), stream.error_event, done=None),
