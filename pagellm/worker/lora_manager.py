@@ -22,6 +22,7 @@ from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.layer_spec import layer_specs
 from pagellm.model.lora import LoRASlots, LoRAStep, Rows
 from pagellm.distributed.tensor_parallel import TensorParallel
+from pagellm.kernels.library import KernelLibrary
 from pagellm.model.lora_adapter import LoRAAdapter, LoRAAdapterError, rank_share, read_adapter
 
 logger = logging.getLogger(__name__)
@@ -35,26 +36,28 @@ class LoRAManager:
 
     def __init__(
         self, config: LoRAConfig, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
-        tp: TensorParallel | None = None,
+        tp: TensorParallel | None = None, kernels: KernelLibrary | None = None,
     ) -> None:
         """``arch``: the whole model (adapters are checked against it); ``tp``: this rank's share
-        of each layer, and of each adapter."""
+        of each layer, and of each adapter; ``kernels``: the CPU kernel library (None: torch)."""
         self.config = config
         self.arch = arch
         self.device = device
         self.tp = tp
         specs = layer_specs(arch.shard(tp.size) if tp is not None else arch)
-        # (float32 on CPU: an adapter's small products run several times faster than in bf16)
-        slot_dtype = torch.float32 if device.type == "cpu" else dtype
-        self.slots = LoRASlots(specs, config.max_loras, config.max_lora_rank, slot_dtype, device)
+        # On CPU pagellm's AVX2 GEMM runs the products (``kernels``), else torch in float32 (its
+        # bf16 products of these small shapes are several times slower).
+        if kernels is None and device.type == "cpu":
+            dtype = torch.float32
+        self.slots = LoRASlots(specs, config.max_loras, config.max_lora_rank, dtype, device, kernels)
         self.requests: dict[int, LoRARequest] = {}  # adapter id -> where it is (every id a row may name)
         self.loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()  # host memory, least recently used first
         self.slot_of: dict[int, int] = {}  # adapter id -> slot
         self.in_slot: list[int] = [NO_LORA] * config.max_loras
         self.last_used = [0] * config.max_loras  # the step each slot last served
         self._step = 0
-        logger.info("LoRA: %d slots of rank %d (%.1f MiB)", config.max_loras, config.max_lora_rank,
-                    self.slots.num_bytes() / 2**20)  # fmt: skip
+        logger.info("LoRA: %d slots of rank %d (%.1f MiB), products on %s", config.max_loras, config.max_lora_rank,
+                    self.slots.num_bytes() / 2**20, "pagellm's AVX2 GEMM" if kernels is not None else "torch")  # fmt: skip
 
     def register(self, request: LoRARequest) -> None:
         """An adapter rows will name by its id (a new sequence's); a changed path reloads it."""

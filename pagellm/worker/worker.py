@@ -199,8 +199,10 @@ class Worker:
         if draft_config is not None and draft_plan is not None:
             draft = self._load_draft(draft_config, draft_plan)
         # The adapters' slots, allocated before the KV pool is sized from the memory left.
-        lora = None if config.lora is None else LoRAManager(config.lora, self.arch, self.dtype, self.device,
-                                                            parallel.tp if parallel is not None else None)  # fmt: skip
+        lora = None if config.lora is None else LoRAManager(
+            config.lora, self.arch, self.dtype, self.device, parallel.tp if parallel is not None else None,
+            self.kernel_plan.kernels if self.device.type == "cpu" else None,
+        )
         # The ids that end a sequence (min_tokens masks them while sampling): the model's and the tokenizer's.
         extra = () if tokenizer_eos_token_id is None else (tokenizer_eos_token_id,)
         self.eos_token_ids = frozenset((*self.arch.eos_token_ids, *extra))

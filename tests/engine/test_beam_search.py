@@ -3,34 +3,14 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pagellm import LLM, BeamSearchParams
-from tests.helpers.hf_reference import load_hf_gguf_reference, load_hf_model
+from tests.helpers.hf_reference import hf_beam_search, load_hf_gguf_reference, load_hf_model
 
 # Prompts whose greedy steps on the tiny model have clear margins (top two logprobs >= 6e-3
 # apart): "The best thing about" had two tokens 5e-7 apart at its second step, which any change
 # in float32 summation order (batch composition, another attention path) may swap.
 PROMPTS = ["The best part of", "Once upon a time, in a land far", "1, 2, 3,"]
-
-
-@torch.inference_mode()
-def hf_beam_search(model, prompt_ids, width, max_tokens, length_penalty, eos_id):
-    out = model.generate(
-        torch.tensor([prompt_ids]),
-        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-        num_beams=width,
-        do_sample=False,
-        length_penalty=length_penalty,
-        early_stopping=True,
-        max_new_tokens=max_tokens,
-        eos_token_id=eos_id,
-        pad_token_id=eos_id,
-    )
-    generated = out[0, len(prompt_ids):].tolist()
-    if eos_id in generated:  # HF pads after EOS with the pad (= eos) id
-        generated = generated[: generated.index(eos_id) + 1]
-    return generated
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,26 @@ def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int
     return tokens
 
 
+@torch.inference_mode()
+def hf_beam_search(model, prompt_ids, width, max_tokens, length_penalty, eos_id):
+    """Hugging Face's beam search (``generate(num_beams=...)``): the best beam's new tokens."""
+    out = model.generate(
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        num_beams=width,
+        do_sample=False,
+        length_penalty=length_penalty,
+        early_stopping=True,
+        max_new_tokens=max_tokens,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+    )
+    generated = out[0, len(prompt_ids):].tolist()
+    if eos_id in generated:  # HF pads after EOS with the pad (= eos) id
+        generated = generated[: generated.index(eos_id) + 1]
+    return generated
+
+
 def load_hf_model(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 

@@ -99,17 +99,24 @@ def test_what_cannot_be_applied_is_refused_by_name(tmp_path, arch, case, match):
         inspect_adapter(path, arch, max_rank=8)
 
 
-def test_low_rank_products_equal_a_dense_reference(tmp_path, arch):
+@pytest.mark.parametrize("path", ["torch", "kernel-f32", "kernel-bf16"])
+def test_low_rank_products_equal_a_dense_reference(tmp_path, arch, cpu_plan, path):
     """Two adapters in two slots over 7 rows: a contiguous run (a view) and gathered rows (an
-    index); rows of neither unchanged. q/k/v parts land in their own columns of the fused output."""
+    index); rows of neither unchanged. q/k/v parts land in their own columns of the fused output.
+    Through torch, and through pagellm's AVX2 GEMM on packed weights (float32 and bf16 models)."""
     torch.manual_seed(0)
+    dtype = torch.bfloat16 if path == "kernel-bf16" else torch.float32
+    kernels = None if path == "torch" else cpu_plan(dtype).kernels
+    if path != "torch" and kernels is None:
+        pytest.skip("pagellm's CPU kernels are not built here")
     one = _write(tmp_path / "one", {**_pair(0, "q_proj", 4, 64, 64), **_pair(0, "v_proj", 2, 64, 32)}, r=4)
     two = _write(tmp_path / "two", _pair(0, "k_proj", 3, 64, 32), r=3, lora_alpha=6)
-    slots = LoRASlots(layer_specs(arch), max_loras=2, max_rank=4, dtype=torch.float32, device=torch.device("cpu"))
+    slots = LoRASlots(layer_specs(arch), max_loras=2, max_rank=4, dtype=dtype, device=torch.device("cpu"),
+                      kernels=kernels)  # fmt: skip
     adapters = [read_adapter(one, arch, 4), read_adapter(two, arch, 4)]
     for slot, adapter in enumerate(adapters):
         slots.load(slot, adapter)
-    x, base = torch.randn(7, 64), torch.randn(7, 128)  # qkv: q 0..64, k 64..96, v 96..128
+    x, base = torch.randn(7, 64).to(dtype), torch.randn(7, 128).to(dtype)  # qkv: q 0..64, k 64..96, v 96..128
     out = base.clone()
     step = LoRAStep(slots, [(0, slice(1, 4)), (1, torch.tensor([0, 5]))])
     step.add_(out, x, 0, "qkv_proj")
@@ -117,8 +124,10 @@ def test_low_rank_products_equal_a_dense_reference(tmp_path, arch):
     columns = {"q_proj": slice(0, 64), "k_proj": slice(64, 96), "v_proj": slice(96, 128)}
     for rows, adapter in ((torch.tensor([1, 2, 3]), adapters[0]), (torch.tensor([0, 5]), adapters[1])):
         for (layer, target), (a, b) in adapter.weights.items():
-            expected[rows, columns[target]] += x[rows] @ a.T @ b.T
-    torch.testing.assert_close(out, expected)
+            expected[rows, columns[target]] += (x[rows].float() @ a.T @ b.T).to(dtype)
+    # (bf16: the products' inputs and their shrunk rows rounded to bf16, values up to ~100 here)
+    tolerance = dict(atol=0.01 * float(expected.abs().max()), rtol=0.02) if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(out, expected, **tolerance)
     assert torch.equal(out[[4, 6]], base[[4, 6]])
     slots.clear(0)
     out = base.clone()

@@ -159,3 +159,18 @@ def test_a_tenant_salt_never_spells_an_adapters_prefix_key():
     keys = [key(None, lora), key("t", lora), key(None, None)]
     assert key(keys[0], None) not in keys and key(keys[1], None) not in keys and keys[2] is None
     assert key("t\x00" + lora.cache_key, None) != keys[1]
+
+
+def test_beam_search_with_an_adapter_equals_peft(tiny_llama_path, lora_adapters, requests):
+    """Every beam forked from the first runs with its adapter: the best beam is PEFT's over
+    transformers' ``generate(num_beams=3)``."""
+    from pagellm import BeamSearchParams
+    from tests.helpers.hf_reference import hf_beam_search
+    from tests.helpers.lora_adapters import peft_model
+
+    llm = LLM(tiny_llama_path, dtype="float32", enable_lora=True, max_lora_rank=8, num_kv_blocks=64)
+    eos = llm.get_tokenizer().eos_token_id
+    expected = hf_beam_search(peft_model(tiny_llama_path, lora_adapters["qv"]), PROMPTS[1], 3, 6, 1.0, eos)
+    params = BeamSearchParams(beam_width=3, max_tokens=6)
+    out = llm.beam_search([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False, lora_request=requests["qv"])
+    assert out[0].sequences[0].tokens == PROMPTS[1] + expected
