@@ -16,7 +16,7 @@ had reached once admitted.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -270,6 +270,12 @@ class Scheduler:
             adapters.add(seq.lora_id)
         self.waiting.extendleft(reversed(skipped))
         return budget
+
+    def adapter_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """The sequences running and waiting with each LoRA adapter, by its name (metrics)."""
+        running = Counter(seq.lora.lora_name for seq in self.running if seq.lora is not None)
+        waiting = Counter(seq.lora.lora_name for seq in self.waiting if seq.lora is not None)
+        return dict(running), dict(waiting)
 
     def _running_adapters(self) -> set[int]:
         """The LoRA adapters the running sequences use (0: the base model's, which takes no slot)."""

@@ -116,9 +116,9 @@ def combined_stats(replicas: Sequence[EngineStats]) -> EngineStats:
         values = [getattr(s, field.name) for s in replicas]
         if field.name == "kv_cache_usage":
             setattr(total, field.name, sum(values) / len(values))
-        elif field.name == "peak_blocks_in_use":
+        elif field.name in ("peak_blocks_in_use", "max_loras"):
             setattr(total, field.name, max(values))
-        elif field.name == "step_routes":
+        elif field.name in ("step_routes", "lora_running", "lora_waiting"):
             setattr(total, field.name, dict(sum((Counter(v) for v in values), Counter())))
         else:
             setattr(total, field.name, sum(values))

@@ -408,6 +408,9 @@ class LLMEngine:
         self.stats.peak_blocks_in_use = s.peak_blocks_in_use
         self.stats.num_running = len(self.scheduler.running)
         self.stats.num_waiting = len(self.scheduler.waiting)
+        if self.scheduler.max_loras:
+            self.stats.max_loras = self.scheduler.max_loras
+            self.stats.lora_running, self.stats.lora_waiting = self.scheduler.adapter_counts()
         self.stats.kv_cache_usage = self.kv_cache_manager.usage()
         cache_stats = self.kv_cache_manager.stats
         self.stats.prefix_cache_queries = cache_stats.queries

@@ -89,6 +89,11 @@ class EngineStats:
     spec_num_accepted_tokens: int = 0
     # Steps per route (StepRoute.describe(): fused stack or layers, linears' GEMM, attention).
     step_routes: dict[str, int] = field(default_factory=dict)
+    # LoRA (gauges): adapters the engine holds at once (0: LoRA off), and the sequences running
+    # and waiting with each adapter, by name.
+    max_loras: int = 0
+    lora_running: dict[str, int] = field(default_factory=dict)
+    lora_waiting: dict[str, int] = field(default_factory=dict)
 
 
 class EngineClient(Protocol):

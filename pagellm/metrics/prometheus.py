@@ -8,6 +8,7 @@ instance owns its registry, so several servers (or tests) in one process never c
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
@@ -41,6 +42,9 @@ class EngineStatsView(Protocol):
     spec_num_drafts: int
     spec_num_draft_tokens: int
     spec_num_accepted_tokens: int
+    max_loras: int
+    lora_running: dict[str, int]
+    lora_waiting: dict[str, int]
 
 
 class _EngineStatsCollector(Collector):
@@ -68,6 +72,22 @@ class _EngineStatsCollector(Collector):
             for label_values, values in rows:
                 family.add_metric(label_values, float(values[index][3]))
             yield family
+        if any(stats.max_loras for _, stats in series):
+            yield self._lora_info(labels, series)
+
+    @staticmethod
+    def _lora_info(labels: list[str], series: list[tuple[list[str], EngineStatsView]]) -> Metric:
+        """vLLM's ``lora_requests_info``: the adapters running and waiting (names, comma-joined)
+        and the slots, as labels; its value the time it was read."""
+        family = GaugeMetricFamily(
+            "pagellm:lora_requests_info", "LoRA adapters of the running and waiting requests (value: when read).",
+            labels=[*labels, "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        now = time.time()
+        for label_values, stats in series:
+            running, waiting = (",".join(sorted(names)) for names in (stats.lora_running, stats.lora_waiting))
+            family.add_metric([*label_values, str(stats.max_loras), running, waiting], now)
+        return family
 
     @staticmethod
     def _families(s: EngineStatsView) -> list[tuple[str, str, str, float]]:

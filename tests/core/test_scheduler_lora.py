@@ -41,6 +41,7 @@ def test_an_adapter_without_a_slot_waits_and_the_base_models_requests_go_on():
     assert [r.seq_id for r in step.scheduled] == ["a", "d"]
     assert [seq.seq_id for seq in s.waiting] == ["b", "c"]
     assert s.mirror.batch.lora_id[s.mirror.batch.rows(["a", "d"])].tolist() == [1, 0]
+    assert s.adapter_counts() == ({"ft1": 1}, {"ft2": 1, "ft1": 1})  # (what /metrics reports)
     seen_adapters = [_running_adapters(s)]
     for _ in range(6):
         step = schedule(s)

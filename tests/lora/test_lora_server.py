@@ -123,3 +123,19 @@ def test_lora_module_entries_and_server_settings_are_checked():
     assert served.resolve(None) == ("m", None) and served.resolve("m") == ("m", None)
     with pytest.raises(openai_errors.BadRequestError, match="LoRA adapters are off"):
         served.add("x", "/p")
+
+
+def test_metrics_name_the_running_and_waiting_adapters():
+    """vLLM's ``lora_requests_info``: only where LoRA is on; per replica under data parallelism."""
+    from pagellm.engine.data_parallel import combined_stats
+    from pagellm.engine.protocol import EngineStats
+    from pagellm.metrics.prometheus import PrometheusMetrics
+
+    one = EngineStats(max_loras=2, lora_running={"b": 1, "a": 2}, lora_waiting={"c": 1})
+    text = PrometheusMetrics("m", stats=lambda: one).render()[0].decode()
+    line = next(line for line in text.splitlines() if line.startswith("pagellm:lora_requests_info{"))
+    assert 'max_lora="2"' in line and 'running_lora_adapters="a,b"' in line and 'waiting_lora_adapters="c"' in line
+    assert "lora_requests_info{" not in PrometheusMetrics("m", stats=EngineStats).render()[0].decode()
+    two = EngineStats(max_loras=2, lora_running={"a": 1, "d": 1})
+    total = combined_stats([one, two])
+    assert total.lora_running == {"a": 3, "b": 1, "d": 1} and total.max_loras == 2
