@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from pagellm.kernels.library import KernelLibrary
 from pagellm.kernels.packing import avx2_packed_shape, pack_avx2_weight
 from pagellm.model.layer_spec import LayerSpec
-from pagellm.model.lora_adapter import LoRAAdapter, target_shape
+from pagellm.model.lora_adapter import ATTENTION_TARGETS, LoRAAdapter, target_shape
 
 # Each fused linear of a layer, and the adapter targets that are its parts (in row order).
 FUSED_TARGETS: dict[str, tuple[str, ...]] = {
@@ -40,6 +40,7 @@ class _Linear:
 
     features_in: int
     features_out: int
+    width: int  # parts * rank: A's rows, B's columns
     rows: list[slice]  # each part's output rows
     a_of: list[torch.Tensor]
     b_of: list[torch.Tensor]
@@ -61,7 +62,8 @@ class LoRASlots:
         self.linears: dict[tuple[int, str], _Linear] = {}
         for spec in specs:
             for fused, targets in FUSED_TARGETS.items():
-                if (fused in ("qkv_proj", "o_proj") and spec.recurrent) or (fused not in ("qkv_proj", "o_proj") and spec.moe):
+                # (attention's linears where the layer has attention, the MLP's where it is dense)
+                if spec.recurrent if targets[0] in ATTENTION_TARGETS else spec.moe:
                     continue
                 shapes = [target_shape(spec, t) for t in targets]
                 features_in, width = shapes[0][0], len(targets) * max_rank
@@ -69,8 +71,8 @@ class LoRASlots:
                 starts = [sum(out for _, out in shapes[:i]) for i in range(len(shapes) + 1)]
                 a = [self._buffer(width, features_in, device) for _ in range(max_loras)]
                 b = [self._buffer(features_out, width, device) for _ in range(max_loras)]
-                self.linears[(spec.index, fused)] = _Linear(features_in, features_out,
-                                                            [slice(s, e) for s, e in zip(starts, starts[1:])], a, b)  # fmt: skip
+                rows = [slice(s, e) for s, e in zip(starts, starts[1:])]
+                self.linears[(spec.index, fused)] = _Linear(features_in, features_out, width, rows, a, b)
         # Per slot, the fused linears its adapter adds to (the others' buffers stay zero).
         self.targets: list[frozenset[tuple[int, str]]] = [frozenset()] * max_loras
 
@@ -96,9 +98,9 @@ class LoRASlots:
         for (layer, target), (a, b) in adapter.weights.items():
             fused = _FUSED_OF[target]
             linear = self.linears[(layer, fused)]
-            width = len(FUSED_TARGETS[fused]) * self.max_rank
             if (layer, fused) not in whole:
-                whole[(layer, fused)] = (torch.zeros(width, linear.features_in), torch.zeros(linear.features_out, width))
+                whole[(layer, fused)] = (torch.zeros(linear.width, linear.features_in),
+                                         torch.zeros(linear.features_out, linear.width))  # fmt: skip
             a_whole, b_whole = whole[(layer, fused)]
             part = FUSED_TARGETS[fused].index(target)
             r, first = a.shape[0], part * self.max_rank
@@ -137,13 +139,13 @@ class LoRAStep:
         linear = slots.linears.get(key)
         if linear is None:
             return
-        kernels, width = slots.kernels, len(FUSED_TARGETS[fused]) * slots.max_rank
+        kernels = slots.kernels
         for slot, rows in self.groups:
             if key not in slots.targets[slot]:
                 continue
             xr = x[rows]
             if kernels is not None:
-                shrunk = kernels.gemm_avx2(xr, linear.a_of[slot], width)
+                shrunk = kernels.gemm_avx2(xr, linear.a_of[slot], linear.width)
                 delta = kernels.gemm_avx2(shrunk, linear.b_of[slot], linear.features_out)
             else:
                 xr = xr if xr.dtype == slots.dtype else xr.to(slots.dtype)

@@ -47,14 +47,13 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRAStep | None = None, layer: int = 0) -> torch.Tensor:
         """``lora``: the step's adapters, added to gate/up and down of the rows that have one
         (this MLP being layer ``layer``'s)."""
-        if lora is None:
-            out = self.down_proj(self.act(self.gate_up_proj(x)))
-            return out if self.tp is None else self.tp.all_reduce_(out)
         gate_up = self.gate_up_proj(x)
-        lora.add_(gate_up, x, layer, "gate_up_proj")
+        if lora is not None:
+            lora.add_(gate_up, x, layer, "gate_up_proj")
         hidden = self.act(gate_up)
         out = self.down_proj(hidden)
-        lora.add_(out, hidden, layer, "down_proj")
+        if lora is not None:
+            lora.add_(out, hidden, layer, "down_proj")
         return out if self.tp is None else self.tp.all_reduce_(out)
 
     def fuse_for_cpu(self, plan: KernelPlan, verify: bool = True) -> bool:
