@@ -101,7 +101,19 @@ def test_what_lora_does_not_run_with_is_refused(tiny_llama_path, requests):
         LLM(tiny_llama_path, enable_lora=True, speculative_config={"method": "ngram"})
     with pytest.raises(ValueError, match="max_lora_rank must be an integer from 1 to 512"):
         LLM(tiny_llama_path, enable_lora=True, max_lora_rank=0)
+    for options, match in ((dict(max_loras=65), "max_loras must be an integer from 1 to 64"),
+                           (dict(max_loras=4, max_cpu_loras=2), "max_cpu_loras must be an integer from 4"),
+                           (dict(max_lora_rank=10**9), "max_lora_rank"), (dict(max_loras=True), "max_loras")):
+        with pytest.raises(ValueError, match=match):
+            LLM(tiny_llama_path, enable_lora=True, **options)
+    for fields, match in ((("", 1, "/p"), "lora_name"), (("a" * 300, 1, "/p"), "lora_name is 300"),
+                          (("a", 0, "/p"), "lora_int_id"), (("a", True, "/p"), "lora_int_id"),
+                          (("a", 2**62, "/p"), "below 2\\*\\*62"), (("a", 1, ""), "lora_path"), (("a", 1, 5), "lora_path")):
+        with pytest.raises(ValueError, match=match):
+            LoRARequest(*fields)
     plain = LLM(tiny_llama_path, dtype="float32", num_kv_blocks=16)
+    with pytest.raises(ValueError, match="must be a LoRARequest"):
+        plain.generate("hi", lora_request=["/adapters/x"], use_tqdm=False)  # type: ignore[list-item]
     with pytest.raises(ValueError, match="LoRA is off"):
         plain.generate("hi", lora_request=requests["qv"], use_tqdm=False)
     small = LLM(tiny_llama_path, dtype="float32", num_kv_blocks=16, enable_lora=True, max_lora_rank=4)

@@ -88,6 +88,12 @@ def test_adapters_load_and_unload_at_run_time(server, texts, lora_adapters, tmp_
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="mlp0", prompt="x", max_tokens=1)
     assert _post(server, "/v1/unload_lora_adapter", {"lora_name": "mlp0"}).status_code == 404
+    hostile = [{"lora_name": "x" * 100_000, "lora_path": lora_adapters["qv"]}, {"lora_name": 7, "lora_path": []},
+               {"lora_name": "deep", "lora_path": {"a": [[[[[[]]]]]]}}, {"lora_name": "n\x00", "lora_path": "\x00/etc"},
+               {"lora_name": "x", "lora_path": "p" * 100_000}, {}]  # fmt: skip
+    for body in hostile:
+        assert _post(server, "/v1/load_lora_adapter", body).status_code == 400, body
+    assert _post(server, "/v1/unload_lora_adapter", {"lora_name": ["all"]}).status_code == 400
     assert _complete(client, "all", PROMPTS[0]) == texts["all"][0]  # the server goes on
 
 
