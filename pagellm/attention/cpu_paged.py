@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagellm.kernels.library import KernelLibrary, check_block_tables, check_slots
+from pagellm.kernels.arg_checks import check_block_tables, check_slots
+from pagellm.kernels.library import KernelLibrary
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, attention_dtype, write_kv
 from pagellm.attention.torch_sdpa import TorchSDPAAttention
 

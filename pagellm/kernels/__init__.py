@@ -14,13 +14,8 @@ from functools import lru_cache
 from pagellm.config import KernelConfig
 from pagellm.kernels.build import load_library, target_flags
 from pagellm.kernels.isa import host_cpu_flags, usable_cpu_flags
-from pagellm.kernels.library import (
-    CACHE_CODES,
-    DTYPE_CODES,
-    KernelLibrary,
-    check_paged_attention_rows,
-    check_slots,
-)
+from pagellm.kernels.arg_checks import CACHE_CODES, DTYPE_CODES, check_paged_attention_rows, check_slots
+from pagellm.kernels.library import KernelLibrary
 from pagellm.kernels.packing import (
     GEMM_AMX_K_MULTIPLE,
     GEMM_AMX_PANEL_COLS,

@@ -35,9 +35,9 @@ from pagellm.utils import owned_by_me, private_dir
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 24
+ABI_VERSION = 25
 _SOURCES = ("attention.cpp", "elementwise.cpp", "gemm_bf16.cpp", "gemm_avx2.cpp", "gemm_int8.cpp", "decoder_stack.cpp",
-            "shm_all_reduce.cpp", "memory_read.cpp", "gguf_rows.cpp", "pack_panels.cpp")
+            "shm_all_reduce.cpp", "memory_read.cpp", "gguf_rows.cpp", "pack_panels.cpp", "lora.cpp")
 _HEADERS = (
     "amx_bf16_tiles.h", "attention_avx2.h", "attention_avx512.h", "attention_common.h", "avx2_simd.h", "bf16_simd.h",
     "cpu_common.h",
@@ -157,6 +157,8 @@ _SIGNATURES: dict[str, tuple[type, list[type]]] = {
     "pagellm_gemm_bf16_amx_available": (_I32, []),
     "pagellm_gemm_avx2_available": (_I32, []),
     "pagellm_gemm_avx2": (_I32, [_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32, _I32, _I32, _I32]),
+    "pagellm_silu_mul": (_I32, [_P, _I64, _I64, _P, _I32, _I32]),
+    "pagellm_lora_add": (_I32, [_P, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64, _I32, _I32]),
     "pagellm_gemm_q_isa": (_I32, []),
     "pagellm_gemm_q_runs_here": (_I32, []),
     "pagellm_quantize_rows": (_I32, [_P, _I64, _I64, _I64, _I32, _P, _P, _P, _I32, _I32]),

@@ -13,6 +13,16 @@ import os
 import numpy as np
 import torch
 
+from pagellm.kernels.arg_checks import (
+    DTYPE_CODES,
+    cache_code,
+    check_gemm_input,
+    check_int,
+    check_logits_rows,
+    check_paged_attention_rows,
+    check_rows,
+    check_slots,
+)
 from pagellm.kernels.packing import (
     GEMM_AMX_K_MULTIPLE,
     GEMM_AMX_PANEL_COLS,
@@ -24,103 +34,12 @@ from pagellm.kernels.packing import (
 from pagellm.kernels.quant_formats import (
     AMX_FORMATS, BLOCK, FORMAT_CODES, QUANT_TILES, SUPER_BLOCKS, SUPER_FORMATS, TILE_COLS, checked_gguf_rows, packed_shape,
 )
-from pagellm.kernels.stack_args import DecoderStackArgs
+from pagellm.kernels.stack_args import DecoderStackArgs, LoRALinearArgs
 from pagellm.kernels.weight_memory import empty_weight
 from pagellm.kv_layout import cache_head_dim
 
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # pagellm_gemm_q_isa() -> the integer GEMM's path name (kernel plan: ``qgemm``).
 GEMM_Q_PATHS = ("none", "avx2", "avx-vnni", "avx512-vnni")
-# (K/V and query dtype, cache dtype) -> the attention and K/V-write kernels' dtype code.
-CACHE_CODES = {(torch.float32, torch.float32): 0, (torch.bfloat16, torch.bfloat16): 1,
-               (torch.bfloat16, torch.float8_e4m3fn): 2, (torch.bfloat16, torch.int8): 3, (torch.float32, torch.int8): 4}
-
-
-def _check_logits_rows(name: str, x: torch.Tensor) -> tuple[int, int]:
-    """``x`` is 2-D float32/bfloat16 on CPU with non-empty rows, each contiguous; its shape."""
-    if x.dtype not in DTYPE_CODES or x.dim() != 2 or x.device.type != "cpu":
-        raise ValueError(f"{name} takes a 2-D CPU float32 or bfloat16 tensor")
-    rows, n = x.shape
-    if n == 0 or (rows > 1 and x.stride(0) < n) or (n > 1 and x.stride(1) != 1):
-        raise ValueError(f"{name} needs non-empty rows, each contiguous")
-    return rows, n
-
-
-def _check_rows(name: str, t: torch.Tensor, inner: tuple[int, ...], dtype: torch.dtype) -> None:
-    """``t`` is [N, *inner] on CPU with contiguous inner dims (any row stride)."""
-    if t.device.type != "cpu" or t.dtype != dtype:
-        raise ValueError(f"{name} must be a CPU {dtype} tensor, got {t.device} {t.dtype}")
-    if tuple(t.shape[1:]) != inner:
-        raise ValueError(f"{name} must have shape [N, {', '.join(map(str, inner))}], got {list(t.shape)}")
-    expected = 1
-    for dim in range(t.dim() - 1, 0, -1):
-        if t.shape[dim] > 1 and t.stride(dim) != expected:
-            raise ValueError(f"{name} must be contiguous within a row")
-        expected *= t.shape[dim]
-
-
-def _check_int(name: str, t: torch.Tensor, dtype: torch.dtype, n: int | None = None) -> None:
-    if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor")
-    if n is not None and t.numel() != n:
-        raise ValueError(f"{name} must have {n} elements, got {t.numel()}")
-
-
-def check_paged_attention_rows(
-    num_tokens: int, key_cache: torch.Tensor, block_tables: torch.Tensor,
-    row_token: torch.Tensor, row_req: torch.Tensor, row_ctx: torch.Tensor, row_start: torch.Tensor | None = None,
-) -> None:
-    """Every index the kernel will follow is in range (one pass of min/max per tensor), and each
-    row's first position (``row_start``, where given) lies before its limit."""
-    n = row_token.numel()
-    for name, t in (("row_token", row_token), ("row_req", row_req), ("row_ctx", row_ctx)):
-        _check_int(name, t, torch.int32, n)
-    if row_start is not None:
-        _check_int("row_start", row_start, torch.int32, n)
-        starts = row_start.numpy()
-        if n and (bool((starts < 0).any()) or bool((starts >= row_ctx.numpy()).any())):
-            raise ValueError("row_start values must lie in [0, row_ctx)")
-    check_block_tables(block_tables, key_cache, 0)
-    if n == 0:
-        return
-    limits = (
-        ("row_token", row_token, 0, num_tokens - 1),
-        ("row_req", row_req, 0, block_tables.shape[0] - 1),
-        ("row_ctx", row_ctx, 1, block_tables.shape[1] * key_cache.shape[1]),
-    )
-    for name, t, lo, hi in limits:
-        if not _within(t, lo, hi):
-            raise ValueError(f"{name} values must lie in [{lo}, {hi}]")
-
-
-def check_block_tables(block_tables: torch.Tensor, key_cache: torch.Tensor, max_context: int) -> None:
-    """Block tables are CPU int64 rows naming blocks of this cache, wide enough for
-    ``max_context`` tokens."""
-    num_blocks, block_size = key_cache.shape[:2]
-    if block_tables.dim() != 2 or block_tables.stride(1) != 1:
-        raise ValueError("block_tables must be a 2-D tensor with contiguous rows")
-    if block_tables.dtype != torch.int64 or block_tables.device.type != "cpu":
-        raise ValueError("block_tables must be a CPU int64 tensor")
-    if max_context > block_tables.shape[1] * block_size:
-        raise ValueError(f"block_tables hold {block_tables.shape[1]} blocks a row, fewer than {max_context} tokens need")
-    if block_tables.numel() and not _within(block_tables, 0, num_blocks - 1):
-        raise ValueError(f"block_tables entries must lie in [0, {num_blocks - 1}]")
-
-
-def _within(t: torch.Tensor, lo: int, hi: int) -> bool:
-    """Every value of a non-empty integer CPU tensor lies in [lo, hi] (through numpy: a small
-    torch reduction costs ~10 us, a step's worth at batch 1 over the ~5 checked per step)."""
-    values = t.numpy()
-    return lo <= int(values.min()) and int(values.max()) <= hi
-
-
-def check_slots(slot_mapping: torch.Tensor, key_cache: torch.Tensor) -> None:
-    """Slots lie in the cache (or are -1: a padding token that stores nothing)."""
-    _check_int("slot_mapping", slot_mapping, torch.int64)
-    num_slots = key_cache.shape[0] * key_cache.shape[1]
-    if slot_mapping.numel() and not _within(slot_mapping, -1, num_slots - 1):
-        raise ValueError(f"slot_mapping values must lie in [-1, {num_slots - 1}]")
-
 
 
 class KernelLibrary:
@@ -170,11 +89,11 @@ class KernelLibrary:
         """
         num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
         head_dim, num_heads = cache_head_dim(key_cache), query.shape[1]
-        code = _cache_code(query.dtype, key_cache, value_cache)
+        code = cache_code(query.dtype, key_cache, value_cache)
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-        _check_rows("query", query, (num_heads, head_dim), query.dtype)
-        _check_rows("out", out, (num_heads, head_dim), query.dtype)
+        check_rows("query", query, (num_heads, head_dim), query.dtype)
+        check_rows("out", out, (num_heads, head_dim), query.dtype)
         if out.shape[0] != query.shape[0]:
             raise ValueError("out and query must have the same number of rows")
         if softcap is not None and not softcap > 0:
@@ -207,12 +126,12 @@ class KernelLibrary:
         """Store ``key``/``value`` ([T, H_kv, D], any row stride) at ``slot_mapping`` (int64 [T]);
         slots are range-checked (:func:`check_slots`) unless ``slots_checked``."""
         num_kv_heads, head_dim = key_cache.shape[2], cache_head_dim(key_cache)
-        code = _cache_code(key.dtype, key_cache, value_cache)
-        _check_rows("key", key, (num_kv_heads, head_dim), key.dtype)
-        _check_rows("value", value, (num_kv_heads, head_dim), key.dtype)
+        code = cache_code(key.dtype, key_cache, value_cache)
+        check_rows("key", key, (num_kv_heads, head_dim), key.dtype)
+        check_rows("value", value, (num_kv_heads, head_dim), key.dtype)
         if value.shape[0] != key.shape[0]:
             raise ValueError(f"key has {key.shape[0]} rows but value has {value.shape[0]}")
-        _check_int("slot_mapping", slot_mapping, torch.int64, key.shape[0])
+        check_int("slot_mapping", slot_mapping, torch.int64, key.shape[0])
         if not slots_checked:
             check_slots(slot_mapping, key_cache)
         rc = self._lib.pagellm_write_kv(
@@ -256,7 +175,7 @@ class KernelLibrary:
         if dtype not in DTYPE_CODES or x.dim() != 3:
             raise ValueError("x must be a [T, heads, D] float32 or bfloat16 tensor")
         rows, heads, head_dim = x.shape
-        _check_rows("x", x, (heads, head_dim), dtype)
+        check_rows("x", x, (heads, head_dim), dtype)
         if weight.shape != (head_dim,) or weight.dtype != dtype or not weight.is_contiguous():
             raise ValueError(f"weight must be a contiguous [{head_dim}] {dtype} tensor")
         rc = self._lib.pagellm_head_rms_norm(
@@ -272,7 +191,7 @@ class KernelLibrary:
         if dtype not in DTYPE_CODES:
             raise ValueError(f"rotary supports float32 and bfloat16, not {dtype}")
         rows, heads, head_dim = x.shape
-        _check_rows("x", x, (heads, head_dim), dtype)
+        check_rows("x", x, (heads, head_dim), dtype)
         for name, t in (("cos", cos), ("sin", sin)):
             if t.shape != (rows, head_dim) or t.dtype != dtype or not t.is_contiguous():
                 raise ValueError(f"{name} must be a contiguous [{rows}, {head_dim}] {dtype} tensor")
@@ -287,7 +206,7 @@ class KernelLibrary:
         """Index of each row's first maximum (its first NaN if it holds one), as ``x.max(-1).indices``:
         one pass over 2-D float32/bfloat16 CPU rows (contiguous within a row) -> int64 [rows]."""
         dtype = x.dtype
-        rows, n = _check_logits_rows("argmax_rows", x)
+        rows, n = check_logits_rows("argmax_rows", x)
         out = torch.empty(rows, dtype=torch.int64)
         if rows == 0:
             return out
@@ -303,7 +222,7 @@ class KernelLibrary:
         of word ``t // 32`` of ``bitmask[mask_rows[r]]`` clear (tokens past its words too); rows
         with ``mask_rows[r] < 0`` are untouched. As ``sample.grammar_mask.apply_token_bitmask``."""
         dtype = logits.dtype
-        rows, n = _check_logits_rows("apply_token_bitmask_", logits)
+        rows, n = check_logits_rows("apply_token_bitmask_", logits)
         if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or not bitmask.is_contiguous() or bitmask.device.type != "cpu":
             raise ValueError("the bitmask must be a contiguous 2-D CPU int32 tensor")
         if mask_rows.dtype != torch.int64 or mask_rows.shape != (rows,) or not mask_rows.is_contiguous():
@@ -351,15 +270,22 @@ class KernelLibrary:
         return out
 
 
-    def gemm_avx2(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, epilogue: str = "none") -> torch.Tensor:
+    def gemm_avx2(
+        self, x: torch.Tensor, packed: torch.Tensor, out_features: int, epilogue: str = "none",
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``x [M, K] @ W.T`` on the AVX2 GEMM for a packed float32/bf16 ``W``
         (``packing.pack_avx2_weight``) -> new ``[M, out_features]`` tensor of x's dtype.
 
         ``epilogue="silu_mul"`` takes a ``packing.pack_avx2_silu_mul_weight`` weight and returns
         ``silu(x @ gate.T) * (x @ up.T)`` (bf16: gate, up and silu(gate) rounded as the unfused ops).
+        ``epilogue="add"`` adds the product to ``out`` (``[M, out_features]`` of x's dtype, rows
+        contiguous) and returns it: the bits of ``out.add_(x @ W.T)``.
         """
         code, _ = avx2_epilogue(epilogue)
-        rows, k = _check_gemm_input(x)
+        rows, k = check_gemm_input(x)
+        if (epilogue == "add") != (out is not None):
+            raise ValueError("out is given with epilogue='add', and only then")
         if packed.dtype not in DTYPE_CODES or packed.device.type != "cpu" or not packed.is_contiguous():
             raise ValueError("packed weight must be a contiguous CPU float32 or bfloat16 tensor")
         if packed.dtype == torch.bfloat16 and k % 2 != 0:
@@ -367,21 +293,56 @@ class KernelLibrary:
         expected = avx2_packed_shape(out_features, k, packed.dtype, epilogue)
         if out_features <= 0 or tuple(packed.shape) != expected:
             raise ValueError(f"packed weight must have shape {list(expected)} for x {list(x.shape)}, got {list(packed.shape)}")
-        out = torch.empty(rows, out_features, dtype=x.dtype)
+        if out is None:
+            out = torch.empty(rows, out_features, dtype=x.dtype)
+        elif out.dtype != x.dtype or out.device.type != "cpu" or out.shape != (rows, out_features) or (rows > 1 and out.stride(1) != 1):
+            raise ValueError(f"out must be a [{rows}, {out_features}] {x.dtype} tensor with contiguous rows")
+        ldc = out.stride(0) if rows > 1 else out_features
         rc = self._lib.pagellm_gemm_avx2(
             x.data_ptr(), x.stride(0) if rows > 1 else k, rows, k, packed.data_ptr(), out_features, out.data_ptr(),
-            out_features, DTYPE_CODES[x.dtype], DTYPE_CODES[packed.dtype], code, torch.get_num_threads(),
+            ldc, DTYPE_CODES[x.dtype], DTYPE_CODES[packed.dtype], code, torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"pagellm_gemm_avx2 failed with code {rc}")
         return out
 
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of a gate/up output ``x`` [M, 2 * d] (float32 or bf16) -> [M, d]:
+        the AVX2 GEMM's silu_mul epilogue run apart, to its bits."""
+        rows, width = check_gemm_input(x)
+        if width % 2 != 0 or not x.is_contiguous():
+            raise ValueError(f"x must be contiguous with an even width, got {list(x.shape)}")
+        out = torch.empty(rows, width // 2, dtype=x.dtype)
+        rc = self._lib.pagellm_silu_mul(x.data_ptr(), rows, width // 2, out.data_ptr(), DTYPE_CODES[x.dtype],
+                                        torch.get_num_threads())  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"pagellm_silu_mul failed with code {rc}")
+        return out
+
+    def lora_add(self, linear: LoRALinearArgs, slot: int, max_loras: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out += B(A x)`` with slot ``slot``'s A and B of ``linear`` (``csrc/lora.cpp``; one
+        of ``max_loras`` slots), B's product rounded to x's dtype and added as ``out.add_``;
+        ``x`` [M, K] and ``out`` [M, N] of the linear's dtype, rows contiguous. Returns ``out``."""
+        rows, k = check_gemm_input(x)
+        n = linear.part_cols[linear.parts] if 1 <= linear.parts <= 4 else -1
+        if not 0 <= slot < max_loras or linear.width <= 0 or DTYPE_CODES[x.dtype] != linear.dtype:
+            raise ValueError(f"slot {slot} of {max_loras}, or a linear without adapters or of another dtype than {x.dtype}")
+        if out.dtype != x.dtype or out.device.type != "cpu" or out.shape != (rows, n) or (rows > 1 and out.stride(1) != 1):
+            raise ValueError(f"out must be a [{rows}, {n}] {x.dtype} tensor with contiguous rows")
+        rc = self._lib.pagellm_lora_add(
+            ctypes.byref(linear), slot, x.data_ptr(), x.stride(0) if rows > 1 else k, rows, k, out.data_ptr(),
+            out.stride(0) if rows > 1 else n, n, DTYPE_CODES[x.dtype], torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"pagellm_lora_add failed with code {rc}")
+        return out
+
     def quantize_rows(self, x: torch.Tensor, super_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The integer GEMM's activation quantization of ``x`` [M, K] (float32/bf16; with
         ``super_scale``, q4k's and q6k's: a scale per 256): (q int8 [M, blocks * 32], d float32 [M, blocks],
         sum(q) int32 [M, blocks]), for tests."""
-        rows, k = _check_gemm_input(x)
+        rows, k = check_gemm_input(x)
         blocks = -(-k // BLOCK)
         q = torch.empty(rows, blocks * BLOCK, dtype=torch.int8)
         d = torch.empty(rows, blocks, dtype=torch.float32)
@@ -420,7 +381,7 @@ class KernelLibrary:
             raise ValueError(f"AMX-INT8 tiles take {sorted(AMX_FORMATS)} weights, not {fmt}")
         if tiles != "none" and not self.gemm_q_amx_available:
             raise RuntimeError(f"the integer GEMM on AMX tiles is not available in this kernel build ({' '.join(self.march)})")
-        rows, k = _check_gemm_input(x)
+        rows, k = check_gemm_input(x)
         if tiles == "bf16" and (x.dtype != torch.bfloat16 or k % BLOCK):
             raise ValueError(f"AMX-BF16 tiles take bf16 rows of a multiple of {BLOCK} values, got {x.dtype} k={k}")
         if fmt in SUPER_FORMATS and k % (SUPER_BLOCKS * BLOCK):
@@ -566,29 +527,3 @@ def _raise_for(function: str, rc: int, timeout_s: float) -> None:
         raise RuntimeError("tensor-parallel all-reduce: a rank's process is gone")
     if rc != 0:
         raise RuntimeError(f"{function} failed with code {rc}")
-
-
-def _check_gemm_input(x: torch.Tensor) -> tuple[int, int]:
-    """(rows, k) of a 2-D CPU float32/bf16 ``x`` whose rows are each contiguous."""
-    if x.dim() != 2 or x.dtype not in DTYPE_CODES or x.device.type != "cpu":
-        raise ValueError("x must be a 2-D CPU float32 or bfloat16 tensor")
-    rows, k = x.shape
-    if k == 0 or (rows > 1 and x.stride(0) < k) or (k > 1 and x.stride(1) != 1):
-        raise ValueError("x needs columns, each row contiguous")
-    return rows, k
-
-
-def _cache_code(dtype: torch.dtype, key_cache: torch.Tensor, value_cache: torch.Tensor) -> int:
-    """The kernels' code for ``dtype`` queries or K/V over these caches (checked: CPU, contiguous,
-    same shape and dtype, a supported pair: float32 / bf16 caches of the same dtype, an fp8 e4m3
-    cache under bf16, or an int8 cache under either)."""
-    if key_cache.device.type != "cpu" or not key_cache.is_contiguous() or not value_cache.is_contiguous():
-        raise ValueError("key_cache and value_cache must be contiguous CPU tensors")
-    if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
-        raise ValueError("key_cache and value_cache must have the same shape and dtype")
-    code = CACHE_CODES.get((dtype, key_cache.dtype))
-    if code is None:
-        pairs = ", ".join(f"{str(c).removeprefix('torch.')} cache with {str(q).removeprefix('torch.')}"
-                          for q, c in CACHE_CODES)
-        raise ValueError(f"the CPU kernels support a {pairs}; got a {key_cache.dtype} cache with {dtype}")
-    return code

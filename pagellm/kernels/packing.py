@@ -9,6 +9,8 @@ the AVX2 GEMM (``csrc/gemm_avx2.cpp``) 16-column panels of float32 [K][16] or bf
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 # Packed weight layouts of the bf16 GEMM (csrc/gemm_bf16.cpp): column panels of [K / 2][cols][2].
@@ -68,10 +70,11 @@ def pack_silu_mul_weight(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _interleave_pairs(both)
 
 
-# The AVX2 GEMM's panels: 16 columns (silu_mul: 8 gate columns, then the same 8 up columns).
+# The AVX2 GEMM's panels: 16 columns (silu_mul: 8 gate columns, then the same 8 up columns);
+# "add" adds the product to the output it is given (a plain weight's panels).
 AVX2_PANEL_COLS = 16
 AVX2_SILU_MUL_HALF_COLS = 8
-_AVX2_EPILOGUES = {"none": (0, AVX2_PANEL_COLS), "silu_mul": (1, AVX2_SILU_MUL_HALF_COLS)}
+_AVX2_EPILOGUES = {"none": (0, AVX2_PANEL_COLS), "silu_mul": (1, AVX2_SILU_MUL_HALF_COLS), "add": (2, AVX2_PANEL_COLS)}
 _AVX2_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -117,3 +120,27 @@ def pack_avx2_silu_mul_weight(gate: torch.Tensor, up: torch.Tensor) -> torch.Ten
         raise ValueError("gate and up weights must have the same shape and dtype")
     both = torch.cat((_panels(gate, AVX2_SILU_MUL_HALF_COLS), _panels(up, AVX2_SILU_MUL_HALF_COLS)), dim=1)
     return _avx2_layout(both)
+
+
+# The LoRA kernel's B (csrc/lora.cpp): each part's output columns in chunks of this many.
+LORA_CHUNK_COLS = 64
+
+
+def lora_b_elems(part_starts: Sequence[int], rank: int) -> int:
+    """How many values a packed LoRA ``B`` holds for parts whose outputs start at ``part_starts``
+    (then the linear's width), of ``rank`` columns each."""
+    chunks = sum(-(-(end - start) // LORA_CHUNK_COLS) for start, end in zip(part_starts, part_starts[1:]))
+    return chunks * rank * LORA_CHUNK_COLS
+
+
+def pack_lora_b(b: torch.Tensor, part_starts: Sequence[int], rank: int) -> torch.Tensor:
+    """A fused linear's LoRA ``B`` [out, parts * rank] (part p's block: its output rows, columns
+    p * rank..) as the LoRA kernel reads it: part after part, chunks of 64 output columns, each
+    [rank][64] (zero past the part's last column); 1-D, in b's dtype. Off-block values are dropped."""
+    pieces = []
+    for part, (start, end) in enumerate(zip(part_starts, part_starts[1:])):
+        chunks = -(-(end - start) // LORA_CHUNK_COLS)
+        block = b.new_zeros(chunks * LORA_CHUNK_COLS, rank)
+        block[: end - start] = b[start:end, part * rank : (part + 1) * rank]
+        pieces.append(block.view(chunks, LORA_CHUNK_COLS, rank).transpose(1, 2).reshape(-1))
+    return torch.cat(pieces)

@@ -62,7 +62,7 @@ class KernelPlan:
     # cpu_paged attention, kernel norm and rotary); "layers": module by module.
     decoder: str = "layers"
     # LoRA adapters add to linears' outputs (--enable-lora): the MLP's gate/up stay apart from
-    # its activation, and a step with adapters runs the layers one by one.
+    # its activation (SiLU-and-mul on the ``norm`` kernel, where the one-call stack runs it too).
     lora: bool = False
     kernels: KernelLibrary | None = field(default=None, compare=False)
 

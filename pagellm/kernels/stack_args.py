@@ -26,14 +26,33 @@ class LinearArgs(ctypes.Structure):
 LINEAR_KINDS = {"integer": 0, "avx512-bf16": 1, "amx": 2, "avx2": 3, "integer-amx": 4, "dequant-amx": 5}
 
 
+class LoRALinearArgs(ctypes.Structure):
+    """``PagellmLoRALinear`` of ``csrc/exports.h``: one linear's LoRA slots (``width``: A's rows,
+    parts x ``rank``, 0 where no adapter can add to it; ``part_cols``: each part's first output
+    column, then the linear's width; ``a``, ``b``: arrays of ``max_loras`` buffers in
+    ``csrc/lora.cpp``'s layouts; ``active``: ``max_loras`` bytes, 1 where the slot's adapter adds
+    here; ``dtype``: their dtype's code, the activations')."""
+
+    _fields_ = [
+        ("width", ctypes.c_int64), ("rank", ctypes.c_int64), ("parts", ctypes.c_int64),
+        ("part_cols", ctypes.c_int64 * 5), ("a", _P), ("b", _P), ("active", _P), ("dtype", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+    ]  # fmt: skip
+
+
+# The linears of a layer in the order of its LoRALinearArgs (the stack's ``lora`` array).
+STACK_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
 class DecoderLayerArgs(ctypes.Structure):
     """``PagellmLayer`` of ``csrc/decoder_stack.cpp``: one layer's norms, linears, caches and
-    attention variant (scale, soft cap: 0 none, window: 0 none)."""
+    attention variant (scale, soft cap: 0 none, window: 0 none; ``mlp_apart``: gate/up's GEMM
+    writes gate and up, SiLU-and-mul runs after it)."""
 
     _fields_ = [
         ("input_norm", _P), ("post_norm", _P), ("qkv_bias", _P), ("q_norm", _P), ("k_norm", _P), ("key_cache", _P),
         ("value_cache", _P), ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("window", ctypes.c_int32),
-        ("reserved", ctypes.c_int32),
+        ("mlp_apart", ctypes.c_int32),
         ("qkv", LinearArgs), ("o", LinearArgs), ("gate_up", LinearArgs), ("down", LinearArgs),
     ]  # fmt: skip
 
@@ -52,5 +71,6 @@ class DecoderStackArgs(ctypes.Structure):
         ("h", _P), ("qkv", _P),
         ("attn", _P), ("act", _P), ("tp_region", _P), ("tp_calls", _P), ("tp_scratch", _P),
         ("tp_slot_elems", ctypes.c_int64), ("tp_timeout_s", ctypes.c_double), ("tp_rank", ctypes.c_int32),
-        ("tp_size", ctypes.c_int32),
+        ("tp_size", ctypes.c_int32), ("gate_up", _P), ("lora", ctypes.POINTER(LoRALinearArgs)), ("lora_groups", _P),
+        ("num_lora_groups", ctypes.c_int64),
     ]  # fmt: skip

@@ -27,7 +27,8 @@ from torch import nn
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.attention.cpu_paged import CPUPagedAttention, checked_kernel_rows
 from pagellm.distributed.tensor_parallel import TensorParallel
-from pagellm.kernels.library import CACHE_CODES, DTYPE_CODES, KernelLibrary
+from pagellm.kernels.arg_checks import CACHE_CODES, DTYPE_CODES
+from pagellm.kernels.library import KernelLibrary
 from pagellm.kernels.stack_args import LINEAR_KINDS, DecoderLayerArgs, DecoderStackArgs, LinearArgs
 from pagellm.kernels.packing import avx2_epilogue, gemm_epilogue
 from pagellm.kernels.quant_formats import FORMAT_CODES
@@ -35,7 +36,8 @@ from pagellm.kv_layout import kv_row_width
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.cpu_linear import KernelLinear, KernelSiluAndMulLinear
 from pagellm.model.layer_spec import LayerSpec, stack_refusal
-from pagellm.model.layers import RMSNorm
+from pagellm.model.lora import LoRAStep
+from pagellm.model.layers import RMSNorm, SiluAndMul
 from pagellm.model.quant_linear import QuantizedLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -85,6 +87,7 @@ class _LayerWeights:
     qkv_bias: torch.Tensor | None
     qk_norms: tuple[torch.Tensor, torch.Tensor] | None
     linears: tuple[nn.Module, nn.Module, nn.Module, nn.Module]  # qkv, o, gate_up, down
+    mlp_apart: bool  # gate/up's GEMM writes gate and up; SiLU-and-mul on the kernel after it (LoRA)
 
     def _side(self, dense: bool) -> list[nn.Module]:
         return [_dense_side(m) for m in self.linears] if dense else list(self.linears)
@@ -101,7 +104,7 @@ class _LayerWeights:
         q_norm, k_norm = (None, None) if self.qk_norms is None else (t.data_ptr() for t in self.qk_norms)
         return DecoderLayerArgs(
             self.input_norm.data_ptr(), self.post_norm.data_ptr(), bias, q_norm, k_norm, key_cache.data_ptr(),
-            value_cache.data_ptr(), spec.scale, spec.softcap or 0.0, spec.window or 0, 0,
+            value_cache.data_ptr(), spec.scale, spec.softcap or 0.0, spec.window or 0, int(self.mlp_apart),
             *(_linear_args(m, dense, keep) for m in self._side(dense)),
         )  # fmt: skip
 
@@ -129,19 +132,22 @@ def _layer_weights(layer: nn.Module, dtype: torch.dtype) -> _LayerWeights | str:
     q_norm, k_norm = (_kernel_norm(n, dtype) for n in (attn.q_norm, attn.k_norm)) if spec.qk_norm else (None, None)
     if input_norm is None or post_norm is None or (spec.qk_norm and (q_norm is None or k_norm is None)):
         return f"a norm off the kernel or not in {dtype}"
-    if not isinstance(getattr(mlp, "act", None), nn.Identity):
-        return "SiLU-and-mul not fused into the gate/up GEMM"
+    act = getattr(mlp, "act", None)
+    mlp_apart = isinstance(act, SiluAndMul) and act.kernels is not None
+    if not isinstance(act, nn.Identity) and not mlp_apart:
+        return "SiLU-and-mul neither fused into the gate/up GEMM nor on the kernel"
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     shapes = [(getattr(m, "in_features", None), getattr(m, "out_features", None)) for m in linears]
     hidden, inter = spec.hidden_size, spec.intermediate_size
-    expected = [(hidden, spec.q_size + 2 * spec.kv_size), (spec.q_size, hidden), (hidden, inter), (inter, hidden)]
+    gate_up = 2 * inter if mlp_apart else inter
+    expected = [(hidden, spec.q_size + 2 * spec.kv_size), (spec.q_size, hidden), (hidden, gate_up), (inter, hidden)]
     if shapes != expected or any(getattr(m, "bias", None) is not None for m in linears[1:]):
         return "linears of other shapes, or a bias past qkv"
     bias = getattr(linears[0], "bias", None)
     if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
         return f"a qkv bias not in {dtype}"
     qk_norms = (q_norm, k_norm) if q_norm is not None and k_norm is not None else None
-    weights = _LayerWeights(spec, input_norm, post_norm, bias, qk_norms, linears)
+    weights = _LayerWeights(spec, input_norm, post_norm, bias, qk_norms, linears, mlp_apart)
     return weights if weights.fits() else "a linear off pagellm's GEMMs"
 
 
@@ -239,12 +245,18 @@ class FusedDecoderStack:
             sides[dense] = (DecoderLayerArgs * len(layers))(*layers)
         return sides
 
+    def takes(self, lora: LoRAStep | None) -> bool:
+        """Whether the call can add this step's adapters (None: none): each group a run of
+        rows on pagellm's LoRA kernel, every layer's gate and up apart from the activation."""
+        return lora is None or (lora.in_stack and all(w.mlp_apart for w in self.weights))
+
     def __call__(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[KVCache],
-        layers: ctypes.Array[DecoderLayerArgs], metadata: AttentionMetadata,
+        layers: ctypes.Array[DecoderLayerArgs], metadata: AttentionMetadata, lora: LoRAStep | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(last layer's output, residual stream)`` for embeddings ``hidden`` [T, hidden]
-        (overwritten), as the Python layers return them; ``layers``: :meth:`layer_args`."""
+        (overwritten), as the Python layers return them; ``layers``: :meth:`layer_args`;
+        ``lora``: the step's adapters (where :meth:`takes` them)."""
         arch = self.arch
         tokens = hidden.shape[0]
         key_cache = kv_caches[0][0]
@@ -262,6 +274,9 @@ class FusedDecoderStack:
         tables = rows.block_tables
         row_start = torch.empty(rows.row_token.numel(), dtype=torch.int32)  # the call's scratch per window
         tp_args, tp_scratch = self._tensor_parallel_args(tokens)
+        apart = any(w.mlp_apart for w in self.weights)
+        gate_up = torch.empty(tokens, 2 * arch.intermediate_size, dtype=self.dtype) if apart else None
+        lora_args, lora_groups = self._lora_args(lora, tokens)
         args = DecoderStackArgs(
             layers, len(self.weights), tokens, arch.hidden_size, arch.num_attention_heads,
             arch.num_key_value_heads, arch.head_dim, arch.intermediate_size, key_cache.shape[1], self.eps,
@@ -270,12 +285,27 @@ class FusedDecoderStack:
             metadata.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0), rows.row_token.data_ptr(),
             rows.row_req.data_ptr(), row_start.data_ptr(), rows.row_ctx.data_ptr(),
             rows.row_token.numel(),
-            *(t.data_ptr() for t in scratch), *tp_args,
+            *(t.data_ptr() for t in scratch), *tp_args, None if gate_up is None else gate_up.data_ptr(), *lora_args,
         )  # fmt: skip
         self.kernels.decoder_stack(args)
-        del tp_scratch  # alive until the call returned
+        del tp_scratch, gate_up, lora_groups  # alive until the call returned
         self.steps += 1
         return x, residual
+
+    def _lora_args(self, lora: LoRAStep | None, tokens: int) -> tuple[tuple[object, ...], torch.Tensor | None]:
+        """The call's LoRA fields (``lora``, ``lora_groups``, ``num_lora_groups``) and the
+        tensor they point to."""
+        if lora is None:
+            return (None, None, 0), None
+        if not self.takes(lora):
+            raise ValueError("these adapters' rows are not runs of rows on pagellm's LoRA kernel, or an MLP is fused")
+        slots = lora.slots
+        groups = lora.group_array()
+        if groups.numel() and (int(groups[:, 0].max()) >= slots.max_loras or int(groups[:, 0].min()) < 0
+                               or int((groups[:, 1] + groups[:, 2]).max()) > tokens or int(groups[:, 1].min()) < 0):
+            raise ValueError(f"LoRA groups outside the step's {tokens} rows or {slots.max_loras} slots")
+        linears = slots.stack_args([w.spec.index for w in self.weights])
+        return (linears, groups.data_ptr(), groups.shape[0]), groups
 
     def _tensor_parallel_args(self, tokens: int) -> tuple[tuple[object, ...], torch.Tensor | None]:
         """The call's tensor-parallel fields, and the float32 scratch they point to (bf16)."""

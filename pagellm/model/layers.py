@@ -86,9 +86,17 @@ def make_rms_norm(hidden_size: int, eps: float, unit_offset: bool, lib: KernelLi
 
 
 class SiluAndMul(nn.Module):
-    """``silu(gate) * up`` on a fused ``[..., 2 * d]`` gate_up projection output."""
+    """``silu(gate) * up`` on a fused ``[..., 2 * d]`` gate_up projection output; on the kernel
+    where ``kernels`` is given (the GEMMs' silu_mul epilogue run apart: the bits the one-call
+    decoder stack computes), else torch."""
+
+    def __init__(self, kernels: KernelLibrary | None = None) -> None:
+        super().__init__()
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu":
+            return self.kernels.silu_mul(x.contiguous())
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

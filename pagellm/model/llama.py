@@ -321,8 +321,8 @@ class LlamaForCausalLM(nn.Module):
         """Final-normed hidden states ``[T, hidden]`` for a flat batch of ``T`` tokens; under
         pipeline parallelism a stage after the first starts from the previous stage's residual
         ``stream`` instead of the token ids, and a stage before the last returns its own.
-        ``lora``: the adapters of the step's rows (None: none has one); such a step runs the
-        layers one by one (the fused stack has no adapters)."""
+        ``lora``: the adapters of the step's rows (None: none has one), added in the one-call
+        stack where it takes them, else in the layers one by one."""
         layers = self.model.own_layers
         if len(kv_caches) != len(layers):
             raise ValueError(f"expected {len(layers)} KV cache pairs, got {len(kv_caches)}")
@@ -338,10 +338,11 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.model.rotary_emb(positions, hidden.dtype, seq_lens)
         local_rotary = self.model.local_rotary_emb
         local = local_rotary(positions, hidden.dtype) if local_rotary is not None else (cos, sin)
-        stack = self._decoder_stack() if lora is None else None
+        stack = self._decoder_stack()
+        stack = stack if stack is not None and stack.takes(lora) else None
         route = self._route(hidden, kv_caches, attn_metadata, stack)
         if stack is not None and route.decoder == "fused":
-            hidden, residual = stack(hidden, cos, sin, kv_caches, stack.layer_args(route.big_batch), attn_metadata)
+            hidden, residual = stack(hidden, cos, sin, kv_caches, stack.layer_args(route.big_batch), attn_metadata, lora)
         else:
             residual = None
             for layer, kv_cache in zip(layers, kv_caches):

@@ -11,13 +11,16 @@ as indices are gathered, multiplied and added back. The worker's ``LoRAManager``
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from pagellm.kernels.arg_checks import DTYPE_CODES
 from pagellm.kernels.library import KernelLibrary
-from pagellm.kernels.packing import avx2_packed_shape, pack_avx2_weight
+from pagellm.kernels.packing import lora_b_elems, pack_lora_b
+from pagellm.kernels.stack_args import STACK_LINEARS, LoRALinearArgs
 from pagellm.model.layer_spec import LayerSpec
 from pagellm.model.lora_adapter import ATTENTION_TARGETS, LoRAAdapter, target_shape
 
@@ -34,9 +37,10 @@ _FUSED_OF = {target: fused for fused, targets in FUSED_TARGETS.items() for targe
 @dataclass
 class _Linear:
     """One fused linear's adapter buffers, a pair per slot: ``A`` [parts * rank, in] (each part's
-    ``A`` in its rows) and ``B`` [out, parts * rank] (each part's ``B`` in its block of output rows
-    and rank columns, zeros elsewhere): one shrink and one expand for all parts. Plain tensors,
-    or packed for pagellm's AVX2 GEMM where the slots run on it (``LoRASlots.kernels``)."""
+    ``A`` in its rows) and ``B`` (each part's ``B`` on its output rows and rank columns): one
+    shrink and one expand for all parts. On torch, ``B`` is [out, parts * rank] with zeros off
+    each part's block; on the kernel (``LoRASlots.kernels``) only the parts' blocks, in
+    ``csrc/lora.cpp``'s layout, and ``args`` is the struct the kernel reads."""
 
     features_in: int
     features_out: int
@@ -44,17 +48,23 @@ class _Linear:
     rows: list[slice]  # each part's output rows
     a_of: list[torch.Tensor]
     b_of: list[torch.Tensor]
+    active: torch.Tensor  # uint8 [max_loras]: 1 where the slot's adapter adds to this linear
+    args: LoRALinearArgs | None = None
+    _pointers: tuple[ctypes.Array[ctypes.c_void_p], ...] = ()  # (what ``args`` points to)
 
 
 class LoRASlots:
     """``max_loras`` resident adapters (see the module docstring), for ``specs``' layers (a
     tensor-parallel rank's share where sharded). ``kernels``: pagellm's kernel library, whose
-    AVX2 GEMM then runs the products on weights packed in ``dtype`` (the model's: the same
-    thread pool as the model's own kernels; small products through torch took 2-4x as long);
-    None: torch runs them, in ``dtype`` (float32 on CPU: bf16 products of these shapes are slow)."""
+    LoRA kernel then runs the products in ``dtype`` (the model's, float32 or bf16: the same
+    thread pool as the model's own kernels; these small products through torch took 2-4x as
+    long); None: torch runs them, in ``dtype`` (float32 on CPU: bf16 products of these shapes
+    are slow)."""
 
     def __init__(self, specs: tuple[LayerSpec, ...], max_loras: int, max_rank: int, dtype: torch.dtype,
                  device: torch.device, kernels: KernelLibrary | None = None) -> None:  # fmt: skip
+        if kernels is not None and dtype not in DTYPE_CODES:
+            raise ValueError(f"the LoRA kernel runs float32 or bfloat16 products, not {dtype}")
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.dtype = dtype
@@ -66,25 +76,29 @@ class LoRASlots:
                 if spec.recurrent if targets[0] in ATTENTION_TARGETS else spec.moe:
                     continue
                 shapes = [target_shape(spec, t) for t in targets]
-                features_in, width = shapes[0][0], len(targets) * max_rank
-                features_out = sum(out for _, out in shapes)
                 starts = [sum(out for _, out in shapes[:i]) for i in range(len(shapes) + 1)]
-                a = [self._buffer(width, features_in, device) for _ in range(max_loras)]
-                b = [self._buffer(features_out, width, device) for _ in range(max_loras)]
-                rows = [slice(s, e) for s, e in zip(starts, starts[1:])]
-                self.linears[(spec.index, fused)] = _Linear(features_in, features_out, width, rows, a, b)
+                self.linears[(spec.index, fused)] = self._linear(shapes[0][0], starts, device)
         # Per slot, the fused linears its adapter adds to (the others' buffers stay zero).
         self.targets: list[frozenset[tuple[int, str]]] = [frozenset()] * max_loras
+        self._stack_args: ctypes.Array[LoRALinearArgs] | None = None
 
-    def _packed_dtype(self, k: int) -> torch.dtype:
-        """A packed weight's dtype: the model's (bf16 packs pairs of k: float32 for an odd k)."""
-        return self.dtype if self.dtype == torch.float32 or k % 2 == 0 else torch.float32
-
-    def _buffer(self, rows: int, k: int, device: torch.device) -> torch.Tensor:
-        """One slot's zero ``[rows, k]`` weight (packed for the kernel where it runs the products)."""
+    def _linear(self, features_in: int, starts: list[int], device: torch.device) -> _Linear:
+        """Zero buffers of every slot for a linear whose parts' outputs start at ``starts``."""
+        n, width, slots = starts[-1], (len(starts) - 1) * self.max_rank, range(self.max_loras)
+        rows = [slice(s, e) for s, e in zip(starts, starts[1:])]
+        active = torch.zeros(self.max_loras, dtype=torch.uint8)
         if self.kernels is None:
-            return torch.zeros(rows, k, dtype=self.dtype, device=device)
-        return torch.zeros(avx2_packed_shape(rows, k, self._packed_dtype(k)), dtype=self._packed_dtype(k))
+            a = [torch.zeros(width, features_in, dtype=self.dtype, device=device) for _ in slots]
+            b = [torch.zeros(n, width, dtype=self.dtype, device=device) for _ in slots]
+            return _Linear(features_in, n, width, rows, a, b, active)
+        a = [torch.zeros(width, features_in, dtype=self.dtype) for _ in slots]
+        b = [torch.zeros(lora_b_elems(starts, self.max_rank), dtype=self.dtype) for _ in slots]
+        a_ptrs, b_ptrs = ((ctypes.c_void_p * self.max_loras)(*(t.data_ptr() for t in ts)) for ts in (a, b))
+        args = LoRALinearArgs(
+            width, self.max_rank, len(rows), (ctypes.c_int64 * 5)(*starts), ctypes.addressof(a_ptrs),
+            ctypes.addressof(b_ptrs), active.data_ptr(), DTYPE_CODES[self.dtype],
+        )  # fmt: skip
+        return _Linear(features_in, n, width, rows, a, b, active, args, (a_ptrs, b_ptrs))
 
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for lin in self.linears.values() for t in (*lin.a_of, *lin.b_of))
@@ -108,17 +122,34 @@ class LoRASlots:
             b_whole[linear.rows[part], first : first + r] = b
         for key, (a_whole, b_whole) in whole.items():
             linear = self.linears[key]
-            for buffers, weight in ((linear.a_of, a_whole), (linear.b_of, b_whole)):
-                if self.kernels is not None:
-                    weight = pack_avx2_weight(weight.to(self._packed_dtype(weight.shape[1])))
-                buffers[slot].copy_(weight)
+            if self.kernels is not None:
+                b_whole = pack_lora_b(b_whole, [rows.start for rows in linear.rows] + [linear.features_out], self.max_rank)
+            linear.a_of[slot].copy_(a_whole)
+            linear.b_of[slot].copy_(b_whole)
+            linear.active[slot] = 1
 
     def clear(self, slot: int) -> None:
         for key in self.targets[slot]:
             linear = self.linears[key]
+            linear.active[slot] = 0
             linear.a_of[slot].zero_()
             linear.b_of[slot].zero_()
         self.targets[slot] = frozenset()
+
+    def stack_args(self, layers: list[int]) -> ctypes.Array[LoRALinearArgs]:
+        """The one-call decoder stack's ``lora`` array for these layers (their indices, in the
+        stack's order): per layer its ``STACK_LINEARS``' slots, width 0 where it has none. Built
+        once (the buffers never move; ``active`` is updated in place as slots load)."""
+        if self.kernels is None:
+            raise RuntimeError("the one-call stack runs adapters on pagellm's LoRA kernel: these slots are torch's")
+        if self._stack_args is None or len(self._stack_args) != 4 * len(layers):
+            entries = []
+            for index in layers:
+                for fused in STACK_LINEARS:
+                    linear = self.linears.get((index, fused))
+                    entries.append(linear.args if linear is not None and linear.args is not None else LoRALinearArgs())
+            self._stack_args = (LoRALinearArgs * len(entries))(*entries)
+        return self._stack_args
 
 
 Rows = slice | torch.Tensor  # a contiguous run of the step's token rows, or their indices
@@ -132,6 +163,18 @@ class LoRAStep:
     slots: LoRASlots
     groups: list[tuple[int, Rows]]  # (slot, rows)
 
+    @property
+    def in_stack(self) -> bool:
+        """Whether the one-call decoder stack can add these adapters (each group a run of rows,
+        the products on pagellm's LoRA kernel)."""
+        return self.slots.kernels is not None and all(isinstance(rows, slice) for _, rows in self.groups)
+
+    def group_array(self) -> torch.Tensor:
+        """The groups as the stack reads them: int64 ``[groups, 3]`` (slot, first row, rows);
+        only where :attr:`in_stack`."""
+        runs = [(slot, rows.start, rows.stop - rows.start) for slot, rows in self.groups if isinstance(rows, slice)]
+        return torch.tensor(runs, dtype=torch.int64).reshape(-1, 3)
+
     def add_(self, out: torch.Tensor, x: torch.Tensor, layer: int, fused: str) -> None:
         """``out`` (the fused linear's output for ``x``) plus each row's adapter's low-rank product."""
         key = (layer, fused)
@@ -144,9 +187,11 @@ class LoRAStep:
             if key not in slots.targets[slot]:
                 continue
             xr = x[rows]
-            if kernels is not None:
-                shrunk = kernels.gemm_avx2(xr, linear.a_of[slot], linear.width)
-                delta = kernels.gemm_avx2(shrunk, linear.b_of[slot], linear.features_out)
+            if kernels is not None and linear.args is not None:  # (the bits the one-call stack computes)
+                if isinstance(rows, slice):
+                    kernels.lora_add(linear.args, slot, slots.max_loras, xr, out[rows])
+                    continue
+                delta = kernels.lora_add(linear.args, slot, slots.max_loras, xr, out.new_zeros(xr.shape[0], out.shape[1]))
             else:
                 xr = xr if xr.dtype == slots.dtype else xr.to(slots.dtype)
                 delta = F.linear(F.linear(xr, linear.a_of[slot]), linear.b_of[slot])

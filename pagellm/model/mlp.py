@@ -10,7 +10,7 @@ from pagellm.distributed.tensor_parallel import TensorParallel
 from pagellm.kernels.plan import KernelPlan
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.cpu_linear import fuse_silu_and_mul
-from pagellm.model.layers import GATED_ACTIVATIONS, ClampedSwiGLU
+from pagellm.model.layers import GATED_ACTIVATIONS, ClampedSwiGLU, SiluAndMul
 from pagellm.model.lora import LoRAStep
 from pagellm.model.quant_linear import linear_for_plan, quantized_plan
 
@@ -32,9 +32,12 @@ class LlamaMLP(nn.Module):
         self.lora = plan is not None and plan.lora
         fused = quantized_plan(plan) and not arch.mlp_bias and self.silu and not self.lora
         self.gate_up_proj = linear_for_plan(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias, plan, fused)
+        # Apart for adapters, SiLU-and-mul runs on the kernel where the norms do (the bits the
+        # one-call decoder stack computes).
         self.act: nn.Module = (
             nn.Identity() if fused
             else ClampedSwiGLU(arch.swiglu_limit, arch.swiglu_alpha) if arch.swiglu_limit is not None
+            else SiluAndMul(plan.library("norm")) if self.silu and self.lora and plan is not None
             else GATED_ACTIVATIONS[arch.hidden_act]()
         )  # fmt: skip
         self.down_proj = linear_for_plan(arch.intermediate_size, arch.hidden_size, arch.mlp_bias, plan)

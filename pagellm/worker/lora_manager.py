@@ -22,6 +22,7 @@ from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.layer_spec import layer_specs
 from pagellm.model.lora import LoRASlots, LoRAStep, Rows
 from pagellm.distributed.tensor_parallel import TensorParallel
+from pagellm.kernels.arg_checks import DTYPE_CODES
 from pagellm.kernels.library import KernelLibrary
 from pagellm.model.lora_adapter import LoRAAdapter, LoRAAdapterError, rank_share, read_adapter
 
@@ -45,8 +46,10 @@ class LoRAManager:
         self.device = device
         self.tp = tp
         specs = layer_specs(arch.shard(tp.size) if tp is not None else arch)
-        # On CPU pagellm's AVX2 GEMM runs the products (``kernels``), else torch in float32 (its
-        # bf16 products of these small shapes are several times slower).
+        # On CPU pagellm's LoRA kernel runs the products (``kernels``, float32 or bf16 models on
+        # AVX2 builds), else torch in float32 (its bf16 products of these shapes are slow).
+        if kernels is not None and not (kernels.gemm_avx2_available and dtype in DTYPE_CODES):
+            kernels = None
         if kernels is None and device.type == "cpu":
             dtype = torch.float32
         self.slots = LoRASlots(specs, config.max_loras, config.max_lora_rank, dtype, device, kernels)
@@ -57,7 +60,7 @@ class LoRAManager:
         self.last_used = [0] * config.max_loras  # the step each slot last served
         self._step = 0
         logger.info("LoRA: %d slots of rank %d (%.1f MiB), products on %s", config.max_loras, config.max_lora_rank,
-                    self.slots.num_bytes() / 2**20, "pagellm's AVX2 GEMM" if kernels is not None else "torch")  # fmt: skip
+                    self.slots.num_bytes() / 2**20, "pagellm's LoRA kernel" if kernels is not None else "torch")  # fmt: skip
 
     def register(self, request: LoRARequest) -> None:
         """An adapter rows will name by its id (a new sequence's); a changed path reloads it."""

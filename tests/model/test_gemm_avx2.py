@@ -131,3 +131,38 @@ def test_only_the_avx2_path_takes_a_bias():
     with pytest.raises(ValueError, match="takes no bias"):
         KernelLinear(lin, AVX2, "avx512-bf16")
     assert KernelLinear(lin, AVX2, "avx2").bias is not None
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_the_gemms_add_epilogue_is_torchs_add(dtype: torch.dtype) -> None:
+    """``out.add_(x @ W.T)`` with the product rounded to the dtype first, into a view of rows."""
+    torch.manual_seed(0)
+    for m, k, n in ((1, 48, 960), (5, 16, 37), (13, 40, 3072)):
+        x, weight = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
+        out = torch.randn(m + 3, n).to(dtype)
+        expected = out.clone()
+        expected[2 : 2 + m].add_(AVX2.gemm_avx2(x, kernels.pack_avx2_weight(weight), n))
+        got = AVX2.gemm_avx2(x, kernels.pack_avx2_weight(weight), n, "add", out[2 : 2 + m])
+        assert got.data_ptr() == out[2].data_ptr()
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="out"):
+        AVX2.gemm_avx2(x, kernels.pack_avx2_weight(weight), n, "add")
+    with pytest.raises(ValueError, match="out must be"):
+        AVX2.gemm_avx2(x, kernels.pack_avx2_weight(weight), n, "add", torch.zeros(m, n + 1, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_silu_mul_apart_is_the_fused_epilogue(dtype: torch.dtype) -> None:
+    """SiLU-and-mul after a plain gate/up GEMM gives the bits of the GEMM's own silu_mul
+    epilogue, and stays near torch's ``F.silu(gate) * up``."""
+    torch.manual_seed(1)
+    for m, k, d in ((1, 32, 24), (7, 64, 100)):
+        x, gate, up = torch.randn(m, k).to(dtype), torch.randn(d, k).to(dtype), torch.randn(d, k).to(dtype)
+        both = AVX2.gemm_avx2(x, kernels.pack_avx2_weight(torch.cat((gate, up))), 2 * d)
+        apart = AVX2.silu_mul(both)
+        fused = AVX2.gemm_avx2(x, kernels.pack_avx2_silu_mul_weight(gate, up), d, "silu_mul")
+        torch.testing.assert_close(apart, fused, rtol=0, atol=0)
+        g, u = both.chunk(2, dim=-1)
+        torch.testing.assert_close(apart.float(), (F.silu(g) * u).float(), rtol=2e-2, atol=1e-5)
+    with pytest.raises(ValueError, match="even width"):
+        AVX2.silu_mul(torch.zeros(2, 5, dtype=dtype))

@@ -67,6 +67,28 @@ inline __m256i bf16_bits(__m256 v) {
 }
 inline __m256 round_bf16x8(__m256 v) { return _mm256_castsi256_ps(bf16_bits(v)); }
 
+// The first `count` (1..8) values of p (float32 or bf16) as 8 float lanes (the rest 0).
+template <bool kBf16>
+inline __m256 load8(const void* p, int64_t count) {
+    if constexpr (kBf16) {
+        __m128i h;
+        if (count >= 8) {
+            h = _mm_loadu_si128(static_cast<const __m128i*>(p));
+        } else {
+            alignas(16) uint16_t tmp[8] = {};
+            std::memcpy(tmp, p, count * sizeof(uint16_t));
+            h = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
+        }
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else if (count >= 8) {
+        return _mm256_loadu_ps(static_cast<const float*>(p));
+    } else {
+        alignas(32) float tmp[8] = {};
+        std::memcpy(tmp, p, count * sizeof(float));
+        return _mm256_load_ps(tmp);
+    }
+}
+
 // The first `count` (1..8) lanes of v to c[0..count) as float32 or bf16.
 template <bool kBf16Out>
 inline void store8(void* c, __m256 v, int64_t count) {

@@ -13,6 +13,9 @@
 //   rotary on q and k; k, v into the cache; a = attention(q) (the layer's scale, soft cap and
 //   sliding window)
 //   x = a @ Wo^T; h = rms_norm(x + residual); x = down(silu(gate(h)) * up(h))
+// With LoRA adapters (a step's rows grouped by adapter slot, each group a run of rows), each
+// linear's output rows of a group get the slot's low-rank product added (model/lora.py), gate
+// and up before the activation, o and down before the tensor-parallel sum.
 // The final norm stays with the caller. Under tensor parallelism (tp_size > 1) each rank holds
 // its share of the heads and of the MLP width, and x is summed over the ranks after the o and
 // the down projections (shm_all_reduce.cpp, in float32 as the Python layers do it).
@@ -52,7 +55,7 @@ struct PagellmLayer {
     float scale;           // attention scores' scale
     float softcap;         // scores capped by softcap * tanh(score / softcap); 0: none
     int32_t window;        // positions each row attends to, its own included; 0: all
-    int32_t reserved;
+    int32_t mlp_apart;     // 1: gate/up's GEMM writes gate and up (into gate_up), SiLU-and-mul after it
     PagellmLinear qkv, o, gate_up, down;
 };
 
@@ -89,6 +92,12 @@ struct PagellmStack {
     int64_t tp_slot_elems;
     double tp_timeout_s;
     int32_t tp_rank, tp_size;
+    void* gate_up;       // scratch [T, 2 * intermediate] where a layer's MLP runs apart, else null
+    // LoRA (null / 0: no adapter this step): each layer's 4 linears (qkv, o, gate_up, down) and
+    // the groups of rows [num_lora_groups][3] (slot, first row, rows).
+    const PagellmLoRALinear* lora;
+    const int64_t* lora_groups;
+    int64_t num_lora_groups;
 };
 
 namespace {
@@ -123,6 +132,20 @@ int linear(const PagellmLinear& w, const void* a, int64_t m, int64_t k, void* c,
         const int rc = linear_part(*part, a, m, k, static_cast<char*>(c) + done * elem, cols, n, dtype, threads);
         if (rc != 0) return rc;
         done += cols;
+    }
+    return 0;
+}
+
+// out [T, n] rows of each group += B(A(in [T, k] rows)) where the group's adapter adds to this
+// linear (lora.cpp: the bits of LoRAStep.add_ in model/lora.py).
+int add_lora(const PagellmStack& s, const PagellmLoRALinear* lora, const void* in, int64_t k, void* out, int64_t n) {
+    if (lora == nullptr || lora->width == 0) return 0;
+    const int64_t elem = s.dtype == 1 ? 2 : 4;
+    for (int64_t g = 0; g < s.num_lora_groups; ++g) {
+        const int64_t slot = s.lora_groups[3 * g], first = s.lora_groups[3 * g + 1], rows = s.lora_groups[3 * g + 2];
+        const int rc = pagellm_lora_add(lora, slot, static_cast<const char*>(in) + first * k * elem, k, rows, k,
+                                        static_cast<char*>(out) + first * n * elem, n, n, s.dtype, s.num_threads);
+        if (rc != 0) return rc;
     }
     return 0;
 }
@@ -174,7 +197,25 @@ const int32_t* row_starts(const PagellmStack& s, int32_t window, int32_t* curren
     return s.row_start;
 }
 
-int layer(const PagellmStack& s, const PagellmLayer& L, bool first, int32_t* window) {
+// x = down(silu(gate(h)) * up(h)), the adapters added to gate/up and to down.
+int mlp(const PagellmStack& s, const PagellmLayer& L, const PagellmLoRALinear* lora) {
+    const int64_t T = s.tokens, H = s.hidden, I = s.intermediate;
+    const int dt = s.dtype, th = s.num_threads;
+    int rc = 0;
+    if (L.mlp_apart) {
+        rc = linear(L.gate_up, s.h, T, H, s.gate_up, 2 * I, dt, th);
+        if (rc == 0 && lora != nullptr) rc = add_lora(s, lora + 2, s.h, H, s.gate_up, 2 * I);
+        if (rc == 0) rc = pagellm_silu_mul(s.gate_up, T, I, s.act, dt, th);
+    } else {
+        if (lora != nullptr && lora[2].width != 0) return -1;  // (the activation is in the GEMM: nothing to add to)
+        rc = linear(L.gate_up, s.h, T, H, s.act, I, dt, th);
+    }
+    if (rc == 0) rc = linear(L.down, s.act, T, I, s.x, H, dt, th);
+    if (rc == 0 && lora != nullptr) rc = add_lora(s, lora + 3, s.act, I, s.x, H);
+    return rc;
+}
+
+int layer(const PagellmStack& s, const PagellmLayer& L, const PagellmLoRALinear* lora, bool first, int32_t* window) {
     const int64_t T = s.tokens, H = s.hidden, dh = s.head_dim;
     const int64_t q = s.num_heads * dh, kv = s.num_kv_heads * dh, W = q + 2 * kv;
     const int dt = s.dtype, th = s.num_threads;
@@ -184,7 +225,8 @@ int layer(const PagellmStack& s, const PagellmLayer& L, bool first, int32_t* win
     if (rc == 0) rc = linear(L.qkv, s.h, T, H, s.qkv, W, dt, th);
     if (rc != 0) return rc;
     if (L.qkv_bias != nullptr) add_bias(s.qkv, L.qkv_bias, T, W, dt == 1);
-    if (L.q_norm != nullptr) rc = pagellm_head_rms_norm(s.qkv, W, T, s.num_heads, dh, L.q_norm, s.eps, dt, th);
+    if (lora != nullptr) rc = add_lora(s, lora, s.h, H, s.qkv, W);
+    if (rc == 0 && L.q_norm != nullptr) rc = pagellm_head_rms_norm(s.qkv, W, T, s.num_heads, dh, L.q_norm, s.eps, dt, th);
     if (rc == 0 && L.k_norm != nullptr)
         rc = pagellm_head_rms_norm(qkv + q * elem, W, T, s.num_kv_heads, dh, L.k_norm, s.eps, dt, th);
     if (rc == 0) rc = pagellm_rotary(s.qkv, W, T, s.num_heads + s.num_kv_heads, dh, s.cos, s.sin, dt, th);
@@ -197,10 +239,10 @@ int layer(const PagellmStack& s, const PagellmLayer& L, bool first, int32_t* win
                                      s.row_ctx, s.num_rows, s.num_heads, s.num_kv_heads, dh, s.block_size, L.scale,
                                      L.softcap, nullptr, s.cache_code, th);
     if (rc == 0) rc = linear(L.o, s.attn, T, q, s.x, H, dt, th);
+    if (rc == 0 && lora != nullptr) rc = add_lora(s, lora + 1, s.attn, q, s.x, H);
     if (rc == 0 && s.tp_size > 1) rc = all_reduce(s);
     if (rc == 0) rc = pagellm_add_rms_norm(s.x, s.residual, L.post_norm, s.h, T, H, s.eps, dt, th);
-    if (rc == 0) rc = linear(L.gate_up, s.h, T, H, s.act, s.intermediate, dt, th);
-    if (rc == 0) rc = linear(L.down, s.act, T, s.intermediate, s.x, H, dt, th);
+    if (rc == 0) rc = mlp(s, L, lora);
     if (rc == 0 && s.tp_size > 1) rc = all_reduce(s);
     return rc;
 }
@@ -216,10 +258,13 @@ int pagellm_decoder_stack(const PagellmStack* s) {
                            (s->dtype == 1 && s->tp_scratch == nullptr)))
         return -1;
     if (s->num_rows > 0 && s->row_start == nullptr) return -1;
+    if (s->lora != nullptr && s->lora_groups == nullptr) return -1;
+    for (int64_t l = 0; l < s->num_layers; ++l)
+        if (s->layers[l].mlp_apart && s->gate_up == nullptr) return -1;
     std::memcpy(s->residual, s->x, static_cast<size_t>(s->tokens * s->hidden * (s->dtype == 1 ? 2 : 4)));
     int32_t window = 0;  // the window s->row_start holds the starts of (0: none yet)
     for (int64_t l = 0; l < s->num_layers; ++l) {
-        const int rc = layer(*s, s->layers[l], l == 0, &window);
+        const int rc = layer(*s, s->layers[l], s->lora != nullptr ? s->lora + 4 * l : nullptr, l == 0, &window);
         if (rc != 0) return rc;
     }
     return 0;

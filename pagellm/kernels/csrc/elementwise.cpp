@@ -276,7 +276,7 @@ void apply_token_bitmask(T* logits, int64_t row_stride, int64_t rows, int64_t n,
 
 extern "C" {
 
-int pagellm_abi_version() { return 24; }
+int pagellm_abi_version() { return 25; }
 
 // key_cache[slot_mapping[t]] = key[t] (num_kv_heads rows of head_dim values), same for V.
 // dtype: 0 float32, 1 bfloat16, 2 bfloat16 K/V stored into an fp8 (e4m3) cache, 3 bfloat16 and

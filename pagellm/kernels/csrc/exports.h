@@ -7,6 +7,19 @@
 
 extern "C" {
 
+// One linear's LoRA slots (lora.cpp; its layouts there), read by lora.cpp and decoder_stack.cpp.
+struct PagellmLoRALinear {
+    int64_t width;             // A's rows: parts x rank (0: no adapter adds to this linear)
+    int64_t rank;              // A's rows (and B's) per part
+    int64_t parts;             // 1..4
+    int64_t part_cols[5];      // each part's first output column, then the linear's width
+    const void* const* a;      // [max_loras] each slot's A
+    const void* const* b;      // [max_loras] each slot's B
+    const uint8_t* active;     // [max_loras]: 1 where the slot's adapter adds to this linear
+    int32_t dtype;             // A's and B's dtype, the activations' (0 float32, 1 bf16)
+    int32_t reserved;
+};
+
 int pagellm_add_rms_norm(const void* x, void* residual, const void* weight, void* out, int64_t rows, int64_t n,
                          float eps, int dtype, int num_threads);
 int pagellm_head_rms_norm(void* x, int64_t row_stride, int64_t tokens, int64_t heads, int64_t head_dim,
@@ -21,6 +34,9 @@ int pagellm_gemm_bf16(const void* a, int64_t lda, int64_t m, int64_t k, const vo
                       int64_t ldc, int epilogue, int num_threads, int use_amx);
 int pagellm_gemm_avx2(const void* a, int64_t lda, int64_t m, int64_t k, const void* packed, int64_t n, void* c,
                       int64_t ldc, int a_dtype, int w_dtype, int epilogue, int num_threads);
+int pagellm_lora_add(const PagellmLoRALinear* lora, int64_t slot, const void* x, int64_t ldx, int64_t m, int64_t k,
+                     void* out, int64_t ldo, int64_t n, int dtype, int num_threads);
+int pagellm_silu_mul(const void* x, int64_t rows, int64_t n, void* out, int dtype, int num_threads);
 int pagellm_rotary(void* x, int64_t row_stride, int64_t rows, int64_t num_heads, int64_t head_dim, const void* cos,
                    const void* sin, int dtype, int num_threads);
 int pagellm_write_kv(const void* key, int64_t key_row_stride, const void* value, int64_t value_row_stride,

@@ -57,6 +57,7 @@ constexpr int kRows = 6;      // rows of A per register tile
 constexpr int kLine = 64;     // bytes per packed step of k (float32: 1 k; bf16: 2 k)
 constexpr int kPrefetchPhases = 16;
 constexpr int64_t kChunkBytes = 128 << 10;  // float32 rows of A kept in L2 while panels pass
+constexpr int kSiluMul = 1, kAdd = 2;       // epilogue codes (0: plain)
 
 // Which part of the next panel group a row block prefetches: the lines of the packed steps s
 // with s % phases == phase (none if phase < 0).
@@ -151,8 +152,10 @@ Tile tile_for(int rows, bool wide) {
 }
 
 // Writes a finished tile (`rows` x G panels) to C at the group's first output column.
-// Plain: 16 outputs per panel; silu_mul: 8, silu(gate) * up with the rounding of the unfused
-// ops in C's dtype (bf16: gate, up and silu(gate) each rounded to bf16, as F.silu(g) * u).
+// Plain: 16 outputs per panel; add: the same 16, each rounded to C's dtype and added to what C
+// holds (rounded again: torch's `c.add_(a @ W.T)`, LoRA's expand); silu_mul: 8, silu(gate) * up
+// with the rounding of the unfused ops in C's dtype (bf16: gate, up and silu(gate) each rounded
+// to bf16, as F.silu(g) * u).
 template <bool kBf16Out>
 void finish(const float* tile, int rows, int G, int epilogue, int64_t panel0, int64_t n, void* c, int64_t ldc) {
     constexpr int64_t kElem = kBf16Out ? 2 : 4;
@@ -160,10 +163,17 @@ void finish(const float* tile, int rows, int G, int epilogue, int64_t panel0, in
     for (int r = 0; r < rows; ++r) {
         const float* t = tile + r * G * kCols;
         char* row = out + r * ldc * kElem;
-        if (epilogue == 0) {
+        if (epilogue != kSiluMul) {
             const int64_t col0 = panel0 * kCols;
-            for (int64_t x = 0; x < G * kCols && col0 + x < n; x += 8)
-                store8<kBf16Out>(row + (col0 + x) * kElem, _mm256_loadu_ps(t + x), n - col0 - x);
+            for (int64_t x = 0; x < G * kCols && col0 + x < n; x += 8) {
+                char* at = row + (col0 + x) * kElem;
+                __m256 v = _mm256_loadu_ps(t + x);
+                if (epilogue == kAdd) {
+                    if constexpr (kBf16Out) v = round_bf16x8(v);
+                    v = _mm256_add_ps(load8<kBf16Out>(at, n - col0 - x), v);
+                }
+                store8<kBf16Out>(at, v, n - col0 - x);
+            }
             continue;
         }
         for (int g = 0; g < G && (panel0 + g) * 8 < n; ++g) {
@@ -184,7 +194,8 @@ void gemm(const void* a, int64_t lda, int64_t m, int64_t k, const void* packed, 
     // Under 4 rows, one block whose tile spans G panels: the work items are groups of G panels.
     const Tile wide = tile_for<kBf16W>(static_cast<int>(std::min<int64_t>(m, kRows)), true);
     const int G = wide.group;
-    const int64_t panels = (n + (epilogue ? 8 : kCols) - 1) / (epilogue ? 8 : kCols);
+    const int64_t per_panel = epilogue == kSiluMul ? 8 : kCols;
+    const int64_t panels = (n + per_panel - 1) / per_panel;
     const int64_t groups = (panels + G - 1) / G;
     const int64_t panel_elems = k * kCols, panel_bytes = panel_elems * (kBf16W ? 2 : 4);
     const int64_t chunk = std::max<int64_t>(kRows, kChunkBytes / (k * 4) / kRows * kRows);
@@ -250,12 +261,12 @@ int pagellm_gemm_avx2_available() {
 
 // c[m, n] = a[m, k] @ W^T on a packed W (layout above). a_dtype: 0 float32, 1 bfloat16 (c has
 // a's dtype); w_dtype: 0 float32, 1 bfloat16 (needs an even k); epilogue 0 plain, 1 silu_mul
-// (n = the gate/up width). Returns 0, -1 on a bad argument, -2 where the build lacks AVX2/FMA.
+// (n = the gate/up width), 2 add (c += the product, as torch's add_ of it). Returns 0, -1 on a bad argument, -2 where the build lacks AVX2/FMA.
 int pagellm_gemm_avx2(const void* a, int64_t lda, int64_t m, int64_t k, const void* packed, int64_t n, void* c,
                       int64_t ldc, int a_dtype, int w_dtype, int epilogue, int num_threads) {
 #if defined(__AVX2__) && defined(__FMA__)
     if (m < 0 || k <= 0 || n <= 0 || lda < k || ldc < n) return -1;
-    if ((a_dtype != 0 && a_dtype != 1) || (w_dtype != 0 && w_dtype != 1) || (epilogue != 0 && epilogue != 1))
+    if ((a_dtype != 0 && a_dtype != 1) || (w_dtype != 0 && w_dtype != 1) || epilogue < 0 || epilogue > 2)
         return -1;
     if (w_dtype == 1 && k % 2 != 0) return -1;
     if (m == 0) return 0;
@@ -267,6 +278,38 @@ int pagellm_gemm_avx2(const void* a, int64_t lda, int64_t m, int64_t k, const vo
 #else
     (void)a, (void)lda, (void)m, (void)k, (void)packed, (void)n, (void)c, (void)ldc, (void)a_dtype, (void)w_dtype,
         (void)epilogue, (void)num_threads;
+    return -2;
+#endif
+}
+
+// out[r, :n] = silu(x[r, :n]) * x[r, n:2n] for r < rows (x rows 2n apart, out rows n apart; a
+// gate/up projection's output): the silu_mul epilogue run apart, to the same bits, where LoRA
+// adapters add to gate and up between the GEMM and the activation. dtype: 0 float32, 1 bf16.
+int pagellm_silu_mul(const void* x, int64_t rows, int64_t n, void* out, int dtype, int num_threads) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (rows < 0 || n <= 0 || (dtype != 0 && dtype != 1)) return -1;
+    if (num_threads < 1) num_threads = 1;
+    const int64_t elem = dtype == 1 ? 2 : 4;
+    const auto* in = static_cast<const char*>(x);
+    auto* dst = static_cast<char*>(out);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n >= (int64_t{1} << 15))
+    for (int64_t r = 0; r < rows; ++r) {
+        const char* gate = in + r * 2 * n * elem;
+        const char* up = gate + n * elem;
+        char* o = dst + r * n * elem;
+        for (int64_t i = 0; i < n; i += 8) {
+            if (dtype == 1) {
+                const __m256 act = round_bf16x8(silu_x8(load8<true>(gate + i * 2, n - i)));
+                store8<true>(o + i * 2, _mm256_mul_ps(act, load8<true>(up + i * 2, n - i)), n - i);
+            } else {
+                const __m256 act = silu_x8(load8<false>(gate + i * 4, n - i));
+                store8<false>(o + i * 4, _mm256_mul_ps(act, load8<false>(up + i * 4, n - i)), n - i);
+            }
+        }
+    }
+    return 0;
+#else
+    (void)x, (void)rows, (void)n, (void)out, (void)dtype, (void)num_threads;
     return -2;
 #endif
 }
