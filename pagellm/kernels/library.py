@@ -270,22 +270,15 @@ class KernelLibrary:
         return out
 
 
-    def gemm_avx2(
-        self, x: torch.Tensor, packed: torch.Tensor, out_features: int, epilogue: str = "none",
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def gemm_avx2(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, epilogue: str = "none") -> torch.Tensor:
         """``x [M, K] @ W.T`` on the AVX2 GEMM for a packed float32/bf16 ``W``
         (``packing.pack_avx2_weight``) -> new ``[M, out_features]`` tensor of x's dtype.
 
         ``epilogue="silu_mul"`` takes a ``packing.pack_avx2_silu_mul_weight`` weight and returns
         ``silu(x @ gate.T) * (x @ up.T)`` (bf16: gate, up and silu(gate) rounded as the unfused ops).
-        ``epilogue="add"`` adds the product to ``out`` (``[M, out_features]`` of x's dtype, rows
-        contiguous) and returns it: the bits of ``out.add_(x @ W.T)``.
         """
         code, _ = avx2_epilogue(epilogue)
         rows, k = check_gemm_input(x)
-        if (epilogue == "add") != (out is not None):
-            raise ValueError("out is given with epilogue='add', and only then")
         if packed.dtype not in DTYPE_CODES or packed.device.type != "cpu" or not packed.is_contiguous():
             raise ValueError("packed weight must be a contiguous CPU float32 or bfloat16 tensor")
         if packed.dtype == torch.bfloat16 and k % 2 != 0:
@@ -293,14 +286,10 @@ class KernelLibrary:
         expected = avx2_packed_shape(out_features, k, packed.dtype, epilogue)
         if out_features <= 0 or tuple(packed.shape) != expected:
             raise ValueError(f"packed weight must have shape {list(expected)} for x {list(x.shape)}, got {list(packed.shape)}")
-        if out is None:
-            out = torch.empty(rows, out_features, dtype=x.dtype)
-        elif out.dtype != x.dtype or out.device.type != "cpu" or out.shape != (rows, out_features) or (rows > 1 and out.stride(1) != 1):
-            raise ValueError(f"out must be a [{rows}, {out_features}] {x.dtype} tensor with contiguous rows")
-        ldc = out.stride(0) if rows > 1 else out_features
+        out = torch.empty(rows, out_features, dtype=x.dtype)
         rc = self._lib.pagellm_gemm_avx2(
             x.data_ptr(), x.stride(0) if rows > 1 else k, rows, k, packed.data_ptr(), out_features, out.data_ptr(),
-            ldc, DTYPE_CODES[x.dtype], DTYPE_CODES[packed.dtype], code, torch.get_num_threads(),
+            out_features, DTYPE_CODES[x.dtype], DTYPE_CODES[packed.dtype], code, torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"pagellm_gemm_avx2 failed with code {rc}")

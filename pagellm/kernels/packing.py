@@ -70,11 +70,10 @@ def pack_silu_mul_weight(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _interleave_pairs(both)
 
 
-# The AVX2 GEMM's panels: 16 columns (silu_mul: 8 gate columns, then the same 8 up columns);
-# "add" adds the product to the output it is given (a plain weight's panels).
+# The AVX2 GEMM's panels: 16 columns (silu_mul: 8 gate columns, then the same 8 up columns).
 AVX2_PANEL_COLS = 16
 AVX2_SILU_MUL_HALF_COLS = 8
-_AVX2_EPILOGUES = {"none": (0, AVX2_PANEL_COLS), "silu_mul": (1, AVX2_SILU_MUL_HALF_COLS), "add": (2, AVX2_PANEL_COLS)}
+_AVX2_EPILOGUES = {"none": (0, AVX2_PANEL_COLS), "silu_mul": (1, AVX2_SILU_MUL_HALF_COLS)}
 _AVX2_DTYPES = (torch.float32, torch.bfloat16)
 
 

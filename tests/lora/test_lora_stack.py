@@ -82,22 +82,24 @@ def _kernel_linear(dtype: torch.dtype, k: int, starts: list[int], rank: int, see
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("k,starts,rank", [(37, [0, 70, 75, 150], 3), (50, [0, 64], 16), (576, [0, 576, 768, 960], 16)])
-def test_the_lora_kernel_adds_the_low_rank_product(dtype, k, starts, rank) -> None:
+@pytest.mark.parametrize("rows", [9, 40])
+def test_the_lora_kernel_adds_the_low_rank_product(dtype, k, starts, rank, rows) -> None:
     """``out += B(A x)`` against float64 (A's product rounded to the dtype, then B's, then the
     sum, as the torch ops would), over k tails, parts' column tails and a part of one column
-    chunk; a row gives the same bits alone as in a batch, on one thread or two; a slot that is
-    not active adds nothing."""
+    chunk, a few rows (the threads split A and B) and many (they split the rows); a row gives
+    the same bits alone as in a batch, on one thread or two; a slot that is not active adds
+    nothing."""
     cpu_kernels = kernels.load(KernelConfig.from_env())
     if cpu_kernels is None or not cpu_kernels.gemm_avx2_available:
         pytest.skip("the LoRA kernel needs the AVX2 build")
     args, a, b, keep = _kernel_linear(dtype, k, starts, rank, seed=k)
-    x, base = torch.randn(9, k).to(dtype), torch.randn(9, starts[-1]).to(dtype)
+    x, base = torch.randn(rows, k).to(dtype), torch.randn(rows, starts[-1]).to(dtype)
     out = cpu_kernels.lora_add(args, 1, 2, x, base.clone())
     shrunk = (x.double() @ a.double().T).to(dtype).double()
     expected = base.double() + (shrunk @ b.double().T).to(dtype).double()
     step = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-6  # (a rounding or two of the dtype)
     torch.testing.assert_close(out.double(), expected, rtol=4 * step, atol=4 * step * float(expected.abs().max()))
-    for row in range(9):
+    for row in range(rows):
         alone = cpu_kernels.lora_add(args, 1, 2, x[row : row + 1], base[row : row + 1].clone())
         assert torch.equal(alone, out[row : row + 1])
     threads = torch.get_num_threads()

@@ -134,24 +134,6 @@ def test_only_the_avx2_path_takes_a_bias():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-def test_the_gemms_add_epilogue_is_torchs_add(dtype: torch.dtype) -> None:
-    """``out.add_(x @ W.T)`` with the product rounded to the dtype first, into a view of rows."""
-    torch.manual_seed(0)
-    for m, k, n in ((1, 48, 960), (5, 16, 37), (13, 40, 3072)):
-        x, weight = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
-        out = torch.randn(m + 3, n).to(dtype)
-        expected = out.clone()
-        expected[2 : 2 + m].add_(AVX2.gemm_avx2(x, kernels.pack_avx2_weight(weight), n))
-        got = AVX2.gemm_avx2(x, kernels.pack_avx2_weight(weight), n, "add", out[2 : 2 + m])
-        assert got.data_ptr() == out[2].data_ptr()
-        torch.testing.assert_close(out, expected, rtol=0, atol=0)
-    with pytest.raises(ValueError, match="out"):
-        AVX2.gemm_avx2(x, kernels.pack_avx2_weight(weight), n, "add")
-    with pytest.raises(ValueError, match="out must be"):
-        AVX2.gemm_avx2(x, kernels.pack_avx2_weight(weight), n, "add", torch.zeros(m, n + 1, dtype=dtype))
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_silu_mul_apart_is_the_fused_epilogue(dtype: torch.dtype) -> None:
     """SiLU-and-mul after a plain gate/up GEMM gives the bits of the GEMM's own silu_mul
     epilogue, and stays near torch's ``F.silu(gate) * up``."""

@@ -57,7 +57,6 @@ constexpr int kRows = 6;      // rows of A per register tile
 constexpr int kLine = 64;     // bytes per packed step of k (float32: 1 k; bf16: 2 k)
 constexpr int kPrefetchPhases = 16;
 constexpr int64_t kChunkBytes = 128 << 10;  // float32 rows of A kept in L2 while panels pass
-constexpr int kSiluMul = 1, kAdd = 2;       // epilogue codes (0: plain)
 
 // Which part of the next panel group a row block prefetches: the lines of the packed steps s
 // with s % phases == phase (none if phase < 0).
@@ -152,10 +151,8 @@ Tile tile_for(int rows, bool wide) {
 }
 
 // Writes a finished tile (`rows` x G panels) to C at the group's first output column.
-// Plain: 16 outputs per panel; add: the same 16, each rounded to C's dtype and added to what C
-// holds (rounded again: torch's `c.add_(a @ W.T)`, LoRA's expand); silu_mul: 8, silu(gate) * up
-// with the rounding of the unfused ops in C's dtype (bf16: gate, up and silu(gate) each rounded
-// to bf16, as F.silu(g) * u).
+// Plain: 16 outputs per panel; silu_mul: 8, silu(gate) * up with the rounding of the unfused
+// ops in C's dtype (bf16: gate, up and silu(gate) each rounded to bf16, as F.silu(g) * u).
 template <bool kBf16Out>
 void finish(const float* tile, int rows, int G, int epilogue, int64_t panel0, int64_t n, void* c, int64_t ldc) {
     constexpr int64_t kElem = kBf16Out ? 2 : 4;
@@ -163,17 +160,10 @@ void finish(const float* tile, int rows, int G, int epilogue, int64_t panel0, in
     for (int r = 0; r < rows; ++r) {
         const float* t = tile + r * G * kCols;
         char* row = out + r * ldc * kElem;
-        if (epilogue != kSiluMul) {
+        if (epilogue == 0) {
             const int64_t col0 = panel0 * kCols;
-            for (int64_t x = 0; x < G * kCols && col0 + x < n; x += 8) {
-                char* at = row + (col0 + x) * kElem;
-                __m256 v = _mm256_loadu_ps(t + x);
-                if (epilogue == kAdd) {
-                    if constexpr (kBf16Out) v = round_bf16x8(v);
-                    v = _mm256_add_ps(load8<kBf16Out>(at, n - col0 - x), v);
-                }
-                store8<kBf16Out>(at, v, n - col0 - x);
-            }
+            for (int64_t x = 0; x < G * kCols && col0 + x < n; x += 8)
+                store8<kBf16Out>(row + (col0 + x) * kElem, _mm256_loadu_ps(t + x), n - col0 - x);
             continue;
         }
         for (int g = 0; g < G && (panel0 + g) * 8 < n; ++g) {
@@ -194,8 +184,7 @@ void gemm(const void* a, int64_t lda, int64_t m, int64_t k, const void* packed, 
     // Under 4 rows, one block whose tile spans G panels: the work items are groups of G panels.
     const Tile wide = tile_for<kBf16W>(static_cast<int>(std::min<int64_t>(m, kRows)), true);
     const int G = wide.group;
-    const int64_t per_panel = epilogue == kSiluMul ? 8 : kCols;
-    const int64_t panels = (n + per_panel - 1) / per_panel;
+    const int64_t panels = (n + (epilogue ? 8 : kCols) - 1) / (epilogue ? 8 : kCols);
     const int64_t groups = (panels + G - 1) / G;
     const int64_t panel_elems = k * kCols, panel_bytes = panel_elems * (kBf16W ? 2 : 4);
     const int64_t chunk = std::max<int64_t>(kRows, kChunkBytes / (k * 4) / kRows * kRows);
@@ -261,12 +250,12 @@ int pagellm_gemm_avx2_available() {
 
 // c[m, n] = a[m, k] @ W^T on a packed W (layout above). a_dtype: 0 float32, 1 bfloat16 (c has
 // a's dtype); w_dtype: 0 float32, 1 bfloat16 (needs an even k); epilogue 0 plain, 1 silu_mul
-// (n = the gate/up width), 2 add (c += the product, as torch's add_ of it). Returns 0, -1 on a bad argument, -2 where the build lacks AVX2/FMA.
+// (n = the gate/up width). Returns 0, -1 on a bad argument, -2 where the build lacks AVX2/FMA.
 int pagellm_gemm_avx2(const void* a, int64_t lda, int64_t m, int64_t k, const void* packed, int64_t n, void* c,
                       int64_t ldc, int a_dtype, int w_dtype, int epilogue, int num_threads) {
 #if defined(__AVX2__) && defined(__FMA__)
     if (m < 0 || k <= 0 || n <= 0 || lda < k || ldc < n) return -1;
-    if ((a_dtype != 0 && a_dtype != 1) || (w_dtype != 0 && w_dtype != 1) || epilogue < 0 || epilogue > 2)
+    if ((a_dtype != 0 && a_dtype != 1) || (w_dtype != 0 && w_dtype != 1) || (epilogue != 0 && epilogue != 1))
         return -1;
     if (w_dtype == 1 && k % 2 != 0) return -1;
     if (m == 0) return 0;

@@ -14,7 +14,7 @@
 //      past the part's last column: a chunk's 64 outputs read rank x 64 contiguous values.
 // Sums: each shrunk value is two chains of 8 lanes over k (then the lanes in a fixed order),
 // rounded to the dtype; each output one chain over the part's rank. Neither order depends on
-// the number of rows or threads: a row's result is the same in any batch.
+// the register tile, the number of rows or threads: a row's result is the same in any batch.
 
 #include <cstdint>
 #include <cstring>
@@ -33,6 +33,7 @@ namespace {
 
 constexpr int64_t kChunk = 64;                   // B's output columns per chunk (8 accumulators)
 constexpr int64_t kMinParallelMacs = 1 << 13;    // below this (rows x width x k) one thread does it
+constexpr int64_t kFewRows = 32;                 // up to this many rows the threads split A and B
 
 // 8 weights from p (float32 or bf16) as float lanes.
 template <bool kBf16>
@@ -51,89 +52,191 @@ inline float sum_lanes(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
 }
 
-// s[r] = x . A[r] (k values) for R rows of A (elem-sized rows k apart), each rounded to the dtype.
-template <int R, bool kBf16>
-void shrink_rows(const float* x, const char* a, int64_t k, float* s) {
+// s[i * si + r * sr] = x[i] . A[r] (k values) for RM rows of x (float32, k apart) and RA rows of
+// A (elem-sized rows k apart), each rounded to the dtype. RM x RA x 2 accumulators: one row of
+// x takes 4 rows of A (8 chains, enough to hide the FMA latency), two rows 2 (the widened A
+// shared by both). `next`: the next tile's rows, prefetched as far as this one has come.
+template <int RM, int RA, bool kBf16>
+void shrink_tile(const float* x, const char* a, int64_t k, float* s, int64_t si, int64_t sr, const char* next) {
     constexpr int64_t kElem = kBf16 ? 2 : 4;
-    __m256 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= k; i += 16) {
-        const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
-        for (int r = 0; r < R; ++r) {
-            const char* row = a + (r * k + i) * kElem;
-            acc[r][0] = _mm256_fmadd_ps(x0, load_w<kBf16>(row), acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(x1, load_w<kBf16>(row + 8 * kElem), acc[r][1]);
+    __m256 acc[RM][RA][2];
+    for (int i = 0; i < RM; ++i)
+        for (int r = 0; r < RA; ++r) acc[i][r][0] = acc[i][r][1] = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 16 <= k; c += 16) {
+        if (next != nullptr)
+            for (int r = 0; r < RA; ++r) _mm_prefetch(next + (r * k + c) * kElem, _MM_HINT_T0);
+        for (int r = 0; r < RA; ++r) {
+            const char* row = a + (r * k + c) * kElem;
+            const __m256 w0 = load_w<kBf16>(row), w1 = load_w<kBf16>(row + 8 * kElem);
+            for (int i = 0; i < RM; ++i) {
+                acc[i][r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * k + c), w0, acc[i][r][0]);
+                acc[i][r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * k + c + 8), w1, acc[i][r][1]);
+            }
         }
     }
-    for (int half = 0; i < k; i += 8, half ^= 1) {  // the tail: zero-filled lanes past k
-        const __m256 xv = load8<false>(x + i, k - i);
-        for (int r = 0; r < R; ++r) acc[r][half] = _mm256_fmadd_ps(xv, load8<kBf16>(a + (r * k + i) * kElem, k - i), acc[r][half]);
-    }
-    for (int r = 0; r < R; ++r) {
-        const float v = sum_lanes(_mm256_add_ps(acc[r][0], acc[r][1]));
-        s[r] = kBf16 ? bf16_to_float(float_to_bf16(v)) : v;
-    }
+    for (int half = 0; c < k; c += 8, half ^= 1)  // the tail: zero-filled lanes past k
+        for (int r = 0; r < RA; ++r) {
+            const __m256 w = load8<kBf16>(a + (r * k + c) * kElem, k - c);
+            for (int i = 0; i < RM; ++i)
+                acc[i][r][half] = _mm256_fmadd_ps(load8<false>(x + i * k + c, k - c), w, acc[i][r][half]);
+        }
+    for (int i = 0; i < RM; ++i)
+        for (int r = 0; r < RA; ++r) {
+            const float v = sum_lanes(_mm256_add_ps(acc[i][r][0], acc[i][r][1]));
+            s[i * si + r * sr] = kBf16 ? bf16_to_float(float_to_bf16(v)) : v;
+        }
 }
 
-// out[0, cols) += round(sum over rank of s[j] * chunk[j][0, 64)) (cols <= 64), as torch's add_.
-template <bool kBf16>
-void expand_chunk(const float* s, const char* chunk, int64_t rank, char* out, int64_t cols) {
+// out[i][0, cols) += round(sum over rank of s[i * si + j * sj] * chunk[j][first, first + 8V))
+// for RM rows (out rows `ldo` bytes apart; cols <= 8V), as torch's add_: RM x V accumulators
+// (V = 8: one row, a whole 64-column chunk; V = 4: two rows, half of one). `next`: the next
+// chunk, prefetched a row of it for each row of this one.
+template <int RM, int V, bool kBf16>
+void expand_tile(const float* s, int64_t si, int64_t sj, const char* chunk, int64_t first, int64_t rank, char* out,
+                 int64_t ldo, int64_t cols, const char* next) {
     constexpr int64_t kElem = kBf16 ? 2 : 4;
-    __m256 acc[8];
-    for (auto& v : acc) v = _mm256_setzero_ps();
+    __m256 acc[RM][V];
+    for (int i = 0; i < RM; ++i)
+        for (int v = 0; v < V; ++v) acc[i][v] = _mm256_setzero_ps();
     for (int64_t j = 0; j < rank; ++j) {
-        const __m256 sj = _mm256_set1_ps(s[j]);
-        const char* row = chunk + j * kChunk * kElem;
-        for (int v = 0; v < 8; ++v) acc[v] = _mm256_fmadd_ps(sj, load_w<kBf16>(row + v * 8 * kElem), acc[v]);
+        if (next != nullptr)
+            for (int64_t line = 0; line < kChunk * kElem; line += 64) _mm_prefetch(next + j * kChunk * kElem + line, _MM_HINT_T0);
+        const char* row = chunk + (j * kChunk + first) * kElem;
+        __m256 w[V];
+        for (int v = 0; v < V; ++v) w[v] = load_w<kBf16>(row + v * 8 * kElem);
+        for (int i = 0; i < RM; ++i) {
+            const __m256 sv = _mm256_set1_ps(s[i * si + j * sj]);
+            for (int v = 0; v < V; ++v) acc[i][v] = _mm256_fmadd_ps(sv, w[v], acc[i][v]);
+        }
     }
-    for (int v = 0; v < 8 && v * 8 < cols; ++v) {
-        __m256 d = acc[v];
-        if constexpr (kBf16) d = round_bf16x8(d);
-        char* at = out + v * 8 * kElem;
-        store8<kBf16>(at, _mm256_add_ps(load8<kBf16>(at, cols - v * 8), d), cols - v * 8);
+    for (int i = 0; i < RM; ++i)
+        for (int v = 0; v < V && v * 8 < cols; ++v) {
+            __m256 d = acc[i][v];
+            if constexpr (kBf16) d = round_bf16x8(d);
+            char* at = out + i * ldo + v * 8 * kElem;
+            store8<kBf16>(at, _mm256_add_ps(load8<kBf16>(at, cols - v * 8), d), cols - v * 8);
+        }
+}
+
+// Rows [i, i + RM) (RM 1 or 2) of xf through A's rows [r0, r0 + 4) (fewer at A's end) into
+// s[i * si + r * sr].
+template <int RM, bool kBf16>
+void shrink_rows(const float* xf, const char* a, int64_t width, int64_t k, int64_t r0, float* s, int64_t si,
+                 int64_t sr, const char* next) {
+    constexpr int64_t kElem = kBf16 ? 2 : 4;
+    const char* rows = a + r0 * k * kElem;
+    float* out = s + r0 * sr;
+    if (r0 + 4 <= width && RM == 1) {
+        shrink_tile<1, 4, kBf16>(xf, rows, k, out, si, sr, next);
+    } else if (r0 + 4 <= width) {
+        shrink_tile<RM, 2, kBf16>(xf, rows, k, out, si, sr, next);
+        shrink_tile<RM, 2, kBf16>(xf, rows + 2 * k * kElem, k, out + 2 * sr, si, sr, nullptr);
+    } else {
+        for (int64_t r = r0; r < width; ++r) shrink_tile<RM, 1, kBf16>(xf, a + r * k * kElem, k, s + r * sr, si, sr, nullptr);
     }
 }
 
-// Row x (k values of the activations' dtype) through A and B into out (n values), s: width floats
-// of scratch, xf: k.
+// Rows [i, i + RM) through B's chunk `c` (its part's s values s[i * si + j * sj], the part's
+// rank values from `s`) into out (rows ldo bytes apart) at the chunk's columns.
+template <int RM, bool kBf16>
+void expand_rows(const float* s, int64_t si, int64_t sj, const char* chunk, int64_t rank, char* out, int64_t ldo,
+                 int64_t cols, const char* next) {
+    constexpr int64_t kElem = kBf16 ? 2 : 4;
+    if (RM == 1) {
+        expand_tile<1, 8, kBf16>(s, si, sj, chunk, 0, rank, out, ldo, cols, next);
+        return;
+    }
+    expand_tile<RM, 4, kBf16>(s, si, sj, chunk, 0, rank, out, ldo, std::min<int64_t>(32, cols), next);
+    if (cols > 32) expand_tile<RM, 4, kBf16>(s, si, sj, chunk, 32, rank, out + 32 * kElem, ldo, cols - 32, nullptr);
+}
+
+// Each of B's chunks: its part and its first output column.
+struct Chunks {
+    std::vector<int64_t> part, col;
+    explicit Chunks(const PagellmLoRALinear& L) {
+        for (int64_t p = 0; p < L.parts; ++p)
+            for (int64_t c = L.part_cols[p]; c < L.part_cols[p + 1]; c += kChunk) part.push_back(p), col.push_back(c);
+    }
+};
+
 template <bool kBf16>
-void lora_row(const PagellmLoRALinear& L, const char* a, const char* b, const void* x, int64_t k, char* out,
-              float* xf, float* s) {
+void widen(const void* x, int64_t ldx, int64_t rows, int64_t k, float* xf) {
+    for (int64_t i = 0; i < rows; ++i)
+        for (int64_t c = 0; c < k; ++c)
+            xf[i * k + c] = kBf16 ? bf16_to_float(static_cast<const uint16_t*>(x)[i * ldx + c])
+                                  : static_cast<const float*>(x)[i * ldx + c];
+}
+
+// Up to kFewRows rows: the threads split A's rows, then B's chunks, each over all the rows (each
+// thread widens the rows itself; only the shrunk values, [width][m], cross cores). A and B are
+// read once, in order, from memory: at a decode step the adapters' weights are not in cache,
+// and a split by rows (each thread reading all of A and B) took twice as long (NOTES.md, 66).
+template <bool kBf16>
+void lora_few_rows(const PagellmLoRALinear& L, const char* a, const char* b, const void* x, int64_t ldx, int64_t m,
+                   int64_t k, char* out, int64_t ldo, int num_threads) {
+    constexpr int64_t kElem = kBf16 ? 2 : 4;
+    const int64_t width = L.width, rank = L.rank, tiles = (width + 3) / 4;
+    std::vector<float> s(static_cast<size_t>(width * m));
+    const Chunks chunks(L);
+    const int64_t count = static_cast<int64_t>(chunks.col.size());
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && m * width * k >= kMinParallelMacs)
+    {
+        std::vector<float> xf(static_cast<size_t>(m * k));
+        widen<kBf16>(x, ldx, m, k, xf.data());
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; ++t) {
+            const char* next = 4 * t + 8 <= width ? a + (4 * t + 4) * k * kElem : nullptr;
+            int64_t i = 0;
+            for (; i + 2 <= m; i += 2, next = nullptr)
+                shrink_rows<2, kBf16>(xf.data() + i * k, a, width, k, 4 * t, s.data() + i, 1, m, next);
+            if (i < m) shrink_rows<1, kBf16>(xf.data() + i * k, a, width, k, 4 * t, s.data() + i, 1, m, next);
+        }
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < count; ++c) {
+            const int64_t p = chunks.part[c], col = chunks.col[c];
+            const int64_t cols = std::min(kChunk, L.part_cols[p + 1] - col);
+            const char* chunk = b + c * rank * kChunk * kElem;
+            const char* next = c + 1 < count ? chunk + rank * kChunk * kElem : nullptr;
+            const float* sp = s.data() + p * rank * m;
+            int64_t i = 0;
+            for (; i + 2 <= m; i += 2, next = nullptr)
+                expand_rows<2, kBf16>(sp + i, 1, m, chunk, rank, out + (i * ldo + col) * kElem, ldo * kElem, cols, next);
+            if (i < m) expand_rows<1, kBf16>(sp + i, 1, m, chunk, rank, out + (i * ldo + col) * kElem, ldo * kElem, cols, next);
+        }
+    }
+}
+
+// More rows: each pair of rows by one thread, whole (A and B come from cache after the first
+// pairs; no value crosses cores). A row's bits are the same either way: no sum depends on the
+// tile, the rows it went with, or the threads.
+template <bool kBf16>
+void lora_many_rows(const PagellmLoRALinear& L, const char* a, const char* b, const void* x, int64_t ldx, int64_t m,
+                    int64_t k, char* out, int64_t ldo, int num_threads) {
     constexpr int64_t kElem = kBf16 ? 2 : 4;
     const int64_t width = L.width, rank = L.rank;
-    for (int64_t c = 0; c < k; ++c)
-        xf[c] = kBf16 ? bf16_to_float(static_cast<const uint16_t*>(x)[c]) : static_cast<const float*>(x)[c];
-    for (int64_t r0 = 0; r0 < width; r0 += 4) {
-        const char* rows = a + r0 * k * kElem;
-        switch (std::min<int64_t>(4, width - r0)) {
-            case 4: shrink_rows<4, kBf16>(xf, rows, k, s + r0); break;
-            case 3: shrink_rows<3, kBf16>(xf, rows, k, s + r0); break;
-            case 2: shrink_rows<2, kBf16>(xf, rows, k, s + r0); break;
-            default: shrink_rows<1, kBf16>(xf, rows, k, s + r0); break;
-        }
-    }
-    const char* chunk = b;
-    for (int64_t p = 0; p < L.parts; ++p)
-        for (int64_t col = L.part_cols[p]; col < L.part_cols[p + 1]; col += kChunk, chunk += rank * kChunk * kElem)
-            expand_chunk<kBf16>(s + p * rank, chunk, rank, out + col * kElem, std::min(kChunk, L.part_cols[p + 1] - col));
-}
-
-// Each row by one thread, whole (rows split among threads: no value crosses cores; a one-row
-// product stays on the calling thread, where waking a second one cost more than it saved).
-template <bool kBf16>
-void lora_add(const PagellmLoRALinear& L, const void* a, const void* b, const void* x, int64_t ldx, int64_t m,
-              int64_t k, void* out, int64_t ldo, int num_threads) {
-    constexpr int64_t kElem = kBf16 ? 2 : 4;
-    const bool parallel = num_threads > 1 && m > 1 && m * L.width * k >= kMinParallelMacs;
-#pragma omp parallel num_threads(num_threads) if (parallel)
+    const Chunks chunks(L);
+    const int64_t count = static_cast<int64_t>(chunks.col.size());
+#pragma omp parallel num_threads(num_threads)
     {
-        std::vector<float> xf(static_cast<size_t>(k)), s(static_cast<size_t>(L.width));
+        std::vector<float> xf(static_cast<size_t>(2 * k)), s(static_cast<size_t>(2 * width));
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < m; ++i)
-            lora_row<kBf16>(L, static_cast<const char*>(a), static_cast<const char*>(b),
-                            static_cast<const char*>(x) + i * ldx * kElem, k, static_cast<char*>(out) + i * ldo * kElem,
-                            xf.data(), s.data());
+        for (int64_t pair = 0; pair < (m + 1) / 2; ++pair) {
+            const int64_t i = 2 * pair, rows = std::min<int64_t>(2, m - i);
+            widen<kBf16>(static_cast<const char*>(x) + i * ldx * kElem, ldx, rows, k, xf.data());
+            for (int64_t r0 = 0; r0 < width; r0 += 4) {
+                if (rows == 2) shrink_rows<2, kBf16>(xf.data(), a, width, k, r0, s.data(), width, 1, nullptr);
+                else shrink_rows<1, kBf16>(xf.data(), a, width, k, r0, s.data(), width, 1, nullptr);
+            }
+            for (int64_t c = 0; c < count; ++c) {
+                const int64_t p = chunks.part[c], col = chunks.col[c];
+                const int64_t cols = std::min(kChunk, L.part_cols[p + 1] - col);
+                const char* chunk = b + c * rank * kChunk * kElem;
+                char* o = out + (i * ldo + col) * kElem;
+                if (rows == 2) expand_rows<2, kBf16>(s.data() + p * rank, width, 1, chunk, rank, o, ldo * kElem, cols, nullptr);
+                else expand_rows<1, kBf16>(s.data() + p * rank, width, 1, chunk, rank, o, ldo * kElem, cols, nullptr);
+            }
+        }
     }
 }
 
@@ -156,12 +259,15 @@ int pagellm_lora_add(const PagellmLoRALinear* lora, int64_t slot, const void* x,
         if (lora->part_cols[p + 1] <= lora->part_cols[p]) return -1;
     if (m == 0 || !lora->active[slot]) return 0;
     if (num_threads < 1) num_threads = 1;
-    const void* a = lora->a[slot];
-    const void* b = lora->b[slot];
-    if (dtype == 1)
-        lora_add<true>(*lora, a, b, x, ldx, m, k, out, ldo, num_threads);
+    const auto* a = static_cast<const char*>(lora->a[slot]);
+    const auto* b = static_cast<const char*>(lora->b[slot]);
+    auto* o = static_cast<char*>(out);
+    if (m <= kFewRows)
+        dtype == 1 ? lora_few_rows<true>(*lora, a, b, x, ldx, m, k, o, ldo, num_threads)
+                   : lora_few_rows<false>(*lora, a, b, x, ldx, m, k, o, ldo, num_threads);
     else
-        lora_add<false>(*lora, a, b, x, ldx, m, k, out, ldo, num_threads);
+        dtype == 1 ? lora_many_rows<true>(*lora, a, b, x, ldx, m, k, o, ldo, num_threads)
+                   : lora_many_rows<false>(*lora, a, b, x, ldx, m, k, o, ldo, num_threads);
     return 0;
 #else
     (void)lora, (void)slot, (void)x, (void)ldx, (void)m, (void)k, (void)out, (void)ldo, (void)n, (void)dtype,
