@@ -125,21 +125,31 @@ def pack_avx2_silu_mul_weight(gate: torch.Tensor, up: torch.Tensor) -> torch.Ten
 LORA_CHUNK_COLS = 64
 
 
-def lora_b_elems(part_starts: Sequence[int], rank: int) -> int:
-    """How many values a packed LoRA ``B`` holds for parts whose outputs start at ``part_starts``
-    (then the linear's width), of ``rank`` columns each."""
+def _lora_b_rows(rank: int, dtype: torch.dtype) -> int:
+    """Rank rows a packed B holds per chunk: bf16 in pairs (the rank rounded up to even)."""
+    return rank + rank % 2 if dtype == torch.bfloat16 else rank
+
+
+def lora_b_elems(part_starts: Sequence[int], rank: int, dtype: torch.dtype) -> int:
+    """How many values a packed LoRA ``B`` of ``dtype`` holds for parts whose outputs start at
+    ``part_starts`` (then the linear's width), of ``rank`` columns each."""
     chunks = sum(-(-(end - start) // LORA_CHUNK_COLS) for start, end in zip(part_starts, part_starts[1:]))
-    return chunks * rank * LORA_CHUNK_COLS
+    return chunks * _lora_b_rows(rank, dtype) * LORA_CHUNK_COLS
 
 
 def pack_lora_b(b: torch.Tensor, part_starts: Sequence[int], rank: int) -> torch.Tensor:
     """A fused linear's LoRA ``B`` [out, parts * rank] (part p's block: its output rows, columns
     p * rank..) as the LoRA kernel reads it: part after part, chunks of 64 output columns, each
-    [rank][64] (zero past the part's last column); 1-D, in b's dtype. Off-block values are dropped."""
+    float32 [rank][64] or bf16 [rank / 2][64][2] (pairs of rank rows; zero past the part's last
+    column and the rank); 1-D, in b's dtype. Off-block values are dropped."""
+    rows = _lora_b_rows(rank, b.dtype)
     pieces = []
     for part, (start, end) in enumerate(zip(part_starts, part_starts[1:])):
         chunks = -(-(end - start) // LORA_CHUNK_COLS)
-        block = b.new_zeros(chunks * LORA_CHUNK_COLS, rank)
-        block[: end - start] = b[start:end, part * rank : (part + 1) * rank]
-        pieces.append(block.view(chunks, LORA_CHUNK_COLS, rank).transpose(1, 2).reshape(-1))
+        block = b.new_zeros(chunks * LORA_CHUNK_COLS, rows)
+        block[: end - start, :rank] = b[start:end, part * rank : (part + 1) * rank]
+        if b.dtype == torch.bfloat16:  # [chunks][rows / 2][64][2]
+            pieces.append(block.view(chunks, LORA_CHUNK_COLS, rows // 2, 2).permute(0, 2, 1, 3).reshape(-1))
+        else:  # [chunks][rank][64]
+            pieces.append(block.view(chunks, LORA_CHUNK_COLS, rows).transpose(1, 2).reshape(-1))
     return torch.cat(pieces)

@@ -92,7 +92,7 @@ class LoRASlots:
             b = [torch.zeros(n, width, dtype=self.dtype, device=device) for _ in slots]
             return _Linear(features_in, n, width, rows, a, b, active)
         a = [torch.zeros(width, features_in, dtype=self.dtype) for _ in slots]
-        b = [torch.zeros(lora_b_elems(starts, self.max_rank), dtype=self.dtype) for _ in slots]
+        b = [torch.zeros(lora_b_elems(starts, self.max_rank, self.dtype), dtype=self.dtype) for _ in slots]
         a_ptrs, b_ptrs = ((ctypes.c_void_p * self.max_loras)(*(t.data_ptr() for t in ts)) for ts in (a, b))
         args = LoRALinearArgs(
             width, self.max_rank, len(rows), (ctypes.c_int64 * 5)(*starts), ctypes.addressof(a_ptrs),
@@ -123,7 +123,8 @@ class LoRASlots:
         for key, (a_whole, b_whole) in whole.items():
             linear = self.linears[key]
             if self.kernels is not None:
-                b_whole = pack_lora_b(b_whole, [rows.start for rows in linear.rows] + [linear.features_out], self.max_rank)
+                starts = [rows.start for rows in linear.rows] + [linear.features_out]
+                b_whole = pack_lora_b(b_whole.to(self.dtype), starts, self.max_rank)
             linear.a_of[slot].copy_(a_whole)
             linear.b_of[slot].copy_(b_whole)
             linear.active[slot] = 1

@@ -72,7 +72,7 @@ def _kernel_linear(dtype: torch.dtype, k: int, starts: list[int], rank: int, see
     for p in range(parts):
         b[starts[p] : starts[p + 1], p * rank : (p + 1) * rank] = torch.randn(starts[p + 1] - starts[p], rank, generator=generator)
     b = b.to(dtype)
-    a_buffers, b_buffers = [torch.zeros_like(a), a], [torch.zeros(lora_b_elems(starts, rank), dtype=dtype), pack_lora_b(b, starts, rank)]
+    a_buffers, b_buffers = [torch.zeros_like(a), a], [torch.zeros(lora_b_elems(starts, rank, dtype), dtype=dtype), pack_lora_b(b, starts, rank)]
     active = torch.tensor([0, 1], dtype=torch.uint8)
     a_ptrs, b_ptrs = ((ctypes.c_void_p * 2)(*(t.data_ptr() for t in ts)) for ts in (a_buffers, b_buffers))
     args = LoRALinearArgs(parts * rank, rank, parts, (ctypes.c_int64 * 5)(*starts), ctypes.addressof(a_ptrs),
@@ -83,13 +83,15 @@ def _kernel_linear(dtype: torch.dtype, k: int, starts: list[int], rank: int, see
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("k,starts,rank", [(37, [0, 70, 75, 150], 3), (50, [0, 64], 16), (576, [0, 576, 768, 960], 16)])
 @pytest.mark.parametrize("rows", [9, 40])
-def test_the_lora_kernel_adds_the_low_rank_product(dtype, k, starts, rank, rows) -> None:
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_the_lora_kernel_adds_the_low_rank_product(dtype, k, starts, rank, rows, isa) -> None:
     """``out += B(A x)`` against float64 (A's product rounded to the dtype, then B's, then the
     sum, as the torch ops would), over k tails, parts' column tails and a part of one column
     chunk, a few rows (the threads split A and B) and many (they split the rows); a row gives
     the same bits alone as in a batch, on one thread or two; a slot that is not active adds
-    nothing."""
-    cpu_kernels = kernels.load(KernelConfig.from_env())
+    nothing. On this CPU's own build (bf16 on vdpbf16ps where it has AVX-512 BF16) and on the
+    AVX2 build."""
+    cpu_kernels = kernels.load(KernelConfig.from_env() if isa == "native" else KernelConfig(isa="avx2"))
     if cpu_kernels is None or not cpu_kernels.gemm_avx2_available:
         pytest.skip("the LoRA kernel needs the AVX2 build")
     args, a, b, keep = _kernel_linear(dtype, k, starts, rank, seed=k)
