@@ -62,6 +62,26 @@ def test_adapters_in_the_stack_equal_the_layers(tiny_llama_path, requests, case:
         assert [tokens for tokens, _ in stacked[i * len(PROMPTS) : (i + 1) * len(PROMPTS)]] != base, ORDER[i]
 
 
+def test_tensor_parallel_ranks_add_their_shares_in_the_stack(tiny_llama_path, requests) -> None:
+    """Two ranks, each adding its share of every adapter inside the stack before the stack's
+    all-reduces: rank 0 on the Python layers beside rank 1 on the stack gives the all-stack
+    run's tokens and logprobs exactly."""
+    runs = []
+    for rank0_layers in (False, True):
+        llm = LLM(tiny_llama_path, dtype="bfloat16", quantization="int8", enable_lora=True, max_loras=3,
+                  max_lora_rank=8, num_kv_blocks=128, enable_prefix_caching=False, tensor_parallel_size=2,
+                  num_threads=1)  # fmt: skip
+        try:
+            model = llm.llm_engine.executor.model_runner.model
+            if llm.llm_engine.executor.kernel_plan.decoder != "fused" or model.model.layers[0].self_attn.tp.shm is None:
+                pytest.skip("no one-call decoder stack with the shared-memory all-reduce here")
+            runs.append(_generate(llm, requests, layers=rank0_layers))
+            assert rank0_layers or model._fused_stack.steps >= PARAMS.max_tokens - 1
+        finally:
+            llm.llm_engine.close()
+    assert runs[0] == runs[1]
+
+
 def _kernel_linear(dtype: torch.dtype, k: int, starts: list[int], rank: int, seed: int):
     """A hand-made LoRA linear of one active slot (slot 1 of 2) for the kernel: its struct, A,
     the whole B [n, parts * rank] (block-diagonal) and the buffers the struct points to."""

@@ -276,14 +276,33 @@ void expand_rows(const float* s, int64_t si, int64_t sj, const char* chunk, int6
     if (cols > 32) expand_tile<RM, 4, kBf16>(s, si, sj, chunk, 32, rank, out + 32 * kElem, ldo, cols - 32, nullptr);
 }
 
-// Each of B's chunks: its part and its first output column.
-struct Chunks {
-    std::vector<int64_t> part, col;
-    explicit Chunks(const PagellmLoRALinear& L) {
-        for (int64_t p = 0; p < L.parts; ++p)
-            for (int64_t c = L.part_cols[p]; c < L.part_cols[p + 1]; c += kChunk) part.push_back(p), col.push_back(c);
-    }
+// B's chunk c: its part and its first output column (the parts' chunks one after another).
+struct ChunkPlace {
+    int64_t part, col;
 };
+inline ChunkPlace chunk_place(const PagellmLoRALinear& L, int64_t c) {
+    int64_t p = 0;
+    for (;; ++p) {
+        const int64_t chunks = (L.part_cols[p + 1] - L.part_cols[p] + kChunk - 1) / kChunk;
+        if (c < chunks || p + 1 == L.parts) return {p, L.part_cols[p] + c * kChunk};
+        c -= chunks;
+    }
+}
+
+inline int64_t chunk_count(const PagellmLoRALinear& L) {
+    int64_t count = 0;
+    for (int64_t p = 0; p < L.parts; ++p) count += (L.part_cols[p + 1] - L.part_cols[p] + kChunk - 1) / kChunk;
+    return count;
+}
+
+// The calling thread's scratch `which` of at least n values, kept from call to call: a step
+// makes hundreds of these products, and their buffers' allocations showed at batch 1.
+template <typename T, int which>
+T* scratch(size_t n) {
+    thread_local std::vector<T> buffer;
+    if (buffer.size() < n) buffer.resize(n);
+    return buffer.data();
+}
 
 // Rows of x as the shrink takes them (Staged), k apart.
 template <bool kBf16>
@@ -308,28 +327,27 @@ void lora_few_rows(const PagellmLoRALinear& L, const char* a, const char* b, con
                    int64_t k, char* out, int64_t ldo, int num_threads) {
     constexpr int64_t kElem = kBf16 ? 2 : 4;
     const int64_t width = L.width, rank = L.rank, tiles = (width + 3) / 4;
-    std::vector<float> s(static_cast<size_t>(width * m));
-    const Chunks chunks(L);
-    const int64_t count = static_cast<int64_t>(chunks.col.size());
+    float* s = scratch<float, 0>(static_cast<size_t>(width * m));  // (shared by the threads)
+    const int64_t count = chunk_count(L);
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && m * width * k >= kMinParallelMacs)
     {
-        std::vector<Staged<kBf16>> xf(static_cast<size_t>(m * k));
-        stage<kBf16>(x, ldx, m, k, xf.data());
+        Staged<kBf16>* xf = scratch<Staged<kBf16>, 1>(static_cast<size_t>(m * k));
+        stage<kBf16>(x, ldx, m, k, xf);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; ++t) {
             const char* next = 4 * t + 8 <= width ? a + (4 * t + 4) * k * kElem : nullptr;
             int64_t i = 0;
             for (; i + 2 <= m; i += 2, next = nullptr)
-                shrink_rows<2, kBf16>(xf.data() + i * k, a, width, k, 4 * t, s.data() + i, 1, m, next);
-            if (i < m) shrink_rows<1, kBf16>(xf.data() + i * k, a, width, k, 4 * t, s.data() + i, 1, m, next);
+                shrink_rows<2, kBf16>(xf + i * k, a, width, k, 4 * t, s + i, 1, m, next);
+            if (i < m) shrink_rows<1, kBf16>(xf + i * k, a, width, k, 4 * t, s + i, 1, m, next);
         }
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < count; ++c) {
-            const int64_t p = chunks.part[c], col = chunks.col[c];
+            const auto [p, col] = chunk_place(L, c);
             const int64_t cols = std::min(kChunk, L.part_cols[p + 1] - col);
             const char* chunk = b + c * chunk_rows(rank, kBf16) * kChunk * kElem;
             const char* next = c + 1 < count ? chunk + chunk_rows(rank, kBf16) * kChunk * kElem : nullptr;
-            const float* sp = s.data() + p * rank * m;
+            const float* sp = s + p * rank * m;
             int64_t i = 0;
             for (; i + 2 <= m; i += 2, next = nullptr)
                 expand_rows<2, kBf16>(sp + i, 1, m, chunk, rank, out + (i * ldo + col) * kElem, ldo * kElem, cols, next);
@@ -346,8 +364,7 @@ void lora_many_rows(const PagellmLoRALinear& L, const char* a, const char* b, co
                     int64_t k, char* out, int64_t ldo, int num_threads) {
     constexpr int64_t kElem = kBf16 ? 2 : 4;
     const int64_t width = L.width, rank = L.rank;
-    const Chunks chunks(L);
-    const int64_t count = static_cast<int64_t>(chunks.col.size());
+    const int64_t count = chunk_count(L);
 #pragma omp parallel num_threads(num_threads)
     {
         std::vector<Staged<kBf16>> xf(static_cast<size_t>(2 * k));
@@ -361,7 +378,7 @@ void lora_many_rows(const PagellmLoRALinear& L, const char* a, const char* b, co
                 else shrink_rows<1, kBf16>(xf.data(), a, width, k, r0, s.data(), width, 1, nullptr);
             }
             for (int64_t c = 0; c < count; ++c) {
-                const int64_t p = chunks.part[c], col = chunks.col[c];
+                const auto [p, col] = chunk_place(L, c);
                 const int64_t cols = std::min(kChunk, L.part_cols[p + 1] - col);
                 const char* chunk = b + c * chunk_rows(rank, kBf16) * kChunk * kElem;
                 char* o = out + (i * ldo + col) * kElem;
