@@ -12,7 +12,9 @@ the log. The weights' shapes are checked when the stack is built; the step's ind
 step, as the attention backend checks them. Batches of more rows than the plan's
 ``quant_max_rows`` use quantized linears' dense copies or AMX tiles, as the modules do; steps
 it does not take (a cache dtype the kernels do not read; a prefill of a head dim whose prefill
-rows the attention backend sends to SDPA) run the Python layers.
+rows the attention backend sends to SDPA) run the Python layers. LoRA adapters' products are
+added in the call (``csrc/lora.cpp``, the kernel the Python layers call too) where each
+adapter's rows are a run of the step's rows and the MLP's gate/up is apart from SiLU-and-mul.
 """
 
 from __future__ import annotations

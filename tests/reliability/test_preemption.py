@@ -33,7 +33,8 @@ LOADED_ARGS = ["--served-model-name", MODEL, "--block-size", BLOCK_SIZE, "--num-
 # Same block size (the attention kernel walks blocks), 100x the room: nothing is ever preempted.
 ROOMY_ARGS = ["--served-model-name", MODEL, "--block-size", BLOCK_SIZE, "--num-kv-blocks", "3200",
               "--max-num-seqs", "32", "--max-model-len", "128"]
-# Recompute gives the same logits up to float rounding of a different batch shape.
+# Recompute gives the same logits up to float rounding of a different batch shape (which may
+# flip a near tie: the two runs then part there, see _same_up_to_a_near_tie).
 LOGPROB_TOLERANCE = 1e-3
 
 
@@ -41,7 +42,7 @@ def body(i: int) -> dict[str, Any]:
     """Request ``i``: a distinct prompt, greedy, exactly MAX_TOKENS tokens, per-token strings and logprobs."""
     return {
         "model": MODEL, "prompt": f"Request {i}: the story of number {i * 7919} begins", "max_tokens": MAX_TOKENS,
-        "temperature": 0.0, "ignore_eos": True, "logprobs": 0,
+        "temperature": 0.0, "ignore_eos": True, "logprobs": 2,
     }
 
 
@@ -67,6 +68,7 @@ def summary(response: httpx.Response) -> dict[str, Any]:
         "text": choice["text"],
         "tokens": logprobs["tokens"],
         "token_logprobs": logprobs["token_logprobs"],
+        "top_logprobs": logprobs["top_logprobs"],
         "finish_reason": choice["finish_reason"],
         "completion_tokens": payload["usage"]["completion_tokens"],
     }
@@ -102,7 +104,26 @@ def test_preempted_requests_match_their_solo_runs(loaded: RemoteServer, roomy: R
     for i, (got, want) in enumerate(zip(loaded_results, solo_results)):
         assert got["finish_reason"] == "length" and got["completion_tokens"] == MAX_TOKENS, (i, got)
         assert len(got["tokens"]) == MAX_TOKENS, (i, got)
-        assert got["tokens"] == want["tokens"], f"request {i}: tokens differ under preemption\n{body(i)}"
-        assert got["text"] == want["text"], f"request {i}: text differs under preemption\n{body(i)}"
-        diffs = [abs(a - b) for a, b in zip(got["token_logprobs"], want["token_logprobs"])]
+        same = _same_up_to_a_near_tie(i, got, want)
+        assert got["tokens"][:same] == want["tokens"][:same], f"request {i}: tokens differ under preemption\n{body(i)}"
+        if same == MAX_TOKENS:
+            assert got["text"] == want["text"], f"request {i}: text differs under preemption\n{body(i)}"
+        diffs = [abs(a - b) for a, b in zip(got["token_logprobs"][:same], want["token_logprobs"][:same])]
         assert max(diffs) <= LOGPROB_TOLERANCE, f"request {i}: logprobs drift by {max(diffs):.2e}\n{body(i)}"
+
+
+def _same_up_to_a_near_tie(i: int, got: dict[str, Any], want: dict[str, Any]) -> int:
+    """How many leading tokens must match: all, or those before the first difference where the
+    solo run's two best tokens were within float rounding of a different batch shape (the
+    loaded run took the runner-up there, and the two continuations part). A lost, duplicated or
+    misplaced token parts them where no near tie is."""
+    differ = next((d for d, (a, b) in enumerate(zip(got["tokens"], want["tokens"])) if a != b), None)
+    if differ is None:
+        return MAX_TOKENS
+    (best, best_lp), (second, second_lp) = sorted(want["top_logprobs"][differ].items(), key=lambda kv: -kv[1])[:2]
+    assert got["tokens"][differ] == second and best_lp - second_lp <= 2 * LOGPROB_TOLERANCE, (
+        f"request {i}: tokens differ under preemption at {differ} ({got['tokens'][differ]!r} for {best!r}, "
+        f"{second!r} {best_lp - second_lp:.2e} behind: no near tie)\n{body(i)}"
+    )
+    print(f"preemption test: request {i} parts from its solo run at a near tie, token {differ}")
+    return differ
