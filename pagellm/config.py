@@ -312,8 +312,6 @@ class EngineConfig:
         if self.device.pipeline_parallel_size > 1:
             raise ValueError("--enable-lora with pipeline parallelism is not supported yet (use tensor or data "
                              "parallelism)")  # fmt: skip
-        if self.speculative is not None:
-            raise ValueError("--enable-lora with speculative decoding is not supported yet")
 
 
 def draft_model_config(config: EngineConfig) -> ModelConfig:

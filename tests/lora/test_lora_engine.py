@@ -94,11 +94,39 @@ def test_tensor_parallel_ranks_split_the_adapters(tiny_llama_path, references, r
         llm.llm_engine.close()
 
 
+# Drafts of every kind verified by the target with the adapters (not adaptive: every draft
+# found is verified); a draft model runs without adapters (its drafts are the base model's).
+SPECULATION = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+              "disable_by_batch_size": None, "adaptive": False},
+    "draft_model": {"method": "draft_model", "quantization": "int8", "num_speculative_tokens": 3,
+                    "disable_by_batch_size": None, "adaptive": False},  # (the target's checkpoint in int8)
+}  # fmt: skip
+REPEATING = [[(i % 7) * 31 + 40 for i in range(30)], [(i % 5) * 17 + 300 for i in range(26)]]
+
+
+@pytest.mark.parametrize("method", sorted(SPECULATION))
+def test_speculative_decoding_with_adapters_is_exact(tiny_llama_path, references, requests, method):
+    """The target verifies drafts with each row's adapter: greedy output equal to PEFT's (and to
+    plain decoding's on prompts that repeat, where n-grams find drafts), drafts verified."""
+    options = dict(dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=8, num_kv_blocks=128)
+    spec = LLM(tiny_llama_path, **options, speculative_config=SPECULATION[method])
+    order: list[str | None] = [None, "all", "qv", "mlp0"]
+    got = _run(spec, order, requests)
+    for name in order:
+        assert _tokens(got[name]) == references[name], name
+    plain = LLM(tiny_llama_path, **options)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for _ in order for p in REPEATING]
+    loras = [requests[name] if name is not None else None for name in order for _ in REPEATING]
+    assert _tokens(spec.generate(prompts, params, use_tqdm=False, lora_request=loras)) == _tokens(
+        plain.generate(prompts, params, use_tqdm=False, lora_request=loras))
+    assert spec.llm_engine.stats.spec_num_draft_tokens > 0
+
+
 def test_what_lora_does_not_run_with_is_refused(tiny_llama_path, requests):
     with pytest.raises(ValueError, match="pipeline parallelism"):
         LLM(tiny_llama_path, enable_lora=True, pipeline_parallel_size=2)
-    with pytest.raises(ValueError, match="speculative decoding"):
-        LLM(tiny_llama_path, enable_lora=True, speculative_config={"method": "ngram"})
     with pytest.raises(ValueError, match="max_lora_rank must be an integer from 1 to 512"):
         LLM(tiny_llama_path, enable_lora=True, max_lora_rank=0)
     for options, match in ((dict(max_loras=65), "max_loras must be an integer from 1 to 64"),
