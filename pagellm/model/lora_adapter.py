@@ -38,9 +38,13 @@ FLOAT_DTYPES = ("F32", "F16", "BF16")  # safetensors' names of the dtypes an ada
 # The projections an adapter may target, each the part of one of the model's fused linears.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_TARGETS = frozenset(("q_proj", "k_proj", "v_proj", "o_proj"))
+# Checkpoints that fuse projections in one tensor (Phi-3, Phi-4-mini) name them so in adapters
+# too: one A for all the parts, B's rows the parts' in order (read as each part's pair).
+FUSED_ADAPTER_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _TENSOR = re.compile(
     r"^base_model\.model\.model\.layers\.(?P<layer>\d{1,6})\.(?:self_attn|mlp)\."
-    r"(?P<target>q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_(?P<part>[AB])\.weight$"
+    r"(?P<target>q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|qkv_proj|gate_up_proj)"
+    r"\.lora_(?P<part>[AB])\.weight$"
 )
 # adapter_config.json keys that change what the weights mean, refused unless at these values.
 _UNSUPPORTED = {
@@ -80,13 +84,20 @@ class LoRAAdapter:
 
 
 def target_shape(spec: LayerSpec, target: str) -> tuple[int, int]:
-    """``(in_features, out_features)`` of one layer's projection (a whole model's, not a rank's)."""
+    """``(in_features, out_features)`` of one layer's projection (a whole model's, not a rank's),
+    or of projections fused in one tensor (``FUSED_ADAPTER_TARGETS``)."""
     hidden, inter = spec.hidden_size, spec.intermediate_size
+    if target in FUSED_ADAPTER_TARGETS:
+        return hidden, sum(target_shape(spec, part)[1] for part in FUSED_ADAPTER_TARGETS[target])
     return {
         "q_proj": (hidden, spec.q_size), "k_proj": (hidden, spec.kv_size), "v_proj": (hidden, spec.kv_size),
         "o_proj": (spec.q_size, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
         "down_proj": (inter, hidden),
     }[target]  # fmt: skip
+
+
+def _is_attention(target: str) -> bool:
+    return target in ATTENTION_TARGETS or target == "qkv_proj"
 
 
 def inspect_adapter(path: str, arch: ModelArchConfig, max_rank: int) -> AdapterInfo:
@@ -127,22 +138,27 @@ def inspect_adapter(path: str, arch: ModelArchConfig, max_rank: int) -> AdapterI
 def read_adapter(path: str, arch: ModelArchConfig, max_rank: int) -> LoRAAdapter:
     """The adapter's weights, checked as :func:`inspect_adapter` checks them, each ``B`` scaled."""
     info = inspect_adapter(path, arch, max_rank)
+    specs = layer_specs(arch)
     if os.path.isfile(path):
         heads = {"q_proj": arch.num_attention_heads, "k_proj": arch.num_key_value_heads}
-        return _scaled(info, _gguf(path).reader_of(heads))
+        return _scaled(info, _gguf(path).reader_of(heads), specs)
     with safe_open(os.path.join(path, WEIGHTS_FILE), framework="pt") as f:
-        return _scaled(info, lambda key: f.get_tensor(key).float())
+        return _scaled(info, lambda key: f.get_tensor(key).float(), specs)
 
 
-def _scaled(info: AdapterInfo, read: Callable[[str], torch.Tensor]) -> LoRAAdapter:
-    """Each pair ``info`` names read by its PEFT name, float32, ``B`` times its scaling."""
+def _scaled(info: AdapterInfo, read: Callable[[str], torch.Tensor], specs: tuple[LayerSpec, ...]) -> LoRAAdapter:
+    """Each pair ``info`` names read by its PEFT name, float32, ``B`` times its scaling; a pair of
+    fused projections split into each part's (the same ``A``, the part's rows of ``B``)."""
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for (layer, target), scale in info.scaling.items():
-        prefix = f"base_model.model.model.layers.{layer}.{'self_attn' if target in ATTENTION_TARGETS else 'mlp'}.{target}"
+        prefix = f"base_model.model.model.layers.{layer}.{'self_attn' if _is_attention(target) else 'mlp'}.{target}"
         a, b = (read(f"{prefix}.lora_{part}.weight").float() for part in "AB")
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise LoRAAdapterError(f"adapter {info.path!r}: {prefix} holds infinities or NaNs")
-        weights[(layer, target)] = (a, b * scale)
+        parts = FUSED_ADAPTER_TARGETS.get(target, (target,))
+        rows = b.split([target_shape(specs[layer], part)[1] for part in parts])
+        for part, b_part in zip(parts, rows):
+            weights[(layer, part)] = (a, (b_part * scale).contiguous())
     return LoRAAdapter(info, weights)
 
 
@@ -209,7 +225,7 @@ def _check_shapes(
         if match is None:
             raise LoRAAdapterError(f"adapter {path!r} holds {key!r}: pagellm applies adapters to the "
                                    f"{'/'.join(t.removesuffix('_proj') for t in TARGETS)} projections of "
-                                   "each layer only")  # fmt: skip
+                                   "each layer only (or fused qkv_proj / gate_up_proj)")  # fmt: skip
         layer, target = int(match["layer"]), match["target"]
         if layer >= len(specs):
             raise LoRAAdapterError(f"adapter {path!r} holds {key!r}, but {arch.architecture} has {len(specs)} layers")
@@ -221,10 +237,13 @@ def _check_shapes(
         spec, name = specs[layer], f"layer {layer}'s {target}"
         if set(parts) != {"A", "B"}:
             raise LoRAAdapterError(f"adapter {path!r}: {name} has lora_{''.join(parts)} without its pair")
-        if target in ATTENTION_TARGETS and spec.recurrent:
+        twice = [part for part in FUSED_ADAPTER_TARGETS.get(target, ()) if (layer, part) in found]
+        if twice:
+            raise LoRAAdapterError(f"adapter {path!r} targets layer {layer}'s {target} and its part {twice[0]} both")
+        if _is_attention(target) and spec.recurrent:
             raise LoRAAdapterError(f"adapter {path!r} targets {name}, but that layer of {arch.architecture} has no "
                                    "attention")  # fmt: skip
-        if target not in ATTENTION_TARGETS and spec.moe:
+        if not _is_attention(target) and spec.moe:
             raise LoRAAdapterError(f"adapter {path!r} targets {name}, but that layer is a mixture of experts "
                                    "(adapters on experts are not supported)")  # fmt: skip
         features_in, features_out = target_shape(spec, target)

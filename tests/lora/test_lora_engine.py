@@ -5,10 +5,14 @@ prefill, a slot shortage (adapters swapped in and out of the resident slots and 
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
+from safetensors.torch import load_file, save_file
 
 from pagellm import LLM, LoRARequest, SamplingParams
-from tests.helpers.lora_adapters import MAX_TOKENS, PROMPTS
+from tests.helpers.hf_reference import hf_greedy, load_hf_model
+from tests.helpers.lora_adapters import MAX_TOKENS, PROMPTS, peft_model, write_lora_adapter
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
@@ -214,3 +218,28 @@ def test_beam_search_with_an_adapter_equals_peft(tiny_llama_path, lora_adapters,
     params = BeamSearchParams(beam_width=3, max_tokens=6)
     out = llm.beam_search([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False, lora_request=requests["qv"])
     assert out[0].sequences[0].tokens == PROMPTS[1] + expected
+
+
+def test_adapters_of_fused_projections_equal_peft(tiny_phi3_path, tmp_path):
+    """Phi-3 stores q/k/v and gate/up fused, and its adapters name them so (one A for all the
+    parts): greedy output equal to PEFT's, alone and beside the base model; an adapter naming a
+    fused projection and one of its parts both is refused."""
+    path = write_lora_adapter(str(tmp_path / "phi3"), tiny_phi3_path, seed=5,
+                              targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))  # fmt: skip
+    adapted, base = peft_model(tiny_phi3_path, path), load_hf_model(tiny_phi3_path)
+    references = {name: [hf_greedy(model, p, MAX_TOKENS) for p in PROMPTS] for name, model in
+                  (("phi3", adapted), (None, base))}  # fmt: skip
+    assert references["phi3"] != references[None]
+    llm = LLM(tiny_phi3_path, dtype="float32", enable_lora=True, max_lora_rank=8, num_kv_blocks=128)
+    got = _run(llm, [None, "phi3"], {"phi3": LoRARequest("phi3", 1, path)})
+    for name in (None, "phi3"):
+        assert _tokens(got[name]) == references[name], name
+    both = tmp_path / "both"
+    shutil.copytree(path, both)
+    tensors = load_file(both / "adapter_model.safetensors")
+    prefix = "base_model.model.model.layers.0.self_attn"
+    tensors[f"{prefix}.q_proj.lora_A.weight"] = tensors[f"{prefix}.qkv_proj.lora_A.weight"].clone()
+    tensors[f"{prefix}.q_proj.lora_B.weight"] = tensors[f"{prefix}.qkv_proj.lora_B.weight"][:64].clone()
+    save_file(tensors, both / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match="qkv_proj and its part q_proj both"):
+        llm.generate("a", lora_request=LoRARequest("both", 2, str(both)), use_tqdm=False)
