@@ -309,16 +309,21 @@ class KernelLibrary:
             raise RuntimeError(f"pagellm_silu_mul failed with code {rc}")
         return out
 
-    def lora_add(self, linear: LoRALinearArgs, slot: int, max_loras: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out += B(A x)`` with slot ``slot``'s A and B of ``linear`` (``csrc/lora.cpp``; one
-        of ``max_loras`` slots), B's product rounded to x's dtype and added as ``out.add_``;
-        ``x`` [M, K] and ``out`` [M, N] of the linear's dtype, rows contiguous. Returns ``out``."""
+    def lora_add(self, linear: LoRALinearArgs, slot: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out += B(A x)`` with slot ``slot``'s A and B of ``linear`` (``csrc/lora.cpp``), B's
+        product rounded to x's dtype and added as ``out.add_``; ``x`` [M, K] and ``out`` [M, N]
+        of the linear's dtype and widths, rows contiguous. Returns ``out``."""
         rows, k = check_gemm_input(x)
         n = linear.part_cols[linear.parts] if 1 <= linear.parts <= 4 else -1
-        if not 0 <= slot < max_loras or linear.width <= 0 or DTYPE_CODES[x.dtype] != linear.dtype:
-            raise ValueError(f"slot {slot} of {max_loras}, or a linear without adapters or of another dtype than {x.dtype}")
-        if out.dtype != x.dtype or out.device.type != "cpu" or out.shape != (rows, n) or (rows > 1 and out.stride(1) != 1):
+        if not 0 <= slot < linear.max_loras or linear.width <= 0 or DTYPE_CODES[x.dtype] != linear.dtype:
+            raise ValueError(f"slot {slot} of {linear.max_loras}, or a linear without adapters or of another dtype "
+                             f"than {x.dtype}")  # fmt: skip
+        if k != linear.features_in:
+            raise ValueError(f"x has {k} columns, the linear's adapters take {linear.features_in}")
+        if out.dtype != x.dtype or out.device.type != "cpu" or out.shape != (rows, n) or (n > 1 and out.stride(1) != 1):
             raise ValueError(f"out must be a [{rows}, {n}] {x.dtype} tensor with contiguous rows")
+        if rows > 1 and out.stride(0) < n:
+            raise ValueError("out's rows must not overlap")
         rc = self._lib.pagellm_lora_add(
             ctypes.byref(linear), slot, x.data_ptr(), x.stride(0) if rows > 1 else k, rows, k, out.data_ptr(),
             out.stride(0) if rows > 1 else n, n, DTYPE_CODES[x.dtype], torch.get_num_threads(),

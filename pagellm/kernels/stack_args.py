@@ -28,15 +28,15 @@ LINEAR_KINDS = {"integer": 0, "avx512-bf16": 1, "amx": 2, "avx2": 3, "integer-am
 
 class LoRALinearArgs(ctypes.Structure):
     """``PagellmLoRALinear`` of ``csrc/exports.h``: one linear's LoRA slots (``width``: A's rows,
-    parts x ``rank``, 0 where no adapter can add to it; ``part_cols``: each part's first output
-    column, then the linear's width; ``a``, ``b``: arrays of ``max_loras`` buffers in
-    ``csrc/lora.cpp``'s layouts; ``active``: ``max_loras`` bytes, 1 where the slot's adapter adds
-    here; ``dtype``: their dtype's code, the activations')."""
+    parts x ``rank``, 0 where no adapter can add to it; ``features_in``: A's columns;
+    ``part_cols``: each part's first output column, then the linear's width; ``a``, ``b``:
+    arrays of ``max_loras`` buffers in ``csrc/lora.cpp``'s layouts; ``active``: ``max_loras``
+    bytes, 1 where the slot's adapter adds here; ``dtype``: their dtype's code, the activations')."""
 
     _fields_ = [
         ("width", ctypes.c_int64), ("rank", ctypes.c_int64), ("parts", ctypes.c_int64),
-        ("part_cols", ctypes.c_int64 * 5), ("a", _P), ("b", _P), ("active", _P), ("dtype", ctypes.c_int32),
-        ("reserved", ctypes.c_int32),
+        ("features_in", ctypes.c_int64), ("part_cols", ctypes.c_int64 * 5), ("a", _P), ("b", _P), ("active", _P),
+        ("dtype", ctypes.c_int32), ("max_loras", ctypes.c_int32),
     ]  # fmt: skip
 
 

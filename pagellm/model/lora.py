@@ -80,7 +80,7 @@ class LoRASlots:
                 self.linears[(spec.index, fused)] = self._linear(shapes[0][0], starts, device)
         # Per slot, the fused linears its adapter adds to (the others' buffers stay zero).
         self.targets: list[frozenset[tuple[int, str]]] = [frozenset()] * max_loras
-        self._stack_args: ctypes.Array[LoRALinearArgs] | None = None
+        self._stack_args: tuple[tuple[int, ...], ctypes.Array[LoRALinearArgs]] | None = None
 
     def _linear(self, features_in: int, starts: list[int], device: torch.device) -> _Linear:
         """Zero buffers of every slot for a linear whose parts' outputs start at ``starts``."""
@@ -95,8 +95,8 @@ class LoRASlots:
         b = [torch.zeros(lora_b_elems(starts, self.max_rank, self.dtype), dtype=self.dtype) for _ in slots]
         a_ptrs, b_ptrs = ((ctypes.c_void_p * self.max_loras)(*(t.data_ptr() for t in ts)) for ts in (a, b))
         args = LoRALinearArgs(
-            width, self.max_rank, len(rows), (ctypes.c_int64 * 5)(*starts), ctypes.addressof(a_ptrs),
-            ctypes.addressof(b_ptrs), active.data_ptr(), DTYPE_CODES[self.dtype],
+            width, self.max_rank, len(rows), features_in, (ctypes.c_int64 * 5)(*starts), ctypes.addressof(a_ptrs),
+            ctypes.addressof(b_ptrs), active.data_ptr(), DTYPE_CODES[self.dtype], self.max_loras,
         )  # fmt: skip
         return _Linear(features_in, n, width, rows, a, b, active, args, (a_ptrs, b_ptrs))
 
@@ -143,14 +143,14 @@ class LoRASlots:
         once (the buffers never move; ``active`` is updated in place as slots load)."""
         if self.kernels is None:
             raise RuntimeError("the one-call stack runs adapters on pagellm's LoRA kernel: these slots are torch's")
-        if self._stack_args is None or len(self._stack_args) != 4 * len(layers):
+        if self._stack_args is None or self._stack_args[0] != tuple(layers):
             entries = []
             for index in layers:
                 for fused in STACK_LINEARS:
                     linear = self.linears.get((index, fused))
                     entries.append(linear.args if linear is not None and linear.args is not None else LoRALinearArgs())
-            self._stack_args = (LoRALinearArgs * len(entries))(*entries)
-        return self._stack_args
+            self._stack_args = (tuple(layers), (LoRALinearArgs * len(entries))(*entries))
+        return self._stack_args[1]
 
 
 Rows = slice | torch.Tensor  # a contiguous run of the step's token rows, or their indices
@@ -190,9 +190,9 @@ class LoRAStep:
             xr = x[rows]
             if kernels is not None and linear.args is not None:  # (the bits the one-call stack computes)
                 if isinstance(rows, slice):
-                    kernels.lora_add(linear.args, slot, slots.max_loras, xr, out[rows])
+                    kernels.lora_add(linear.args, slot, xr, out[rows])
                     continue
-                delta = kernels.lora_add(linear.args, slot, slots.max_loras, xr, out.new_zeros(xr.shape[0], out.shape[1]))
+                delta = kernels.lora_add(linear.args, slot, xr, out.new_zeros(xr.shape[0], out.shape[1]))
             else:
                 xr = xr if xr.dtype == slots.dtype else xr.to(slots.dtype)
                 delta = F.linear(F.linear(xr, linear.a_of[slot]), linear.b_of[slot])

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from pagellm.distributed.tensor_parallel import TensorParallel
+from pagellm.kernels.library import KernelLibrary
 from pagellm.kernels.plan import KernelPlan
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.cpu_linear import fuse_silu_and_mul
@@ -37,7 +38,7 @@ class LlamaMLP(nn.Module):
         self.act: nn.Module = (
             nn.Identity() if fused
             else ClampedSwiGLU(arch.swiglu_limit, arch.swiglu_alpha) if arch.swiglu_limit is not None
-            else SiluAndMul(plan.library("norm")) if self.silu and self.lora and plan is not None
+            else SiluAndMul(_silu_kernels(plan)) if self.silu and self.lora and plan is not None
             else GATED_ACTIVATIONS[arch.hidden_act]()
         )  # fmt: skip
         self.down_proj = linear_for_plan(arch.intermediate_size, arch.hidden_size, arch.mlp_bias, plan)
@@ -68,3 +69,10 @@ class LlamaMLP(nn.Module):
             return False
         self.gate_up_proj, self.act = fused, nn.Identity()
         return True
+
+
+def _silu_kernels(plan: KernelPlan) -> KernelLibrary | None:
+    """The library SiLU-and-mul runs on apart from gate/up: the norm's, where its build has the
+    AVX2 kernels (a baseline build has none: torch runs it, and the Python layers run)."""
+    lib = plan.library("norm")
+    return lib if lib is not None and lib.gemm_avx2_available else None

@@ -43,6 +43,15 @@ def test_mixed_batch_equals_peft_and_prefix_cache_keeps_adapters_apart(tiny_llam
                    for o, p in zip(again[name], PROMPTS)), name  # fmt: skip
 
 
+def test_a_kernel_build_without_avx2_runs_adapters_on_torch(tiny_llama_path, references, requests):
+    """A baseline kernel build (no AVX2: no LoRA or SiLU-and-mul kernels) serves adapters on torch."""
+    llm = LLM(tiny_llama_path, dtype="float32", cpu_isa="baseline", enable_lora=True, max_loras=2, max_lora_rank=8,
+              num_kv_blocks=128)  # fmt: skip
+    got = _run(llm, ["all", None], requests)
+    for name in ("all", None):
+        assert _tokens(got[name]) == references[name], name
+
+
 def test_more_adapters_than_slots_take_turns(tiny_llama_path, references, requests):
     """One slot and one adapter kept in host memory: every switch evicts and reads files again."""
     llm = LLM(tiny_llama_path, dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8,

@@ -83,21 +83,27 @@ def test_tensor_parallel_ranks_add_their_shares_in_the_stack(tiny_llama_path, re
 
 
 def _kernel_linear(dtype: torch.dtype, k: int, starts: list[int], rank: int, seed: int):
-    """A hand-made LoRA linear of one active slot (slot 1 of 2) for the kernel: its struct, A,
-    the whole B [n, parts * rank] (block-diagonal) and the buffers the struct points to."""
+    """A hand-made LoRA linear of two slots for the kernel, slot 1 active and slot 0 not (its A
+    and B random too: nothing from it may show): the struct, slot 1's A, its whole B [n, parts
+    * rank] (block-diagonal) and the buffers the struct points to."""
     generator = torch.Generator().manual_seed(seed)
     parts, n = len(starts) - 1, starts[-1]
-    a = (torch.randn(parts * rank, k, generator=generator) / k**0.5).to(dtype)
-    b = torch.zeros(n, parts * rank)
-    for p in range(parts):
-        b[starts[p] : starts[p + 1], p * rank : (p + 1) * rank] = torch.randn(starts[p + 1] - starts[p], rank, generator=generator)
-    b = b.to(dtype)
-    a_buffers, b_buffers = [torch.zeros_like(a), a], [torch.zeros(lora_b_elems(starts, rank, dtype), dtype=dtype), pack_lora_b(b, starts, rank)]
+    pairs = []
+    for _ in range(2):
+        a = (torch.randn(parts * rank, k, generator=generator) / k**0.5).to(dtype)
+        b = torch.zeros(n, parts * rank)
+        for p in range(parts):
+            b[starts[p] : starts[p + 1], p * rank : (p + 1) * rank] = torch.randn(starts[p + 1] - starts[p], rank,
+                                                                               generator=generator)  # fmt: skip
+        pairs.append((a, b.to(dtype)))
+    a_buffers = [a for a, _ in pairs]
+    b_buffers = [pack_lora_b(b, starts, rank) for _, b in pairs]
+    assert all(t.numel() == lora_b_elems(starts, rank, dtype) for t in b_buffers)
     active = torch.tensor([0, 1], dtype=torch.uint8)
     a_ptrs, b_ptrs = ((ctypes.c_void_p * 2)(*(t.data_ptr() for t in ts)) for ts in (a_buffers, b_buffers))
-    args = LoRALinearArgs(parts * rank, rank, parts, (ctypes.c_int64 * 5)(*starts), ctypes.addressof(a_ptrs),
-                          ctypes.addressof(b_ptrs), active.data_ptr(), DTYPE_CODES[dtype])  # fmt: skip
-    return args, a, b, (a_buffers, b_buffers, active, a_ptrs, b_ptrs)
+    args = LoRALinearArgs(parts * rank, rank, parts, k, (ctypes.c_int64 * 5)(*starts), ctypes.addressof(a_ptrs),
+                          ctypes.addressof(b_ptrs), active.data_ptr(), DTYPE_CODES[dtype], 2)  # fmt: skip
+    return args, pairs[1][0], pairs[1][1], (a_buffers, b_buffers, active, a_ptrs, b_ptrs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -116,23 +122,27 @@ def test_the_lora_kernel_adds_the_low_rank_product(dtype, k, starts, rank, rows,
         pytest.skip("the LoRA kernel needs the AVX2 build")
     args, a, b, keep = _kernel_linear(dtype, k, starts, rank, seed=k)
     x, base = torch.randn(rows, k).to(dtype), torch.randn(rows, starts[-1]).to(dtype)
-    out = cpu_kernels.lora_add(args, 1, 2, x, base.clone())
+    out = cpu_kernels.lora_add(args, 1, x, base.clone())
     shrunk = (x.double() @ a.double().T).to(dtype).double()
     expected = base.double() + (shrunk @ b.double().T).to(dtype).double()
     step = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-6  # (a rounding or two of the dtype)
     torch.testing.assert_close(out.double(), expected, rtol=4 * step, atol=4 * step * float(expected.abs().max()))
     for row in range(rows):
-        alone = cpu_kernels.lora_add(args, 1, 2, x[row : row + 1], base[row : row + 1].clone())
+        alone = cpu_kernels.lora_add(args, 1, x[row : row + 1], base[row : row + 1].clone())
         assert torch.equal(alone, out[row : row + 1])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(cpu_kernels.lora_add(args, 1, 2, x, base.clone()), out)
+        assert torch.equal(cpu_kernels.lora_add(args, 1, x, base.clone()), out)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(cpu_kernels.lora_add(args, 0, 2, x, base.clone()), base)  # slot 0: not active
+    assert torch.equal(cpu_kernels.lora_add(args, 0, x, base.clone()), base)  # slot 0: not active
     with pytest.raises(ValueError, match="slot"):
-        cpu_kernels.lora_add(args, 2, 2, x, base.clone())
-    with pytest.raises(ValueError, match="out must be"):
-        cpu_kernels.lora_add(args, 1, 2, x, base[:, :-1].clone())
+        cpu_kernels.lora_add(args, 2, x, base.clone())
+    with pytest.raises(ValueError, match="columns"):
+        cpu_kernels.lora_add(args, 1, torch.randn(rows, k + 1).to(dtype), base.clone())
+    for bad in (base[:, :-1].clone(), torch.zeros(1, dtype=dtype).expand(rows, starts[-1]),
+                torch.zeros(starts[-1], 2, dtype=dtype)[:, 0].unsqueeze(0)):  # fmt: skip
+        with pytest.raises(ValueError, match="out"):
+            cpu_kernels.lora_add(args, 1, x[: bad.shape[0]], bad)
     del keep

@@ -12,12 +12,13 @@ struct PagellmLoRALinear {
     int64_t width;             // A's rows: parts x rank (0: no adapter adds to this linear)
     int64_t rank;              // A's rows (and B's) per part
     int64_t parts;             // 1..4
+    int64_t features_in;       // A's columns: the linear's input width
     int64_t part_cols[5];      // each part's first output column, then the linear's width
     const void* const* a;      // [max_loras] each slot's A
     const void* const* b;      // [max_loras] each slot's B
     const uint8_t* active;     // [max_loras]: 1 where the slot's adapter adds to this linear
     int32_t dtype;             // A's and B's dtype, the activations' (0 float32, 1 bf16)
-    int32_t reserved;
+    int32_t max_loras;         // the slots: a, b and active hold this many
 };
 
 int pagellm_add_rms_norm(const void* x, void* residual, const void* weight, void* out, int64_t rows, int64_t n,

@@ -400,7 +400,9 @@ extern "C" {
 int pagellm_lora_add(const PagellmLoRALinear* lora, int64_t slot, const void* x, int64_t ldx, int64_t m, int64_t k,
                      void* out, int64_t ldo, int64_t n, int dtype, int num_threads) {
 #if defined(__AVX2__) && defined(__FMA__)
-    if (lora == nullptr || slot < 0 || m < 0 || k <= 0 || ldx < k || ldo < n || (dtype != 0 && dtype != 1)) return -1;
+    if (lora == nullptr || slot < 0 || slot >= lora->max_loras || m < 0 || k <= 0 || k != lora->features_in || ldx < k ||
+        ldo < n || (dtype != 0 && dtype != 1))
+        return -1;
     if (lora->parts < 1 || lora->parts > 4 || lora->rank < 1 || lora->width != lora->parts * lora->rank ||
         lora->part_cols[0] != 0 || lora->part_cols[lora->parts] != n || lora->dtype != dtype)
         return -1;
