@@ -22,7 +22,7 @@ from pagellm.kernels.library import KernelLibrary
 from pagellm.kernels.packing import lora_b_elems, pack_lora_b
 from pagellm.kernels.stack_args import STACK_LINEARS, LoRALinearArgs
 from pagellm.model.layer_spec import LayerSpec
-from pagellm.model.lora_adapter import ATTENTION_TARGETS, LoRAAdapter, target_shape
+from pagellm.model.lora_adapter import ATTENTION_TARGETS, AdapterInfo, LoRAAdapter, target_shape
 
 # Each fused linear of a layer, and the adapter targets that are its parts (in row order).
 FUSED_TARGETS: dict[str, tuple[str, ...]] = {
@@ -51,6 +51,15 @@ class _Linear:
     active: torch.Tensor  # uint8 [max_loras]: 1 where the slot's adapter adds to this linear
     args: LoRALinearArgs | None = None
     _pointers: tuple[ctypes.Array[ctypes.c_void_p], ...] = ()  # (what ``args`` points to)
+
+
+@dataclass(frozen=True)
+class PreparedAdapter:
+    """An adapter as slots hold it (``LoRASlots.prepare``): per fused linear ``(layer, name)``
+    its ``A`` and ``B`` in the slots' dtype and layout."""
+
+    info: AdapterInfo
+    buffers: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
 class LoRASlots:
@@ -103,11 +112,10 @@ class LoRASlots:
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for lin in self.linears.values() for t in (*lin.a_of, *lin.b_of))
 
-    def load(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Put ``adapter`` in ``slot`` (what was there is cleared)."""
-        self.clear(slot)
-        # (named first: a copy that fails half way leaves what it wrote to be cleared next time)
-        self.targets[slot] = frozenset((layer, _FUSED_OF[target]) for layer, target in adapter.weights)
+    def prepare(self, adapter: LoRAAdapter) -> PreparedAdapter:
+        """``adapter``'s buffers as a slot holds them (one A and one B per fused linear it adds
+        to, in the slots' dtype and layout): made once per adapter in host memory, so that a
+        slot takes one by copies alone."""
         whole: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         for (layer, target), (a, b) in adapter.weights.items():
             fused = _FUSED_OF[target]
@@ -120,13 +128,24 @@ class LoRASlots:
             r, first = a.shape[0], part * self.max_rank
             a_whole[first : first + r] = a
             b_whole[linear.rows[part], first : first + r] = b
+        buffers = {}
         for key, (a_whole, b_whole) in whole.items():
             linear = self.linears[key]
+            a_whole, b_whole = a_whole.to(self.dtype), b_whole.to(self.dtype)
             if self.kernels is not None:
-                starts = [rows.start for rows in linear.rows] + [linear.features_out]
-                b_whole = pack_lora_b(b_whole.to(self.dtype), starts, self.max_rank)
-            linear.a_of[slot].copy_(a_whole)
-            linear.b_of[slot].copy_(b_whole)
+                b_whole = pack_lora_b(b_whole, [rows.start for rows in linear.rows] + [linear.features_out], self.max_rank)
+            buffers[key] = (a_whole, b_whole)
+        return PreparedAdapter(adapter.info, buffers)
+
+    def load(self, slot: int, adapter: PreparedAdapter) -> None:
+        """Put ``adapter`` in ``slot`` (what was there is cleared)."""
+        self.clear(slot)
+        # (named first: a copy that fails half way leaves what it wrote to be cleared next time)
+        self.targets[slot] = frozenset(adapter.buffers)
+        for key, (a, b) in adapter.buffers.items():
+            linear = self.linears[key]
+            linear.a_of[slot].copy_(a)
+            linear.b_of[slot].copy_(b)
             linear.active[slot] = 1
 
     def clear(self, slot: int) -> None:

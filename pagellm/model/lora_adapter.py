@@ -79,9 +79,6 @@ class LoRAAdapter:
     info: AdapterInfo
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
-    def num_bytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
-
 
 def target_shape(spec: LayerSpec, target: str) -> tuple[int, int]:
     """``(in_features, out_features)`` of one layer's projection (a whole model's, not a rank's),

@@ -20,11 +20,11 @@ from pagellm.lora_config import LoRAConfig
 from pagellm.lora_request import LoRARequest
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.layer_spec import layer_specs
-from pagellm.model.lora import LoRASlots, LoRAStep, Rows
+from pagellm.model.lora import LoRASlots, LoRAStep, PreparedAdapter, Rows
 from pagellm.distributed.tensor_parallel import TensorParallel
 from pagellm.kernels.arg_checks import DTYPE_CODES
 from pagellm.kernels.library import KernelLibrary
-from pagellm.model.lora_adapter import LoRAAdapter, LoRAAdapterError, rank_share, read_adapter
+from pagellm.model.lora_adapter import LoRAAdapterError, rank_share, read_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class LoRAManager:
             dtype = torch.float32
         self.slots = LoRASlots(specs, config.max_loras, config.max_lora_rank, dtype, device, kernels)
         self.requests: dict[int, LoRARequest] = {}  # adapter id -> where it is (every id a row may name)
-        self.loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()  # host memory, least recently used first
+        self.loaded: OrderedDict[int, PreparedAdapter] = OrderedDict()  # host memory, least recently used first
         self.slot_of: dict[int, int] = {}  # adapter id -> slot
         self.in_slot: list[int] = [NO_LORA] * config.max_loras
         self.last_used = [0] * config.max_loras  # the step each slot last served
@@ -143,8 +143,9 @@ class LoRAManager:
         if lora_id in self.loaded:
             self.loaded.move_to_end(lora_id)
 
-    def _adapter(self, lora_id: int) -> LoRAAdapter:
-        """The adapter's weights from host memory, or read from its files (evicting the least recently used)."""
+    def _adapter(self, lora_id: int) -> PreparedAdapter:
+        """The adapter as a slot takes it, from host memory, or read from its files and prepared
+        (evicting the least recently used): a slot switch then only copies."""
         adapter = self.loaded.get(lora_id)
         if adapter is not None:
             return adapter
@@ -152,9 +153,10 @@ class LoRAManager:
         if request is None:
             raise LoRAAdapterError(f"adapter id {lora_id} was never registered with the worker")
         start = time.perf_counter()
-        adapter = read_adapter(request.lora_path, self.arch, self.config.max_lora_rank)
+        weights = read_adapter(request.lora_path, self.arch, self.config.max_lora_rank)
         if self.tp is not None:
-            adapter = rank_share(adapter, self.tp)
+            weights = rank_share(weights, self.tp)
+        adapter = self.slots.prepare(weights)
         logger.info("LoRA adapter %r (rank %d) loaded in %.0f ms", request.lora_name, adapter.info.rank,
                     (time.perf_counter() - start) * 1e3)  # fmt: skip
         self.loaded[lora_id] = adapter

@@ -115,7 +115,7 @@ def test_low_rank_products_equal_a_dense_reference(tmp_path, arch, cpu_plan, pat
                       kernels=kernels)  # fmt: skip
     adapters = [read_adapter(one, arch, 4), read_adapter(two, arch, 4)]
     for slot, adapter in enumerate(adapters):
-        slots.load(slot, adapter)
+        slots.load(slot, slots.prepare(adapter))
     x, base = torch.randn(7, 64).to(dtype), torch.randn(7, 128).to(dtype)  # qkv: q 0..64, k 64..96, v 96..128
     out = base.clone()
     step = LoRAStep(slots, [(0, slice(1, 4)), (1, torch.tensor([0, 5]))])
