@@ -107,6 +107,10 @@ class SchedulerOutput:
     # (block, slot): state slots started from a KV block's snapshot before the forward (a hybrid
     # model's request whose first blocks came from the prefix cache; applied after the copies).
     state_loads: list[tuple[int, int]] = field(default_factory=list)
+    # LoRA adapters of requests waiting for a slot: the worker reads them into host memory in the
+    # background, so that the step that first runs one does not wait for its files (each
+    # waiting request names its adapter once).
+    lora_prefetch: list[LoRARequest] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -120,7 +124,7 @@ class SchedulerOutput:
     def changes_worker(self) -> bool:
         """Whether the worker must hear of this step even if it runs nothing."""
         return bool(self.scheduled or self.new_sequences or self.forked_sequences or self.finished_seq_ids
-                    or self.state_copies or self.state_loads)  # fmt: skip
+                    or self.state_copies or self.state_loads or self.lora_prefetch)  # fmt: skip
 
 
 # (token_id, logprob, rank) triples: the sampled (or actual prompt) token first, then the top-N.

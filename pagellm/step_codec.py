@@ -78,9 +78,13 @@ def _new(data: dict[str, Any]) -> NewSequence:
                        None if lora is None else LoRARequest(**lora))  # fmt: skip
 
 
+def _lora_fields(lora: LoRARequest) -> dict[str, Any]:
+    return {f.name: getattr(lora, f.name) for f in fields(lora)}
+
+
 def _new_fields(n: NewSequence) -> dict[str, Any]:
     pooling = None if n.pooling is None else {f.name: getattr(n.pooling, f.name) for f in fields(n.pooling)}
-    lora = None if n.lora is None else {f.name: getattr(n.lora, f.name) for f in fields(n.lora)}
+    lora = None if n.lora is None else _lora_fields(n.lora)
     return {"seq_id": n.seq_id, "token_ids": n.token_ids, "num_prompt_tokens": n.num_prompt_tokens,
             "sampling_params": _params_fields(n.sampling_params), "pooling": pooling, "lora": lora}  # fmt: skip
 
@@ -122,6 +126,7 @@ def encode_step(step: SchedulerOutput, grammar: GrammarBitmask | None) -> bytes:
         "block_copies": step.block_copies,
         "state_copies": step.state_copies,
         "state_loads": step.state_loads,
+        "lora_prefetch": [_lora_fields(lora) for lora in step.lora_prefetch],
     }  # fmt: skip
     words = b""
     if grammar is not None:
@@ -147,6 +152,7 @@ def decode_step(data: bytes) -> tuple[SchedulerOutput, GrammarBitmask | None]:
             block_copies=[(_int(src), _int(dst)) for src, dst in message["block_copies"]],
             state_copies=[(_int(src), _int(dst)) for src, dst in message["state_copies"]],
             state_loads=[(_int(block), _int(slot)) for block, slot in message["state_loads"]],
+            lora_prefetch=[LoRARequest(**lora) for lora in message["lora_prefetch"]],
         )
         grammar = None
         if "grammar" in message:

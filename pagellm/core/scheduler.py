@@ -25,6 +25,7 @@ from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.sequence import Sequence, SequenceStatus
 from pagellm.core.speculation import NO_DRAFTS, Drafts, Speculator
 from pagellm.core.state_slots import StateSlotPool
+from pagellm.lora_request import LoRARequest
 from pagellm.step import ForkedSequence, ModelRunnerOutput, NewSequence, SampleFork, ScheduledSequence, SchedulerOutput
 
 
@@ -93,6 +94,7 @@ class Scheduler:
         # sample born from its parent's prompt starts from the parent's state after it.
         self._state_copies: list[tuple[int, int]] = []
         self._state_loads: list[tuple[int, int]] = []  # (block, slot): from a cached block's snapshot
+        self._lora_prefetch: dict[int, LoRARequest] = {}  # adapters of requests waiting for a slot, by id
         self.stats = SchedulerStats()
 
     # ---- queue management -------------------------------------------------
@@ -228,9 +230,10 @@ class Scheduler:
             block_copies=self.kv_cache_manager.take_block_copies(),
             state_copies=self._state_copies,
             state_loads=self._state_loads,
+            lora_prefetch=list(self._lora_prefetch.values()),
         )
         self._new_sequences, self._forked_since_last_step, self._finished_since_last_step = [], [], []
-        self._state_copies, self._state_loads = [], []
+        self._state_copies, self._state_loads, self._lora_prefetch = [], [], {}
         return output
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSequence], seq_budget: int) -> int:
@@ -245,6 +248,9 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.lora is not None and (skipped or not self._adapter_fits(seq, adapters)):
                 skipped.append(self.waiting.popleft())
+                if not seq.lora_hinted and seq.lora_id not in adapters:  # (its adapter will have to be read)
+                    seq.lora_hinted = True
+                    self._lora_prefetch[seq.lora_id] = seq.lora
                 continue
             if self.state_slots is not None and self.state_slots.num_free < self._slots_needed(seq):
                 break  # (its samples' slots are taken with its own: their states are copied from it)

@@ -88,8 +88,10 @@ class Sequence:
     state_slot: int | None = None
     state_slot_sent: bool = False
     # The LoRA adapter it runs with (None: the base model); its KV is its own (the prefix cache
-    # keys its blocks by the adapter too).
+    # keys its blocks by the adapter too). ``lora_hinted``: the worker has been told to read it
+    # ahead while the sequence waits for a slot.
     lora: LoRARequest | None = None
+    lora_hinted: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

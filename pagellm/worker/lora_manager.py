@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -59,6 +60,10 @@ class LoRAManager:
         self.in_slot: list[int] = [NO_LORA] * config.max_loras
         self.last_used = [0] * config.max_loras  # the step each slot last served
         self._step = 0
+        # Adapters read ahead (``prefetch``) in one background thread, until a step takes them.
+        self._reader: ThreadPoolExecutor | None = None
+        self._reading: dict[int, Future[PreparedAdapter]] = {}
+        self.prefetched = 0  # adapters whose reading a prefetch started
         logger.info("LoRA: %d slots of rank %d (%.1f MiB), products on %s", config.max_loras, config.max_lora_rank,
                     self.slots.num_bytes() / 2**20, "pagellm's LoRA kernel" if kernels is not None else "torch")  # fmt: skip
 
@@ -69,9 +74,25 @@ class LoRAManager:
             self._evict(request.lora_int_id)
         self.requests[request.lora_int_id] = request
 
+    def prefetch(self, requests: list[LoRARequest]) -> None:
+        """Start reading the adapters of requests waiting for a slot (``SchedulerOutput.
+        lora_prefetch``) in a background thread, no more at once than host memory keeps: the
+        step that first runs one then takes it from memory instead of its files."""
+        for request in requests:
+            self.register(request)
+            lora_id = request.lora_int_id
+            if lora_id in self.loaded or lora_id in self.slot_of or lora_id in self._reading:
+                continue
+            if len(self._reading) >= self.config.cpu_loras:
+                break
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-prefetch")
+            self._reading[lora_id] = self._reader.submit(self._read, request)
+            self.prefetched += 1
+
     def forget(self, live_ids: set[int]) -> None:
-        """Drop the paths of adapters no row names any more (those loaded stay, as a cache)."""
-        for lora_id in [i for i in self.requests if i not in live_ids and i not in self.loaded]:
+        """Drop the paths of adapters no row names any more (those loaded or being read stay)."""
+        for lora_id in [i for i in self.requests if i not in live_ids and i not in self.loaded and i not in self._reading]:
             del self.requests[lora_id]
 
     def step(self, row_ids: np.ndarray, query_lens: np.ndarray) -> tuple[LoRAStep | None, dict[int, str]]:
@@ -121,6 +142,7 @@ class LoRAManager:
             self.slots.clear(slot)
             self.in_slot[slot] = NO_LORA
         self.loaded.pop(lora_id, None)
+        self._reading.pop(lora_id, None)  # (a read under way finishes unused)
 
     def _make_resident(self, lora_id: int, step_ids: list[int]) -> None:
         """``lora_id``'s adapter in a slot (loaded from its files first where it is not in host memory)."""
@@ -144,22 +166,32 @@ class LoRAManager:
             self.loaded.move_to_end(lora_id)
 
     def _adapter(self, lora_id: int) -> PreparedAdapter:
-        """The adapter as a slot takes it, from host memory, or read from its files and prepared
-        (evicting the least recently used): a slot switch then only copies."""
+        """The adapter as a slot takes it, from host memory (read ahead, or kept), or read from
+        its files and prepared (evicting the least recently used): a slot switch then only copies."""
         adapter = self.loaded.get(lora_id)
         if adapter is not None:
             return adapter
-        request = self.requests.get(lora_id)
-        if request is None:
-            raise LoRAAdapterError(f"adapter id {lora_id} was never registered with the worker")
+        reading = self._reading.pop(lora_id, None)
+        if reading is not None:
+            adapter = reading.result()  # (waits for a read under way; raises what it raised)
+        else:
+            request = self.requests.get(lora_id)
+            if request is None:
+                raise LoRAAdapterError(f"adapter id {lora_id} was never registered with the worker")
+            adapter = self._read(request)
+        self.loaded[lora_id] = adapter
+        while len(self.loaded) > self.config.cpu_loras:
+            self.loaded.popitem(last=False)
+        return adapter
+
+    def _read(self, request: LoRARequest) -> PreparedAdapter:
+        """The adapter from its files, this rank's share, as a slot takes it (touches nothing the
+        steps use: it may run in the prefetch thread)."""
         start = time.perf_counter()
         weights = read_adapter(request.lora_path, self.arch, self.config.max_lora_rank)
         if self.tp is not None:
             weights = rank_share(weights, self.tp)
         adapter = self.slots.prepare(weights)
-        logger.info("LoRA adapter %r (rank %d) loaded in %.0f ms", request.lora_name, adapter.info.rank,
+        logger.info("LoRA adapter %r (rank %d) read in %.0f ms", request.lora_name, adapter.info.rank,
                     (time.perf_counter() - start) * 1e3)  # fmt: skip
-        self.loaded[lora_id] = adapter
-        while len(self.loaded) > self.config.cpu_loras:
-            self.loaded.popitem(last=False)
         return adapter

@@ -86,3 +86,18 @@ def test_priority_preempts_only_where_a_slot_frees():
     for _ in range(3):
         update(s, schedule(s))
     assert s.stats.num_preemptions == 0 and [seq.seq_id for seq in s.waiting] == ["head"]
+
+
+def test_a_request_waiting_for_a_slot_has_its_adapter_read_ahead_once():
+    """The worker hears of the adapter of a request that waits for a slot, once, so that it reads
+    it in the background; not of one already running, nor of the base model."""
+    s = _scheduler(max_loras=1)
+    s.add_sequence(_request("a", 1, max_tokens=4))
+    s.add_sequence(_request("b", 2))  # waits: adapter 1 holds the slot
+    s.add_sequence(_request("c", 1))  # waits behind b, its adapter running
+    s.add_sequence(_request("d", 2))  # waits, its adapter already named for b
+    step = schedule(s)
+    assert [r.seq_id for r in step.scheduled] == ["a"]
+    assert [lora.lora_int_id for lora in step.out.lora_prefetch] == [2]
+    update(s, step)
+    assert schedule(s).out.lora_prefetch == []  # (each waiting request names its adapter once)

@@ -62,6 +62,17 @@ def test_more_adapters_than_slots_take_turns(tiny_llama_path, references, reques
         assert _tokens(got[name]) == references[name], name
 
 
+def test_the_adapter_of_a_request_waiting_for_a_slot_is_read_ahead(tiny_llama_path, references, requests):
+    """One slot, two adapters: the second's requests wait, and the worker reads that adapter in
+    the background meanwhile (the step that runs them takes it from memory); outputs unchanged."""
+    llm = LLM(tiny_llama_path, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8, num_kv_blocks=128)
+    got = _run(llm, ["all", "qv"], requests)
+    for name in ("all", "qv"):
+        assert _tokens(got[name]) == references[name], name
+    manager = llm.llm_engine.executor.model_runner.lora
+    assert manager.prefetched == 1 and requests["qv"].lora_int_id in manager.loaded
+
+
 def test_chunked_prefill_and_n_samples(tiny_llama_path, references, requests):
     llm = LLM(tiny_llama_path, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=128,
               max_num_batched_tokens=16)  # fmt: skip
