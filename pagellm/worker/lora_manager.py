@@ -78,6 +78,7 @@ class LoRAManager:
         """Start reading the adapters of requests waiting for a slot (``SchedulerOutput.
         lora_prefetch``) in a background thread, no more at once than host memory keeps: the
         step that first runs one then takes it from memory instead of its files."""
+        self._collect()
         for request in requests:
             self.register(request)
             lora_id = request.lora_int_id
@@ -90,6 +91,21 @@ class LoRAManager:
             self._reading[lora_id] = self._reader.submit(self._read, request)
             self.prefetched += 1
 
+    def _collect(self) -> None:
+        """Adapters read ahead and done join host memory (least recently used evicted past
+        ``max_cpu_loras``); a read that failed is dropped (the step that needs the adapter reads
+        it again, and its error fails the requests then)."""
+        for lora_id in [i for i, reading in self._reading.items() if reading.done()]:
+            reading = self._reading.pop(lora_id)
+            if reading.exception() is None:
+                self._keep(lora_id, reading.result())
+
+    def _keep(self, lora_id: int, adapter: PreparedAdapter) -> None:
+        self.loaded[lora_id] = adapter
+        self.loaded.move_to_end(lora_id)
+        while len(self.loaded) > self.config.cpu_loras:
+            self.loaded.popitem(last=False)
+
     def forget(self, live_ids: set[int]) -> None:
         """Drop the paths of adapters no row names any more (those loaded or being read stay)."""
         for lora_id in [i for i in self.requests if i not in live_ids and i not in self.loaded and i not in self._reading]:
@@ -99,6 +115,7 @@ class LoRAManager:
         """The step's adapters put in slots and its token rows grouped by slot (None: no row
         runs with one), and the adapters that could not be loaded (id -> why; their rows run
         the base model and the engine fails their requests alone)."""
+        self._collect()
         self._step += 1
         ids = [int(i) for i in np.unique(row_ids) if i != NO_LORA]
         loading = [lora_id for lora_id in ids if lora_id not in self.slot_of]  # (alike on every rank)
@@ -179,9 +196,7 @@ class LoRAManager:
             if request is None:
                 raise LoRAAdapterError(f"adapter id {lora_id} was never registered with the worker")
             adapter = self._read(request)
-        self.loaded[lora_id] = adapter
-        while len(self.loaded) > self.config.cpu_loras:
-            self.loaded.popitem(last=False)
+        self._keep(lora_id, adapter)
         return adapter
 
     def _read(self, request: LoRARequest) -> PreparedAdapter:

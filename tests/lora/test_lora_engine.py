@@ -212,6 +212,29 @@ def test_an_adapter_the_worker_cannot_load_fails_its_requests_alone_and_is_retir
     assert _tokens(llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=other)) == [references["all"][1]]
 
 
+def test_an_adapter_whose_read_ahead_fails_fails_its_request_alone(tiny_llama_path, references, lora_adapters,
+                                                                    tmp_path):
+    """Its files gone after the engine checked them, while its request waits for the one slot:
+    the background read fails quietly, the step that admits the request reads again and fails
+    it alone; the requests beside it finish."""
+    copy = shutil.copytree(lora_adapters["qv"], tmp_path / "qv-gone")
+    llm = LLM(tiny_llama_path, dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8,
+              num_kv_blocks=64)  # fmt: skip
+    engine = llm.llm_engine
+    engine.add_request("first", {"prompt_token_ids": PROMPTS[1]}, GREEDY, lora_request=LoRARequest("all", 41, lora_adapters["all"]))
+    engine.add_request("gone", {"prompt_token_ids": PROMPTS[1]}, GREEDY, lora_request=LoRARequest("gone", 42, str(copy)))
+    engine.add_request("base", {"prompt_token_ids": PROMPTS[1]}, GREEDY)
+    shutil.rmtree(copy)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({out.request_id: out for out in engine.step() if out.finished})
+    assert engine.executor.model_runner.lora.prefetched == 1
+    assert finished["gone"].error is not None
+    with pytest.raises(ValueError, match="failed to load in the worker and is retired"):
+        engine.add_request("again", {"prompt_token_ids": PROMPTS[1]}, GREEDY, lora_request=LoRARequest("gone", 42, "/x"))
+    assert _tokens([finished["first"]]) == [references["all"][1]] and _tokens([finished["base"]]) == [references[None][1]]
+
+
 def test_a_tenant_salt_never_spells_an_adapters_prefix_key():
     from pagellm.core.sequence import Sequence
 
