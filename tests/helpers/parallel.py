@@ -55,6 +55,8 @@ LONG_MODULES = (
     "tests/entrypoints/test_auth_and_options.py",
     "tests/engine/test_llm.py",
     "tests/entrypoints/test_anthropic_messages.py",
+    "tests/lora/test_lora_stack.py",
+    "tests/lora/test_lora_engine.py",
 )
 
 
