@@ -20,7 +20,7 @@ import math
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -29,6 +29,7 @@ from pagellm.distributed.tensor_parallel import COLUMN_PARALLEL, TensorParallel
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.layer_spec import LayerSpec, layer_specs
 from pagellm.model.lora_gguf import GGUFLoRA
+from pagellm.model.weight_names import llama_name
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -66,6 +67,9 @@ class AdapterInfo:
     path: str
     ranks: dict[tuple[int, str], int]
     scaling: dict[tuple[int, str], float]
+    # The file's name of each tensor named otherwise by the model's family (LFM2's
+    # ``feed_forward.w1``), by its Llama-family name (``mlp.gate_proj``); others as they are.
+    file_names: dict[str, str] = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -122,6 +126,8 @@ def inspect_adapter(path: str, arch: ModelArchConfig, max_rank: int) -> AdapterI
     odd = sorted({dtype for dtype in dtypes.values() if dtype not in FLOAT_DTYPES})
     if odd:
         raise LoRAAdapterError(f"adapter {path!r} holds {', '.join(odd)} tensors; LoRA weights are {'/'.join(FLOAT_DTYPES)}")
+    file_names = _llama_names(path, arch, list(shapes))
+    shapes = {name: shapes[file_name] for name, file_name in file_names.items()}
     ranks = _check_shapes(path, shapes, layer_specs(arch), arch, max_rank)
     alpha, rslora = config.get("lora_alpha", 8), config.get("use_rslora", False)
     if not isinstance(rslora, bool):
@@ -129,7 +135,22 @@ def inspect_adapter(path: str, arch: ModelArchConfig, max_rank: int) -> AdapterI
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise LoRAAdapterError(f"adapter {path!r}: lora_alpha must be a number, got {alpha!r}")
     scaling = {key: alpha / (math.sqrt(r) if rslora else r) for key, r in ranks.items()}
-    return AdapterInfo(path, ranks, scaling)
+    return AdapterInfo(path, ranks, scaling, {name: f for name, f in file_names.items() if name != f})
+
+
+_PEFT_PREFIX = "base_model.model."
+
+
+def _llama_names(path: str, arch: ModelArchConfig, keys: list[str]) -> dict[str, str]:
+    """Each tensor's name with the model's module path by the Llama-family names (as the
+    checkpoint's own names are mapped, ``weight_names.llama_name``) -> its name in the file."""
+    names: dict[str, str] = {}
+    for key in keys:
+        name = _PEFT_PREFIX + llama_name(arch, key[len(_PEFT_PREFIX) :]) if key.startswith(_PEFT_PREFIX) else key
+        if name in names:
+            raise LoRAAdapterError(f"adapter {path!r} holds {names[name]!r} and {key!r}, one projection twice")
+        names[name] = key
+    return names
 
 
 def read_adapter(path: str, arch: ModelArchConfig, max_rank: int) -> LoRAAdapter:
@@ -140,7 +161,7 @@ def read_adapter(path: str, arch: ModelArchConfig, max_rank: int) -> LoRAAdapter
         heads = {"q_proj": arch.num_attention_heads, "k_proj": arch.num_key_value_heads}
         return _scaled(info, _gguf(path).reader_of(heads), specs)
     with safe_open(os.path.join(path, WEIGHTS_FILE), framework="pt") as f:
-        return _scaled(info, lambda key: f.get_tensor(key).float(), specs)
+        return _scaled(info, lambda key: f.get_tensor(info.file_names.get(key, key)).float(), specs)
 
 
 def _scaled(info: AdapterInfo, read: Callable[[str], torch.Tensor], specs: tuple[LayerSpec, ...]) -> LoRAAdapter:

@@ -77,6 +77,14 @@ _GPT_OSS_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts\.)(?P<fused>gate_up_proj
 _STACKED_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts\.)(?P<fused>gate_up_proj|down_proj)$")
 
 
+def llama_name(arch: ModelArchConfig, name: str) -> str:
+    """A name of ``arch``'s checkpoint (or of a module path in it: a LoRA adapter's tensors) by
+    the Llama-family names (:data:`_RENAMES`)."""
+    for pattern, replacement in _RENAMES.get(arch.architecture, ()):
+        name = pattern.sub(replacement, name)
+    return name
+
+
 def checkpoint_parts(arch: ModelArchConfig, name: str, tensor: Tensor) -> list[tuple[str, Tensor]]:
     """The tensor ``name`` of ``arch``'s checkpoint as ``(Llama name, tensor)`` parts: renamed,
     split where the checkpoint stores several weights in one tensor, none where the text model
@@ -88,8 +96,7 @@ def checkpoint_parts(arch: ModelArchConfig, name: str, tensor: Tensor) -> list[t
         layer = _LAYER_INDEX.match(name)
         if layer is not None and int(layer[1]) >= arch.num_hidden_layers:
             return []
-    for pattern, replacement in _RENAMES.get(arch.architecture, ()):
-        name = pattern.sub(replacement, name)
+    name = llama_name(arch, name)
     if arch.rotary_interleaved and (match := _QK_ROWS.match(name)) is not None:
         tensor = _rotate_half_order(arch, match["proj"], tensor)
     if (match := _PREFUSED.match(name)) is not None:

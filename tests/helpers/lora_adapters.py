@@ -24,7 +24,9 @@ def write_lora_adapter(
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False,
+    # (a string: PEFT's regex over the modules' whole names)
+    modules = targets if isinstance(targets, str) else list(targets)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=modules, init_lora_weights=False,
                         use_rslora=rslora, layers_to_transform=list(layers) if layers is not None else None)  # fmt: skip
     model = get_peft_model(load_hf_model(base_path), config)
     with torch.no_grad():  # big enough to move greedy choices on a tiny model

@@ -286,3 +286,18 @@ def test_adapters_of_fused_projections_equal_peft(tiny_phi3_path, tmp_path):
     save_file(tensors, both / "adapter_model.safetensors")
     with pytest.raises(ValueError, match="qkv_proj and its part q_proj both"):
         llm.generate("a", lora_request=LoRARequest("both", 2, str(both)), use_tqdm=False)
+
+
+def test_adapters_of_a_family_naming_projections_otherwise_equal_peft(tiny_lfm2_path, tmp_path):
+    """LFM2 names its projections out_proj and feed_forward.w1/w3/w2 (and has convolution
+    layers): its adapters map to o and gate/up/down as its checkpoint does; greedy output equal
+    to PEFT's; an adapter on a convolution layer's projections is refused by name."""
+    attention_and_mlp = r".*\.(self_attn\.(q_proj|k_proj|v_proj|out_proj)|feed_forward\.(w1|w2|w3))"
+    path = write_lora_adapter(str(tmp_path / "lfm2"), tiny_lfm2_path, seed=6, targets=attention_and_mlp)
+    reference = [hf_greedy(peft_model(tiny_lfm2_path, path), p, MAX_TOKENS) for p in PROMPTS]
+    assert reference != [hf_greedy(load_hf_model(tiny_lfm2_path), p, MAX_TOKENS) for p in PROMPTS]
+    llm = LLM(tiny_lfm2_path, dtype="float32", enable_lora=True, max_lora_rank=8, num_kv_blocks=128)
+    assert _tokens(_run(llm, ["lfm2"], {"lfm2": LoRARequest("lfm2", 1, path)})["lfm2"]) == reference
+    conv = write_lora_adapter(str(tmp_path / "conv"), tiny_lfm2_path, seed=7, targets=r".*\.conv\.out_proj")
+    with pytest.raises(ValueError, match="conv.out_proj"):
+        llm.generate("a", lora_request=LoRARequest("conv", 2, conv), use_tqdm=False)
