@@ -177,6 +177,9 @@ class FusedDecoderStack:
         self.kernels = lib
         self.dtype = dtype
         self.windows = tuple(w.spec.window for w in weights)  # each layer's sliding window (None: all)
+        # Gate/up apart from SiLU-and-mul (an --enable-lora engine): in every layer, in any.
+        self.mlp_apart = all(w.mlp_apart for w in weights)
+        self._gate_up_scratch = any(w.mlp_apart for w in weights)
         self.eps = float(arch.rms_norm_eps)
         self.steps = 0  # steps run here (the rest ran the Python layers)
         # Per-layer C structs of each side (small batches, big ones) for the caches at these
@@ -250,7 +253,7 @@ class FusedDecoderStack:
     def takes(self, lora: LoRAStep | None) -> bool:
         """Whether the call can add this step's adapters (None: none): each group a run of
         rows on pagellm's LoRA kernel, every layer's gate and up apart from the activation."""
-        return lora is None or (lora.in_stack and all(w.mlp_apart for w in self.weights))
+        return lora is None or (lora.in_stack and self.mlp_apart)
 
     def __call__(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[KVCache],
@@ -276,8 +279,7 @@ class FusedDecoderStack:
         tables = rows.block_tables
         row_start = torch.empty(rows.row_token.numel(), dtype=torch.int32)  # the call's scratch per window
         tp_args, tp_scratch = self._tensor_parallel_args(tokens)
-        apart = any(w.mlp_apart for w in self.weights)
-        gate_up = torch.empty(tokens, 2 * arch.intermediate_size, dtype=self.dtype) if apart else None
+        gate_up = torch.empty(tokens, 2 * arch.intermediate_size, dtype=self.dtype) if self._gate_up_scratch else None
         lora_args, lora_groups = self._lora_args(lora, tokens)
         args = DecoderStackArgs(
             layers, len(self.weights), tokens, arch.hidden_size, arch.num_attention_heads,
@@ -303,8 +305,7 @@ class FusedDecoderStack:
             raise ValueError("these adapters' rows are not runs of rows on pagellm's LoRA kernel, or an MLP is fused")
         slots = lora.slots
         groups = lora.group_array()
-        if groups.numel() and (int(groups[:, 0].max()) >= slots.max_loras or int(groups[:, 0].min()) < 0
-                               or int((groups[:, 1] + groups[:, 2]).max()) > tokens or int(groups[:, 1].min()) < 0):
+        if any(not 0 <= slot < slots.max_loras or not 0 <= rows.start <= rows.stop <= tokens for slot, rows in lora.groups):
             raise ValueError(f"LoRA groups outside the step's {tokens} rows or {slots.max_loras} slots")
         linears = slots.stack_args([w.spec.index for w in self.weights])
         return (linears, groups.data_ptr(), groups.shape[0]), groups

@@ -22,15 +22,8 @@ from pagellm.kernels.library import KernelLibrary
 from pagellm.kernels.packing import lora_b_elems, pack_lora_b
 from pagellm.kernels.stack_args import STACK_LINEARS, LoRALinearArgs
 from pagellm.model.layer_spec import LayerSpec
-from pagellm.model.lora_adapter import ATTENTION_TARGETS, AdapterInfo, LoRAAdapter, target_shape
+from pagellm.model.lora_adapter import ATTENTION_TARGETS, FUSED_TARGETS, AdapterInfo, LoRAAdapter, target_shape
 
-# Each fused linear of a layer, and the adapter targets that are its parts (in row order).
-FUSED_TARGETS: dict[str, tuple[str, ...]] = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "o_proj": ("o_proj",),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-    "down_proj": ("down_proj",),
-}
 _FUSED_OF = {target: fused for fused, targets in FUSED_TARGETS.items() for target in targets}
 
 

@@ -29,7 +29,7 @@ from pagellm.distributed.tensor_parallel import COLUMN_PARALLEL, TensorParallel
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.layer_spec import LayerSpec, layer_specs
 from pagellm.model.lora_gguf import GGUFLoRA
-from pagellm.model.weight_names import llama_name
+from pagellm.model.weight_names import checkpoint_parts, llama_name
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -38,10 +38,17 @@ MAX_CONFIG_BYTES = 1 << 20
 FLOAT_DTYPES = ("F32", "F16", "BF16")  # safetensors' names of the dtypes an adapter's weights may have
 # The projections an adapter may target, each the part of one of the model's fused linears.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ATTENTION_TARGETS = frozenset(("q_proj", "k_proj", "v_proj", "o_proj"))
+ATTENTION_TARGETS = frozenset(("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"))
+# Each of a layer's linears as the model fuses them, and the targets that are its parts (in row order).
+FUSED_TARGETS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
 # Checkpoints that fuse projections in one tensor (Phi-3, Phi-4-mini) name them so in adapters
 # too: one A for all the parts, B's rows the parts' in order (read as each part's pair).
-FUSED_ADAPTER_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+FUSED_ADAPTER_TARGETS = {fused: parts for fused, parts in FUSED_TARGETS.items() if len(parts) > 1}
 _TENSOR = re.compile(
     r"^base_model\.model\.model\.layers\.(?P<layer>\d{1,6})\.(?:self_attn|mlp)\."
     r"(?P<target>q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|qkv_proj|gate_up_proj)"
@@ -95,10 +102,6 @@ def target_shape(spec: LayerSpec, target: str) -> tuple[int, int]:
         "o_proj": (spec.q_size, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
         "down_proj": (inter, hidden),
     }[target]  # fmt: skip
-
-
-def _is_attention(target: str) -> bool:
-    return target in ATTENTION_TARGETS or target == "qkv_proj"
 
 
 def inspect_adapter(path: str, arch: ModelArchConfig, max_rank: int) -> AdapterInfo:
@@ -156,27 +159,27 @@ def _llama_names(path: str, arch: ModelArchConfig, keys: list[str]) -> dict[str,
 def read_adapter(path: str, arch: ModelArchConfig, max_rank: int) -> LoRAAdapter:
     """The adapter's weights, checked as :func:`inspect_adapter` checks them, each ``B`` scaled."""
     info = inspect_adapter(path, arch, max_rank)
-    specs = layer_specs(arch)
     if os.path.isfile(path):
         heads = {"q_proj": arch.num_attention_heads, "k_proj": arch.num_key_value_heads}
-        return _scaled(info, _gguf(path).reader_of(heads), specs)
+        return _scaled(info, _gguf(path).reader_of(heads), arch)
     with safe_open(os.path.join(path, WEIGHTS_FILE), framework="pt") as f:
-        return _scaled(info, lambda key: f.get_tensor(info.file_names.get(key, key)).float(), specs)
+        return _scaled(info, lambda key: f.get_tensor(info.file_names.get(key, key)).float(), arch)
 
 
-def _scaled(info: AdapterInfo, read: Callable[[str], torch.Tensor], specs: tuple[LayerSpec, ...]) -> LoRAAdapter:
-    """Each pair ``info`` names read by its PEFT name, float32, ``B`` times its scaling; a pair of
-    fused projections split into each part's (the same ``A``, the part's rows of ``B``)."""
+def _scaled(info: AdapterInfo, read: Callable[[str], torch.Tensor], arch: ModelArchConfig) -> LoRAAdapter:
+    """Each pair ``info`` names read by its PEFT name, float32, ``B`` times its scaling. ``B``'s
+    rows are the projection's output rows, so it goes through the mapping the checkpoint's weight
+    of that projection goes through (``weight_names.checkpoint_parts``: q/k rows in rotate-half's
+    order where the family's rotary is interleaved, a fused projection split into its parts,
+    each part taking the same ``A``)."""
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for (layer, target), scale in info.scaling.items():
-        prefix = f"base_model.model.model.layers.{layer}.{'self_attn' if _is_attention(target) else 'mlp'}.{target}"
-        a, b = (read(f"{prefix}.lora_{part}.weight").float() for part in "AB")
+        module = f"model.layers.{layer}.{'self_attn' if target in ATTENTION_TARGETS else 'mlp'}.{target}"
+        a, b = (read(f"{_PEFT_PREFIX}{module}.lora_{part}.weight").float() for part in "AB")
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise LoRAAdapterError(f"adapter {info.path!r}: {prefix} holds infinities or NaNs")
-        parts = FUSED_ADAPTER_TARGETS.get(target, (target,))
-        rows = b.split([target_shape(specs[layer], part)[1] for part in parts])
-        for part, b_part in zip(parts, rows):
-            weights[(layer, part)] = (a, (b_part * scale).contiguous())
+            raise LoRAAdapterError(f"adapter {info.path!r}: {module} holds infinities or NaNs")
+        for name, b_part in checkpoint_parts(arch, f"{module}.weight", b * scale):
+            weights[(layer, name.split(".")[-2])] = (a, b_part.contiguous())  # type: ignore[union-attr]
     return LoRAAdapter(info, weights)
 
 
@@ -258,10 +261,10 @@ def _check_shapes(
         twice = [part for part in FUSED_ADAPTER_TARGETS.get(target, ()) if (layer, part) in found]
         if twice:
             raise LoRAAdapterError(f"adapter {path!r} targets layer {layer}'s {target} and its part {twice[0]} both")
-        if _is_attention(target) and spec.recurrent:
+        if target in ATTENTION_TARGETS and spec.recurrent:
             raise LoRAAdapterError(f"adapter {path!r} targets {name}, but that layer of {arch.architecture} has no "
                                    "attention")  # fmt: skip
-        if not _is_attention(target) and spec.moe:
+        if target not in ATTENTION_TARGETS and spec.moe:
             raise LoRAAdapterError(f"adapter {path!r} targets {name}, but that layer is a mixture of experts "
                                    "(adapters on experts are not supported)")  # fmt: skip
         features_in, features_out = target_shape(spec, target)

@@ -104,7 +104,8 @@ class ModelRunner:
             for new in scheduler_output.new_sequences:
                 if new.lora is not None:
                     self.lora.register(new.lora)
-            self.lora.prefetch(scheduler_output.lora_prefetch)
+            if scheduler_output.lora_prefetch:
+                self.lora.prefetch(scheduler_output.lora_prefetch)
         copy_blocks(self.kv_cache, scheduler_output.block_copies)
         # Copies first: they were queued when the last step ended, and a slot they read or write
         # may have been given since to a request that loads its state now.

@@ -301,3 +301,15 @@ def test_adapters_of_a_family_naming_projections_otherwise_equal_peft(tiny_lfm2_
     conv = write_lora_adapter(str(tmp_path / "conv"), tiny_lfm2_path, seed=7, targets=r".*\.conv\.out_proj")
     with pytest.raises(ValueError, match="conv.out_proj"):
         llm.generate("a", lora_request=LoRARequest("conv", 2, conv), use_tqdm=False)
+
+
+def test_adapters_of_an_interleaved_rotary_family_equal_peft(tiny_glm4_path, tmp_path):
+    """GLM-4's q/k rows are reordered at load (its rotary turns dims 2i and 2i + 1 together) and
+    its MLP stores gate/up fused: an adapter's B goes through the same mapping as the
+    checkpoint's weights (reordered q/k rows, gate/up split), so its greedy output is PEFT's."""
+    path = write_lora_adapter(str(tmp_path / "glm4"), tiny_glm4_path, seed=8,
+                              targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"))  # fmt: skip
+    reference = [hf_greedy(peft_model(tiny_glm4_path, path), p, MAX_TOKENS) for p in PROMPTS]
+    assert reference != [hf_greedy(load_hf_model(tiny_glm4_path), p, MAX_TOKENS) for p in PROMPTS]
+    llm = LLM(tiny_glm4_path, dtype="float32", enable_lora=True, max_lora_rank=8, num_kv_blocks=128)
+    assert _tokens(_run(llm, ["glm4"], {"glm4": LoRARequest("glm4", 1, path)})["glm4"]) == reference
