@@ -151,12 +151,19 @@ class LimitsConfig:
     # The most characters of one constraint (schema, regex, grammar, choices): bounds the grammar
     # engine's time and recursion depth (pagellm.structured_output.grammar).
     max_grammar_chars: int = 128 * 1024
+    # A vision-language model's prompt: the most images (0: none taken), and the most pixels of
+    # one image (checked on its header, before its pixels are decoded).
+    max_images_per_prompt: int = 8
+    max_image_pixels: int = 4096 * 4096
 
     def __post_init__(self) -> None:
-        for name in ("max_n", "max_logprobs", "max_stop_strings", "max_stop_string_chars", "max_grammar_chars"):
+        at_least_0 = ("max_logprobs", "max_images_per_prompt")
+        for name in ("max_n", "max_logprobs", "max_stop_strings", "max_stop_string_chars", "max_grammar_chars",
+                     "max_images_per_prompt", "max_image_pixels"):  # fmt: skip
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "max_logprobs" else 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name in at_least_0 else 1):
+                kind = "a non-negative" if name in at_least_0 else "a positive"
+                raise ValueError(f"{name} must be {kind} integer, got {value!r}")
         timeout = self.grammar_compile_timeout_s
         if not is_real(timeout) or not 0 < timeout < float("inf"):
             raise ValueError(f"grammar_compile_timeout_s must be a positive number of seconds, got {timeout!r}")

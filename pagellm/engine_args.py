@@ -10,6 +10,7 @@ runs on (:meth:`EngineArgs.create_engine_config`, where every value is checked).
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
@@ -135,6 +136,11 @@ class EngineArgs:
         "seconds a structured-outputs constraint may take to compile before its request fails", LIMITS, float))
     max_grammar_chars: int = field(default=128 * 1024, metadata=_option(
         "most characters of one structured-outputs constraint (JSON schema, regex, grammar, choices)", LIMITS, int))
+    limit_mm_per_prompt: str | dict[str, int] | None = field(default=None, metadata=_option(
+        'most items of each modality in one prompt, as JSON (vLLM\'s): {"image": 8} (the default; 0 takes none)',
+        LIMITS))
+    max_image_pixels: int = field(default=4096 * 4096, metadata=_option(
+        "most pixels (width x height) of one image in a prompt", LIMITS, int))
     cpu_isa: str | None = field(default=None, metadata=_option(
         "highest ISA level the kernels may use (default: $PAGELLM_ISA, else auto: the CPU's)", KERNELS,
         choices=ISA_CHOICES))
@@ -167,7 +173,9 @@ class EngineArgs:
             limits=LimitsConfig(max_n=self.max_n, max_logprobs=self.max_logprobs,
                                 max_stop_strings=self.max_stop_strings,
                                 grammar_compile_timeout_s=self.grammar_compile_timeout,
-                                max_grammar_chars=self.max_grammar_chars),
+                                max_grammar_chars=self.max_grammar_chars,
+                                max_images_per_prompt=images_per_prompt(self.limit_mm_per_prompt),
+                                max_image_pixels=self.max_image_pixels),
             kernels=KernelConfig.from_env(isa=self.cpu_isa, cpu_kernels=self.cpu_kernels, gemm=self.gemm),
             speculative=SpeculativeConfig.parse(self.speculative_config),
             pooler=PoolerConfig.parse(self.pooler_config),
@@ -181,6 +189,25 @@ class EngineArgs:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def images_per_prompt(limit_mm_per_prompt: str | Mapping[str, int] | None) -> int:
+    """The images one prompt may hold, from vLLM's ``--limit-mm-per-prompt`` JSON or its offline
+    dict (None: the default); ValueError naming what is wrong with it."""
+    if limit_mm_per_prompt is None:
+        return LimitsConfig.max_images_per_prompt
+    limits: object = limit_mm_per_prompt
+    if isinstance(limit_mm_per_prompt, str):
+        try:
+            limits = json.loads(limit_mm_per_prompt)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"limit_mm_per_prompt is not JSON: {exc}") from None
+    if not isinstance(limits, dict) or set(limits) - {"image"}:
+        raise ValueError(f'limit_mm_per_prompt must be an object of the modalities pagellm takes ("image"), got {limits!r}')
+    value = limits.get("image", LimitsConfig.max_images_per_prompt)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"limit_mm_per_prompt's image limit must be a non-negative integer, got {value!r}")
+    return value
 
 
 ENGINE_OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(EngineArgs))

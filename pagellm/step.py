@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagellm.lora_request import LoRARequest
+from pagellm.multimodal_inputs import ImageFeature
 from pagellm.pooling_params import Pooling
 from pagellm.sampling_params import SamplingParams
 
@@ -25,6 +26,7 @@ class NewSequence:
     sampling_params: SamplingParams
     pooling: Pooling | None = None  # an embedding request: pooled at its last prompt token, never sampled
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    mm_features: tuple[ImageFeature, ...] = ()  # the images of its prompt (the worker encodes them)
 
 
 @dataclass

@@ -107,8 +107,8 @@ class KVCacheManager:
         size = self.block_size
         for i in range(len(hashes), seq.num_tokens // size):
             parent = hashes[-1] if hashes else None
-            salt = seq.prefix_key if i == 0 else None
-            hashes.append(hash_block_tokens(parent, seq.all_token_ids[i * size : (i + 1) * size], salt))
+            extra = seq.block_extra_key(i, size)
+            hashes.append(hash_block_tokens(parent, seq.all_token_ids[i * size : (i + 1) * size], extra))
 
     def begin_step(self) -> None:
         """A new step is being scheduled: blocks registered before now are computed by earlier steps."""

@@ -426,7 +426,7 @@ class Scheduler:
         new_tokens: list[int] = []
         if seq.num_tokens_sent == 0:
             self._new_sequences.append(NewSequence(seq.seq_id, list(seq.all_token_ids), seq.num_prompt_tokens,
-                                                   seq.sampling_params, seq.pooling, seq.lora))  # fmt: skip
+                                                   seq.sampling_params, seq.pooling, seq.lora, seq.mm_features))  # fmt: skip
         elif seq.num_tokens_sent < seq.num_tokens:
             new_tokens = seq.all_token_ids[seq.num_tokens_sent :]
         seq.num_tokens_sent = seq.num_tokens
@@ -505,6 +505,7 @@ class Scheduler:
             raise ValueError(f"sequence id {child.seq_id!r} is already in use")
         child.prompt_token_ids = parent.prompt_token_ids
         child.lora = parent.lora
+        child.mm_features = parent.mm_features
         child.output_token_ids = list(parent.output_token_ids)
         child.all_token_ids = list(parent.all_token_ids)
         self.kv_cache_manager.fork(parent, child)

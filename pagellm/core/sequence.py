@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagellm.lora_request import LoRARequest
+from pagellm.multimodal_inputs import ImageFeature, block_image_digests
 from pagellm.pooling_params import Pooling
 from pagellm.sampling_params import SamplingParams
 
@@ -92,6 +93,9 @@ class Sequence:
     # ahead while the sequence waits for a slot.
     lora: LoRARequest | None = None
     lora_hinted: bool = False
+    # The images of its prompt (a vision-language model's): the worker encodes them where their
+    # tokens are computed; the prefix cache keys each block by the images in it.
+    mm_features: tuple[ImageFeature, ...] = ()
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -109,6 +113,14 @@ class Sequence:
         if self.lora is None and self.cache_salt is None:
             return None
         return json.dumps([self.cache_salt, None if self.lora is None else self.lora.cache_key])
+
+    def block_extra_key(self, index: int, block_size: int) -> str | None:
+        """What the prefix-cache key of block ``index`` mixes in besides its tokens: the first
+        block's :attr:`prefix_key`, and the digests of the images with a token in the block
+        (their tokens are the same whatever the image)."""
+        key = self.prefix_key if index == 0 else None
+        images = block_image_digests(self.mm_features, index, block_size) if self.mm_features else []
+        return key if not images else json.dumps([key, images])
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -32,6 +32,7 @@ from pagellm.config import EngineConfig
 from pagellm.core.kv_snapshot import DEFAULT_MAX_REQUESTS, KVSnapshot
 from pagellm.distributed.cpu_affinity import bind_rank
 from pagellm.distributed.heartbeat import HEARTBEAT_PERIOD_S
+from pagellm.engine.image_processor import image_processor_for
 from pagellm.engine.input_processor import InputProcessor
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.protocol import EngineRequest, EngineStats
@@ -201,6 +202,7 @@ class EngineProcess:
         self.input_processor = InputProcessor(
             self.tokenizer, ready.vocab_size, ready.max_model_len, config.limits, config.scheduler.max_num_seqs,
             config.scheduler.scheduling_policy, ready.pooler, ready.hidden_size, ready.beam_refusal,
+            image_processor_for(config.model.model, self.tokenizer, config.limits),
         )
 
     def _start(self) -> _Ready:

@@ -10,6 +10,8 @@ from transformers import PreTrainedTokenizerBase
 
 from pagellm.config import MAX_PRIORITY, MIN_PRIORITY, LimitsConfig
 from pagellm.engine.beam_search import BeamSearchParams
+from pagellm.engine.image_processor import ImageProcessor, image_token_count
+from pagellm.multimodal_inputs import ImageFeature
 from pagellm.pooler_config import PoolerConfig
 from pagellm.pooling_params import Pooling, PoolingParams
 from pagellm.sampling_params import SamplingParams
@@ -25,6 +27,7 @@ class ProcessedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]
     cache_salt: str | None = None  # isolates this prompt's prefix-cache entries (per tenant)
+    mm_features: tuple[ImageFeature, ...] = ()  # its images (a vision-language model's prompt)
 
 
 def check_text(text: str, name: str) -> None:
@@ -59,9 +62,12 @@ class InputProcessor:
         pooler: PoolerConfig | None = None,
         hidden_size: int = 0,
         beam_refusal: str | None = None,
+        images: ImageProcessor | None = None,
     ) -> None:
-        """``beam_refusal``: why this model cannot run beam search, if so."""
+        """``beam_refusal``: why this model cannot run beam search, if so; ``images``: a
+        vision-language model's image preprocessing (None: the model takes no images)."""
         self.tokenizer = tokenizer
+        self.images = images
         self.beam_refusal = beam_refusal
         self.pooler = pooler or PoolerConfig(pooling_type="LAST", normalize=True)  # every field resolved
         self.hidden_size = hidden_size  # an embedding's full size
@@ -167,6 +173,8 @@ class InputProcessor:
         )
 
     def _process_mapping(self, prompt: Mapping[str, Any], generates: bool) -> ProcessedPrompt:
+        if prompt.get("multi_modal_data") is not None:
+            return self._process_images(prompt, prompt["multi_modal_data"], generates)
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, Sequence) or isinstance(ids, str) or not all(
@@ -178,10 +186,29 @@ class InputProcessor:
             return self.process_prompt(prompt["prompt"], generates)
         raise ValueError("a prompt dict needs 'prompt_token_ids' (a list of integers) or 'prompt' (a string)")
 
+    def _process_images(self, prompt: Mapping[str, Any], data: object, generates: bool) -> ProcessedPrompt:
+        """A text prompt with images (vLLM's ``multi_modal_data``)."""
+        text = prompt.get("prompt")
+        if not isinstance(text, str):
+            raise ValueError("a prompt with images needs its text as 'prompt' (a string with one <image> per image)")
+        return self.process_images(text, data, generates)
+
+    def process_images(self, text: str, data: object, generates: bool = True, add_special_tokens: bool = True) -> ProcessedPrompt:
+        """``text`` with one ``<image>`` where each image of ``data`` (``{"image": [...]}``) goes;
+        ``add_special_tokens`` False for a rendered conversation (its template wrote them)."""
+        if self.images is None:
+            raise ValueError("this model takes no images: images need a vision-language model")
+        self.check_prompt_text(text)
+        token_ids, features = self.images.process(text, data, add_special_tokens)
+        return self._checked(ProcessedPrompt(prompt=text, prompt_token_ids=token_ids, mm_features=features), generates)
+
     def _checked(self, processed: ProcessedPrompt, generates: bool) -> ProcessedPrompt:
         ids = processed.prompt_token_ids
         if not ids:
             raise ValueError("the prompt is empty: it must contain at least one token")
+        if self.images is not None and not processed.mm_features and image_token_count(ids, self.images.spec):
+            raise ValueError("the prompt holds image tokens but no image: pass each image in multi_modal_data "
+                             "and write <image> where it goes")  # fmt: skip
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of the vocabulary range [0, {self.vocab_size})")
@@ -208,6 +235,18 @@ class InputProcessor:
         **template_kwargs: Any,
     ) -> list[int]:
         """Render a conversation with the model's chat template and tokenize it."""
+        text = self.render_chat(messages, add_generation_prompt, continue_final_message, chat_template, **template_kwargs)
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """A conversation rendered with the model's chat template, as text."""
         if not messages:
             raise ValueError("messages must be a non-empty list")
         text = self.tokenizer.apply_chat_template(
@@ -221,4 +260,4 @@ class InputProcessor:
         if not isinstance(text, str):
             raise ValueError("the chat template did not render to text")
         self.check_prompt_text(text, "the rendered conversation")
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return text

@@ -23,6 +23,7 @@ from pagellm.core.speculation import Speculator
 from pagellm.core.state_slots import StateSlotPool
 from pagellm.engine.beam_controller import BeamSearchController
 from pagellm.engine.beam_search import BeamSearchParams
+from pagellm.engine.image_processor import image_processor_for
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.lora_registry import LoRARegistry
 from pagellm.engine.output_processor import OutputProcessor
@@ -38,6 +39,7 @@ from pagellm.sampling_params import SamplingParams
 from pagellm.structured_output.manager import StructuredOutputManager
 from pagellm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.executor import Executor, PipelinedExecutor, make_executor
+from pagellm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +83,10 @@ class LLMEngine:
             config.scheduler.scheduling_policy, resolve_pooler(config.model.model, config.pooler), arch.hidden_size,
             f"{arch.architecture}'s recurrent layers keep one state a sequence, not forked for beams yet"
             if arch.recurrent_layers else None,
+            image_processor_for(config.model.model, self.tokenizer, config.limits),
         )
+        # Images reach a worker in this process only (the step codec carries no pixels yet).
+        self._takes_images = isinstance(self.executor, Worker)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._request_counter = itertools.count()
@@ -138,7 +143,8 @@ class LLMEngine:
         """Tokenize, validate and queue a prompt; raises ValueError on bad input (nothing is queued then)."""
         processed = self.input_processor.process_prompt(prompt, generates=not isinstance(params, PoolingParams))
         request = EngineRequest(request_id, processed.prompt_token_ids, params, processed.prompt,
-                                processed.cache_salt, stream, lora_request=lora_request)  # fmt: skip
+                                processed.cache_salt, stream, lora_request=lora_request,
+                                mm_features=processed.mm_features)  # fmt: skip
         self.add_engine_request(request)
 
     def add_requests(self, requests: list[EngineRequest]) -> list[ValueError | None]:
@@ -161,12 +167,15 @@ class LLMEngine:
             self.input_processor.check_params(request.params)
         self.input_processor.check_priority(request.priority)
         self.loras.check(request.lora_request)
+        if request.mm_features and not self._takes_images:
+            raise ValueError("images need an engine of one process: not yet with tensor or pipeline parallelism")
         if isinstance(request.params, PoolingParams):
             self._add_pooling(request, request.params)
         elif isinstance(request.params, BeamSearchParams):
             max_tokens = min(request.params.max_tokens, self.max_model_len - len(request.prompt_token_ids))
             first = self.beams.add(request, request.params, max_tokens)
             first.lora = request.lora_request  # (each beam forked from it runs with it too)
+            first.mm_features = request.mm_features
             if request.params.structured_outputs is not None:  # every beam waits for the grammar
                 self.structured_output.submit(request.request_id, first.seq_id, request.params.structured_outputs,
                                               (first, []))  # fmt: skip
@@ -197,6 +206,7 @@ class LLMEngine:
                 cache_salt=request.cache_salt,
                 priority=request.priority,
                 lora=request.lora_request,
+                mm_features=request.mm_features,
             )
             for i, seq_id in enumerate(seq_ids)
         ]
@@ -218,7 +228,7 @@ class LLMEngine:
         self.scheduler.add_sequence(Sequence(
             seq_id, request.prompt_token_ids, POOLING_SAMPLING, max_tokens=1, eos_token_ids=self.executor.eos_token_ids,
             arrival_time=arrival_time, cache_salt=request.cache_salt, priority=request.priority, pooling=pooling,
-            lora=request.lora_request,
+            lora=request.lora_request, mm_features=request.mm_features,
         ))  # fmt: skip
 
     @staticmethod

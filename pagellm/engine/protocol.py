@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 from pagellm.core.kv_snapshot import KVSnapshot, SequenceView  # noqa: F401 -- re-exported
 from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.lora_request import LoRARequest
+from pagellm.multimodal_inputs import ImageFeature
 from pagellm.outputs import RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
@@ -64,6 +65,7 @@ class EngineRequest:
     # The engine's --scheduling-policy priority serves lower values first (vLLM's); 0 otherwise.
     priority: int = 0
     lora_request: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)
+    mm_features: tuple[ImageFeature, ...] = ()  # its images (``multimodal_inputs.py``)
 
 
 @dataclass

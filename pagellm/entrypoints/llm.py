@@ -131,7 +131,7 @@ class LLM:
         for item, lora in zip(processed, loras):
             request_id = engine.new_request_id()
             engine.add_engine_request(EngineRequest(request_id, item.prompt_token_ids, params, item.prompt,
-                                                    lora_request=lora))  # fmt: skip
+                                                    lora_request=lora, mm_features=item.mm_features))  # fmt: skip
             request_ids.append(request_id)
         results = self._run(request_ids, use_tqdm)
         return [
@@ -170,7 +170,8 @@ class LLM:
         for item, p, value, lora in zip(processed, params, priorities, loras):
             request_id = engine.new_request_id()
             engine.add_engine_request(EngineRequest(request_id, item.prompt_token_ids, p, item.prompt, item.cache_salt,
-                                                    stream=False, priority=value, lora_request=lora))  # fmt: skip
+                                                    stream=False, priority=value, lora_request=lora,
+                                                    mm_features=item.mm_features))  # fmt: skip
             request_ids.append(request_id)
         return request_ids
 

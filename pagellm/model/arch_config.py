@@ -314,7 +314,12 @@ class ModelArchConfig:
 
 # Multimodal checkpoints served as their text model: wrapper architecture -> (the text model's
 # architecture, the transformers config class whose defaults fill in its ``text_config``).
-_TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "Gemma3TextConfig")}
+_TEXT_OF_MULTIMODAL = {
+    "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "Gemma3TextConfig"),
+    # Idefics3 / SmolVLM: a Llama text model (its vision side: ``vision_config.py``).
+    "Idefics3ForConditionalGeneration": ("LlamaForCausalLM", "LlamaConfig"),
+    "SmolVLMForConditionalGeneration": ("LlamaForCausalLM", "LlamaConfig"),
+}
 
 
 def text_model_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -330,7 +335,9 @@ def text_model_config(config: dict[str, Any]) -> dict[str, Any]:
     architecture, class_name = _TEXT_OF_MULTIMODAL[architectures[0]]
     text = getattr(transformers, class_name)(**config.get("text_config", {})).to_dict()
     text["architectures"] = [architecture]
-    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+    # (Idefics3's wrapper decides whether its LM head is tied: its own flag, not the text config's.)
+    wrapper_keys = ("tie_word_embeddings",) if architecture == "LlamaForCausalLM" else ()
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id", *wrapper_keys):
         if config.get(key) is not None:
             text[key] = config[key]
     return text

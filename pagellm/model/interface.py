@@ -15,6 +15,7 @@ from pagellm.attention.backend import AttentionMetadata
 from pagellm.kernels.plan import KernelPlan
 from pagellm.model.lora import LoRAStep
 from pagellm.model.step_route import StepRoute
+from pagellm.multimodal_inputs import InputEmbeds
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (key_cache, value_cache)
 
@@ -25,10 +26,12 @@ class CausalLM(Protocol):
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata, stream: torch.Tensor | None = None, lora: LoRAStep | None = None,
+        embeds: InputEmbeds | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states ``[T, hidden]`` for a flat batch of ``T`` tokens (a
         pipeline stage: from and to the residual ``stream`` between stages); ``lora``: the
-        adapters of the rows that run with one."""
+        adapters of the rows that run with one; ``embeds``: rows whose embeddings are given
+        (a vision-language model's image tokens)."""
 
     @property
     def last_route(self) -> StepRoute | None:

@@ -37,6 +37,7 @@ from pagellm.model.quant_embedding import QuantizedEmbedding, embedding_for_plan
 from pagellm.model.quant_linear import QuantizedLinear, linear_for_plan
 from pagellm.model.short_conv import ConvState, ShortConv
 from pagellm.model.step_route import StepRoute, route_step
+from pagellm.multimodal_inputs import InputEmbeds
 from pagellm.model.weight_names import checkpoint_parts, mlp_weight_names
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -317,12 +318,14 @@ class LlamaForCausalLM(nn.Module):
         attn_metadata: AttentionMetadata,
         stream: torch.Tensor | None = None,
         lora: LoRAStep | None = None,
+        embeds: InputEmbeds | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states ``[T, hidden]`` for a flat batch of ``T`` tokens; under
         pipeline parallelism a stage after the first starts from the previous stage's residual
         ``stream`` instead of the token ids, and a stage before the last returns its own.
         ``lora``: the adapters of the step's rows (None: none has one), added in the one-call
-        stack where it takes them, else in the layers one by one."""
+        stack where it takes them, else in the layers one by one. ``embeds``: rows whose
+        embeddings are given (images' encoder outputs), set after the embedding's scale."""
         layers = self.model.own_layers
         if len(kv_caches) != len(layers):
             raise ValueError(f"expected {len(layers)} KV cache pairs, got {len(kv_caches)}")
@@ -332,6 +335,8 @@ class LlamaForCausalLM(nn.Module):
             hidden = self.model.embed_tokens(input_ids)
             if self.arch.embedding_scale is not None:  # (the scale rounded to float32, then the dtype, as HF)
                 hidden = hidden * torch.tensor(self.arch.embedding_scale).to(hidden.dtype)
+            if embeds is not None:
+                hidden[embeds.indices] = embeds.rows.to(hidden.dtype)
         else:
             raise ValueError("a pipeline stage after the first starts from the previous stage's hidden states")
         seq_lens = _token_seq_lens(self.model.rotary_emb, attn_metadata, positions.device)

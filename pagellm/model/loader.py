@@ -26,9 +26,11 @@ from pagellm.kernels.plan import KernelPlan, WeightRequest
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.default_model import default_model_path
 from pagellm.model.gguf_loader import arch_config_from_gguf, has_quantized_linears, iter_gguf_weights, open_gguf
+from pagellm.model.idefics3_vision import Idefics3Vision
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.mxfp4 import join_mxfp4_pairs
 from pagellm.model.registry import validate_arch_config
+from pagellm.model.vision_config import VisionSpec
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -286,3 +288,25 @@ def load_model(
         net.load_weights(weights)
     net.requires_grad_(False)
     return net.eval(), arch
+
+
+def load_vision_spec(model: str | None) -> VisionSpec | None:
+    """The vision side of a vision-language checkpoint whose images pagellm takes; None for a
+    text model (a GGUF file: its vision tower, if any, is a separate file not read yet)."""
+    path = resolve_model_path(model)
+    if is_gguf(path):
+        return None
+    return VisionSpec.from_hf_config(_read_json(Path(path) / "config.json"))
+
+
+def load_vision_encoder(model: str | None, dtype: torch.dtype, device: torch.device) -> Idefics3Vision | None:
+    """The checkpoint's vision encoder and connector in ``dtype`` on ``device`` (None: a text model)."""
+    spec = load_vision_spec(model)
+    if spec is None:
+        return None
+    path = resolve_model_path(model)
+    with single_threaded():
+        encoder = Idefics3Vision(spec).to(dtype)
+        encoder.load(_iter_safetensors(safetensors_files(path), keep=Idefics3Vision.holds))
+    encoder.requires_grad_(False)
+    return encoder.to(device).eval()

@@ -51,6 +51,8 @@ _RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
         (re.compile(r"^model\.embedding_norm\."), "model.norm."),
         (re.compile(r"\.conv\.conv\.(weight|bias)$"), r".conv.conv_\1"),
     ),
+    # Idefics3 / SmolVLM: the text model under `model.text_model`.
+    "LlamaForCausalLM": ((re.compile(r"^model\.text_model\."), "model."),),
     # gpt-oss: the router is `router` (with a bias).
     "GptOssForCausalLM": ((re.compile(r"\.mlp\.router\."), ".mlp.gate."),),
     # Gemma 3 4B and up (Gemma3ForConditionalGeneration): the text model under `language_model`.
@@ -62,6 +64,7 @@ _RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
 # Architecture -> the checkpoint's tensors a text model does not load (a multimodal one's vision).
 _DROPPED: dict[str, re.Pattern[str]] = {
     "Gemma3ForCausalLM": re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\."),
+    "LlamaForCausalLM": re.compile(r"^model\.(vision_model|connector)\."),  # (Idefics3's: its own encoder loads them)
 }
 # Architectures whose checkpoints carry layers past the model's (GLM-4.5's multi-token prediction
 # layer, ``num_nextn_predict_layers``): not part of the causal LM, not loaded.

@@ -12,6 +12,7 @@ from pagellm.distributed.pipeline import PipelineLink, micro_batches
 from pagellm.kernels.plan import KernelPlan
 from pagellm.model.interface import CausalLM
 from pagellm.model.lora import LoRAStep
+from pagellm.multimodal_inputs import InputEmbeds
 from pagellm.sample.grammar_mask import apply_token_bitmask
 from pagellm.sample.rejection import accepted_prefix, verify_in_context
 from pagellm.sample.sampler import (
@@ -31,6 +32,7 @@ from pagellm.step import (
     TokenLogprobs,
 )
 from pagellm.worker.drafter import Drafter
+from pagellm.worker.encoder_runner import EncoderRunner
 from pagellm.worker.flat_batch import FlatLayout, flat_inputs
 from pagellm.worker.input_batch import InputBatch
 from pagellm.worker.kv_cache import KVCache, copy_blocks, copy_states, load_states
@@ -52,6 +54,7 @@ class StepInputs:
     prompt_logprob_indices: torch.Tensor  # [P] rows whose logits score the next prompt token
     prompt_logprob_targets: torch.Tensor  # [P] those next prompt tokens
     pool_chunks: list[PoolChunk]  # embedding sequences' rows (they pool instead of sampling)
+    embeds: InputEmbeds | None = None  # image rows: their encoder outputs in place of token embeddings
 
 
 class ModelRunner:
@@ -71,8 +74,10 @@ class ModelRunner:
         micro_batches: int = 1,
         drafter: Drafter | None = None,
         lora: LoRAManager | None = None,
+        encoder: EncoderRunner | None = None,
     ) -> None:
         self.model = model
+        self.encoder = encoder  # a vision-language model's images: encoded where their tokens are computed
         self.lora = lora  # LoRA adapters (--enable-lora): which rows run with which
         self.drafter = drafter  # a draft model proposing the drafts the scheduler reserved
         self.kernel_plan = plan  # (read by benchmarks: the decode floor reads with its library)
@@ -100,6 +105,8 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         self.batch.apply(scheduler_output)
         self.pooler.apply(scheduler_output)
+        if self.encoder is not None:
+            self.encoder.apply(scheduler_output)
         if self.lora is not None:
             for new in scheduler_output.new_sequences:
                 if new.lora is not None:
@@ -125,7 +132,8 @@ class ModelRunner:
                 scheduled = sorted(scheduled, key=lambda item: int(ids[self.batch.row_of[item.seq_id]]))
             inputs = self.prepare_inputs(scheduled)
             lora = self._lora_step(scheduled, output)
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata, lora=lora)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata, lora=lora,
+                                embeds=inputs.embeds)  # fmt: skip
             if self.samples:
                 self._outputs(hidden, inputs, grammar, output)
             output.route = self._route()
@@ -246,6 +254,7 @@ class ModelRunner:
             prompt_logprob_indices=pl_indices_t,
             prompt_logprob_targets=pl_targets_t,
             pool_chunks=self._pool_chunks(scheduled, layout.query_start) if self.pooler else [],
+            embeds=None if self.encoder is None else self.encoder.step_embeds(scheduled, self.batch, layout.query_start),
         )
 
     def _sample_rows(

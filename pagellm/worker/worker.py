@@ -27,7 +27,8 @@ from pagellm.kernels.plan import KernelPlan
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.interface import CausalLM
 from pagellm.model.loader import (
-    auto_dtype, is_gguf, load_arch_config, load_model, requested_weights, resolve_model_path, single_threaded,
+    auto_dtype, is_gguf, load_arch_config, load_model, load_vision_encoder, requested_weights, resolve_model_path,
+    single_threaded,
 )
 from pagellm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from pagellm.utils import cdiv
@@ -45,6 +46,7 @@ from pagellm.worker.kv_cache import (
     with_recurrent_states,
 )
 from pagellm.worker.drafter import Drafter
+from pagellm.worker.encoder_runner import EncoderRunner
 from pagellm.worker.lora_manager import LoRAManager
 from pagellm.worker.model_runner import ModelRunner
 
@@ -195,6 +197,8 @@ class Worker:
         model, self.arch = load_model(config.model.model, self.dtype, attn_backend, self.device, self.kernel_plan, parallel)
         # The weights repacked once for the plan's CPU kernels (fused MLPs, packed linears).
         self.cpu_optimizations = self._optimize(model, self.kernel_plan)
+        # A vision-language model's encoder (one process only: images do not cross to ranks yet).
+        vision = load_vision_encoder(config.model.model, self.dtype, self.device) if parallel is None else None
         draft = None
         if draft_config is not None and draft_plan is not None:
             draft = self._load_draft(draft_config, draft_plan)
@@ -237,7 +241,7 @@ class Worker:
         self.model_runner = ModelRunner(
             model, kv_cache, self.block_size, self.device, sorted(self.eos_token_ids), self.kernel_plan,
             samples=parallel is None or parallel.samples, link=link, micro_batches=micro_batches, drafter=drafter,
-            lora=lora,
+            lora=lora, encoder=None if vision is None else EncoderRunner(vision, self.device),
         )
 
     def _optimize(self, model: CausalLM, plan: KernelPlan) -> dict[str, int]:

@@ -146,3 +146,10 @@ def test_stream_usage_and_raw_framing(http: httpx.Client) -> None:
     assert all(c["usage"] is None for c in chunks[:-1])
     final = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     assert len(final) == 1 and final[0]["choices"][0]["finish_reason"] == "length"
+
+
+def test_an_image_to_a_text_model_is_a_400(client: openai.OpenAI) -> None:
+    url = "data:image/png;base64,iVBORw0KGgo="
+    parts = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}]
+    with pytest.raises(openai.BadRequestError, match="this model takes no images"):
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": parts}], max_tokens=2)

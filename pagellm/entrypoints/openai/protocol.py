@@ -7,11 +7,12 @@ are checked here, value ranges by ``SamplingParams`` so each rule lives in one p
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, model_serializer, model_validator
 
 from pagellm.bounded_json import parse_json_text
+from pagellm.engine.image_processor import IMAGE_PLACEHOLDER
 from pagellm.engine.input_processor import check_text
 
 TokenIds = list[StrictInt]
@@ -154,6 +155,19 @@ class TextContentPart(OpenAIBaseModel):
     text: str
 
 
+class ImageURL(OpenAIBaseModel):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # (accepted; the model's processor decides)
+
+
+class ImageContentPart(OpenAIBaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextContentPart | ImageContentPart, Field(discriminator="type")]
+
+
 class FunctionCallParam(OpenAIBaseModel):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
@@ -169,18 +183,32 @@ class ToolCallParam(OpenAIBaseModel):
 
 class ChatMessageParam(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: the call this result answers
     reasoning_content: str | None = None  # assistant messages: their thinking (templates may render it)
     reasoning: str | None = None
 
-    def to_template_dict(self) -> dict[str, Any]:
-        """The plain dict chat templates expect; content parts are joined as vLLM does, and
-        earlier calls' arguments are parsed (templates render them as JSON objects)."""
-        if isinstance(self.content, list):
-            content = "\n".join(part.text for part in self.content)
+    @property
+    def image_urls(self) -> list[str]:
+        """The URLs of its image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url.url for part in self.content if isinstance(part, ImageContentPart)]
+
+    def to_template_dict(self, as_parts: bool = False) -> dict[str, Any]:
+        """The plain dict chat templates expect; content parts are joined as vLLM does (an image
+        as the ``<image>`` placeholder), or kept as ``{"type": "text" | "image"}`` parts for a
+        template that loops over them (``as_parts``); earlier calls' arguments are parsed
+        (templates render them as JSON objects)."""
+        content: Any
+        if isinstance(self.content, list) and as_parts:
+            content = [{"type": "text", "text": part.text} if isinstance(part, TextContentPart) else {"type": "image"}
+                       for part in self.content]  # fmt: skip
+        elif isinstance(self.content, list):
+            content = "\n".join(part.text if isinstance(part, TextContentPart) else IMAGE_PLACEHOLDER
+                                 for part in self.content)  # fmt: skip
         else:
             content = self.content or ""
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}

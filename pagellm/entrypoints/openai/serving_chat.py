@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -115,12 +116,31 @@ def render_messages(
     template_kwargs: dict[str, Any],
     functions: list[dict[str, Any]] | None = None,
 ) -> list[int]:
+    """The conversation through the model's chat template, tokenized (:func:`render_conversation`)."""
+    text = render_conversation(serving, messages, add_generation_prompt, continue_final_message, template_kwargs,
+                               functions)  # fmt: skip
+    return list(serving.engine.input_processor.tokenizer(text, add_special_tokens=False).input_ids)
+
+
+# A chat template that loops over a message's content parts (vision-language models' templates:
+# ``{% for part in message['content'] %}``) takes them as parts; any other takes joined text.
+_LOOPS_OVER_CONTENT = re.compile(r"for\s+\w+\s+in\s+\w+(\[['\"]content['\"]\]|\.content)")
+
+
+def render_conversation(
+    serving: OpenAIServing,
+    messages: list[ChatMessageParam],
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    template_kwargs: dict[str, Any],
+    functions: list[dict[str, Any]] | None = None,
+) -> str:
     """The conversation through the model's chat template; template failures are the client's 400.
 
     ``template_kwargs`` must have passed ``check_template_kwargs``; ``functions`` are the tools
     shown to the model (given to a template that renders tools, else written into the
-    conversation: ``tool_calls.prompt``). Slow for long conversations: callers on the event loop
-    run it in a worker thread.
+    conversation: ``tool_calls.prompt``). An image part renders as the ``<image>`` placeholder.
+    Slow for long conversations: callers on the event loop run it in a worker thread.
     """
     if not messages:
         raise BadRequestError("messages must be a non-empty list", param="messages")
@@ -133,11 +153,13 @@ def render_messages(
     if continue_final_message and messages[-1].role != "assistant":
         raise BadRequestError("continue_final_message needs the last message to be from the assistant",
                               param="continue_final_message")
+    template = template_kwargs.get("chat_template") or processor.tokenizer.chat_template
+    as_parts = any(m.image_urls for m in messages) and bool(_LOOPS_OVER_CONTENT.search(str(template or "")))
     try:
-        dicts = [m.to_template_dict() for m in messages]
+        dicts = [m.to_template_dict(as_parts) for m in messages]
         has_tool_history = any(d["role"] == "tool" or d.get("tool_calls") for d in dicts)
         if functions or has_tool_history:
-            if template_renders_tools(template_kwargs.get("chat_template") or processor.tokenizer.chat_template):
+            if template_renders_tools(template):
                 if functions:
                     tools = [{"type": "function", "function": f} for f in functions]
                     template_kwargs = {**template_kwargs, "tools": tools}
@@ -145,7 +167,8 @@ def render_messages(
                 dicts = write_tools_in(dicts, functions or [])
     except ValueError as exc:
         raise BadRequestError(str(exc), param="messages") from exc
-    total_chars = sum(len(m["content"]) for m in dicts)
+    total_chars = sum(len(m["content"]) if isinstance(m["content"], str) else
+                      sum(len(part.get("text", "")) for part in m["content"]) for m in dicts)  # fmt: skip
     if total_chars > processor.max_prompt_chars:
         raise BadRequestError(
             f"the messages hold {total_chars} characters, more than can fit in max_model_len="
@@ -153,7 +176,7 @@ def render_messages(
             param="messages",
         )
     try:
-        return processor.apply_chat_template(
+        return processor.render_chat(
             dicts,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
@@ -161,6 +184,30 @@ def render_messages(
         )
     except (ValueError, TypeError, jinja2.TemplateError) as exc:
         raise BadRequestError(f"cannot apply the chat template to these messages: {exc}", param="messages") from exc
+
+
+def conversation_with_images(
+    serving: OpenAIServing,
+    messages: list[ChatMessageParam],
+    urls: list[str],
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    template_kwargs: dict[str, Any],
+    functions: list[dict[str, Any]] | None = None,
+) -> ProcessedPrompt:
+    """A conversation whose messages hold the images at ``urls``: rendered, each image's
+    placeholder expanded into its tokens (every refusal a 400 on ``messages``)."""
+    processor = serving.engine.input_processor
+    if processor.images is None:
+        raise BadRequestError("this model takes no images: image_url parts need a vision-language model",
+                              param="messages")  # fmt: skip
+    images = serving.images_of(urls, "messages")
+    text = render_conversation(serving, messages, add_generation_prompt, continue_final_message, template_kwargs,
+                               functions)  # fmt: skip
+    try:
+        return processor.process_images(text, {"image": images}, add_special_tokens=False)
+    except ValueError as exc:
+        raise BadRequestError(str(exc), param="messages") from exc
 
 
 @dataclass
@@ -238,11 +285,17 @@ class OpenAIServingChat(OpenAIServing):
     def _prompt(
         self, request: ChatCompletionRequest, template_kwargs: dict[str, Any], functions: list[dict[str, Any]]
     ) -> ProcessedPrompt:
-        ids = render_messages(
-            self, request.messages, request.add_generation_prompt, request.continue_final_message, template_kwargs,
-            functions,
-        )  # fmt: skip
-        return self.process_prompt({"prompt_token_ids": ids}, "messages", request.cache_salt)
+        urls = [url for message in request.messages for url in message.image_urls]
+        if not urls:
+            ids = render_messages(
+                self, request.messages, request.add_generation_prompt, request.continue_final_message, template_kwargs,
+                functions,
+            )  # fmt: skip
+            return self.process_prompt({"prompt_token_ids": ids}, "messages", request.cache_salt)
+        prompt = conversation_with_images(self, request.messages, urls, request.add_generation_prompt,
+                                          request.continue_final_message, template_kwargs, functions)  # fmt: skip
+        prompt.cache_salt = request.cache_salt
+        return prompt
 
     @staticmethod
     def _logprobs(ctx: _Context, token_ids: list[int], positions: list[PositionLogprobs] | None) -> ChatLogProbs | None:

@@ -30,6 +30,7 @@ from pagellm.engine.async_engine import (
 )
 from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.engine.input_processor import ProcessedPrompt
+from pagellm.entrypoints.media import MAX_IMAGE_BYTES, image_from_url
 from pagellm.entrypoints.openai.errors import (
     BadRequestError,
     OpenAIError,
@@ -361,6 +362,21 @@ class OpenAIServing:
         if not self.engine.is_running:
             raise ServiceUnavailableError(self.engine.status_message, code="engine_unavailable", retry_after_s=5)
 
+    def images_of(self, urls: list[str], param: str) -> list[Any]:
+        """The request's images from their URLs (``data:`` URLs only), counted against the
+        per-prompt limit before any is decoded; each refusal a 400 naming it."""
+        limits = self.engine.input_processor.limits
+        if len(urls) > limits.max_images_per_prompt:
+            raise BadRequestError(f"the request has {len(urls)} images, more than the limit of "
+                                  f"{limits.max_images_per_prompt} (--limit-mm-per-prompt)", param=param)  # fmt: skip
+        images = []
+        for index, url in enumerate(urls):
+            try:
+                images.append(image_from_url(url, limits.max_image_pixels, MAX_IMAGE_BYTES))
+            except ValueError as exc:
+                raise BadRequestError(f"image {index}: {exc}", param=param) from exc
+        return images
+
     def process_prompt(
         self, prompt: dict[str, Any], param: str, cache_salt: str | None = None, generates: bool = True
     ) -> ProcessedPrompt:
@@ -497,7 +513,7 @@ class OpenAIServing:
             ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         requests = [  # params come from ``sampling_params``, which checked them
             EngineRequest(rid, p.prompt_token_ids, params, p.prompt, p.cache_salt, stream=deltas, params_checked=True,
-                          priority=priority, lora_request=lora)
+                          priority=priority, lora_request=lora, mm_features=p.mm_features)
             for p, rid in zip(prompts, ids)
         ]
         try:

@@ -1,0 +1,163 @@
+"""Idefics3 (SmolVLM): images in, text out, equal to ``transformers`` on a tiny random
+checkpoint; the encoder cache and the prefix cache keyed by image; bad image input refused
+with the engine still serving."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+from tests.helpers.tiny_vlm import png_header_only, random_image, write_tiny_idefics3
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def vlm_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    return write_tiny_idefics3(tmp_path_factory.mktemp("tiny_idefics3"), default_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def hf_vlm(vlm_path: str):
+    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
+
+    model = Idefics3ForConditionalGeneration.from_pretrained(vlm_path, dtype=torch.float32).eval()
+    return model, AutoProcessor.from_pretrained(vlm_path)
+
+
+@pytest.fixture(scope="module")
+def vlm(vlm_path: str) -> LLM:
+    # 64-token steps: a prompt's images are cut across prefill chunks.
+    return LLM(vlm_path, dtype="float32", max_num_batched_tokens=64, limit_mm_per_prompt={"image": 3})
+
+
+def hf_greedy(hf_vlm, prompt: str, images: list, max_tokens: int = 8) -> tuple[list[int], list[int]]:
+    """(prompt ids, greedy output ids) of the reference."""
+    model, processor = hf_vlm
+    inputs = processor(text=prompt, images=[images] if images else None, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+    prompt_ids = inputs["input_ids"][0].tolist()
+    return prompt_ids, out[0, len(prompt_ids) :].tolist()
+
+
+CASES = {
+    "one image, split into tiles": ("User: what is in <image>?\nAssistant:", [(70, 45)]),
+    "a small image: one tile and the whole": ("Describe <image> please", [(20, 20)]),
+    "two images mixed with text": ("First <image> then <image> compared:", [(64, 96), (33, 17)]),
+    "an image first, text after": ("<image>What colour?", [(40, 90)]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_equals_transformers(vlm: LLM, hf_vlm, case: str) -> None:
+    prompt, sizes = CASES[case]
+    images = [random_image(w, h, seed) for seed, (w, h) in enumerate(sizes)]
+    prompt_ids, expected = hf_greedy(hf_vlm, prompt, images)
+    out = vlm.generate({"prompt": prompt, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)[0]
+    assert list(out.prompt_token_ids) == prompt_ids
+    assert out.outputs[0].token_ids == expected
+
+
+def test_a_batch_of_prompts_with_different_images(vlm: LLM, hf_vlm) -> None:
+    """Several prompts in one step, each with its own image (one of them text only)."""
+    prompts = [("Look: <image>", [random_image(50, 30, 11)]), ("Look: <image>", [random_image(30, 50, 12)]),
+               ("No image here at all", [])]  # fmt: skip
+    expected = [hf_greedy(hf_vlm, text, images)[1] for text, images in prompts]
+    outs = vlm.generate([{"prompt": text, "multi_modal_data": {"image": images}} for text, images in prompts], GREEDY,
+                        use_tqdm=False)  # fmt: skip
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_a_repeated_image_is_encoded_once_and_its_blocks_are_cached(vlm: LLM, hf_vlm) -> None:
+    runner = vlm.llm_engine.executor.model_runner.encoder
+    image = random_image(61, 47, 21)
+    prompt = {"prompt": "Repeat after me <image> and stop", "multi_modal_data": {"image": [image]}}
+    first = vlm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    encoded = runner.images_encoded
+    second = vlm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert second.num_cached_tokens >= len(first.prompt_token_ids) - 16  # all but the last (partial) block
+    assert runner.images_encoded == encoded  # served from the prefix cache: not encoded again
+    # The same text with another image: its blocks are not the first image's.
+    other = {"prompt": prompt["prompt"], "multi_modal_data": {"image": [random_image(61, 47, 22)]}}
+    third = vlm.generate(other, GREEDY, use_tqdm=False)[0]
+    first_image_block = (first.prompt_token_ids.index(vlm.llm_engine.input_processor.images.spec.image_token_id)) // 16
+    assert third.num_cached_tokens <= first_image_block * 16
+    assert third.outputs[0].token_ids == hf_greedy(hf_vlm, other["prompt"], other["multi_modal_data"]["image"])[1]
+    assert runner.images_encoded == encoded + 1
+
+
+def test_the_encoder_cache_reuses_an_image_the_prefix_cache_lost(vlm_path: str, hf_vlm) -> None:
+    """Without prefix caching the prompt is computed again, but its image is not encoded again."""
+    llm = LLM(vlm_path, dtype="float32", enable_prefix_caching=False)
+    runner = llm.llm_engine.executor.model_runner.encoder
+    prompt = {"prompt": "<image><image> twice", "multi_modal_data": {"image": [random_image(30, 30, 5)] * 2}}
+    outs = [llm.generate(prompt, GREEDY, use_tqdm=False)[0] for _ in range(2)]
+    assert runner.images_encoded == 1
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == hf_greedy(
+        hf_vlm, prompt["prompt"], prompt["multi_modal_data"]["image"])[1]  # fmt: skip
+
+
+def _undecodable():
+    from PIL import Image
+
+    data = io.BytesIO()
+    random_image(40, 40, 3).save(data, format="PNG")
+    return Image.open(io.BytesIO(data.getvalue()[:80]))  # a header, then the file ends
+
+
+def _huge():
+    from PIL import Image
+
+    return Image.open(io.BytesIO(png_header_only(9_000, 9_000)))
+
+
+BAD = {
+    "more placeholders than images": ("<image> and <image>", lambda: [random_image(8, 8, 0)], "2 <image> placeholders for 1"),
+    "an image without a placeholder": ("no placeholder", lambda: [random_image(8, 8, 0)], "0 <image> placeholders for 1"),
+    "too many images": ("<image>" * 4, lambda: [random_image(8, 8, i) for i in range(4)], "4 images, more than the limit of 3"),
+    "not an image": ("<image>", lambda: ["a string"], "image 0 is a str, not a PIL image"),
+    "9,000 x 9,000 pixels": ("<image>", lambda: [_huge()], "9000 x 9000 pixels: more than the limit"),
+    "an undecodable file": ("<image>", lambda: [_undecodable()], "image 0 could not be read"),
+    "another modality": ("<image>", None, "pagellm takes images only"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_image_input_is_refused_and_the_engine_serves_on(vlm: LLM, hf_vlm, case: str) -> None:
+    text, images, message = BAD[case]
+    data = {"audio": [b""]} if images is None else {"image": images()}
+    with pytest.raises(ValueError, match=message):
+        vlm.generate({"prompt": text, "multi_modal_data": data}, GREEDY, use_tqdm=False)
+    assert not vlm.llm_engine.has_unfinished_requests()
+    image = random_image(24, 24, 9)
+    out = vlm.generate({"prompt": "ok <image>", "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf_vlm, "ok <image>", [image])[1]
+
+
+def test_image_tokens_without_an_image_are_refused(vlm: LLM) -> None:
+    with pytest.raises(ValueError, match="image tokens but no image"):
+        vlm.generate("a text that spells <image> itself", GREEDY, use_tqdm=False)
+
+
+def test_a_text_model_takes_no_images(tiny_llama_path: str) -> None:
+    llm = LLM(tiny_llama_path, dtype="float32")
+    with pytest.raises(ValueError, match="this model takes no images"):
+        llm.generate({"prompt": "<image>", "multi_modal_data": {"image": random_image(8, 8, 0)}}, GREEDY, use_tqdm=False)
+
+
+def test_the_vision_encoder_equals_transformers(vlm: LLM, hf_vlm) -> None:
+    """Tiles with padding (a pixel mask) included: the reference's image features, row for row."""
+    model, processor = hf_vlm
+    encoder = vlm.llm_engine.executor.model_runner.encoder.encoder
+    images = [random_image(70, 20, 31), random_image(10, 33, 32)]
+    inputs = processor(text="<image><image>", images=[images], return_tensors="pt")
+    with torch.no_grad():
+        expected = model.model.get_image_features(inputs["pixel_values"], inputs["pixel_attention_mask"]).pooler_output[0]
+    mask = inputs["pixel_attention_mask"][0].bool()
+    got = encoder(inputs["pixel_values"][0], mask)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,123 @@
+"""Images through ``/v1/chat/completions`` with the official ``openai`` client: ``image_url``
+parts as ``data:`` URLs, answers equal to ``transformers``' on the same conversation, and every
+bad image a 400 in OpenAI's shape while the server keeps serving."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator
+
+import openai
+import pytest
+import torch
+
+from tests.helpers.server import MODEL_NAME, TINY_SERVER_ARGS, RemoteServer
+from tests.helpers.tiny_vlm import png_header_only, random_image, write_tiny_idefics3
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def vlm_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    return write_tiny_idefics3(tmp_path_factory.mktemp("tiny_idefics3_server"), default_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def client(vlm_path: str) -> Iterator[openai.OpenAI]:
+    args = [*TINY_SERVER_ARGS, "--dtype", "float32", "--max-model-len", "512", "--limit-mm-per-prompt", '{"image": 2}']
+    with RemoteServer(vlm_path, args) as server, server.client(timeout=60.0) as c:
+        yield c
+
+
+def data_url(image, fmt: str = "PNG") -> str:
+    out = io.BytesIO()
+    image.save(out, format=fmt)
+    return f"data:image/{fmt.lower()};base64,{base64.b64encode(out.getvalue()).decode()}"
+
+
+def user_turn(text: str, urls: list[str]) -> list[dict]:
+    parts = [{"type": "text", "text": text}] + [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    return [{"role": "user", "content": parts}]
+
+
+def hf_answer(vlm_path: str, text: str, images: list, max_tokens: int) -> str:
+    """The reference: the same conversation (parts joined, each image its placeholder) rendered
+    by the tokenizer's template, preprocessed by the model's own processor, decoded greedily."""
+    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(vlm_path)
+    model = Idefics3ForConditionalGeneration.from_pretrained(vlm_path, dtype=torch.float32).eval()
+    content = "\n".join([text] + ["<image>"] * len(images))
+    prompt = processor.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                     add_generation_prompt=True)  # fmt: skip
+    inputs = processor(text=prompt, images=[images], add_special_tokens=False, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+    return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def test_image_url_parts_answer_as_transformers_does(client: openai.OpenAI, vlm_path: str) -> None:
+    images = [random_image(70, 45, 1), random_image(30, 30, 2)]
+    for fmt in ("PNG", "WEBP"):  # (lossless WebP: the same pixels)
+        urls = [data_url(image, fmt) if fmt == "PNG" else _webp_url(image) for image in images]
+        result = client.chat.completions.create(model=MODEL_NAME, messages=user_turn("Compare:", urls), max_tokens=8,
+                                                temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+        assert result.choices[0].message.content == hf_answer(vlm_path, "Compare:", images, 8)
+        assert result.usage.prompt_tokens > 2 * 16  # two images' tokens at least
+
+
+def _webp_url(image) -> str:
+    out = io.BytesIO()
+    image.save(out, format="WEBP", lossless=True)
+    return "data:image/webp;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def _png_b64(raw: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(raw).decode()
+
+
+BAD = {
+    "a remote URL": ("https://example.com/cat.png", "image URLs are not fetched"),
+    "not a data URL": ("file:///etc/passwd", "must be a data:image"),
+    "bad base64": ("data:image/png;base64,@@@@", "not valid base64"),
+    "another media type": ("data:image/bmp;base64,Qk0=", "is not one of"),
+    "an undecodable file": (_png_b64(b"\x89PNG\r\n\x1a\nnot really"), "could not be read"),
+    "20,000 x 20,000 pixels": (_png_b64(png_header_only(20_000, 20_000)), "could not be read|more than the limit"),
+    "9,000 x 9,000 pixels": (_png_b64(png_header_only(9_000, 9_000)), "9000 x 9000 pixels: more than the limit"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_image_is_a_400_and_the_server_serves_on(client: openai.OpenAI, case: str) -> None:
+    url, message = BAD[case]
+    with pytest.raises(openai.BadRequestError, match=message) as info:
+        client.chat.completions.create(model=MODEL_NAME, messages=user_turn("What?", [url]), max_tokens=2)
+    assert info.value.body["type"] == "invalid_request_error" and info.value.body["param"] == "messages"
+    ok = client.chat.completions.create(model=MODEL_NAME, messages=user_turn("What?", [data_url(random_image(9, 9, 0))]),
+                                        max_tokens=2)  # fmt: skip
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_more_images_than_the_limit_are_refused_before_decoding(client: openai.OpenAI) -> None:
+    urls = ["data:image/png;base64,AAAA"] * 1000  # (not even valid images: the count is checked first)
+    with pytest.raises(openai.BadRequestError, match="1000 images, more than the limit of 2"):
+        client.chat.completions.create(model=MODEL_NAME, messages=user_turn("Many", urls), max_tokens=2)
+
+
+def test_tokenize_counts_each_image_as_chat_does(client: openai.OpenAI, vlm_path: str) -> None:
+    import httpx
+
+    image = random_image(70, 45, 1)
+    messages = user_turn("Count:", [data_url(image)])
+    tokens = httpx.post(str(client.base_url).replace("/v1/", "/tokenize"), json={"messages": messages}).json()["tokens"]
+    result = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1)
+    assert len(tokens) == result.usage.prompt_tokens
+    assert tokens.count(_image_token_id(vlm_path)) == 7 * 16  # 2 x 3 tiles and the whole image, 16 tokens each
+
+
+def _image_token_id(vlm_path: str) -> int:
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(vlm_path) / "config.json").read_text())["image_token_id"]
