@@ -111,7 +111,8 @@ def test_output_config_constrains_the_answer_to_a_schema(claude: anthropic.Anthr
     ({"model": MODEL_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "toolu_x", "content": "1"}]}]}, 400, "no earlier"),
     ({"model": MODEL_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": [
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]}, 400, "text only"),
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]}, 400,
+     "takes no images"),
     ({"model": MODEL_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "video"}]}]}, 400,
      "video"),
     ({"model": MODEL_NAME, "max_tokens": 4, "messages": ASK, "tools": [{"type": "web_search_20250305",

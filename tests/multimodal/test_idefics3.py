@@ -161,3 +161,31 @@ def test_the_vision_encoder_equals_transformers(vlm: LLM, hf_vlm) -> None:
     mask = inputs["pixel_attention_mask"][0].bool()
     got = encoder(inputs["pixel_values"][0], mask)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+# SmolVLM's own chat template: it loops over each message's content parts.
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def test_a_template_that_loops_over_parts_gets_parts(vlm: LLM) -> None:
+    """Image parts reach a parts-looping template as ``{"type": "image"}`` (it writes their
+    placeholder), a plain template as the placeholder in the joined text."""
+    from types import SimpleNamespace
+
+    from pagellm.entrypoints.openai.protocol import ChatMessageParam
+    from pagellm.entrypoints.openai.serving_chat import render_conversation
+
+    serving = SimpleNamespace(engine=SimpleNamespace(input_processor=vlm.llm_engine.input_processor))
+    url = {"url": "data:image/png;base64,AAAA"}
+    messages = [ChatMessageParam.model_validate({"role": "user", "content": [
+        {"type": "image_url", "image_url": url}, {"type": "text", "text": "What is it?"}]})]  # fmt: skip
+    looped = render_conversation(serving, messages, True, False, {"chat_template": SMOLVLM_TEMPLATE})
+    assert looped == "<|im_start|>User:<image>What is it?<end_of_utterance>\nAssistant:"
+    joined = render_conversation(serving, messages, True, False, {})
+    assert "<image>\nWhat is it?" in joined and joined.count("<image>") == 1

@@ -121,3 +121,28 @@ def _image_token_id(vlm_path: str) -> int:
     from pathlib import Path
 
     return json.loads((Path(vlm_path) / "config.json").read_text())["image_token_id"]
+
+
+def test_anthropic_and_responses_images_answer_as_chat_does(client: openai.OpenAI, vlm_path: str) -> None:
+    """The same image and question through /v1/messages (the ``anthropic`` client, a base64
+    source) and /v1/responses (``input_image``) gives chat's greedy answer."""
+    import anthropic
+
+    image = random_image(50, 40, 7)
+    url = data_url(image)
+    expected = hf_answer(vlm_path, "Describe:", [image], 6)
+    base = str(client.base_url).removesuffix("/v1/")
+    with anthropic.Anthropic(base_url=base, api_key="none") as claude:
+        message = claude.messages.create(model=MODEL_NAME, max_tokens=6, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "Describe:"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": url.split(",", 1)[1]}},
+        ]}], extra_body={"ignore_eos": True, "temperature": 0})  # fmt: skip
+    assert message.content[0].text == expected
+    response = client.responses.create(model=MODEL_NAME, max_output_tokens=6, temperature=0, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "Describe:"}, {"type": "input_image", "image_url": url}]}],
+        extra_body={"ignore_eos": True})  # fmt: skip
+    assert response.output_text == expected
+    with anthropic.Anthropic(base_url=base, api_key="none") as claude, pytest.raises(anthropic.BadRequestError,
+                                                                                        match="not fetched"):
+        claude.messages.create(model=MODEL_NAME, max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}])  # fmt: skip

@@ -23,10 +23,28 @@ class TextBlock(OpenAIBaseModel):
     text: str
 
 
+class MediaSource(OpenAIBaseModel):
+    """Where an image's bytes are: inline (base64) or at a URL (refused: nothing is fetched)."""
+
+    type: str
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+    @property
+    def data_url(self) -> str:
+        """The source as one URL the chat path reads (``data:`` for inline bytes)."""
+        if self.type == "base64":
+            return f"data:{self.media_type or ''};base64,{self.data or ''}"
+        return self.url or f"{self.type}:"
+
+
 class ImageBlock(OpenAIBaseModel):
-    """Accepted by the parser so that the refusal can name it (text-only models)."""
+    """An image (a vision-language model reads it; a text model's refusal names it); a
+    document is always refused."""
 
     type: Literal["image", "document"]
+    source: MediaSource | None = None
 
 
 class ToolUseBlock(OpenAIBaseModel):

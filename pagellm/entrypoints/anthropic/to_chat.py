@@ -7,8 +7,9 @@ tool calls and its thinking blocks its ``reasoning_content``. Tools,
 ``tool_choice``, ``stop_sequences``, sampling, ``output_config.format`` (a JSON schema: the chat
 path's ``response_format``) and ``thinking`` (as the template's ``enable_thinking``, which
 Qwen3-style templates read) map to their chat fields. What cannot map
-is refused naming the field: images and documents (text-only models), server tools, a tool
-result whose call is not in an earlier assistant turn, blocks in the wrong role's turn.
+is refused naming the field: documents, server tools, a tool result whose call is not in an
+earlier assistant turn, blocks in the wrong role's turn. A user turn's images become the chat
+path's ``image_url`` parts (a text model's refusal, the limits and the decoding are its).
 """
 
 from __future__ import annotations
@@ -99,10 +100,12 @@ def _assistant_turn(message: MessageParam, where: str, calls: set[str]) -> dict[
 
 def _user_turn(message: MessageParam, where: str, calls: set[str]) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
-    texts: list[str] = []
+    parts: list[dict[str, Any]] = []  # its text and images, in order
     for j, block in enumerate(message.content):
         if isinstance(block, TextBlock):
-            texts.append(block.text)
+            parts.append({"type": "text", "text": block.text})
+        elif isinstance(block, ImageBlock) and block.type == "image" and block.source is not None:
+            parts.append({"type": "image_url", "image_url": {"url": block.source.data_url}})
         elif isinstance(block, ToolResultBlock):
             if block.tool_use_id not in calls:
                 raise BadRequestError(
@@ -113,13 +116,16 @@ def _user_turn(message: MessageParam, where: str, calls: set[str]) -> list[dict[
             results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": text})
         else:
             raise _refused(block, f"{where}.content[{j}]", "a user turn")
+    if any(part["type"] == "image_url" for part in parts):
+        return [*results, {"role": "user", "content": parts}]
+    texts = [part["text"] for part in parts]
     return [*results, *([{"role": "user", "content": "\n".join(texts)}] if texts else [])]
 
 
 def _refused(block: object, where: str, turn: str) -> BadRequestError:
     if isinstance(block, ImageBlock):
-        return BadRequestError(f"{where}: {block.type} blocks are not supported: this server's model reads text only",
-                               param=where)  # fmt: skip
+        return BadRequestError(f"{where}: {block.type} blocks are not supported here (images: in a user turn, with a "
+                               "source)", param=where)  # fmt: skip
     kind = getattr(block, "type", type(block).__name__)
     return BadRequestError(f"{where}: a {kind} block does not belong in {turn}", param=where)
 

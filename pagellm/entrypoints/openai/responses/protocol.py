@@ -35,9 +35,12 @@ class InputText(OpenAIBaseModel):
 
 
 class InputMedia(OpenAIBaseModel):
-    """Accepted by the parser so that the refusal can name it (text-only models)."""
+    """An image by URL (a vision-language model reads ``data:`` URLs); files, audio and images
+    by file id are accepted by the parser so that the refusal can name them."""
 
     type: Literal["input_image", "input_file", "input_audio"]
+    image_url: str | None = None
+    detail: str | None = None
 
 
 class Refusal(OpenAIBaseModel):

@@ -8,8 +8,9 @@ conversation first; ``instructions`` are this request's own system message (neve
 over, as OpenAI's). Tools, ``tool_choice``, ``text.format`` and sampling map to their chat fields.
 Hosted tools (``web_search``, ...) are left out of the tools the model sees: the server does not
 run them, and agent clients list them whatever the task; a ``namespace`` gives its functions.
-Refused naming the field: hosted tools' items, images and files (text-only models), a call's
-output whose call is in no earlier item, and ``background``.
+A user message's ``input_image`` parts become the chat path's ``image_url`` parts (a text
+model's refusal, the limits and the decoding are its). Refused naming the field: hosted tools'
+items, files, audio, a call's output whose call is in no earlier item, and ``background``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pagellm.entrypoints.openai.responses.protocol import (
     FunctionTool,
     FunctionCallOutputItem,
     InputMedia,
+    InputText,
     MessageItem,
     ReasoningItem,
     ResponsesRequest,
@@ -42,11 +44,8 @@ def conversation_of(request: ResponsesRequest, previous: list[dict[str, Any]]) -
     for i, item in enumerate(request.input):
         where = f"input[{i}]"
         if isinstance(item, MessageItem):
-            if not isinstance(item.content, str) and any(isinstance(p, InputMedia) for p in item.content):
-                raise BadRequestError(f"{where}: images, files and audio are not supported: this server's model "
-                                      "reads text only", param=f"{where}.content")  # fmt: skip
             role = "system" if item.role == "developer" else item.role
-            message: dict[str, Any] = {"role": role, "content": item.text}
+            message: dict[str, Any] = {"role": role, "content": _content(item, where)}
             if role == "assistant" and thinking is not None:
                 message["reasoning_content"], thinking = thinking, None
             messages.append(message)
@@ -71,6 +70,23 @@ def conversation_of(request: ResponsesRequest, previous: list[dict[str, Any]]) -
             raise BadRequestError(f"{where}: {item.type} items are not supported (hosted tools and item references "
                                   "are not served here)", param=f"{where}.type")  # fmt: skip
     return messages
+
+
+def _content(item: MessageItem, where: str) -> str | list[dict[str, Any]]:
+    """A message's chat content: its text, or (a user turn with images) its text and
+    ``image_url`` parts in order; files, audio and images by file id are refused."""
+    if isinstance(item.content, str) or not any(isinstance(p, InputMedia) for p in item.content):
+        return item.text
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(item.content):
+        if isinstance(part, InputMedia):
+            if part.type != "input_image" or part.image_url is None or item.role != "user":
+                raise BadRequestError(f"{where}.content[{j}]: {part.type} is not supported here (images: in a user "
+                                      "message, by image_url)", param=f"{where}.content[{j}]")  # fmt: skip
+            parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
+        else:
+            parts.append({"type": "text", "text": part.text if isinstance(part, InputText) else part.refusal})
+    return parts
 
 
 def to_chat_request(request: ResponsesRequest, model: str, conversation: list[dict[str, Any]]) -> ChatCompletionRequest:
