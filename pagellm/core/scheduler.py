@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pagellm.config import SchedulerConfig
+from pagellm.core.encoder_budget import EncoderBudget
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.sequence import Sequence, SequenceStatus
 from pagellm.core.speculation import NO_DRAFTS, Drafts, Speculator
@@ -183,6 +184,7 @@ class Scheduler:
         many requests this step (so that the next step has some of its own).
         """
         budget = self.max_num_batched_tokens
+        images = EncoderBudget(self.max_num_batched_tokens)  # (image rows: counted apart, as vLLM's)
         seq_budget = self.max_num_seqs if max_seqs is None else max_seqs
         self.kv_cache_manager.begin_step()
         scheduled: list[ScheduledSequence] = []
@@ -200,6 +202,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0 and len(scheduled) < seq_budget:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.mm_features and seq.seq_id not in in_flight:
+                num_new = images.cut(seq, seq.num_computed_tokens, num_new)
             if num_new <= 0 or seq.seq_id in in_flight:
                 i += 1
                 continue
@@ -216,9 +220,9 @@ class Scheduler:
             i += 1
         # Admitting new work right after preempting would only preempt again.
         if self.stats.num_preemptions == num_preemptions_before:
-            budget = self._admit_waiting(budget, scheduled, seq_budget)
+            budget = self._admit_waiting(budget, scheduled, seq_budget, images)
         if not scheduled and self.waiting and self._preempt_idle_younger_than(self.waiting[0], in_flight):
-            budget = self._admit_waiting(budget, scheduled, seq_budget)
+            budget = self._admit_waiting(budget, scheduled, seq_budget, images)
 
         in_use = self.kv_cache_manager.num_blocks - self.kv_cache_manager.num_free_blocks
         self.stats.peak_blocks_in_use = max(self.stats.peak_blocks_in_use, in_use)
@@ -236,8 +240,9 @@ class Scheduler:
         self._state_copies, self._state_loads, self._lora_prefetch = [], [], {}
         return output
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledSequence], seq_budget: int) -> int:
-        """Move waiting requests to running while blocks, budget and max_num_seqs allow."""
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledSequence], seq_budget: int,
+                       images: EncoderBudget) -> int:  # fmt: skip
+        """Move waiting requests to running while blocks, budgets and max_num_seqs allow."""
         manager = self.kv_cache_manager
         adapters = self._running_adapters()
         # Waiting for an adapter slot: the base model's requests behind them go on, other
@@ -258,7 +263,9 @@ class Scheduler:
             cached = manager.get_computed_blocks(seq, computed_before=self.state_slots is not None)
             num_cached = len(cached) * manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
-            if not manager.allocate_slots(seq, num_new, cached):
+            if seq.mm_features:
+                num_new = images.cut(seq, num_cached, num_new)
+            if num_new <= 0 or not manager.allocate_slots(seq, num_new, cached):
                 break
             manager.record_prefix_lookup(seq.num_tokens, num_cached)
             if seq.num_cached_tokens < 0:
