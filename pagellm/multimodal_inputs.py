@@ -32,9 +32,21 @@ class ImageFeature:
         """One past its last position."""
         return self.offset + self.length
 
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        """Pickled by value (the engine process's pipe): torch's own reducers would pass each
+        tensor as a shared-memory file, a descriptor held open in both processes per image."""
+        mask = None if self.pixel_mask is None else self.pixel_mask.numpy()
+        return (_feature, (self.digest, self.offset, self.length, self.num_embeds, self.pixel_values.numpy(), mask))
+
     def overlaps(self, start: int, stop: int) -> bool:
         """Whether any of its positions falls in ``start .. stop - 1``."""
         return self.offset < stop and start < self.end
+
+
+def _feature(digest: str, offset: int, length: int, num_embeds: int, pixels: object, mask: object) -> ImageFeature:
+    """An :class:`ImageFeature` from its pickled fields (numpy arrays)."""
+    return ImageFeature(digest, offset, length, num_embeds, torch.from_numpy(pixels),  # type: ignore[arg-type]
+                        None if mask is None else torch.from_numpy(mask))  # type: ignore[arg-type]  # fmt: skip
 
 
 def block_image_digests(features: tuple[ImageFeature, ...], index: int, block_size: int) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
@@ -10,7 +11,7 @@ from transformers import PreTrainedTokenizerBase
 
 from pagellm.config import MAX_PRIORITY, MIN_PRIORITY, LimitsConfig
 from pagellm.engine.beam_search import BeamSearchParams
-from pagellm.engine.image_processor import ImageProcessor, image_token_count
+from pagellm.engine.image_processor import IMAGE_PLACEHOLDER, ImageProcessor, image_token_count
 from pagellm.multimodal_inputs import ImageFeature
 from pagellm.pooler_config import PoolerConfig
 from pagellm.pooling_params import Pooling, PoolingParams
@@ -38,6 +39,32 @@ def check_text(text: str, name: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise ValueError(f"{name} is not valid Unicode: lone surrogate at position {exc.start}") from None
+
+
+# A chat template that loops over a message's content parts (vision-language models' templates:
+# ``{% for part in message['content'] %}``).
+_LOOPS_OVER_CONTENT = re.compile(r"for\s+\w+\s+in\s+\w+(\[['\"]content['\"]\]|\.content)")
+
+
+def content_as_template_takes(messages: list[dict[str, Any]], template: object, parts: bool) -> list[dict[str, Any]]:
+    """Messages whose content is text or a list of ``{"type": "text" | "image"}`` parts, as
+    ``template`` takes them: a template that loops over content parts gets every content as
+    parts where ``parts`` (a vision-language model's template: text content as one text part,
+    as ``transformers``' processors give it); any other template (vLLM's rule for string
+    templates) text, the parts' text joined with newlines, each image its ``<image>`` placeholder."""
+    if isinstance(template, str) and _LOOPS_OVER_CONTENT.search(template):
+        if not parts:
+            return messages
+        return [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str) else m
+                for m in messages]  # fmt: skip
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("text", "image") for p in content):
+            text = "\n".join(str(p.get("text", "")) if p["type"] == "text" else IMAGE_PLACEHOLDER for p in content)
+            message = {**message, "content": text}
+        out.append(message)
+    return out
 
 
 def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
@@ -246,9 +273,12 @@ class InputProcessor:
         chat_template: str | None = None,
         **template_kwargs: Any,
     ) -> str:
-        """A conversation rendered with the model's chat template, as text."""
+        """A conversation rendered with the model's chat template, as text (content given as
+        text and image parts: as the template takes them, :func:`content_as_template_takes`)."""
         if not messages:
             raise ValueError("messages must be a non-empty list")
+        messages = content_as_template_takes(messages, chat_template or self.tokenizer.chat_template,
+                                             self.images is not None)  # fmt: skip
         text = self.tokenizer.apply_chat_template(
             messages,
             tokenize=False,

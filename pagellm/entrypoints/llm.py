@@ -8,10 +8,12 @@ from typing import Any, TypeVar
 from tqdm.auto import tqdm
 
 from pagellm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from pagellm.engine.input_processor import PromptType
+from pagellm.config import LimitsConfig
+from pagellm.engine.input_processor import ProcessedPrompt, PromptType
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.protocol import EngineRequest
 from pagellm.engine_args import EngineArgs
+from pagellm.entrypoints.media import MAX_IMAGE_BYTES, image_from_url
 from pagellm.entrypoints.openai.tool_calls.prompt import template_renders_tools, write_tools_in
 from pagellm.lora_request import LoRARequest
 from pagellm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
@@ -103,13 +105,19 @@ class LLM:
         renders_tools = template_renders_tools(chat_template or processor.tokenizer.chat_template)
         if functions and renders_tools:
             kwargs["tools"] = tools
-        prompts: list[PromptType] = []
+        prompts: list[PromptType | ProcessedPrompt] = []
         for conv in conversations:
+            conv, images = _images_of(conv, processor.limits)
             if not renders_tools and (functions or any(m.get("role") == "tool" or m.get("tool_calls") for m in conv)):
                 conv = write_tools_in(list(conv), functions)
+            if images:  # (the rendered text's placeholders expanded: its template wrote the special tokens)
+                text = processor.render_chat(conv, add_generation_prompt, continue_final_message, chat_template, **kwargs)
+                prompts.append(processor.process_images(text, {"image": images}, add_special_tokens=False))
+                continue
             ids = processor.apply_chat_template(conv, add_generation_prompt, continue_final_message, chat_template, **kwargs)
             prompts.append({"prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+        params_list = _broadcast_params(sampling_params, len(prompts), SamplingParams)
+        return self._run(self._add_requests(prompts, params_list, None, lora_request), use_tqdm)
 
     def beam_search(
         self,
@@ -150,7 +158,7 @@ class LLM:
         ]
 
     def _add_requests(
-        self, prompts: list[PromptType], params: Sequence[SamplingParams | PoolingParams],
+        self, prompts: Sequence[PromptType | ProcessedPrompt], params: Sequence[SamplingParams | PoolingParams],
         priority: Sequence[int] | None = None, lora_request: LoRAArg = None,
     ) -> list[str]:
         """Queue one request per prompt (``priority``: one per prompt, lower first; ``lora_request``:
@@ -159,7 +167,9 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority holds {len(priority)} values for {len(prompts)} prompts")
         # Validate everything first so a bad prompt queues nothing.
-        processed = [engine.input_processor.process_prompt(p, isinstance(params[0], SamplingParams)) for p in prompts]
+        generates = isinstance(params[0], SamplingParams)
+        processed = [p if isinstance(p, ProcessedPrompt) else engine.input_processor.process_prompt(p, generates)
+                     for p in prompts]  # fmt: skip
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         for value in priorities:
             engine.input_processor.check_priority(value)
@@ -191,6 +201,40 @@ class LLM:
         finally:
             bar.close()
         return [results[request_id] for request_id in request_ids]
+
+
+def _images_of(conversation: Sequence[dict[str, Any]], limits: LimitsConfig) -> tuple[list[dict[str, Any]], list[Any]]:
+    """A conversation's images (vLLM's ``image_url`` parts, ``data:`` URLs, and ``image_pil``
+    parts), in order, and the conversation with each as an ``{"type": "image"}`` part."""
+    images: list[Any] = []
+    messages = []
+    count = sum(1 for m in conversation if isinstance(m.get("content"), list)
+                for p in m["content"] if isinstance(p, dict) and p.get("type") in _IMAGE_PARTS)  # fmt: skip
+    if count > limits.max_images_per_prompt:
+        raise ValueError(f"the conversation has {count} images, more than the limit of {limits.max_images_per_prompt} "
+                         "(limit_mm_per_prompt)")  # fmt: skip
+    for message in conversation:
+        content = message.get("content")
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in _IMAGE_PARTS for p in content):
+            parts = []
+            for part in content:
+                if not isinstance(part, dict):
+                    pass
+                elif part.get("type") == "image_url":
+                    url = part.get("image_url")
+                    url = url.get("url") if isinstance(url, dict) else url
+                    images.append(image_from_url(str(url), limits.max_image_pixels, MAX_IMAGE_BYTES))
+                    part = {"type": "image"}
+                elif part.get("type") == "image_pil":
+                    images.append(part.get("image_pil"))
+                    part = {"type": "image"}
+                parts.append(part)
+            message = {**message, "content": parts}
+        messages.append(message)
+    return messages, images
+
+
+_IMAGE_PARTS = ("image_url", "image_pil")
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

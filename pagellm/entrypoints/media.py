@@ -15,8 +15,10 @@ import warnings
 from typing import Any
 
 MAX_IMAGE_BYTES = 20 * 2**20  # one image's file, decoded from base64
-# What a data URL may hold (the formats the OpenAI and Anthropic APIs document).
-IMAGE_MEDIA_TYPES = ("image/png", "image/jpeg", "image/webp", "image/gif")
+# What a data URL may hold (the formats the OpenAI and Anthropic APIs document), and the one PIL
+# decoder each may reach (a file of another format is refused, whatever it says it is).
+PIL_FORMATS = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WEBP", "image/gif": "GIF"}
+IMAGE_MEDIA_TYPES = tuple(PIL_FORMATS)
 _DATA_URL = re.compile(r"^data:(?P<type>[\w.+-]+/[\w.+-]+)(?:;[\w.+-]+=[\w.+-]+)*;base64,", re.IGNORECASE)
 
 
@@ -46,7 +48,7 @@ def image_from_base64(media_type: str, data: str, max_pixels: int, max_bytes: in
     try:
         with warnings.catch_warnings():  # (PIL warns of, then refuses, huge sizes: a refusal here either way)
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(raw))
+            image = Image.open(io.BytesIO(raw), formats=[PIL_FORMATS[media_type]])
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
         raise ValueError(f"the image could not be read: {exc}") from None
     width, height = image.size

@@ -100,7 +100,8 @@ class EncoderRunner:
             masks = torch.cat([f.pixel_mask if f.pixel_mask is not None else torch.ones(f.pixel_values.shape[0], *f.pixel_values.shape[2:], dtype=torch.bool)
                                for f in features]).to(self.device)  # fmt: skip
         out = self.encoder(pixels, masks)
-        encoded = dict(zip((f.digest for f in features), out.split([f.num_embeds for f in features])))
+        # (each its own tensor: a view would keep the whole call's output alive in the cache)
+        encoded = {f.digest: rows.clone() for f, rows in zip(features, out.split([f.num_embeds for f in features]))}
         self.images_encoded += len(features)
         for digest, rows in encoded.items():
             self._keep(digest, rows)

@@ -29,6 +29,7 @@ def test_serve_options_map_to_the_engine() -> None:
         "--scheduling-policy", "priority", "--priority-aging-steps", "50", "--reasoning-parser", "deepseek_r1",
         "--pooler-config", '{"pooling_type": "MEAN"}', "--enable-lora", "--max-loras", "3", "--max-lora-rank", "32",
         "--max-cpu-loras", "5", "--lora-modules", "sql=/adapters/sql", "--allow-runtime-lora-updating",
+        "--limit-mm-per-prompt", '{"image": 2}', "--max-image-pixels", "1000000",
     ])
     assert args.port == 9001 and args.served_model_name == ["a", "b"] and args.api_key == "k"
     assert args.tool_call_parser == "llama3_json" and args.enable_auto_tool_choice is False
@@ -44,7 +45,8 @@ def test_serve_options_map_to_the_engine() -> None:
         "scheduling_policy": "priority", "priority_aging_steps": 50, "max_model_len": 1024,
         "seed": 3, "device": "cpu", "attention_backend": "auto", "chat_template": "t.jinja", "num_threads": None,
         "tensor_parallel_size": 2, "pipeline_parallel_size": 3, "nnodes": 3, "node_rank": 1,
-        "master_addr": "10.0.0.1", "master_port": 29500, "distributed_executor_backend": "ray", "cpu_bind": "auto", "max_n": 4, "max_logprobs": 20, "max_stop_strings": 16, "grammar_compile_timeout": 2.5, "max_grammar_chars": 131072, "cpu_isa": None,
+        "master_addr": "10.0.0.1", "master_port": 29500, "distributed_executor_backend": "ray", "cpu_bind": "auto", "max_n": 4, "max_logprobs": 20, "max_stop_strings": 16, "grammar_compile_timeout": 2.5, "max_grammar_chars": 131072,
+        "limit_mm_per_prompt": '{"image": 2}', "max_image_pixels": 1000000, "cpu_isa": None,
         "cpu_kernels": None, "gemm": None,
     }
 

@@ -189,3 +189,52 @@ def test_a_template_that_loops_over_parts_gets_parts(vlm: LLM) -> None:
     assert looped == "<|im_start|>User:<image>What is it?<end_of_utterance>\nAssistant:"
     joined = render_conversation(serving, messages, True, False, {})
     assert "<image>\nWhat is it?" in joined and joined.count("<image>") == 1
+
+
+def test_llm_chat_takes_image_parts_as_vllms(vlm: LLM, hf_vlm) -> None:
+    """``LLM.chat`` with ``image_pil`` and ``image_url`` (data: URL) parts: the conversation
+    rendered (each image its placeholder in the joined text), then as a prompt with images."""
+    import base64
+
+    first, second = random_image(40, 30, 41), random_image(20, 50, 42)
+    out = io.BytesIO()
+    second.save(out, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Compare"}, {"type": "image_pil", "image_pil": first},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]  # fmt: skip
+    got = vlm.chat(messages, GREEDY, use_tqdm=False)[0]
+    model, processor = hf_vlm
+    text = processor.tokenizer.apply_chat_template([{"role": "user", "content": "Compare\n<image>\n<image>"}],
+                                                   tokenize=False, add_generation_prompt=True)  # fmt: skip
+    inputs = processor(text=text, images=[[first, second]], add_special_tokens=False, return_tensors="pt")
+    with torch.no_grad():
+        expected = model.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1]:].tolist()
+    assert list(got.prompt_token_ids) == inputs["input_ids"][0].tolist()
+    assert got.outputs[0].token_ids == expected
+
+
+def test_text_content_reaches_a_parts_template_as_a_text_part(vlm: LLM) -> None:
+    """SmolVLM's template loops over content parts: a message's plain text content goes to it as
+    one text part (as ``transformers``' processors give it), never as characters to loop over."""
+    processor = vlm.llm_engine.input_processor
+    text = processor.render_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
+                                 chat_template=SMOLVLM_TEMPLATE)  # fmt: skip
+    assert text == "<|im_start|>System: Be brief.<end_of_utterance>\nUser: Hello<end_of_utterance>\nAssistant:"
+
+
+def test_image_features_cross_a_process_by_value() -> None:
+    """The engine process's pipe pickles features whole: no shared-memory file per tensor."""
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 -- (registers torch's shared-memory reducers, as a pipe's sender has)
+
+    from pagellm.multimodal_inputs import ImageFeature
+
+    feature = ImageFeature("d", 3, 20, 16, torch.randn(2, 3, 4, 4), torch.ones(2, 4, 4, dtype=torch.bool))
+    assert b"rebuild_storage" in bytes(ForkingPickler.dumps(torch.randn(2)))  # (what a bare tensor would do)
+    data = bytes(ForkingPickler.dumps(feature))
+    assert b"rebuild_storage" not in data
+    back = pickle.loads(data)
+    assert (back.digest, back.offset, back.length, back.num_embeds) == ("d", 3, 20, 16)
+    assert torch.equal(back.pixel_values, feature.pixel_values) and torch.equal(back.pixel_mask, feature.pixel_mask)

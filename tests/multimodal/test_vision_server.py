@@ -73,6 +73,12 @@ def _webp_url(image) -> str:
     return "data:image/webp;base64," + base64.b64encode(out.getvalue()).decode()
 
 
+def _bmp() -> bytes:
+    out = io.BytesIO()
+    random_image(8, 8, 0).save(out, format="BMP")
+    return out.getvalue()
+
+
 def _png_b64(raw: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(raw).decode()
 
@@ -85,6 +91,7 @@ BAD = {
     "an undecodable file": (_png_b64(b"\x89PNG\r\n\x1a\nnot really"), "could not be read"),
     "20,000 x 20,000 pixels": (_png_b64(png_header_only(20_000, 20_000)), "could not be read|more than the limit"),
     "9,000 x 9,000 pixels": (_png_b64(png_header_only(9_000, 9_000)), "9000 x 9000 pixels: more than the limit"),
+    "a file of another format": ("data:image/png;base64," + base64.b64encode(_bmp()).decode(), "could not be read"),
 }
 
 
@@ -146,3 +153,11 @@ def test_anthropic_and_responses_images_answer_as_chat_does(client: openai.OpenA
                                                                                         match="not fetched"):
         claude.messages.create(model=MODEL_NAME, max_tokens=2, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}])  # fmt: skip
+
+
+def test_images_outside_a_user_message_are_a_400(client: openai.OpenAI) -> None:
+    parts = [{"type": "text", "text": "Rules"}, {"type": "image_url", "image_url": {"url": data_url(random_image(9, 9, 0))}}]
+    with pytest.raises(openai.BadRequestError, match="images go in user messages"):
+        client.chat.completions.create(model=MODEL_NAME, max_tokens=2, tools=[{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object"}}}], messages=[{"role": "system", "content": parts},
+                                                                        {"role": "user", "content": "Hi"}])  # fmt: skip

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -122,11 +121,6 @@ def render_messages(
     return list(serving.engine.input_processor.tokenizer(text, add_special_tokens=False).input_ids)
 
 
-# A chat template that loops over a message's content parts (vision-language models' templates:
-# ``{% for part in message['content'] %}``) takes them as parts; any other takes joined text.
-_LOOPS_OVER_CONTENT = re.compile(r"for\s+\w+\s+in\s+\w+(\[['\"]content['\"]\]|\.content)")
-
-
 def render_conversation(
     serving: OpenAIServing,
     messages: list[ChatMessageParam],
@@ -154,9 +148,8 @@ def render_conversation(
         raise BadRequestError("continue_final_message needs the last message to be from the assistant",
                               param="continue_final_message")
     template = template_kwargs.get("chat_template") or processor.tokenizer.chat_template
-    as_parts = any(m.image_urls for m in messages) and bool(_LOOPS_OVER_CONTENT.search(str(template or "")))
-    try:
-        dicts = [m.to_template_dict(as_parts) for m in messages]
+    try:  # (a message with images as parts: the processor gives a string template joined text)
+        dicts = [m.to_template_dict(as_parts=bool(m.image_urls)) for m in messages]
         has_tool_history = any(d["role"] == "tool" or d.get("tool_calls") for d in dicts)
         if functions or has_tool_history:
             if template_renders_tools(template):
@@ -201,6 +194,10 @@ def conversation_with_images(
     if processor.images is None:
         raise BadRequestError("this model takes no images: image_url parts need a vision-language model",
                               param="messages")  # fmt: skip
+    for index, message in enumerate(messages):
+        if message.role != "user" and message.image_urls:
+            raise BadRequestError(f"messages[{index}] is a {message.role} message with images: images go in user "
+                                  "messages", param=f"messages[{index}].content")  # fmt: skip
     images = serving.images_of(urls, "messages")
     text = render_conversation(serving, messages, add_generation_prompt, continue_final_message, template_kwargs,
                                functions)  # fmt: skip

@@ -35,7 +35,10 @@ def conversation_chars(conversation: list[dict[str, Any]]) -> int:
     """What a conversation weighs against the store's bound (its text)."""
     total = 0
     for message in conversation:
-        total += len(message.get("content") or "") + len(message.get("reasoning_content") or "")
+        content = message.get("content") or ""
+        if isinstance(content, list):  # (text and image parts: their text and data URLs)
+            content = "".join(str(p.get("text") or (p.get("image_url") or {}).get("url") or "") for p in content)
+        total += len(content) + len(message.get("reasoning_content") or "")
         total += sum(len(c["function"]["arguments"]) + len(c["function"]["name"]) for c in message.get("tool_calls") or ())
     return total
 
