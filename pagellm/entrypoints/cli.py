@@ -47,6 +47,10 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         help="add /v1/load_lora_adapter and /v1/unload_lora_adapter (they read folders of this machine)",
     )
     group.add_argument(
+        "--allowed-media-domains", nargs="+", default=[], metavar="HOST",
+        help="hosts whose http(s) image URLs the server fetches (exact names; default: none, images inline only)",
+    )
+    group.add_argument(
         "--api-key", default=None,
         help=f"require 'Authorization: Bearer KEY' on the API routes; better: set {API_KEY_ENV} instead, "
         "which other users cannot see in the process list",
@@ -172,6 +176,7 @@ def _serve(args: argparse.Namespace) -> int:
         lora_modules=[LoRAModule.parse(text) for text in args.lora_modules],
         lora_check=None if config.lora is None else adapter_check(config),
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        allowed_media_domains=args.allowed_media_domains,
     )
     if args.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")

@@ -13,7 +13,7 @@ from pagellm.engine.input_processor import ProcessedPrompt, PromptType
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.protocol import EngineRequest
 from pagellm.engine_args import EngineArgs
-from pagellm.entrypoints.media import MAX_IMAGE_BYTES, image_from_url
+from pagellm.entrypoints.media import MediaPolicy
 from pagellm.entrypoints.openai.tool_calls.prompt import template_renders_tools, write_tools_in
 from pagellm.lora_request import LoRARequest
 from pagellm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
@@ -223,7 +223,7 @@ def _images_of(conversation: Sequence[dict[str, Any]], limits: LimitsConfig) -> 
                 elif part.get("type") == "image_url":
                     url = part.get("image_url")
                     url = url.get("url") if isinstance(url, dict) else url
-                    images.append(image_from_url(str(url), limits.max_image_pixels, MAX_IMAGE_BYTES))
+                    images.append(MediaPolicy().image(str(url), limits.max_image_pixels))  # (inline only)
                     part = {"type": "image"}
                 elif part.get("type") == "image_pil":
                     images.append(part.get("image_pil"))

@@ -1,6 +1,6 @@
 """Images as API clients send them: ``data:`` URLs (base64 PNG, JPEG, WebP, GIF) decoded into
 PIL images whose size is checked on the header, before any pixel is decoded. Remote URLs are
-refused: the server fetches nothing on a client's behalf.
+refused unless the server lists their host (``--allowed-media-domains``).
 
 Every refusal is a ``ValueError`` naming the problem; each API turns it into its own 400.
 """
@@ -12,7 +12,9 @@ import binascii
 import io
 import re
 import warnings
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 MAX_IMAGE_BYTES = 20 * 2**20  # one image's file, decoded from base64
 # What a data URL may hold (the formats the OpenAI and Anthropic APIs document), and the one PIL
@@ -22,21 +24,52 @@ IMAGE_MEDIA_TYPES = tuple(PIL_FORMATS)
 _DATA_URL = re.compile(r"^data:(?P<type>[\w.+-]+/[\w.+-]+)(?:;[\w.+-]+=[\w.+-]+)*;base64,", re.IGNORECASE)
 
 
-def image_from_url(url: str, max_pixels: int, max_bytes: int) -> Any:
-    """A PIL image from a ``data:`` URL; ValueError for a remote URL, another media type, bad
-    base64, a file no decoder reads, or more than ``max_pixels`` pixels / ``max_bytes`` bytes."""
-    match = _DATA_URL.match(url)
-    if match is None:
-        if url.lower().startswith(("http://", "https://")):
-            raise ValueError("image URLs are not fetched: send the image inline, as a data:image/...;base64 URL")
-        raise ValueError("an image URL must be a data:image/...;base64 URL")
-    return image_from_base64(match["type"].lower(), url[match.end() :], max_pixels, max_bytes)
+@dataclass(frozen=True)
+class MediaPolicy:
+    """Where images may come from: inline always; by URL only from the hosts a server lists
+    (``--allowed-media-domains``, exact names), fetched with a time limit, no redirect followed,
+    at most ``MAX_IMAGE_BYTES`` read."""
+
+    allowed_domains: frozenset[str] = frozenset()
+    timeout_s: float = 10.0
+
+    def image(self, url: str, max_pixels: int) -> Any:
+        """A PIL image from ``url`` of at most ``max_pixels``; ValueError naming what is wrong."""
+        match = _DATA_URL.match(url)
+        if match is not None:
+            return image_from_base64(match["type"].lower(), url[match.end() :], max_pixels, MAX_IMAGE_BYTES)
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https"):
+            raise ValueError("an image URL must be a data:image/...;base64 URL or an http(s) URL")
+        if parts.hostname is None or parts.hostname.lower() not in self.allowed_domains:
+            raise ValueError(f"image URLs of {parts.hostname!r} are not fetched: send the image inline, as a "
+                             "data:image/...;base64 URL (a server fetches from the hosts --allowed-media-domains lists)")  # fmt: skip
+        media_type, raw = _fetch(url, self.timeout_s)
+        return image_from_bytes(media_type, raw, max_pixels)
+
+
+def _fetch(url: str, timeout_s: float) -> tuple[str, bytes]:
+    """(media type, bytes) of an allowed URL: no redirect, bounded time and size."""
+    import httpx
+
+    try:
+        with httpx.stream("GET", url, timeout=timeout_s, follow_redirects=False) as response:
+            if response.status_code != 200:
+                raise ValueError(f"fetching the image answered HTTP {response.status_code}")
+            media_type = response.headers.get("content-type", "").split(";")[0].strip().lower()
+            chunks, size = [], 0
+            for chunk in response.iter_bytes():
+                size += len(chunk)
+                if size > MAX_IMAGE_BYTES:
+                    raise ValueError(f"the image is larger than {MAX_IMAGE_BYTES} bytes")
+                chunks.append(chunk)
+    except httpx.HTTPError as exc:
+        raise ValueError(f"the image could not be fetched: {type(exc).__name__}") from None
+    return media_type, b"".join(chunks)
 
 
 def image_from_base64(media_type: str, data: str, max_pixels: int, max_bytes: int) -> Any:
-    """A PIL image from base64 ``data`` of ``media_type`` (see :func:`image_from_url`)."""
-    from PIL import Image
-
+    """A PIL image from base64 ``data`` of ``media_type``, at most ``max_bytes`` decoded."""
     if media_type not in IMAGE_MEDIA_TYPES:
         raise ValueError(f"image media type {media_type!r} is not one of {', '.join(IMAGE_MEDIA_TYPES)}")
     if len(data) > 4 * (max_bytes // 3 + 1):
@@ -45,6 +78,15 @@ def image_from_base64(media_type: str, data: str, max_pixels: int, max_bytes: in
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise ValueError("the image is not valid base64") from None
+    return image_from_bytes(media_type, raw, max_pixels)
+
+
+def image_from_bytes(media_type: str, raw: bytes, max_pixels: int) -> Any:
+    """A PIL image from a file's bytes of ``media_type``, its size checked on its header."""
+    from PIL import Image
+
+    if media_type not in IMAGE_MEDIA_TYPES:
+        raise ValueError(f"image media type {media_type!r} is not one of {', '.join(IMAGE_MEDIA_TYPES)}")
     try:
         with warnings.catch_warnings():  # (PIL warns of, then refuses, huge sizes: a refusal here either way)
             warnings.simplefilter("error", Image.DecompressionBombWarning)

@@ -75,10 +75,7 @@ def test_default_model_beam_search_equals_hf(default_model_path_fixture):
     llm = LLM(dtype="float32")
     hf_model = load_hf_gguf_reference(default_model_path_fixture)
     processor = llm.llm_engine.input_processor
-    questions = [
-        "What is the capital of France?", "Name a primary colour.", "What is 2 + 2?", "Say hello in Spanish.",
-        "What do bees make?", "Name a planet.", "What colour is the sky?", "Give me a synonym for happy.",
-    ]
+    questions = ["What is the capital of France?", "Name a primary colour.", "What is 2 + 2?", "What do bees make?"]
     prompts = [{"prompt_token_ids": processor.apply_chat_template([{"role": "user", "content": q}])} for q in questions]
     params = BeamSearchParams(beam_width=4, max_tokens=16)
     outputs = llm.beam_search(prompts, params, use_tqdm=False)

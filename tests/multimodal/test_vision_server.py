@@ -5,6 +5,7 @@ bad image a 400 in OpenAI's shape while the server keeps serving."""
 from __future__ import annotations
 
 import base64
+import functools
 import io
 from collections.abc import Iterator
 
@@ -25,7 +26,8 @@ def vlm_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str
 
 @pytest.fixture(scope="module")
 def client(vlm_path: str) -> Iterator[openai.OpenAI]:
-    args = [*TINY_SERVER_ARGS, "--dtype", "float32", "--max-model-len", "512", "--limit-mm-per-prompt", '{"image": 2}']
+    args = [*TINY_SERVER_ARGS, "--dtype", "float32", "--max-model-len", "512", "--limit-mm-per-prompt", '{"image": 2}',
+            "--allowed-media-domains", "127.0.0.1"]
     with RemoteServer(vlm_path, args) as server, server.client(timeout=60.0) as c:
         yield c
 
@@ -41,13 +43,18 @@ def user_turn(text: str, urls: list[str]) -> list[dict]:
     return [{"role": "user", "content": parts}]
 
 
+@functools.cache
+def _reference(vlm_path: str):
+    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
+
+    model = Idefics3ForConditionalGeneration.from_pretrained(vlm_path, dtype=torch.float32).eval()
+    return model, AutoProcessor.from_pretrained(vlm_path)
+
+
 def hf_answer(vlm_path: str, text: str, images: list, max_tokens: int) -> str:
     """The reference: the same conversation (parts joined, each image its placeholder) rendered
     by the tokenizer's template, preprocessed by the model's own processor, decoded greedily."""
-    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
-
-    processor = AutoProcessor.from_pretrained(vlm_path)
-    model = Idefics3ForConditionalGeneration.from_pretrained(vlm_path, dtype=torch.float32).eval()
+    model, processor = _reference(vlm_path)
     content = "\n".join([text] + ["<image>"] * len(images))
     prompt = processor.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                                      add_generation_prompt=True)  # fmt: skip
@@ -84,7 +91,7 @@ def _png_b64(raw: bytes) -> str:
 
 
 BAD = {
-    "a remote URL": ("https://example.com/cat.png", "image URLs are not fetched"),
+    "a remote URL": ("https://example.com/cat.png", "URLs of 'example.com' are not fetched"),
     "not a data URL": ("file:///etc/passwd", "must be a data:image"),
     "bad base64": ("data:image/png;base64,@@@@", "not valid base64"),
     "another media type": ("data:image/bmp;base64,Qk0=", "is not one of"),
@@ -161,3 +168,51 @@ def test_images_outside_a_user_message_are_a_400(client: openai.OpenAI) -> None:
         client.chat.completions.create(model=MODEL_NAME, max_tokens=2, tools=[{"type": "function", "function": {
             "name": "f", "parameters": {"type": "object"}}}], messages=[{"role": "system", "content": parts},
                                                                         {"role": "user", "content": "Hi"}])  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def image_host() -> Iterator[str]:
+    """A local web server (the host the test server allows): an image, a redirect to it, a page
+    that is not an image, and a missing path."""
+    import http.server
+    import threading
+
+    png = io.BytesIO()
+    random_image(70, 45, 1).save(png, format="PNG")
+    pages = {"/cat.png": (200, "image/png", png.getvalue()), "/page": (200, "text/html", b"<html></html>"),
+             "/moved": (302, "image/png", b"")}  # fmt: skip
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 -- (the base class's name)
+            status, kind, body = pages.get(self.path, (404, "text/plain", b"no"))
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            if status == 302:
+                self.send_header("Location", "/cat.png")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    thread.join()
+
+
+def test_an_allowed_hosts_image_url_is_fetched(client: openai.OpenAI, vlm_path: str, image_host: str) -> None:
+    """``--allowed-media-domains 127.0.0.1``: its URLs are fetched (the answer is the inline
+    image's); a redirect, a missing image, a page that is not an image and another host are 400s."""
+    answer = client.chat.completions.create(model=MODEL_NAME, messages=user_turn("Compare:", [f"http://{image_host}/cat.png"]),
+                                            max_tokens=8, temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    assert answer.choices[0].message.content == hf_answer(vlm_path, "Compare:", [random_image(70, 45, 1)], 8)
+    port = image_host.split(":")[1]
+    for url, message in [(f"http://{image_host}/moved", "HTTP 302"), (f"http://{image_host}/gone", "HTTP 404"),
+                         (f"http://{image_host}/page", "'text/html' is not one of"),
+                         (f"http://localhost:{port}/cat.png", "URLs of 'localhost' are not fetched")]:  # fmt: skip
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.chat.completions.create(model=MODEL_NAME, messages=user_turn("What?", [url]), max_tokens=2)

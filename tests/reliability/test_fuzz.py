@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow
 SERVER_ARGS = ["--served-model-name", MODEL, "--num-kv-blocks", "256", "--max-model-len", "128",
                "--max-num-seqs", "32", "--enable-lora", "--allow-runtime-lora-updating"]
 TIMEOUT = 30.0  # a request still unanswered after this long counts as a hang
-MAX_EXAMPLES = 64  # per operation and generation mode
+MAX_EXAMPLES = 48  # per operation and generation mode
 MAX_GENERATED_TOKENS = 8
 MAX_FAILURES_PER_OPERATION = 5  # then stop sending for that operation: a hang costs TIMEOUT each time
 # Known-good inputs a positive case may swap in, so its sampling fields reach generation.

@@ -25,6 +25,7 @@ import pagellm
 from pagellm.engine.async_engine import AsyncLLMEngine, EngineClient, LoopOptions
 from pagellm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from pagellm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
+from pagellm.entrypoints.media import MediaPolicy
 from pagellm.entrypoints.openai.errors import (
     AuthenticationError,
     NotFoundError,
@@ -87,6 +88,7 @@ class ServerSettings:
     # Raises ValueError naming what is wrong with an adapter folder for the model (None: LoRA is off).
     lora_check: Callable[[str], None] | None = None
     allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter
+    allowed_media_domains: list[str] = field(default_factory=list)  # hosts image URLs are fetched from
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -211,12 +213,13 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
     names = settings.served_model_names
     served = served_models(settings)
     completion = OpenAIServingCompletion(engine, served, settings.max_prompts_per_request)
+    media = MediaPolicy(frozenset(domain.lower() for domain in settings.allowed_media_domains))
     chat = OpenAIServingChat(
         engine, served, settings.trust_request_chat_template, tool_parser(settings.tool_call_parser),
         settings.enable_auto_tool_choice, reasoning_parser(settings.reasoning_parser),
-        settings.structured_outputs_in_reasoning,
+        settings.structured_outputs_in_reasoning, media,
     )  # fmt: skip
-    tokenization = OpenAIServingTokenization(engine, served)
+    tokenization = OpenAIServingTokenization(engine, served, media=media)
     embedding = OpenAIServingEmbedding(engine, served, settings.max_prompts_per_request)
     scores = OpenAIServingScores(embedding)
     messages = AnthropicServingMessages(chat)

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.engine.input_processor import ProcessedPrompt
+from pagellm.entrypoints.media import MediaPolicy
 from pagellm.entrypoints.openai.errors import BadRequestError
 from pagellm.entrypoints.openai.protocol import (
     ChatChoice,
@@ -232,8 +233,9 @@ class OpenAIServingChat(OpenAIServing):
         auto_tool_choice: bool = True,
         reasoning_parser: ReasoningParser | None = None,
         constrain_thinking: bool = False,
+        media: MediaPolicy = MediaPolicy(),
     ) -> None:
-        super().__init__(engine, models)
+        super().__init__(engine, models, media=media)
         self.trust_request_chat_template = trust_request_chat_template
         self.tool_parser = tool_parser if tool_parser is not None else HermesToolParser()
         self.auto_tool_choice = auto_tool_choice

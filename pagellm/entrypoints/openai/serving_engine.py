@@ -30,7 +30,7 @@ from pagellm.engine.async_engine import (
 )
 from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.engine.input_processor import ProcessedPrompt
-from pagellm.entrypoints.media import MAX_IMAGE_BYTES, image_from_url
+from pagellm.entrypoints.media import MediaPolicy
 from pagellm.entrypoints.openai.errors import (
     BadRequestError,
     OpenAIError,
@@ -342,10 +342,12 @@ class OpenAIServing:
 
     def __init__(
         self, engine: AsyncLLMEngine, models: ServedModels | list[str],
-        max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+        max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST, media: MediaPolicy = MediaPolicy(),
     ) -> None:  # fmt: skip
-        """``models``: the names served (a list: the base model's alone, no adapters)."""
+        """``models``: the names served (a list: the base model's alone, no adapters); ``media``:
+        where images may come from (inline only, unless it lists hosts)."""
         self.engine = engine
+        self.media = media
         self.models = models if isinstance(models, ServedModels) else ServedModels(models)
         self.max_prompts_per_request = max_prompts_per_request  # prompts or inputs in one request
 
@@ -363,8 +365,8 @@ class OpenAIServing:
             raise ServiceUnavailableError(self.engine.status_message, code="engine_unavailable", retry_after_s=5)
 
     def images_of(self, urls: list[str], param: str) -> list[Any]:
-        """The request's images from their URLs (``data:`` URLs only), counted against the
-        per-prompt limit before any is decoded; each refusal a 400 naming it."""
+        """The request's images from their URLs (``data:`` URLs, or the allowed hosts'), counted
+        against the per-prompt limit before any is decoded or fetched; each refusal a 400 naming it."""
         limits = self.engine.input_processor.limits
         if len(urls) > limits.max_images_per_prompt:
             raise BadRequestError(f"the request has {len(urls)} images, more than the limit of "
@@ -372,7 +374,7 @@ class OpenAIServing:
         images = []
         for index, url in enumerate(urls):
             try:
-                images.append(image_from_url(url, limits.max_image_pixels, MAX_IMAGE_BYTES))
+                images.append(self.media.image(url, limits.max_image_pixels))
             except ValueError as exc:
                 raise BadRequestError(f"image {index}: {exc}", param=param) from exc
         return images
