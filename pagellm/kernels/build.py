@@ -158,6 +158,7 @@ _SIGNATURES: dict[str, tuple[type, list[type]]] = {
     "pagellm_gemm_avx2_available": (_I32, []),
     "pagellm_gemm_avx2": (_I32, [_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32, _I32, _I32, _I32]),
     "pagellm_silu_mul": (_I32, [_P, _I64, _I64, _P, _I32, _I32]),
+    "pagellm_bias_gelu_tanh": (_I32, [_P, _I64, _I64, _P, _P, _I32, _I32]),
     "pagellm_lora_add": (_I32, [_P, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64, _I32, _I32]),
     "pagellm_gemm_q_isa": (_I32, []),
     "pagellm_gemm_q_runs_here": (_I32, []),

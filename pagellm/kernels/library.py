@@ -309,6 +309,20 @@ class KernelLibrary:
             raise RuntimeError(f"pagellm_silu_mul failed with code {rc}")
         return out
 
+    def bias_gelu_tanh(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``gelu_tanh(x + bias)`` of ``x`` [M, n] (float32 or bf16; ``bias``: [n] of its dtype),
+        in place: a vision encoder's MLP activation with its first linear's bias."""
+        rows, width = check_gemm_input(x)
+        if not x.is_contiguous():
+            raise ValueError(f"x must be contiguous, got strides {x.stride()}")
+        if bias is not None and (bias.shape != (width,) or bias.dtype != x.dtype or not bias.is_contiguous()):
+            raise ValueError(f"bias must be a contiguous [{width}] tensor of {x.dtype}, got {list(bias.shape)} {bias.dtype}")
+        rc = self._lib.pagellm_bias_gelu_tanh(x.data_ptr(), rows, width, None if bias is None else bias.data_ptr(),
+                                              x.data_ptr(), DTYPE_CODES[x.dtype], torch.get_num_threads())  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"pagellm_bias_gelu_tanh failed with code {rc}")
+        return x
+
     def lora_add(self, linear: LoRALinearArgs, slot: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out += B(A x)`` with slot ``slot``'s A and B of ``linear`` (``csrc/lora.cpp``), B's
         product rounded to x's dtype and added as ``out.add_``; ``x`` [M, K] and ``out`` [M, N]

@@ -22,6 +22,7 @@ from pagellm.config import ModelConfig
 from pagellm.distributed.parallel_state import ParallelRank
 from pagellm.distributed.pipeline import PipelineStage
 from pagellm.distributed.tensor_parallel import TensorParallel
+from pagellm.kernels.library import KernelLibrary
 from pagellm.kernels.plan import KernelPlan, WeightRequest
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.default_model import default_model_path
@@ -299,14 +300,17 @@ def load_vision_spec(model: str | None) -> VisionSpec | None:
     return VisionSpec.from_hf_config(_read_json(Path(path) / "config.json"))
 
 
-def load_vision_encoder(model: str | None, dtype: torch.dtype, device: torch.device) -> Idefics3Vision | None:
-    """The checkpoint's vision encoder and connector in ``dtype`` on ``device`` (None: a text model)."""
+def load_vision_encoder(
+    model: str | None, dtype: torch.dtype, device: torch.device, kernels: KernelLibrary | None = None
+) -> Idefics3Vision | None:
+    """The checkpoint's vision encoder and connector in ``dtype`` on ``device`` (None: a text
+    model), on pagellm's CPU ``kernels`` where given."""
     spec = load_vision_spec(model)
     if spec is None:
         return None
     path = resolve_model_path(model)
     with single_threaded():
-        encoder = Idefics3Vision(spec).to(dtype)
+        encoder = Idefics3Vision(spec, kernels).to(dtype)
         encoder.load(_iter_safetensors(safetensors_files(path), keep=Idefics3Vision.holds))
     encoder.requires_grad_(False)
     return encoder.to(device).eval()

@@ -198,7 +198,8 @@ class Worker:
         # The weights repacked once for the plan's CPU kernels (fused MLPs, packed linears).
         self.cpu_optimizations = self._optimize(model, self.kernel_plan)
         # A vision-language model's encoder (one process only: images do not cross to ranks yet).
-        vision = load_vision_encoder(config.model.model, self.dtype, self.device) if parallel is None else None
+        vision = None if parallel is not None else load_vision_encoder(
+            config.model.model, self.dtype, self.device, self.kernel_plan.kernels if self.device.type == "cpu" else None)
         draft = None
         if draft_config is not None and draft_plan is not None:
             draft = self._load_draft(draft_config, draft_plan)

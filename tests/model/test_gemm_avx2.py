@@ -148,3 +148,26 @@ def test_silu_mul_apart_is_the_fused_epilogue(dtype: torch.dtype) -> None:
         torch.testing.assert_close(apart.float(), (F.silu(g) * u).float(), rtol=2e-2, atol=1e-5)
     with pytest.raises(ValueError, match="even width"):
         AVX2.silu_mul(torch.zeros(2, 5, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_bias_gelu_tanh_matches_torch(dtype: torch.dtype) -> None:
+    """``gelu_tanh(x + bias)`` in place, on this machine's build and the AVX2 one: float32 within
+    float32's rounding of torch's, bf16 within one bf16 step (torch rounds the biased sum to bf16
+    first; the kernel keeps it in float32); tails of every width, no bias, bad calls refused."""
+    for library in (AVX2, kernels.load(KernelConfig())):
+        for rows, width in ((1, 5), (3, 8), (17, 100), (64, 1536)):
+            x, bias = _rand(rows, width, seed=width, scale=3.0), _rand(width, seed=width + 1)
+            x[0, 0] = 0.0
+            expected = F.gelu(x.double() + bias.to(dtype).double(), approximate="tanh")
+            got = library.bias_gelu_tanh(x.to(dtype).clone(), bias.to(dtype))
+            if dtype == torch.float32:
+                torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6)
+            else:  # one bf16 step of the exact value (of its bf16 input)
+                exact = F.gelu(x.to(dtype).double() + bias.to(dtype).double(), approximate="tanh")
+                step = exact.abs().clamp(min=1e-30) * 2.0**-7
+                assert ((got.double() - exact).abs() <= step + 1e-6).all()
+            plain = library.bias_gelu_tanh(x.to(dtype).clone())
+            torch.testing.assert_close(plain.float(), F.gelu(x.to(dtype).float(), approximate="tanh"), rtol=1e-2, atol=1e-3)
+    with pytest.raises(ValueError, match="bias must be"):
+        AVX2.bias_gelu_tanh(torch.zeros(2, 4, dtype=dtype), torch.zeros(3, dtype=dtype))

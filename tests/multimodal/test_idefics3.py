@@ -238,3 +238,22 @@ def test_image_features_cross_a_process_by_value() -> None:
     back = pickle.loads(data)
     assert (back.digest, back.offset, back.length, back.num_embeds) == ("d", 3, 20, 16)
     assert torch.equal(back.pixel_values, feature.pixel_values) and torch.equal(back.pixel_mask, feature.pixel_mask)
+
+
+def test_the_bf16_encoder_on_pagellms_kernels_stays_near_the_reference(vlm_path: str, hf_vlm) -> None:
+    """bf16 with the fused bias and GELU kernel (what a bf16 engine runs): each image row within
+    bf16's rounding of the float32 reference's."""
+    from pagellm import kernels
+    from pagellm.config import KernelConfig
+    from pagellm.model.loader import load_vision_encoder
+
+    library = kernels.load(KernelConfig())
+    encoder = load_vision_encoder(vlm_path, torch.bfloat16, torch.device("cpu"), library)
+    assert encoder.vision_model.encoder.layers[0].mlp.kernels is library
+    model, processor = hf_vlm
+    inputs = processor(text="<image>", images=[[random_image(70, 45, 51)]], return_tensors="pt")
+    with torch.no_grad():
+        expected = model.model.get_image_features(inputs["pixel_values"], inputs["pixel_attention_mask"]).pooler_output[0]
+    got = encoder(inputs["pixel_values"][0], inputs["pixel_attention_mask"][0].bool()).float()
+    cosine = torch.nn.functional.cosine_similarity(got, expected, dim=-1)
+    assert cosine.min() > 0.999, cosine.min()

@@ -38,6 +38,8 @@ int pagellm_gemm_avx2(const void* a, int64_t lda, int64_t m, int64_t k, const vo
 int pagellm_lora_add(const PagellmLoRALinear* lora, int64_t slot, const void* x, int64_t ldx, int64_t m, int64_t k,
                      void* out, int64_t ldo, int64_t n, int dtype, int num_threads);
 int pagellm_silu_mul(const void* x, int64_t rows, int64_t n, void* out, int dtype, int num_threads);
+int pagellm_bias_gelu_tanh(const void* x, int64_t rows, int64_t n, const void* bias, void* out, int dtype,
+                           int num_threads);
 int pagellm_rotary(void* x, int64_t row_stride, int64_t rows, int64_t num_heads, int64_t head_dim, const void* cos,
                    const void* sin, int dtype, int num_threads);
 int pagellm_write_kv(const void* key, int64_t key_row_stride, const void* value, int64_t value_row_stride,

@@ -303,4 +303,40 @@ int pagellm_silu_mul(const void* x, int64_t rows, int64_t n, void* out, int dtyp
 #endif
 }
 
+// out[r, :] = gelu_tanh(x[r, :] + bias) for r < rows (rows n wide; bias n values or null; out may
+// be x): a vision encoder's MLP activation with its first linear's bias, in one pass. gelu_tanh(v)
+// = v / 2 (1 + tanh(u)), u = sqrt(2 / pi) (v + 0.044715 v^3), computed as v / (1 + exp(-2u)) (the
+// same function: one exp and one division), in float32 (the bias added in float32, where torch
+// rounds the sum to bf16 first: within a bf16 step of torch's). dtype: 0 float32, 1 bf16.
+int pagellm_bias_gelu_tanh(const void* x, int64_t rows, int64_t n, const void* bias, void* out, int dtype,
+                           int num_threads) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (rows < 0 || n <= 0 || (dtype != 0 && dtype != 1)) return -1;
+    if (num_threads < 1) num_threads = 1;
+    const int64_t elem = dtype == 1 ? 2 : 4;
+    const auto* in = static_cast<const char*>(x);
+    const auto* b = static_cast<const char*>(bias);
+    auto* dst = static_cast<char*>(out);
+    const __m256 k0 = _mm256_set1_ps(-2.0f * 0.7978845608028654f), k1 = _mm256_set1_ps(0.044715f);
+    const __m256 one = _mm256_set1_ps(1.0f);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n >= (int64_t{1} << 15))
+    for (int64_t r = 0; r < rows; ++r) {
+        const char* row = in + r * n * elem;
+        char* o = dst + r * n * elem;
+        for (int64_t i = 0; i < n; i += 8) {
+            __m256 v = dtype == 1 ? load8<true>(row + i * 2, n - i) : load8<false>(row + i * 4, n - i);
+            if (b != nullptr) v = _mm256_add_ps(v, dtype == 1 ? load8<true>(b + i * 2, n - i) : load8<false>(b + i * 4, n - i));
+            const __m256 minus_2u = _mm256_mul_ps(k0, _mm256_fmadd_ps(_mm256_mul_ps(k1, v), _mm256_mul_ps(v, v), v));
+            const __m256 g = _mm256_div_ps(v, _mm256_add_ps(one, exp_x8(minus_2u)));
+            if (dtype == 1) store8<true>(o + i * 2, g, n - i);
+            else store8<false>(o + i * 4, g, n - i);
+        }
+    }
+    return 0;
+#else
+    (void)x, (void)rows, (void)n, (void)bias, (void)out, (void)dtype, (void)num_threads;
+    return -2;
+#endif
+}
+
 }  // extern "C"
