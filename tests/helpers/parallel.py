@@ -57,6 +57,8 @@ LONG_MODULES = (
     "tests/entrypoints/test_anthropic_messages.py",
     "tests/lora/test_lora_stack.py",
     "tests/lora/test_lora_engine.py",
+    "tests/multimodal/test_vision_server.py",
+    "tests/multimodal/test_idefics3.py",
 )
 
 
