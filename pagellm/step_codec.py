@@ -6,19 +6,22 @@ The one encoding of a step for every worker that is not in the engine's process:
 ranks (``MultiprocExecutor``'s pipes), remote nodes and Ray actors. JSON (the standard library's C
 encoder) of plain fields; ``SamplingParams`` and ``StructuredOutputsParams`` are rebuilt through
 their constructors, so every value is validated again on arrival; the grammar bitmask follows
-the JSON as the raw bytes of its int32 words. A step is a diff (``step.py``), so a decode step
+the JSON as the raw bytes of its int32 words, then new sequences' images as the raw bytes of
+their pixel tensors (of the dtypes ``_BLOB_DTYPES`` names, each size checked). A step is a diff (``step.py``), so a decode step
 costs a few dozen bytes per sequence whatever its context.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import fields
 from typing import Any
 
 import torch
 
 from pagellm.lora_request import LoRARequest
+from pagellm.multimodal_inputs import ImageFeature
 from pagellm.pooling_params import Pooling
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.step import (
@@ -71,22 +74,70 @@ def _scheduled(data: list[Any]) -> ScheduledSequence:
     )  # fmt: skip
 
 
-def _new(data: dict[str, Any]) -> NewSequence:
+def _new(data: dict[str, Any], blobs: list[torch.Tensor]) -> NewSequence:
     pooling, lora = data.get("pooling"), data.get("lora")
+    images = tuple(_image(image, blobs) for image in data.get("images", ()))
     return NewSequence(str(data["seq_id"]), _ints(data["token_ids"]), _int(data["num_prompt_tokens"]),
                        _params(data["sampling_params"]), None if pooling is None else Pooling(**pooling),
-                       None if lora is None else LoRARequest(**lora))  # fmt: skip
+                       None if lora is None else LoRARequest(**lora), images)  # fmt: skip
+
+
+def _image_fields(image: ImageFeature, blobs: list[torch.Tensor]) -> dict[str, Any]:
+    """An image's fields; its pixels (and mask) join the message's tensors, named by index."""
+    blobs.append(image.pixel_values)
+    mask = None
+    if image.pixel_mask is not None:
+        blobs.append(image.pixel_mask)
+        mask = len(blobs) - 1
+    return {"digest": image.digest, "offset": image.offset, "length": image.length, "num_embeds": image.num_embeds,
+            "pixels": len(blobs) - 1 - (mask is not None), "mask": mask}  # fmt: skip
+
+
+def _image(data: dict[str, Any], blobs: list[torch.Tensor]) -> ImageFeature:
+    mask = data["mask"]
+    return ImageFeature(str(data["digest"]), _int(data["offset"]), _int(data["length"]), _int(data["num_embeds"]),
+                        blobs[_int(data["pixels"])], None if mask is None else blobs[_int(mask)])  # fmt: skip
+
+
+# The tensors a step may carry (images' pixels and masks), by name: nothing else is rebuilt.
+_BLOB_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "bool": torch.bool}
+
+
+def _blob_bytes(tensors: list[torch.Tensor]) -> tuple[list[dict[str, Any]], bytes]:
+    """The tensors' descriptions (dtype, shape) and their raw bytes, one after the other."""
+    names = {dtype: name for name, dtype in _BLOB_DTYPES.items()}
+    described = [{"dtype": names[t.dtype], "shape": list(t.shape)} for t in tensors]
+    return described, b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
+
+
+def _blobs(described: list[dict[str, Any]], data: bytes) -> list[torch.Tensor]:
+    """The tensors :func:`_blob_bytes` wrote, read from ``data`` (every size checked)."""
+    tensors, at = [], 0
+    for blob in described:
+        dtype, shape = _BLOB_DTYPES[str(blob["dtype"])], [_int(n) for n in blob["shape"]]
+        size = math.prod(shape) * dtype.itemsize
+        if at + size > len(data):
+            raise ValueError("truncated tensors")
+        tensors.append(torch.frombuffer(bytearray(data[at : at + size]), dtype=torch.uint8).view(dtype).view(shape)
+                       if size else torch.empty(shape, dtype=dtype))  # fmt: skip
+        at += size
+    if at != len(data):
+        raise ValueError(f"{len(data) - at} bytes after the tensors")
+    return tensors
 
 
 def _lora_fields(lora: LoRARequest) -> dict[str, Any]:
     return {f.name: getattr(lora, f.name) for f in fields(lora)}
 
 
-def _new_fields(n: NewSequence) -> dict[str, Any]:
+def _new_fields(n: NewSequence, blobs: list[torch.Tensor]) -> dict[str, Any]:
     pooling = None if n.pooling is None else {f.name: getattr(n.pooling, f.name) for f in fields(n.pooling)}
     lora = None if n.lora is None else _lora_fields(n.lora)
-    return {"seq_id": n.seq_id, "token_ids": n.token_ids, "num_prompt_tokens": n.num_prompt_tokens,
-            "sampling_params": _params_fields(n.sampling_params), "pooling": pooling, "lora": lora}  # fmt: skip
+    out = {"seq_id": n.seq_id, "token_ids": n.token_ids, "num_prompt_tokens": n.num_prompt_tokens,
+           "sampling_params": _params_fields(n.sampling_params), "pooling": pooling, "lora": lora}  # fmt: skip
+    if n.mm_features:
+        out["images"] = [_image_fields(image, blobs) for image in n.mm_features]
+    return out
 
 
 def _forked(data: dict[str, Any]) -> ForkedSequence:
@@ -117,10 +168,12 @@ def _ints(values: Any) -> list[int]:
 
 def encode_step(step: SchedulerOutput, grammar: GrammarBitmask | None) -> bytes:
     """One step's message (``None`` grammar: no constrained sequence this step): a 4-byte length,
-    a JSON header, then the grammar bitmask's raw int32 words."""
+    a JSON header, then the grammar bitmask's raw int32 words, then the raw bytes of the new
+    sequences' images (pixels and masks, as the header describes them)."""
+    blobs: list[torch.Tensor] = []
     header: dict[str, Any] = {
         "scheduled": [_scheduled_fields(r) for r in step.scheduled],
-        "new": [_new_fields(n) for n in step.new_sequences],
+        "new": [_new_fields(n, blobs) for n in step.new_sequences],
         "forked": [_fork_fields(f) for f in step.forked_sequences],
         "finished": step.finished_seq_ids,
         "block_copies": step.block_copies,
@@ -133,8 +186,11 @@ def encode_step(step: SchedulerOutput, grammar: GrammarBitmask | None) -> bytes:
         mask = grammar.bitmask.to(torch.int32).contiguous()
         header["grammar"] = {"rows": grammar.rows, "shape": list(mask.shape)}
         words = mask.numpy().tobytes()
+    tensors = b""
+    if blobs:
+        header["blobs"], tensors = _blob_bytes(blobs)
     text = json.dumps(header, separators=(",", ":")).encode()
-    return len(text).to_bytes(4, "little") + text + words
+    return len(text).to_bytes(4, "little") + text + words + tensors
 
 
 def decode_step(data: bytes) -> tuple[SchedulerOutput, GrammarBitmask | None]:
@@ -144,9 +200,13 @@ def decode_step(data: bytes) -> tuple[SchedulerOutput, GrammarBitmask | None]:
         if len(data) < 4 + size:
             raise ValueError("truncated")
         message = json.loads(data[4 : 4 + size])
+        words_end = 4 + size
+        if "grammar" in message:
+            words_end += math.prod(_int(n) for n in message["grammar"]["shape"]) * 4
+        blobs = _blobs(message.get("blobs", []), data[words_end:])
         step = SchedulerOutput(
             scheduled=[_scheduled(r) for r in message["scheduled"]],
-            new_sequences=[_new(n) for n in message["new"]],
+            new_sequences=[_new(n, blobs) for n in message["new"]],
             forked_sequences=[_forked(f) for f in message["forked"]],
             finished_seq_ids=[str(i) for i in message["finished"]],
             block_copies=[(_int(src), _int(dst)) for src, dst in message["block_copies"]],
@@ -158,7 +218,7 @@ def decode_step(data: bytes) -> tuple[SchedulerOutput, GrammarBitmask | None]:
         if "grammar" in message:
             g = message["grammar"]
             shape = [_int(n) for n in g["shape"]]
-            words = torch.frombuffer(bytearray(data[4 + size :]), dtype=torch.int32)
+            words = torch.frombuffer(bytearray(data[4 + size : words_end]), dtype=torch.int32)
             grammar = GrammarBitmask(rows={str(k): _int(v) for k, v in g["rows"].items()}, bitmask=words.view(*shape))
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
         raise CodecError(f"not a step message: {type(exc).__name__}: {exc}") from exc

@@ -39,7 +39,6 @@ from pagellm.sampling_params import SamplingParams
 from pagellm.structured_output.manager import StructuredOutputManager
 from pagellm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.executor import Executor, PipelinedExecutor, make_executor
-from pagellm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +84,6 @@ class LLMEngine:
             if arch.recurrent_layers else None,
             image_processor_for(config.model.model, self.tokenizer, config.limits),
         )
-        # Images reach a worker in this process only (the step codec carries no pixels yet).
-        self._takes_images = isinstance(self.executor, Worker)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._request_counter = itertools.count()
@@ -167,8 +164,6 @@ class LLMEngine:
             self.input_processor.check_params(request.params)
         self.input_processor.check_priority(request.priority)
         self.loras.check(request.lora_request)
-        if request.mm_features and not self._takes_images:
-            raise ValueError("images need an engine of one process: not yet with tensor or pipeline parallelism")
         if isinstance(request.params, PoolingParams):
             self._add_pooling(request, request.params)
         elif isinstance(request.params, BeamSearchParams):

@@ -178,7 +178,8 @@ class ModelRunner:
         for tag, batch in enumerate(micro_batches(scheduled, self.num_micro_batches)):
             inputs = self.prepare_inputs(batch)
             stream = None if link.stage.is_first else link.recv(len(inputs.input_ids), tag)
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata, stream)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata, stream,
+                                embeds=inputs.embeds)  # fmt: skip
             if not link.stage.is_last:
                 link.send(hidden, tag)
             elif self.samples:

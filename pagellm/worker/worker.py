@@ -197,8 +197,11 @@ class Worker:
         model, self.arch = load_model(config.model.model, self.dtype, attn_backend, self.device, self.kernel_plan, parallel)
         # The weights repacked once for the plan's CPU kernels (fused MLPs, packed linears).
         self.cpu_optimizations = self._optimize(model, self.kernel_plan)
-        # A vision-language model's encoder (one process only: images do not cross to ranks yet).
-        vision = None if parallel is not None else load_vision_encoder(
+        # A vision-language model's encoder, where the rank embeds tokens (every tensor-parallel
+        # rank, whole: its images' rows enter every rank's share; the first pipeline stage).
+        stage = None if parallel is None else parallel.stage(self.arch.num_hidden_layers)
+        embeds = stage is None or stage.is_first
+        vision = None if not embeds else load_vision_encoder(
             config.model.model, self.dtype, self.device, self.kernel_plan.kernels if self.device.type == "cpu" else None)
         draft = None
         if draft_config is not None and draft_plan is not None:
@@ -224,7 +227,6 @@ class Worker:
         self.num_blocks = self._pool_blocks(config, shard, parallel, share, weight_bytes, draft_block_bytes)
         self.max_model_len = context_limit(config.model.max_model_len, self.arch, self.num_blocks, self.block_size,
                                            config.scheduler.max_num_batched_tokens)  # fmt: skip
-        stage = parallel.stage(self.arch.num_hidden_layers) if parallel is not None else None
         kv_cache = allocate_kv_cache(
             stage.num_layers if stage is not None else shard.num_attention_layers, self.num_blocks, self.block_size,
             shard.num_key_value_heads, shard.head_dim, self.kv_cache_dtype, self.device,

@@ -257,3 +257,45 @@ def test_the_bf16_encoder_on_pagellms_kernels_stays_near_the_reference(vlm_path:
     got = encoder(inputs["pixel_values"][0], inputs["pixel_attention_mask"][0].bool()).float()
     cosine = torch.nn.functional.cosine_similarity(got, expected, dim=-1)
     assert cosine.min() > 0.999, cosine.min()
+
+
+def test_images_cross_the_step_codec_whole_and_bad_bytes_are_refused() -> None:
+    """New sequences' images travel to other ranks and nodes in the pickle-free step codec: their
+    pixels and masks come back bit for bit; truncated or trailing bytes, or an unknown dtype,
+    are a CodecError."""
+    import json
+
+    from pagellm.multimodal_inputs import ImageFeature
+    from pagellm.step import NewSequence, ScheduledSequence, SchedulerOutput
+    from pagellm.step_codec import CodecError, decode_step, encode_step
+
+    images = (ImageFeature("a" * 64, 3, 40, 32, torch.randn(2, 3, 8, 8), torch.rand(2, 8, 8) > 0.5),
+              ImageFeature("b" * 64, 50, 16, 16, torch.randn(1, 3, 8, 8)))  # fmt: skip
+    step = SchedulerOutput([ScheduledSequence("s", 0, 66, True)],
+                           [NewSequence("s", list(range(70)), 70, GREEDY, mm_features=images)])  # fmt: skip
+    data = encode_step(step, None)
+    back, _ = decode_step(data)
+    for got, sent in zip(back.new_sequences[0].mm_features, images, strict=True):
+        assert (got.digest, got.offset, got.length, got.num_embeds) == (sent.digest, sent.offset, sent.length, sent.num_embeds)
+        assert torch.equal(got.pixel_values, sent.pixel_values)
+        assert (got.pixel_mask is None) == (sent.pixel_mask is None)
+        assert got.pixel_mask is None or torch.equal(got.pixel_mask, sent.pixel_mask)
+    size = int.from_bytes(data[:4], "little")
+    header = json.loads(data[4 : 4 + size])
+    header["blobs"][0]["dtype"] = "object"
+    text = json.dumps(header).encode()
+    for bad in (data[:-1], data + b"\x00", len(text).to_bytes(4, "little") + text + data[4 + size :]):
+        with pytest.raises(CodecError):
+            decode_step(bad)
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp", "pp"])
+def test_images_under_tensor_and_pipeline_parallelism_give_one_process_s_tokens(vlm_path: str, vlm: LLM, layout: dict) -> None:
+    prompts = [{"prompt": "Look: <image> and <image>", "multi_modal_data": {"image": [random_image(50, 30, 61), random_image(30, 50, 62)]}},
+               {"prompt": "Only text"}]  # fmt: skip
+    expected = [o.outputs[0].token_ids for o in vlm.generate(prompts, GREEDY, use_tqdm=False)]
+    llm = LLM(vlm_path, dtype="float32", max_num_batched_tokens=64, **layout)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+    finally:
+        llm.llm_engine.close()
