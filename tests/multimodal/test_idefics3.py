@@ -179,15 +179,15 @@ def test_a_template_that_loops_over_parts_gets_parts(vlm: LLM) -> None:
     from types import SimpleNamespace
 
     from pagellm.entrypoints.openai.protocol import ChatMessageParam
-    from pagellm.entrypoints.openai.serving_chat import render_conversation
+    from pagellm.entrypoints.openai.serving_chat import Conversation, render_conversation
 
     serving = SimpleNamespace(engine=SimpleNamespace(input_processor=vlm.llm_engine.input_processor))
     url = {"url": "data:image/png;base64,AAAA"}
     messages = [ChatMessageParam.model_validate({"role": "user", "content": [
         {"type": "image_url", "image_url": url}, {"type": "text", "text": "What is it?"}]})]  # fmt: skip
-    looped = render_conversation(serving, messages, True, False, {"chat_template": SMOLVLM_TEMPLATE})
+    looped = render_conversation(serving, Conversation(messages, template_kwargs={"chat_template": SMOLVLM_TEMPLATE}))
     assert looped == "<|im_start|>User:<image>What is it?<end_of_utterance>\nAssistant:"
-    joined = render_conversation(serving, messages, True, False, {})
+    joined = render_conversation(serving, Conversation(messages))
     assert "<image>\nWhat is it?" in joined and joined.count("<image>") == 1
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
@@ -108,35 +108,40 @@ def check_template_kwargs(template_kwargs: dict[str, Any] | None, trust_request_
     return kwargs
 
 
-def render_messages(
-    serving: OpenAIServing,
-    messages: list[ChatMessageParam],
-    add_generation_prompt: bool,
-    continue_final_message: bool,
-    template_kwargs: dict[str, Any],
-    functions: list[dict[str, Any]] | None = None,
-) -> list[int]:
+@dataclass(frozen=True)
+class Conversation:
+    """A conversation as a request gives it to the chat template: its messages and the
+    template's options (``template_kwargs`` must have passed ``check_template_kwargs``;
+    ``functions``: the tools shown to the model)."""
+
+    messages: list[ChatMessageParam]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    functions: list[dict[str, Any]] | None = None
+
+    @property
+    def image_urls(self) -> list[str]:
+        """The URLs of its image parts, in order."""
+        return [url for message in self.messages for url in message.image_urls]
+
+
+def render_messages(serving: OpenAIServing, conversation: Conversation) -> list[int]:
     """The conversation through the model's chat template, tokenized (:func:`render_conversation`)."""
-    text = render_conversation(serving, messages, add_generation_prompt, continue_final_message, template_kwargs,
-                               functions)  # fmt: skip
+    text = render_conversation(serving, conversation)
     return list(serving.engine.input_processor.tokenizer(text, add_special_tokens=False).input_ids)
 
 
-def render_conversation(
-    serving: OpenAIServing,
-    messages: list[ChatMessageParam],
-    add_generation_prompt: bool,
-    continue_final_message: bool,
-    template_kwargs: dict[str, Any],
-    functions: list[dict[str, Any]] | None = None,
-) -> str:
+def render_conversation(serving: OpenAIServing, conversation: Conversation) -> str:
     """The conversation through the model's chat template; template failures are the client's 400.
 
-    ``template_kwargs`` must have passed ``check_template_kwargs``; ``functions`` are the tools
-    shown to the model (given to a template that renders tools, else written into the
-    conversation: ``tool_calls.prompt``). An image part renders as the ``<image>`` placeholder.
+    The tools (``functions``) go to a template that renders tools, else are written into the
+    conversation (``tool_calls.prompt``). An image part renders as the ``<image>`` placeholder.
     Slow for long conversations: callers on the event loop run it in a worker thread.
     """
+    messages, add_generation_prompt = conversation.messages, conversation.add_generation_prompt
+    continue_final_message, template_kwargs = conversation.continue_final_message, conversation.template_kwargs
+    functions = conversation.functions
     if not messages:
         raise BadRequestError("messages must be a non-empty list", param="messages")
     processor = serving.engine.input_processor
@@ -180,17 +185,10 @@ def render_conversation(
         raise BadRequestError(f"cannot apply the chat template to these messages: {exc}", param="messages") from exc
 
 
-def conversation_with_images(
-    serving: OpenAIServing,
-    messages: list[ChatMessageParam],
-    urls: list[str],
-    add_generation_prompt: bool,
-    continue_final_message: bool,
-    template_kwargs: dict[str, Any],
-    functions: list[dict[str, Any]] | None = None,
-) -> ProcessedPrompt:
-    """A conversation whose messages hold the images at ``urls``: rendered, each image's
-    placeholder expanded into its tokens (every refusal a 400 on ``messages``)."""
+def conversation_with_images(serving: OpenAIServing, conversation: Conversation) -> ProcessedPrompt:
+    """A conversation whose messages hold images: rendered, each image's placeholder expanded
+    into its tokens (every refusal a 400 on ``messages``)."""
+    messages = conversation.messages
     processor = serving.engine.input_processor
     if processor.images is None:
         raise BadRequestError("this model takes no images: image_url parts need a vision-language model",
@@ -199,9 +197,8 @@ def conversation_with_images(
         if message.role != "user" and message.image_urls:
             raise BadRequestError(f"messages[{index}] is a {message.role} message with images: images go in user "
                                   "messages", param=f"messages[{index}].content")  # fmt: skip
-    images = serving.images_of(urls, "messages")
-    text = render_conversation(serving, messages, add_generation_prompt, continue_final_message, template_kwargs,
-                               functions)  # fmt: skip
+    images = serving.images_of(conversation.image_urls, "messages")
+    text = render_conversation(serving, conversation)
     try:
         return processor.process_images(text, {"image": images}, add_special_tokens=False)
     except ValueError as exc:
@@ -284,15 +281,12 @@ class OpenAIServingChat(OpenAIServing):
     def _prompt(
         self, request: ChatCompletionRequest, template_kwargs: dict[str, Any], functions: list[dict[str, Any]]
     ) -> ProcessedPrompt:
-        urls = [url for message in request.messages for url in message.image_urls]
-        if not urls:
-            ids = render_messages(
-                self, request.messages, request.add_generation_prompt, request.continue_final_message, template_kwargs,
-                functions,
-            )  # fmt: skip
+        conversation = Conversation(request.messages, request.add_generation_prompt, request.continue_final_message,
+                                    template_kwargs, functions)  # fmt: skip
+        if not conversation.image_urls:
+            ids = render_messages(self, conversation)
             return self.process_prompt({"prompt_token_ids": ids}, "messages", request.cache_salt)
-        prompt = conversation_with_images(self, request.messages, urls, request.add_generation_prompt,
-                                          request.continue_final_message, template_kwargs, functions)  # fmt: skip
+        prompt = conversation_with_images(self, conversation)
         prompt.cache_salt = request.cache_salt
         return prompt
 

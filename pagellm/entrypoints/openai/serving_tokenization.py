@@ -9,7 +9,7 @@ from pagellm.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagellm.entrypoints.openai.serving_chat import conversation_with_images, render_messages
+from pagellm.entrypoints.openai.serving_chat import Conversation, conversation_with_images, render_messages
 from pagellm.entrypoints.openai.serving_engine import OpenAIServing
 
 
@@ -29,14 +29,11 @@ class OpenAIServingTokenization(OpenAIServing):
             ids = list(tokenizer(request.prompt, add_special_tokens=add_special).input_ids)
         else:
             assert request.messages is not None
-            urls = [url for message in request.messages for url in message.image_urls]
-            if urls:  # (each image's tokens, as the chat endpoint computes them)
-                ids = conversation_with_images(self, request.messages, urls, request.add_generation_prompt,
-                                               request.continue_final_message, {}).prompt_token_ids  # fmt: skip
+            conversation = Conversation(request.messages, request.add_generation_prompt, request.continue_final_message)
+            if conversation.image_urls:  # (each image's tokens, as the chat endpoint computes them)
+                ids = conversation_with_images(self, conversation).prompt_token_ids
             else:
-                ids = render_messages(
-                    self, request.messages, request.add_generation_prompt, request.continue_final_message, {}
-                )
+                ids = render_messages(self, conversation)
         token_strs = [str(t) for t in tokenizer.convert_ids_to_tokens(ids)] if request.return_token_strs else None
         return TokenizeResponse(
             count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids, token_strs=token_strs
