@@ -22,6 +22,7 @@ from pagellm.config import EngineConfig
 from pagellm.core.kv_snapshot import DEFAULT_MAX_REQUESTS, KVSnapshot
 from pagellm.engine.engine_process import EngineProcess
 from pagellm.engine.protocol import EngineRequest, EngineStats
+from pagellm.multimodal_inputs import ImageFeature, block_image_digests
 from pagellm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -47,12 +48,14 @@ class RouterOptions:
             raise ValueError("balance_margin must be >= 0 and max_blocks_per_replica >= 1")
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """One hash per full block of a prompt, each covering every token before it (a prefix)."""
+def block_hashes(token_ids: Sequence[int], block_size: int, images: tuple[ImageFeature, ...] = ()) -> list[int]:
+    """One hash per full block of a prompt, each covering every token before it (a prefix) and
+    the images with a token in it (their tokens are the same whatever the image)."""
     hashes: list[int] = []
     previous = 0
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        previous = hash((previous, tuple(token_ids[start : start + block_size])))
+        digests = tuple(block_image_digests(images, start // block_size, block_size)) if images else ()
+        previous = hash((previous, tuple(token_ids[start : start + block_size]), digests))
         hashes.append(previous)
     return hashes
 
@@ -70,9 +73,9 @@ class PrefixCacheRouter:
         self.load = [0] * num_replicas  # unfinished requests per replica
         self.prefix_routed = 0  # requests placed by a prefix match (the rest: by load)
 
-    def route(self, prompt_token_ids: Sequence[int]) -> int:
-        """The replica for a prompt; it is counted there (``finished`` releases it)."""
-        hashes = block_hashes(prompt_token_ids, self.block_size)
+    def route(self, prompt_token_ids: Sequence[int], images: tuple[ImageFeature, ...] = ()) -> int:
+        """The replica for a prompt (and its images); it is counted there (``finished`` releases it)."""
+        hashes = block_hashes(prompt_token_ids, self.block_size, images)
         # The least busy; among equals, the one holding least (unrelated prompts spread out).
         least = min(range(len(self.load)), key=lambda i: (self.load[i], len(self._seen[i]), i))
         choice = least
@@ -171,7 +174,7 @@ class DataParallelEngine:
     def add_requests(self, requests: list[EngineRequest]) -> list[ValueError | None]:
         placed: dict[int, list[int]] = {}  # replica -> positions in `requests`
         for position, request in enumerate(requests):
-            placed.setdefault(self.router.route(request.prompt_token_ids), []).append(position)
+            placed.setdefault(self.router.route(request.prompt_token_ids, request.mm_features), []).append(position)
         errors: list[ValueError | None] = [None] * len(requests)
         for replica, positions in placed.items():
             answers = self.replicas[replica].add_requests([requests[p] for p in positions])

@@ -56,6 +56,22 @@ def test_a_weak_match_and_a_short_prompt_go_by_load() -> None:
     assert router.prefix_routed == 0
 
 
+def test_the_router_tells_prompts_apart_by_their_images() -> None:
+    """Equal tokens with another image are no prefix match; with the same image they are."""
+    import torch
+
+    from pagellm.multimodal_inputs import ImageFeature
+
+    def image(digest: str) -> tuple[ImageFeature, ...]:
+        return (ImageFeature(digest, 4, 8, 8, torch.zeros(1, 3, 2, 2)),)
+
+    router = PrefixCacheRouter(2, block_size=4, options=RouterOptions(balance_margin=4))
+    assert router.route(SHARED, image("cat")) == 0
+    assert router.route(SHARED, image("dog")) == 1  # only the first block (before the image) is shared: by load
+    assert router.route(SHARED, image("cat")) == 0 and router.prefix_routed == 1
+    assert block_hashes(SHARED, 4, image("cat"))[0] == block_hashes(SHARED, 4)[0]  # (no image in block 0)
+
+
 def test_the_router_forgets_the_oldest_blocks() -> None:
     router = PrefixCacheRouter(2, block_size=4, options=RouterOptions(max_blocks_per_replica=2, balance_margin=100))
     router.route([1] * 4 + [2] * 4)  # replica 0 holds both blocks
