@@ -36,16 +36,25 @@ class ImageFeature:
         """Pickled by value (the engine process's pipe): torch's own reducers would pass each
         tensor as a shared-memory file, a descriptor held open in both processes per image."""
         mask = None if self.pixel_mask is None else self.pixel_mask.numpy()
-        return (_feature, (self.digest, self.offset, self.length, self.num_embeds, self.pixel_values.numpy(), mask))
+        pixels = self.pixel_values.contiguous()
+        dtype = str(pixels.dtype).removeprefix("torch.")
+        raw = pixels.view(torch.int16).numpy() if pixels.dtype in _HALF else pixels.numpy()  # (numpy has no bf16)
+        return (_feature, (self.digest, self.offset, self.length, self.num_embeds, raw, dtype, mask))
 
     def overlaps(self, start: int, stop: int) -> bool:
         """Whether any of its positions falls in ``start .. stop - 1``."""
         return self.offset < stop and start < self.end
 
 
-def _feature(digest: str, offset: int, length: int, num_embeds: int, pixels: object, mask: object) -> ImageFeature:
-    """An :class:`ImageFeature` from its pickled fields (numpy arrays)."""
-    return ImageFeature(digest, offset, length, num_embeds, torch.from_numpy(pixels),  # type: ignore[arg-type]
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _feature(digest: str, offset: int, length: int, num_embeds: int, raw: object, dtype: str, mask: object) -> ImageFeature:
+    """An :class:`ImageFeature` from its pickled fields (numpy arrays, the pixels' dtype by name)."""
+    pixels = torch.from_numpy(raw)  # type: ignore[arg-type]
+    if dtype in ("bfloat16", "float16"):
+        pixels = pixels.view(getattr(torch, dtype))
+    return ImageFeature(digest, offset, length, num_embeds, pixels,
                         None if mask is None else torch.from_numpy(mask))  # type: ignore[arg-type]  # fmt: skip
 
 

@@ -202,7 +202,7 @@ class EngineProcess:
         self.input_processor = InputProcessor(
             self.tokenizer, ready.vocab_size, ready.max_model_len, config.limits, config.scheduler.max_num_seqs,
             config.scheduler.scheduling_policy, ready.pooler, ready.hidden_size, ready.beam_refusal,
-            image_processor_for(config.model.model, self.tokenizer, config.limits),
+            image_processor_for(config.model.model, self.tokenizer, config.limits, ready.kernel_plan_info),
         )
 
     def _start(self) -> _Ready:

@@ -56,10 +56,16 @@ def check_images(data: object, limits: LimitsConfig) -> list[Any]:
 class ImageProcessor:
     """Prompts with images -> prompt token ids and one feature per image."""
 
-    def __init__(self, model_path: str, tokenizer: PreTrainedTokenizerBase, spec: VisionSpec, limits: LimitsConfig) -> None:
+    def __init__(
+        self, model_path: str, tokenizer: PreTrainedTokenizerBase, spec: VisionSpec, limits: LimitsConfig,
+        pixel_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        """``pixel_dtype``: the model's compute dtype, which the encoder casts its pixels to
+        first (kept in it from the start: half the memory a waiting request holds in bf16)."""
         from transformers.models.idefics3 import Idefics3ImageProcessorPil
 
         self.spec = spec
+        self.pixel_dtype = pixel_dtype
         self.tokenizer = tokenizer
         self.limits = limits
         self.images = Idefics3ImageProcessorPil.from_pretrained(model_path)
@@ -94,7 +100,8 @@ class ImageProcessor:
             out = self.images([[image]], return_row_col_info=True, return_tensors="pt")
         except (OSError, ValueError, SyntaxError) as exc:  # (PIL's decoders raise these on bad files)
             raise ValueError(f"image {index} could not be read: {exc}") from None
-        tensors = {"pixel_values": out["pixel_values"][0], "pixel_mask": out["pixel_attention_mask"][0].bool()}
+        tensors = {"pixel_values": out["pixel_values"][0].to(self.pixel_dtype),
+                   "pixel_mask": out["pixel_attention_mask"][0].bool()}  # fmt: skip
         return digest, tensors, int(out["rows"][0][0]), int(out["cols"][0][0])
 
     def _image_text(self, rows: int, cols: int) -> str:
@@ -129,9 +136,16 @@ def image_token_count(token_ids: Sequence[int], spec: VisionSpec) -> int:
     return int(np.count_nonzero(np.asarray(token_ids) == spec.image_token_id))
 
 
-def image_processor_for(model: str | None, tokenizer: PreTrainedTokenizerBase, limits: LimitsConfig) -> ImageProcessor | None:
-    """The image preprocessing of ``model`` where it is a vision-language model pagellm runs whole."""
+def image_processor_for(
+    model: str | None, tokenizer: PreTrainedTokenizerBase, limits: LimitsConfig, plan_info: dict[str, str]
+) -> ImageProcessor | None:
+    """The image preprocessing of ``model`` where it is a vision-language model pagellm runs
+    whole (``plan_info``: the engine's kernel plan, whose dtype the pixels are kept in)."""
     from pagellm.model.loader import load_vision_spec, resolve_model_path
 
     spec = load_vision_spec(model)
-    return None if spec is None else ImageProcessor(resolve_model_path(model), tokenizer, spec, limits)
+    if spec is None:
+        return None
+    dtype = getattr(torch, plan_info.get("dtype", "float32"), torch.float32)
+    pixel_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+    return ImageProcessor(resolve_model_path(model), tokenizer, spec, limits, pixel_dtype)

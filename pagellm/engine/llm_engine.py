@@ -82,7 +82,7 @@ class LLMEngine:
             config.scheduler.scheduling_policy, resolve_pooler(config.model.model, config.pooler), arch.hidden_size,
             f"{arch.architecture}'s recurrent layers keep one state a sequence, not forked for beams yet"
             if arch.recurrent_layers else None,
-            image_processor_for(config.model.model, self.tokenizer, config.limits),
+            image_processor_for(config.model.model, self.tokenizer, config.limits, self.executor.kernel_plan_info),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()

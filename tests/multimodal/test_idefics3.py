@@ -231,13 +231,15 @@ def test_image_features_cross_a_process_by_value() -> None:
 
     from pagellm.multimodal_inputs import ImageFeature
 
-    feature = ImageFeature("d", 3, 20, 16, torch.randn(2, 3, 4, 4), torch.ones(2, 4, 4, dtype=torch.bool))
     assert b"rebuild_storage" in bytes(ForkingPickler.dumps(torch.randn(2)))  # (what a bare tensor would do)
-    data = bytes(ForkingPickler.dumps(feature))
-    assert b"rebuild_storage" not in data
-    back = pickle.loads(data)
-    assert (back.digest, back.offset, back.length, back.num_embeds) == ("d", 3, 20, 16)
-    assert torch.equal(back.pixel_values, feature.pixel_values) and torch.equal(back.pixel_mask, feature.pixel_mask)
+    for dtype in (torch.float32, torch.bfloat16):  # (a bf16 model keeps its pixels in bf16)
+        feature = ImageFeature("d", 3, 20, 16, torch.randn(2, 3, 4, 4).to(dtype), torch.ones(2, 4, 4, dtype=torch.bool))
+        data = bytes(ForkingPickler.dumps(feature))
+        assert b"rebuild_storage" not in data
+        back = pickle.loads(data)
+        assert (back.digest, back.offset, back.length, back.num_embeds) == ("d", 3, 20, 16)
+        assert back.pixel_values.dtype == dtype and torch.equal(back.pixel_values, feature.pixel_values)
+        assert torch.equal(back.pixel_mask, feature.pixel_mask)
 
 
 def test_the_bf16_encoder_on_pagellms_kernels_stays_near_the_reference(vlm_path: str, hf_vlm) -> None:
@@ -299,3 +301,25 @@ def test_images_under_tensor_and_pipeline_parallelism_give_one_process_s_tokens(
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
     finally:
         llm.llm_engine.close()
+
+
+def test_a_bf16_engine_keeps_its_pixels_in_bf16_and_answers_as_the_bf16_reference(vlm_path: str) -> None:
+    """The encoder casts its pixels to the model's dtype first (as the reference does), so a bf16
+    engine keeps them in bf16 from the start: half the memory, the same tokens."""
+    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
+
+    llm = LLM(vlm_path, dtype="bfloat16")
+    prompt, images = "Look: <image>", [random_image(50, 30, 71)]
+    processed = llm.llm_engine.input_processor.process_prompt({"prompt": prompt, "multi_modal_data": {"image": images}})
+    assert processed.mm_features[0].pixel_values.dtype == torch.bfloat16
+    model = Idefics3ForConditionalGeneration.from_pretrained(vlm_path, dtype=torch.bfloat16).eval()
+    inputs = AutoProcessor.from_pretrained(vlm_path)(text=prompt, images=[images], return_tensors="pt")
+    inputs["pixel_values"] = inputs["pixel_values"].to(torch.bfloat16)
+    with torch.no_grad():
+        logits = model(**inputs).logits[0, -1].float()
+    out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}}, SamplingParams(temperature=0, max_tokens=1,
+                       logprobs=2), use_tqdm=False)[0].outputs[0]  # fmt: skip
+    top2 = logits.topk(2)
+    if float(top2.values[0] - top2.values[1]) > 0.1:  # (bf16 kernels round apart: equal where the top two are apart)
+        assert out.token_ids[0] == int(top2.indices[0])
+    assert out.token_ids[0] in top2.indices.tolist()
