@@ -166,3 +166,5 @@ class ModelRunnerOutput:
     # LoRA adapter ids that could not be loaded (on any rank): their sequences are in ``failed``,
     # and the engine retires the ids (the prefix cache may hold blocks of theirs computed without).
     failed_adapters: list[int] = field(default_factory=list)
+    # Images the vision encoder ran on this step (the others the step reached were in its cache).
+    images_encoded: int = 0

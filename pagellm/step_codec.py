@@ -233,7 +233,7 @@ def encode_output(output: ModelRunnerOutput | None, error: str | None = None) ->
             "sampled": output.sampled, "num_accepted": output.num_accepted, "logprobs": output.logprobs,
             "failed": output.failed, "route": output.route, "step_logprobs": output.step_logprobs,
             "drafts": output.drafts, "draft_catch_up": output.draft_catch_up, "pooled": output.pooled,
-            "failed_adapters": output.failed_adapters,
+            "failed_adapters": output.failed_adapters, "images_encoded": output.images_encoded,
             "prompt_logprobs": {k: [v.start, v.rows] for k, v in output.prompt_logprobs.items()},
         }  # fmt: skip
     return json.dumps(message, separators=(",", ":")).encode()
@@ -264,6 +264,7 @@ def decode_output(data: bytes) -> tuple[ModelRunnerOutput | None, str | None]:
             draft_catch_up=_int(o["draft_catch_up"]),
             pooled={str(k): [float(x) for x in v] for k, v in o["pooled"].items()},
             failed_adapters=_ints(o["failed_adapters"]),
+            images_encoded=_int(o.get("images_encoded", 0)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CodecError(f"not an output message: {type(exc).__name__}: {exc}") from exc

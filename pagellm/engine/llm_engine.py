@@ -178,6 +178,7 @@ class LLMEngine:
                 self.scheduler.add_sequence(first)
         else:
             self._add_sampling(request, request.params)
+        self.stats.num_images += len(request.mm_features)
 
     def _add_sampling(self, request: EngineRequest, params: SamplingParams) -> None:
         """Queue the request's n (or best_of) samples: one prefill, the others fork from it."""
@@ -336,6 +337,7 @@ class LLMEngine:
         """Update the requests from a step's sampled tokens (the runner's output is only read);
         ``outputs`` with the step's added."""
         failed = dict(runner_output.failed)  # sequences: the worker's failures, then the engine's own
+        self.stats.num_images_encoded += runner_output.images_encoded
         for lora_id in runner_output.failed_adapters:
             self.loras.retire(lora_id)
         updated, finished = self.scheduler.update_from_output(scheduler_output, runner_output)

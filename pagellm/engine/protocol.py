@@ -89,6 +89,9 @@ class EngineStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # Images in the requests taken, and those the vision encoder ran on (the rest: its cache's).
+    num_images: int = 0
+    num_images_encoded: int = 0
     # Steps per route (StepRoute.describe(): fused stack or layers, linears' GEMM, attention).
     step_routes: dict[str, int] = field(default_factory=dict)
     # LoRA (gauges): adapters the engine holds at once (0: LoRA off), and the sequences running

@@ -42,6 +42,8 @@ class EngineStatsView(Protocol):
     spec_num_drafts: int
     spec_num_draft_tokens: int
     spec_num_accepted_tokens: int
+    num_images: int
+    num_images_encoded: int
     max_loras: int
     lora_running: dict[str, int]
     lora_waiting: dict[str, int]
@@ -111,6 +113,9 @@ class _EngineStatsCollector(Collector):
             ("pagellm:spec_decode_num_draft_tokens", "Speculative tokens proposed and verified.",
              s.spec_num_draft_tokens),
             ("pagellm:spec_decode_num_accepted_tokens", "Speculative tokens accepted.", s.spec_num_accepted_tokens),
+            ("pagellm:mm_images", "Images in the requests taken.", s.num_images),
+            ("pagellm:mm_images_encoded", "Images the vision encoder ran on (the others: its cache's, or the "
+             "prefix cache's).", s.num_images_encoded),
         ]
         return [(name, doc, "gauge", value) for name, doc, value in gauges] + [
             (name, doc, "counter", value) for name, doc, value in counters

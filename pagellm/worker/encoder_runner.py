@@ -35,6 +35,7 @@ class EncoderRunner:
         self.cache_bytes = 0
         self.max_cache_bytes = cache_bytes
         self.images_encoded = 0  # (a count: what the cache saved shows against the images seen)
+        self._encoded_since_taken = 0
 
     def apply(self, scheduler_output: SchedulerOutput) -> None:
         """Track the step's new, forked and finished sequences (before the step runs)."""
@@ -103,9 +104,15 @@ class EncoderRunner:
         # (each its own tensor: a view would keep the whole call's output alive in the cache)
         encoded = {f.digest: rows.clone() for f, rows in zip(features, out.split([f.num_embeds for f in features]))}
         self.images_encoded += len(features)
+        self._encoded_since_taken += len(features)
         for digest, rows in encoded.items():
             self._keep(digest, rows)
         return encoded
+
+    def take_encoded(self) -> int:
+        """Images encoded since the last call (the step's, for the engine's counters)."""
+        count, self._encoded_since_taken = self._encoded_since_taken, 0
+        return count
 
     def _keep(self, digest: str, rows: torch.Tensor) -> None:
         """Cache an image's embeddings, dropping the least recently used past the budget."""

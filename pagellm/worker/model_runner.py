@@ -134,6 +134,8 @@ class ModelRunner:
             lora = self._lora_step(scheduled, output)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata, lora=lora,
                                 embeds=inputs.embeds)  # fmt: skip
+            if self.encoder is not None:
+                output.images_encoded = self.encoder.take_encoded()
             if self.samples:
                 self._outputs(hidden, inputs, grammar, output)
             output.route = self._route()
@@ -180,6 +182,8 @@ class ModelRunner:
             stream = None if link.stage.is_first else link.recv(len(inputs.input_ids), tag)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata, stream,
                                 embeds=inputs.embeds)  # fmt: skip
+            if self.encoder is not None:
+                output.images_encoded += self.encoder.take_encoded()
             if not link.stage.is_last:
                 link.send(hidden, tag)
             elif self.samples:

@@ -76,9 +76,13 @@ def test_a_repeated_image_is_encoded_once_and_its_blocks_are_cached(vlm: LLM, hf
     runner = vlm.llm_engine.executor.model_runner.encoder
     image = random_image(61, 47, 21)
     prompt = {"prompt": "Repeat after me <image> and stop", "multi_modal_data": {"image": [image]}}
+    stats = vlm.llm_engine.stats
+    images_before = stats.num_images
     first = vlm.generate(prompt, GREEDY, use_tqdm=False)[0]
     encoded = runner.images_encoded
+    assert stats.num_images_encoded == encoded  # (the engine's counter: the worker's, step by step)
     second = vlm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert stats.num_images == images_before + 2 and stats.num_images_encoded == encoded
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
     assert second.num_cached_tokens >= len(first.prompt_token_ids) - 16  # all but the last (partial) block
     assert runner.images_encoded == encoded  # served from the prefix cache: not encoded again

@@ -113,6 +113,24 @@ def test_a_bad_image_is_a_400_and_the_server_serves_on(client: openai.OpenAI, ca
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 
+def test_metrics_count_images_and_encodings(client: openai.OpenAI) -> None:
+    import httpx
+
+    def counters() -> dict[str, float]:
+        text = httpx.get(str(client.base_url).replace("/v1/", "/metrics")).text
+        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                if line.startswith(("pagellm:mm_images_total", "pagellm:mm_images_encoded_total"))}  # fmt: skip
+
+    before = counters()
+    url = data_url(random_image(33, 33, 81))
+    for _ in range(2):  # the same image twice: taken twice, encoded once
+        client.chat.completions.create(model=MODEL_NAME, messages=user_turn("Again:", [url]), max_tokens=1)
+    after = counters()
+    key = next(k for k in after if k.startswith("pagellm:mm_images_total"))
+    encoded = next(k for k in after if k.startswith("pagellm:mm_images_encoded_total"))
+    assert after[key] - before.get(key, 0) == 2 and after[encoded] - before.get(encoded, 0) == 1
+
+
 def test_more_images_than_the_limit_are_refused_before_decoding(client: openai.OpenAI) -> None:
     urls = ["data:image/png;base64,AAAA"] * 1000  # (not even valid images: the count is checked first)
     with pytest.raises(openai.BadRequestError, match="1000 images, more than the limit of 2"):
