@@ -7,7 +7,8 @@ ranks (``MultiprocExecutor``'s pipes), remote nodes and Ray actors. JSON (the st
 encoder) of plain fields; ``SamplingParams`` and ``StructuredOutputsParams`` are rebuilt through
 their constructors, so every value is validated again on arrival; the grammar bitmask follows
 the JSON as the raw bytes of its int32 words, then new sequences' images as the raw bytes of
-their pixel tensors (of the dtypes ``_BLOB_DTYPES`` names, each size checked). A step is a diff (``step.py``), so a decode step
+their pixel tensors (of the dtypes ``_BLOB_DTYPES`` names, each size and each image's shapes
+checked). A step is a diff (``step.py``), so a decode step
 costs a few dozen bytes per sequence whatever its context.
 """
 
@@ -94,9 +95,15 @@ def _image_fields(image: ImageFeature, blobs: list[torch.Tensor]) -> dict[str, A
 
 
 def _image(data: dict[str, Any], blobs: list[torch.Tensor]) -> ImageFeature:
-    mask = data["mask"]
+    """An image from its fields: pixels [tiles, 3, H, W] of a float dtype, a mask [tiles, H, W] of bools."""
+    pixels, mask = blobs[_int(data["pixels"])], data["mask"]
+    mask = None if mask is None else blobs[_int(mask)]
+    if pixels.dim() != 4 or not pixels.dtype.is_floating_point:
+        raise ValueError(f"an image's pixels must be a [tiles, 3, H, W] float tensor, got {list(pixels.shape)} {pixels.dtype}")
+    if mask is not None and (mask.dtype != torch.bool or list(mask.shape) != [pixels.shape[0], *pixels.shape[2:]]):
+        raise ValueError(f"an image's mask must be [tiles, H, W] bools, got {list(mask.shape)} {mask.dtype}")
     return ImageFeature(str(data["digest"]), _int(data["offset"]), _int(data["length"]), _int(data["num_embeds"]),
-                        blobs[_int(data["pixels"])], None if mask is None else blobs[_int(mask)])  # fmt: skip
+                        pixels, mask)  # fmt: skip
 
 
 # The tensors a step may carry (images' pixels and masks), by name: nothing else is rebuilt.
@@ -220,7 +227,7 @@ def decode_step(data: bytes) -> tuple[SchedulerOutput, GrammarBitmask | None]:
             shape = [_int(n) for n in g["shape"]]
             words = torch.frombuffer(bytearray(data[4 + size : words_end]), dtype=torch.int32)
             grammar = GrammarBitmask(rows={str(k): _int(v) for k, v in g["rows"].items()}, bitmask=words.view(*shape))
-    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
         raise CodecError(f"not a step message: {type(exc).__name__}: {exc}") from exc
     return step, grammar
 

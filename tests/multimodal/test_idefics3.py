@@ -287,10 +287,16 @@ def test_images_cross_the_step_codec_whole_and_bad_bytes_are_refused() -> None:
         assert (got.pixel_mask is None) == (sent.pixel_mask is None)
         assert got.pixel_mask is None or torch.equal(got.pixel_mask, sent.pixel_mask)
     size = int.from_bytes(data[:4], "little")
-    header = json.loads(data[4 : 4 + size])
-    header["blobs"][0]["dtype"] = "object"
-    text = json.dumps(header).encode()
-    for bad in (data[:-1], data + b"\x00", len(text).to_bytes(4, "little") + text + data[4 + size :]):
+    def with_header(change) -> bytes:
+        edited = json.loads(data[4 : 4 + size])
+        change(edited)
+        text = json.dumps(edited).encode()
+        return len(text).to_bytes(4, "little") + text + data[4 + size :]
+
+    unknown_dtype = with_header(lambda h: h["blobs"][0].update(dtype="object"))
+    mask_is_pixels = with_header(lambda h: h["new"][0]["images"][0].update(mask=0))
+    past_the_end = with_header(lambda h: h["new"][0]["images"][1].update(pixels=9))
+    for bad in (data[:-1], data + b"\x00", unknown_dtype, mask_is_pixels, past_the_end):
         with pytest.raises(CodecError):
             decode_step(bad)
 

@@ -25,9 +25,54 @@ def vlm_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str
 
 
 @pytest.fixture(scope="module")
-def client(vlm_path: str) -> Iterator[openai.OpenAI]:
+def image_host() -> Iterator[str]:
+    """A local web server (the host the test server allows): an image, a redirect to it, a page
+    that is not an image, and a missing path."""
+    import http.server
+    import threading
+
+    png = io.BytesIO()
+    random_image(70, 45, 1).save(png, format="PNG")
+    pages = {"/cat.png": (200, "image/png", png.getvalue()), "/page": (200, "text/html", b"<html></html>"),
+             "/moved": (302, "image/png", b"")}  # fmt: skip
+    released = threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 -- (the base class's name)
+            if self.path == "/stall":  # headers, then a body that never comes (until the end of the module)
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.send_header("Content-Length", "1000")
+                self.end_headers()
+                self.wfile.write(b"\x89PNG")
+                self.wfile.flush()
+                released.wait()
+                return
+            status, kind, body = pages.get(self.path, (404, "text/plain", b"no"))
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            if status == 302:
+                self.send_header("Location", "/cat.png")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    released.set()
+    server.shutdown()
+    thread.join()
+
+
+@pytest.fixture(scope="module")
+def client(vlm_path: str, image_host: str) -> Iterator[openai.OpenAI]:
     args = [*TINY_SERVER_ARGS, "--dtype", "float32", "--max-model-len", "512", "--limit-mm-per-prompt", '{"image": 2}',
-            "--allowed-media-domains", "127.0.0.1"]
+            "--allowed-media-domains", image_host]  # (127.0.0.1 on the image host's port only)
     with RemoteServer(vlm_path, args) as server, server.client(timeout=60.0) as c:
         yield c
 
@@ -188,49 +233,32 @@ def test_images_outside_a_user_message_are_a_400(client: openai.OpenAI) -> None:
                                                                         {"role": "user", "content": "Hi"}])  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def image_host() -> Iterator[str]:
-    """A local web server (the host the test server allows): an image, a redirect to it, a page
-    that is not an image, and a missing path."""
-    import http.server
-    import threading
-
-    png = io.BytesIO()
-    random_image(70, 45, 1).save(png, format="PNG")
-    pages = {"/cat.png": (200, "image/png", png.getvalue()), "/page": (200, "text/html", b"<html></html>"),
-             "/moved": (302, "image/png", b"")}  # fmt: skip
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 -- (the base class's name)
-            status, kind, body = pages.get(self.path, (404, "text/plain", b"no"))
-            self.send_response(status)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
-            if status == 302:
-                self.send_header("Location", "/cat.png")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    thread.join()
-
-
 def test_an_allowed_hosts_image_url_is_fetched(client: openai.OpenAI, vlm_path: str, image_host: str) -> None:
-    """``--allowed-media-domains 127.0.0.1``: its URLs are fetched (the answer is the inline
-    image's); a redirect, a missing image, a page that is not an image and another host are 400s."""
+    """``--allowed-media-domains 127.0.0.1:PORT``: its URLs are fetched (the answer is the inline
+    image's); a redirect, a missing image, a page that is not an image, another host, another
+    port of the same host and a URL that does not parse are 400s."""
     answer = client.chat.completions.create(model=MODEL_NAME, messages=user_turn("Compare:", [f"http://{image_host}/cat.png"]),
                                             max_tokens=8, temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
     assert answer.choices[0].message.content == hf_answer(vlm_path, "Compare:", [random_image(70, 45, 1)], 8)
     port = image_host.split(":")[1]
     for url, message in [(f"http://{image_host}/moved", "HTTP 302"), (f"http://{image_host}/gone", "HTTP 404"),
                          (f"http://{image_host}/page", "'text/html' is not one of"),
-                         (f"http://localhost:{port}/cat.png", "URLs of 'localhost' are not fetched")]:  # fmt: skip
+                         (f"http://localhost:{port}/cat.png", f"URLs of 'localhost:{port}' are not fetched"),
+                         (f"http://127.0.0.1:{int(port) + 1}/cat.png", f"URLs of '127.0.0.1:{int(port) + 1}' are not"),
+                         ("http://127.0.0.1:abc/x", "not a valid URL"), ("http://127.0.0.1/cat.png", "are not fetched")]:  # fmt: skip
         with pytest.raises(openai.BadRequestError, match=message):
             client.chat.completions.create(model=MODEL_NAME, messages=user_turn("What?", [url]), max_tokens=2)
+
+
+def test_a_stalled_fetch_ends_at_its_deadline_and_host_entries_are_checked(image_host: str) -> None:
+    """A body that never comes fails the fetch once its time is up (a 400 for the request, not a
+    worker thread held); malformed --allowed-media-domains entries are refused at start."""
+    from pagellm.entrypoints.media import MediaPolicy, allowed_hosts
+
+    policy = MediaPolicy(allowed_hosts([image_host]), timeout_s=0.5)
+    with pytest.raises(ValueError, match="could not be fetched|took too long"):
+        policy.image(f"http://{image_host}/stall", 10**6)
+    assert allowed_hosts(["Images.Example.com", "h:8080"]) == {("images.example.com", None), ("h", 8080)}
+    for bad in ("https://images.example.com", "images.example.com/path", "h:port", ""):
+        with pytest.raises(ValueError, match="takes host names"):
+            allowed_hosts([bad])

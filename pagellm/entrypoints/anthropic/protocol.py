@@ -24,7 +24,8 @@ class TextBlock(OpenAIBaseModel):
 
 
 class MediaSource(OpenAIBaseModel):
-    """Where an image's bytes are: inline (base64) or at a URL (refused: nothing is fetched)."""
+    """Where an image's bytes are: inline (base64) or at a URL (fetched only from the hosts
+    ``--allowed-media-domains`` lists)."""
 
     type: str
     media_type: str | None = None

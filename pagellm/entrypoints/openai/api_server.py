@@ -25,7 +25,7 @@ import pagellm
 from pagellm.engine.async_engine import AsyncLLMEngine, EngineClient, LoopOptions
 from pagellm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from pagellm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
-from pagellm.entrypoints.media import MediaPolicy
+from pagellm.entrypoints.media import MediaPolicy, allowed_hosts
 from pagellm.entrypoints.openai.errors import (
     AuthenticationError,
     NotFoundError,
@@ -99,6 +99,7 @@ class ServerSettings:
             raise ValueError(f"max_prompts_per_request must be >= 1, got {self.max_prompts_per_request}")
         if (self.lora_modules or self.allow_runtime_lora_updating) and self.lora_check is None:
             raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+        allowed_hosts(self.allowed_media_domains)  # a ValueError naming a malformed entry
         tool_parser(self.tool_call_parser)  # a ValueError naming the choices
         parser = reasoning_parser(self.reasoning_parser)
         if parser is not None and parser.keeps_special_tokens and self.tool_call_parser != "hermes":
@@ -213,7 +214,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, metrics: Prometh
     names = settings.served_model_names
     served = served_models(settings)
     completion = OpenAIServingCompletion(engine, served, settings.max_prompts_per_request)
-    media = MediaPolicy(frozenset(domain.lower() for domain in settings.allowed_media_domains))
+    media = MediaPolicy(allowed_hosts(settings.allowed_media_domains))
     chat = OpenAIServingChat(
         engine, served, settings.trust_request_chat_template, tool_parser(settings.tool_call_parser),
         settings.enable_auto_tool_choice, reasoning_parser(settings.reasoning_parser),

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -372,9 +373,10 @@ class OpenAIServing:
             raise BadRequestError(f"the request has {len(urls)} images, more than the limit of "
                                   f"{limits.max_images_per_prompt} (--limit-mm-per-prompt)", param=param)  # fmt: skip
         images = []
+        deadline = time.monotonic() + self.media.timeout_s  # (all of the request's fetches)
         for index, url in enumerate(urls):
             try:
-                images.append(self.media.image(url, limits.max_image_pixels))
+                images.append(self.media.image(url, limits.max_image_pixels, deadline))
             except ValueError as exc:
                 raise BadRequestError(f"image {index}: {exc}", param=param) from exc
         return images

@@ -35,8 +35,9 @@ class InputText(OpenAIBaseModel):
 
 
 class InputMedia(OpenAIBaseModel):
-    """An image by URL (a vision-language model reads ``data:`` URLs); files, audio and images
-    by file id are accepted by the parser so that the refusal can name them."""
+    """An image by URL (a vision-language model reads ``data:`` URLs, and those of the hosts
+    ``--allowed-media-domains`` lists); files, audio and images by file id are accepted by the
+    parser so that the refusal can name them."""
 
     type: Literal["input_image", "input_file", "input_audio"]
     image_url: str | None = None
