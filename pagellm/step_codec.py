@@ -85,13 +85,13 @@ def _new(data: dict[str, Any], blobs: list[torch.Tensor]) -> NewSequence:
 
 def _image_fields(image: ImageFeature, blobs: list[torch.Tensor]) -> dict[str, Any]:
     """An image's fields; its pixels (and mask) join the message's tensors, named by index."""
+    pixels, mask = len(blobs), None
     blobs.append(image.pixel_values)
-    mask = None
     if image.pixel_mask is not None:
+        mask = len(blobs)
         blobs.append(image.pixel_mask)
-        mask = len(blobs) - 1
     return {"digest": image.digest, "offset": image.offset, "length": image.length, "num_embeds": image.num_embeds,
-            "pixels": len(blobs) - 1 - (mask is not None), "mask": mask}  # fmt: skip
+            "pixels": pixels, "mask": mask}  # fmt: skip
 
 
 def _image(data: dict[str, Any], blobs: list[torch.Tensor]) -> ImageFeature:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -53,6 +53,16 @@ def check_images(data: object, limits: LimitsConfig) -> list[Any]:
     return images
 
 
+class _Preprocessed(NamedTuple):
+    """One image as the family's processor gave it: its tiles and their place in its grid."""
+
+    digest: str
+    pixels: torch.Tensor  # [tiles, 3, H, W]
+    mask: torch.Tensor | None  # [tiles, H, W] bool (None: every pixel real)
+    rows: int
+    cols: int
+
+
 class ImageProcessor:
     """Prompts with images -> prompt token ids and one feature per image."""
 
@@ -84,13 +94,13 @@ class ImageProcessor:
                              "images: write one where each image goes")  # fmt: skip
         processed = [self._preprocess(image, index) for index, image in enumerate(images)]
         expanded = [parts[0]]
-        for (_, _, rows, cols), part in zip(processed, parts[1:]):
-            expanded += [self._image_text(rows, cols), part]
+        for image, part in zip(processed, parts[1:]):
+            expanded += [self._image_text(image.rows, image.cols), part]
         token_ids = list(self.tokenizer("".join(expanded), add_special_tokens=add_special_tokens).input_ids)
         return token_ids, self._features(token_ids, processed)
 
-    def _preprocess(self, image: Any, index: int) -> tuple[str, dict[str, torch.Tensor], int, int]:
-        """(digest, pixel tensors, tile rows, tile columns) of one image."""
+    def _preprocess(self, image: Any, index: int) -> _Preprocessed:
+        """One image's tiles, digest and grid."""
         try:
             # Its pixels as stored (a palette's colours and transparency included; decoding them
             # here is where a file that is not an image fails).
@@ -100,9 +110,9 @@ class ImageProcessor:
             out = self.images([[image]], return_row_col_info=True, return_tensors="pt")
         except (OSError, ValueError, SyntaxError) as exc:  # (PIL's decoders raise these on bad files)
             raise ValueError(f"image {index} could not be read: {exc}") from None
-        tensors = {"pixel_values": out["pixel_values"][0].to(self.pixel_dtype),
-                   "pixel_mask": out["pixel_attention_mask"][0].bool()}  # fmt: skip
-        return digest, tensors, int(out["rows"][0][0]), int(out["cols"][0][0])
+        mask = out["pixel_attention_mask"][0].bool()
+        return _Preprocessed(digest, out["pixel_values"][0].to(self.pixel_dtype), None if bool(mask.all()) else mask,
+                             int(out["rows"][0][0]), int(out["cols"][0][0]))  # fmt: skip
 
     def _image_text(self, rows: int, cols: int) -> str:
         """One image's tokens as text (the family's layout)."""
@@ -113,20 +123,17 @@ class ImageProcessor:
         grid = "".join("".join(f"{_FAKE}<row_{r + 1}_col_{c + 1}>{tokens}" for c in range(cols)) + "\n" for r in range(rows))
         return f"{grid}\n{whole}"
 
-    def _features(self, token_ids: list[int], processed: list[tuple[str, dict[str, torch.Tensor], int, int]]) -> tuple[ImageFeature, ...]:
+    def _features(self, token_ids: list[int], processed: list[_Preprocessed]) -> tuple[ImageFeature, ...]:
         """Each image's span: its share of the image tokens, in order."""
         positions = np.flatnonzero(np.asarray(token_ids) == self.spec.image_token_id)
-        expected = sum(t["pixel_values"].shape[0] for _, t, _, _ in processed) * self.spec.tokens_per_tile
-        if len(positions) != expected:  # (the text itself spelled image tokens)
-            raise ValueError(f"the prompt holds {len(positions)} image tokens where its images make {expected}: "
+        counts = [image.pixels.shape[0] * self.spec.tokens_per_tile for image in processed]
+        if len(positions) != sum(counts):  # (the text itself spelled image tokens)
+            raise ValueError(f"the prompt holds {len(positions)} image tokens where its images make {sum(counts)}: "
                              f"write each image as one {IMAGE_PLACEHOLDER} and no other image tokens")  # fmt: skip
         features, first = [], 0
-        for digest, tensors, _, _ in processed:
-            count = tensors["pixel_values"].shape[0] * self.spec.tokens_per_tile
+        for image, count in zip(processed, counts):
             start, last = int(positions[first]), int(positions[first + count - 1])
-            mask = tensors["pixel_mask"]
-            features.append(ImageFeature(digest, start, last - start + 1, count, tensors["pixel_values"],
-                                         None if bool(mask.all()) else mask))  # fmt: skip
+            features.append(ImageFeature(image.digest, start, last - start + 1, count, image.pixels, image.mask))
             first += count
         return tuple(features)
 

@@ -24,15 +24,13 @@ IMAGE_MEDIA_TYPES = tuple(PIL_FORMATS)
 _DATA_URL = re.compile(r"^data:(?P<type>[\w.+-]+/[\w.+-]+)(?:;[\w.+-]+=[\w.+-]+)*;base64,", re.IGNORECASE)
 
 
-_DEFAULT_PORTS = {"http": 80, "https": 443}
-
-
 def allowed_hosts(entries: list[str]) -> frozenset[tuple[str, int | None]]:
     """``--allowed-media-domains`` entries as (host, port) pairs: ``host`` (its scheme's default
     port only) or ``host:port``; ValueError for anything else (a scheme, a path, an empty name)."""
     hosts = set()
     for entry in entries:
-        host, _, port = entry.strip().lower().rstrip(".").partition(":") if entry.count(":") <= 1 else (entry, "", "")
+        host, _, port = entry.strip().lower().partition(":")
+        host = host.rstrip(".")
         if not re.fullmatch(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?", host) or (port and not port.isdigit()):
             raise ValueError(f"--allowed-media-domains takes host names, or host:port, not {entry!r}")
         hosts.add((host, int(port) if port else None))
@@ -64,7 +62,7 @@ class MediaPolicy:
             host, port = parsed.host.lower().rstrip("."), parsed.port
         except (httpx.InvalidURL, ValueError):
             raise ValueError("the image URL is not a valid URL") from None
-        if (host, port) not in self.allowed_hosts and (port is not None or (host, None) not in self.allowed_hosts):
+        if (host, port) not in self.allowed_hosts:  # (httpx reads a scheme's default port as None)
             where = host if port is None else f"{host}:{port}"
             raise ValueError(f"image URLs of {where!r} are not fetched: send the image inline, as a "
                              "data:image/...;base64 URL (a server fetches from the hosts --allowed-media-domains lists)")  # fmt: skip

@@ -82,7 +82,7 @@ class VisionMLP(nn.Module):
         self.kernels = kernels if usable else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and x.dtype == torch.bfloat16 and type(self.fc1) is nn.Linear:
+        if self.kernels is not None and x.dtype == torch.bfloat16:
             hidden = F.linear(x, self.fc1.weight)
             self.kernels.bias_gelu_tanh(hidden.view(-1, hidden.shape[-1]), self.fc1.bias)
             return self.fc2(hidden)

@@ -12,7 +12,6 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, model_serializer, model_validator
 
 from pagellm.bounded_json import parse_json_text
-from pagellm.engine.image_processor import IMAGE_PLACEHOLDER
 from pagellm.engine.input_processor import check_text
 
 TokenIds = list[StrictInt]
@@ -197,18 +196,17 @@ class ChatMessageParam(OpenAIBaseModel):
             return []
         return [part.image_url.url for part in self.content if isinstance(part, ImageContentPart)]
 
-    def to_template_dict(self, as_parts: bool = False) -> dict[str, Any]:
-        """The plain dict chat templates expect; content parts are joined as vLLM does (an image
-        as the ``<image>`` placeholder), or kept as ``{"type": "text" | "image"}`` parts for a
-        template that loops over them (``as_parts``); earlier calls' arguments are parsed
-        (templates render them as JSON objects)."""
+    def to_template_dict(self) -> dict[str, Any]:
+        """The plain dict chat templates expect; text parts are joined as vLLM does, parts with
+        images kept as ``{"type": "text" | "image"}`` parts (the input processor gives them to
+        the template as it takes them: ``content_as_template_takes``); earlier calls' arguments
+        are parsed (templates render them as JSON objects)."""
         content: Any
-        if isinstance(self.content, list) and as_parts:
+        if isinstance(self.content, list) and self.image_urls:
             content = [{"type": "text", "text": part.text} if isinstance(part, TextContentPart) else {"type": "image"}
                        for part in self.content]  # fmt: skip
         elif isinstance(self.content, list):
-            content = "\n".join(part.text if isinstance(part, TextContentPart) else IMAGE_PLACEHOLDER
-                                 for part in self.content)  # fmt: skip
+            content = "\n".join(part.text for part in self.content if isinstance(part, TextContentPart))
         else:
             content = self.content or ""
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}

@@ -154,8 +154,8 @@ def render_conversation(serving: OpenAIServing, conversation: Conversation) -> s
         raise BadRequestError("continue_final_message needs the last message to be from the assistant",
                               param="continue_final_message")
     template = template_kwargs.get("chat_template") or processor.tokenizer.chat_template
-    try:  # (a message with images as parts: the processor gives a string template joined text)
-        dicts = [m.to_template_dict(as_parts=bool(m.image_urls)) for m in messages]
+    try:
+        dicts = [m.to_template_dict() for m in messages]
         has_tool_history = any(d["role"] == "tool" or d.get("tool_calls") for d in dicts)
         if functions or has_tool_history:
             if template_renders_tools(template):
