@@ -333,3 +333,24 @@ def test_a_bf16_engine_keeps_its_pixels_in_bf16_and_answers_as_the_bf16_referenc
     if float(top2.values[0] - top2.values[1]) > 0.1:  # (bf16 kernels round apart: equal where the top two are apart)
         assert out.token_ids[0] == int(top2.indices[0])
     assert out.token_ids[0] in top2.indices.tolist()
+
+
+def test_the_image_limits_refuse_values_out_of_range() -> None:
+    """--limit-mm-per-prompt (JSON or vLLM's offline dict) and --max-image-pixels: wrong types,
+    unknown modalities, negative or huge-and-wrong values are a ValueError naming the option."""
+    from pagellm.config import LimitsConfig
+    from pagellm.engine_args import images_per_prompt
+
+    assert images_per_prompt(None) == 8 and images_per_prompt('{"image": 0}') == 0
+    assert images_per_prompt({"image": 3}) == 3
+    for bad, message in [("{not json", "not JSON"), ('["image"]', "must be an object"), ('{"video": 1}', "must be an object"),
+                         ('{"image": -1}', "non-negative integer"), ('{"image": 1.5}', "non-negative integer"),
+                         ('{"image": true}', "non-negative integer"), ('{"image": "8"}', "non-negative integer"),
+                         ({"image": 10**30 * -1}, "non-negative integer")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            images_per_prompt(bad)
+    for bad in (0, -5, 2.5, True):
+        with pytest.raises(ValueError, match="max_image_pixels must be a positive integer"):
+            LimitsConfig(max_image_pixels=bad)
+    with pytest.raises(ValueError, match="max_images_per_prompt must be a non-negative integer"):
+        LimitsConfig(max_images_per_prompt=-1)
