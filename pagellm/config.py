@@ -94,7 +94,10 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests, benchmarks)
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # or "fp8" / "fp8_e4m3" / "int8": see resolve_kv_cache_dtype
+    kv_offload_dir: str | None = None  # the disk tier's folder (None: no disk tier; core/disk_tier.py)
+    kv_offload_size: int | str = "16GiB"  # the most the disk tier's entries take
     kv_cache_bytes: int | None = field(init=False)  # None: auto
+    kv_offload_bytes: int = field(init=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -104,6 +107,12 @@ class CacheConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)  # fail early on a bad name
+        self.kv_offload_bytes = parse_memory_size(self.kv_offload_size)
+        if self.kv_offload_dir is not None:
+            if not isinstance(self.kv_offload_dir, str) or not self.kv_offload_dir.strip():
+                raise ValueError(f"kv_offload_dir must be a folder's path, got {self.kv_offload_dir!r}")
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_offload_dir keeps prefix-cached blocks on disk: it needs prefix caching on")
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -301,6 +310,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.lora is not None:
             self._check_lora()
+        if self.cache.kv_offload_dir is not None and self.device.world_size > 1:
+            raise ValueError("kv_offload_dir (the disk tier) runs in a one-process engine only for now: not with tensor "
+                             "or pipeline parallelism")  # fmt: skip
         spec = self.speculative
         if spec is not None and spec.uses_draft_model:
             if self.device.pipeline_parallel_size > 1:

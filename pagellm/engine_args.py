@@ -76,6 +76,11 @@ class EngineArgs:
         "K/V storage: auto (the model's dtype), fp8 (= fp8_e4m3: half the memory of bf16, rounded) or int8 "
         "(per-token-per-head scales: about half of bf16's memory, plus 4 bytes a head)",
         choices=KV_CACHE_DTYPE_CHOICES))
+    kv_offload_dir: str | None = field(default=None, metadata=_option(
+        "a folder for a disk tier under the prefix cache: full KV blocks written once, read back on a prefix hit "
+        "the pool no longer holds, kept across restarts (docs/disk-tier.md); default: none"))
+    kv_offload_size: int | str = field(default="16GiB", metadata=_option(
+        "--kv-offload-dir: the most its entries take, e.g. 64GiB (least recently used dropped)"))
     speculative_config: str | dict[str, Any] | None = field(default=None, metadata=_option(
         'speculative decoding, a JSON object with vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
         '"prompt_lookup_max": 4}\' (docs/speculative-decoding.md); default: none'))
@@ -160,6 +165,7 @@ class EngineArgs:
             cache=CacheConfig(
                 block_size=self.block_size, kv_cache_memory=self.kv_cache_memory, num_kv_blocks=self.num_kv_blocks,
                 enable_prefix_caching=self.enable_prefix_caching, kv_cache_dtype=self.kv_cache_dtype,
+                kv_offload_dir=self.kv_offload_dir, kv_offload_size=self.kv_offload_size,
             ),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                       scheduling_policy=self.scheduling_policy,

@@ -83,6 +83,18 @@ class ScheduledSequence:
 
 
 @dataclass
+class KVLoad:
+    """Blocks a waiting sequence loads from the disk tier (``core/disk_tier.py``) before it computes
+    the rest: entry ``hashes[i]`` into block ``block_ids[i]``. The worker reports, in the output
+    of the step that copies them in, how many leading ones held; the sequence computes from the
+    first that did not."""
+
+    seq_id: str
+    block_ids: list[int]
+    hashes: list[int]
+
+
+@dataclass
 class GrammarBitmask:
     """The tokens each constrained sequence may sample this step: bit ``t % 32`` of word
     ``t // 32`` of its row is set when token ``t`` is allowed."""
@@ -113,6 +125,17 @@ class SchedulerOutput:
     # background, so that the step that first runs one does not wait for its files (each
     # waiting request names its adapter once).
     lora_prefetch: list[LoRARequest] = field(default_factory=list)
+    # The disk tier (``core/disk_tier.py``), applied before everything else of the step, in this
+    # order: cached blocks this step reuses written, (block id, hash) (they still hold what earlier
+    # steps computed: nothing is written before this step's forward); loads of sequences that
+    # ended while loading dropped (their blocks may be another's now); loads started (read in the
+    # background, copied into their blocks at the start of a later step, or of this one if it
+    # runs nothing else); entries removed.
+    kv_stores: list[tuple[int, int]] = field(default_factory=list)
+    kv_cancels: list[str] = field(default_factory=list)
+    kv_loads: list[KVLoad] = field(default_factory=list)
+    kv_deletes: list[int] = field(default_factory=list)
+    final: bool = False  # the engine's last call (it stops): the disk tier's writes may wait for the disk
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -126,7 +149,8 @@ class SchedulerOutput:
     def changes_worker(self) -> bool:
         """Whether the worker must hear of this step even if it runs nothing."""
         return bool(self.scheduled or self.new_sequences or self.forked_sequences or self.finished_seq_ids
-                    or self.state_copies or self.state_loads or self.lora_prefetch)  # fmt: skip
+                    or self.state_copies or self.state_loads or self.lora_prefetch or self.kv_stores
+                    or self.kv_cancels or self.kv_loads or self.kv_deletes)  # fmt: skip
 
 
 # (token_id, logprob, rank) triples: the sampled (or actual prompt) token first, then the top-N.
@@ -168,3 +192,20 @@ class ModelRunnerOutput:
     failed_adapters: list[int] = field(default_factory=list)
     # Images the vision encoder ran on this step (the others the step reached were in its cache).
     images_encoded: int = 0
+    # The disk tier: the loads copied into their blocks at this step, each one's count of leading
+    # blocks that held (the rest are computed), and what the tier's files did since the last step.
+    kv_loaded: dict[str, int] = field(default_factory=dict)
+    disk_tier: DiskTierReport | None = None
+
+
+@dataclass
+class DiskTierReport:
+    """What the disk tier's files did since the last report: the bytes and seconds of reads and
+    writes, and the entries that could not be written (the index forgets them)."""
+
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+    bytes_written: int = 0
+    write_seconds: float = 0.0
+    failed_writes: list[int] = field(default_factory=list)
+    refused: list[int] = field(default_factory=list)  # entries read and refused (missing, short, corrupt)

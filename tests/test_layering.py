@@ -51,7 +51,7 @@ LAYERS: tuple[Layer, ...] = (
             "pagellm.structured_outputs_params", "pagellm.config", "pagellm.bounded_json",
             "pagellm.utils", "pagellm.metrics", "pagellm.kv_layout", "pagellm.speculative_config",
             "pagellm.pooling_params", "pagellm.pooler_config", "pagellm.lora_request", "pagellm.lora_config",
-            "pagellm.multimodal_inputs",
+            "pagellm.multimodal_inputs", "pagellm.disk_tier_files",
         ),
     ),
 )

@@ -54,7 +54,8 @@ def _add_workload_args(parser: argparse.ArgumentParser, default: str) -> None:
 # The engine options each benchmark takes (EngineArgs fields).
 _THROUGHPUT_ENGINE = ("model", "dtype", "quantization", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
                       "block_size", "kv_cache_dtype", "enable_prefix_caching", "num_threads", "attention_backend",
-                      "tensor_parallel_size", "pipeline_parallel_size", "cpu_bind", "speculative_config")
+                      "tensor_parallel_size", "pipeline_parallel_size", "cpu_bind", "speculative_config",
+                      "kv_offload_dir", "kv_offload_size")
 _LATENCY_ENGINE = ("model", "dtype", "quantization", "num_threads", "kv_cache_dtype", "attention_backend",
                    "speculative_config")
 

@@ -23,6 +23,9 @@ class BlockPool:
         self.free_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         self.num_shared_blocks = 0  # blocks with ref_cnt > 1, kept up to date for metrics
+        # (block id, hash) of the cached blocks marked ``spill`` taken for reuse, for a disk tier to
+        # write before they are overwritten (``KVCacheManager`` takes them).
+        self.evicted: list[tuple[int, BlockHash]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -74,9 +77,16 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached_blocks.setdefault(block_hash, block)
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Take ``block`` out of the prefix cache (its K/V cannot be trusted)."""
+        self._evict(block)
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return
+        if block.spill:
+            self.evicted.append((block.block_id, block.block_hash))
+            block.spill = False
         if self.cached_blocks.get(block.block_hash) is block:
             del self.cached_blocks[block.block_hash]
         block.block_hash = None

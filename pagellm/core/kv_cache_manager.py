@@ -35,8 +35,10 @@ from collections.abc import Sequence as ReadOnlyList
 from dataclasses import dataclass, field
 
 from pagellm.core.block_pool import BlockPool
+from pagellm.core.disk_tier import DiskTierIndex
 from pagellm.core.kv_cache_utils import KVCacheBlock, hash_block_tokens
 from pagellm.core.sequence import Sequence
+from pagellm.step import DiskTierReport, KVLoad
 from pagellm.utils import cdiv
 
 
@@ -67,8 +69,13 @@ _EMPTY = BlockTable()  # what a sequence holding no block reads (never written)
 
 
 class KVCacheManager:
+    """``disk_tier``: the index of a disk tier under the prefix cache (``core/disk_tier.py``;
+    None: none): cached blocks are written to it as the pool reuses them (and all of them as the
+    engine stops), and read back from it where a prefix lookup ends in the pool."""
+
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool = True, sliding_window: int | None = None
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, sliding_window: int | None = None,
+        disk_tier: DiskTierIndex | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -83,6 +90,14 @@ class KVCacheManager:
         self._pending_copies: list[tuple[int, int]] = []
         # Blocks registered since ``begin_step``: the step being scheduled computes them.
         self._cached_this_step: set[int] = set()
+        if disk_tier is not None and (sliding_window is not None or not enable_caching):
+            raise ValueError("a disk tier needs prefix caching, and blocks no sliding window releases")
+        self.disk_tier = disk_tier
+        # Blocks registered by the step being scheduled or run, until its output is back
+        # (``steps_done``): then marked ``spill`` for the disk tier (not an adapter's); those of a
+        # step that failed leave the prefix cache (``forget_unconfirmed``).
+        self._unconfirmed: set[int] = set()
+        self._adapter_blocks: set[int] = set()  # (of those, an adapter's)
 
     @property
     def num_blocks(self) -> int:
@@ -114,6 +129,31 @@ class KVCacheManager:
         """A new step is being scheduled: blocks registered before now are computed by earlier steps."""
         self._cached_this_step.clear()
 
+    def steps_done(self) -> None:
+        """The steps scheduled so far have run: the blocks they filled hold their K/V."""
+        if self.disk_tier is not None:
+            blocks = self.block_pool.blocks
+            for block_id in self._unconfirmed - self._adapter_blocks:
+                if blocks[block_id].block_hash is not None:  # (still registered)
+                    blocks[block_id].spill = True
+        self._unconfirmed.clear()
+        self._adapter_blocks.clear()
+
+    def forget_unconfirmed(self) -> None:
+        """A step failed: the blocks registered since the last step that returned may hold
+        half-computed K/V. They leave the prefix cache (a sequence still holding one registers it
+        again as it computes it again), and are never written to the disk tier."""
+        for block_id in self._unconfirmed:
+            self.block_pool.uncache(self.block_pool.blocks[block_id])
+        self._unconfirmed.clear()
+        self._adapter_blocks.clear()
+
+    def _may_share(self, seq: Sequence) -> bool:
+        """Whether ``seq`` may start from cached blocks: not where it asks for every prompt token's
+        logprobs, or pools an embedding over every token (those compute everything)."""
+        every_token = seq.pooling is not None and seq.pooling.needs_every_token
+        return self.enable_caching and seq.sampling_params.prompt_logprobs is None and not every_token
+
     def get_computed_blocks(self, seq: Sequence, computed_before: bool = False) -> list[KVCacheBlock]:
         """Leading blocks of ``request`` already in the pool (not yet referenced).
 
@@ -123,8 +163,7 @@ class KVCacheManager:
         scheduled fills (a hybrid model's block keeps a state the forward writes; K/V are written
         before any attention reads them, so other models share those blocks at once).
         """
-        every_token = seq.pooling is not None and seq.pooling.needs_every_token
-        if not self.enable_caching or seq.sampling_params.prompt_logprobs is not None or every_token:
+        if not self._may_share(seq):
             return []
         self.update_block_hashes(seq)
         max_blocks = (seq.num_tokens - 1) // self.block_size
@@ -134,7 +173,86 @@ class KVCacheManager:
             if block is None or (computed_before and block.block_id in self._cached_this_step):
                 break
             hits.append(block)
+        if self.disk_tier is not None:  # (a prefix in use stays on disk longest)
+            self.disk_tier.touch(seq.block_hashes[: len(hits)])
         return hits
+
+    # ---- disk tier ----------------------------------------------------------------------
+
+    def disk_hits(self, seq: Sequence, num_cached_blocks: int) -> int:
+        """How many blocks after its ``num_cached_blocks`` pool hits ``seq`` finds in the disk tier
+        (the last token is always left to compute). Not for a request with a LoRA adapter: an
+        adapter's files may change under the same name between runs, its cache key would not."""
+        if not self._uses_disk_tier(seq):
+            return 0
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        assert self.disk_tier is not None
+        return self.disk_tier.lookup(seq.block_hashes[num_cached_blocks:max_blocks])
+
+    def _uses_disk_tier(self, seq: Sequence) -> bool:
+        return self.disk_tier is not None and seq.lora is None and self._may_share(seq)
+
+    def record_disk_lookup(self, seq: Sequence, num_cached_blocks: int, num_hits: int = 0) -> None:
+        """Count an admitted request's lookup in the disk tier (its hits marked used)."""
+        if not self._uses_disk_tier(seq):
+            return
+        assert self.disk_tier is not None
+        end = (seq.num_tokens - 1) // self.block_size
+        self.disk_tier.record_lookup(end - num_cached_blocks,
+                                     seq.block_hashes[num_cached_blocks : num_cached_blocks + num_hits])  # fmt: skip
+
+    def start_load(self, seq: Sequence, cached: ReadOnlyList[KVCacheBlock], num_disk: int) -> KVLoad | None:
+        """Take ``cached`` (pool hits) and ``num_disk`` fresh blocks for entries of the disk tier, in
+        ``seq``'s table; the load the worker makes into the fresh ones. None (nothing changed) if
+        the pool has too few free blocks. They join the prefix cache once loaded (``finish_load``)."""
+        assert self.disk_tier is not None
+        first = len(cached)
+        if not self.allocate_slots(seq, num_disk * self.block_size, cached, register=False):
+            return None
+        hashes = seq.block_hashes[first : first + num_disk]
+        self.record_disk_lookup(seq, first, num_disk)
+        block_ids = [block.block_id for block in self.tables[seq.seq_id].blocks[first : first + num_disk]]
+        return KVLoad(seq.seq_id, block_ids, list(hashes))
+
+    def finish_load(self, seq: Sequence, load: KVLoad, num_loaded: int) -> None:
+        """The worker loaded the first ``num_loaded`` blocks of ``load``: they count as computed and
+        join the prefix cache; ``seq`` computes the rest into the blocks it holds."""
+        assert self.disk_tier is not None
+        self.disk_tier.stats.loaded += num_loaded
+        blocks = self.tables[seq.seq_id].blocks
+        first = seq.num_computed_tokens // self.block_size
+        for block, block_hash in zip(blocks[first : first + num_loaded], load.hashes):
+            self.block_pool.cache_full_block(block, block_hash)
+            block.spill = True  # (written again when evicted, should the tier have dropped it meanwhile)
+        seq.num_computed_tokens += num_loaded * self.block_size
+
+    def take_disk_ops(self, everything: bool = False) -> tuple[list[tuple[int, int]], list[int]]:
+        """The step's writes to the disk tier: (block id, hash) of the cached blocks taken for
+        reuse while it was scheduled (the worker writes them before its forward overwrites them)
+        that the tier lacks; with ``everything`` (the engine stops), of every cached block whose
+        K/V is computed. And the entries the tier drops (over its size, or refused)."""
+        tier, pool = self.disk_tier, self.block_pool
+        if tier is None:
+            return [], []
+        candidates, pool.evicted = pool.evicted, []
+        if everything:
+            candidates += [(block.block_id, block_hash) for block_hash, block in pool.cached_blocks.items() if block.spill]
+        stores = [(block_id, block_hash) for block_id, block_hash in candidates if tier.add(block_hash)]
+        return stores, tier.take_deletes()
+
+    def apply_disk_report(self, report: DiskTierReport | None) -> None:
+        """Forget the entries the worker could not write, or read and refused."""
+        if self.disk_tier is None or report is None:
+            return
+        stats = self.disk_tier.stats
+        stats.bytes_read += report.bytes_read
+        stats.read_seconds += report.read_seconds
+        stats.bytes_written += report.bytes_written
+        stats.write_seconds += report.write_seconds
+        stats.failed_writes += len(report.failed_writes)
+        stats.load_failures += len(report.refused)
+        for block_hash in (*report.failed_writes, *report.refused):
+            self.disk_tier.drop(block_hash)
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted lookup (a lookup retried while the pool is full counts once)."""
@@ -159,18 +277,23 @@ class KVCacheManager:
         for block, block_hash in zip(blocks[start:num_full], seq.block_hashes[start:num_full]):
             if block.block_hash is None:
                 self._cached_this_step.add(block.block_id)
+                self._unconfirmed.add(block.block_id)
+                if seq.lora is not None:  # (never read back from disk: never written there)
+                    self._adapter_blocks.add(block.block_id)
             self.block_pool.cache_full_block(block, block_hash)
 
     # ---- allocation -------------------------------------------------------------------
 
     def allocate_slots(
-        self, seq: Sequence, num_new_tokens: int, computed_blocks: ReadOnlyList[KVCacheBlock] = ()
+        self, seq: Sequence, num_new_tokens: int, computed_blocks: ReadOnlyList[KVCacheBlock] = (),
+        register: bool = True,
     ) -> bool:
         """Make room for ``num_new_tokens`` more tokens of ``request``; all or nothing.
 
         ``computed_blocks`` (a prefix hit, only for a request holding no block) are
         taken first and advance ``seq.num_computed_tokens``. Returns False and
-        changes nothing when the pool has too few free blocks.
+        changes nothing when the pool has too few free blocks. ``register``: the blocks the new
+        tokens fill join the prefix cache now (not blocks a disk load fills: once it held).
         """
         blocks = self.tables.get(seq.seq_id, _EMPTY).blocks
         num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
@@ -198,7 +321,8 @@ class KVCacheManager:
             self._copy_on_write(blocks, cow_index)
         if num_new_blocks:
             blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
-        self.cache_blocks(seq, num_computed + num_new_tokens)
+        if register:
+            self.cache_blocks(seq, num_computed + num_new_tokens)
         self._release_outside_window(table, num_computed)
         return True
 

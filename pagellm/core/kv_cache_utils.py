@@ -24,6 +24,9 @@ class KVCacheBlock:
     ref_cnt: int = 0
     # Set only while the block is full and registered in the prefix cache.
     block_hash: BlockHash | None = None
+    # Written to the disk tier when it is evicted: registered with a disk tier by a step that has
+    # run (its K/V computed), and no adapter's.
+    spill: bool = False
     prev_free: KVCacheBlock | None = None
     next_free: KVCacheBlock | None = None
 

@@ -95,6 +95,9 @@ class KVSnapshot:
     num_forking: int
     sequences: list[SequenceView]
     build_seconds: float = 0.0  # what taking it cost the engine
+    # The disk tier under the pool (``core/disk_tier.py``): blocks it holds, and the most it may (0: none).
+    disk_tier_blocks: int = 0
+    disk_tier_capacity: int = 0
 
     @property
     def num_cells(self) -> int:
@@ -160,6 +163,8 @@ def take_kv_snapshot(
         num_forking=sum(len(r.pending_forks) for queue in (scheduler.running, scheduler.waiting) for r in queue),
         sequences=views,
         build_seconds=time.perf_counter() - started,
+        disk_tier_blocks=0 if manager.disk_tier is None else len(manager.disk_tier),
+        disk_tier_capacity=0 if manager.disk_tier is None else manager.disk_tier.capacity,
     )
 
 

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pagellm.config import SchedulerConfig
+from pagellm.core.disk_loads import DiskLoads
 from pagellm.core.encoder_budget import EncoderBudget
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.sequence import Sequence, SequenceStatus
@@ -96,6 +97,7 @@ class Scheduler:
         self._state_copies: list[tuple[int, int]] = []
         self._state_loads: list[tuple[int, int]] = []  # (block, slot): from a cached block's snapshot
         self._lora_prefetch: dict[int, LoRARequest] = {}  # adapters of requests waiting for a slot, by id
+        self.disk_loads = DiskLoads(kv_cache_manager)  # sequences loading blocks from the disk tier
         self.stats = SchedulerStats()
 
     # ---- queue management -------------------------------------------------
@@ -165,6 +167,7 @@ class Scheduler:
         grammar complete): its blocks go, the worker hears of it, the engine is told."""
         seq.status = status
         self._release(seq)
+        self.disk_loads.end(seq.seq_id)
         del self.sequences[seq.seq_id]
         self._ended.append(seq.seq_id)
         if seq.num_tokens_sent:
@@ -184,6 +187,7 @@ class Scheduler:
         many requests this step (so that the next step has some of its own).
         """
         budget = self.max_num_batched_tokens
+        in_flight = in_flight.union(self.disk_loads.seq_ids)  # (a loading sequence waits as one in flight does)
         images = EncoderBudget(self.max_num_batched_tokens)  # (image rows: counted apart, as vLLM's)
         seq_budget = self.max_num_seqs if max_seqs is None else max_seqs
         self.kv_cache_manager.begin_step()
@@ -226,6 +230,8 @@ class Scheduler:
 
         in_use = self.kv_cache_manager.num_blocks - self.kv_cache_manager.num_free_blocks
         self.stats.peak_blocks_in_use = max(self.stats.peak_blocks_in_use, in_use)
+        kv_stores, kv_deletes = self.kv_cache_manager.take_disk_ops()
+        kv_loads, kv_cancels = self.disk_loads.take()
         output = SchedulerOutput(
             scheduled=scheduled,
             new_sequences=self._new_sequences,
@@ -235,6 +241,7 @@ class Scheduler:
             state_copies=self._state_copies,
             state_loads=self._state_loads,
             lora_prefetch=list(self._lora_prefetch.values()),
+            kv_stores=kv_stores, kv_cancels=kv_cancels, kv_loads=kv_loads, kv_deletes=kv_deletes,
         )
         self._new_sequences, self._forked_since_last_step, self._finished_since_last_step = [], [], []
         self._state_copies, self._state_loads, self._lora_prefetch = [], [], {}
@@ -261,6 +268,14 @@ class Scheduler:
                 break  # (its samples' slots are taken with its own: their states are copied from it)
             # (a hybrid's blocks filled this step hold their states only once its forward ran)
             cached = manager.get_computed_blocks(seq, computed_before=self.state_slots is not None)
+            num_disk = manager.disk_hits(seq, len(cached))
+            if num_disk:  # it loads those blocks first, running meanwhile (not scheduled)
+                if not self.disk_loads.start(seq, cached, num_disk, headroom=len(self.running) + 1):
+                    break  # (no blocks free, or another request is loading them: they will be pool hits)
+                self.waiting.popleft()
+                seq.status = SequenceStatus.RUNNING
+                self._insert(self.running, seq)
+                continue
             num_cached = len(cached) * manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
             if seq.mm_features:
@@ -268,6 +283,7 @@ class Scheduler:
             if num_new <= 0 or not manager.allocate_slots(seq, num_new, cached):
                 break
             manager.record_prefix_lookup(seq.num_tokens, num_cached)
+            manager.record_disk_lookup(seq, len(cached))
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = num_cached
             self.waiting.popleft()
@@ -456,6 +472,8 @@ class Scheduler:
         """Advance every scheduled sequence; returns (sequences with a new token, newly finished)."""
         updated: list[Sequence] = []
         finished: list[Sequence] = []
+        self.kv_cache_manager.steps_done()
+        self.disk_loads.finish(self.sequences, runner_output)
         for item in scheduler_output.scheduled:
             seq = self.sequences.get(item.seq_id)
             if seq is None or seq.status != SequenceStatus.RUNNING:

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
+import weakref
 from collections import deque
 from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
 from pagellm.config import EngineConfig, draft_model_config
+from pagellm.core.disk_tier import DiskTierIndex
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.kv_snapshot import DEFAULT_MAX_REQUESTS, KVSnapshot, take_kv_snapshot
 from pagellm.core.sequence import Sequence, SequenceStatus
@@ -49,6 +52,8 @@ REQUEST_FAILED_MESSAGE = "internal error while processing this request (the serv
 POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
 # How long a step with only compiling grammars to wait for blocks on them before returning.
 GRAMMAR_WAIT_S = 0.05
+# How long ``close`` waits for a running step to end before leaving the disk tier's last writes.
+CLOSE_WAIT_S = 10.0
 
 
 class LLMEngine:
@@ -62,9 +67,15 @@ class LLMEngine:
         self.executor: Executor = make_executor(config, self.tokenizer.eos_token_id)
         arch = self.executor.arch
         block_size = config.cache.block_size
+        tier = self.executor.disk_tier
+        try:
+            index = None if tier is None else DiskTierIndex.open(tier, config.cache.kv_offload_bytes)
+        except BaseException:
+            self.executor.close()  # (its disk tier's threads and folder)
+            raise
         self.kv_cache_manager = KVCacheManager(
             self.executor.num_blocks, block_size, enable_caching=config.cache.enable_prefix_caching,
-            sliding_window=arch.window_of_every_layer,
+            sliding_window=arch.window_of_every_layer, disk_tier=index,
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
@@ -96,6 +107,11 @@ class LLMEngine:
         )
         if self.scheduler.speculator is not None:  # constrained drafts are cut where their grammar forbids
             self.scheduler.speculator.draft_filter = self.structured_output.valid_drafts
+        self._step_lock = threading.Lock()  # (held by a step: ``close`` never runs the worker beside one)
+        # With a disk tier, closing writes what the pool holds: also when the engine is dropped
+        # unclosed, or Python exits (an offline ``LLM`` is never closed).
+        self._closer = None if tier is None else weakref.finalize(
+            self, close_with_disk_tier, self.kv_cache_manager, self.executor, self._step_lock)
         self.beams = BeamSearchController(self.scheduler, self.tokenizer, self.executor.eos_token_ids, self.structured_output)
         # Steps submitted and not yet finished (pipeline parallelism), oldest first.
         self._in_flight: deque[tuple[SchedulerOutput, GrammarBitmask | None]] = deque()
@@ -273,8 +289,12 @@ class LLMEngine:
         return False
 
     def close(self) -> None:
-        """Release what lives outside this process (tensor-parallel ranks); the engine is done."""
-        self.executor.close()
+        """Release what lives outside this process (tensor-parallel ranks), after writing the disk
+        tier's blocks; the engine is done."""
+        if self._closer is not None:
+            self._closer()
+        else:
+            self.executor.close()
 
     def snapshot(self, max_requests: int = DEFAULT_MAX_REQUESTS, replica: int = 0) -> KVSnapshot:
         """A bounded, read-only picture of the queues and the KV pool (the server's live page);
@@ -289,6 +309,15 @@ class LLMEngine:
     # ---- one step --------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        with self._step_lock:
+            try:
+                return self._step()
+            except BaseException:
+                # The blocks its step registered may hold half-computed K/V: out of the prefix cache.
+                self.kv_cache_manager.forget_unconfirmed()
+                raise
+
+    def _step(self) -> list[RequestOutput]:
         outputs = self._admit_compiled_grammars()
         if self.executor.pipeline_depth > 1:
             return self._pipelined_step(outputs)
@@ -424,6 +453,17 @@ class LLMEngine:
         self.stats.prefix_cache_hits = cache_stats.hits
         self.stats.num_cow_copies = cache_stats.cow_copies
         self.stats.num_shared_blocks = self.kv_cache_manager.num_shared_blocks()
+        tier = self.kv_cache_manager.disk_tier
+        if tier is not None:
+            t = tier.stats
+            self.stats.disk_tier_capacity_bytes = tier.capacity * tier.entry_bytes
+            self.stats.disk_tier_used_bytes = tier.used_bytes
+            self.stats.disk_tier_queries, self.stats.disk_tier_hits = t.queries, t.hits
+            self.stats.disk_tier_loaded_blocks, self.stats.disk_tier_load_failures = t.loaded, t.load_failures
+            self.stats.disk_tier_stored_blocks = t.stored  # (sent to be written; the refused: failures)
+            self.stats.disk_tier_write_failures = t.failed_writes
+            self.stats.disk_tier_bytes_read, self.stats.disk_tier_read_seconds = t.bytes_read, t.read_seconds
+            self.stats.disk_tier_bytes_written, self.stats.disk_tier_write_seconds = t.bytes_written, t.write_seconds
         if self.scheduler.speculator is not None:
             spec = self.scheduler.speculator.stats
             self.stats.spec_num_drafts = spec.num_drafts
@@ -444,3 +484,21 @@ def draft_max_len(config: EngineConfig) -> int | None:
     if config.speculative is None or not config.speculative.uses_draft_model:
         return None
     return load_arch_config(draft_model_config(config).model).context_length
+
+
+def close_with_disk_tier(manager: KVCacheManager, executor: Executor, step_lock: threading.Lock) -> None:
+    """Write every cached block the disk tier lacks (those of steps that returned) with one last
+    worker call, then close the executor. Never while a step runs: a server whose step thread did
+    not stop in time leaves them."""
+    if not step_lock.acquire(timeout=CLOSE_WAIT_S):
+        logger.warning("a step is still running: the disk tier's last blocks are not written")
+    else:
+        try:
+            stores, deletes = manager.take_disk_ops(everything=True)
+            if stores or deletes:
+                executor.execute(SchedulerOutput(scheduled=[], kv_stores=stores, kv_deletes=deletes, final=True))
+        except Exception:  # noqa: BLE001 -- (a worker that failed: the blocks are not written)
+            logger.exception("the disk tier's last blocks were not written")
+        finally:
+            step_lock.release()
+    executor.close()

@@ -92,6 +92,21 @@ class EngineStats:
     # Images in the requests taken, and those the vision encoder ran on (the rest: its cache's).
     num_images: int = 0
     num_images_encoded: int = 0
+    # The disk tier under the prefix cache (all 0: none): its size and fill (gauges, bytes), the
+    # blocks looked up past the pool's hits and found, loaded, entries refused when read, blocks
+    # sent to be written and writes refused; the bytes and seconds of its reads and writes.
+    disk_tier_capacity_bytes: int = 0
+    disk_tier_used_bytes: int = 0
+    disk_tier_queries: int = 0
+    disk_tier_hits: int = 0
+    disk_tier_loaded_blocks: int = 0
+    disk_tier_load_failures: int = 0
+    disk_tier_stored_blocks: int = 0
+    disk_tier_write_failures: int = 0
+    disk_tier_bytes_read: int = 0
+    disk_tier_read_seconds: float = 0.0
+    disk_tier_bytes_written: int = 0
+    disk_tier_write_seconds: float = 0.0
     # Steps per route (StepRoute.describe(): fused stack or layers, linears' GEMM, attention).
     step_routes: dict[str, int] = field(default_factory=dict)
     # LoRA (gauges): adapters the engine holds at once (0: LoRA off), and the sequences running

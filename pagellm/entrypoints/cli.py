@@ -184,6 +184,9 @@ def _serve(args: argparse.Namespace) -> int:
         return _serve_headless_node(config)
     if config.device.nnodes > 1 and args.data_parallel_size != 1:
         raise ValueError("--data-parallel-size with --nnodes > 1 is not supported yet")
+    if config.cache.kv_offload_dir is not None and args.data_parallel_size != 1:
+        raise ValueError("--kv-offload-dir with --data-parallel-size > 1 is not supported yet (replicas sharing one "
+                         "disk tier)")  # fmt: skip
     engine: DataParallelEngine | EngineProcess | LLMEngine
     if args.data_parallel_size != 1:
         if args.data_parallel_size < 1 or not args.engine_process:
@@ -203,8 +206,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_restarts=args.engine_restarts if args.engine_process else 0,
         )
     finally:
-        if isinstance(engine, (EngineProcess, DataParallelEngine)):
-            engine.close()
+        engine.close()  # (an engine in this process: its disk tier's last writes)
 
 
 def _serve_headless_node(config: Any) -> int:

@@ -44,6 +44,18 @@ class EngineStatsView(Protocol):
     spec_num_accepted_tokens: int
     num_images: int
     num_images_encoded: int
+    disk_tier_capacity_bytes: int
+    disk_tier_used_bytes: int
+    disk_tier_queries: int
+    disk_tier_hits: int
+    disk_tier_loaded_blocks: int
+    disk_tier_load_failures: int
+    disk_tier_stored_blocks: int
+    disk_tier_write_failures: int
+    disk_tier_bytes_read: int
+    disk_tier_read_seconds: float
+    disk_tier_bytes_written: int
+    disk_tier_write_seconds: float
     max_loras: int
     lora_running: dict[str, int]
     lora_waiting: dict[str, int]
@@ -117,6 +129,29 @@ class _EngineStatsCollector(Collector):
             ("pagellm:mm_images_encoded", "Images the vision encoder ran on (the others: its cache's, or the "
              "prefix cache's).", s.num_images_encoded),
         ]
+        if s.disk_tier_capacity_bytes:
+            gauges += [
+                ("pagellm:disk_tier_capacity_bytes", "Most bytes the disk tier's entries may take.",
+                 s.disk_tier_capacity_bytes),
+                ("pagellm:disk_tier_used_bytes", "Bytes the disk tier's entries take.", s.disk_tier_used_bytes),
+            ]
+            counters += [
+                ("pagellm:disk_tier_queries", "KV blocks looked up in the disk tier (past the pool's hits).",
+                 s.disk_tier_queries),
+                ("pagellm:disk_tier_hits", "KV blocks found in the disk tier.", s.disk_tier_hits),
+                ("pagellm:disk_tier_loaded_blocks", "KV blocks read from the disk tier into the pool.",
+                 s.disk_tier_loaded_blocks),
+                ("pagellm:disk_tier_load_failures", "Disk-tier entries refused when read (computed again).",
+                 s.disk_tier_load_failures),
+                ("pagellm:disk_tier_stored_blocks", "KV blocks sent to the disk tier to be written.",
+                 s.disk_tier_stored_blocks),
+                ("pagellm:disk_tier_write_failures", "KV blocks the disk tier could not write (disk full, "
+                 "read-only, writes behind).", s.disk_tier_write_failures),
+                ("pagellm:disk_tier_read_bytes", "Bytes read from the disk tier.", s.disk_tier_bytes_read),
+                ("pagellm:disk_tier_read_seconds", "Seconds the disk tier's reader spent.", s.disk_tier_read_seconds),
+                ("pagellm:disk_tier_written_bytes", "Bytes written to the disk tier.", s.disk_tier_bytes_written),
+                ("pagellm:disk_tier_write_seconds", "Seconds the disk tier's writer spent.", s.disk_tier_write_seconds),
+            ]
         return [(name, doc, "gauge", value) for name, doc, value in gauges] + [
             (name, doc, "counter", value) for name, doc, value in counters
         ]

@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from pagellm.config import EngineConfig
+from pagellm.disk_tier_files import TierLayout
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.model_runner import ModelRunner
@@ -36,6 +37,7 @@ class Executor(Protocol):
     max_model_len: int
     pipeline_depth: int  # steps the engine may keep in flight (``submit``/``collect``); 1: ``execute`` only
     model_runner: ModelRunner | None  # this process's (rank 0's), for tests and diagnostics (None: no rank here)
+    disk_tier: TierLayout | None  # where the disk tier's entries are (None: no disk tier)
 
     def execute(
         self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None

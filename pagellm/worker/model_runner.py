@@ -31,6 +31,7 @@ from pagellm.step import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from pagellm.worker.disk_tier_io import DiskTierIO
 from pagellm.worker.drafter import Drafter
 from pagellm.worker.encoder_runner import EncoderRunner
 from pagellm.worker.flat_batch import FlatLayout, flat_inputs
@@ -75,8 +76,10 @@ class ModelRunner:
         drafter: Drafter | None = None,
         lora: LoRAManager | None = None,
         encoder: EncoderRunner | None = None,
+        disk_tier: DiskTierIO | None = None,
     ) -> None:
         self.model = model
+        self.disk_tier = disk_tier  # --kv-offload-dir: blocks written to and read from disk
         self.encoder = encoder  # a vision-language model's images: encoded where their tokens are computed
         self.lora = lora  # LoRA adapters (--enable-lora): which rows run with which
         self.drafter = drafter  # a draft model proposing the drafts the scheduler reserved
@@ -103,6 +106,10 @@ class ModelRunner:
     def execute(
         self, scheduler_output: SchedulerOutput, grammar: GrammarBitmask | None = None
     ) -> ModelRunnerOutput:
+        output = ModelRunnerOutput()
+        if self.disk_tier is not None:  # (first: its drops must not be lost to a failure below, and a
+            output.kv_loaded = self.disk_tier.apply(scheduler_output)  # block written out may be copied over)
+            output.disk_tier = self.disk_tier.take_report()
         self.batch.apply(scheduler_output)
         self.pooler.apply(scheduler_output)
         if self.encoder is not None:
@@ -118,7 +125,6 @@ class ModelRunner:
         # may have been given since to a request that loads its state now.
         copy_states(self.kv_cache, scheduler_output.state_copies)
         load_states(self.kv_cache, scheduler_output.state_loads)
-        output = ModelRunnerOutput()
         if self.drafter is not None:
             copy_blocks(self.drafter.kv_cache, scheduler_output.block_copies)
         if scheduler_output.is_empty:

@@ -99,6 +99,7 @@ class MultiNodeExecutor:
         self.kv_cache_dtype = self.local.kv_cache_dtype
         self.num_blocks = self.local.num_blocks
         self.pipeline_depth = 1  # one step at a time, in micro-batches (steps in flight: not across nodes yet)
+        self.disk_tier = None  # (the disk tier runs in a one-process engine only, so far)
         self.max_model_len = self.local.max_model_len
         self.model_runner = self.local.model_runner
         self._closed = False

@@ -86,6 +86,7 @@ class MultiprocExecutor:
         # Pipeline stages overlap through steps in flight (the engine submits the next step while
         # the last stage finishes one: ``pipeline_depth``), else through micro-batches of each step.
         self.pipeline_depth = device.pipeline_parallel_size if steps_in_flight else 1
+        self.disk_tier = None  # (the disk tier runs in a one-process engine only, so far)
         micro_batches = 1 if steps_in_flight else device.pipeline_parallel_size
         size = device.local_world_size
         first = device.node_rank * size  # this node's ranks: first .. first + size - 1

@@ -137,6 +137,7 @@ class RayExecutor:
         self.kernel_plan_info = facts["kernel_plan_info"]
         self.kv_cache_dtype, self.num_blocks = facts["kv_cache_dtype"], facts["num_blocks"]
         self.pipeline_depth = 1  # one step at a time, in micro-batches (steps in flight: not on Ray yet)
+        self.disk_tier = None  # (the disk tier runs in a one-process engine only, so far)
         self.max_model_len = facts["max_model_len"]
         self.model_runner = None  # every rank runs in an actor
         self._sampler = (pp - 1) * tp

@@ -45,6 +45,9 @@ from pagellm.worker.kv_cache import (
     recurrent_state_bytes,
     with_recurrent_states,
 )
+from pagellm.disk_tier_files import TierLayout
+from pagellm.worker.disk_tier_io import DiskTierIO
+from pagellm.worker.disk_tier_key import tier_layout
 from pagellm.worker.drafter import Drafter
 from pagellm.worker.encoder_runner import EncoderRunner
 from pagellm.worker.lora_manager import LoRAManager
@@ -233,6 +236,16 @@ class Worker:
         )  # fmt: skip
         kv_cache = with_recurrent_states(shard, kv_cache, config.scheduler.max_num_seqs, self.num_blocks, self.dtype,
                                          self.device)  # fmt: skip
+        # The disk tier's folder and entry size (the engine's index reads it; None: no tier).
+        self.disk_tier: TierLayout | None = None
+        disk_tier = None
+        if config.cache.kv_offload_dir is not None:
+            self.disk_tier, folder_lock = tier_layout(
+                config, self.arch, self.kernel_plan_info, self.kv_cache_dtype,
+                bytes_per_block(shard.num_attention_layers, shard.num_key_value_heads, shard.head_dim, self.block_size,
+                                self.kv_cache_dtype), self.device,
+            )  # fmt: skip
+            disk_tier = DiskTierIO(kv_cache, self.disk_tier, folder_lock)
         link = parallel.link(self.arch.hidden_size, self.dtype, self.arch.num_hidden_layers) if parallel else None
         drafter = None
         if draft is not None:
@@ -245,6 +258,7 @@ class Worker:
             model, kv_cache, self.block_size, self.device, sorted(self.eos_token_ids), self.kernel_plan,
             samples=parallel is None or parallel.samples, link=link, micro_batches=micro_batches, drafter=drafter,
             lora=lora, encoder=None if vision is None else EncoderRunner(vision, self.device),
+            disk_tier=disk_tier,
         )
 
     def _optimize(self, model: CausalLM, plan: KernelPlan) -> dict[str, int]:
@@ -334,4 +348,6 @@ class Worker:
         """One process: alive as long as its caller is (failures surface as exceptions)."""
 
     def close(self) -> None:
-        """Nothing to release: the worker lives in this process (the other ranks' do not)."""
+        """Finish the disk tier's writes; the rest lives and ends with this process."""
+        if self.model_runner.disk_tier is not None:
+            self.model_runner.disk_tier.close()

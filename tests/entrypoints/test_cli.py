@@ -30,6 +30,7 @@ def test_serve_options_map_to_the_engine() -> None:
         "--pooler-config", '{"pooling_type": "MEAN"}', "--enable-lora", "--max-loras", "3", "--max-lora-rank", "32",
         "--max-cpu-loras", "5", "--lora-modules", "sql=/adapters/sql", "--allow-runtime-lora-updating",
         "--limit-mm-per-prompt", '{"image": 2}', "--max-image-pixels", "1000000",
+        "--kv-offload-dir", "/var/tier", "--kv-offload-size", "64GiB",
     ])
     assert args.port == 9001 and args.served_model_name == ["a", "b"] and args.api_key == "k"
     assert args.tool_call_parser == "llama3_json" and args.enable_auto_tool_choice is False
@@ -40,6 +41,7 @@ def test_serve_options_map_to_the_engine() -> None:
     assert EngineArgs.from_cli_args(args).as_dict() == {
         "model": "/models/x", "dtype": "bfloat16", "quantization": "int8", "block_size": 32, "kv_cache_memory": "2GiB",
         "num_kv_blocks": None, "enable_prefix_caching": False, "kv_cache_dtype": "fp8",
+        "kv_offload_dir": "/var/tier", "kv_offload_size": "64GiB",
         "speculative_config": '{"method": "ngram"}', "pooler_config": '{"pooling_type": "MEAN"}', "enable_lora": True,
         "max_loras": 3, "max_lora_rank": 32, "max_cpu_loras": 5, "max_num_seqs": 8, "max_num_batched_tokens": 512,
         "scheduling_policy": "priority", "priority_aging_steps": 50, "max_model_len": 1024,
@@ -90,12 +92,15 @@ def test_bench_errors_are_one_line_too(tmp_path, caplog: pytest.LogCaptureFixtur
 
 
 def test_bad_data_parallel_options_are_refused_before_any_engine_starts(
-    tiny_llama_path: str, caplog: pytest.LogCaptureFixture
+    tiny_llama_path: str, tmp_path, caplog: pytest.LogCaptureFixture
 ) -> None:
     for extra in (["--data-parallel-size", "0"], ["--data-parallel-size", "2", "--no-engine-process"]):
         assert main(["serve", tiny_llama_path, "--port", "1", *extra]) == 1
         assert "--data-parallel-size must be >= 1, and replicas need --engine-process" in caplog.text
         caplog.clear()
+    tier = ["--kv-offload-dir", str(tmp_path / "tier")]
+    assert main(["serve", tiny_llama_path, "--port", "1", "--data-parallel-size", "2", *tier]) == 1
+    assert "--kv-offload-dir with --data-parallel-size > 1 is not supported yet" in caplog.text
 
 
 @pytest.mark.parametrize("argv", [["serve"], ["generate"], ["bench", "throughput"], ["bench", "latency"],

@@ -67,6 +67,8 @@ def build_payload(
             "num_free": snapshot.num_free_blocks,
             "num_cached_free": snapshot.num_cached_free_blocks,
             "num_shared": snapshot.num_shared_blocks,
+            "disk_tier_blocks": snapshot.disk_tier_blocks,
+            "disk_tier_capacity": snapshot.disk_tier_capacity,  # 0: no disk tier
         },
         "cells": {"encoding": "zlib+base64", "layout": CELL_LAYOUT, "data": encode_cells(snapshot)},
         "queues": {

@@ -103,6 +103,7 @@ export class LiveView {
       `${pool.num_blocks} blocks of ${pool.block_size} tokens` +
       (pool.blocks_per_cell > 1 ? ` (${pool.blocks_per_cell} per cell)` : "") +
       ` · ${used} held · ${pool.num_shared} shared · ${pool.num_cached_free} cached-free · ${pool.num_free - pool.num_cached_free} empty` +
+      (pool.disk_tier_capacity ? ` · disk tier ${pool.disk_tier_blocks} of ${pool.disk_tier_capacity} blocks` : "") +
       ` · snapshot ${(snap.build_seconds * 1000).toFixed(2)} ms`;
   }
 
