@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from pagellm.benchmarks._common import (
     routes_since,
 )
 from pagellm.benchmarks.workloads import BenchRequest, Workload, make_workload, workload_from_json, workload_to_json
+from pagellm.engine.protocol import EngineStats
 
 
 @dataclass
@@ -97,6 +98,12 @@ def llm_kwargs(options: dict[str, Any]) -> dict[str, Any]:
             continue
         kwargs[key] = value
     return kwargs
+
+
+def disk_tier_counters(stats: EngineStats) -> dict[str, float]:
+    """The disk tier's counters of an engine's stats, without their prefix (bench output)."""
+    prefix = "disk_tier_"
+    return {f.name[len(prefix) :]: getattr(stats, f.name) for f in fields(stats) if f.name.startswith(prefix)}
 
 
 def _warmup_prompts(workload: Workload, count: int = 2) -> list[dict[str, list[int]]]:
@@ -173,6 +180,8 @@ def run_pagellm(
         kernel_plan=engine.kernel_plan_info,
         step_routes=routes_since(routes_before, engine.stats.step_routes),  # what ran (StepRoute)
     )
+    if engine.stats.disk_tier_capacity_bytes:  # (--kv-offload-dir: cumulative, the warm-up included)
+        extra["disk_tier"] = disk_tier_counters(engine.stats)
     return ThroughputResult(
         system="pagellm-json" if structured else "pagellm",
         workload=workload.name,
@@ -570,6 +579,12 @@ def format_report(report: dict[str, Any]) -> str:
             )
         if "step_routes" in extra:
             lines.append(f"  {row['system']}: step routes: {format_routes(extra['step_routes'])}")
+        tier = extra.get("disk_tier")
+        if tier:
+            lines.append(f"  {row['system']}: disk tier: {tier['loaded_blocks']} blocks loaded, {tier['stored_blocks']} "
+                         f"written ({tier['write_failures']} refused), {tier['used_bytes'] / 2**20:.0f} MiB held; read "
+                         f"{tier['bytes_read'] / 2**20:.0f} MiB in {tier['read_seconds']:.2f} s, wrote "
+                         f"{tier['bytes_written'] / 2**20:.0f} MiB in {tier['write_seconds']:.2f} s")  # fmt: skip
         spread = extra.get("spread_pct")
         if spread is not None:
             lines.append(f"  {row['system']}: median of {row['extra']['repeats']} runs, spread {spread:.0f}%")

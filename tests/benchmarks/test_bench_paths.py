@@ -43,6 +43,17 @@ def test_throughput_ours_and_hf_in_process(tiny_llama_path):
     json.dumps(report)  # JSON-able
 
 
+def test_throughput_reports_the_disk_tier(tiny_llama_path, tmp_path):
+    """A pool too small for the workload: blocks leave it, are written, and the report says so."""
+    cfg = _tiny_cfg(tiny_llama_path, input_len=40, num_kv_blocks=16, block_size=4, kv_offload_dir=str(tmp_path))
+    report = tp.run_throughput(cfg)
+    (ours,) = report["results"]
+    tier = ours["extra"]["disk_tier"]
+    assert tier["stored_blocks"] > 0 and tier["used_bytes"] > 0 and tier["write_failures"] == 0
+    assert f"disk tier: 0 blocks loaded, {tier['stored_blocks']} written (0 refused)" in tp.format_report(report)
+    json.dumps(report)
+
+
 def test_throughput_isolated_child_and_vllm_skip(tiny_llama_path, monkeypatch, capsys):
     monkeypatch.setattr(tp, "vllm_available", lambda python=None: False)
     cfg = _tiny_cfg(tiny_llama_path, isolation="process", compare=["vllm"], num_prompts=2, output_len=3,
