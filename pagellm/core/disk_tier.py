@@ -64,8 +64,9 @@ class DiskTierIndex:
         existing = scan_entries(layout)
         entry_bytes = HEADER.size + layout.payload_bytes
         if room < entry_bytes:
-            raise ValueError(f"kv_offload_size of {size} bytes leaves {room} for this model's blocks ({entry_bytes} bytes "
-                             "each) beside other engines' folders in kv_offload_dir still in use")  # fmt: skip
+            others = f" beside the {size - room} bytes other engines' folders in it hold" if room < size else ""
+            raise ValueError(f"kv_offload_size of {size} bytes leaves {room} for this model's KV blocks{others}; one "
+                             f"takes {entry_bytes} bytes")  # fmt: skip
         index = cls(room, entry_bytes, existing)
         logger.info("disk tier %s: %d entries of %d bytes found in %.2fs (room for %d)", layout.folder, len(existing),
                     index.entry_bytes, time.monotonic() - start, index.capacity)  # fmt: skip

@@ -148,6 +148,10 @@ class KVCacheManager:
         self._unconfirmed.clear()
         self._adapter_blocks.clear()
 
+    def _max_hit_blocks(self, seq: Sequence) -> int:
+        """The most leading blocks a hit may cover: its last token is always computed (its logits)."""
+        return (seq.num_tokens - 1) // self.block_size
+
     def _may_share(self, seq: Sequence) -> bool:
         """Whether ``seq`` may start from cached blocks: not where it asks for every prompt token's
         logprobs, or pools an embedding over every token (those compute everything)."""
@@ -166,7 +170,7 @@ class KVCacheManager:
         if not self._may_share(seq):
             return []
         self.update_block_hashes(seq)
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        max_blocks = self._max_hit_blocks(seq)
         hits: list[KVCacheBlock] = []
         for block_hash in seq.block_hashes[:max_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
@@ -185,9 +189,8 @@ class KVCacheManager:
         adapter's files may change under the same name between runs, its cache key would not."""
         if not self._uses_disk_tier(seq):
             return 0
-        max_blocks = (seq.num_tokens - 1) // self.block_size
         assert self.disk_tier is not None
-        return self.disk_tier.lookup(seq.block_hashes[num_cached_blocks:max_blocks])
+        return self.disk_tier.lookup(seq.block_hashes[num_cached_blocks : self._max_hit_blocks(seq)])
 
     def _uses_disk_tier(self, seq: Sequence) -> bool:
         return self.disk_tier is not None and seq.lora is None and self._may_share(seq)
@@ -197,8 +200,7 @@ class KVCacheManager:
         if not self._uses_disk_tier(seq):
             return
         assert self.disk_tier is not None
-        end = (seq.num_tokens - 1) // self.block_size
-        self.disk_tier.record_lookup(end - num_cached_blocks,
+        self.disk_tier.record_lookup(self._max_hit_blocks(seq) - num_cached_blocks,
                                      seq.block_hashes[num_cached_blocks : num_cached_blocks + num_hits])  # fmt: skip
 
     def start_load(self, seq: Sequence, cached: ReadOnlyList[KVCacheBlock], num_disk: int) -> KVLoad | None:

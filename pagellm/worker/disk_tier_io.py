@@ -278,6 +278,8 @@ class DiskTierIO:
 
     def _cancel(self, seq_ids: list[str]) -> None:
         """Drop the loads of sequences that ended while loading (their blocks may be anyone's now)."""
+        if not seq_ids:
+            return
         with self._ready:
             for seq_id in seq_ids:
                 loading = self._loading.pop(seq_id, None)
@@ -289,6 +291,8 @@ class DiskTierIO:
     def _copy_in(self, wait: bool) -> dict[str, int]:
         """Copy the chunks read so far into their blocks; report the loads now complete. With
         ``wait`` and loads pending, first wait up to ``LOAD_WAIT_S`` for one to complete."""
+        if not self._loading:  # (most steps: only this thread adds loads)
+            return {}
         deadline = time.monotonic() + LOAD_WAIT_S
         done: dict[str, int] = {}
         while True:

@@ -21,6 +21,7 @@ from pagellm.attention import get_attention_backend
 from pagellm.config import (
     DeviceConfig, EngineConfig, ModelConfig, draft_model_config, resolve_dtype, resolve_kv_cache_dtype,
 )
+from pagellm.disk_tier_files import TierLayout
 from pagellm.distributed.parallel_state import ParallelRank
 from pagellm.distributed.pipeline import stage_layers
 from pagellm.kernels.plan import KernelPlan
@@ -45,7 +46,6 @@ from pagellm.worker.kv_cache import (
     recurrent_state_bytes,
     with_recurrent_states,
 )
-from pagellm.disk_tier_files import TierLayout
 from pagellm.worker.disk_tier_io import DiskTierIO
 from pagellm.worker.disk_tier_key import tier_layout
 from pagellm.worker.drafter import Drafter

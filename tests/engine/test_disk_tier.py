@@ -104,8 +104,19 @@ def test_what_the_disk_tier_does_not_run_with_is_refused(tiny_llama_path, tiny_m
         LLM(tiny_llama_path, kv_offload_dir=str(tmp_path), tensor_parallel_size=2)
     with pytest.raises(ValueError, match="sliding window"):
         LLM(tiny_mistral_window_path, kv_offload_dir=str(tmp_path), num_kv_blocks=16)
-    with pytest.raises(ValueError, match="cannot parse memory size"):
-        LLM(tiny_llama_path, kv_offload_dir=str(tmp_path), kv_offload_size="lots")
+    for size, error in (("lots", "cannot parse memory size"), (0, "must be positive"), ("-2GiB", "cannot parse"),
+                        ([1], "must be a number of bytes")):  # fmt: skip
+        with pytest.raises(ValueError, match=error):
+            LLM(tiny_llama_path, kv_offload_dir=str(tmp_path), kv_offload_size=size)
+    for folder in ("", "   ", 5):
+        with pytest.raises(ValueError, match="must be a folder's path"):
+            LLM(tiny_llama_path, kv_offload_dir=folder)
+    with pytest.raises(ValueError, match="leaves 1024 for this model's KV blocks; one takes"):
+        LLM(tiny_llama_path, kv_offload_dir=str(tmp_path), kv_offload_size="1KiB", num_kv_blocks=16, block_size=4)
+    # (that engine let go of its folder as it failed: the next one of its configuration takes it, and serves)
+    llm = tier_llm(tiny_llama_path, tmp_path)
+    assert len(llm.generate([PROMPT], PARAMS[0], use_tqdm=False)[0].outputs[0].token_ids) == 8
+    llm.llm_engine.close()
 
 
 def test_a_tier_folder_broken_while_serving_costs_recompute_only(tiny_llama_path, tmp_path, cold, caplog) -> None:
