@@ -1,7 +1,7 @@
 """A/B: the integer GEMM of two source trees, in one process, alternating, on real-shape layers.
 
     git worktree add /tmp/base main
-    python benchmarks/qgemm_ab.py /tmp/base . [--shape llama-1b|llama-3b] [--format q4k] \\
+    python benchmarks/qgemm_ab.py /tmp/base . [--shape smollm2-135m|llama-1b|llama-3b] [--format q4k] \\
         [--rows 1,4,16,64,128] [--layers 2] [--rounds 5] [--threads 2] [--isa auto|avx2|...]
 
 Each tree's kernel library is built (or taken from the kernel cache) by that tree's own code in a
@@ -33,6 +33,7 @@ from pagellm.kernels.library import KernelLibrary  # noqa: E402
 
 # One decoder layer's linears, (out features, in features): q/k/v, o, gate/up, down.
 SHAPES = {
+    "smollm2-135m": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
     "llama-1b": [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)],
     "llama-3b": [(5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192)],
     "llama-8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],

@@ -143,6 +143,28 @@ def test_silu_mul_epilogue(path_lib: KernelLibrary, fmt: str, n: int) -> None:
     assert torch.equal(path_lib.gemm_q(x[:1], qf.pack_silu_mul(gate_up), fmt, n, "silu_mul"), got[:1])
 
 
+@pytest.mark.parametrize("fmt", ["q5f", "q6k"])
+def test_unpacked_codes_of_big_batches(path_lib: KernelLibrary, fmt: str) -> None:
+    """q5f and q6k batches of 8 or more rows unpack each work item's codes once (AVX-512:
+    gemm_int8_unpacked.h): over two chunks of rows (96 at k = 2048, then 5: every row tail), an
+    odd number of tiles, plain and silu_mul, bf16 out, every row equals its reference and its
+    own result alone (the one-row path rebuilds the codes in registers)."""
+    g = torch.Generator().manual_seed(11)
+    k, m = 2048, 101
+    weight = _random_weight(fmt, 48, k, g)
+    x = torch.randn(m, k, generator=g)
+    for packed, n, epilogue in ((qf.pack(weight), 48, "none"), (qf.pack_silu_mul(weight), 24, "silu_mul")):
+        got = path_lib.gemm_q(x, packed, fmt, n, epilogue)
+        both = qf.reference_gemm(x, weight)
+        expected = both if epilogue == "none" else torch.nn.functional.silu(both[:, :n]) * both[:, n:]
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+        for rows in (slice(0, 1), slice(7, 8), slice(95, 97), slice(100, 101)):
+            assert torch.equal(path_lib.gemm_q(x[rows], packed, fmt, n, epilogue), got[rows])
+        in_bf16 = path_lib.gemm_q(x.bfloat16(), packed, fmt, n, epilogue)
+        for rows in (slice(0, 1), slice(99, 101)):
+            assert torch.equal(path_lib.gemm_q(x[rows].bfloat16(), packed, fmt, n, epilogue), in_bf16[rows])
+
+
 def test_extreme_codes_do_not_saturate(path_lib: KernelLibrary) -> None:
     """The AVX2 path's int16 sums at their bounds: q4 codes all 15, q5f 31, q6k 63 (under int8
     sub-scales -128 and 127), q8 codes -128 / 127, against activations all +-127 (every block's
@@ -151,6 +173,7 @@ def test_extreme_codes_do_not_saturate(path_lib: KernelLibrary) -> None:
     k, n = 256, 32  # (q6k: one super-block)
     x = torch.where(torch.arange(k) % 3 == 0, -1.0, 1.0).repeat(5, 1) * torch.tensor([[1.0], [-1.0], [2.0], [0], [0]])
     x[3], x[4] = 1.0, -3.0
+    x = torch.cat([x, x])  # 10 rows: q5f and q6k unpack their codes first (test_unpacked_codes_of_big_batches)
     blocks = k // qf.BLOCK
     scale = torch.full((n, blocks), 0.01).half()
     q4 = qf.QuantizedWeight("q4", k, torch.full((n, k), 15, dtype=torch.uint8), scale, torch.zeros(n, blocks).half())

@@ -409,13 +409,41 @@ void store_tile(const float* tile, int rows, int tiles, int64_t t0, bool silu_mu
     }
 }
 
+#if PAGELLM_QGEMM_ISA == 3
+#include "gemm_int8_unpacked.h"
+
+// Rows m0..m1 of A times `count` (1-2) tiles from tile index t0, their codes unpacked first.
+template <int kFmt, bool kBf16Out>
+void multiply_unpacked(const QuantizedA& qa, int64_t m0, int64_t m1, const uint8_t* w, int64_t tile_bytes, int64_t count,
+                       int64_t t0, uint8_t* codes, float* tile, bool silu_mul, int64_t n, void* c, int64_t ldc) {
+    if constexpr (unpacks(kFmt)) {
+        unpack_tiles<kFmt>(w, tile_bytes, count, qa.blocks, codes);
+        for (int64_t r0 = m0; r0 < m1; r0 += kMaxRows) {
+            const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m1 - r0));
+            unpacked_tile_fn<kFmt>(rows, static_cast<int>(count))(qa, r0, w, tile_bytes, codes, tile);
+            store_tile<kBf16Out>(tile, rows, static_cast<int>(count), t0, silu_mul, n, c, ldc, r0);
+        }
+    }
+}
+#else
+constexpr bool unpacks(int) { return false; }
+constexpr int64_t kUnpackMinRows = 0, kUnpackedBlock = 0;
+template <int kFmt, bool kBf16Out>
+void multiply_unpacked(const QuantizedA&, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int64_t, uint8_t*, float*,
+                       bool, int64_t, void*, int64_t) {}
+#endif
+
 template <int kFmt, bool kBf16Out>
 void gemm(const QuantizedA& qa, int64_t m, const uint8_t* packed, int64_t n, void* c, int64_t ldc, bool silu_mul,
           int threads) {
     const int64_t per_tile = silu_mul ? 8 : kTileCols;  // outputs a tile gives
     const int64_t tiles = (n + per_tile - 1) / per_tile;
     const int64_t tile_bytes = qa.blocks * kRecordBytes[kFmt];
-    const int group = m == 1 && tiles >= kWideGroup ? kWideGroup : (m <= 2 || pair_tiles<kFmt>()) && tiles >= 2 ? 2 : 1;
+    // Chunks of at least kUnpackMinRows rows unpack the codes of two tiles at a time (unpacks).
+    const bool unpack = unpacks(kFmt) && std::min(m, kChunkBytes / (qa.blocks * kBlock)) >= kUnpackMinRows;
+    const int group = m == 1 && tiles >= kWideGroup                                   ? kWideGroup
+                      : (m <= 2 || pair_tiles<kFmt>() || unpack) && tiles >= 2 ? 2
+                                                                                     : 1;
     const int64_t groups = (tiles + group - 1) / group;
     const int64_t row_bytes = qa.blocks * kBlock;
     const int64_t chunk = std::max<int64_t>(kMaxRows, kChunkBytes / row_bytes / kMaxRows * kMaxRows);
@@ -423,10 +451,16 @@ void gemm(const QuantizedA& qa, int64_t m, const uint8_t* packed, int64_t n, voi
 #pragma omp parallel num_threads(threads)
     {
         alignas(64) float tile[kMaxRows * 4 * kTileCols];
+        std::vector<uint8_t> codes(unpack ? static_cast<size_t>(group * qa.blocks * kUnpackedBlock) : 0);
         const int t = omp_get_thread_num();
         for (WorkRanges::Item item; work.next(t, item);) {
             const int64_t t0 = item.panel * group, count = std::min<int64_t>(group, tiles - t0);
             const int64_t m0 = item.chunk * chunk, m1 = std::min(m, m0 + chunk);
+            if (unpack) {
+                multiply_unpacked<kFmt, kBf16Out>(qa, m0, m1, packed + t0 * tile_bytes, tile_bytes, count, t0,
+                                                 codes.data(), tile, silu_mul, n, c, ldc);
+                continue;
+            }
             for (int64_t r0 = m0; r0 < m1; r0 += kMaxRows) {
                 const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m1 - r0));
                 if (count == group && group > 1) {
