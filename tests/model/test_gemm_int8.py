@@ -145,24 +145,26 @@ def test_silu_mul_epilogue(path_lib: KernelLibrary, fmt: str, n: int) -> None:
 
 @pytest.mark.parametrize("fmt", ["q5f", "q6k"])
 def test_unpacked_codes_of_big_batches(path_lib: KernelLibrary, fmt: str) -> None:
-    """q5f and q6k batches of 8 or more rows unpack each work item's codes once (AVX-512:
-    gemm_int8_unpacked.h): over two chunks of rows (96 at k = 2048, then 5: every row tail), an
-    odd number of tiles, plain and silu_mul, bf16 out, every row equals its reference and its
-    own result alone (the one-row path rebuilds the codes in registers)."""
+    """q5f and q6k batches whose chunks hold 8 or more rows unpack each work item's codes once
+    (AVX-512: gemm_int8_unpacked.h): over two chunks of rows (96 at k = 2048, then 5-7: row tails
+    of 1, 2 and 3 after the 4-row tiles), a ragged number of columns (a pair of tiles and a lone
+    one), plain and silu_mul, bf16 out, every row equals its reference and its own result alone
+    (the one-row path rebuilds the codes in registers)."""
     g = torch.Generator().manual_seed(11)
-    k, m = 2048, 101
-    weight = _random_weight(fmt, 48, k, g)
-    x = torch.randn(m, k, generator=g)
-    for packed, n, epilogue in ((qf.pack(weight), 48, "none"), (qf.pack_silu_mul(weight), 24, "silu_mul")):
-        got = path_lib.gemm_q(x, packed, fmt, n, epilogue)
-        both = qf.reference_gemm(x, weight)
+    k = 2048
+    weight = _random_weight(fmt, 40, k, g)
+    x = torch.randn(103, k, generator=g)
+    both = qf.reference_gemm(x, weight)
+    for packed, n, epilogue in ((qf.pack(weight), 40, "none"), (qf.pack_silu_mul(weight), 20, "silu_mul")):
         expected = both if epilogue == "none" else torch.nn.functional.silu(both[:, :n]) * both[:, n:]
-        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
-        for rows in (slice(0, 1), slice(7, 8), slice(95, 97), slice(100, 101)):
-            assert torch.equal(path_lib.gemm_q(x[rows], packed, fmt, n, epilogue), got[rows])
+        for m in (101, 102, 103):
+            got = path_lib.gemm_q(x[:m], packed, fmt, n, epilogue)
+            torch.testing.assert_close(got.double(), expected[:m], rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+            for row in (0, 7, 95, *range(96, m)):
+                assert torch.equal(path_lib.gemm_q(x[row : row + 1], packed, fmt, n, epilogue), got[row : row + 1])
         in_bf16 = path_lib.gemm_q(x.bfloat16(), packed, fmt, n, epilogue)
-        for rows in (slice(0, 1), slice(99, 101)):
-            assert torch.equal(path_lib.gemm_q(x[rows].bfloat16(), packed, fmt, n, epilogue), in_bf16[rows])
+        for row in (0, 100, 102):
+            assert torch.equal(path_lib.gemm_q(x[row : row + 1].bfloat16(), packed, fmt, n, epilogue), in_bf16[row : row + 1])
 
 
 def test_extreme_codes_do_not_saturate(path_lib: KernelLibrary) -> None:

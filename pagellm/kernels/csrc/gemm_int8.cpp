@@ -68,6 +68,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include <immintrin.h>
@@ -439,7 +440,8 @@ void gemm(const QuantizedA& qa, int64_t m, const uint8_t* packed, int64_t n, voi
     const int64_t per_tile = silu_mul ? 8 : kTileCols;  // outputs a tile gives
     const int64_t tiles = (n + per_tile - 1) / per_tile;
     const int64_t tile_bytes = qa.blocks * kRecordBytes[kFmt];
-    // Chunks of at least kUnpackMinRows rows unpack the codes of two tiles at a time (unpacks).
+    // Where chunks hold at least kUnpackMinRows rows, every work item (two tiles over a chunk)
+    // unpacks its codes first (unpacks); the fallback's 3-4-row tiles need group 1 for these formats.
     const bool unpack = unpacks(kFmt) && std::min(m, kChunkBytes / (qa.blocks * kBlock)) >= kUnpackMinRows;
     const int group = m == 1 && tiles >= kWideGroup                                   ? kWideGroup
                       : (m <= 2 || pair_tiles<kFmt>() || unpack) && tiles >= 2 ? 2
@@ -451,14 +453,15 @@ void gemm(const QuantizedA& qa, int64_t m, const uint8_t* packed, int64_t n, voi
 #pragma omp parallel num_threads(threads)
     {
         alignas(64) float tile[kMaxRows * 4 * kTileCols];
-        std::vector<uint8_t> codes(unpack ? static_cast<size_t>(group * qa.blocks * kUnpackedBlock) : 0);
+        // Each tile's codes are written before they are read: no zeroing.
+        const std::unique_ptr<uint8_t[]> codes(unpack ? new uint8_t[group * qa.blocks * kUnpackedBlock] : nullptr);
         const int t = omp_get_thread_num();
         for (WorkRanges::Item item; work.next(t, item);) {
             const int64_t t0 = item.panel * group, count = std::min<int64_t>(group, tiles - t0);
             const int64_t m0 = item.chunk * chunk, m1 = std::min(m, m0 + chunk);
             if (unpack) {
                 multiply_unpacked<kFmt, kBf16Out>(qa, m0, m1, packed + t0 * tile_bytes, tile_bytes, count, t0,
-                                                 codes.data(), tile, silu_mul, n, c, ldc);
+                                                 codes.get(), tile, silu_mul, n, c, ldc);
                 continue;
             }
             for (int64_t r0 = m0; r0 < m1; r0 += kMaxRows) {

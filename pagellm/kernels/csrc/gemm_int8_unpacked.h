@@ -1,17 +1,18 @@
-// Big batches of q6k and q5f on AVX-512 VNNI: each work item's tiles unpacked once into one byte a weight,
-// then every 4 rows of its chunk multiply those bytes (gemm_int8.cpp, included inside its
-// anonymous namespace where PAGELLM_QGEMM_ISA is 3).
+// Big batches of q6k and q5f on AVX-512 VNNI: each work item's tiles unpacked once into one
+// byte a weight, then every 4 rows of its chunk multiply those bytes (gemm_int8.cpp, included
+// inside its anonymous namespace where PAGELLM_QGEMM_ISA is 3).
 //
 // Why: a q6k code is a nibble and two bits of a plane (q5f's one bit); `accumulate` rebuilds each
 // 64-byte group of codes (9 vector operations: mask, shift, mask, two bit-plane extractions and
-// ORs) for every 4 rows it serves, more operations than the group's 8 dot products. Unpacked once per chunk of
-// rows (the bytes stay in L1 or L2: 2 tiles x 16 columns x k bytes), those operations are gone.
-// (For q4's nibbles, 3 operations a group, the same change measured 0.87-0.97x: NOTES 69.)
-// The sums are the same int32 and the epilogue the same operations in the same order as
-// `accumulate`'s, so the bits do not change (tests compare the two paths).
+// ORs) for every 4 rows it serves, more operations than the group's 8 dot products. Unpacked
+// once per chunk of rows (2 tiles x 16 columns x k bytes a thread: in L2 up to k of about 16k),
+// those operations are gone. (For q4's nibbles, 3 operations a group, the same change measured
+// 0.86-0.95x: NOTES 69.) The sums are the same int32 and the epilogue the same operations in the
+// same order as `accumulate`'s, so the bits do not change (tests compare the two paths).
 #pragma once
 
-// Rows of a chunk from which a work item unpacks its tiles first.
+// Rows of A's chunks (kChunkBytes of activations) from which a product unpacks its tiles' codes
+// first; decided once per product, so a last, shorter chunk unpacks too.
 constexpr int64_t kUnpackMinRows = 8;
 
 // Whether a format takes the unpacked path.
