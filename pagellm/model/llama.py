@@ -269,7 +269,10 @@ class LlamaModel(nn.Module):
 
     @property
     def own_layers(self) -> nn.ModuleList:
-        """The decoder layers this model runs (all of them, or its pipeline stage's)."""
+        """The decoder layers this model runs (all of them, or its pipeline stage's). The whole
+        list itself where it runs them all: slicing builds a new ModuleList, every step."""
+        if self.start == 0 and self.end == len(self.layers):
+            return self.layers
         return self.layers[self.start : self.end]  # type: ignore[return-value]
 
 
