@@ -51,19 +51,16 @@ void unpack_tiles(const uint8_t* w, int64_t tile_bytes, int64_t count, int64_t b
         }
 }
 
-// acc[r][v] += the q5f block b of rows r0.. against tile v's unpacked codes at `block`: the int32
-// sum of its 8 groups, then q4f's fp32 epilogue (scale and offset per column, as `accumulate`).
-template <int R, int G>
-inline void block_q5f(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile_bytes, const uint8_t* block,
-                      const int8_t* a, int64_t b, __m512 (&acc)[R][G]) {
-    const int64_t blocks = qa.blocks, lq = blocks * kBlock;
-    __m512i s[R][G];
+// s[r][v] = the int32 dot products of groups kFirst..kEnd - 1 (4 k each) of one unpacked block
+// (`block`: G tiles' codes) with R rows of quantized activations (`a`, rows `lq` apart).
+template <int R, int G, int kFirst, int kEnd>
+inline void dot_groups(const uint8_t* block, const int8_t* a, int64_t lq, __m512i (&s)[R][G]) {
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
         for (int v = 0; v < G; ++v) s[r][v] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-    for (int gg = 0; gg < 8; ++gg) {
+    for (int gg = kFirst; gg < kEnd; ++gg) {
         __m512i wv[G];
 #pragma GCC unroll 4
         for (int v = 0; v < G; ++v) wv[v] = Simd::load(block + v * kUnpackedBlock + gg * 64);
@@ -74,6 +71,16 @@ inline void block_q5f(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_
             for (int v = 0; v < G; ++v) s[r][v] = Simd::dot_q4(s[r][v], wv[v], av);
         }
     }
+}
+
+// acc[r][v] += the q5f block b of rows r0.. against tile v's unpacked codes at `block`: the int32
+// sum of its 8 groups, then q4f's fp32 epilogue (scale and offset per column, as `accumulate`).
+template <int R, int G>
+inline void block_q5f(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile_bytes, const uint8_t* block,
+                      const int8_t* a, int64_t b, __m512 (&acc)[R][G]) {
+    const int64_t blocks = qa.blocks, lq = blocks * kBlock;
+    __m512i s[R][G];
+    dot_groups<R, G, 0, 8>(block, a, lq, s);
 #pragma GCC unroll 4
     for (int v = 0; v < G; ++v) {
         const uint8_t* rec = block_record<kQ5F>(w + v * tile_bytes, b);
@@ -112,21 +119,10 @@ void accumulate_unpacked(const QuantizedA& qa, int64_t r0, const uint8_t* w, int
 #pragma GCC unroll 2
         for (int half = 0; half < 2; ++half) {
             __m512i s[R][G];
-#pragma GCC unroll 8
-            for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-                for (int v = 0; v < G; ++v) s[r][v] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-            for (int gg = 4 * half; gg < 4 * half + 4; ++gg) {
-                __m512i wv[G];
-#pragma GCC unroll 4
-                for (int v = 0; v < G; ++v) wv[v] = Simd::load(block + v * kUnpackedBlock + gg * 64);
-#pragma GCC unroll 8
-                for (int r = 0; r < R; ++r) {
-                    const __m512i av = Simd::set1(load4(a + r * lq + 4 * gg));
-#pragma GCC unroll 4
-                    for (int v = 0; v < G; ++v) s[r][v] = Simd::dot_q4(s[r][v], wv[v], av);
-                }
+            if (half == 0) {
+                dot_groups<R, G, 0, 4>(block, a, lq, s);
+            } else {
+                dot_groups<R, G, 4, 8>(block, a, lq, s);
             }
 #pragma GCC unroll 4
             for (int v = 0; v < G; ++v) {
