@@ -40,8 +40,8 @@ _SOURCES = ("attention.cpp", "elementwise.cpp", "gemm_bf16.cpp", "gemm_avx2.cpp"
             "shm_all_reduce.cpp", "memory_read.cpp", "gguf_rows.cpp", "pack_panels.cpp", "lora.cpp")
 _HEADERS = (
     "amx_bf16_tiles.h", "attention_avx2.h", "attention_avx512.h", "attention_common.h", "avx2_simd.h", "bf16_simd.h",
-    "cpu_common.h", "exports.h", "gemm_int8_amx.h", "gemm_int8_bf16_tiles.h", "gemm_int8_q4k.h", "gemm_int8_quantize.h",
-    "gemm_int8_simd.h", "gemm_int8_unpacked.h", "work_ranges.h",
+    "cpu_common.h", "exports.h", "gemm_int8_amx.h", "gemm_int8_bf16_tiles.h", "gemm_int8_layout.h", "gemm_int8_q4k.h",
+    "gemm_int8_quantize.h", "gemm_int8_simd.h", "gemm_int8_unpacked.h", "work_ranges.h",
 )
 # -ffp-contract=off: no fused multiply-adds where the source has a product then a sum, so the
 # elementwise kernels round exactly like the separate torch ops they replace.

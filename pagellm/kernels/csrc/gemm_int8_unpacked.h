@@ -1,6 +1,6 @@
 // Big batches of q6k and q5f on AVX-512 VNNI: each work item's tiles unpacked once into one
 // byte a weight, then every 4 rows of its chunk multiply those bytes (gemm_int8.cpp, included
-// inside its anonymous namespace where PAGELLM_QGEMM_ISA is 3).
+// inside its anonymous namespace after store_tile; other builds get `unpacks` false and a stub).
 //
 // Why: a q6k code is a nibble and two bits of a plane (q5f's one bit); `accumulate` rebuilds each
 // 64-byte group of codes (9 vector operations: mask, shift, mask, two bit-plane extractions and
@@ -10,6 +10,8 @@
 // 0.86-0.95x: NOTES 69.) The sums are the same int32 and the epilogue the same operations in the
 // same order as `accumulate`'s, so the bits do not change (tests compare the two paths).
 #pragma once
+
+#if PAGELLM_QGEMM_ISA == 3
 
 // Rows of A's chunks (kChunkBytes of activations) from which a product unpacks its tiles' codes
 // first; decided once per product, so a last, shorter chunk unpacks too.
@@ -166,3 +168,25 @@ UnpackedTileFn unpacked_tile_fn(int rows, int group) {
                                                       accumulate_unpacked<3, 1, kFmt>, accumulate_unpacked<4, 1, kFmt>};
     return group == 2 ? kTwo[rows - 1] : kOne[rows - 1];
 }
+
+
+// Rows m0..m1 of A times `count` (1-2) tiles from tile index t0, their codes unpacked first.
+template <int kFmt, bool kBf16Out>
+void multiply_unpacked(const QuantizedA& qa, int64_t m0, int64_t m1, const uint8_t* w, int64_t tile_bytes, int64_t count,
+                       int64_t t0, uint8_t* codes, float* tile, bool silu_mul, int64_t n, void* c, int64_t ldc) {
+    if constexpr (unpacks(kFmt)) {
+        unpack_tiles<kFmt>(w, tile_bytes, count, qa.blocks, codes);
+        for (int64_t r0 = m0; r0 < m1; r0 += kMaxRows) {
+            const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m1 - r0));
+            unpacked_tile_fn<kFmt>(rows, static_cast<int>(count))(qa, r0, w, tile_bytes, codes, tile);
+            store_tile<kBf16Out>(tile, rows, static_cast<int>(count), t0, silu_mul, n, c, ldc, r0);
+        }
+    }
+}
+#else
+constexpr bool unpacks(int) { return false; }
+constexpr int64_t kUnpackMinRows = 0, kUnpackedBlock = 0;
+template <int kFmt, bool kBf16Out>
+void multiply_unpacked(const QuantizedA&, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int64_t, uint8_t*, float*,
+                       bool, int64_t, void*, int64_t) {}
+#endif
