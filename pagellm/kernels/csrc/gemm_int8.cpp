@@ -119,6 +119,21 @@ inline void prefetch_ahead(const uint8_t* at, int64_t bytes, int64_t tile_bytes)
             _mm_prefetch(reinterpret_cast<const char*>(at + t * tile_bytes + kPrefetchAhead + line), _MM_HINT_T1);
 }
 
+// Group g's codes of a q5f or q6k block completed from their top bits' plane (q5f: its one
+// plane, bit 2g (2g + 1) to bit 4; q6k: plane g / 2, bits 4e, 4e + 1 (+ 2) to bits 4, 5, e = g % 2):
+// `lo` and `hi` hold the group's low and high nibbles (each in its byte's low 4 bits).
+template <int kFmt>
+inline void add_top_bits(typename Simd::I plane, int g, typename Simd::I& lo, typename Simd::I& hi) {
+    if constexpr (kFmt == kQ5F) {
+        lo = Simd::or_(lo, Simd::bits(plane, 4 - 2 * g, 0x10));
+        hi = Simd::or_(hi, Simd::bits(plane, 3 - 2 * g, 0x10));
+    } else {
+        const int e = g % 2;
+        lo = Simd::or_(lo, Simd::bits(plane, 4 - 4 * e, 0x30));
+        hi = Simd::or_(hi, Simd::bits(plane, 2 - 4 * e, 0x30));
+    }
+}
+
 // tile[r][t * 16 + c] = row r0 + r of A times column c of tile t (G tiles, `tile_bytes` apart).
 template <int R, int G, int kFmt>
 void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile_bytes, float* tile) {
@@ -158,8 +173,7 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
 #pragma GCC unroll 2
                 for (int p = 0; p < (kFmt == kQ6K ? 2 : 1); ++p)
                     planes[p][v] = Simd::load(block_record<kFmt>(w + (v / Simd::kVecs) * tile_bytes, b) +
-                                              (kFmt == kQ6K ? 0 : 256) + p * kGroupBytes +
-                                              (v % Simd::kVecs) * (kGroupBytes / Simd::kVecs));
+                                              top_bits_plane(kFmt, p) + (v % Simd::kVecs) * (kGroupBytes / Simd::kVecs));
         }
 #pragma GCC unroll 8
         for (int g = 0; g < kGroups; g += kNibbles ? 1 : 2) {
@@ -174,14 +188,7 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
                     // vpdpbusd (no int16 step to saturate) takes 4-bit high nibbles in place, as
                     // 16 x code; the block's sum is divided back, exactly, once.
                     hi[v] = kInPlaceHigh ? Simd::high_nibbles_x16(codes) : Simd::high_nibbles(codes);
-                    if constexpr (kFmt == kQ5F) {  // bit 2g (2g + 1) to bit 4
-                        lo[v] = Simd::or_(lo[v], Simd::bits(planes[0][v], 4 - 2 * g, 0x10));
-                        hi[v] = Simd::or_(hi[v], Simd::bits(planes[0][v], 3 - 2 * g, 0x10));
-                    } else if constexpr (kFmt == kQ6K) {  // bits 4e, 4e + 1 (+ 2) of plane g / 2 to bits 4, 5
-                        const int e = g % 2;
-                        lo[v] = Simd::or_(lo[v], Simd::bits(planes[g / 2][v], 4 - 4 * e, 0x30));
-                        hi[v] = Simd::or_(hi[v], Simd::bits(planes[g / 2][v], 2 - 4 * e, 0x30));
-                    }
+                    if constexpr (kWide) add_top_bits<kFmt>(planes[kFmt == kQ6K ? g / 2 : 0][v], g, lo[v], hi[v]);
                 } else {
                     lo[v] = Simd::load(rec + g * kGroupBytes + off);
                     hi[v] = Simd::load(rec + (g + 1) * kGroupBytes + off);

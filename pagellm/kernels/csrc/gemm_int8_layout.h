@@ -58,6 +58,10 @@ inline const uint8_t* block_codes(const uint8_t* tile, int64_t b) {
     return block_record<kFmt>(tile, b);
 }
 
+// Where plane p (64 bytes) of a q5f or q6k block's top bits starts in its record: q6k's two
+// before its nibbles, q5f's one after them.
+constexpr int64_t top_bits_plane(int fmt, int p) { return (fmt == kQ6K ? 0 : 256) + 64 * p; }
+
 // Formats whose activations take one scale per super-block of 256 (QuantizedA::super_scale).
 constexpr bool super_scaled(int fmt) { return fmt == kQ4K || fmt == kQ6K; }
 

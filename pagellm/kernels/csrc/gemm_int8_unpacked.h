@@ -32,21 +32,16 @@ void unpack_tiles(const uint8_t* w, int64_t tile_bytes, int64_t count, int64_t b
         for (int64_t t = 0; t < count; ++t) {
             const uint8_t* rec = block_record<kFmt>(w + t * tile_bytes, b);
             const uint8_t* nibbles = block_codes<kFmt>(w + t * tile_bytes, b);
-            // q6k: two planes before its nibbles; q5f: one after them (bit 2g: the low nibble's fifth).
-            const __m512i planes[2] = {Simd::load(kFmt == kQ6K ? rec : rec + 256), Simd::load(rec + 64)};
+            constexpr int kPlanes = kFmt == kQ6K ? 2 : 1;
+            __m512i planes[kPlanes];
+#pragma GCC unroll 2
+            for (int p = 0; p < kPlanes; ++p) planes[p] = Simd::load(rec + top_bits_plane(kFmt, p));
             uint8_t* dst = out + (b * count + t) * kUnpackedBlock;
 #pragma GCC unroll 4
             for (int g = 0; g < 4; ++g) {
                 const __m512i codes = Simd::load(nibbles + g * 64);
-                const int e = g % 2;
                 __m512i lo = Simd::low_nibbles(codes), hi = Simd::high_nibbles(codes);
-                if constexpr (kFmt == kQ6K) {
-                    lo = Simd::or_(lo, Simd::bits(planes[g / 2], 4 - 4 * e, 0x30));
-                    hi = Simd::or_(hi, Simd::bits(planes[g / 2], 2 - 4 * e, 0x30));
-                } else {
-                    lo = Simd::or_(lo, Simd::bits(planes[0], 4 - 2 * g, 0x10));
-                    hi = Simd::or_(hi, Simd::bits(planes[0], 3 - 2 * g, 0x10));
-                }
+                add_top_bits<kFmt>(planes[kPlanes == 2 ? g / 2 : 0], g, lo, hi);
                 _mm512_storeu_si512(dst + 2 * g * 64, lo);
                 _mm512_storeu_si512(dst + (2 * g + 1) * 64, hi);
             }
