@@ -105,6 +105,11 @@ constexpr int kGroupBytes = 64;
 // shapes, q4s) one thread read 17.9 GB/s with two tiles and 20.6 with four; two threads
 // 26.2-27.2 against 27.6-29.4 (benchmarks/NOTES.md, 53).
 constexpr int kWideGroup = 4;
+// Except q6k: at four tiles its 4 x 2 planes of top bits, codes and chains fill the registers; one
+// tile at a time (a single weight stream, prefetched) ran 1.10-1.15x faster at 1B-8B shapes,
+// where q4k was level and q4s and q8 0.88-0.98x (NOTES 70).
+template <int kFmt>
+constexpr int decode_group() { return kFmt == kQ6K ? 1 : kWideGroup; }
 // A decode step also prefetches each of its four streams 1 KB ahead into L2: on a 2-core Zen 4,
 // 1.02-1.20x the weights' stream rate from memory (3B shapes), and a 1B Q4_K_M decode 1.24x; 512
 // B, 2 KB and 4 KB ahead were slower than 1 KB (NOTES 61).
@@ -156,7 +161,7 @@ void accumulate(const QuantizedA& qa, int64_t r0, const uint8_t* w, int64_t tile
 #pragma GCC unroll 8
         for (int v = 0; v < V; ++v) acc[r][v] = Simd::fzero(), total[r][v] = Simd::zero();
     for (int64_t b = 0; b < blocks; ++b) {
-        if constexpr (R == 1 && G == kWideGroup)
+        if constexpr (R == 1 && G == decode_group<kFmt>())
             prefetch_ahead<G>(block_record<kFmt>(w, b), kFmt == kQ6K ? kQ6KBlock : kRecordBytes[kFmt], tile_bytes);
         // Two chains per output vector (q4: low / high nibbles; q8: even / odd groups); q6k: its
         // halves' low nibbles in s0 / s1, their high nibbles in s2 / s3 (dot products only).
@@ -316,7 +321,7 @@ constexpr bool pair_tiles() {
     return Simd::kVecs == 1 && (kFmt == kQ4 || kFmt == kQ4S || kFmt == kQ4F || kFmt == kQ4K);
 }
 
-// One row takes kWideGroup tiles at once, 2 rows two (more independent chains for the latency of
+// One row takes decode_group tiles at once, 2 rows two (more independent chains for the latency of
 // vpdpbusd, more weight streams in flight), 3-4 rows two or one (pair_tiles).
 template <int kFmt>
 TileFn tile_fn(int rows, int group) {
@@ -370,7 +375,7 @@ void gemm(const QuantizedA& qa, int64_t m, const uint8_t* packed, int64_t n, voi
     // Where chunks hold at least kUnpackMinRows rows, every work item (two tiles over a chunk)
     // unpacks its codes first (unpacks); the fallback's 3-4-row tiles need group 1 for these formats.
     const bool unpack = unpacks(kFmt) && std::min(m, kChunkBytes / (qa.blocks * kBlock)) >= kUnpackMinRows;
-    const int group = m == 1 && tiles >= kWideGroup                                   ? kWideGroup
+    const int group = m == 1 && tiles >= decode_group<kFmt>()                         ? decode_group<kFmt>()
                       : (m <= 2 || pair_tiles<kFmt>() || unpack) && tiles >= 2 ? 2
                                                                                      : 1;
     const int64_t groups = (tiles + group - 1) / group;
