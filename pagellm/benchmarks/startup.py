@@ -4,7 +4,8 @@ most memory it holds on the way.
 Each round starts a new Python process that imports pagellm, builds ``LLM(MODEL, ...)`` and
 reports; the parent times launch to ready (imports included: what a user waits for; the child's
 exit apart), the child its own import and engine build times and its peak resident memory
-(``ru_maxrss``: packed weights, the KV pool as far as it was touched, the runtime, and any file pages still mapped).
+(``ru_maxrss``: packed weights, the KV pool as far as it was touched, the runtime, and any file
+pages still mapped).
 The floor a peak is measured against is the weights (the model file's bytes) plus the KV pool;
 the pool's pages are touched only as blocks are first written, so with the default
 ``kv_cache_memory=auto`` (a pool of most of the free memory) the ratio to the weights alone is
@@ -29,16 +30,15 @@ from pagellm.benchmarks._common import format_table, machine_info
 
 _CHILD = r"""
 import json, resource, sys, time
-start = time.perf_counter()
+start = time.monotonic()  # (system-wide: the parent reads the same clock)
 from pagellm import LLM
-imported = time.perf_counter()
+imported = time.monotonic()
 llm = LLM(**json.loads(sys.argv[1]))
-ready = time.perf_counter()
-ready_monotonic = time.monotonic()
+ready = time.monotonic()
 engine = llm.llm_engine
 token_bytes = engine.executor.arch.kv_cache_bytes_per_token(engine.executor.kv_cache_dtype)
 print("PAGELLM-STARTUP " + json.dumps({
-    "import_s": imported - start, "engine_s": ready - imported, "ready_monotonic": ready_monotonic,
+    "import_s": imported - start, "engine_s": ready - imported, "ready_monotonic": ready,
     "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     "kv_pool_bytes": engine.executor.num_blocks * engine.config.cache.block_size * token_bytes,
 }), flush=True)

@@ -325,7 +325,9 @@ constexpr bool pair_tiles() {
 // vpdpbusd, more weight streams in flight), 3-4 rows two or one (pair_tiles).
 template <int kFmt>
 TileFn tile_fn(int rows, int group) {
-    if (group == 4) return tile_kernel<1, 4, kFmt>();
+    if constexpr (decode_group<kFmt>() == kWideGroup) {  // (q6k decodes one tile: no wide kernel)
+        if (group == kWideGroup) return tile_kernel<1, kWideGroup, kFmt>();
+    }
     if (group == 2) {
         if constexpr (pair_tiles<kFmt>()) {
             static constexpr TileFn kTwo[kMaxRows] = {tile_kernel<1, 2, kFmt>(), tile_kernel<2, 2, kFmt>(),

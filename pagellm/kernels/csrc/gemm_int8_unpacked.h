@@ -164,7 +164,6 @@ UnpackedTileFn unpacked_tile_fn(int rows, int group) {
     return group == 2 ? kTwo[rows - 1] : kOne[rows - 1];
 }
 
-
 // Rows m0..m1 of A times `count` (1-2) tiles from tile index t0, their codes unpacked first.
 template <int kFmt, bool kBf16Out>
 void multiply_unpacked(const QuantizedA& qa, int64_t m0, int64_t m1, const uint8_t* w, int64_t tile_bytes, int64_t count,
