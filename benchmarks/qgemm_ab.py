@@ -8,14 +8,16 @@ Each tree's kernel library is built (or taken from the kernel cache) by that tre
 child process, then both are loaded here and called on the same packed weights and activations,
 round after round, so that a shared machine's slow and fast phases fall on both alike. Prints the
 median rate per row count (multiply-adds a second) for each tree, the ratio, and whether the two
-builds' outputs are bit-equal. The packed layout must be the same in both trees (the weights are
-packed by this tree's ``quant_formats``). Used for the kernel figures in benchmarks/NOTES.md (61).
+builds' outputs are bit-equal. Each tree packs the same weights with its own ``quant_formats``
+(so a change of the packed layout is measured too). Used for the kernel figures in
+benchmarks/NOTES.md (61).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
 import os
 import statistics
 import subprocess
@@ -56,6 +58,16 @@ def tree_library(tree: Path, isa: str) -> KernelLibrary:
     return KernelLibrary(lib, (f"isa={isa}",))
 
 
+def tree_packer(tree: Path):  # noqa: ANN201 (that tree's module)
+    """``tree``'s ``quant_formats`` module (numpy and torch only), loaded from its file."""
+    spec = importlib.util.spec_from_file_location(f"quant_formats_{abs(hash(tree))}", tree / "pagellm/kernels/quant_formats.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("base", type=Path)
@@ -72,19 +84,21 @@ def main() -> None:
     libs = [tree_library(args.base.resolve(), args.isa), tree_library(args.new.resolve(), args.isa)]
     gen = torch.Generator().manual_seed(0)
     shapes = SHAPES[args.shape] * args.layers
-    weights = [(n, k, qf.pack(qf.random_weight(args.format, n, k, gen))) for n, k in shapes]
+    trees = [args.base.resolve(), args.new.resolve()]
+    unpacked = [(n, k, qf.random_weight(args.format, n, k, gen)) for n, k in shapes]
+    packed = [[(n, k, tree_packer(tree).pack(w)) for n, k, w in unpacked] for tree in trees]
     macs = sum(n * k for n, k in shapes)
-    megabytes = sum(w.numel() for _, _, w in weights) / 1e6
+    megabytes = sum(w.numel() for _, _, w in packed[0]) / 1e6
     print(f"{args.format}, {args.shape} x {args.layers} layers ({megabytes:.0f} MB packed), {args.threads} threads")
     print(f"{'rows':>5} {'base GMAC/s':>12} {'new GMAC/s':>12} {'new/base':>9}  bit-equal")
     for m in (int(r) for r in args.rows.split(",")):
         inputs = {k: torch.randn(m, k, generator=gen).bfloat16() for _, k in SHAPES[args.shape]}
-        outputs = [[lib.gemm_q(inputs[k], w, args.format, n) for n, k, w in weights] for lib in libs]
+        outputs = [[lib.gemm_q(inputs[k], w, args.format, n) for n, k, w in weights] for lib, weights in zip(libs, packed)]
         equal = all(torch.equal(a, b) for a, b in zip(*outputs))
         reps = max(1, 256 // m)
         times: list[list[float]] = [[], []]
         for _ in range(args.rounds):
-            for lib, spent in zip(libs, times):
+            for lib, weights, spent in zip(libs, packed, times):
                 start = time.perf_counter()
                 for _ in range(reps):
                     for n, k, w in weights:
