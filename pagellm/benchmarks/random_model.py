@@ -56,6 +56,13 @@ SHAPES: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
         tie_word_embeddings=True, num_local_experts=8, num_experts_per_tok=2,
     ),
+    # SmolLM2-135M's layers as SmolLM3 builds them: every 4th layer without rotary (NoPE).
+    "smollm3-135m": dict(
+        architecture="smollm3", hidden_size=576, intermediate_size=1536, num_hidden_layers=32,
+        num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        tie_word_embeddings=True, no_rope_layer_interval=4,
+    ),
     # Qwen3-0.6B's shape (per-head q/k norms, head_dim 128 wider than hidden / heads, tied embeddings).
     "qwen3-0.6b": dict(
         architecture="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -171,12 +178,13 @@ REAL_SHAPES = ("llama-1b", "llama-3b", "llama-8b", "qwen-7b")
 def hf_config(shape: dict[str, Any]):
     from transformers import (
         Gemma2Config, Gemma3TextConfig, LlamaConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig,
+        SmolLM3Config,
     )
 
     options = dict(shape)
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "phi3": Phi3Config,
                "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig, "gemma2": Gemma2Config,
-               "gemma3_text": Gemma3TextConfig}  # fmt: skip
+               "gemma3_text": Gemma3TextConfig, "smollm3": SmolLM3Config}  # fmt: skip
     config_class = classes[options.pop("architecture")]
     return config_class(**options, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=0)
 

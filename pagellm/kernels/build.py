@@ -35,7 +35,7 @@ from pagellm.utils import owned_by_me, private_dir
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 25
+ABI_VERSION = 26
 _SOURCES = ("attention.cpp", "elementwise.cpp", "gemm_bf16.cpp", "gemm_avx2.cpp", "gemm_int8.cpp", "decoder_stack.cpp",
             "shm_all_reduce.cpp", "memory_read.cpp", "gguf_rows.cpp", "pack_panels.cpp", "lora.cpp")
 _HEADERS = (
@@ -149,7 +149,7 @@ _SIGNATURES: dict[str, tuple[type, list[type]]] = {
     "pagellm_write_kv": (_I32, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I32, _I32]),
     "pagellm_add_rms_norm": (_I32, [_P, _P, _P, _P, _I64, _I64, _F32, _I32, _I32]),
     "pagellm_head_rms_norm": (_I32, [_P, _I64, _I64, _I64, _I64, _P, _F32, _I32, _I32]),
-    "pagellm_rotary": (_I32, [_P, _I64, _I64, _I64, _I64, _P, _P, _I32, _I32]),
+    "pagellm_rotary": (_I32, [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I32, _I32]),
     "pagellm_argmax_rows": (_I32, [_P, _I64, _I64, _I64, _P, _I32, _I32]),
     "pagellm_apply_token_bitmask": (_I32, [_P, _I64, _I64, _I64, _P, _I64, _P, _I32, _I32]),
     "pagellm_gemm_bf16_available": (_I32, []),

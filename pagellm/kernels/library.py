@@ -186,18 +186,22 @@ class KernelLibrary:
             raise RuntimeError(f"pagellm_head_rms_norm failed with code {rc}")
 
     def rotary_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """Rotate ``x`` ([T, heads, D], row-contiguous heads, any row stride) in place by ``cos``/``sin`` ([T, D])."""
+        """Rotate ``x`` ([T, heads, D], row-contiguous heads, any row stride) in place by ``cos``/``sin``
+        ([T, R]): each head's first R dims (R = D, or fewer: partial rotary; R even)."""
         dtype = x.dtype
         if dtype not in DTYPE_CODES:
             raise ValueError(f"rotary supports float32 and bfloat16, not {dtype}")
         rows, heads, head_dim = x.shape
         check_rows("x", x, (heads, head_dim), dtype)
+        rotary_dim = cos.shape[-1] if cos.dim() == 2 else -1
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"cos must be [{rows}, R] with R even, 2 to {head_dim}: got {tuple(cos.shape)}")
         for name, t in (("cos", cos), ("sin", sin)):
-            if t.shape != (rows, head_dim) or t.dtype != dtype or not t.is_contiguous():
-                raise ValueError(f"{name} must be a contiguous [{rows}, {head_dim}] {dtype} tensor")
+            if t.shape != (rows, rotary_dim) or t.dtype != dtype or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous [{rows}, {rotary_dim}] {dtype} tensor")
         rc = self._lib.pagellm_rotary(
-            x.data_ptr(), x.stride(0), rows, heads, head_dim, cos.data_ptr(), sin.data_ptr(), DTYPE_CODES[dtype],
-            torch.get_num_threads(),
+            x.data_ptr(), x.stride(0), rows, heads, head_dim, rotary_dim, cos.data_ptr(), sin.data_ptr(),
+            DTYPE_CODES[dtype], torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"pagellm_rotary failed with code {rc}")

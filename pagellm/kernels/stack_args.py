@@ -47,12 +47,15 @@ STACK_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 class DecoderLayerArgs(ctypes.Structure):
     """``PagellmLayer`` of ``csrc/decoder_stack.cpp``: one layer's norms, linears, caches and
     attention variant (scale, soft cap: 0 none, window: 0 none; ``mlp_apart``: gate/up's GEMM
-    writes gate and up, SiLU-and-mul runs after it)."""
+    writes gate and up, SiLU-and-mul runs after it; ``rotary_dim``: each head's leading dims the
+    rotary turns, 0 none; ``residual_multiplier``: each block's output scaled before it joins the
+    residual, 1 none)."""
 
     _fields_ = [
         ("input_norm", _P), ("post_norm", _P), ("qkv_bias", _P), ("q_norm", _P), ("k_norm", _P), ("key_cache", _P),
         ("value_cache", _P), ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("window", ctypes.c_int32),
-        ("mlp_apart", ctypes.c_int32),
+        ("mlp_apart", ctypes.c_int32), ("rotary_dim", ctypes.c_int32),
+        ("residual_multiplier", ctypes.c_float),
         ("qkv", LinearArgs), ("o", LinearArgs), ("gate_up", LinearArgs), ("down", LinearArgs),
     ]  # fmt: skip
 

@@ -107,7 +107,7 @@ class _LayerWeights:
         return DecoderLayerArgs(
             self.input_norm.data_ptr(), self.post_norm.data_ptr(), bias, q_norm, k_norm, key_cache.data_ptr(),
             value_cache.data_ptr(), spec.scale, spec.softcap or 0.0, spec.window or 0, int(self.mlp_apart),
-            *(_linear_args(m, dense, keep) for m in self._side(dense)),
+            spec.rotary_dim, spec.residual_multiplier, *(_linear_args(m, dense, keep) for m in self._side(dense)),
         )  # fmt: skip
 
 
@@ -271,8 +271,8 @@ class FusedDecoderStack:
                              f"({metadata.slot_mapping.numel()} slots)")  # fmt: skip
         x = hidden.contiguous()
         cos, sin = cos.to(self.dtype).contiguous(), sin.to(self.dtype).contiguous()
-        if cos.shape != (tokens, arch.head_dim) or sin.shape != cos.shape:
-            raise ValueError(f"cos/sin must be [{tokens}, {arch.head_dim}]")
+        if cos.shape != (tokens, arch.rotary_dim) or sin.shape != cos.shape:
+            raise ValueError(f"cos/sin must be [{tokens}, {arch.rotary_dim}]")
         residual = torch.empty_like(x)
         scratch = [torch.empty(tokens, width, dtype=self.dtype) for width in
                    (arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.q_size, arch.intermediate_size)]  # fmt: skip

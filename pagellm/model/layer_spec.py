@@ -103,8 +103,9 @@ def layer_specs(arch: ModelArchConfig) -> tuple[LayerSpec, ...]:
 
 def stack_refusal(spec: LayerSpec) -> str | None:
     """Why the one-call C++ decoder stack cannot run this layer, or None where it can. What it
-    runs: RMSNorm (weight-scaled), q/k/v bias, per-head q/k norms, one rotary table, any score
-    scale, soft cap and sliding window per layer, a bias-free SiLU-gated dense MLP."""
+    runs: RMSNorm (weight-scaled), q/k/v bias, per-head q/k norms, one rotary table over all of
+    each head or its leading dims (partial rotary) or none (NoPE), any score scale, soft cap,
+    sliding window and residual multiplier (Granite) per layer, a bias-free SiLU-gated dense MLP."""
     if spec.recurrent:
         return "a short-convolution layer"
     if spec.moe:
@@ -113,12 +114,8 @@ def stack_refusal(spec: LayerSpec) -> str | None:
         return "norms around each block (Gemma's, scaled by 1 + weight; OLMo 2's)"
     if spec.local_rope:
         return "a second rotary base for windowed layers"
-    if spec.rotary_dim != spec.head_dim:
-        return "a rotary embedding over part of each head (partial rotary, or none: NoPE)"
     if spec.qk_norm_over_projection:
         return "q/k norms over the whole projection"
-    if spec.residual_multiplier != 1.0:
-        return "a residual multiplier"
     if spec.sinks:
         return "attention sinks"
     if spec.qk_norm_after_rotary:

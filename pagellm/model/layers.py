@@ -322,7 +322,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lib: KernelLibrary | None) -> torch.Tensor:
-    """``apply_rotary`` that may work in place (one C++ pass with a kernel library); returns the result."""
+    """``apply_rotary`` over each head's first ``cos.shape[-1]`` dims (all, or fewer: partial
+    rotary; the rest pass), in place where it can (one C++ pass with a kernel library); returns
+    the result."""
     if (
         lib is not None
         and x.dtype == cos.dtype
@@ -332,7 +334,11 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lib: Ke
     ):
         lib.rotary_(x, cos, sin)
         return x
-    return apply_rotary(x, cos, sin)
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return apply_rotary(x, cos, sin)
+    x[..., :rotary_dim] = apply_rotary(x[..., :rotary_dim], cos, sin)
+    return x
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

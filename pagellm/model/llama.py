@@ -29,7 +29,7 @@ from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.cpu_linear import pack_linear_layers
 from pagellm.model.fused_stack import FusedDecoderStack
 from pagellm.model.layer_spec import LayerSpec, layer_specs
-from pagellm.model.layers import RotaryEmbedding, apply_rotary, apply_rotary_, make_rms_norm
+from pagellm.model.layers import RotaryEmbedding, apply_rotary_, make_rms_norm
 from pagellm.model.lora import LoRAStep
 from pagellm.model.mlp import LlamaMLP
 from pagellm.model.moe import SparseMoeBlock
@@ -134,10 +134,8 @@ class LlamaAttention(nn.Module):
         per_head = self.q_norm is not None and self.k_norm is not None and not spec.qk_norm_over_projection
         if per_head and not spec.qk_norm_after_rotary:
             self._norm_heads(qk)
-        if spec.rotary_dim == self.head_dim:
+        if spec.rotary_dim:  # all of each head's dims, or its leading ones (partial rotary); NoPE: none
             qk = apply_rotary_(qk, cos, sin, self.rotary_kernels)
-        elif spec.rotary_dim:  # partial rotary: the leading dims turn, the rest pass (NoPE: none turn)
-            qk[..., : spec.rotary_dim] = apply_rotary(qk[..., : spec.rotary_dim], cos, sin)
         if per_head and spec.qk_norm_after_rotary:  # (Hunyuan)
             self._norm_heads(qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)

@@ -57,8 +57,8 @@ def get_model_class(arch_name: str) -> type[LlamaForCausalLM]:
 
 
 def validate_arch_config(arch: ModelArchConfig) -> type[LlamaForCausalLM]:
-    """Reject configs we would run incorrectly (unknown rope, partial rotary, uneven GQA, a top-k
-    beyond the experts); return the class."""
+    """Reject configs we would run incorrectly (unknown rope, a partial rotary of an odd count of
+    dims or none, uneven GQA, a top-k beyond the experts); return the class."""
     model_class = get_model_class(arch.architecture)
     check_rope_scaling(arch.rope_scaling)
     if arch.rotary_dim % 2 or not 0 < arch.rotary_dim <= arch.head_dim:

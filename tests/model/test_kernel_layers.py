@@ -43,16 +43,22 @@ def test_add_rms_norm_matches_torch(dtype, rows, hidden):
     torch.testing.assert_close(fast_norm(x), ref_norm(x), **tol)  # without a residual
 
 
+@pytest.mark.parametrize("rotary_dim", [64, 48, 20], ids=["full", "partial-48", "partial-20"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_rotary_in_place_equals_torch(dtype):
+def test_rotary_in_place_equals_torch(dtype, rotary_dim):
+    """All of each head's dims, or its leading ones (partial rotary: 48 = a 16-wide vector step
+    and a tail per half, 20 = tail only), the rest untouched; the kernel and the PyTorch path
+    alike."""
     g = torch.Generator().manual_seed(0)
     t, heads, kv_heads, d = 33, 9, 3, 64
     qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
     qk = qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d)  # strided rows, as in the model
-    angles = torch.rand(t, d // 2, generator=g) * 100
+    angles = torch.rand(t, rotary_dim // 2, generator=g) * 100
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-    expected = apply_rotary(qk.clone(), cos, sin)
+    expected = qk.clone()
+    expected[..., :rotary_dim] = apply_rotary(qk[..., :rotary_dim].clone(), cos, sin)
+    assert torch.equal(apply_rotary_(qk.clone(), cos, sin, None), expected)  # the PyTorch path
     v_before = qkv[:, (heads + kv_heads) * d :].clone()
     out = apply_rotary_(qk, cos, sin, KERNELS)
     assert out.data_ptr() == qk.data_ptr()  # in place
@@ -88,6 +94,8 @@ def test_kernel_wrappers_reject_bad_shapes():
         KERNELS.add_rms_norm(x, torch.zeros(4, 8), torch.ones(8, dtype=torch.bfloat16), 1e-5)
     with pytest.raises(ValueError):
         KERNELS.rotary_(x.view(4, 2, 4), torch.ones(4, 3, dtype=torch.bfloat16), torch.ones(4, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="R even"):  # wider than a head
+        KERNELS.rotary_(x.view(4, 2, 4), torch.ones(4, 6, dtype=torch.bfloat16), torch.ones(4, 6, dtype=torch.bfloat16))
     with pytest.raises(ValueError):
         KERNELS.head_rms_norm_(x.view(4, 2, 4), torch.ones(3, dtype=torch.bfloat16), 1e-5)
     with pytest.raises(ValueError):

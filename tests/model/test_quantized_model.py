@@ -283,14 +283,16 @@ def _generate_fused_or_not(llm: LLM, fused: bool) -> list[tuple[list[int], list[
 @pytest.mark.parametrize("case", [
     "default-gguf-bf16", "default-gguf-bf16-amx-tiles", "qwen2-int8-f32", "qwen2-int8-bf16", "llama-int8-bf16-fp8kv", "llama-dense-bf16",
     "llama-dense-bf16-no-amx", "qwen2-dense-f32-avx2", "mistral-window-bf16", "mistral-window-int8-f32",
-    "qwen3-window-bf16", "qwen3-window-int8-f32",
+    "qwen3-window-bf16", "qwen3-window-int8-f32", "phi4-mini-bf16", "phi4-mini-int8-f32", "smollm3-int8-bf16",
+    "granite-bf16", "granite-int8-f32",
 ])
 def test_fused_decoder_equals_the_layers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
                                          case: str) -> None:
     """One C++ call for the whole decoder stack gives the Python layers' results bit for bit
     (qkv bias, an fp8 cache, float32, dense weights on pagellm's bf16 and AVX2 GEMMs, quantized
     ones on AMX tiles, a sliding window of 8 over longer contexts, and Qwen3's per-head q/k
-    norms with a global layer before a windowed one included)."""
+    norms with a global layer before a windowed one, partial rotary, NoPE layers and Granite's
+    residual multiplier included)."""
     if case.endswith("amx-tiles"):  # no memory for dense copies: big batches on AMX tiles
         monkeypatch.setattr("pagellm.worker.kernel_plan.DENSE_COPY_MEMORY_SHARE", 0.0)
     options: dict[str, object] = {
@@ -314,6 +316,16 @@ def test_fused_decoder_equals_the_layers(request: pytest.FixtureRequest, monkeyp
         "qwen3-window-bf16": dict(model=request.getfixturevalue("tiny_qwen3_window_path"), dtype="bfloat16"),
         "qwen3-window-int8-f32": dict(model=request.getfixturevalue("tiny_qwen3_window_path"), dtype="float32",
                                       quantization="int8"),
+        # Partial rotary (half of each head, LongRoPE) and NoPE layers (every other one).
+        "phi4-mini-bf16": dict(model=request.getfixturevalue("tiny_phi4_mini_path"), dtype="bfloat16"),
+        "phi4-mini-int8-f32": dict(model=request.getfixturevalue("tiny_phi4_mini_path"), dtype="float32",
+                                   quantization="int8"),
+        "smollm3-int8-bf16": dict(model=request.getfixturevalue("tiny_smollm3_path"), dtype="bfloat16",
+                                  quantization="int8"),
+        # Granite: each block's output scaled before it joins the residual.
+        "granite-bf16": dict(model=request.getfixturevalue("tiny_granite_path"), dtype="bfloat16"),
+        "granite-int8-f32": dict(model=request.getfixturevalue("tiny_granite_path"), dtype="float32",
+                                 quantization="int8"),
     }[case]
     fused_llm = LLM(num_kv_blocks=128, **options)
     plan = fused_llm.llm_engine.executor.kernel_plan

@@ -56,6 +56,8 @@ struct PagellmLayer {
     float softcap;         // scores capped by softcap * tanh(score / softcap); 0: none
     int32_t window;        // positions each row attends to, its own included; 0: all
     int32_t mlp_apart;     // 1: gate/up's GEMM writes gate and up (into gate_up), SiLU-and-mul after it
+    int32_t rotary_dim;    // each head's leading dims the rotary turns (the stack's cos / sin width); 0: none (NoPE)
+    float residual_multiplier;  // each block's output scaled by it before it joins the residual (Granite); 1: none
     PagellmLinear qkv, o, gate_up, down;
 };
 
@@ -69,7 +71,7 @@ struct PagellmStack {
     int32_t num_threads, reserved;
     void* x;             // [T, H] in: embeddings; out: the last layer's MLP output
     void* residual;      // [T, H] out: the residual stream
-    const void* cos;     // [T, head_dim]
+    const void* cos;     // [T, rotary_dim] (the layers' rotary_dim where not 0)
     const void* sin;
     const int64_t* slot_mapping;
     const int64_t* block_tables;
@@ -165,6 +167,17 @@ void add_bias(void* qkv, const void* bias, int64_t rows, int64_t width, bool bf1
     }
 }
 
+// x[0 .. n) *= multiplier, rounded to the dtype as torch's `x * multiplier` (float32 arithmetic).
+void scale(void* x, int64_t n, float multiplier, bool bf16) {
+    if (bf16) {
+        auto* v = static_cast<uint16_t*>(x);
+        for (int64_t i = 0; i < n; ++i) v[i] = float_to_bf16(bf16_to_float(v[i]) * multiplier);
+    } else {
+        auto* v = static_cast<float*>(x);
+        for (int64_t i = 0; i < n; ++i) v[i] *= multiplier;
+    }
+}
+
 // x [T, H] summed over the ranks, in float32 (bf16 activations widened and rounded back once).
 int all_reduce(const PagellmStack& s) {
     const int64_t n = s.tokens * s.hidden;
@@ -229,7 +242,8 @@ int layer(const PagellmStack& s, const PagellmLayer& L, const PagellmLoRALinear*
     if (rc == 0 && L.q_norm != nullptr) rc = pagellm_head_rms_norm(s.qkv, W, T, s.num_heads, dh, L.q_norm, s.eps, dt, th);
     if (rc == 0 && L.k_norm != nullptr)
         rc = pagellm_head_rms_norm(qkv + q * elem, W, T, s.num_kv_heads, dh, L.k_norm, s.eps, dt, th);
-    if (rc == 0) rc = pagellm_rotary(s.qkv, W, T, s.num_heads + s.num_kv_heads, dh, s.cos, s.sin, dt, th);
+    if (rc == 0 && L.rotary_dim > 0)  // (0: a NoPE layer)
+        rc = pagellm_rotary(s.qkv, W, T, s.num_heads + s.num_kv_heads, dh, L.rotary_dim, s.cos, s.sin, dt, th);
     if (rc == 0)
         rc = pagellm_write_kv(qkv + q * elem, W, qkv + (q + kv) * elem, W, L.key_cache, L.value_cache, s.slot_mapping,
                               T, s.num_kv_heads, dh, s.cache_code, th);
@@ -241,9 +255,12 @@ int layer(const PagellmStack& s, const PagellmLayer& L, const PagellmLoRALinear*
     if (rc == 0) rc = linear(L.o, s.attn, T, q, s.x, H, dt, th);
     if (rc == 0 && lora != nullptr) rc = add_lora(s, lora + 1, s.attn, q, s.x, H);
     if (rc == 0 && s.tp_size > 1) rc = all_reduce(s);
+    const bool scaled = L.residual_multiplier != 1.0f;
+    if (rc == 0 && scaled) scale(s.x, T * H, L.residual_multiplier, dt == 1);
     if (rc == 0) rc = pagellm_add_rms_norm(s.x, s.residual, L.post_norm, s.h, T, H, s.eps, dt, th);
     if (rc == 0) rc = mlp(s, L, lora);
     if (rc == 0 && s.tp_size > 1) rc = all_reduce(s);
+    if (rc == 0 && scaled) scale(s.x, T * H, L.residual_multiplier, dt == 1);
     return rc;
 }
 

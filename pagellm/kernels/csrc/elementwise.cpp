@@ -147,16 +147,17 @@ void head_rms_norm(T* x, int64_t row_stride, int64_t tokens, int64_t heads, int6
     }
 }
 
-// In place on the first `num_heads` heads of each row: x * cos + rotate_half(x) * sin, each
+// In place on the first `num_heads` heads of each row: x * cos + rotate_half(x) * sin over each
+// head's first `rotary_dim` dims (all of them, or fewer: partial rotary; the rest pass), each
 // product and the sum rounded to T like the separate tensor ops (HF's apply_rotary_pos_emb).
 template <typename T>
-void rotary(T* x, int64_t row_stride, int64_t rows, int64_t num_heads, int64_t head_dim, const T* cos,
-            const T* sin, int num_threads) {
-    const int64_t half = head_dim / 2;
+void rotary(T* x, int64_t row_stride, int64_t rows, int64_t num_heads, int64_t head_dim, int64_t rotary_dim,
+            const T* cos, const T* sin, int num_threads) {
+    const int64_t half = rotary_dim / 2;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= kMinParallelRows)
     for (int64_t r = 0; r < rows; ++r) {
-        const T* c = cos + r * head_dim;
-        const T* s = sin + r * head_dim;
+        const T* c = cos + r * rotary_dim;
+        const T* s = sin + r * rotary_dim;
         for (int64_t h = 0; h < num_heads; ++h) {
             T* v = x + r * row_stride + h * head_dim;
             int64_t i = 0;
@@ -276,7 +277,7 @@ void apply_token_bitmask(T* logits, int64_t row_stride, int64_t rows, int64_t n,
 
 extern "C" {
 
-int pagellm_abi_version() { return 25; }
+int pagellm_abi_version() { return 26; }
 
 // key_cache[slot_mapping[t]] = key[t] (num_kv_heads rows of head_dim values), same for V.
 // dtype: 0 float32, 1 bfloat16, 2 bfloat16 K/V stored into an fp8 (e4m3) cache, 3 bfloat16 and
@@ -332,15 +333,15 @@ int pagellm_head_rms_norm(void* x, int64_t row_stride, int64_t tokens, int64_t h
 }
 
 // Rotary embedding in place on the first num_heads heads of each row (HF rotate-half layout).
-int pagellm_rotary(void* x, int64_t row_stride, int64_t rows, int64_t num_heads, int64_t head_dim, const void* cos,
-                   const void* sin, int dtype, int num_threads) {
+int pagellm_rotary(void* x, int64_t row_stride, int64_t rows, int64_t num_heads, int64_t head_dim, int64_t rotary_dim,
+                   const void* cos, const void* sin, int dtype, int num_threads) {
     if (num_threads < 1) num_threads = 1;
-    if (head_dim % 2 != 0) return -1;
+    if (rotary_dim % 2 != 0 || rotary_dim <= 0 || rotary_dim > head_dim) return -1;
     if (dtype == 0) {
-        rotary<float>(static_cast<float*>(x), row_stride, rows, num_heads, head_dim, static_cast<const float*>(cos),
-                      static_cast<const float*>(sin), num_threads);
+        rotary<float>(static_cast<float*>(x), row_stride, rows, num_heads, head_dim, rotary_dim,
+                      static_cast<const float*>(cos), static_cast<const float*>(sin), num_threads);
     } else if (dtype == 1) {
-        rotary<uint16_t>(static_cast<uint16_t*>(x), row_stride, rows, num_heads, head_dim,
+        rotary<uint16_t>(static_cast<uint16_t*>(x), row_stride, rows, num_heads, head_dim, rotary_dim,
                          static_cast<const uint16_t*>(cos), static_cast<const uint16_t*>(sin), num_threads);
     } else {
         return -1;

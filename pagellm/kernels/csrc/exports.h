@@ -40,8 +40,8 @@ int pagellm_lora_add(const PagellmLoRALinear* lora, int64_t slot, const void* x,
 int pagellm_silu_mul(const void* x, int64_t rows, int64_t n, void* out, int dtype, int num_threads);
 int pagellm_bias_gelu_tanh(const void* x, int64_t rows, int64_t n, const void* bias, void* out, int dtype,
                            int num_threads);
-int pagellm_rotary(void* x, int64_t row_stride, int64_t rows, int64_t num_heads, int64_t head_dim, const void* cos,
-                   const void* sin, int dtype, int num_threads);
+int pagellm_rotary(void* x, int64_t row_stride, int64_t rows, int64_t num_heads, int64_t head_dim, int64_t rotary_dim,
+                   const void* cos, const void* sin, int dtype, int num_threads);
 int pagellm_write_kv(const void* key, int64_t key_row_stride, const void* value, int64_t value_row_stride,
                      void* key_cache, void* value_cache, const int64_t* slot_mapping, int64_t num_tokens,
                      int64_t num_kv_heads, int64_t head_dim, int dtype, int num_threads);
