@@ -123,8 +123,9 @@ def run_latency(cfg: LatencyConfig) -> dict[str, Any]:
     for i, prompt in enumerate(prompts[1:]):
         runs.append(_time_one(engine, f"latency-{i}", prompt, cfg.output_len))
         for name, (binary, path, extra) in peers.items():  # the idle engine only holds memory
-            command = llama_bench.bench_command(binary, path, len(prompt), cfg.output_len, _pagellm_threads(cfg), 1, extra)
-            peer_runs[name].append(dict(llama_bench.run_llama_bench(command), extra_args=list(extra)))
+            commands = llama_bench.bench_commands(llama_bench.PEERS[name], binary, path, len(prompt), cfg.output_len,
+                                                  _pagellm_threads(cfg), 1, extra)  # fmt: skip
+            peer_runs[name].append(dict(llama_bench.run_llama_bench(commands), extra_args=list(extra)))
     medians = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
     report = dict(config=flat_config(cfg), machine=machine_info(), kernel_plan=engine.kernel_plan_info, runs=runs,
                   median=medians, peak_rss_mib=peak_rss_mib(), prompt_tokens=[len(p) for p in prompts[1:]],

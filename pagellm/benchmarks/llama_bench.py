@@ -33,11 +33,14 @@ class Peer:
     label: str  # as printed
     binary_option: str  # the CLI option naming its llama-bench
     default_args: tuple[str, ...] = ()
+    # How its llama-bench times decode after a prompt: "-d" (``-n M -d N``: llama.cpp) or "-gp"
+    # (``-gp N,M``: ik_llama.cpp).
+    depth_option: str = "-d"
 
 
 PEERS: dict[str, Peer] = {
     "llamacpp": Peer("llamacpp", "llama.cpp", "--llama-bench"),
-    "ik_llama": Peer("ik_llama", "ik_llama.cpp", "--ik-llama-bench", ("-rtr", "1")),
+    "ik_llama": Peer("ik_llama", "ik_llama.cpp", "--ik-llama-bench", ("-rtr", "1"), "-gp"),
 }
 
 
@@ -62,21 +65,32 @@ def gguf_model_path(model: str | None) -> str:
     return path
 
 
-def bench_command(binary: str, model_path: str, input_len: int, output_len: int, threads: int, repeats: int = 1,
-                  extra_args: tuple[str, ...] | list[str] = ()) -> list[str]:  # fmt: skip
-    """llama-bench arguments that mirror pagellm's run: same file, lengths and threads, CPU only."""
-    return [binary, "-m", model_path, "-p", str(input_len), "-n", str(output_len), "-r", str(repeats),
-            "-t", str(threads), "-ngl", "0", *extra_args, "-o", "json"]  # fmt: skip
+def bench_commands(peer: Peer, binary: str, model_path: str, input_len: int, output_len: int, threads: int,
+                   repeats: int = 1, extra_args: tuple[str, ...] | list[str] = ()) -> list[list[str]]:  # fmt: skip
+    """llama-bench runs that mirror pagellm's: the same file and threads, CPU only; a prefill of
+    ``input_len`` tokens, and ``output_len`` decoded tokens after ``input_len`` in context, as
+    pagellm decodes after its prompt (llama-bench's plain ``-n`` starts from an empty context: at
+    4,096 tokens a 1B model's decode reads 135 MB less K/V a token there)."""
+    common = ["-r", str(repeats), "-t", str(threads), "-ngl", "0", *extra_args, "-o", "json"]
+    prefill = [binary, "-m", model_path, "-p", str(input_len), "-n", "0"]
+    if peer.depth_option == "-gp":  # (one run: the prefill test, then decode after a prompt)
+        return [[*prefill, "-gp", f"{input_len},{output_len}", *common]]
+    return [[*prefill, *common], [binary, "-m", model_path, "-p", "0", "-n", str(output_len), "-d", str(input_len), *common]]
 
 
-def parse_llama_bench(text: str) -> dict[str, Any]:
-    """Prefill and decode tok/s from ``llama-bench -o json`` stdout: one pp entry (n_gen 0), one tg (n_prompt 0)."""
+def llama_bench_entries(text: str) -> list[dict[str, Any]]:
+    """The tests of one ``llama-bench -o json`` stdout."""
     start = text.find("[")
     if start < 0:
         raise ValueError(f"no JSON array in llama-bench output: {text[:200]!r}")
-    entries: list[dict[str, Any]] = json.loads(text[start:])
+    return json.loads(text[start:])
+
+
+def parse_llama_bench(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Prefill and decode tok/s from llama-bench's tests: one pp entry (n_gen 0), one tg (its
+    context before it in ``decode_depth``: n_prompt with ``-gp``, n_depth with ``-d``)."""
     prefill = [e for e in entries if e["n_prompt"] > 0 and e["n_gen"] == 0]
-    decode = [e for e in entries if e["n_gen"] > 0 and e["n_prompt"] == 0]
+    decode = [e for e in entries if e["n_gen"] > 0]
     if len(prefill) != 1 or len(decode) != 1:
         raise ValueError(f"expected one prefill and one decode test from llama-bench, "
                          f"got {len(prefill)} and {len(decode)}")
@@ -84,16 +98,21 @@ def parse_llama_bench(text: str) -> dict[str, Any]:
     return dict(
         prefill_tokens_per_s=float(pp["avg_ts"]), prefill_stddev_tokens_per_s=float(pp["stddev_ts"]),
         decode_tokens_per_s=float(tg["avg_ts"]), decode_stddev_tokens_per_s=float(tg["stddev_ts"]),
-        n_prompt=int(pp["n_prompt"]), n_gen=int(tg["n_gen"]), build={k: pp[k] for k in _BUILD_INFO if k in pp},
-    )
+        n_prompt=int(pp["n_prompt"]), n_gen=int(tg["n_gen"]), decode_depth=int(tg["n_prompt"]) + int(tg.get("n_depth", 0)),
+        build={k: pp[k] for k in _BUILD_INFO if k in pp},
+    )  # fmt: skip
 
 
-def run_llama_bench(command: list[str]) -> dict[str, Any]:
-    """Run llama-bench once and parse it; on failure its stderr is shown, since that is where it says why."""
-    proc = subprocess.run(command, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"llama-bench failed (exit {proc.returncode}): {shlex.join(command)}\n{proc.stderr[-2000:]}")
-    return dict(parse_llama_bench(proc.stdout), command=shlex.join(command))
+def run_llama_bench(commands: list[list[str]]) -> dict[str, Any]:
+    """Run llama-bench's commands and parse their tests together; on a failure its stderr is
+    shown, since that is where it says why."""
+    entries: list[dict[str, Any]] = []
+    for command in commands:
+        proc = subprocess.run(command, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"llama-bench failed (exit {proc.returncode}): {shlex.join(command)}\n{proc.stderr[-2000:]}")
+        entries += llama_bench_entries(proc.stdout)
+    return dict(parse_llama_bench(entries), command=" && ".join(shlex.join(command) for command in commands))
 
 
 def combine_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:

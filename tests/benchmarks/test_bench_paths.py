@@ -333,7 +333,9 @@ def _llama_bench_json(pp_ts: float = 256.122718, tg_ts: float = 84.252079, n_pro
 
 
 def _fake_llama_bench(tmp_path, stdout: str, exit_code: int = 0):
-    """An executable that records its arguments and prints ``stdout``, standing in for llama-bench."""
+    """An executable that records its arguments and prints ``stdout``, standing in for llama-bench:
+    of a JSON array, the tests its arguments ask for (``-n 0``: the prefill's, ``-p 0``: the
+    decode's; both with ``-gp``)."""
     import stat
     import sys
 
@@ -344,7 +346,13 @@ def _fake_llama_bench(tmp_path, stdout: str, exit_code: int = 0):
         f"here = pathlib.Path({str(tmp_path)!r})\n"
         "(here / 'argv.json').write_text(json.dumps(sys.argv[1:]))\n"
         "with open(here / 'calls.txt', 'a') as calls: calls.write('call\\n')\n"
-        "sys.stdout.write((here / 'stdout.json').read_text())\n"
+        "text = (here / 'stdout.json').read_text()\n"
+        "args = sys.argv[1:]\n"
+        "value = lambda flag: args[args.index(flag) + 1] if flag in args else None\n"
+        "if text.startswith('[') and '-gp' not in args and '0' in (value('-n'), value('-p')):\n"
+        "    prefill = value('-n') == '0'\n"
+        "    text = json.dumps([e for e in json.loads(text) if (e['n_gen'] == 0) == prefill])\n"
+        "sys.stdout.write(text)\n"
         f"sys.stderr.write('llama-bench log line\\n')\nsys.exit({exit_code})\n"
     )
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
@@ -355,7 +363,7 @@ def test_latency_parses_llama_bench_json_and_formats_the_ratio():
     from pagellm.benchmarks import latency as lat
     from pagellm.benchmarks import llama_bench as lb
 
-    parsed = lb.parse_llama_bench(_llama_bench_json())
+    parsed = lb.parse_llama_bench(lb.llama_bench_entries(_llama_bench_json()))
     assert parsed["prefill_tokens_per_s"] == pytest.approx(256.122718)
     assert parsed["decode_tokens_per_s"] == pytest.approx(84.252079)
     assert parsed["prefill_stddev_tokens_per_s"] == 1.5 and parsed["decode_stddev_tokens_per_s"] == 0.25
@@ -365,9 +373,9 @@ def test_latency_parses_llama_bench_json_and_formats_the_ratio():
     ratios = lb.ratios(dict(prefill_tokens_per_s=128.061359, decode_tokens_per_s=168.504158), parsed)
     assert ratios == pytest.approx(dict(prefill=0.5, decode=2.0))
     with pytest.raises(ValueError, match="one prefill and one decode"):
-        lb.parse_llama_bench(json.dumps(json.loads(_llama_bench_json())[:1]))
+        lb.parse_llama_bench(json.loads(_llama_bench_json())[:1])
     with pytest.raises(ValueError, match="no JSON array"):
-        lb.parse_llama_bench("error: failed to load model\n")
+        lb.llama_bench_entries("error: failed to load model\n")
 
     run = dict(ttft_s=0.1, decode_s=0.1, prefill_tokens_per_s=128.061359, decode_tokens_per_s=168.504158)
     peer = dict(lb.combine_runs([dict(parsed, extra_args=["-rtr", "1"])]))
@@ -384,7 +392,7 @@ def test_latency_takes_each_peers_median_over_interleaved_runs():
     from pagellm.benchmarks import llama_bench as lb
 
     rates = ((200.0, 60.0), (100.0, 80.0), (120.0, 90.0))
-    runs = [lb.parse_llama_bench(_llama_bench_json(pp_ts=pp, tg_ts=tg)) for pp, tg in rates]
+    runs = [lb.parse_llama_bench(lb.llama_bench_entries(_llama_bench_json(pp_ts=pp, tg_ts=tg))) for pp, tg in rates]
     combined = lb.combine_runs(runs)
     assert combined["prefill_tokens_per_s"] == 120.0 and combined["decode_tokens_per_s"] == 80.0
     assert combined["decode_runs_tokens_per_s"] == [60.0, 80.0, 90.0]
@@ -395,17 +403,29 @@ def test_latency_takes_each_peers_median_over_interleaved_runs():
 def test_latency_llama_bench_command_and_failures(tmp_path):
     from pagellm.benchmarks import llama_bench as lb
 
-    fake = _fake_llama_bench(tmp_path, _llama_bench_json(n_prompt=8, n_gen=5))
+    # Every engine decodes after the prompt: ik_llama.cpp's -gp in one run (its tg test's n_prompt
+    # the context), llama.cpp's -d in a second run after the prefill's (n_depth the context).
+    entries = json.loads(_llama_bench_json(n_prompt=8, n_gen=5))
+    entries[1]["n_prompt"] = 8
+    fake = _fake_llama_bench(tmp_path, json.dumps(entries))
     binary = lb.peer_binary(lb.PEERS["ik_llama"], str(fake))
-    command = lb.bench_command(binary, "/tmp/m.gguf", 8, 5, threads=3, repeats=2, extra_args=("-rtr", "1"))
-    result = lb.run_llama_bench(command)
+    commands = lb.bench_commands(lb.PEERS["ik_llama"], binary, "/tmp/m.gguf", 8, 5, threads=3, repeats=2,
+                                 extra_args=("-rtr", "1"))  # fmt: skip
+    result = lb.run_llama_bench(commands)
     assert json.loads((tmp_path / "argv.json").read_text()) == [
-        "-m", "/tmp/m.gguf", "-p", "8", "-n", "5", "-r", "2", "-t", "3", "-ngl", "0", "-rtr", "1", "-o", "json"]
+        "-m", "/tmp/m.gguf", "-p", "8", "-n", "0", "-gp", "8,5", "-r", "2", "-t", "3", "-ngl", "0", "-rtr", "1", "-o",
+        "json"]  # fmt: skip
     assert result["decode_tokens_per_s"] == pytest.approx(84.252079) and result["command"].endswith("-o json")
+    assert result["decode_depth"] == 8 and (tmp_path / "calls.txt").read_text() == "call\n"
+    prefill, decode = lb.bench_commands(lb.PEERS["llamacpp"], "llama-bench", "/tmp/m.gguf", 8, 5, threads=3)
+    assert prefill[prefill.index("-p"):prefill.index("-r")] == ["-p", "8", "-n", "0"]
+    assert decode[decode.index("-p"):decode.index("-r")] == ["-p", "0", "-n", "5", "-d", "8"]
+    pp, tg = json.loads(_llama_bench_json(n_prompt=8, n_gen=5))
+    assert lb.parse_llama_bench([pp, dict(tg, n_depth=8)])["decode_depth"] == 8
     (tmp_path / "fails").mkdir()
     failing = _fake_llama_bench(tmp_path / "fails", "", exit_code=3)
     with pytest.raises(RuntimeError, match=r"exit 3\)(.|\n)*llama-bench log line"):
-        lb.run_llama_bench([str(failing), "-o", "json"])
+        lb.run_llama_bench([[str(failing), "-o", "json"]])
 
 
 def test_latency_compare_refuses_missing_binary_and_non_gguf(tiny_llama_path, tmp_path):
@@ -445,10 +465,12 @@ def test_latency_compares_both_peers_end_to_end_with_fake_llama_benches(
     argv = {name: json.loads((tmp_path / name / "argv.json").read_text()) for name in ("llama", "ik")}
     assert argv["llama"][:2] == ["-m", default_model_path_fixture] and argv["llama"][argv["llama"].index("-t") + 1] == "1"
     assert argv["llama"][-4:] == ["--repack", "0", "-o", "json"] and argv["ik"][-4:] == ["-rtr", "1", "-o", "json"]
-    # One repetition of each peer after each of pagellm's repeats (interleaved).
-    for name in ("llama", "ik"):
+    # One repetition of each peer after each of pagellm's repeats (interleaved); llama.cpp's in
+    # two runs (the prefill, then decode after the prompt: -d), ik_llama.cpp's in one (-gp).
+    for name, calls in (("llama", 4), ("ik", 2)):
         assert argv[name][argv[name].index("-r") + 1] == "1"
-        assert (tmp_path / name / "calls.txt").read_text().count("call") == 2
+        assert (tmp_path / name / "calls.txt").read_text().count("call") == calls
+    assert argv["llama"][argv["llama"].index("-d") + 1] == "8" and argv["ik"][argv["ik"].index("-gp") + 1] == "8,3"
     report = json.loads(out.read_text())
     assert report["config"]["compare"] == ["llamacpp", "ik_llama"]
     assert {name: peer["extra_args"] for name, peer in report["peers"].items()} == {
