@@ -280,12 +280,34 @@ def _generate_fused_or_not(llm: LLM, fused: bool) -> list[tuple[list[int], list[
             for o in outputs]
 
 
-@pytest.mark.parametrize("case", [
-    "default-gguf-bf16", "default-gguf-bf16-amx-tiles", "qwen2-int8-f32", "qwen2-int8-bf16", "llama-int8-bf16-fp8kv", "llama-dense-bf16",
-    "llama-dense-bf16-no-amx", "qwen2-dense-f32-avx2", "mistral-window-bf16", "mistral-window-int8-f32",
-    "qwen3-window-bf16", "qwen3-window-int8-f32", "phi4-mini-bf16", "phi4-mini-int8-f32", "smollm3-int8-bf16",
-    "granite-bf16", "granite-int8-f32",
-])
+# Each case of the stack's test: (the tiny model's fixture, or None for the default GGUF, dtype,
+# further engine options).
+_INT8 = dict(quantization="int8")
+_FUSED_CASES: dict[str, tuple[str | None, str, dict[str, object]]] = {
+    "default-gguf-bf16": (None, "bfloat16", {}),
+    "default-gguf-bf16-amx-tiles": (None, "bfloat16", {}),
+    "qwen2-int8-f32": ("tiny_qwen2_path", "float32", _INT8),
+    "qwen2-int8-bf16": ("tiny_qwen2_path", "bfloat16", _INT8),
+    "llama-int8-bf16-fp8kv": ("tiny_llama_path", "bfloat16", dict(_INT8, kv_cache_dtype="fp8")),
+    "llama-dense-bf16": ("tiny_llama_path", "bfloat16", {}),
+    # AVX-512 BF16 dot products where the CPU has them (this CPU's own plan where not).
+    "llama-dense-bf16-no-amx": ("tiny_llama_path", "bfloat16", dict(cpu_isa="avx512")),
+    "qwen2-dense-f32-avx2": ("tiny_qwen2_path", "float32", dict(cpu_isa="avx2")),
+    "mistral-window-bf16": ("tiny_mistral_window_path", "bfloat16", {}),
+    "mistral-window-int8-f32": ("tiny_mistral_window_path", "float32", _INT8),
+    "qwen3-window-bf16": ("tiny_qwen3_window_path", "bfloat16", {}),
+    "qwen3-window-int8-f32": ("tiny_qwen3_window_path", "float32", _INT8),
+    # Partial rotary (half of each head, LongRoPE) and NoPE layers (every other one).
+    "phi4-mini-bf16": ("tiny_phi4_mini_path", "bfloat16", {}),
+    "phi4-mini-int8-f32": ("tiny_phi4_mini_path", "float32", _INT8),
+    "smollm3-int8-bf16": ("tiny_smollm3_path", "bfloat16", _INT8),
+    # Granite: each block's output scaled before it joins the residual.
+    "granite-bf16": ("tiny_granite_path", "bfloat16", {}),
+    "granite-int8-f32": ("tiny_granite_path", "float32", _INT8),
+}
+
+
+@pytest.mark.parametrize("case", list(_FUSED_CASES))
 def test_fused_decoder_equals_the_layers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
                                          case: str) -> None:
     """One C++ call for the whole decoder stack gives the Python layers' results bit for bit
@@ -295,38 +317,10 @@ def test_fused_decoder_equals_the_layers(request: pytest.FixtureRequest, monkeyp
     residual multiplier included)."""
     if case.endswith("amx-tiles"):  # no memory for dense copies: big batches on AMX tiles
         monkeypatch.setattr("pagellm.worker.kernel_plan.DENSE_COPY_MEMORY_SHARE", 0.0)
-    options: dict[str, object] = {
-        "default-gguf-bf16": dict(dtype="bfloat16"),
-        "default-gguf-bf16-amx-tiles": dict(dtype="bfloat16"),
-        "qwen2-int8-f32": dict(model=request.getfixturevalue("tiny_qwen2_path"), dtype="float32",
-                               quantization="int8"),
-        "qwen2-int8-bf16": dict(model=request.getfixturevalue("tiny_qwen2_path"), dtype="bfloat16",
-                                quantization="int8"),
-        "llama-int8-bf16-fp8kv": dict(model=request.getfixturevalue("tiny_llama_path"), dtype="bfloat16",
-                                      quantization="int8", kv_cache_dtype="fp8"),
-        "llama-dense-bf16": dict(model=request.getfixturevalue("tiny_llama_path"), dtype="bfloat16"),
-        # AVX-512 BF16 dot products where the CPU has them (this CPU's own plan where not).
-        "llama-dense-bf16-no-amx": dict(model=request.getfixturevalue("tiny_llama_path"), dtype="bfloat16",
-                                        cpu_isa="avx512"),
-        "qwen2-dense-f32-avx2": dict(model=request.getfixturevalue("tiny_qwen2_path"), dtype="float32",
-                                     cpu_isa="avx2"),
-        "mistral-window-bf16": dict(model=request.getfixturevalue("tiny_mistral_window_path"), dtype="bfloat16"),
-        "mistral-window-int8-f32": dict(model=request.getfixturevalue("tiny_mistral_window_path"), dtype="float32",
-                                        quantization="int8"),
-        "qwen3-window-bf16": dict(model=request.getfixturevalue("tiny_qwen3_window_path"), dtype="bfloat16"),
-        "qwen3-window-int8-f32": dict(model=request.getfixturevalue("tiny_qwen3_window_path"), dtype="float32",
-                                      quantization="int8"),
-        # Partial rotary (half of each head, LongRoPE) and NoPE layers (every other one).
-        "phi4-mini-bf16": dict(model=request.getfixturevalue("tiny_phi4_mini_path"), dtype="bfloat16"),
-        "phi4-mini-int8-f32": dict(model=request.getfixturevalue("tiny_phi4_mini_path"), dtype="float32",
-                                   quantization="int8"),
-        "smollm3-int8-bf16": dict(model=request.getfixturevalue("tiny_smollm3_path"), dtype="bfloat16",
-                                  quantization="int8"),
-        # Granite: each block's output scaled before it joins the residual.
-        "granite-bf16": dict(model=request.getfixturevalue("tiny_granite_path"), dtype="bfloat16"),
-        "granite-int8-f32": dict(model=request.getfixturevalue("tiny_granite_path"), dtype="float32",
-                                 quantization="int8"),
-    }[case]
+    fixture, dtype, extra = _FUSED_CASES[case]
+    options: dict[str, object] = dict(dtype=dtype, **extra)
+    if fixture is not None:
+        options["model"] = request.getfixturevalue(fixture)
     fused_llm = LLM(num_kv_blocks=128, **options)
     plan = fused_llm.llm_engine.executor.kernel_plan
     assert plan.decoder == "fused"
