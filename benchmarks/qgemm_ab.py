@@ -81,12 +81,13 @@ def main() -> None:
     parser.add_argument("--isa", default="auto")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    libs = [tree_library(args.base.resolve(), args.isa), tree_library(args.new.resolve(), args.isa)]
+    trees = [args.base.resolve(), args.new.resolve()]
+    libs = [tree_library(tree, args.isa) for tree in trees]
+    packers = [tree_packer(tree) for tree in trees]
     gen = torch.Generator().manual_seed(0)
     shapes = SHAPES[args.shape] * args.layers
-    trees = [args.base.resolve(), args.new.resolve()]
     unpacked = [(n, k, qf.random_weight(args.format, n, k, gen)) for n, k in shapes]
-    packed = [[(n, k, tree_packer(tree).pack(w)) for n, k, w in unpacked] for tree in trees]
+    packed = [[(n, k, packer.pack(w)) for n, k, w in unpacked] for packer in packers]
     macs = sum(n * k for n, k in shapes)
     megabytes = sum(w.numel() for _, _, w in packed[0]) / 1e6
     print(f"{args.format}, {args.shape} x {args.layers} layers ({megabytes:.0f} MB packed), {args.threads} threads")
