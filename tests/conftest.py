@@ -495,6 +495,21 @@ def tiny_hunyuan_path(tmp_path_factory: pytest.TempPathFactory, default_tokenize
 
 
 @pytest.fixture(scope="session")
+def tiny_granite_hybrid_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny Granite-4.0-H (dense): Mamba-2 layers around one attention layer without rope, two
+    groups of B and C, a chunk of 8 tokens (a prompt's scan crosses chunks), Granite's multipliers."""
+    from transformers import GraniteMoeHybridConfig
+
+    config = GraniteMoeHybridConfig(**{**TINY_SHAPE, "num_hidden_layers": 4}, **token_ids(default_tokenizer),
+                                    layer_types=["mamba", "mamba", "attention", "mamba"], num_local_experts=0,
+                                    shared_intermediate_size=96, mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=2,
+                                    mamba_d_conv=4, mamba_chunk_size=8, embedding_multiplier=0.5,
+                                    attention_multiplier=0.2, residual_multiplier=1.5, logits_scaling=4.0,
+                                    initializer_range=0.1)  # fmt: skip
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_granite_hybrid"), config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
 def tiny_lfm2_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
     """Tiny LFM2 (hybrid): short-convolution layers around one attention layer (per-head q/k
     norms), so a short prompt carries each convolution's state across chunks and steps."""

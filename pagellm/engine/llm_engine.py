@@ -73,8 +73,12 @@ class LLMEngine:
         except BaseException:
             self.executor.close()  # (its disk tier's threads and folder)
             raise
+        caching = config.cache.enable_prefix_caching
+        if caching and not arch.snapshots_states_per_block:
+            logger.info("prefix caching is off: %s's Mamba-2 layers keep no state per KV block", arch.architecture)
+            caching = False
         self.kv_cache_manager = KVCacheManager(
-            self.executor.num_blocks, block_size, enable_caching=config.cache.enable_prefix_caching,
+            self.executor.num_blocks, block_size, enable_caching=caching,
             sliding_window=arch.window_of_every_layer, disk_tier=index,
         )
         self.scheduler = Scheduler(

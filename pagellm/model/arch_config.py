@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from pagellm.kv_layout import kv_bytes_per_token
+from pagellm.model.mamba_shape import MAMBA, MambaShape, granite_hybrid_config
+from pagellm.model.rope_config import FULL, ntk_alpha, partial_rotary_factor, rope_from_hf
 
 # HF `model_type` -> architecture class name, for config.json files without "architectures".
 _MODEL_TYPE_TO_ARCH = {
@@ -38,6 +40,7 @@ _MODEL_TYPE_TO_ARCH = {
     "ernie4_5": "Ernie4_5ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
 }
 # Architectures whose q/k/v projections always carry a bias (no config flag for it).
 _ALWAYS_QKV_BIAS = {"Qwen2ForCausalLM"}
@@ -56,7 +59,7 @@ _GEMMA = {"Gemma2ForCausalLM", "Gemma3ForCausalLM"}
 # Where a config without `layer_types` puts its global layers: every N-th (Gemma 2: 2, Gemma 3:
 # its `sliding_window_pattern`, 6 by default).
 _GLOBAL_LAYER_EVERY = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
-SLIDING, FULL, CONV = "sliding_attention", "full_attention", "conv"
+SLIDING, CONV = "sliding_attention", "conv"
 # Mixture-of-experts families; Mixtral scales each expert's output by its float32 routing
 # weight, Qwen3-MoE by the weight cast to the model dtype first (as the reference does).
 _MOE = {"Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM", "GptOssForCausalLM", "Qwen2MoeForCausalLM"}
@@ -81,6 +84,10 @@ _GPT_OSS = {"GptOssForCausalLM"}
 # LFM2: short-convolution layers beside attention ones (``layer_types``), per-head q/k norms,
 # the MLP's width derived from ``intermediate_size`` (``_lfm2_config``).
 _LFM2 = {"Lfm2ForCausalLM"}
+# Granite's multipliers (embeddings, scores, residual, logits); Granite-4.0-H: Mamba-2 layers
+# beside attention ones without rope (``position_embedding_type`` other than "rope").
+_GRANITE = {"GraniteForCausalLM", "GraniteMoeHybridForCausalLM"}
+_GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"
 
 
 @dataclass
@@ -151,6 +158,11 @@ class ModelArchConfig:
     conv_kernel: int = 0
     conv_bias: bool = False
     conv_channels: int = 0  # a tensor-parallel rank's share of the convolutions' channels (0: hidden_size)
+    mamba: MambaShape | None = None  # Granite-4.0-H: the shape of its Mamba-2 layers (``layer_types`` "mamba")
+
+    def __post_init__(self) -> None:
+        if self.mamba_layers and self.mamba is None:
+            raise NotImplementedError(f"{self.architecture}'s Mamba layers are not supported (only Granite-4.0-H's)")
 
     @property
     def convolution_channels(self) -> int:
@@ -160,7 +172,19 @@ class ModelArchConfig:
     @property
     def recurrent_layers(self) -> tuple[int, ...]:
         """The layers that carry a state per sequence instead of K/V (a hybrid model's)."""
-        return tuple(i for i, t in enumerate(self.layer_types) if t == CONV)
+        return tuple(i for i, t in enumerate(self.layer_types) if t in (CONV, MAMBA))
+
+    @property
+    def mamba_layers(self) -> tuple[int, ...]:
+        """The Mamba-2 layers (``model/mamba2.py``) among the recurrent ones."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == MAMBA)
+
+    @property
+    def snapshots_states_per_block(self) -> bool:
+        """Whether each KV block can keep its recurrent layers' states at its last position, as the
+        prefix cache of a hybrid needs: a short convolution's few inputs can, a Mamba-2 layer's
+        state (heads x head_dim x state_size floats, megabytes) cannot at every block."""
+        return not self.mamba_layers
 
     @property
     def num_attention_layers(self) -> int:
@@ -227,6 +251,8 @@ class ModelArchConfig:
         if self.recurrent_layers and self.hidden_size % size:
             raise ValueError(f"tensor_parallel_size={size} must divide the model's hidden_size ({self.hidden_size}): "
                              "its convolutions' channels are shared out")  # fmt: skip
+        if self.mamba_layers:
+            raise ValueError(f"tensor parallelism does not support {self.architecture}'s Mamba-2 layers yet")
         if self.qk_norm_over_projection:
             raise ValueError(f"tensor parallelism does not support {self.architecture}'s q/k norms over the whole "
                              "projection yet (each rank holds only some heads)")  # fmt: skip
@@ -249,8 +275,10 @@ class ModelArchConfig:
         routed = self.num_experts * 3 * hidden * self.moe_intermediate_size + self.num_experts * hidden
         moe = len(self.moe_layers) * (routed + 3 * hidden * self.shared_expert_size)
         dense = (self.num_hidden_layers - len(self.moe_layers)) * 3 * hidden * inter
-        convolution = len(self.recurrent_layers) * 4 * hidden * hidden  # in_proj (3 parts) and out_proj
-        return self.num_attention_layers * attention + convolution + moe + dense + self.vocab_size * hidden
+        convolution = (len(self.recurrent_layers) - len(self.mamba_layers)) * 4 * hidden * hidden  # in_proj (3), out_proj
+        mamba = self.mamba
+        ssm = len(self.mamba_layers) * hidden * (mamba.in_proj_size + mamba.inner_size) if mamba is not None else 0
+        return self.num_attention_layers * attention + convolution + ssm + moe + dense + self.vocab_size * hidden
 
     def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
         """K+V bytes one token occupies across all layers in a cache of ``dtype`` (for sizing the
@@ -267,9 +295,12 @@ class ModelArchConfig:
         architecture = _architecture_name(config)
         if architecture in _LFM2:
             config = _lfm2_config(config)
+        mamba = None
+        if architecture == _GRANITE_HYBRID:
+            config, mamba = granite_hybrid_config(config)
         hidden_size = int(config["hidden_size"])
         num_heads = int(config["num_attention_heads"])
-        rope_theta, rope_scaling = _ntk_alpha(config, *_rope_from_hf(config))
+        rope_theta, rope_scaling = ntk_alpha(config, *rope_from_hf(config))
         qkv_bias, o_bias, mlp_bias = _biases(architecture, config)
         return cls(
             architecture=architecture,
@@ -294,7 +325,7 @@ class ModelArchConfig:
             sliding_window=_effective_sliding_window(config),
             qk_norm=architecture in _QK_NORM or architecture in _OLMO2
             or (architecture in _QK_NORM_BY_FLAG and bool(config.get("use_qk_norm"))),
-            partial_rotary_factor=_partial_rotary_factor(config),
+            partial_rotary_factor=partial_rotary_factor(config),
             nope_layers=_nope_layers(architecture, config),
             **_moe_fields(architecture, config),
             **_olmo2_fields(architecture),
@@ -306,6 +337,7 @@ class ModelArchConfig:
             **({"conv_kernel": int(config.get("conv_L_cache", 3)), "conv_bias": bool(config.get("conv_bias", False))}
                if architecture in _LFM2 else {}),
             qk_norm_after_rotary=architecture in _QK_NORM_AFTER_ROTARY,
+            mamba=mamba,
             **({"local_rope_theta": _local_rope_theta(architecture, config)} if architecture in _LOCAL_ROPE - _GEMMA else {}),
             **_gemma_fields(architecture, config, hidden_size),
             **({} if architecture in _GEMMA else {"layer_types": _layer_types(config)}),
@@ -350,40 +382,6 @@ def _architecture_name(config: dict[str, Any]) -> str:
         return str(architectures[0])
     model_type = str(config.get("model_type", ""))
     return _MODEL_TYPE_TO_ARCH.get(model_type, model_type or "<missing architectures>")
-
-
-def _rope_from_hf(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from either ``rope_theta``/``rope_scaling`` or ``rope_parameters``
-    (per layer type in Gemma 3's: the global layers' here)."""
-    params = dict(config.get("rope_parameters") or {})
-    if FULL in params:
-        params = dict(params[FULL] or {})
-    scaling = dict(config.get("rope_scaling") or params)
-    theta = float(config.get("rope_theta") or params.get("rope_theta") or scaling.get("rope_theta") or 10000.0)
-    scaling.pop("rope_theta", None)
-    if "type" in scaling and "rope_type" not in scaling:  # pre-4.45 spelling
-        scaling["rope_type"] = scaling.pop("type")
-    if scaling.get("rope_type", "default") == "default":
-        return theta, None
-    if "original_max_position_embeddings" not in scaling and "original_max_position_embeddings" in config:
-        scaling["original_max_position_embeddings"] = config["original_max_position_embeddings"]  # Phi-3 keeps it here
-    return theta, scaling
-
-
-def _ntk_alpha(config: dict[str, Any], theta: float, scaling: dict[str, Any] | None) -> tuple[float, dict[str, Any] | None]:
-    """Hunyuan's "dynamic" rope with a fixed ``alpha``: a static base, ``theta * alpha ** (d / (d -
-    2))`` over the head's d dims (no scaling by length), as transformers computes it."""
-    if scaling is None or scaling.get("rope_type") != "dynamic" or not scaling.get("alpha"):
-        return theta, scaling
-    dim = int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
-    return theta * float(scaling["alpha"]) ** (dim / (dim - 2)), None
-
-
-def _partial_rotary_factor(config: dict[str, Any]) -> float:
-    """The rotary share of each head, from the config or its rope parameters (default 1)."""
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    value = config.get("partial_rotary_factor", params.get("partial_rotary_factor"))
-    return 1.0 if value is None else float(value)
 
 
 def _biases(architecture: str, config: dict[str, Any]) -> tuple[bool, bool, bool]:
@@ -435,6 +433,9 @@ def _nope_layers(architecture: str, config: dict[str, Any]) -> tuple[int, ...]:
         types = _layer_types(config)
         hybrid = config.get("sliding_window") is not None and SLIDING in types
         return tuple(i for i, t in enumerate(types) if t == FULL) if hybrid else ()
+    if architecture == _GRANITE_HYBRID:  # (no rope anywhere unless asked for)
+        rope = config.get("position_embedding_type") == "rope"
+        return () if rope else tuple(range(int(config["num_hidden_layers"])))
     if architecture not in _NOPE:
         return ()
     layers = int(config["num_hidden_layers"])
@@ -457,7 +458,7 @@ def _olmo2_fields(architecture: str) -> dict[str, Any]:
 def _granite_fields(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
     """Granite's multipliers: of the embeddings, of the scores (in place of head_dim**-0.5), of
     each block's output, and the logits' divisor."""
-    if architecture != "GraniteForCausalLM":
+    if architecture not in _GRANITE:
         return {}
     return dict(
         embedding_scale=float(config.get("embedding_multiplier", 1.0)),
@@ -528,10 +529,10 @@ def _layer_types(config: dict[str, Any]) -> tuple[str, ...]:
     """The config's ``layer_types`` (sliding or full attention per layer; transformers writes
     them for Qwen2/Qwen3 from ``max_window_layers``), checked; empty where it has none."""
     types = tuple(str(t) for t in config.get("layer_types") or ())
-    unknown = sorted(set(types) - {SLIDING, FULL, CONV})
+    unknown = sorted(set(types) - {SLIDING, FULL, CONV, MAMBA})
     if unknown:
-        raise NotImplementedError(f"layer types {unknown} are not supported (only {SLIDING!r}, {FULL!r} and "
-                                  f"LFM2's {CONV!r})")  # fmt: skip
+        raise NotImplementedError(f"layer types {unknown} are not supported (only {SLIDING!r}, {FULL!r}, LFM2's "
+                                  f"{CONV!r} and Granite-4.0-H's {MAMBA!r})")  # fmt: skip
     if types and len(types) != int(config["num_hidden_layers"]):
         raise ValueError(f"layer_types lists {len(types)} layers, the model has {config['num_hidden_layers']}")
     return types
@@ -545,7 +546,7 @@ def _local_rope_theta(architecture: str, config: dict[str, Any]) -> float | None
         return None
     local = (config.get("rope_parameters") or {}).get(SLIDING) or {}
     if not local and architecture != "Gemma3ForCausalLM":
-        return _rope_from_hf(config)[0]
+        return rope_from_hf(config)[0]
     if local.get("rope_type", "default") != "default":
         raise NotImplementedError(f"rope scaling of the sliding-window layers ({local['rope_type']!r}) is not supported")
     return float(local.get("rope_theta") or config.get("rope_local_base_freq") or 10000.0)

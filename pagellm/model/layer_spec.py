@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagellm.model.arch_config import ModelArchConfig
+from pagellm.model.mamba_shape import MambaShape
 
 
 @dataclass(frozen=True)
@@ -47,11 +48,12 @@ class LayerSpec:
     conv_kernel: int = 0
     conv_bias: bool = False
     conv_channels: int = 0  # the channels it runs (a tensor-parallel rank's share)
+    mamba: MambaShape | None = None  # Granite-4.0-H: a Mamba-2 mixer (``model/mamba2.py``) in place of attention
 
     @property
     def recurrent(self) -> bool:
         """Whether the layer carries a state from token to token (a state slot) instead of K/V."""
-        return self.conv_kernel > 0
+        return self.conv_kernel > 0 or self.mamba is not None
 
     @property
     def q_size(self) -> int:
@@ -93,6 +95,7 @@ def layer_spec(arch: ModelArchConfig, index: int) -> LayerSpec:
         conv_kernel=arch.conv_kernel if index in arch.recurrent_layers else 0,
         conv_bias=arch.conv_bias,
         conv_channels=arch.convolution_channels,
+        mamba=arch.mamba if index in arch.mamba_layers else None,
     )
 
 
@@ -106,6 +109,8 @@ def stack_refusal(spec: LayerSpec) -> str | None:
     runs: RMSNorm (weight-scaled), q/k/v bias, per-head q/k norms, one rotary table over all of
     each head or its leading dims (partial rotary) or none (NoPE), any score scale, soft cap,
     sliding window and residual multiplier (Granite) per layer, a bias-free SiLU-gated dense MLP."""
+    if spec.mamba is not None:
+        return "a Mamba-2 layer"
     if spec.recurrent:
         return "a short-convolution layer"
     if spec.moe:

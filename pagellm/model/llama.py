@@ -35,6 +35,7 @@ from pagellm.model.mlp import LlamaMLP
 from pagellm.model.moe import SparseMoeBlock
 from pagellm.model.quant_embedding import QuantizedEmbedding, embedding_for_plan
 from pagellm.model.quant_linear import QuantizedLinear, linear_for_plan
+from pagellm.model.mamba2 import Mamba2Mixer, MambaState, mamba_weight_names
 from pagellm.model.short_conv import ConvState, ShortConv
 from pagellm.model.step_route import StepRoute, route_step
 from pagellm.multimodal_inputs import InputEmbeds
@@ -42,8 +43,8 @@ from pagellm.model.weight_names import checkpoint_parts, mlp_weight_names
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 # What each layer keeps between steps: an attention layer its K/V pair, a recurrent layer (a
-# hybrid's short convolution) its states (one a state slot, one a KV block).
-LayerCache = KVCache | ConvState
+# hybrid's short convolution or Mamba-2 mixer) its states.
+LayerCache = KVCache | ConvState | MambaState
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +169,9 @@ class LlamaDecoderLayer(nn.Module):
             return make_rms_norm(spec.hidden_size, spec.norm_eps, spec.norm_unit_offset, norm_kernels)
 
         self.input_layernorm = norm() if spec.pre_norms else None
-        if spec.recurrent:  # (LFM2's convolution layers)
+        if spec.mamba is not None:  # (Granite-4.0-H's Mamba-2 layers)
+            self.mamba = Mamba2Mixer(spec.mamba, spec.hidden_size, spec.norm_eps, plan)
+        elif spec.recurrent:  # (LFM2's convolution layers)
             self.conv = ShortConv(spec, plan, tp)
         else:
             self.self_attn = LlamaAttention(spec, attn_backend, plan, tp)
@@ -209,7 +212,9 @@ class LlamaDecoderLayer(nn.Module):
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache, metadata: AttentionMetadata,
         lora: LoRAStep | None,
     ) -> torch.Tensor:
-        """The block that mixes tokens: attention over the K/V pair, or the convolution over its state."""
+        """The block that mixes tokens: attention over the K/V pair, or a recurrent mixer over its state."""
+        if self.spec.mamba is not None:
+            return self.mamba(hidden, cast(MambaState, cache), metadata)
         if self.spec.recurrent:  # (its cache: worker/kv_cache.py with_recurrent_states)
             return self.conv(hidden, cast(ConvState, cache), metadata)
         return self.self_attn(hidden, cos, sin, cast(KVCache, cache), metadata, lora)
@@ -428,6 +433,9 @@ class LlamaForCausalLM(nn.Module):
                 if arch.pre_norms:
                     names.add(prefix + "pre_feedforward_layernorm.weight")
             names |= mlp_weight_names(arch, i)
+            if i in arch.mamba_layers and arch.mamba is not None:
+                names |= mamba_weight_names(prefix + "mamba.", arch.mamba)
+                continue
             if i in arch.recurrent_layers:
                 kinds = ("weight", "bias") if arch.conv_bias else ("weight",)
                 names |= {f"{prefix}conv.{part}.{kind}" for part in ("in_proj", "out_proj") for kind in kinds}

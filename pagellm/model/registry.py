@@ -30,6 +30,7 @@ _MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Olmo2ForCausalLM": LlamaForCausalLM,
     "Olmo3ForCausalLM": LlamaForCausalLM,
     "GraniteForCausalLM": LlamaForCausalLM,
+    "GraniteMoeHybridForCausalLM": LlamaForCausalLM,
     "Glm4MoeForCausalLM": LlamaForCausalLM,
     "Glm4ForCausalLM": LlamaForCausalLM,
     "Exaone4ForCausalLM": LlamaForCausalLM,

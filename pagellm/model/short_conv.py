@@ -43,6 +43,10 @@ class ConvState:
     slots: torch.Tensor
     blocks: torch.Tensor
 
+    def slot_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor with a row a state slot (what a sample born from its parent copies)."""
+        return (self.slots,)
+
 
 @dataclass(frozen=True)
 class ConvPlan:
@@ -98,6 +102,24 @@ def _build_plan(metadata: AttentionMetadata, kernel: int, device: torch.device) 
                     snapshot_blocks)  # fmt: skip
 
 
+def convolve(
+    inputs: torch.Tensor, slots: torch.Tensor, plan: ConvPlan, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's depthwise causal convolution of ``inputs`` [T, channels] (``weight``: the
+    checkpoint's Conv1d layout, [channels, 1, taps]) over each request's previous inputs, read
+    from its row of ``slots`` [state slots, taps - 1, channels], which is left holding its latest
+    ones. Returns the output [T, channels] and the gathered table (the block ends' snapshots
+    are rows of it)."""
+    zero = inputs.new_zeros(1, inputs.shape[1])
+    table = torch.cat((zero, slots[plan.slots].to(inputs.dtype).flatten(0, 1), inputs))
+    taps = weight[:, 0, :].t().to(inputs.dtype)  # [taps, channels]
+    out = (table[plan.windows] * taps).sum(dim=1)
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    slots[plan.slots] = table[plan.last].to(slots.dtype)
+    return out, table
+
+
 class ShortConv(nn.Module):
     """The mixer of one convolution layer (see the module docstring). Under tensor parallelism a
     rank runs its share of the channels (each channel is its own filter): ``in_proj`` gives its
@@ -120,15 +142,8 @@ class ShortConv(nn.Module):
         """``hidden`` [T, hidden] -> [T, hidden]; each request's state slot is read for its previous
         inputs and left holding its latest ones, and each block end computed is kept in its block."""
         b, c, x = self.in_proj(hidden).chunk(3, dim=-1)
-        inputs = b * x
         plan = conv_plan(metadata, self.kernel, hidden.device)
-        zero = inputs.new_zeros(1, self.channels)
-        table = torch.cat((zero, state.slots[plan.slots].to(inputs.dtype).flatten(0, 1), inputs))
-        taps = self.conv_weight[:, 0, :].t().to(inputs.dtype)  # [kernel, hidden]
-        out = (table[plan.windows] * taps).sum(dim=1)
-        if self.conv_bias is not None:
-            out = out + self.conv_bias.to(out.dtype)
-        state.slots[plan.slots] = table[plan.last].to(state.slots.dtype)
+        out, table = convolve(b * x, state.slots, plan, self.conv_weight, self.conv_bias)
         if len(plan.snapshot_blocks):
             state.blocks[plan.snapshot_blocks] = table[plan.snapshot_rows].to(state.blocks.dtype)
         out = self.out_proj(c * out)

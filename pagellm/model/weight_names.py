@@ -51,6 +51,13 @@ _RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
         (re.compile(r"^model\.embedding_norm\."), "model.norm."),
         (re.compile(r"\.conv\.conv\.(weight|bias)$"), r".conv.conv_\1"),
     ),
+    # Granite-4.0-H: its dense MLP as `shared_mlp` (gate and up stored as one, split below); the
+    # Mamba-2 mixer's Conv1d as the mixer's own parameters.
+    "GraniteMoeHybridForCausalLM": (
+        (re.compile(r"\.shared_mlp\.input_linear\."), ".mlp.gate_up_proj."),
+        (re.compile(r"\.shared_mlp\.output_linear\."), ".mlp.down_proj."),
+        (re.compile(r"\.mamba\.conv1d\.(weight|bias)$"), r".mamba.conv_\1"),
+    ),
     # Idefics3 / SmolVLM: the text model under `model.text_model`.
     "LlamaForCausalLM": ((re.compile(r"^model\.text_model\."), "model."),),
     # gpt-oss: the router is `router` (with a bias).

@@ -3,18 +3,17 @@ model's recurrent states, one tensor a recurrent layer, one row a state slot."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 
 from pagellm.attention.backend import indexable
 from pagellm.kv_layout import kv_bytes_per_token, kv_row_width
 from pagellm.model.arch_config import ModelArchConfig
+from pagellm.model.mamba2 import MambaState
 from pagellm.model.short_conv import ConvState
 
 # Per layer: (key_cache, value_cache) for an attention layer; a recurrent layer's states.
-KVCache = list[tuple[torch.Tensor, torch.Tensor] | ConvState]
+KVCache = list[tuple[torch.Tensor, torch.Tensor] | ConvState | MambaState]
 
 
 def bytes_per_block(
@@ -96,28 +95,35 @@ def copy_blocks(kv_cache: KVCache, copies: list[tuple[int, int]]) -> None:
 
 def copy_states(caches: KVCache, copies: list[tuple[int, int]]) -> None:
     """Copy recurrent-state slots src -> dst in every recurrent layer (all read before any is written)."""
-    _copy_rows(caches, copies, lambda state: (state.slots, state.slots))
+    pairs = [(t, t) for state in _states(caches, copies) for t in state.slot_tensors()]
+    _copy_rows(pairs, copies)
 
 
 def load_states(caches: KVCache, loads: list[tuple[int, int]]) -> None:
     """Start state slots from KV blocks' snapshots, (block, slot) pairs, in every recurrent layer
-    (a request whose first blocks came from the prefix cache)."""
-    _copy_rows(caches, loads, lambda state: (state.blocks, state.slots))
+    (a request whose first blocks came from the prefix cache; never a Mamba-2 layer's, whose
+    states are not kept per block)."""
+    states = _states(caches, loads)
+    if loads and any(isinstance(state, MambaState) for state in states):
+        raise ValueError("Mamba-2 layers keep no state per KV block to load")
+    _copy_rows([(state.blocks, state.slots) for state in states if isinstance(state, ConvState)], loads)
 
 
-def _copy_rows(
-    caches: KVCache, pairs: list[tuple[int, int]], tensors: Callable[[ConvState], tuple[torch.Tensor, torch.Tensor]]
-) -> None:
-    """dst[pair[1]] = src[pair[0]] for each pair, in each recurrent layer's (src, dst) tensors."""
-    if not pairs:
-        return
-    states = [cache for cache in caches if isinstance(cache, ConvState)]
-    if not states:
+def _states(caches: KVCache, pairs: list[tuple[int, int]]) -> list[ConvState | MambaState]:
+    """The recurrent layers' states (an error where pairs are asked of a model without any)."""
+    states = [cache for cache in caches if isinstance(cache, (ConvState, MambaState))]
+    if pairs and not states:
         raise ValueError("state copies for a model without recurrent layers")
-    src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=states[0].slots.device)
-    dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=states[0].slots.device)
-    for state in states:
-        source, target = tensors(state)
+    return states
+
+
+def _copy_rows(tensors: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
+    """target[pair[1]] = source[pair[0]] for each pair, in each (source, target) of ``tensors``."""
+    if not pairs or not tensors:
+        return
+    src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=tensors[0][0].device)
+    dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=tensors[0][0].device)
+    for source, target in tensors:
         target.index_copy_(0, dst, source.index_select(0, src))
 
 
@@ -126,26 +132,44 @@ def with_recurrent_states(
     device: torch.device,
 ) -> KVCache:
     """Every layer's cache in layer order: ``attention``'s K/V pairs (one an attention layer, in
-    order) and, for each recurrent layer, its zeroed states (``model/short_conv.py``): a
-    convolution's last ``conv_kernel - 1`` inputs for each state slot and each KV block (``arch``:
-    this rank's share, whose channels they are)."""
+    order) and, for each recurrent layer, its zeroed states: a short convolution's last
+    ``conv_kernel - 1`` inputs for each state slot and each KV block (``model/short_conv.py``;
+    ``arch``: this rank's share, whose channels they are), a Mamba-2 layer's convolution inputs
+    and float32 SSM state for each state slot (``model/mamba2.py``)."""
     recurrent = set(arch.recurrent_layers)
     if not recurrent:
         return attention
     pairs = iter(attention)
-    row = (arch.conv_kernel - 1, arch.convolution_channels)
+    mamba = set(arch.mamba_layers)
 
-    def states() -> ConvState:
+    def states(layer: int) -> ConvState | MambaState:
+        if layer in mamba and arch.mamba is not None:
+            shape = arch.mamba
+            conv = torch.zeros((num_slots, shape.conv_kernel - 1, shape.conv_dim), dtype=dtype, device=device)
+            ssm = (num_slots, shape.num_heads, shape.head_dim, shape.state_size)
+            return MambaState(conv, torch.zeros(ssm, dtype=torch.float32, device=device))
+        row = (arch.conv_kernel - 1, arch.convolution_channels)
         if device.type == "cpu":  # (pages of snapshots never written stay untouched)
             blocks = _zeroed_cpu_buffer(num_blocks * row[0] * row[1], dtype).view(num_blocks, *row)
         else:
             blocks = torch.zeros((num_blocks, *row), dtype=dtype, device=device)
         return ConvState(torch.zeros((num_slots, *row), dtype=dtype, device=device), blocks)
 
-    return [states() if i in recurrent else next(pairs) for i in range(arch.num_hidden_layers)]
+    return [states(i) if i in recurrent else next(pairs) for i in range(arch.num_hidden_layers)]
 
 
-def recurrent_state_bytes(arch: ModelArchConfig, num_rows: int, dtype: torch.dtype) -> int:
-    """The memory of ``num_rows`` rows (state slots or KV blocks) of every recurrent layer's states."""
+def state_slot_bytes(arch: ModelArchConfig, num_slots: int, dtype: torch.dtype) -> int:
+    """The memory of ``num_slots`` state slots of every recurrent layer (the SSM state float32)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return len(arch.recurrent_layers) * num_rows * (arch.conv_kernel - 1) * arch.convolution_channels * itemsize
+    mamba = arch.mamba
+    conv_inputs, ssm = mamba.slot_floats() if mamba is not None else (0, 0)
+    per_slot = len(arch.mamba_layers) * (conv_inputs * itemsize + ssm * 4)
+    return num_slots * (per_slot + state_snapshot_bytes(arch, dtype))  # (a convolution's slot: a snapshot's size)
+
+
+def state_snapshot_bytes(arch: ModelArchConfig, dtype: torch.dtype) -> int:
+    """The memory one KV block's snapshots of the recurrent layers' states take (a short
+    convolution's inputs; a Mamba-2 layer keeps none)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    convolutions = len(arch.recurrent_layers) - len(arch.mamba_layers)
+    return convolutions * (arch.conv_kernel - 1) * arch.convolution_channels * itemsize

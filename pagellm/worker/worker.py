@@ -43,7 +43,8 @@ from pagellm.worker.kv_cache import (
     allocate_kv_cache,
     bytes_per_block,
     num_blocks_for_budget,
-    recurrent_state_bytes,
+    state_slot_bytes,
+    state_snapshot_bytes,
     with_recurrent_states,
 )
 from pagellm.worker.disk_tier_io import DiskTierIO
@@ -133,16 +134,17 @@ def rank_shard(arch: ModelArchConfig, parallel: ParallelRank | None) -> ModelArc
 
 
 def check_recurrent_support(arch: ModelArchConfig, config: EngineConfig, parallel: ParallelRank | None) -> None:
-    """Refuse, naming it, what a model with recurrent layers (LFM2's convolutions) cannot run yet:
-    its state is not split across pipeline stages, nor rolled back for rejected drafts."""
+    """Refuse, naming it, what a model with recurrent layers (LFM2's convolutions, Mamba-2) cannot
+    run yet: its state is not split across pipeline stages, nor rolled back for rejected drafts."""
     if not arch.recurrent_layers:
         return
+    kind = "Mamba-2" if arch.mamba_layers else "short-convolution"
     if parallel is not None and parallel.pp_size > 1:
-        raise ValueError(f"{arch.architecture} has recurrent (short-convolution) layers: pipeline parallelism does "
-                         "not support them yet (tensor and data parallelism do)")  # fmt: skip
+        raise ValueError(f"{arch.architecture} has recurrent ({kind}) layers: pipeline parallelism does not support "
+                         "them yet")  # fmt: skip
     if config.speculative is not None:
-        raise ValueError(f"{arch.architecture} has recurrent (short-convolution) layers: speculative decoding does "
-                         "not support them yet (a rejected draft would have to roll their state back)")  # fmt: skip
+        raise ValueError(f"{arch.architecture} has recurrent ({kind}) layers: speculative decoding does not support "
+                         "them yet (a rejected draft would have to roll their state back)")  # fmt: skip
 
 
 def context_limit(
@@ -280,7 +282,7 @@ class Worker:
             raise ValueError("a draft model needs every KV block of the target kept; this target releases blocks "
                              "behind its sliding window (use 'ngram')")  # fmt: skip
         if arch.recurrent_layers:
-            raise ValueError(f"the draft model {arch.architecture} has recurrent (short-convolution) layers: a draft "
+            raise ValueError(f"the draft model {arch.architecture} has recurrent layers: a draft "
                              "model with them is not supported yet")  # fmt: skip
         self._optimize(model, plan)
         return LoadedDraft(plan, model, arch)
@@ -295,7 +297,7 @@ class Worker:
         cache = config.cache
         block_bytes = draft_block_bytes + bytes_per_block(shard.num_attention_layers, shard.num_key_value_heads,
                                                           shard.head_dim, cache.block_size, self.kv_cache_dtype)  # fmt: skip
-        block_bytes += recurrent_state_bytes(shard, 1, self.dtype)  # (each block's state snapshots)
+        block_bytes += state_snapshot_bytes(shard, self.dtype)  # (each block's state snapshots)
         if cache.num_kv_blocks is not None or cache.kv_cache_bytes is not None:
             blocks = cache.num_kv_blocks or num_blocks_for_budget(cache.kv_cache_bytes, block_bytes)
             check_pool_fits(blocks * block_bytes, available_memory_bytes(self.device), share)
@@ -311,7 +313,7 @@ class Worker:
         pool = AutoPool(
             available=available, host_weight_bytes=weight_bytes, block_bytes=block_bytes,
             workspace=step_workspace_bytes(self.arch, scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
-            + recurrent_state_bytes(shard, scheduler.max_num_seqs, self.dtype),
+            + state_slot_bytes(shard, scheduler.max_num_seqs, self.dtype),
             useful_blocks=useful_kv_blocks(scheduler.max_num_seqs, context, cache.block_size),
         )  # fmt: skip
         # Every rank takes the smallest budget, so all size alike and any refusal is every rank's.

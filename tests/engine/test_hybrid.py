@@ -1,9 +1,11 @@
-"""A hybrid model (LFM2's convolution layers beside attention): its states in slots as few as
-the running sequences, and what it cannot do yet refused by name, never answered wrongly."""
+"""Hybrid models (LFM2's convolution layers, Granite-4.0-H's Mamba-2 layers, beside attention):
+their states in slots as few as the running sequences, and what they cannot do yet refused by
+name, never answered wrongly."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagellm import LLM, SamplingParams
 from pagellm.engine.beam_search import BeamSearchParams
@@ -18,26 +20,58 @@ def lfm2(tiny_lfm2_path: str) -> LLM:
     return LLM(tiny_lfm2_path, dtype="float32", block_size=4, max_num_seqs=2)
 
 
-def test_slots_reused_by_later_requests_start_afresh(lfm2: LLM, tiny_lfm2_path: str, default_tokenizer) -> None:
-    hf = load_hf_model(tiny_lfm2_path)
+@pytest.fixture(scope="module", params=["lfm2", "granite_hybrid"])
+def hybrid(request, lfm2: LLM) -> tuple[LLM, str]:
+    """Each hybrid family's engine with two state slots, and its model's path."""
+    if request.param == "lfm2":
+        return lfm2, request.getfixturevalue("tiny_lfm2_path")
+    path = request.getfixturevalue("tiny_granite_hybrid_path")
+    return LLM(path, dtype="float32", block_size=4, max_num_seqs=2), path
+
+
+def test_slots_reused_by_later_requests_start_afresh(hybrid: tuple[LLM, str], default_tokenizer) -> None:
+    llm, path = hybrid
+    hf = load_hf_model(path)
     expected = [hf_greedy(hf, default_tokenizer(p).input_ids, MAX_TOKENS) for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for _ in range(2):  # the second round's requests take slots the first round's left dirty
-        assert [o.outputs[0].token_ids for o in lfm2.generate(PROMPTS, params, use_tqdm=False)] == expected
-    engine = lfm2.llm_engine
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == expected
+    engine = llm.llm_engine
     assert engine.scheduler.state_slots is not None and engine.scheduler.state_slots.num_free == 2
 
 
-def test_samples_start_from_their_parents_state(lfm2: LLM, tiny_lfm2_path: str, default_tokenizer) -> None:
+def test_samples_start_from_their_parents_state(hybrid: tuple[LLM, str], default_tokenizer) -> None:
     """n = 2, greedy: each sample is born from the prompt's state (copied into its own slot) and
     continues alike; a sample starting from another state would drift from the reference."""
-    hf = load_hf_model(tiny_lfm2_path)
+    llm, path = hybrid
+    hf = load_hf_model(path)
     prompts = PROMPTS[:3]
     expected = [hf_greedy(hf, default_tokenizer(p).input_ids, MAX_TOKENS) for p in prompts]
     params = SamplingParams(n=2, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = lfm2.generate(prompts, params, use_tqdm=False)  # two slots: one request at a time
+    outputs = llm.generate(prompts, params, use_tqdm=False)  # two slots: one request at a time
     assert [[c.token_ids for c in o.outputs] for o in outputs] == [[e, e] for e in expected]
-    assert lfm2.llm_engine.scheduler.state_slots.num_free == 2
+    assert llm.llm_engine.scheduler.state_slots.num_free == 2
+
+
+def test_mamba_layers_run_without_the_prefix_cache(tiny_granite_hybrid_path: str) -> None:
+    """A Mamba-2 state is too big to keep at every block's end: the engine turns the prefix
+    cache off (a repeated prompt is computed again, equal) and sizes no snapshots per block."""
+    from pagellm.worker.kv_cache import state_slot_bytes, state_snapshot_bytes
+
+    arch = load_arch_config(tiny_granite_hybrid_path)
+    assert arch.mamba_layers == (0, 1, 3) and not arch.snapshots_states_per_block
+    assert state_snapshot_bytes(arch, torch.float32) == 0
+    # a slot: 3 layers x (3 convolution inputs of 192 channels + 8 x 16 x 16 float32 state)
+    assert state_slot_bytes(arch, 2, torch.float32) == 2 * 3 * (3 * 192 + 8 * 16 * 16) * 4
+    llm = LLM(tiny_granite_hybrid_path, dtype="float32", block_size=4)
+    first = tokens(llm, [{"prompt_token_ids": BASE}], GREEDY)
+    assert tokens(llm, [{"prompt_token_ids": BASE}], GREEDY) == first
+    assert llm.llm_engine.stats.prefix_cache_hits == 0
+
+
+def test_mamba_layers_refuse_tensor_parallelism_by_name(tiny_granite_hybrid_path: str) -> None:
+    with pytest.raises(ValueError, match="tensor parallelism does not support .*Mamba-2 layers"):
+        load_arch_config(tiny_granite_hybrid_path).shard(2)
 
 
 def test_beam_search_is_refused_by_name(lfm2: LLM) -> None:

@@ -1,0 +1,184 @@
+"""Mamba-2's mixer: a selective state-space scan in place of attention in a hybrid model's
+Mamba layers (Granite-4.0-H).
+
+``in_proj`` makes a gate, x / B / C and one time step a head of each token; a depthwise causal
+convolution (:func:`pagellm.model.short_conv.convolve`, the same gather as LFM2's) and a SiLU run
+over x, B and C; then each head carries a ``[head_dim, state_size]`` state through the tokens::
+
+    h_t = exp(dt_t * A) * h_{t-1} + dt_t * x_t B_t^T        y_t = h_t C_t + D * x_t
+
+and ``y``, gated by SiLU(gate) and RMS-normed per group, goes through ``out_proj``. What a sequence
+carries from step to step is its convolution's last ``conv_kernel - 1`` inputs and that state,
+one row each of the layer's :class:`MambaState` (a row a state slot, ``core/state_slots.py``);
+a request whose context starts at position 0 starts from zeros.
+
+A step's decode tokens (one token a request) advance their states in one batched update; a
+prompt (or a chunk of one) runs the chunked form of the same recurrence (:func:`ssd_scan`: within
+a chunk, the outputs as a masked, decayed product of C and B, like attention's scores; between
+chunks, the state), a chunk of up to ``chunk_size`` tokens at a time. The state is float32.
+
+Unlike a short convolution's few inputs, this state (heads x head_dim x state_size floats, a few
+megabytes a layer at real sizes) is not kept at every KV block's end, so a model with Mamba-2
+layers runs without the prefix cache (``ModelArchConfig.snapshots_states_per_block``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.attention.backend import AttentionMetadata
+from pagellm.kernels.plan import KernelPlan
+from pagellm.model.mamba_shape import MambaShape
+from pagellm.model.quant_linear import linear_for_plan
+from pagellm.model.short_conv import conv_plan, convolve
+
+
+@dataclass
+class MambaState:
+    """What one Mamba-2 layer keeps between steps, a row a state slot: each sequence's latest
+    convolution inputs (``conv``: [slots, conv_kernel - 1, conv_dim], the model dtype) and its
+    SSM state (``ssm``: [slots, heads, head_dim, state_size], float32)."""
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+    def slot_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor with a row a state slot (what a sample born from its parent copies)."""
+        return self.conv, self.ssm
+
+
+@dataclass(frozen=True)
+class ScanPlan:
+    """One step's requests, split by how their scan runs (the same for every Mamba-2 layer)."""
+
+    fresh: torch.Tensor  # [R] bool: the request starts at position 0 (its state from zeros)
+    decode: torch.Tensor  # [D] the requests with one token this step
+    decode_tokens: torch.Tensor  # [D] their tokens' rows
+    spans: tuple[tuple[int, int, int], ...]  # (request, first token row, end row) of the others
+
+
+def scan_plan(metadata: AttentionMetadata, device: torch.device) -> ScanPlan:
+    """The step's :class:`ScanPlan` (cached in ``metadata.derived``)."""
+    plan = metadata.derived.get("mamba2")
+    if plan is None:
+        query_lens = np.asarray(metadata.query_lens, dtype=np.int64)
+        starts = np.concatenate(([0], np.cumsum(query_lens)))
+        fresh = np.asarray(metadata.seq_lens, dtype=np.int64) == query_lens
+        one = np.flatnonzero(query_lens == 1)
+        spans = tuple((int(r), int(starts[r]), int(starts[r + 1])) for r in np.flatnonzero(query_lens > 1))
+        as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+        plan = metadata.derived["mamba2"] = ScanPlan(as_tensor(fresh), as_tensor(one), as_tensor(starts[one]), spans)
+    return plan  # type: ignore[return-value]
+
+
+def ssd_scan(
+    x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, state: torch.Tensor,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's tokens through the recurrence, a chunk at a time; float32 throughout.
+    ``x`` [L, heads, head_dim], ``dt`` [L, heads] (after its softplus), ``a`` [heads] (negative),
+    ``b``, ``c`` [L, heads, state_size], ``state`` [heads, head_dim, state_size] before the first
+    token. Returns ``sum_s C_t B_s decay(s..t) dt_s x_s`` for each token (without the ``D``
+    term) and the state after the last."""
+    outputs = []
+    for start in range(0, x.shape[0], chunk_size):
+        xs, dts = x[start : start + chunk_size], dt[start : start + chunk_size]
+        bs, cs = b[start : start + chunk_size], c[start : start + chunk_size]
+        decay = torch.cumsum(dts * a, dim=0)  # [Q, heads]: log of the decay from the chunk's start
+        pairs = decay[:, None, :] - decay[None, :, :]  # [t, s, heads]: log decay from s to t
+        causal = torch.ones(len(xs), len(xs), dtype=torch.bool, device=x.device).tril()
+        weights = torch.einsum("thn,shn->tsh", cs, bs) * torch.exp(pairs.masked_fill(~causal[..., None], -torch.inf))
+        inputs = xs * dts[..., None]  # [Q, heads, head_dim]
+        within = torch.einsum("tsh,shp->thp", weights, inputs)
+        before = torch.einsum("thn,hpn->thp", cs, state) * torch.exp(decay)[..., None]
+        outputs.append(within + before)
+        to_end = torch.exp(decay[-1][None, :] - decay)  # [Q, heads]: decay from each token to the chunk's end
+        state = state * torch.exp(decay[-1])[:, None, None] + torch.einsum("shn,shp->hpn", bs * to_end[..., None], inputs)
+    return torch.cat(outputs), state
+
+
+class GatedRMSNorm(nn.Module):
+    """The scan's output times SiLU(gate), RMS-normed over each of ``groups`` equal groups of
+    channels, scaled by ``weight`` (float32 in, float32 out)."""
+
+    def __init__(self, size: int, groups: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.groups, self.eps = groups, eps
+
+    def forward(self, hidden: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        hidden = hidden * F.silu(gate.float())
+        grouped = hidden.view(hidden.shape[0], self.groups, -1)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * grouped.view_as(hidden)
+
+
+class Mamba2Mixer(nn.Module):
+    """The mixer of one Mamba-2 layer (see the module docstring); parameters by the checkpoint's
+    names (``mamba.in_proj``, ``conv_weight`` / ``conv_bias`` for its Conv1d, ``dt_bias``,
+    ``A_log``, ``D``, ``norm``, ``out_proj``)."""
+
+    def __init__(self, shape: MambaShape, hidden_size: int, norm_eps: float, plan: KernelPlan | None) -> None:
+        super().__init__()
+        self.shape = shape
+        self.in_proj = linear_for_plan(hidden_size, shape.in_proj_size, shape.proj_bias, plan)
+        self.out_proj = linear_for_plan(shape.inner_size, hidden_size, shape.proj_bias, plan)
+        self.conv_weight = nn.Parameter(torch.empty(shape.conv_dim, 1, shape.conv_kernel))
+        self.conv_bias = nn.Parameter(torch.empty(shape.conv_dim)) if shape.conv_bias else None
+        self.dt_bias = nn.Parameter(torch.empty(shape.num_heads))
+        self.A_log = nn.Parameter(torch.empty(shape.num_heads))
+        self.D = nn.Parameter(torch.empty(shape.num_heads))
+        self.norm = GatedRMSNorm(shape.inner_size, shape.num_groups, norm_eps)
+
+    def forward(self, hidden: torch.Tensor, state: MambaState, metadata: AttentionMetadata) -> torch.Tensor:
+        """``hidden`` [T, hidden] -> [T, hidden]; each request's state slot is read and left
+        holding its state after its last token this step."""
+        shape = self.shape
+        gate, xbc, dt = self.in_proj(hidden).split([shape.inner_size, shape.conv_dim, shape.num_heads], dim=-1)
+        conv = conv_plan(metadata, shape.conv_kernel, hidden.device)
+        xbc, _ = convolve(xbc, state.conv, conv, self.conv_weight, self.conv_bias)
+        x, b, c = F.silu(xbc).split([shape.inner_size, *(2 * [shape.num_groups * shape.state_size])], dim=-1)
+        y = self._scan(x, b, c, dt, state.ssm, conv.slots, scan_plan(metadata, hidden.device))
+        return self.out_proj(self.norm(y, gate).to(hidden.dtype))
+
+    def _scan(
+        self, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor, ssm: torch.Tensor,
+        slots: torch.Tensor, plan: ScanPlan,
+    ) -> torch.Tensor:
+        """The scan's output [T, inner] (float32, the ``D`` term in); ``ssm``'s rows of the step's
+        requests (``slots``) updated."""
+        shape, tokens = self.shape, x.shape[0]
+        x = x.float().view(tokens, shape.num_heads, shape.head_dim)
+        per_group = shape.num_heads // shape.num_groups
+        b = b.float().view(tokens, shape.num_groups, -1).repeat_interleave(per_group, dim=1)
+        c = c.float().view(tokens, shape.num_groups, -1).repeat_interleave(per_group, dim=1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(shape.dt_min, shape.dt_max)
+        a = -torch.exp(self.A_log.float())
+        states = ssm[slots].masked_fill(plan.fresh[:, None, None, None], 0.0)  # [R, heads, head_dim, state]
+        y = torch.empty_like(x)
+        if len(plan.decode):  # one token each: h = exp(dt a) h + dt x B^T, y = h C
+            rows = plan.decode_tokens
+            step_dt = dt[rows]
+            advanced = states[plan.decode] * torch.exp(step_dt * a)[..., None, None] + (
+                (step_dt[..., None] * x[rows])[..., None] * b[rows][:, :, None, :])  # fmt: skip
+            y[rows] = torch.einsum("rhpn,rhn->rhp", advanced, c[rows])
+            states[plan.decode] = advanced
+        for request, start, end in plan.spans:
+            y[start:end], states[request] = ssd_scan(x[start:end], dt[start:end], a, b[start:end], c[start:end],
+                                                     states[request], shape.chunk_size)  # fmt: skip
+        ssm[slots] = states
+        y = y + self.D.float()[:, None] * x
+        return y.view(tokens, shape.inner_size)
+
+
+def mamba_weight_names(prefix: str, shape: MambaShape) -> set[str]:
+    """The weights a Mamba-2 mixer under ``prefix`` (``model.layers.N.mamba.``) loads."""
+    kinds = ("weight", "bias") if shape.proj_bias else ("weight",)
+    names = {f"{prefix}{part}.{kind}" for part in ("in_proj", "out_proj") for kind in kinds}
+    names |= {prefix + name for name in ("conv_weight", "dt_bias", "A_log", "D", "norm.weight")}
+    return names | ({prefix + "conv_bias"} if shape.conv_bias else set())
