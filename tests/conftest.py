@@ -510,6 +510,21 @@ def tiny_granite_hybrid_path(tmp_path_factory: pytest.TempPathFactory, default_t
 
 
 @pytest.fixture(scope="session")
+def tiny_granite_hybrid_moe_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny Granite-4.0-H with routed experts (H Tiny's layout): top-2 of 4 experts (their float32
+    logits softmaxed) beside the shared MLP in every layer, rope in the attention layer."""
+    from transformers import GraniteMoeHybridConfig
+
+    config = GraniteMoeHybridConfig(**{**TINY_SHAPE, "num_hidden_layers": 3, "intermediate_size": 32},
+                                    **token_ids(default_tokenizer), layer_types=["mamba", "attention", "mamba"],
+                                    num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48,
+                                    position_embedding_type="rope", mamba_n_heads=4, mamba_d_state=16,
+                                    mamba_chunk_size=8, embedding_multiplier=0.5, residual_multiplier=1.5,
+                                    logits_scaling=2.0, initializer_range=0.1)  # fmt: skip
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_granite_hybrid_moe"), config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
 def tiny_lfm2_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
     """Tiny LFM2 (hybrid): short-convolution layers around one attention layer (per-head q/k
     norms), so a short prompt carries each convolution's state across chunks and steps."""

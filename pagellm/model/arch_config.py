@@ -62,7 +62,8 @@ _GLOBAL_LAYER_EVERY = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
 SLIDING, CONV = "sliding_attention", "conv"
 # Mixture-of-experts families; Mixtral scales each expert's output by its float32 routing
 # weight, Qwen3-MoE by the weight cast to the model dtype first (as the reference does).
-_MOE = {"Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM", "GptOssForCausalLM", "Qwen2MoeForCausalLM"}
+_MOE = {"Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM", "GptOssForCausalLM", "Qwen2MoeForCausalLM",
+        "GraniteMoeHybridForCausalLM"}  # fmt: skip
 # OLMo 2: no norm before a block, one after each block's output (before its residual add), and q
 # and k RMS-normed over their whole projection (before the heads are split).
 _OLMO2 = {"Olmo2ForCausalLM", "Olmo3ForCausalLM"}  # (OLMo 3: with windowed layers, per-type rope bases)
@@ -129,7 +130,8 @@ class ModelArchConfig:
     moe_combine_in_float32: bool = False
     moe_layers: tuple[int, ...] = ()
     # "softmax" over every expert, then the top k; "sigmoid" (a correction bias and groups:
-    # _SIGMOID_ROUTING); "topk_softmax": the top k logits, then a softmax over them (gpt-oss)
+    # _SIGMOID_ROUTING); "topk_softmax": the top k logits, then a softmax over them (gpt-oss; in
+    # float32: "topk_softmax_float32", Granite-4.0-H)
     moe_scoring: str = "softmax"
     moe_router_bias: bool = False  # gpt-oss: the router linear has a bias
     moe_groups: tuple[int, int] = (1, 1)  # (n_group, topk_group): experts chosen from the best groups only
@@ -502,6 +504,8 @@ def _moe_fields(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
                       shared_expert_size=int(config.get("n_shared_experts") or 0) * int(width))  # fmt: skip
     if architecture == "Qwen2MoeForCausalLM":
         fields.update(shared_expert_size=int(config.get("shared_expert_intermediate_size") or 0), shared_expert_gate=True)
+    if architecture == _GRANITE_HYBRID and experts:  # (its chosen float32 logits softmaxed; its MLP beside)
+        fields.update(moe_scoring="topk_softmax_float32", shared_expert_size=int(config["intermediate_size"]))
     return fields
 
 

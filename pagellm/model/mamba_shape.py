@@ -59,12 +59,11 @@ class MambaShape:
 def granite_hybrid_config(config: dict[str, Any]) -> tuple[dict[str, Any], MambaShape]:
     """A GraniteMoeHybrid ``config.json`` in the common spelling (``layer_types`` as
     :data:`MAMBA` / "full_attention", its dense MLP's width as ``intermediate_size``), and its
-    Mamba-2 layers' shape. Its routed experts (Granite-4.0-H Tiny and Small) are refused by
-    name: only the dense models (H Micro, H 1B, H 350M) run yet."""
+    Mamba-2 layers' shape. With routed experts (H Tiny, H Small: ``num_local_experts``) every
+    layer's MLP is a mixture of experts ``intermediate_size`` wide (``moe_intermediate_size``)
+    beside its shared MLP."""
     config = dict(config)
-    if int(config.get("num_local_experts") or 0) > 0:
-        raise NotImplementedError("GraniteMoeHybridForCausalLM with routed experts (num_local_experts > 0: "
-                                  "Granite-4.0-H Tiny / Small) is not supported yet; its dense models are")  # fmt: skip
+    config["moe_intermediate_size"] = config.get("intermediate_size")
     layers = int(config["num_hidden_layers"])
     types = config.get("layer_types") or config.get("layers_block_type") or [MAMBA] * layers
     unknown = sorted({str(t) for t in types} - _MAMBA_NAMES - _ATTENTION_NAMES)

@@ -70,8 +70,10 @@ class SparseMoeBlock(nn.Module):
         """``(weights [T, k], expert ids [T, k])`` for each token, as the reference computes them."""
         if self.scoring == "sigmoid":
             weights, experts = self._sigmoid_route(x)
-        elif self.scoring == "topk_softmax":  # gpt-oss: the chosen logits softmaxed (in their dtype)
-            logits, experts = torch.topk(self.gate(x), self.top_k, dim=-1)
+        elif self.scoring.startswith("topk_softmax"):  # gpt-oss: the chosen logits softmaxed (in their dtype)
+            logits = self.gate(x)
+            logits = logits.float() if self.scoring == "topk_softmax_float32" else logits  # (Granite-4.0-H)
+            logits, experts = torch.topk(logits, self.top_k, dim=-1)
             weights = torch.softmax(logits, dim=-1, dtype=logits.dtype)
         else:
             probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)

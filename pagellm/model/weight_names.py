@@ -58,6 +58,18 @@ _RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
         (re.compile(r"\.shared_mlp\.output_linear\."), ".mlp.down_proj."),
         (re.compile(r"\.mamba\.conv1d\.(weight|bias)$"), r".mamba.conv_\1"),
     ),
+    # Granite-4.0-H with routed experts (:func:`_renames`): `shared_mlp` beside them as the shared
+    # expert; the experts stacked ([E, 2I, H] gate and up, [E, H, I] down) as `input_linear` /
+    # `output_linear` (or transformers 5's `experts.gate_up_proj` / `down_proj`); the router's linear.
+    "GraniteMoeHybridForCausalLM/experts": (
+        (re.compile(r"\.shared_mlp\.input_linear\."), ".mlp.shared_experts.gate_up_proj."),
+        (re.compile(r"\.shared_mlp\.output_linear\."), ".mlp.shared_experts.down_proj."),
+        (re.compile(r"\.block_sparse_moe\."), ".mlp."),
+        (re.compile(r"\.mlp\.input_linear\.weight$"), ".mlp.experts.gate_up_proj"),
+        (re.compile(r"\.mlp\.output_linear\.weight$"), ".mlp.experts.down_proj"),
+        (re.compile(r"\.mlp\.router\.(layer\.)?weight$"), ".mlp.gate.weight"),
+        (re.compile(r"\.mamba\.conv1d\.(weight|bias)$"), r".mamba.conv_\1"),
+    ),
     # Idefics3 / SmolVLM: the text model under `model.text_model`.
     "LlamaForCausalLM": ((re.compile(r"^model\.text_model\."), "model."),),
     # gpt-oss: the router is `router` (with a bias).
@@ -90,9 +102,15 @@ _STACKED_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts\.)(?P<fused>gate_up_proj
 def llama_name(arch: ModelArchConfig, name: str) -> str:
     """A name of ``arch``'s checkpoint (or of a module path in it: a LoRA adapter's tensors) by
     the Llama-family names (:data:`_RENAMES`)."""
-    for pattern, replacement in _RENAMES.get(arch.architecture, ()):
+    for pattern, replacement in _renames(arch):
         name = pattern.sub(replacement, name)
     return name
+
+
+def _renames(arch: ModelArchConfig) -> tuple[tuple[re.Pattern[str], str], ...]:
+    """``arch``'s entry of :data:`_RENAMES` (Granite-4.0-H's names its MLP by whether it has experts)."""
+    experts = arch.architecture == "GraniteMoeHybridForCausalLM" and arch.num_experts > 0
+    return _RENAMES.get(arch.architecture + ("/experts" if experts else ""), ())
 
 
 def checkpoint_parts(arch: ModelArchConfig, name: str, tensor: Tensor) -> list[tuple[str, Tensor]]:
@@ -138,16 +156,20 @@ def mlp_weight_names(arch: ModelArchConfig, layer: int) -> set[str]:
 
 
 def _split_prefused(arch: ModelArchConfig, match: re.Match[str], tensor: Tensor) -> list[tuple[str, Tensor]]:
-    """A fused ``qkv_proj`` / ``gate_up_proj`` as its q, k, v / gate, up parts by rows."""
+    """A fused ``qkv_proj`` / ``gate_up_proj`` (a layer's MLP's or its shared expert's) as its q,
+    k, v / gate, up parts by rows."""
     if match["fused"] == "qkv_proj":
         parts = [("self_attn.q_proj", arch.q_size), ("self_attn.k_proj", arch.kv_size), ("self_attn.v_proj", arch.kv_size)]
+    elif match["prefix"].endswith(".shared_experts."):
+        parts = [(f"mlp.shared_experts.{p}", arch.shared_expert_size) for p in ("gate_proj", "up_proj")]
     else:
         parts = [("mlp.gate_proj", arch.intermediate_size), ("mlp.up_proj", arch.intermediate_size)]
     name = match.string
     rows = tensor.shape[0] if isinstance(tensor, torch.Tensor) else tensor.rows
     if rows != sum(size for _, size in parts):
         raise ValueError(f"weight {name!r} has {rows} rows, expected {sum(size for _, size in parts)}")
-    prefix = match["prefix"].rsplit(".", 2)[0] + "."  # "model.layers.N."
+    layer = _LAYER_INDEX.match(name)
+    prefix = layer[0] if layer is not None else match["prefix"].rsplit(".", 2)[0] + "."  # "model.layers.N."
     out, start = [], 0
     for part, size in parts:
         rows_slice = slice(start, start + size)

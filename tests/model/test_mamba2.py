@@ -66,6 +66,14 @@ def test_a_hub_config_is_read() -> None:
     assert rope.nope_layers == ()
 
 
+def test_routed_experts_beside_the_shared_mlp() -> None:
+    """H Tiny's layout: every layer a mixture of experts ``intermediate_size`` wide, its shared
+    MLP ``shared_intermediate_size`` wide beside them, the chosen logits softmaxed in float32."""
+    arch = ModelArchConfig.from_hf_config(hub_config(num_local_experts=64, num_experts_per_tok=6))
+    assert (arch.moe_layers, arch.num_experts, arch.num_experts_per_tok) == ((0, 1, 2), 64, 6)
+    assert (arch.moe_intermediate_size, arch.shared_expert_size, arch.moe_scoring) == (128, 96, "topk_softmax_float32")
+
+
 @pytest.mark.parametrize("limit", [[0.0, {"__float__": "Infinity"}], [0.001, 100], None])
 def test_the_time_step_limit_in_each_spelling(limit) -> None:
     """transformers writes an infinite limit as {"__float__": "Infinity"}; JSON files as a number."""
@@ -74,7 +82,6 @@ def test_the_time_step_limit_in_each_spelling(limit) -> None:
 
 
 @pytest.mark.parametrize(("overrides", "words"), [
-    ({"num_local_experts": 64}, "routed experts"),
     ({"layer_types": ["mamba", "moe", "mamba"]}, r"layer types \['moe'\]"),
     ({"mamba_d_head": 12}, "mamba_n_heads .8. x mamba_d_head .12."),
     ({"mamba_n_groups": 3}, "mamba_n_groups .3. must divide"),
