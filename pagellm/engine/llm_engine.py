@@ -75,7 +75,8 @@ class LLMEngine:
             raise
         caching = config.cache.enable_prefix_caching
         if caching and not arch.snapshots_states_per_block:
-            logger.info("prefix caching is off: %s's Mamba-2 layers keep no state per KV block", arch.architecture)
+            logger.info("prefix caching is off: %s's scan layers (Mamba-2, gated delta-net) keep no state per KV block",
+                        arch.architecture)  # fmt: skip
             caching = False
         self.kv_cache_manager = KVCacheManager(
             self.executor.num_blocks, block_size, enable_caching=caching,

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from pagellm.kv_layout import kv_bytes_per_token
-from pagellm.model.mamba_shape import MAMBA, MambaShape, granite_hybrid_config
+from pagellm.model.scan_shapes import DELTA_NET, MAMBA, DeltaNetShape, MambaShape, granite_hybrid_config, qwen3_5_fields
+from pagellm.model.text_of_multimodal import text_model_config
 from pagellm.model.rope_config import FULL, ntk_alpha, partial_rotary_factor, rope_from_hf
 
 # HF `model_type` -> architecture class name, for config.json files without "architectures".
@@ -41,6 +42,7 @@ _MODEL_TYPE_TO_ARCH = {
     "gpt_oss": "GptOssForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
 }
 # Architectures whose q/k/v projections always carry a bias (no config flag for it).
 _ALWAYS_QKV_BIAS = {"Qwen2ForCausalLM"}
@@ -48,7 +50,7 @@ _ALWAYS_QKV_BIAS = {"Qwen2ForCausalLM"}
 _O_PROJ_FOLLOWS_ATTENTION_BIAS = {"LlamaForCausalLM", "GptOssForCausalLM"}
 # Architectures with an RMSNorm over each head of q and of k before the rotary embedding.
 _QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Exaone4ForCausalLM",
-            "HunYuanDenseV1ForCausalLM", "Lfm2ForCausalLM"}  # fmt: skip
+            "HunYuanDenseV1ForCausalLM", "Lfm2ForCausalLM", "Qwen3_5ForCausalLM"}  # fmt: skip
 # Architectures whose per-head q/k norms come after the rotary embedding, not before (Hunyuan).
 _QK_NORM_AFTER_ROTARY = {"HunYuanDenseV1ForCausalLM"}
 # Architectures whose config's ``use_qk_norm`` switches those per-head norms on (GLM-4.5).
@@ -89,6 +91,8 @@ _LFM2 = {"Lfm2ForCausalLM"}
 # beside attention ones without rope (``position_embedding_type`` other than "rope").
 _GRANITE = {"GraniteForCausalLM", "GraniteMoeHybridForCausalLM"}
 _GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"
+# Qwen3.5: gated delta-net layers beside gated attention ones, norms by (1 + weight).
+_QWEN3_5 = {"Qwen3_5ForCausalLM"}
 
 
 @dataclass
@@ -161,10 +165,14 @@ class ModelArchConfig:
     conv_bias: bool = False
     conv_channels: int = 0  # a tensor-parallel rank's share of the convolutions' channels (0: hidden_size)
     mamba: MambaShape | None = None  # Granite-4.0-H: the shape of its Mamba-2 layers (``layer_types`` "mamba")
+    delta_net: DeltaNetShape | None = None  # Qwen3.5: its gated delta-net layers' (``layer_types`` "linear_attention")
+    attn_output_gate: bool = False  # Qwen3.5: attention's output times sigmoid(a gate q_proj makes per head)
 
     def __post_init__(self) -> None:
         if self.mamba_layers and self.mamba is None:
             raise NotImplementedError(f"{self.architecture}'s Mamba layers are not supported (only Granite-4.0-H's)")
+        if self.delta_net_layers and self.delta_net is None:
+            raise NotImplementedError(f"{self.architecture}'s {DELTA_NET} layers are not supported (only Qwen3.5's)")
 
     @property
     def convolution_channels(self) -> int:
@@ -174,7 +182,7 @@ class ModelArchConfig:
     @property
     def recurrent_layers(self) -> tuple[int, ...]:
         """The layers that carry a state per sequence instead of K/V (a hybrid model's)."""
-        return tuple(i for i, t in enumerate(self.layer_types) if t in (CONV, MAMBA))
+        return tuple(i for i, t in enumerate(self.layer_types) if t in (CONV, MAMBA, DELTA_NET))
 
     @property
     def mamba_layers(self) -> tuple[int, ...]:
@@ -182,11 +190,21 @@ class ModelArchConfig:
         return tuple(i for i, t in enumerate(self.layer_types) if t == MAMBA)
 
     @property
+    def delta_net_layers(self) -> tuple[int, ...]:
+        """The gated delta-net layers (``model/delta_net.py``) among the recurrent ones."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == DELTA_NET)
+
+    def scan_shape(self, layer: int) -> MambaShape | DeltaNetShape | None:
+        """Layer ``layer``'s scan mixer's shape (Mamba-2, gated delta-net); None for another layer."""
+        kind = self.layer_types[layer] if self.layer_types else None
+        return self.mamba if kind == MAMBA else self.delta_net if kind == DELTA_NET else None
+
+    @property
     def snapshots_states_per_block(self) -> bool:
         """Whether each KV block can keep its recurrent layers' states at its last position, as the
-        prefix cache of a hybrid needs: a short convolution's few inputs can, a Mamba-2 layer's
-        state (heads x head_dim x state_size floats, megabytes) cannot at every block."""
-        return not self.mamba_layers
+        prefix cache of a hybrid needs: a short convolution's few inputs can, a scan layer's
+        matrix state (megabytes a layer at real sizes) cannot at every block."""
+        return not (self.mamba_layers or self.delta_net_layers)
 
     @property
     def num_attention_layers(self) -> int:
@@ -253,8 +271,9 @@ class ModelArchConfig:
         if self.recurrent_layers and self.hidden_size % size:
             raise ValueError(f"tensor_parallel_size={size} must divide the model's hidden_size ({self.hidden_size}): "
                              "its convolutions' channels are shared out")  # fmt: skip
-        if self.mamba_layers:
-            raise ValueError(f"tensor parallelism does not support {self.architecture}'s Mamba-2 layers yet")
+        if self.mamba_layers or self.delta_net_layers:
+            raise ValueError(f"tensor parallelism does not support {self.architecture}'s scan (Mamba-2, gated "
+                             "delta-net) layers yet")  # fmt: skip
         if self.qk_norm_over_projection:
             raise ValueError(f"tensor parallelism does not support {self.architecture}'s q/k norms over the whole "
                              "projection yet (each rank holds only some heads)")  # fmt: skip
@@ -277,9 +296,12 @@ class ModelArchConfig:
         routed = self.num_experts * 3 * hidden * self.moe_intermediate_size + self.num_experts * hidden
         moe = len(self.moe_layers) * (routed + 3 * hidden * self.shared_expert_size)
         dense = (self.num_hidden_layers - len(self.moe_layers)) * 3 * hidden * inter
-        convolution = (len(self.recurrent_layers) - len(self.mamba_layers)) * 4 * hidden * hidden  # in_proj (3), out_proj
-        mamba = self.mamba
+        scan_layers = len(self.mamba_layers) + len(self.delta_net_layers)
+        convolution = (len(self.recurrent_layers) - scan_layers) * 4 * hidden * hidden  # in_proj (3), out_proj
+        mamba, delta = self.mamba, self.delta_net
         ssm = len(self.mamba_layers) * hidden * (mamba.in_proj_size + mamba.inner_size) if mamba is not None else 0
+        if delta is not None:  # q/k/v, the gate z, b and a in; out
+            ssm += len(self.delta_net_layers) * hidden * (delta.conv_dim + 2 * delta.value_size + 2 * delta.num_value_heads)
         return self.num_attention_layers * attention + convolution + ssm + moe + dense + self.vocab_size * hidden
 
     def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
@@ -340,41 +362,11 @@ class ModelArchConfig:
                if architecture in _LFM2 else {}),
             qk_norm_after_rotary=architecture in _QK_NORM_AFTER_ROTARY,
             mamba=mamba,
+            **(qwen3_5_fields(config) if architecture in _QWEN3_5 else {}),
             **({"local_rope_theta": _local_rope_theta(architecture, config)} if architecture in _LOCAL_ROPE - _GEMMA else {}),
             **_gemma_fields(architecture, config, hidden_size),
             **({} if architecture in _GEMMA else {"layer_types": _layer_types(config)}),
         )
-
-
-# Multimodal checkpoints served as their text model: wrapper architecture -> (the text model's
-# architecture, the transformers config class whose defaults fill in its ``text_config``).
-_TEXT_OF_MULTIMODAL = {
-    "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "Gemma3TextConfig"),
-    # Idefics3 / SmolVLM: a Llama text model (its vision side: ``vision_config.py``).
-    "Idefics3ForConditionalGeneration": ("LlamaForCausalLM", "LlamaConfig"),
-    "SmolVLMForConditionalGeneration": ("LlamaForCausalLM", "LlamaConfig"),
-}
-
-
-def text_model_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The text model's config of a multimodal checkpoint served for text (Gemma 3 4B and up:
-    the vision tower is not loaded): its ``text_config`` with the defaults of transformers'
-    config class filled in (the Hub's files list only what differs from them) and the
-    wrapper's end-of-sequence ids. Any other config as it is."""
-    architectures = config.get("architectures") or []
-    if not architectures or architectures[0] not in _TEXT_OF_MULTIMODAL:
-        return config
-    import transformers
-
-    architecture, class_name = _TEXT_OF_MULTIMODAL[architectures[0]]
-    text = getattr(transformers, class_name)(**config.get("text_config", {})).to_dict()
-    text["architectures"] = [architecture]
-    # (Idefics3's wrapper decides whether its LM head is tied: its own flag, not the text config's.)
-    wrapper_keys = ("tie_word_embeddings",) if architecture == "LlamaForCausalLM" else ()
-    for key in ("eos_token_id", "bos_token_id", "pad_token_id", *wrapper_keys):
-        if config.get(key) is not None:
-            text[key] = config[key]
-    return text
 
 
 def _architecture_name(config: dict[str, Any]) -> str:
@@ -533,10 +525,10 @@ def _layer_types(config: dict[str, Any]) -> tuple[str, ...]:
     """The config's ``layer_types`` (sliding or full attention per layer; transformers writes
     them for Qwen2/Qwen3 from ``max_window_layers``), checked; empty where it has none."""
     types = tuple(str(t) for t in config.get("layer_types") or ())
-    unknown = sorted(set(types) - {SLIDING, FULL, CONV, MAMBA})
+    unknown = sorted(set(types) - {SLIDING, FULL, CONV, MAMBA, DELTA_NET})
     if unknown:
         raise NotImplementedError(f"layer types {unknown} are not supported (only {SLIDING!r}, {FULL!r}, LFM2's "
-                                  f"{CONV!r} and Granite-4.0-H's {MAMBA!r})")  # fmt: skip
+                                  f"{CONV!r}, Granite-4.0-H's {MAMBA!r} and Qwen3.5's {DELTA_NET!r})")  # fmt: skip
     if types and len(types) != int(config["num_hidden_layers"]):
         raise ValueError(f"layer_types lists {len(types)} layers, the model has {config['num_hidden_layers']}")
     return types

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagellm.model.arch_config import ModelArchConfig
-from pagellm.model.mamba_shape import MambaShape
+from pagellm.model.scan_shapes import DeltaNetShape, MambaShape
 
 
 @dataclass(frozen=True)
@@ -49,11 +49,13 @@ class LayerSpec:
     conv_bias: bool = False
     conv_channels: int = 0  # the channels it runs (a tensor-parallel rank's share)
     mamba: MambaShape | None = None  # Granite-4.0-H: a Mamba-2 mixer (``model/mamba2.py``) in place of attention
+    delta_net: DeltaNetShape | None = None  # Qwen3.5: a gated delta-net (``model/delta_net.py``) in place of attention
+    output_gate: bool = False  # Qwen3.5: attention's output times sigmoid(a per-head gate from q_proj)
 
     @property
     def recurrent(self) -> bool:
         """Whether the layer carries a state from token to token (a state slot) instead of K/V."""
-        return self.conv_kernel > 0 or self.mamba is not None
+        return self.conv_kernel > 0 or self.mamba is not None or self.delta_net is not None
 
     @property
     def q_size(self) -> int:
@@ -96,6 +98,8 @@ def layer_spec(arch: ModelArchConfig, index: int) -> LayerSpec:
         conv_bias=arch.conv_bias,
         conv_channels=arch.convolution_channels,
         mamba=arch.mamba if index in arch.mamba_layers else None,
+        delta_net=arch.delta_net if index in arch.delta_net_layers else None,
+        output_gate=arch.attn_output_gate,
     )
 
 
@@ -111,6 +115,10 @@ def stack_refusal(spec: LayerSpec) -> str | None:
     sliding window and residual multiplier (Granite) per layer, a bias-free SiLU-gated dense MLP."""
     if spec.mamba is not None:
         return "a Mamba-2 layer"
+    if spec.delta_net is not None:
+        return "a gated delta-net layer"
+    if spec.output_gate:
+        return "a gated attention output"
     if spec.recurrent:
         return "a short-convolution layer"
     if spec.moe:

@@ -27,6 +27,7 @@ from pagellm.kernels.plan import KernelPlan
 from pagellm.kernels.quant_formats import QuantizedRows
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.cpu_linear import pack_linear_layers
+from pagellm.model.delta_net import GatedDeltaNet, delta_net_weight_names
 from pagellm.model.fused_stack import FusedDecoderStack
 from pagellm.model.layer_spec import LayerSpec, layer_specs
 from pagellm.model.layers import RotaryEmbedding, apply_rotary_, make_rms_norm
@@ -35,7 +36,8 @@ from pagellm.model.mlp import LlamaMLP
 from pagellm.model.moe import SparseMoeBlock
 from pagellm.model.quant_embedding import QuantizedEmbedding, embedding_for_plan
 from pagellm.model.quant_linear import QuantizedLinear, linear_for_plan
-from pagellm.model.mamba2 import Mamba2Mixer, MambaState, mamba_weight_names
+from pagellm.model.mamba2 import Mamba2Mixer, mamba_weight_names
+from pagellm.model.scan_state import ScanState
 from pagellm.model.short_conv import ConvState, ShortConv
 from pagellm.model.step_route import StepRoute, route_step
 from pagellm.multimodal_inputs import InputEmbeds
@@ -44,7 +46,7 @@ from pagellm.model.weight_names import checkpoint_parts, mlp_weight_names
 KVCache = tuple[torch.Tensor, torch.Tensor]
 # What each layer keeps between steps: an attention layer its K/V pair, a recurrent layer (a
 # hybrid's short convolution or Mamba-2 mixer) its states.
-LayerCache = KVCache | ConvState | MambaState
+LayerCache = KVCache | ConvState | ScanState
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +55,11 @@ _FUSED_SHARDS = {
     "q_proj": ("qkv_proj", "q"),
     "k_proj": ("qkv_proj", "k"),
     "v_proj": ("qkv_proj", "v"),
+    "g_proj": ("qkv_proj", "g"),  # (Qwen3.5's attention output gate, split from its q_proj on load)
     "gate_proj": ("gate_up_proj", "gate"),
     "up_proj": ("gate_up_proj", "up"),
 }
-_FUSED_NAME = re.compile(r"^(?P<prefix>.*\.)(?P<sub>q_proj|k_proj|v_proj|gate_proj|up_proj)\.(?P<kind>weight|bias)$")
+_FUSED_NAME = re.compile(r"^(?P<prefix>.*\.)(?P<sub>q_proj|k_proj|v_proj|g_proj|gate_proj|up_proj)\.(?P<kind>weight|bias)$")
 _LAYER_NAME = re.compile(r"^model\.layers\.(?P<layer>\d+)\.")
 # Checkpoint entries that are derived state, not parameters.
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
@@ -87,7 +90,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = spec.head_dim
         self.q_size = spec.q_size
         self.kv_size = spec.kv_size
-        self.qkv_proj = linear_for_plan(spec.hidden_size, self.q_size + 2 * self.kv_size, spec.qkv_bias, plan)
+        gate = self.q_size if spec.output_gate else 0  # (Qwen3.5: a gate per head's output, after v)
+        self.qkv_proj = linear_for_plan(spec.hidden_size, self.q_size + 2 * self.kv_size + gate, spec.qkv_bias, plan)
         self.o_proj = linear_for_plan(self.q_size, spec.hidden_size, spec.o_bias, plan)
         self.attn_backend = attn_backend
         self.rotary_kernels = plan.library("rotary") if plan is not None else None
@@ -109,9 +113,10 @@ class LlamaAttention(nn.Module):
         self.k_norm.norm_heads_(qk[:, self.num_heads :])
 
     def shard_slices(self) -> dict[str, slice]:
-        """Rows of ``qkv_proj`` holding each of q, k, v."""
+        """Rows of ``qkv_proj`` holding each of q, k, v (and the output gate, g)."""
         q, kv = self.q_size, self.kv_size
-        return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
+        return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv),
+                "g": slice(q + 2 * kv, 2 * q + 2 * kv)}  # fmt: skip
 
     def forward(
         self,
@@ -140,11 +145,13 @@ class LlamaAttention(nn.Module):
         if per_head and spec.qk_norm_after_rotary:  # (Hunyuan)
             self._norm_heads(qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, k_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, k_end : k_end + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         out = self.attn_backend.forward(q, k, v, key_cache, value_cache, attn_metadata, spec.scale, spec.window,
                                         spec.softcap, self.sinks)  # fmt: skip
         attended = out.reshape(num_tokens, self.q_size)
+        if spec.output_gate:  # (Qwen3.5)
+            attended = attended * torch.sigmoid(qkv[:, k_end + self.kv_size :])
         out = self.o_proj(attended)
         if lora is not None:
             lora.add_(out, attended, self.spec.index, "o_proj")
@@ -171,6 +178,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = norm() if spec.pre_norms else None
         if spec.mamba is not None:  # (Granite-4.0-H's Mamba-2 layers)
             self.mamba = Mamba2Mixer(spec.mamba, spec.hidden_size, spec.norm_eps, plan)
+        elif spec.delta_net is not None:  # (Qwen3.5's gated delta-net layers)
+            self.linear_attn = GatedDeltaNet(spec.delta_net, spec.hidden_size, spec.norm_eps, plan)
         elif spec.recurrent:  # (LFM2's convolution layers)
             self.conv = ShortConv(spec, plan, tp)
         else:
@@ -214,7 +223,9 @@ class LlamaDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """The block that mixes tokens: attention over the K/V pair, or a recurrent mixer over its state."""
         if self.spec.mamba is not None:
-            return self.mamba(hidden, cast(MambaState, cache), metadata)
+            return self.mamba(hidden, cast(ScanState, cache), metadata)
+        if self.spec.delta_net is not None:
+            return self.linear_attn(hidden, cast(ScanState, cache), metadata)
         if self.spec.recurrent:  # (its cache: worker/kv_cache.py with_recurrent_states)
             return self.conv(hidden, cast(ConvState, cache), metadata)
         return self.self_attn(hidden, cos, sin, cast(KVCache, cache), metadata, lora)
@@ -436,13 +447,16 @@ class LlamaForCausalLM(nn.Module):
             if i in arch.mamba_layers and arch.mamba is not None:
                 names |= mamba_weight_names(prefix + "mamba.", arch.mamba)
                 continue
+            if i in arch.delta_net_layers:
+                names |= delta_net_weight_names(prefix + "linear_attn.")
+                continue
             if i in arch.recurrent_layers:
                 kinds = ("weight", "bias") if arch.conv_bias else ("weight",)
                 names |= {f"{prefix}conv.{part}.{kind}" for part in ("in_proj", "out_proj") for kind in kinds}
                 names.add(prefix + "conv.conv_weight")
                 names |= {prefix + "conv.conv_bias"} if arch.conv_bias else set()
                 continue
-            names |= {f"{prefix}self_attn.{p}_proj.weight" for p in "qkvo"}
+            names |= {f"{prefix}self_attn.{p}_proj.weight" for p in ("qkvog" if arch.attn_output_gate else "qkvo")}
             if arch.attention_bias:
                 names |= {f"{prefix}self_attn.{p}_proj.bias" for p in "qkv"}
             if arch.o_proj_bias:

@@ -9,7 +9,7 @@ over x, B and C; then each head carries a ``[head_dim, state_size]`` state throu
 
 and ``y``, gated by SiLU(gate) and RMS-normed per group, goes through ``out_proj``. What a sequence
 carries from step to step is its convolution's last ``conv_kernel - 1`` inputs and that state,
-one row each of the layer's :class:`MambaState` (a row a state slot, ``core/state_slots.py``);
+one row each of the layer's :class:`~pagellm.model.scan_state.ScanState` (a row a state slot, ``core/state_slots.py``);
 a request whose context starts at position 0 starts from zeros.
 
 A step's decode tokens (one token a request) advance their states in one batched update; a
@@ -24,56 +24,16 @@ layers runs without the prefix cache (``ModelArchConfig.snapshots_states_per_blo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.kernels.plan import KernelPlan
-from pagellm.model.mamba_shape import MambaShape
 from pagellm.model.quant_linear import linear_for_plan
+from pagellm.model.scan_shapes import MambaShape
+from pagellm.model.scan_state import ScanPlan, ScanState, scan_plan
 from pagellm.model.short_conv import conv_plan, convolve
-
-
-@dataclass
-class MambaState:
-    """What one Mamba-2 layer keeps between steps, a row a state slot: each sequence's latest
-    convolution inputs (``conv``: [slots, conv_kernel - 1, conv_dim], the model dtype) and its
-    SSM state (``ssm``: [slots, heads, head_dim, state_size], float32)."""
-
-    conv: torch.Tensor
-    ssm: torch.Tensor
-
-    def slot_tensors(self) -> tuple[torch.Tensor, ...]:
-        """Every tensor with a row a state slot (what a sample born from its parent copies)."""
-        return self.conv, self.ssm
-
-
-@dataclass(frozen=True)
-class ScanPlan:
-    """One step's requests, split by how their scan runs (the same for every Mamba-2 layer)."""
-
-    fresh: torch.Tensor  # [R] bool: the request starts at position 0 (its state from zeros)
-    decode: torch.Tensor  # [D] the requests with one token this step
-    decode_tokens: torch.Tensor  # [D] their tokens' rows
-    spans: tuple[tuple[int, int, int], ...]  # (request, first token row, end row) of the others
-
-
-def scan_plan(metadata: AttentionMetadata, device: torch.device) -> ScanPlan:
-    """The step's :class:`ScanPlan` (cached in ``metadata.derived``)."""
-    plan = metadata.derived.get("mamba2")
-    if plan is None:
-        query_lens = np.asarray(metadata.query_lens, dtype=np.int64)
-        starts = np.concatenate(([0], np.cumsum(query_lens)))
-        fresh = np.asarray(metadata.seq_lens, dtype=np.int64) == query_lens
-        one = np.flatnonzero(query_lens == 1)
-        spans = tuple((int(r), int(starts[r]), int(starts[r + 1])) for r in np.flatnonzero(query_lens > 1))
-        as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
-        plan = metadata.derived["mamba2"] = ScanPlan(as_tensor(fresh), as_tensor(one), as_tensor(starts[one]), spans)
-    return plan  # type: ignore[return-value]
 
 
 def ssd_scan(
@@ -135,7 +95,7 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.empty(shape.num_heads))
         self.norm = GatedRMSNorm(shape.inner_size, shape.num_groups, norm_eps)
 
-    def forward(self, hidden: torch.Tensor, state: MambaState, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, state: ScanState, metadata: AttentionMetadata) -> torch.Tensor:
         """``hidden`` [T, hidden] -> [T, hidden]; each request's state slot is read and left
         holding its state after its last token this step."""
         shape = self.shape

@@ -31,6 +31,7 @@ _MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Olmo3ForCausalLM": LlamaForCausalLM,
     "GraniteForCausalLM": LlamaForCausalLM,
     "GraniteMoeHybridForCausalLM": LlamaForCausalLM,
+    "Qwen3_5ForCausalLM": LlamaForCausalLM,
     "Glm4MoeForCausalLM": LlamaForCausalLM,
     "Glm4ForCausalLM": LlamaForCausalLM,
     "Exaone4ForCausalLM": LlamaForCausalLM,

@@ -70,6 +70,12 @@ _RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
         (re.compile(r"\.mlp\.router\.(layer\.)?weight$"), ".mlp.gate.weight"),
         (re.compile(r"\.mamba\.conv1d\.(weight|bias)$"), r".mamba.conv_\1"),
     ),
+    # Qwen3.5: the text model under `model.language_model` (the multimodal checkpoints); the gated
+    # delta-net's Conv1d as the mixer's own parameter.
+    "Qwen3_5ForCausalLM": (
+        (re.compile(r"^model\.language_model\."), "model."),
+        (re.compile(r"\.linear_attn\.conv1d\.weight$"), ".linear_attn.conv_weight"),
+    ),
     # Idefics3 / SmolVLM: the text model under `model.text_model`.
     "LlamaForCausalLM": ((re.compile(r"^model\.text_model\."), "model."),),
     # gpt-oss: the router is `router` (with a bias).
@@ -84,11 +90,13 @@ _RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
 _DROPPED: dict[str, re.Pattern[str]] = {
     "Gemma3ForCausalLM": re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\."),
     "LlamaForCausalLM": re.compile(r"^model\.(vision_model|connector)\."),  # (Idefics3's: its own encoder loads them)
+    "Qwen3_5ForCausalLM": re.compile(r"^(model\.visual\.|mtp\.)"),  # (its vision tower; multi-token prediction)
 }
 # Architectures whose checkpoints carry layers past the model's (GLM-4.5's multi-token prediction
 # layer, ``num_nextn_predict_layers``): not part of the causal LM, not loaded.
 _LAYERS_PAST_THE_MODEL_DROPPED = {"Glm4MoeForCausalLM"}
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+_Q_PROJ = re.compile(r"^(?P<prefix>.*\.self_attn\.)q_proj\.(?P<kind>weight|bias)$")
 _QK_ROWS = re.compile(r"^.*\.self_attn\.(?P<proj>q_proj|k_proj)\.(weight|bias)$")
 # q/k/v or gate/up stored fused (Phi-3): split into the parts by rows.
 _PREFUSED = re.compile(r"^(?P<prefix>.*\.)(?P<fused>qkv_proj|gate_up_proj)\.(?P<kind>weight|bias)$")
@@ -127,6 +135,8 @@ def checkpoint_parts(arch: ModelArchConfig, name: str, tensor: Tensor) -> list[t
     name = llama_name(arch, name)
     if arch.rotary_interleaved and (match := _QK_ROWS.match(name)) is not None:
         tensor = _rotate_half_order(arch, match["proj"], tensor)
+    if arch.attn_output_gate and (match := _Q_PROJ.match(name)) is not None:
+        return _split_output_gate(arch, match, tensor)
     if (match := _PREFUSED.match(name)) is not None:
         return _split_prefused(arch, match, tensor)
     if arch.architecture == "GptOssForCausalLM" and (match := _GPT_OSS_EXPERTS.match(name)) is not None:
@@ -177,6 +187,16 @@ def _split_prefused(arch: ModelArchConfig, match: re.Match[str], tensor: Tensor)
         out.append((f"{prefix}{part}.{match['kind']}", piece))
         start += size
     return out
+
+
+def _split_output_gate(arch: ModelArchConfig, match: re.Match[str], tensor: Tensor) -> list[tuple[str, Tensor]]:
+    """Qwen3.5's ``q_proj``, each head's query rows then its output gate's, as ``q_proj`` and ``g_proj``."""
+    rows = 2 * arch.q_size
+    if not isinstance(tensor, torch.Tensor) or tensor.shape[0] != rows:
+        raise ValueError(f"weight {match.string!r} must be a dense tensor of {rows} rows (each head's query and gate)")
+    heads = tensor.reshape(arch.num_attention_heads, 2, arch.head_dim, *tensor.shape[1:])
+    query, gate = (heads[:, i].reshape(arch.q_size, *tensor.shape[1:]) for i in (0, 1))
+    return [(f"{match['prefix']}q_proj.{match['kind']}", query), (f"{match['prefix']}g_proj.{match['kind']}", gate)]
 
 
 def _rotate_half_order(arch: ModelArchConfig, proj: str, tensor: Tensor) -> Tensor:

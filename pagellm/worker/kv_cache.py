@@ -3,17 +3,19 @@ model's recurrent states, one tensor a recurrent layer, one row a state slot."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
 from pagellm.attention.backend import indexable
 from pagellm.kv_layout import kv_bytes_per_token, kv_row_width
 from pagellm.model.arch_config import ModelArchConfig
-from pagellm.model.mamba2 import MambaState
+from pagellm.model.scan_state import ScanState
 from pagellm.model.short_conv import ConvState
 
 # Per layer: (key_cache, value_cache) for an attention layer; a recurrent layer's states.
-KVCache = list[tuple[torch.Tensor, torch.Tensor] | ConvState | MambaState]
+KVCache = list[tuple[torch.Tensor, torch.Tensor] | ConvState | ScanState]
 
 
 def bytes_per_block(
@@ -104,14 +106,14 @@ def load_states(caches: KVCache, loads: list[tuple[int, int]]) -> None:
     (a request whose first blocks came from the prefix cache; never a Mamba-2 layer's, whose
     states are not kept per block)."""
     states = _states(caches, loads)
-    if loads and any(isinstance(state, MambaState) for state in states):
-        raise ValueError("Mamba-2 layers keep no state per KV block to load")
+    if loads and any(isinstance(state, ScanState) for state in states):
+        raise ValueError("scan layers (Mamba-2, gated delta-net) keep no state per KV block to load")
     _copy_rows([(state.blocks, state.slots) for state in states if isinstance(state, ConvState)], loads)
 
 
-def _states(caches: KVCache, pairs: list[tuple[int, int]]) -> list[ConvState | MambaState]:
+def _states(caches: KVCache, pairs: list[tuple[int, int]]) -> list[ConvState | ScanState]:
     """The recurrent layers' states (an error where pairs are asked of a model without any)."""
-    states = [cache for cache in caches if isinstance(cache, (ConvState, MambaState))]
+    states = [cache for cache in caches if isinstance(cache, (ConvState, ScanState))]
     if pairs and not states:
         raise ValueError("state copies for a model without recurrent layers")
     return states
@@ -134,20 +136,19 @@ def with_recurrent_states(
     """Every layer's cache in layer order: ``attention``'s K/V pairs (one an attention layer, in
     order) and, for each recurrent layer, its zeroed states: a short convolution's last
     ``conv_kernel - 1`` inputs for each state slot and each KV block (``model/short_conv.py``;
-    ``arch``: this rank's share, whose channels they are), a Mamba-2 layer's convolution inputs
-    and float32 SSM state for each state slot (``model/mamba2.py``)."""
+    ``arch``: this rank's share, whose channels they are), a scan layer's convolution inputs and
+    float32 matrix state for each state slot (``model/scan_state.py``)."""
     recurrent = set(arch.recurrent_layers)
     if not recurrent:
         return attention
     pairs = iter(attention)
-    mamba = set(arch.mamba_layers)
 
-    def states(layer: int) -> ConvState | MambaState:
-        if layer in mamba and arch.mamba is not None:
-            shape = arch.mamba
-            conv = torch.zeros((num_slots, shape.conv_kernel - 1, shape.conv_dim), dtype=dtype, device=device)
-            ssm = (num_slots, shape.num_heads, shape.head_dim, shape.state_size)
-            return MambaState(conv, torch.zeros(ssm, dtype=torch.float32, device=device))
+    def states(layer: int) -> ConvState | ScanState:
+        shape = arch.scan_shape(layer)
+        if shape is not None:
+            conv, ssm = shape.state_shapes()
+            return ScanState(torch.zeros((num_slots, *conv), dtype=dtype, device=device),
+                             torch.zeros((num_slots, *ssm), dtype=torch.float32, device=device))  # fmt: skip
         row = (arch.conv_kernel - 1, arch.convolution_channels)
         if device.type == "cpu":  # (pages of snapshots never written stay untouched)
             blocks = _zeroed_cpu_buffer(num_blocks * row[0] * row[1], dtype).view(num_blocks, *row)
@@ -159,17 +160,18 @@ def with_recurrent_states(
 
 
 def state_slot_bytes(arch: ModelArchConfig, num_slots: int, dtype: torch.dtype) -> int:
-    """The memory of ``num_slots`` state slots of every recurrent layer (the SSM state float32)."""
+    """The memory of ``num_slots`` state slots of every recurrent layer (a scan's matrix state float32)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    mamba = arch.mamba
-    conv_inputs, ssm = mamba.slot_floats() if mamba is not None else (0, 0)
-    per_slot = len(arch.mamba_layers) * (conv_inputs * itemsize + ssm * 4)
+    per_slot = 0
+    for shape in filter(None, map(arch.scan_shape, arch.recurrent_layers)):
+        conv, ssm = shape.state_shapes()
+        per_slot += math.prod(conv) * itemsize + math.prod(ssm) * 4
     return num_slots * (per_slot + state_snapshot_bytes(arch, dtype))  # (a convolution's slot: a snapshot's size)
 
 
 def state_snapshot_bytes(arch: ModelArchConfig, dtype: torch.dtype) -> int:
     """The memory one KV block's snapshots of the recurrent layers' states take (a short
-    convolution's inputs; a Mamba-2 layer keeps none)."""
+    convolution's inputs; a scan layer keeps none)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    convolutions = len(arch.recurrent_layers) - len(arch.mamba_layers)
+    convolutions = sum(arch.scan_shape(layer) is None for layer in arch.recurrent_layers)
     return convolutions * (arch.conv_kernel - 1) * arch.convolution_channels * itemsize

@@ -1,4 +1,5 @@
-"""Hybrid models (LFM2's convolution layers, Granite-4.0-H's Mamba-2 layers, beside attention):
+"""Hybrid models (LFM2's convolution layers, Granite-4.0-H's Mamba-2 layers, Qwen3.5's gated
+delta-nets, beside attention):
 their states in slots as few as the running sequences, and what they cannot do yet refused by
 name, never answered wrongly."""
 
@@ -20,12 +21,12 @@ def lfm2(tiny_lfm2_path: str) -> LLM:
     return LLM(tiny_lfm2_path, dtype="float32", block_size=4, max_num_seqs=2)
 
 
-@pytest.fixture(scope="module", params=["lfm2", "granite_hybrid"])
+@pytest.fixture(scope="module", params=["lfm2", "granite_hybrid", "qwen3_5"])
 def hybrid(request, lfm2: LLM) -> tuple[LLM, str]:
     """Each hybrid family's engine with two state slots, and its model's path."""
     if request.param == "lfm2":
         return lfm2, request.getfixturevalue("tiny_lfm2_path")
-    path = request.getfixturevalue("tiny_granite_hybrid_path")
+    path = request.getfixturevalue(f"tiny_{request.param}_path")
     return LLM(path, dtype="float32", block_size=4, max_num_seqs=2), path
 
 
@@ -70,7 +71,8 @@ def test_mamba_layers_run_without_the_prefix_cache(tiny_granite_hybrid_path: str
 
 
 def test_mamba_layers_refuse_tensor_parallelism_by_name(tiny_granite_hybrid_path: str) -> None:
-    with pytest.raises(ValueError, match="tensor parallelism does not support .*Mamba-2 layers"):
+    words = r"tensor parallelism does not support .*scan \(Mamba-2, gated delta-net\) layers"
+    with pytest.raises(ValueError, match=words):
         load_arch_config(tiny_granite_hybrid_path).shard(2)
 
 

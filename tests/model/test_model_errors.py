@@ -157,7 +157,7 @@ def test_an_unknown_layer_type_is_named(tmp_path: Path, tiny_lfm2_path: str) -> 
     folder = tmp_path / "odd"
     shutil.copytree(tiny_lfm2_path, folder)
     config = json.loads((folder / "config.json").read_text())
-    config["layer_types"] = ["conv", "linear_attention", "full_attention", "conv"]
+    config["layer_types"] = ["conv", "lightning_attention", "full_attention", "conv"]
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(NotImplementedError, match=r"layer types \['linear_attention'\] are not supported"):
+    with pytest.raises(NotImplementedError, match=r"layer types \['lightning_attention'\] are not supported"):
         load_arch_config(str(folder))

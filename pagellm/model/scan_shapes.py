@@ -1,9 +1,12 @@
-"""The shape of a Mamba-2 layer (Granite-4.0-H's ``mamba`` layers), read from ``config.json``
-without loading weights: the engine sizes each sequence's recurrent state from it.
+"""The shapes of the scan layers, read from ``config.json`` without loading weights (the engine
+sizes each sequence's recurrent state from them): a Mamba-2 layer (Granite-4.0-H's ``mamba``
+layers, ``model/mamba2.py``) and a gated delta-net layer (Qwen3.5's ``linear_attention`` layers,
+``model/delta_net.py``).
 
-Kept apart from :mod:`pagellm.model.arch_config` (which holds it as ``ModelArchConfig.mamba``) so
-the family's config reading lives in one place: :func:`granite_hybrid_config` brings a
-GraniteMoeHybrid ``config.json`` to the common spelling the arch config reads.
+Kept apart from :mod:`pagellm.model.arch_config` (which holds them as ``ModelArchConfig.mamba``
+and ``delta_net``) so each family's config reading lives in one place: :func:`granite_hybrid_config`
+brings a GraniteMoeHybrid ``config.json`` to the common spelling the arch config reads, and
+:func:`qwen3_5_fields` gives Qwen3.5's fields.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from typing import Any
 # The layer type of a Mamba-2 layer in ``ModelArchConfig.layer_types`` (transformers 5 writes
 # "linear_attention" for it; the Hub's Granite-4.0-H files say "mamba").
 MAMBA = "mamba"
+# The layer type of a gated delta-net layer (Qwen3.5, Qwen3-Next: transformers' own name).
+DELTA_NET = "linear_attention"
 _MAMBA_NAMES = {"mamba", "linear_attention"}
 _ATTENTION_NAMES = {"attention", "full_attention"}
 
@@ -51,9 +56,60 @@ class MambaShape:
         """``in_proj``'s outputs: the gate, x / B / C, and one time step a head."""
         return self.inner_size + self.conv_dim + self.num_heads
 
-    def slot_floats(self) -> tuple[int, int]:
-        """(convolution inputs, float32 SSM state) elements one sequence's state holds."""
-        return (self.conv_kernel - 1) * self.conv_dim, self.num_heads * self.head_dim * self.state_size
+    def state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """One sequence's state: its convolution inputs and its float32 SSM state."""
+        return (self.conv_kernel - 1, self.conv_dim), (self.num_heads, self.head_dim, self.state_size)
+
+
+@dataclass(frozen=True)
+class DeltaNetShape:
+    """One gated delta-net mixer: ``num_value_heads`` heads each carrying a ``[key_head_dim,
+    value_head_dim]`` state, written with keys and read with queries of ``num_key_heads`` heads
+    (each serving ``num_value_heads / num_key_heads`` value heads); a depthwise causal
+    convolution of ``conv_kernel`` taps over q, k and v first."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    chunk_size: int = 64  # tokens a prefill's scan takes at once
+
+    @property
+    def key_size(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_size(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels the convolution runs over: q, k and v."""
+        return 2 * self.key_size + self.value_size
+
+    def state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """One sequence's state: its convolution inputs and its float32 delta-rule state."""
+        return (self.conv_kernel - 1, self.conv_dim), (self.num_value_heads, self.key_head_dim, self.value_head_dim)
+
+
+def qwen3_5_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's ``ModelArchConfig`` fields beyond a Qwen3 decoder's: its norms scale by (1 +
+    weight), its attention's output is gated (q_proj gives each head's query and gate), and its
+    ``linear_attention`` layers are gated delta-nets of this shape."""
+    shape = DeltaNetShape(
+        num_key_heads=int(config.get("linear_num_key_heads") or 16),
+        num_value_heads=int(config.get("linear_num_value_heads") or 32),
+        key_head_dim=int(config.get("linear_key_head_dim") or 128),
+        value_head_dim=int(config.get("linear_value_head_dim") or 128),
+        conv_kernel=int(config.get("linear_conv_kernel_dim") or 4),
+    )  # fmt: skip
+    if shape.num_value_heads % shape.num_key_heads:
+        raise ValueError(f"linear_num_key_heads ({shape.num_key_heads}) must divide linear_num_value_heads "
+                         f"({shape.num_value_heads})")  # fmt: skip
+    if shape.conv_kernel < 2:
+        raise ValueError(f"linear_conv_kernel_dim must be at least 2, got {shape.conv_kernel}")
+    return dict(norm_unit_offset=True, attn_output_gate=True, delta_net=shape)
 
 
 def granite_hybrid_config(config: dict[str, Any]) -> tuple[dict[str, Any], MambaShape]:
