@@ -112,14 +112,18 @@ class GatedDeltaNet(nn.Module):
         conv = conv_plan(metadata, shape.conv_kernel, hidden.device)
         qkv, _ = convolve(self.in_proj_qkv(hidden), state.conv, conv, self.conv_weight, None)
         q, k, v = F.silu(qkv).float().split([shape.key_size, shape.key_size, shape.value_size], dim=-1)
-        per_key = shape.num_value_heads // shape.num_key_heads
-        q = (_l2_normed(q.view(tokens, shape.num_key_heads, -1)) * shape.key_head_dim**-0.5).repeat_interleave(per_key, 1)
-        k = _l2_normed(k.view(tokens, shape.num_key_heads, -1)).repeat_interleave(per_key, 1)
+        q = self._per_value_head(_l2_normed(q.view(tokens, shape.num_key_heads, -1)) * shape.key_head_dim**-0.5)
+        k = self._per_value_head(_l2_normed(k.view(tokens, shape.num_key_heads, -1)))
         v = v.view(tokens, shape.num_value_heads, -1)
         beta = torch.sigmoid(self.in_proj_b(hidden).float())
         g = -torch.exp(self.A_log.float()) * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias.float())
         out = self._scan(q, k, v, g, beta, state.ssm, conv.slots, scan_plan(metadata, hidden.device)).to(hidden.dtype)
         return self.out_proj(self.norm(out, self.in_proj_z(hidden)).view(tokens, shape.value_size))
+
+    def _per_value_head(self, x: torch.Tensor) -> torch.Tensor:
+        """Key heads [T, key heads, dim] as one a value head, in the order the value heads come."""
+        per_key = self.shape.num_value_heads // self.shape.num_key_heads
+        return x.repeat(1, per_key, 1) if self.shape.tiled_value_heads else x.repeat_interleave(per_key, dim=1)
 
     def _scan(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

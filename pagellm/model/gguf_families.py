@@ -34,6 +34,7 @@ class GGUFFamily:
     norm_plus_one: bool = False  # Gemma: norm weights stored as 1 + w
     block_names: tuple[tuple[str, str], ...] = ()  # family-specific GGUF -> HF block names
     top_names: tuple[tuple[str, str], ...] = ()  # family-specific GGUF -> HF names outside the blocks
+    bare_names: tuple[tuple[str, str], ...] = ()  # block tensors named whole, without .weight / .bias
 
 
 _GEMMA_NAMES = (("ffn_norm", "pre_feedforward_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
@@ -57,6 +58,14 @@ FAMILIES: dict[str, GGUFFamily] = {
     "lfm2": GGUFFamily("Lfm2ForCausalLM", block_names=(
         ("shortconv.conv", "conv.conv"), ("shortconv.in_proj", "conv.in_proj"),
         ("shortconv.out_proj", "conv.out_proj")), top_names=(("token_embd_norm.weight", "model.norm.weight"),)),
+    # Qwen3.5: its gated delta-nets' tensors (`ssm_a` holds -exp(A_log); their value heads in
+    # llama.cpp's tiled order, kept so: ``_qwen35_config``), the norm after attention by its name.
+    "qwen35": GGUFFamily("Qwen3_5ForCausalLM", norm_plus_one=True, block_names=(
+        ("post_attention_norm", "post_attention_layernorm"), ("attn_qkv", "linear_attn.in_proj_qkv"),
+        ("attn_gate", "linear_attn.in_proj_z"), ("ssm_beta", "linear_attn.in_proj_b"),
+        ("ssm_alpha", "linear_attn.in_proj_a"), ("ssm_conv1d", "linear_attn.conv1d"), ("ssm_norm", "linear_attn.norm"),
+        ("ssm_out", "linear_attn.out_proj")),
+        bare_names=(("ssm_a", "linear_attn.A_log"), ("ssm_dt.bias", "linear_attn.dt_bias"))),  # fmt: skip
     # Phi-3: q/k/v in one tensor, gate and up in `ffn_up` (split by rows on load).
     "phi3": GGUFFamily("Phi3ForCausalLM", block_names=(("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj"))),
 }
@@ -114,6 +123,8 @@ def hf_config(gguf_arch: str, meta: Metadata) -> dict[str, Any]:
                       logits_scaling=meta(f"{prefix}.logit_scale", 1.0))  # fmt: skip
     if gguf_arch == "lfm2":  # (its MLP's width as written: already the one the config derives)
         config.update(_lfm2_config(meta))
+    if gguf_arch == "qwen35":
+        config.update(_qwen35_config(meta))
     if gguf_arch == "phi3":  # (a window of 0: none, as the converter writes Phi-4's)
         config.update(sliding_window=meta(f"{prefix}.attention.sliding_window", 0) or None,
                       original_max_position_embeddings=meta(f"{prefix}.rope.scaling.original_context_length", None))
@@ -134,6 +145,29 @@ def _lfm2_config(meta: Metadata) -> dict[str, Any]:
         raise ValueError("an LFM2 file lists lfm2.attention.head_count_kv per layer (0: a convolution layer)")
     return dict(layer_types=["full_attention" if n else "conv" for n in kv_heads], num_key_value_heads=max(kv_heads),
                 conv_L_cache=int(meta("lfm2.shortconv.l_cache", 3)), block_auto_adjust_ff_dim=False)  # fmt: skip
+
+
+def _qwen35_config(meta: Metadata) -> dict[str, Any]:
+    """Qwen3.5's: its layers without the multi-token-prediction ones the converter appends, which
+    are gated delta-nets (``attention.recurrent_layers``, else all but every
+    ``full_attention_interval``-th), and their shape from the ``ssm`` keys. The converter orders
+    the value heads tiled ([k0, k1, ..., k0, k1, ...]) where HF groups them by key head: the model
+    reads them so (``linear_value_heads_tiled``), as no column order of a quantized out_proj
+    could be undone."""
+    layers = int(meta("qwen35.block_count", 0)) - int(meta("qwen35.nextn_predict_layers", 0) or 0)
+    recurrent = meta("qwen35.attention.recurrent_layers", None)
+    if not isinstance(recurrent, list):
+        interval = int(meta("qwen35.full_attention_interval", 4) or 4)
+        recurrent = [(i + 1) % interval != 0 for i in range(layers)]
+    value_heads = int(meta("qwen35.ssm.time_step_rank", 0))
+    if value_heads < 1:
+        raise ValueError("a Qwen3.5 file gives its gated delta-nets' value heads as qwen35.ssm.time_step_rank")
+    return dict(num_hidden_layers=layers, layer_types=["linear_attention" if r else "full_attention" for r in recurrent[:layers]],
+                linear_conv_kernel_dim=int(meta("qwen35.ssm.conv_kernel", 4)),
+                linear_key_head_dim=int(meta("qwen35.ssm.state_size", 0)),
+                linear_num_key_heads=int(meta("qwen35.ssm.group_count", 0)), linear_num_value_heads=value_heads,
+                linear_value_head_dim=int(meta("qwen35.ssm.inner_size", 0)) // value_heads,
+                linear_value_heads_tiled=True)  # fmt: skip
 
 
 def _gemma_config(gguf_arch: str, meta: Metadata) -> dict[str, Any]:
@@ -163,6 +197,10 @@ def hf_tensor_name(gguf_name: str, gguf_arch: str = "llama") -> str:
     top = {**_TOP_LEVEL_NAMES, **dict(family(gguf_arch).top_names)}
     if gguf_name in top:
         return top[gguf_name]
+    layer, _, rest = gguf_name.removeprefix("blk.").partition(".")
+    bare = dict(family(gguf_arch).bare_names)
+    if gguf_name.startswith("blk.") and rest in bare:
+        return f"model.layers.{layer}.{bare[rest]}"
     match = _BLOCK_TENSOR.match(gguf_name)
     names = {**_BLOCK_NAMES, **dict(family(gguf_arch).block_names), **_EXPERT_NAMES}
     if match is None or match["name"] not in names:
@@ -206,10 +244,13 @@ def hf_tensors(
         rows = tensor.shape[0] if isinstance(tensor, torch.Tensor) else tensor.rows
         order = unpermute_qk_rows(torch.arange(rows), heads[projection])
         tensor = tensor[order] if isinstance(tensor, torch.Tensor) else tensor.select_rows(order)
-    if fam.norm_plus_one and name.endswith("norm.weight") and isinstance(tensor, torch.Tensor):
+    plain_norm = name.endswith(".linear_attn.norm.weight")  # (Qwen3.5's delta-nets' norm: stored as it is)
+    if fam.norm_plus_one and name.endswith("norm.weight") and not plain_norm and isinstance(tensor, torch.Tensor):
         tensor = tensor - 1
-    if gguf_arch == "lfm2" and name.endswith(".conv.conv.weight") and isinstance(tensor, torch.Tensor):
-        tensor = tensor.unsqueeze(1)  # (the converter squeezes Conv1d's [channels, 1, taps])
+    if name.endswith((".conv.conv.weight", ".linear_attn.conv1d.weight")) and isinstance(tensor, torch.Tensor):
+        tensor = tensor.unsqueeze(1)  # (the converter squeezes Conv1d's [channels, 1, taps]: LFM2, Qwen3.5)
+    if name.endswith(".linear_attn.A_log") and isinstance(tensor, torch.Tensor):
+        tensor = torch.log(-tensor)  # (Qwen3.5: the converter stores A = -exp(A_log))
     yield name, tensor
 
 

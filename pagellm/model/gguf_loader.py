@@ -9,6 +9,7 @@ are dequantized at load time.
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -81,6 +82,7 @@ _PLAIN_TENSOR_TYPES = {
     GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
     GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32, GGMLQuantizationType.I64: np.int64,
 }
+_BLOCK_INDEX = re.compile(r"^blk\.(\d+)\.")
 
 
 def has_quantized_linears(reader: GGUFFile | _ReaderAdapter) -> bool:
@@ -386,6 +388,9 @@ def iter_gguf_weights(
     for tensor in reader.tensors:
         if tensor.name in ROPE_FACTOR_TENSORS:  # (in the rope config)
             continue
+        block = _BLOCK_INDEX.match(tensor.name)
+        if block is not None and int(block[1]) >= arch.num_hidden_layers:
+            continue  # (blocks past the model's: Qwen3.5's multi-token prediction)
         name = hf_tensor_name(tensor.name, gguf_arch)
         if not keep(name):  # another pipeline stage's: never read
             continue

@@ -74,6 +74,9 @@ class DeltaNetShape:
     value_head_dim: int
     conv_kernel: int
     chunk_size: int = 64  # tokens a prefill's scan takes at once
+    # llama.cpp's files order the value heads tiled by key head ([k0, k1, ..., k0, k1, ...]: value
+    # head h reads key head h % num_key_heads); HF's group them (h reads h // per_key).
+    tiled_value_heads: bool = False
 
     @property
     def key_size(self) -> int:
@@ -103,6 +106,7 @@ def qwen3_5_fields(config: dict[str, Any]) -> dict[str, Any]:
         key_head_dim=int(config.get("linear_key_head_dim") or 128),
         value_head_dim=int(config.get("linear_value_head_dim") or 128),
         conv_kernel=int(config.get("linear_conv_kernel_dim") or 4),
+        tiled_value_heads=bool(config.get("linear_value_heads_tiled", False)),
     )  # fmt: skip
     if shape.num_value_heads % shape.num_key_heads:
         raise ValueError(f"linear_num_key_heads ({shape.num_key_heads}) must divide linear_num_value_heads "

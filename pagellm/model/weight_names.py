@@ -191,12 +191,16 @@ def _split_prefused(arch: ModelArchConfig, match: re.Match[str], tensor: Tensor)
 
 def _split_output_gate(arch: ModelArchConfig, match: re.Match[str], tensor: Tensor) -> list[tuple[str, Tensor]]:
     """Qwen3.5's ``q_proj``, each head's query rows then its output gate's, as ``q_proj`` and ``g_proj``."""
-    rows = 2 * arch.q_size
-    if not isinstance(tensor, torch.Tensor) or tensor.shape[0] != rows:
-        raise ValueError(f"weight {match.string!r} must be a dense tensor of {rows} rows (each head's query and gate)")
-    heads = tensor.reshape(arch.num_attention_heads, 2, arch.head_dim, *tensor.shape[1:])
-    query, gate = (heads[:, i].reshape(arch.q_size, *tensor.shape[1:]) for i in (0, 1))
-    return [(f"{match['prefix']}q_proj.{match['kind']}", query), (f"{match['prefix']}g_proj.{match['kind']}", gate)]
+    rows = tensor.shape[0] if isinstance(tensor, torch.Tensor) else tensor.rows
+    if rows != 2 * arch.q_size:
+        raise ValueError(f"weight {match.string!r} has {rows} rows, expected {2 * arch.q_size} (each head's query and gate)")
+    heads = torch.arange(arch.num_attention_heads)[:, None] * 2 * arch.head_dim
+    query = (heads + torch.arange(arch.head_dim)[None, :]).flatten()
+    parts = []
+    for part, order in (("q_proj", query), ("g_proj", query + arch.head_dim)):
+        piece = tensor[order] if isinstance(tensor, torch.Tensor) else tensor.select_rows(order)
+        parts.append((f"{match['prefix']}{part}.{match['kind']}", piece))
+    return parts
 
 
 def _rotate_half_order(arch: ModelArchConfig, proj: str, tensor: Tensor) -> Tensor:

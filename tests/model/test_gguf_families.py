@@ -24,7 +24,8 @@ MAX_TOKENS = 10
 def gguf_families(tmp_path_factory: pytest.TempPathFactory, default_tokenizer, default_model_path_fixture: str,
                   tiny_qwen3_path: str, tiny_mixtral_path: str, tiny_phi3_path: str,
                   tiny_phi3_longrope_path: str, tiny_phi4_mini_path: str, tiny_granite_path: str,
-                  tiny_olmo2_path: str, tiny_glm4_path: str, tiny_lfm2_path: str) -> dict[str, tuple[str, str]]:  # fmt: skip
+                  tiny_olmo2_path: str, tiny_glm4_path: str, tiny_lfm2_path: str,
+                  tiny_qwen3_5_path: str) -> dict[str, tuple[str, str]]:  # fmt: skip
     """Family -> (HF folder, its GGUF file). Gemma's score scale is head_dim's, as llama.cpp
     reads a file without query_pre_attn_scalar; Gemma 3 keeps its default pattern of windowed
     layers (a file does not say another); Qwen3-MoE routes in every layer; SmolLM3 has no rope
@@ -47,7 +48,7 @@ def gguf_families(tmp_path_factory: pytest.TempPathFactory, default_tokenizer, d
     }  # fmt: skip
     folders = {"qwen3": tiny_qwen3_path, "mixtral": tiny_mixtral_path, "phi3": tiny_phi3_path,
                "phi3-longrope": tiny_phi3_longrope_path, "phi4-mini": tiny_phi4_mini_path, "granite": tiny_granite_path,
-               "olmo2": tiny_olmo2_path, "glm4": tiny_glm4_path, "lfm2": tiny_lfm2_path}
+               "olmo2": tiny_olmo2_path, "glm4": tiny_glm4_path, "lfm2": tiny_lfm2_path, "qwen35": tiny_qwen3_5_path}
     for name, config in built.items():
         folders[name] = write_tiny_model(tmp_path_factory.mktemp(f"hf_{name}"), config, default_tokenizer)
     out = tmp_path_factory.mktemp("gguf")
@@ -56,7 +57,7 @@ def gguf_families(tmp_path_factory: pytest.TempPathFactory, default_tokenizer, d
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3moe", "mixtral", "gemma2", "gemma3", "phi3", "phi3-longrope",
-                                    "phi4-mini", "smollm3", "granite", "olmo2", "glm4", "lfm2"])
+                                    "phi4-mini", "smollm3", "granite", "olmo2", "glm4", "lfm2", "qwen35"])
 def test_gguf_greedy_equals_hf(gguf_families: dict[str, tuple[str, str]], family: str) -> None:
     folder, gguf = gguf_families[family]
     expected = [hf_greedy(load_hf_model(folder), p, MAX_TOKENS) for p in PROMPTS]
@@ -102,3 +103,29 @@ def test_quantized_experts_keep_their_blocks(gguf_families: dict[str, tuple[str,
     if llm.llm_engine.executor.kernel_plan.weights == "gguf":  # (a CPU with the integer GEMM)
         expert = llm.llm_engine.executor.model_runner.model.model.layers[1].mlp.experts[3]
         assert expert.gate_up_proj.format == "q8"
+
+
+def test_a_qwen3_5_file_keeps_llama_cpps_value_head_order(gguf_families: dict[str, tuple[str, str]], tmp_path: Path) -> None:
+    """The converter tiles the delta-nets' value heads (the model reads them so: no column order
+    of a quantized out_proj could be undone) and appends no layer here; in a Q8_0 file each
+    attention head's query and output gate are split out of ``q_proj``'s blocks, equal to the
+    dequantized split."""
+    from gguf import GGMLQuantizationType
+
+    from pagellm.model.gguf_loader import iter_gguf_weights, open_gguf
+    from pagellm.model.weight_names import checkpoint_parts
+
+    folder, gguf = gguf_families["qwen35"]
+    arch, hf_arch = load_arch_config(gguf), load_arch_config(folder)
+    assert arch.layer_types == hf_arch.layer_types and arch.delta_net is not None and hf_arch.delta_net is not None
+    assert arch.delta_net.tiled_value_heads and not hf_arch.delta_net.tiled_value_heads
+    q8 = str(tmp_path / "qwen35-q8_0.gguf")
+    assert "blk.2.attn_q.weight" in requantize_gguf(gguf, q8, GGMLQuantizationType.Q8_0)
+    name = "model.layers.2.self_attn.q_proj.weight"
+    kept = dict(iter_gguf_weights(open_gguf(q8), arch, keep_quantized=True))[name]
+    dense = dict(iter_gguf_weights(open_gguf(q8), arch))[name]
+    for (part, rows), (dense_part, dense_rows) in zip(checkpoint_parts(arch, name, kept), checkpoint_parts(arch, name, dense)):
+        assert part == dense_part and torch.equal(rows.dequantize(), dense_rows)
+    llm = LLM(q8, dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
