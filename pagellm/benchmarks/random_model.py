@@ -70,6 +70,16 @@ SHAPES: dict[str, dict[str, Any]] = {
         max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     ),
+    # A Qwen3.5-0.8B-sized hybrid (hidden 1024, 24 layers: gated delta-nets of 16 key and 16 value
+    # heads of 128, attention every 4th layer with 8 heads of 256 (2 KV) gated and a quarter rotary),
+    # with the default model's vocabulary: the scan layers' speed at a real size (NOTES 72).
+    "qwen3.5-0.8b": dict(
+        architecture="qwen3_5", hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=256, vocab_size=49152, max_position_embeddings=8192,
+        rms_norm_eps=1e-6, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    ),
     # The shapes people run (REAL_SHAPES): Llama 3.2 1B and 3B (tied), Llama 3 8B, Qwen2.5 7B.
     # Rotary scaling left at the default: it changes no cost.
     "llama-1b": dict(
@@ -178,13 +188,13 @@ REAL_SHAPES = ("llama-1b", "llama-3b", "llama-8b", "qwen-7b")
 def hf_config(shape: dict[str, Any]):
     from transformers import (
         Gemma2Config, Gemma3TextConfig, LlamaConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig,
-        SmolLM3Config,
+        Qwen3_5TextConfig, SmolLM3Config,
     )
 
     options = dict(shape)
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "phi3": Phi3Config,
                "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig, "gemma2": Gemma2Config,
-               "gemma3_text": Gemma3TextConfig, "smollm3": SmolLM3Config}  # fmt: skip
+               "gemma3_text": Gemma3TextConfig, "smollm3": SmolLM3Config, "qwen3_5": Qwen3_5TextConfig}  # fmt: skip
     config_class = classes[options.pop("architecture")]
     return config_class(**options, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=0)
 

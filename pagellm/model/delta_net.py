@@ -19,6 +19,8 @@ not kept per KV block (no prefix cache for these models yet).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -88,37 +90,46 @@ class GatedHeadNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """The mixer of one gated delta-net layer (see the module docstring); parameters by the
-    checkpoint's names (``linear_attn.in_proj_qkv`` / ``_z`` / ``_b`` / ``_a``, ``conv_weight``
-    for its Conv1d, ``dt_bias``, ``A_log``, ``norm``, ``out_proj``)."""
+    """The mixer of one gated delta-net layer (see the module docstring). The checkpoint's four
+    input projections (``in_proj_qkv``, ``_z``, ``_b``, ``_a``) load into one ``in_proj``
+    (:meth:`shard_slices`: one GEMM a step instead of four); the rest by the checkpoint's names
+    (``conv_weight`` for its Conv1d, ``dt_bias``, ``A_log``, ``norm``, ``out_proj``)."""
 
     def __init__(self, shape: DeltaNetShape, hidden_size: int, norm_eps: float, plan: KernelPlan | None) -> None:
         super().__init__()
         self.shape = shape
-        self.in_proj_qkv = linear_for_plan(hidden_size, shape.conv_dim, False, plan)
-        self.in_proj_z = linear_for_plan(hidden_size, shape.value_size, False, plan)
-        self.in_proj_b = linear_for_plan(hidden_size, shape.num_value_heads, False, plan)
-        self.in_proj_a = linear_for_plan(hidden_size, shape.num_value_heads, False, plan)
+        self.in_proj = linear_for_plan(hidden_size, sum(self._parts()), False, plan)
         self.out_proj = linear_for_plan(shape.value_size, hidden_size, False, plan)
         self.conv_weight = nn.Parameter(torch.empty(shape.conv_dim, 1, shape.conv_kernel))
         self.dt_bias = nn.Parameter(torch.empty(shape.num_value_heads))
         self.A_log = nn.Parameter(torch.empty(shape.num_value_heads))
         self.norm = GatedHeadNorm(shape.value_head_dim, norm_eps)
 
+    def _parts(self) -> tuple[int, int, int, int]:
+        """Rows of ``in_proj``: q/k/v, the output gate z, b (beta) and a (the decay's step)."""
+        shape = self.shape
+        return shape.conv_dim, shape.value_size, shape.num_value_heads, shape.num_value_heads
+
+    def shard_slices(self) -> dict[str, slice]:
+        """Rows of ``in_proj`` holding each checkpoint projection (by its name's suffix)."""
+        ends = list(itertools.accumulate(self._parts()))
+        return {name: slice(end - size, end) for name, end, size in zip(("qkv", "z", "b", "a"), ends, self._parts())}
+
     def forward(self, hidden: torch.Tensor, state: ScanState, metadata: AttentionMetadata) -> torch.Tensor:
         """``hidden`` [T, hidden] -> [T, hidden]; each request's state slot is read and left
         holding its state after its last token this step."""
         shape, tokens = self.shape, hidden.shape[0]
+        qkv, z, b, a = self.in_proj(hidden).split(self._parts(), dim=-1)
         conv = conv_plan(metadata, shape.conv_kernel, hidden.device)
-        qkv, _ = convolve(self.in_proj_qkv(hidden), state.conv, conv, self.conv_weight, None)
+        qkv, _ = convolve(qkv, state.conv, conv, self.conv_weight, None)
         q, k, v = F.silu(qkv).float().split([shape.key_size, shape.key_size, shape.value_size], dim=-1)
         q = self._per_value_head(_l2_normed(q.view(tokens, shape.num_key_heads, -1)) * shape.key_head_dim**-0.5)
         k = self._per_value_head(_l2_normed(k.view(tokens, shape.num_key_heads, -1)))
         v = v.view(tokens, shape.num_value_heads, -1)
-        beta = torch.sigmoid(self.in_proj_b(hidden).float())
-        g = -torch.exp(self.A_log.float()) * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias.float())
-        out = self._scan(q, k, v, g, beta, state.ssm, conv.slots, scan_plan(metadata, hidden.device)).to(hidden.dtype)
-        return self.out_proj(self.norm(out, self.in_proj_z(hidden)).view(tokens, shape.value_size))
+        beta = torch.sigmoid(b.float())
+        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+        out = self._scan(q, k, v, g, beta, state.ssm, scan_plan(metadata, hidden.device)).to(hidden.dtype)
+        return self.out_proj(self.norm(out, z).view(tokens, shape.value_size))
 
     def _per_value_head(self, x: torch.Tensor) -> torch.Tensor:
         """Key heads [T, key heads, dim] as one a value head, in the order the value heads come."""
@@ -127,23 +138,31 @@ class GatedDeltaNet(nn.Module):
 
     def _scan(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-        ssm: torch.Tensor, slots: torch.Tensor, plan: ScanPlan,
+        ssm: torch.Tensor, plan: ScanPlan,
     ) -> torch.Tensor:
-        """Each token's output [T, value heads, value_dim] (float32); ``ssm``'s rows of the step's
-        requests (``slots``) updated."""
-        states = ssm[slots].masked_fill(plan.fresh[:, None, None, None], 0.0)  # [R, heads, key_dim, value_dim]
+        """Each token's output [T, value heads, value_dim] (float32); the step's requests' rows of
+        ``ssm`` left holding their states after their last tokens."""
         out = torch.empty_like(v)
-        if len(plan.decode):  # one token each: decay, correct toward v where k reads, read with q
-            rows = plan.decode_tokens
-            decayed = states[plan.decode] * torch.exp(g[rows])[..., None, None]
-            read = torch.einsum("rhd,rhdv->rhv", k[rows], decayed)
-            written = decayed + k[rows][..., None] * ((v[rows] - read) * beta[rows][..., None])[:, :, None, :]
-            out[rows] = torch.einsum("rhd,rhdv->rhv", q[rows], written)
-            states[plan.decode] = written
-        for request, start, end in plan.spans:
-            out[start:end], states[request] = delta_scan(q[start:end], k[start:end], v[start:end], g[start:end],
-                                                         beta[start:end], states[request], self.shape.chunk_size)  # fmt: skip
-        ssm[slots] = states
+        if len(plan.decode_slots):  # one token each: decay, correct toward v where k reads, read with q
+            state = plan.decode_states(ssm)  # [D, heads, key_dim, value_dim]
+            rows, shape = plan.decode_rows, state.shape
+            q1, k1, v1 = rows(q), rows(k), rows(v)
+            state.mul_(torch.exp(rows(g))[..., None, None])
+            read = torch.matmul(k1.unsqueeze(-2), state).squeeze(-2)
+            correction = (v1 - read) * rows(beta)[..., None]
+            flat = state.view(-1, shape[-2], shape[-1])
+            flat.baddbmm_(k1.reshape(-1, shape[-2], 1), correction.reshape(-1, 1, shape[-1]))
+            written = torch.matmul(q1.unsqueeze(-2), state).squeeze(-2)
+            if plan.decode_tokens is None:
+                out = written
+            else:
+                out[plan.decode_tokens] = written
+            plan.store_decode_states(ssm, state)
+        for span in plan.spans:
+            rows = slice(span.start, span.end)
+            out[rows], final = delta_scan(q[rows], k[rows], v[rows], g[rows], beta[rows], plan.span_state(ssm, span),
+                                          self.shape.chunk_size)  # fmt: skip
+            ssm[span.slot] = final
         return out
 
 

@@ -56,10 +56,15 @@ _FUSED_SHARDS = {
     "k_proj": ("qkv_proj", "k"),
     "v_proj": ("qkv_proj", "v"),
     "g_proj": ("qkv_proj", "g"),  # (Qwen3.5's attention output gate, split from its q_proj on load)
+    # Qwen3.5's gated delta-nets' four input projections (``GatedDeltaNet.in_proj``)
+    "in_proj_qkv": ("in_proj", "qkv"),
+    "in_proj_z": ("in_proj", "z"),
+    "in_proj_b": ("in_proj", "b"),
+    "in_proj_a": ("in_proj", "a"),
     "gate_proj": ("gate_up_proj", "gate"),
     "up_proj": ("gate_up_proj", "up"),
 }
-_FUSED_NAME = re.compile(r"^(?P<prefix>.*\.)(?P<sub>q_proj|k_proj|v_proj|g_proj|gate_proj|up_proj)\.(?P<kind>weight|bias)$")
+_FUSED_NAME = re.compile(rf"^(?P<prefix>.*\.)(?P<sub>{'|'.join(_FUSED_SHARDS)})\.(?P<kind>weight|bias)$")
 _LAYER_NAME = re.compile(r"^model\.layers\.(?P<layer>\d+)\.")
 # Checkpoint entries that are derived state, not parameters.
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
@@ -544,6 +549,6 @@ class LlamaForCausalLM(nn.Module):
             module = self.get_submodule(match["prefix"].rstrip("."))
         except AttributeError:
             module = None
-        if not isinstance(module, (LlamaAttention, LlamaMLP)):
+        if not isinstance(module, (LlamaAttention, LlamaMLP, GatedDeltaNet)):
             raise ValueError(f"unexpected weight {name!r} for {self.arch.architecture}")
         return f"{match['prefix']}{fused}.{match['kind']}", module.shard_slices()[shard]

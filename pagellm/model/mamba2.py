@@ -103,15 +103,14 @@ class Mamba2Mixer(nn.Module):
         conv = conv_plan(metadata, shape.conv_kernel, hidden.device)
         xbc, _ = convolve(xbc, state.conv, conv, self.conv_weight, self.conv_bias)
         x, b, c = F.silu(xbc).split([shape.inner_size, *(2 * [shape.num_groups * shape.state_size])], dim=-1)
-        y = self._scan(x, b, c, dt, state.ssm, conv.slots, scan_plan(metadata, hidden.device))
+        y = self._scan(x, b, c, dt, state.ssm, scan_plan(metadata, hidden.device))
         return self.out_proj(self.norm(y, gate).to(hidden.dtype))
 
     def _scan(
-        self, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor, ssm: torch.Tensor,
-        slots: torch.Tensor, plan: ScanPlan,
+        self, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor, ssm: torch.Tensor, plan: ScanPlan
     ) -> torch.Tensor:
-        """The scan's output [T, inner] (float32, the ``D`` term in); ``ssm``'s rows of the step's
-        requests (``slots``) updated."""
+        """The scan's output [T, inner] (float32, the ``D`` term in); the step's requests' rows of
+        ``ssm`` left holding their states after their last tokens."""
         shape, tokens = self.shape, x.shape[0]
         x = x.float().view(tokens, shape.num_heads, shape.head_dim)
         per_group = shape.num_heads // shape.num_groups
@@ -119,19 +118,25 @@ class Mamba2Mixer(nn.Module):
         c = c.float().view(tokens, shape.num_groups, -1).repeat_interleave(per_group, dim=1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(shape.dt_min, shape.dt_max)
         a = -torch.exp(self.A_log.float())
-        states = ssm[slots].masked_fill(plan.fresh[:, None, None, None], 0.0)  # [R, heads, head_dim, state]
         y = torch.empty_like(x)
-        if len(plan.decode):  # one token each: h = exp(dt a) h + dt x B^T, y = h C
-            rows = plan.decode_tokens
-            step_dt = dt[rows]
-            advanced = states[plan.decode] * torch.exp(step_dt * a)[..., None, None] + (
-                (step_dt[..., None] * x[rows])[..., None] * b[rows][:, :, None, :])  # fmt: skip
-            y[rows] = torch.einsum("rhpn,rhn->rhp", advanced, c[rows])
-            states[plan.decode] = advanced
-        for request, start, end in plan.spans:
-            y[start:end], states[request] = ssd_scan(x[start:end], dt[start:end], a, b[start:end], c[start:end],
-                                                     states[request], shape.chunk_size)  # fmt: skip
-        ssm[slots] = states
+        if len(plan.decode_slots):  # one token each: h = exp(dt a) h + dt x B^T, y = h C
+            state = plan.decode_states(ssm)  # [D, heads, head_dim, state_size]
+            rows, dims = plan.decode_rows, state.shape
+            step_dt = rows(dt)
+            state.mul_(torch.exp(step_dt * a)[..., None, None])
+            flat = state.view(-1, dims[-2], dims[-1])
+            flat.baddbmm_((step_dt[..., None] * rows(x)).reshape(-1, dims[-2], 1), rows(b).reshape(-1, 1, dims[-1]))
+            read = torch.matmul(flat, rows(c).reshape(-1, dims[-1], 1)).view(-1, shape.num_heads, shape.head_dim)
+            if plan.decode_tokens is None:
+                y = read
+            else:
+                y[plan.decode_tokens] = read
+            plan.store_decode_states(ssm, state)
+        for span in plan.spans:
+            rows = slice(span.start, span.end)
+            start = plan.span_state(ssm, span)
+            y[rows], final = ssd_scan(x[rows], dt[rows], a, b[rows], c[rows], start, shape.chunk_size)
+            ssm[span.slot] = final
         y = y + self.D.float()[:, None] * x
         return y.view(tokens, shape.inner_size)
 

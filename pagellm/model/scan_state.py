@@ -28,24 +28,69 @@ class ScanState:
 
 
 @dataclass(frozen=True)
+class Span:
+    """A request with more than one token this step: its state slot, its tokens' rows."""
+
+    slot: int
+    start: int
+    end: int
+    fresh: bool  # it starts at position 0 (its state from zeros)
+
+
+@dataclass(frozen=True)
 class ScanPlan:
     """One step's requests, split by how their scan runs (the same for every scan layer)."""
 
-    fresh: torch.Tensor  # [R] bool: the request starts at position 0 (its state from zeros)
-    decode: torch.Tensor  # [D] the requests with one token this step
-    decode_tokens: torch.Tensor  # [D] their tokens' rows
-    spans: tuple[tuple[int, int, int], ...]  # (request, first token row, end row) of the others
+    decode_slots: torch.Tensor  # [D] the state slots of the requests with one token this step
+    decode_tokens: torch.Tensor | None  # [D] their tokens' rows; None where they are every token, in order
+    decode_fresh: torch.Tensor | None  # [D] which of them start at position 0; None where none does
+    single_slot: int | None  # the slot of the step's one decode request (its state updated in place)
+    spans: tuple[Span, ...]
+
+    def decode_states(self, ssm: torch.Tensor) -> torch.Tensor:
+        """The decode requests' states [D, ...] (zeros where fresh): a view of the one request's
+        row, updated in place; else a gathered copy (:meth:`store_decode_states` writes it back)."""
+        if self.single_slot is not None:
+            state = ssm[self.single_slot : self.single_slot + 1]
+            return state.zero_() if self.decode_fresh is not None else state
+        state = ssm[self.decode_slots]
+        return state if self.decode_fresh is None else state.masked_fill_(self.decode_fresh[:, None, None, None], 0.0)
+
+    def store_decode_states(self, ssm: torch.Tensor, state: torch.Tensor) -> None:
+        if self.single_slot is None:
+            ssm[self.decode_slots] = state
+
+    def decode_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``'s rows of the decode tokens (all of ``x`` where they are every token)."""
+        return x if self.decode_tokens is None else x[self.decode_tokens]
+
+    def span_state(self, ssm: torch.Tensor, span: Span) -> torch.Tensor:
+        """The state a span starts from: its slot's row (a view), or zeros."""
+        return torch.zeros_like(ssm[span.slot]) if span.fresh else ssm[span.slot]
 
 
 def scan_plan(metadata: AttentionMetadata, device: torch.device) -> ScanPlan:
     """The step's :class:`ScanPlan` (cached in ``metadata.derived``)."""
     plan = metadata.derived.get("scan")
     if plan is None:
-        query_lens = np.asarray(metadata.query_lens, dtype=np.int64)
-        starts = np.concatenate(([0], np.cumsum(query_lens)))
-        fresh = np.asarray(metadata.seq_lens, dtype=np.int64) == query_lens
-        one = np.flatnonzero(query_lens == 1)
-        spans = tuple((int(r), int(starts[r]), int(starts[r + 1])) for r in np.flatnonzero(query_lens > 1))
-        as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
-        plan = metadata.derived["scan"] = ScanPlan(as_tensor(fresh), as_tensor(one), as_tensor(starts[one]), spans)
+        plan = metadata.derived["scan"] = _build_plan(metadata, device)
     return plan  # type: ignore[return-value]
+
+
+def _build_plan(metadata: AttentionMetadata, device: torch.device) -> ScanPlan:
+    if metadata.state_slots is None:
+        raise ValueError("a scan layer needs each request's state slot (AttentionMetadata.state_slots)")
+    query_lens = np.asarray(metadata.query_lens, dtype=np.int64)
+    slots = np.asarray(metadata.state_slots, dtype=np.int64)
+    starts = np.concatenate(([0], np.cumsum(query_lens)))
+    fresh = np.asarray(metadata.seq_lens, dtype=np.int64) == query_lens
+    one = np.flatnonzero(query_lens == 1)
+    spans = tuple(Span(int(slots[r]), int(starts[r]), int(starts[r + 1]), bool(fresh[r]))
+                  for r in np.flatnonzero(query_lens > 1))  # fmt: skip
+    as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    every = len(one) == len(query_lens)  # (then the decode tokens are rows 0 .. D - 1, in order)
+    return ScanPlan(
+        decode_slots=as_tensor(slots[one]), decode_tokens=None if every else as_tensor(starts[one]),
+        decode_fresh=as_tensor(fresh[one]) if fresh[one].any() else None,
+        single_slot=int(slots[one[0]]) if len(one) == 1 else None, spans=spans,
+    )  # fmt: skip
