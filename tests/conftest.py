@@ -540,6 +540,23 @@ def tiny_qwen3_5_path(tmp_path_factory: pytest.TempPathFactory, default_tokenize
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_5_moe_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny Qwen3.5 MoE: Qwen3.5's layers with every MLP top-2 of 4 experts (renormalised) beside a
+    shared expert gated by a sigmoid."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    config = Qwen3_5MoeTextConfig(**{**TINY_SHAPE, "num_hidden_layers": 4}, **token_ids(default_tokenizer),
+                                  head_dim=16, layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                            "linear_attention"],
+                                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                  linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=32, shared_expert_intermediate_size=48, initializer_range=0.1,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                   "partial_rotary_factor": 0.5})  # fmt: skip
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_5_moe"), config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
 def tiny_lfm2_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
     """Tiny LFM2 (hybrid): short-convolution layers around one attention layer (per-head q/k
     norms), so a short prompt carries each convolution's state across chunks and steps."""

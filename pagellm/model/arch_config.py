@@ -43,6 +43,7 @@ _MODEL_TYPE_TO_ARCH = {
     "lfm2": "Lfm2ForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 # Architectures whose q/k/v projections always carry a bias (no config flag for it).
 _ALWAYS_QKV_BIAS = {"Qwen2ForCausalLM"}
@@ -50,7 +51,7 @@ _ALWAYS_QKV_BIAS = {"Qwen2ForCausalLM"}
 _O_PROJ_FOLLOWS_ATTENTION_BIAS = {"LlamaForCausalLM", "GptOssForCausalLM"}
 # Architectures with an RMSNorm over each head of q and of k before the rotary embedding.
 _QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Exaone4ForCausalLM",
-            "HunYuanDenseV1ForCausalLM", "Lfm2ForCausalLM", "Qwen3_5ForCausalLM"}  # fmt: skip
+            "HunYuanDenseV1ForCausalLM", "Lfm2ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"}  # fmt: skip
 # Architectures whose per-head q/k norms come after the rotary embedding, not before (Hunyuan).
 _QK_NORM_AFTER_ROTARY = {"HunYuanDenseV1ForCausalLM"}
 # Architectures whose config's ``use_qk_norm`` switches those per-head norms on (GLM-4.5).
@@ -65,7 +66,7 @@ SLIDING, CONV = "sliding_attention", "conv"
 # Mixture-of-experts families; Mixtral scales each expert's output by its float32 routing
 # weight, Qwen3-MoE by the weight cast to the model dtype first (as the reference does).
 _MOE = {"Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM", "GptOssForCausalLM", "Qwen2MoeForCausalLM",
-        "GraniteMoeHybridForCausalLM"}  # fmt: skip
+        "GraniteMoeHybridForCausalLM", "Qwen3_5MoeForCausalLM"}  # fmt: skip
 # OLMo 2: no norm before a block, one after each block's output (before its residual add), and q
 # and k RMS-normed over their whole projection (before the heads are split).
 _OLMO2 = {"Olmo2ForCausalLM", "Olmo3ForCausalLM"}  # (OLMo 3: with windowed layers, per-type rope bases)
@@ -92,7 +93,7 @@ _LFM2 = {"Lfm2ForCausalLM"}
 _GRANITE = {"GraniteForCausalLM", "GraniteMoeHybridForCausalLM"}
 _GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"
 # Qwen3.5: gated delta-net layers beside gated attention ones, norms by (1 + weight).
-_QWEN3_5 = {"Qwen3_5ForCausalLM"}
+_QWEN3_5 = {"Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"}  # (the MoE models: every MLP Qwen2-MoE's kind)
 
 
 @dataclass
@@ -494,8 +495,9 @@ def _moe_fields(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
         fields.update(moe_scoring="sigmoid", routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
                       moe_groups=(int(config.get("n_group") or 1), int(config.get("topk_group") or 1)),
                       shared_expert_size=int(config.get("n_shared_experts") or 0) * int(width))  # fmt: skip
-    if architecture == "Qwen2MoeForCausalLM":
-        fields.update(shared_expert_size=int(config.get("shared_expert_intermediate_size") or 0), shared_expert_gate=True)
+    if architecture in ("Qwen2MoeForCausalLM", "Qwen3_5MoeForCausalLM"):  # (Qwen3.5's always renormalises)
+        fields.update(shared_expert_size=int(config.get("shared_expert_intermediate_size") or 0), shared_expert_gate=True,
+                      norm_topk_prob=fields["norm_topk_prob"] or architecture == "Qwen3_5MoeForCausalLM")  # fmt: skip
     if architecture == _GRANITE_HYBRID and experts:  # (its chosen float32 logits softmaxed; its MLP beside)
         fields.update(moe_scoring="topk_softmax_float32", shared_expert_size=int(config["intermediate_size"]))
     return fields

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -69,6 +69,11 @@ FAMILIES: dict[str, GGUFFamily] = {
     # Phi-3: q/k/v in one tensor, gate and up in `ffn_up` (split by rows on load).
     "phi3": GGUFFamily("Phi3ForCausalLM", block_names=(("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj"))),
 }
+# Qwen3.5's MoE models: its tensors and every MLP's experts (`ffn_*_exps`) beside a gated shared expert.
+FAMILIES["qwen35moe"] = replace(FAMILIES["qwen35"], hf_architecture="Qwen3_5MoeForCausalLM", block_names=(
+    *FAMILIES["qwen35"].block_names, ("ffn_gate_shexp", "mlp.shared_expert.gate_proj"),
+    ("ffn_up_shexp", "mlp.shared_expert.up_proj"), ("ffn_down_shexp", "mlp.shared_expert.down_proj"),
+    ("ffn_gate_inp_shexp", "mlp.shared_expert_gate")))  # fmt: skip
 # Not weights: LongRoPE's factors (read into the rope config by the loader).
 ROPE_FACTOR_TENSORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 _TOP_LEVEL_NAMES = {
@@ -123,8 +128,8 @@ def hf_config(gguf_arch: str, meta: Metadata) -> dict[str, Any]:
                       logits_scaling=meta(f"{prefix}.logit_scale", 1.0))  # fmt: skip
     if gguf_arch == "lfm2":  # (its MLP's width as written: already the one the config derives)
         config.update(_lfm2_config(meta))
-    if gguf_arch == "qwen35":
-        config.update(_qwen35_config(meta))
+    if gguf_arch in ("qwen35", "qwen35moe"):
+        config.update(_qwen35_config(gguf_arch, meta))
     if gguf_arch == "phi3":  # (a window of 0: none, as the converter writes Phi-4's)
         config.update(sliding_window=meta(f"{prefix}.attention.sliding_window", 0) or None,
                       original_max_position_embeddings=meta(f"{prefix}.rope.scaling.original_context_length", None))
@@ -147,27 +152,28 @@ def _lfm2_config(meta: Metadata) -> dict[str, Any]:
                 conv_L_cache=int(meta("lfm2.shortconv.l_cache", 3)), block_auto_adjust_ff_dim=False)  # fmt: skip
 
 
-def _qwen35_config(meta: Metadata) -> dict[str, Any]:
+def _qwen35_config(prefix: str, meta: Metadata) -> dict[str, Any]:
     """Qwen3.5's: its layers without the multi-token-prediction ones the converter appends, which
     are gated delta-nets (``attention.recurrent_layers``, else all but every
     ``full_attention_interval``-th), and their shape from the ``ssm`` keys. The converter orders
     the value heads tiled ([k0, k1, ..., k0, k1, ...]) where HF groups them by key head: the model
     reads them so (``linear_value_heads_tiled``), as no column order of a quantized out_proj
     could be undone."""
-    layers = int(meta("qwen35.block_count", 0)) - int(meta("qwen35.nextn_predict_layers", 0) or 0)
-    recurrent = meta("qwen35.attention.recurrent_layers", None)
+    layers = int(meta(f"{prefix}.block_count", 0)) - int(meta(f"{prefix}.nextn_predict_layers", 0) or 0)
+    recurrent = meta(f"{prefix}.attention.recurrent_layers", None)
     if not isinstance(recurrent, list):
-        interval = int(meta("qwen35.full_attention_interval", 4) or 4)
+        interval = int(meta(f"{prefix}.full_attention_interval", 4) or 4)
         recurrent = [(i + 1) % interval != 0 for i in range(layers)]
-    value_heads = int(meta("qwen35.ssm.time_step_rank", 0))
+    value_heads = int(meta(f"{prefix}.ssm.time_step_rank", 0))
     if value_heads < 1:
-        raise ValueError("a Qwen3.5 file gives its gated delta-nets' value heads as qwen35.ssm.time_step_rank")
+        raise ValueError(f"a Qwen3.5 file gives its gated delta-nets' value heads as {prefix}.ssm.time_step_rank")
+    shared = meta(f"{prefix}.expert_shared_feed_forward_length", None)  # (the MoE models' shared expert)
     return dict(num_hidden_layers=layers, layer_types=["linear_attention" if r else "full_attention" for r in recurrent[:layers]],
-                linear_conv_kernel_dim=int(meta("qwen35.ssm.conv_kernel", 4)),
-                linear_key_head_dim=int(meta("qwen35.ssm.state_size", 0)),
-                linear_num_key_heads=int(meta("qwen35.ssm.group_count", 0)), linear_num_value_heads=value_heads,
-                linear_value_head_dim=int(meta("qwen35.ssm.inner_size", 0)) // value_heads,
-                linear_value_heads_tiled=True)  # fmt: skip
+                linear_conv_kernel_dim=int(meta(f"{prefix}.ssm.conv_kernel", 4)),
+                linear_key_head_dim=int(meta(f"{prefix}.ssm.state_size", 0)),
+                linear_num_key_heads=int(meta(f"{prefix}.ssm.group_count", 0)), linear_num_value_heads=value_heads,
+                linear_value_head_dim=int(meta(f"{prefix}.ssm.inner_size", 0)) // value_heads,
+                linear_value_heads_tiled=True, **({} if shared is None else {"shared_expert_intermediate_size": shared}))  # fmt: skip
 
 
 def _gemma_config(gguf_arch: str, meta: Metadata) -> dict[str, Any]:

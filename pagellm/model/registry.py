@@ -32,6 +32,7 @@ _MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "GraniteForCausalLM": LlamaForCausalLM,
     "GraniteMoeHybridForCausalLM": LlamaForCausalLM,
     "Qwen3_5ForCausalLM": LlamaForCausalLM,
+    "Qwen3_5MoeForCausalLM": LlamaForCausalLM,
     "Glm4MoeForCausalLM": LlamaForCausalLM,
     "Glm4ForCausalLM": LlamaForCausalLM,
     "Exaone4ForCausalLM": LlamaForCausalLM,

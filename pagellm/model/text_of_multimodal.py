@@ -14,9 +14,10 @@ _TEXT_OF_MULTIMODAL = {
     "SmolVLMForConditionalGeneration": ("LlamaForCausalLM", "LlamaConfig"),
     # Qwen3.5 (natively multimodal): its text model under `model.language_model`.
     "Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig"),
+    "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig"),
 }
 # Wrappers that decide whether the text model's LM head is tied (their own flag, not the text config's).
-_WRAPPER_TIES = {"LlamaForCausalLM", "Qwen3_5ForCausalLM"}
+_WRAPPER_TIES = {"LlamaForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"}
 
 
 def text_model_config(config: dict[str, Any]) -> dict[str, Any]:

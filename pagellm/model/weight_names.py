@@ -76,6 +76,12 @@ _RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
         (re.compile(r"^model\.language_model\."), "model."),
         (re.compile(r"\.linear_attn\.conv1d\.weight$"), ".linear_attn.conv_weight"),
     ),
+    # Qwen3.5's MoE models: the same, and Qwen2-MoE's one gated shared expert.
+    "Qwen3_5MoeForCausalLM": (
+        (re.compile(r"^model\.language_model\."), "model."),
+        (re.compile(r"\.linear_attn\.conv1d\.weight$"), ".linear_attn.conv_weight"),
+        (re.compile(r"\.mlp\.shared_expert\."), ".mlp.shared_experts."),
+    ),
     # Idefics3 / SmolVLM: the text model under `model.text_model`.
     "LlamaForCausalLM": ((re.compile(r"^model\.text_model\."), "model."),),
     # gpt-oss: the router is `router` (with a bias).
@@ -91,6 +97,7 @@ _DROPPED: dict[str, re.Pattern[str]] = {
     "Gemma3ForCausalLM": re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\."),
     "LlamaForCausalLM": re.compile(r"^model\.(vision_model|connector)\."),  # (Idefics3's: its own encoder loads them)
     "Qwen3_5ForCausalLM": re.compile(r"^(model\.visual\.|mtp\.)"),  # (its vision tower; multi-token prediction)
+    "Qwen3_5MoeForCausalLM": re.compile(r"^(model\.visual\.|mtp\.)"),
 }
 # Architectures whose checkpoints carry layers past the model's (GLM-4.5's multi-token prediction
 # layer, ``num_nextn_predict_layers``): not part of the causal LM, not loaded.

@@ -39,19 +39,23 @@ _ARCHS = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama", "Qwen3ForC
           "Qwen3MoeForCausalLM": "qwen3moe", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
           "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite",
           "Olmo2ForCausalLM": "olmo2", "Glm4ForCausalLM": "glm4", "Lfm2ForCausalLM": "lfm2",
-          "Qwen3_5ForCausalLM": "qwen35"}  # fmt: skip
+          "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5MoeForCausalLM": "qwen35moe"}  # fmt: skip
+_QWEN35 = ("qwen35", "qwen35moe")
 _LFM2_NAMES = {"operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "self_attn.out_proj": "attn_output",
                "self_attn.q_layernorm": "attn_q_norm", "self_attn.k_layernorm": "attn_k_norm",
                "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down",
                "conv.conv": "shortconv.conv", "conv.in_proj": "shortconv.in_proj",
                "conv.out_proj": "shortconv.out_proj"}  # fmt: skip
-# Qwen3.5 (the converter's ``Qwen3_5TextModel``, checked against its output for the tiny model:
-# NOTES 72): its gated delta-nets' tensors, A_log stored as -exp(A_log) (`ssm_a`), dt_bias as
-# `ssm_dt.bias`, the value heads reordered from grouped by key head to tiled.
+# Qwen3.5 (the converter's ``Qwen3_5TextModel`` and ``Qwen3_5MoeTextModel``, checked against its
+# output for the tiny models: NOTES 72): its gated delta-nets' tensors, A_log stored as
+# -exp(A_log) (`ssm_a`), dt_bias as `ssm_dt.bias`, the value heads reordered from grouped by key
+# head to tiled; the MoE models' shared expert as `*_shexp`.
 _QWEN35_NAMES = {"post_attention_layernorm": "post_attention_norm", "linear_attn.in_proj_qkv": "attn_qkv",
                  "linear_attn.in_proj_z": "attn_gate", "linear_attn.in_proj_b": "ssm_beta",
                  "linear_attn.in_proj_a": "ssm_alpha", "linear_attn.conv1d": "ssm_conv1d",
-                 "linear_attn.norm": "ssm_norm", "linear_attn.out_proj": "ssm_out"}  # fmt: skip
+                 "linear_attn.norm": "ssm_norm", "linear_attn.out_proj": "ssm_out",
+                 "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+                 "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}  # fmt: skip
 # The converter's LlamaModel subclasses: q/k rows permuted, vocab size and rope dims written.
 _LLAMA_LIKE = ("llama", "smollm3", "granite")
 
@@ -70,8 +74,8 @@ def _metadata(writer: GGUFWriter, arch: str, config: dict) -> None:
     if arch == "lfm2":
         _lfm2_metadata(writer, config)
         return
-    if arch == "qwen35":
-        _qwen35_metadata(writer, config)
+    if arch in _QWEN35:
+        _qwen35_metadata(writer, arch, config)
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
@@ -115,19 +119,21 @@ def _metadata(writer: GGUFWriter, arch: str, config: dict) -> None:
                 writer.add_float32(f"{arch}.{key}", config[key])
 
 
-def _qwen35_metadata(writer: GGUFWriter, config: dict) -> None:
+def _qwen35_metadata(writer: GGUFWriter, arch: str, config: dict) -> None:
     """Qwen3.5's: the gated delta-nets' shape as ``ssm`` keys, which layers they are, the rotary's
-    dims and its (multimodal) sections."""
-    writer.add_uint32("qwen35.ssm.conv_kernel", config["linear_conv_kernel_dim"])
-    writer.add_uint32("qwen35.ssm.state_size", config["linear_key_head_dim"])
-    writer.add_uint32("qwen35.ssm.group_count", config["linear_num_key_heads"])
-    writer.add_uint32("qwen35.ssm.time_step_rank", config["linear_num_value_heads"])
-    writer.add_uint32("qwen35.ssm.inner_size", config["linear_value_head_dim"] * config["linear_num_value_heads"])
-    writer.add_array("qwen35.attention.recurrent_layers", [t == "linear_attention" for t in config["layer_types"]])
-    writer.add_uint32("qwen35.full_attention_interval", config.get("full_attention_interval", 4))
+    dims and its (multimodal) sections; the MoE models' shared expert's width."""
+    writer.add_uint32(f"{arch}.ssm.conv_kernel", config["linear_conv_kernel_dim"])
+    writer.add_uint32(f"{arch}.ssm.state_size", config["linear_key_head_dim"])
+    writer.add_uint32(f"{arch}.ssm.group_count", config["linear_num_key_heads"])
+    writer.add_uint32(f"{arch}.ssm.time_step_rank", config["linear_num_value_heads"])
+    writer.add_uint32(f"{arch}.ssm.inner_size", config["linear_value_head_dim"] * config["linear_num_value_heads"])
+    writer.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in config["layer_types"]])
+    writer.add_uint32(f"{arch}.full_attention_interval", config.get("full_attention_interval", 4))
     rope = config["rope_parameters"]
     writer.add_rope_dimension_count(int(config["head_dim"] * rope.get("partial_rotary_factor", 1.0)))
-    writer.add_array("qwen35.rope.dimension_sections", [11, 11, 10, 0])
+    writer.add_array(f"{arch}.rope.dimension_sections", [11, 11, 10, 0])
+    if "shared_expert_intermediate_size" in config:
+        writer.add_uint32(f"{arch}.expert_shared_feed_forward_length", config["shared_expert_intermediate_size"])
 
 
 def _tiled_value_heads(tensor: torch.Tensor, dim: int, config: dict, head_dim: int) -> torch.Tensor:
@@ -197,15 +203,16 @@ def _block_tensors(name: str, tensor: torch.Tensor, arch: str, config: dict) -> 
     """The GGUF name and data of one HF block tensor (experts are gathered by the caller)."""
     layer, rest = name.removeprefix("model.layers.").split(".", 1)
     module, kind = rest.rsplit(".", 1)
-    if arch == "qwen35" and module.startswith("linear_attn") and module != "linear_attn.norm":
+    if arch in _QWEN35 and module.startswith("linear_attn") and module != "linear_attn.norm":
         gguf_name, tensor = _qwen35_tensor(module, kind, tensor, config)
         return f"blk.{layer}.{gguf_name}", tensor
-    names = {**_NAMES, **{"olmo2": _OLMO2_NAMES, "glm4": _GLM4_NAMES, "lfm2": _LFM2_NAMES, "qwen35": _QWEN35_NAMES}.get(
+    names = {**_NAMES, **{"olmo2": _OLMO2_NAMES, "glm4": _GLM4_NAMES, "lfm2": _LFM2_NAMES, "qwen35": _QWEN35_NAMES,
+                          "qwen35moe": _QWEN35_NAMES}.get(
         arch, _GEMMA_NAMES if arch.startswith("gemma") else {})}  # fmt: skip
     if arch in _LLAMA_LIKE and module in ("self_attn.q_proj", "self_attn.k_proj"):
         heads = config["num_attention_heads"] if module.endswith("q_proj") else config["num_key_value_heads"]
         tensor = _permute(tensor, heads)
-    if (arch.startswith("gemma") or arch == "qwen35") and module.endswith("norm") and module != "linear_attn.norm":
+    if (arch.startswith("gemma") or arch in _QWEN35) and module.endswith("norm") and module != "linear_attn.norm":
         tensor = tensor + 1
     if arch == "lfm2" and module == "conv.conv":
         tensor = tensor.squeeze(1)  # (the converter's: its conv op takes [channels, taps])
@@ -226,7 +233,7 @@ def write_gguf(hf_folder: str, out: Path, tokenizer_gguf: str) -> str:
     for name, tensor in tensors.items():
         tensor = tensor.float()
         if name in top:
-            plus_one = arch.startswith("gemma") or arch == "qwen35"
+            plus_one = arch.startswith("gemma") or arch in _QWEN35
             data = tensor + 1 if plus_one and name == "model.norm.weight" else tensor
             if name != "lm_head.weight" or not config.get("tie_word_embeddings"):
                 writer.add_tensor(top[name], data.numpy())
