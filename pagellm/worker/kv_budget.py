@@ -100,6 +100,10 @@ class AutoPool:
     workspace: int  # one rank's step activations (:func:`step_workspace_bytes`)
     block_bytes: int
     useful_blocks: int
+    # A hybrid model's recurrent states (``worker/kv_cache.py`` ``state_slot_bytes``), one rank's:
+    # ``state_slots`` rows (``max_num_seqs``), allocated beside the pool.
+    state_bytes: int = 0
+    state_slots: int = 0
 
 
 def auto_kv_budget(pool: AutoPool, share: HostShare) -> int:
@@ -107,7 +111,7 @@ def auto_kv_budget(pool: AutoPool, share: HostShare) -> int:
     where nothing is left): ``AUTO_KV_SHARE`` of the memory the host will have once every
     replica's weights are in, less every process's step workspace, split evenly."""
     free = pool.available - pool.host_weight_bytes * share.replicas_after
-    return int((AUTO_KV_SHARE * free - pool.workspace * share.count) / share.count)
+    return int((AUTO_KV_SHARE * free - (pool.workspace + pool.state_bytes) * share.count) / share.count)
 
 
 def auto_kv_blocks(budget: int, pool: AutoPool, share: HostShare, model: str) -> int:
@@ -116,9 +120,11 @@ def auto_kv_blocks(budget: int, pool: AutoPool, share: HostShare, model: str) ->
     if budget < pool.block_bytes:
         free = pool.available - pool.host_weight_bytes * share.replicas_after
         who = f" for {share.describe()}" if share.count > 1 else ""
+        states = (f", its recurrent states for {pool.state_slots} sequences (max_num_seqs) need {gib(pool.state_bytes)} "
+                  "(lower max_num_seqs)") if pool.state_bytes else ""  # fmt: skip
         raise ValueError(
             f"{model} leaves no room for a KV cache: once the weights are in, {gib(free)} of memory is left{who}, "
-            f"a step's activations need about {gib(pool.workspace)} a process, and one KV block needs "
+            f"a step's activations need about {gib(pool.workspace)} a process{states}, and one KV block needs "
             f"{pool.block_bytes} bytes; free memory, give kv_cache_memory a size, or choose a smaller model"
         )
     return min(budget // pool.block_bytes, pool.useful_blocks)

@@ -312,8 +312,8 @@ class Worker:
         scheduler = config.scheduler
         pool = AutoPool(
             available=available, host_weight_bytes=weight_bytes, block_bytes=block_bytes,
-            workspace=step_workspace_bytes(self.arch, scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
-            + state_slot_bytes(shard, scheduler.max_num_seqs, self.dtype),
+            workspace=step_workspace_bytes(self.arch, scheduler.max_num_batched_tokens, scheduler.max_num_seqs),
+            state_bytes=state_slot_bytes(shard, scheduler.max_num_seqs, self.dtype), state_slots=scheduler.max_num_seqs,
             useful_blocks=useful_kv_blocks(scheduler.max_num_seqs, context, cache.block_size),
         )  # fmt: skip
         # Every rank takes the smallest budget, so all size alike and any refusal is every rank's.

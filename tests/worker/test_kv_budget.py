@@ -156,3 +156,17 @@ def test_hostile_pool_sizes_are_refused_and_the_engine_still_builds(tiny_llama_p
         LLM(tiny_llama_path, **options)
     llm = LLM(tiny_llama_path, max_num_seqs=4, kv_cache_memory=" AUTO ")  # the spelling is free
     assert llm.generate(["Hello"], use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_a_hybrid_models_states_are_counted_and_named_where_they_leave_no_room() -> None:
+    """Its recurrent states (one row a sequence, ``max_num_seqs`` of them) come out of the budget
+    like the workspace; where they leave no block, the error names them and the way out."""
+    mib = 1 << 20
+    pool = AutoPool(available=10 * GIB, host_weight_bytes=0, workspace=100 * mib, block_bytes=mib, useful_blocks=1 << 40,
+                    state_bytes=GIB, state_slots=128)  # fmt: skip
+    assert _blocks(pool, HostShare()) == int(AUTO_KV_SHARE * 10 * GIB - 100 * mib - GIB) // mib
+    full = AutoPool(available=10 * GIB, host_weight_bytes=0, workspace=100 * mib, block_bytes=mib,
+                    useful_blocks=1 << 40, state_bytes=12 * GIB, state_slots=128)  # fmt: skip
+    with pytest.raises(ValueError, match=r"recurrent states for 128 sequences \(max_num_seqs\) need 12\.00 GiB "
+                                         r"\(lower max_num_seqs\)"):  # fmt: skip
+        _blocks(full, HostShare())
