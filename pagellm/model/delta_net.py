@@ -152,11 +152,7 @@ class GatedDeltaNet(nn.Module):
             correction = (v1 - read) * rows(beta)[..., None]
             flat = state.view(-1, shape[-2], shape[-1])
             flat.baddbmm_(k1.reshape(-1, shape[-2], 1), correction.reshape(-1, 1, shape[-1]))
-            written = torch.matmul(q1.unsqueeze(-2), state).squeeze(-2)
-            if plan.decode_tokens is None:
-                out = written
-            else:
-                out[plan.decode_tokens] = written
+            out = plan.with_decode_rows(out, torch.matmul(q1.unsqueeze(-2), state).squeeze(-2))
             plan.store_decode_states(ssm, state)
         for span in plan.spans:
             rows = slice(span.start, span.end)

@@ -127,10 +127,7 @@ class Mamba2Mixer(nn.Module):
             flat = state.view(-1, dims[-2], dims[-1])
             flat.baddbmm_((step_dt[..., None] * rows(x)).reshape(-1, dims[-2], 1), rows(b).reshape(-1, 1, dims[-1]))
             read = torch.matmul(flat, rows(c).reshape(-1, dims[-1], 1)).view(-1, shape.num_heads, shape.head_dim)
-            if plan.decode_tokens is None:
-                y = read
-            else:
-                y[plan.decode_tokens] = read
+            y = plan.with_decode_rows(y, read)
             plan.store_decode_states(ssm, state)
         for span in plan.spans:
             rows = slice(span.start, span.end)

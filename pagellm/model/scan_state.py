@@ -60,6 +60,13 @@ class ScanPlan:
         if self.single_slot is None:
             ssm[self.decode_slots] = state
 
+    def with_decode_rows(self, out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``out`` with the decode tokens' rows set to ``rows`` (``rows`` itself where they are every token)."""
+        if self.decode_tokens is None:
+            return rows
+        out[self.decode_tokens] = rows
+        return out
+
     def decode_rows(self, x: torch.Tensor) -> torch.Tensor:
         """``x``'s rows of the decode tokens (all of ``x`` where they are every token)."""
         return x if self.decode_tokens is None else x[self.decode_tokens]

@@ -18,6 +18,12 @@ from pagellm.model.arch_config import ModelArchConfig
 
 Tensor = torch.Tensor | QuantizedRows
 
+# Granite-4.0-H's Mamba-2 mixer: its Conv1d as the mixer's own parameters.
+_MAMBA_CONV = ((re.compile(r"\.mamba\.conv1d\.(weight|bias)$"), r".mamba.conv_\1"),)
+# Qwen3.5: the text model under `model.language_model` (the multimodal checkpoints); the gated
+# delta-net's Conv1d as the mixer's own parameter.
+_QWEN3_5 = ((re.compile(r"^model\.language_model\."), "model."),
+            (re.compile(r"\.linear_attn\.conv1d\.weight$"), ".linear_attn.conv_weight"))  # fmt: skip
 # Architecture -> (pattern, replacement) applied to each checkpoint name in order.
 _RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
     # Mixtral: the MoE block is `block_sparse_moe`, its experts' w1/w3/w2 are gate/up/down.
@@ -51,12 +57,11 @@ _RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
         (re.compile(r"^model\.embedding_norm\."), "model.norm."),
         (re.compile(r"\.conv\.conv\.(weight|bias)$"), r".conv.conv_\1"),
     ),
-    # Granite-4.0-H: its dense MLP as `shared_mlp` (gate and up stored as one, split below); the
-    # Mamba-2 mixer's Conv1d as the mixer's own parameters.
+    # Granite-4.0-H: its dense MLP as `shared_mlp` (gate and up stored as one, split below).
     "GraniteMoeHybridForCausalLM": (
         (re.compile(r"\.shared_mlp\.input_linear\."), ".mlp.gate_up_proj."),
         (re.compile(r"\.shared_mlp\.output_linear\."), ".mlp.down_proj."),
-        (re.compile(r"\.mamba\.conv1d\.(weight|bias)$"), r".mamba.conv_\1"),
+        *_MAMBA_CONV,
     ),
     # Granite-4.0-H with routed experts (:func:`_renames`): `shared_mlp` beside them as the shared
     # expert; the experts stacked ([E, 2I, H] gate and up, [E, H, I] down) as `input_linear` /
@@ -68,20 +73,11 @@ _RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
         (re.compile(r"\.mlp\.input_linear\.weight$"), ".mlp.experts.gate_up_proj"),
         (re.compile(r"\.mlp\.output_linear\.weight$"), ".mlp.experts.down_proj"),
         (re.compile(r"\.mlp\.router\.(layer\.)?weight$"), ".mlp.gate.weight"),
-        (re.compile(r"\.mamba\.conv1d\.(weight|bias)$"), r".mamba.conv_\1"),
+        *_MAMBA_CONV,
     ),
-    # Qwen3.5: the text model under `model.language_model` (the multimodal checkpoints); the gated
-    # delta-net's Conv1d as the mixer's own parameter.
-    "Qwen3_5ForCausalLM": (
-        (re.compile(r"^model\.language_model\."), "model."),
-        (re.compile(r"\.linear_attn\.conv1d\.weight$"), ".linear_attn.conv_weight"),
-    ),
+    "Qwen3_5ForCausalLM": _QWEN3_5,
     # Qwen3.5's MoE models: the same, and Qwen2-MoE's one gated shared expert.
-    "Qwen3_5MoeForCausalLM": (
-        (re.compile(r"^model\.language_model\."), "model."),
-        (re.compile(r"\.linear_attn\.conv1d\.weight$"), ".linear_attn.conv_weight"),
-        (re.compile(r"\.mlp\.shared_expert\."), ".mlp.shared_experts."),
-    ),
+    "Qwen3_5MoeForCausalLM": (*_QWEN3_5, (re.compile(r"\.mlp\.shared_expert\."), ".mlp.shared_experts.")),
     # Idefics3 / SmolVLM: the text model under `model.text_model`.
     "LlamaForCausalLM": ((re.compile(r"^model\.text_model\."), "model."),),
     # gpt-oss: the router is `router` (with a bias).
