@@ -69,6 +69,12 @@ FAMILIES: dict[str, GGUFFamily] = {
     # Phi-3: q/k/v in one tensor, gate and up in `ffn_up` (split by rows on load).
     "phi3": GGUFFamily("Phi3ForCausalLM", block_names=(("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj"))),
 }
+# Granite-4.0-H: Granite's (q/k rows permuted), its Mamba-2 mixers' tensors (`ssm_a` holds
+# -exp(A_log); `ssm_a`, `ssm_d` and the norm reshaped: ``hf_tensors`` flattens them).
+FAMILIES["granitehybrid"] = GGUFFamily("GraniteMoeHybridForCausalLM", qk_permuted=True, block_names=(
+    ("ssm_in", "mamba.in_proj"), ("ssm_out", "mamba.out_proj"), ("ssm_conv1d", "mamba.conv1d"),
+    ("ssm_norm", "mamba.norm")),
+    bare_names=(("ssm_a", "mamba.A_log"), ("ssm_d", "mamba.D"), ("ssm_dt.bias", "mamba.dt_bias")))  # fmt: skip
 # Qwen3.5's MoE models: its tensors and every MLP's experts (`ffn_*_exps`) beside a gated shared expert.
 FAMILIES["qwen35moe"] = replace(FAMILIES["qwen35"], hf_architecture="Qwen3_5MoeForCausalLM", block_names=(
     *FAMILIES["qwen35"].block_names, ("ffn_gate_shexp", "mlp.shared_expert.gate_proj"),
@@ -121,13 +127,15 @@ def hf_config(gguf_arch: str, meta: Metadata) -> dict[str, Any]:
                       norm_topk_prob=True)  # llama.cpp renormalises Qwen3-MoE's top-k (Mixtral always does)
     if gguf_arch in _GEMMA_27B_LAYERS:
         config.update(_gemma_config(gguf_arch, meta))
-    if gguf_arch == "granite":  # its multipliers, as the converter names them
+    if gguf_arch in ("granite", "granitehybrid"):  # its multipliers, as the converter names them
         config.update(embedding_multiplier=meta(f"{prefix}.embedding_scale", 1.0),
                       residual_multiplier=meta(f"{prefix}.residual_scale", 1.0),
                       attention_multiplier=meta(f"{prefix}.attention.scale", 1.0),
                       logits_scaling=meta(f"{prefix}.logit_scale", 1.0))  # fmt: skip
     if gguf_arch == "lfm2":  # (its MLP's width as written: already the one the config derives)
         config.update(_lfm2_config(meta))
+    if gguf_arch == "granitehybrid":
+        config.update(_granite_hybrid_config(meta))
     if gguf_arch in ("qwen35", "qwen35moe"):
         config.update(_qwen35_config(gguf_arch, meta))
     if gguf_arch == "phi3":  # (a window of 0: none, as the converter writes Phi-4's)
@@ -150,6 +158,29 @@ def _lfm2_config(meta: Metadata) -> dict[str, Any]:
         raise ValueError("an LFM2 file lists lfm2.attention.head_count_kv per layer (0: a convolution layer)")
     return dict(layer_types=["full_attention" if n else "conv" for n in kv_heads], num_key_value_heads=max(kv_heads),
                 conv_L_cache=int(meta("lfm2.shortconv.l_cache", 3)), block_auto_adjust_ff_dim=False)  # fmt: skip
+
+
+def _granite_hybrid_config(meta: Metadata) -> dict[str, Any]:
+    """Granite-4.0-H's: its Mamba-2 layers are those without KV heads (``head_count_kv`` per
+    layer), their shape from the ``ssm`` keys; rope only where the converter marks it used
+    (``rope.scaling.finetuned``: its files without rope say False); the dense MLP's width is the
+    shared expert's (``expert_shared_feed_forward_length``)."""
+    if int(meta("granitehybrid.expert_count", 0) or 0):
+        raise NotImplementedError("Granite-4.0-H GGUF files with routed experts (H Tiny, H Small) are not supported "
+                                  "yet; their safetensors folders are")  # fmt: skip
+    kv_heads = meta("granitehybrid.attention.head_count_kv", None)
+    if not isinstance(kv_heads, list):
+        raise ValueError("a Granite-4.0-H file lists granitehybrid.attention.head_count_kv per layer (0: a Mamba-2 layer)")
+    heads, inner = int(meta("granitehybrid.ssm.time_step_rank", 0)), int(meta("granitehybrid.ssm.inner_size", 0))
+    if heads < 1:
+        raise ValueError("a Granite-4.0-H file gives its Mamba-2 heads as granitehybrid.ssm.time_step_rank")
+    hidden = int(meta("granitehybrid.embedding_length", 1))
+    return dict(layer_types=["attention" if n else "mamba" for n in kv_heads], mamba_n_heads=heads,
+                mamba_d_head=inner // heads, mamba_expand=inner // hidden, mamba_d_conv=int(meta("granitehybrid.ssm.conv_kernel", 4)),
+                mamba_d_state=int(meta("granitehybrid.ssm.state_size", 0)), mamba_n_groups=int(meta("granitehybrid.ssm.group_count", 1)),
+                num_local_experts=0,
+                shared_intermediate_size=meta("granitehybrid.expert_shared_feed_forward_length", None),
+                position_embedding_type="rope" if meta("granitehybrid.rope.scaling.finetuned", False) else None)  # fmt: skip
 
 
 def _qwen35_config(prefix: str, meta: Metadata) -> dict[str, Any]:
@@ -253,10 +284,12 @@ def hf_tensors(
     plain_norm = name.endswith(".linear_attn.norm.weight")  # (Qwen3.5's delta-nets' norm: stored as it is)
     if fam.norm_plus_one and name.endswith("norm.weight") and not plain_norm and isinstance(tensor, torch.Tensor):
         tensor = tensor - 1
-    if name.endswith((".conv.conv.weight", ".linear_attn.conv1d.weight")) and isinstance(tensor, torch.Tensor):
+    if name.endswith((".conv.conv.weight", ".linear_attn.conv1d.weight", ".mamba.conv1d.weight")) and isinstance(tensor, torch.Tensor):
         tensor = tensor.unsqueeze(1)  # (the converter squeezes Conv1d's [channels, 1, taps]: LFM2, Qwen3.5)
-    if name.endswith(".linear_attn.A_log") and isinstance(tensor, torch.Tensor):
-        tensor = torch.log(-tensor)  # (Qwen3.5: the converter stores A = -exp(A_log))
+    if name.endswith((".linear_attn.A_log", ".mamba.A_log")) and isinstance(tensor, torch.Tensor):
+        tensor = torch.log(-tensor)  # (Qwen3.5, Granite-4.0-H: the converter stores A = -exp(A_log))
+    if name.endswith((".mamba.A_log", ".mamba.D", ".mamba.norm.weight")) and isinstance(tensor, torch.Tensor):
+        tensor = tensor.reshape(-1)  # (Granite-4.0-H: [heads, 1], the norm [groups, channels / groups])
     yield name, tensor
 
 

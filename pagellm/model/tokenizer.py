@@ -129,6 +129,25 @@ def _gguf_architecture_known(path: str) -> Iterator[None]:
                 known.remove(architecture)
 
 
+# GGUF architectures transformers has no config class for (it picks a GGUF file's tokenizer class
+# through one): the class is named by the file's tokenizer model instead.
+_ARCHITECTURES_WITHOUT_CONFIG = {"granitehybrid"}
+_TOKENIZER_TYPES = {"gpt2": "gpt2", "llama": "llama"}  # tokenizer.ggml.model -> transformers' tokenizer type
+
+
+def _tokenizer_type(path: str) -> dict[str, str]:
+    """``tokenizer_type`` for the GGUF file's tokenizer where its architecture needs one (none else)."""
+    from pagellm.model.gguf_loader import open_gguf, read_metadata
+
+    reader = open_gguf(path)
+    if str(read_metadata(reader, "general.architecture", "")) not in _ARCHITECTURES_WITHOUT_CONFIG:
+        return {}
+    model = str(read_metadata(reader, "tokenizer.ggml.model", ""))
+    if model not in _TOKENIZER_TYPES:
+        raise ValueError(f"the GGUF file's tokenizer model {model!r} is not supported here (only {sorted(_TOKENIZER_TYPES)})")
+    return {"tokenizer_type": _TOKENIZER_TYPES[model]}
+
+
 def _gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """The tokenizer transformers rebuilds from GGUF metadata (seconds: it re-parses the whole
     vocabulary), cached on disk after the first build and loaded from there (~0.1 s) after."""
@@ -144,7 +163,8 @@ def _gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     with _gguf_architecture_known(path):
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True,
+                                                  **_tokenizer_type(path))  # fmt: skip
     if not tokenizer.chat_template:
         tokenizer.chat_template = gguf_chat_template(path)
     _store_cached(tokenizer, folder)

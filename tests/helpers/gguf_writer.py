@@ -39,7 +39,8 @@ _ARCHS = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama", "Qwen3ForC
           "Qwen3MoeForCausalLM": "qwen3moe", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
           "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite",
           "Olmo2ForCausalLM": "olmo2", "Glm4ForCausalLM": "glm4", "Lfm2ForCausalLM": "lfm2",
-          "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5MoeForCausalLM": "qwen35moe"}  # fmt: skip
+          "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5MoeForCausalLM": "qwen35moe",
+          "GraniteMoeHybridForCausalLM": "granitehybrid"}  # fmt: skip
 _QWEN35 = ("qwen35", "qwen35moe")
 _LFM2_NAMES = {"operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "self_attn.out_proj": "attn_output",
                "self_attn.q_layernorm": "attn_q_norm", "self_attn.k_layernorm": "attn_k_norm",
@@ -69,10 +70,14 @@ def _metadata(writer: GGUFWriter, arch: str, config: dict) -> None:
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden // heads
     writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
+    no_rope = arch == "granitehybrid" and config.get("position_embedding_type") != "rope"
+    writer.add_context_length(2**20 if no_rope else config["max_position_embeddings"])
     writer.add_embedding_length(hidden)
     if arch == "lfm2":
         _lfm2_metadata(writer, config)
+        return
+    if arch == "granitehybrid":
+        _granite_hybrid_metadata(writer, config)
         return
     if arch in _QWEN35:
         _qwen35_metadata(writer, arch, config)
@@ -164,6 +169,58 @@ def _qwen35_tensor(module: str, kind: str, tensor: torch.Tensor, config: dict) -
     return f"{_QWEN35_NAMES[module]}.{kind}", tensor
 
 
+def _granite_hybrid_metadata(writer: GGUFWriter, config: dict) -> None:
+    """Granite-4.0-H's (the converter's ``GraniteHybridModel``, checked against its output for the
+    tiny dense model: NOTES 72): KV heads per layer (0 for a Mamba-2 layer), Granite's multipliers,
+    the Mamba-2 shape as ``ssm`` keys, rope marked unused (``rope.scaling.finetuned``) and the
+    context then written as 2**20."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    inner = config["mamba_expand"] * hidden
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    attention = ("attention", "full_attention")  # (the Hub's spelling and transformers 5's)
+    writer.add_head_count_kv([config["num_key_value_heads"] if t in attention else 0 for t in config["layer_types"]])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_expert_count(config["num_local_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_float32("granitehybrid.attention.scale", config["attention_multiplier"])
+    writer.add_float32("granitehybrid.embedding_scale", config["embedding_multiplier"])
+    writer.add_float32("granitehybrid.residual_scale", config["residual_multiplier"])
+    writer.add_float32("granitehybrid.logit_scale", config["logits_scaling"])
+    writer.add_uint32("granitehybrid.expert_shared_feed_forward_length", config["shared_intermediate_size"])
+    writer.add_uint32("granitehybrid.ssm.conv_kernel", config["mamba_d_conv"])
+    writer.add_uint32("granitehybrid.ssm.state_size", config["mamba_d_state"])
+    writer.add_uint32("granitehybrid.ssm.group_count", config["mamba_n_groups"])
+    writer.add_uint32("granitehybrid.ssm.inner_size", inner)
+    writer.add_uint32("granitehybrid.ssm.time_step_rank", config["mamba_n_heads"])
+    writer.add_bool("granitehybrid.rope.scaling.finetuned", config.get("position_embedding_type") == "rope")
+
+
+def _granite_hybrid_tensors(name: str, tensor: torch.Tensor, config: dict) -> list[tuple[str, torch.Tensor]]:
+    """A Granite-4.0-H block tensor as the converter writes it (the dense model's): the MLP's
+    fused gate/up split, the Mamba-2 mixer's tensors as ``ssm_*`` (A as -exp(A_log), A and D as
+    [heads, 1], the norm as [groups, channels / groups], the Conv1d squeezed)."""
+    layer, rest = name.removeprefix("model.layers.").split(".", 1)
+    prefix = f"blk.{layer}."
+    if rest == "shared_mlp.input_linear.weight":
+        gate, up = tensor.split(config["shared_intermediate_size"], dim=0)
+        return [(prefix + "ffn_gate.weight", gate), (prefix + "ffn_up.weight", up)]
+    if rest == "shared_mlp.output_linear.weight":
+        return [(prefix + "ffn_down.weight", tensor)]
+    mamba = {"mamba.in_proj.weight": ("ssm_in.weight", lambda t: t), "mamba.out_proj.weight": ("ssm_out.weight", lambda t: t),
+             "mamba.conv1d.weight": ("ssm_conv1d.weight", lambda t: t.squeeze(1)),
+             "mamba.conv1d.bias": ("ssm_conv1d.bias", lambda t: t), "mamba.dt_bias": ("ssm_dt.bias", lambda t: t),
+             "mamba.A_log": ("ssm_a", lambda t: -torch.exp(t).unsqueeze(1)), "mamba.D": ("ssm_d", lambda t: t.unsqueeze(1)),
+             "mamba.norm.weight": ("ssm_norm.weight", lambda t: t.reshape(config["mamba_n_groups"], -1))}  # fmt: skip
+    if rest in mamba:
+        gguf_name, change = mamba[rest]
+        return [(prefix + gguf_name, change(tensor))]
+    return [_block_tensors(name, tensor, "granite", config)]
+
+
 def _lfm2_metadata(writer: GGUFWriter, config: dict) -> None:
     """LFM2's (the converter's ``LFM2Model``): KV heads per layer (0 for a convolution layer), the
     MLP's width as its config derives it, the convolutions' taps, ``norm_eps``."""
@@ -237,6 +294,10 @@ def write_gguf(hf_folder: str, out: Path, tokenizer_gguf: str) -> str:
             data = tensor + 1 if plus_one and name == "model.norm.weight" else tensor
             if name != "lm_head.weight" or not config.get("tie_word_embeddings"):
                 writer.add_tensor(top[name], data.numpy())
+            continue
+        if arch == "granitehybrid" and name.startswith("model.layers."):
+            for gguf_name, data in _granite_hybrid_tensors(name, tensor, config):
+                writer.add_tensor(gguf_name, data.numpy())
             continue
         if ".experts." in name:  # model.layers.N.<mlp|block_sparse_moe>.experts.E.<part>.weight
             layer = name.split(".")[2]

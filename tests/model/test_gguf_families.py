@@ -25,7 +25,8 @@ def gguf_families(tmp_path_factory: pytest.TempPathFactory, default_tokenizer, d
                   tiny_qwen3_path: str, tiny_mixtral_path: str, tiny_phi3_path: str,
                   tiny_phi3_longrope_path: str, tiny_phi4_mini_path: str, tiny_granite_path: str,
                   tiny_olmo2_path: str, tiny_glm4_path: str, tiny_lfm2_path: str,
-                  tiny_qwen3_5_path: str, tiny_qwen3_5_moe_path: str) -> dict[str, tuple[str, str]]:  # fmt: skip
+                  tiny_qwen3_5_path: str, tiny_qwen3_5_moe_path: str,
+                  tiny_granite_hybrid_path: str) -> dict[str, tuple[str, str]]:  # fmt: skip
     """Family -> (HF folder, its GGUF file). Gemma's score scale is head_dim's, as llama.cpp
     reads a file without query_pre_attn_scalar; Gemma 3 keeps its default pattern of windowed
     layers (a file does not say another); Qwen3-MoE routes in every layer; SmolLM3 has no rope
@@ -49,7 +50,7 @@ def gguf_families(tmp_path_factory: pytest.TempPathFactory, default_tokenizer, d
     folders = {"qwen3": tiny_qwen3_path, "mixtral": tiny_mixtral_path, "phi3": tiny_phi3_path,
                "phi3-longrope": tiny_phi3_longrope_path, "phi4-mini": tiny_phi4_mini_path, "granite": tiny_granite_path,
                "olmo2": tiny_olmo2_path, "glm4": tiny_glm4_path, "lfm2": tiny_lfm2_path, "qwen35": tiny_qwen3_5_path,
-               "qwen35moe": tiny_qwen3_5_moe_path}
+               "qwen35moe": tiny_qwen3_5_moe_path, "granitehybrid": tiny_granite_hybrid_path}
     for name, config in built.items():
         folders[name] = write_tiny_model(tmp_path_factory.mktemp(f"hf_{name}"), config, default_tokenizer)
     out = tmp_path_factory.mktemp("gguf")
@@ -59,7 +60,7 @@ def gguf_families(tmp_path_factory: pytest.TempPathFactory, default_tokenizer, d
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3moe", "mixtral", "gemma2", "gemma3", "phi3", "phi3-longrope",
                                     "phi4-mini", "smollm3", "granite", "olmo2", "glm4", "lfm2", "qwen35",
-                                    "qwen35moe"])
+                                    "qwen35moe", "granitehybrid"])
 def test_gguf_greedy_equals_hf(gguf_families: dict[str, tuple[str, str]], family: str) -> None:
     folder, gguf = gguf_families[family]
     expected = [hf_greedy(load_hf_model(folder), p, MAX_TOKENS) for p in PROMPTS]

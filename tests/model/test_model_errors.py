@@ -161,3 +161,28 @@ def test_an_unknown_layer_type_is_named(tmp_path: Path, tiny_lfm2_path: str) -> 
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(NotImplementedError, match=r"layer types \['lightning_attention'\] are not supported"):
         load_arch_config(str(folder))
+
+
+@pytest.mark.parametrize(("extra", "words"), [
+    ({"expert_count": 4}, "Granite-4.0-H GGUF files with routed experts .* are not supported yet"),
+    ({"ssm.time_step_rank": 0}, "gives its Mamba-2 heads as granitehybrid.ssm.time_step_rank"),
+])  # fmt: skip
+def test_what_a_granite_hybrid_file_cannot_run_is_named(tmp_path: Path, extra: dict, words: str) -> None:
+    """Its experts are refused by name (the dense models' files load: test_gguf_families.py), as
+    is a file without its Mamba-2 layers' heads."""
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(tmp_path / "granitehybrid.gguf"), "granitehybrid")
+    keys = {"block_count": 2, "embedding_length": 64, "feed_forward_length": 128, "vocab_size": 100,
+            "attention.head_count": 4, "context_length": 512, "ssm.time_step_rank": 8, "ssm.inner_size": 128,
+            "ssm.state_size": 16, "ssm.group_count": 1, "ssm.conv_kernel": 4, **extra}  # fmt: skip
+    for key, value in keys.items():
+        writer.add_uint32(f"granitehybrid.{key}", value)
+    writer.add_float32("granitehybrid.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_head_count_kv([0, 2])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises((ValueError, NotImplementedError), match=words):
+        load_arch_config(str(tmp_path / "granitehybrid.gguf"))
