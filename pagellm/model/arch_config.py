@@ -302,7 +302,8 @@ class ModelArchConfig:
         mamba, delta = self.mamba, self.delta_net
         ssm = len(self.mamba_layers) * hidden * (mamba.in_proj_size + mamba.inner_size) if mamba is not None else 0
         if delta is not None:  # q/k/v, the gate z, b and a in; out
-            ssm += len(self.delta_net_layers) * hidden * (delta.conv_dim + 2 * delta.value_size + 2 * delta.num_value_heads)
+            per_layer = delta.conv_dim + 2 * delta.value_size + 2 * delta.num_value_heads
+            ssm += len(self.delta_net_layers) * hidden * per_layer
         return self.num_attention_layers * attention + convolution + ssm + moe + dense + self.vocab_size * hidden
 
     def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:

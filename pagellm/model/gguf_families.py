@@ -175,12 +175,13 @@ def _granite_hybrid_config(meta: Metadata) -> dict[str, Any]:
     if heads < 1:
         raise ValueError("a Granite-4.0-H file gives its Mamba-2 heads as granitehybrid.ssm.time_step_rank")
     hidden = int(meta("granitehybrid.embedding_length", 1))
+    ssm = lambda key, default: int(meta(f"granitehybrid.ssm.{key}", default))  # noqa: E731
+    rope = bool(meta("granitehybrid.rope.scaling.finetuned", False))
     return dict(layer_types=["attention" if n else "mamba" for n in kv_heads], mamba_n_heads=heads,
-                mamba_d_head=inner // heads, mamba_expand=inner // hidden, mamba_d_conv=int(meta("granitehybrid.ssm.conv_kernel", 4)),
-                mamba_d_state=int(meta("granitehybrid.ssm.state_size", 0)), mamba_n_groups=int(meta("granitehybrid.ssm.group_count", 1)),
-                num_local_experts=0,
+                mamba_d_head=inner // heads, mamba_expand=inner // hidden, mamba_d_conv=ssm("conv_kernel", 4),
+                mamba_d_state=ssm("state_size", 0), mamba_n_groups=ssm("group_count", 1), num_local_experts=0,
                 shared_intermediate_size=meta("granitehybrid.expert_shared_feed_forward_length", None),
-                position_embedding_type="rope" if meta("granitehybrid.rope.scaling.finetuned", False) else None)  # fmt: skip
+                position_embedding_type="rope" if rope else None)  # fmt: skip
 
 
 def _qwen35_config(prefix: str, meta: Metadata) -> dict[str, Any]:
@@ -199,12 +200,14 @@ def _qwen35_config(prefix: str, meta: Metadata) -> dict[str, Any]:
     if value_heads < 1:
         raise ValueError(f"a Qwen3.5 file gives its gated delta-nets' value heads as {prefix}.ssm.time_step_rank")
     shared = meta(f"{prefix}.expert_shared_feed_forward_length", None)  # (the MoE models' shared expert)
-    return dict(num_hidden_layers=layers, layer_types=["linear_attention" if r else "full_attention" for r in recurrent[:layers]],
+    layer_types = ["linear_attention" if r else "full_attention" for r in recurrent[:layers]]
+    return dict(num_hidden_layers=layers, layer_types=layer_types,
                 linear_conv_kernel_dim=int(meta(f"{prefix}.ssm.conv_kernel", 4)),
                 linear_key_head_dim=int(meta(f"{prefix}.ssm.state_size", 0)),
                 linear_num_key_heads=int(meta(f"{prefix}.ssm.group_count", 0)), linear_num_value_heads=value_heads,
                 linear_value_head_dim=int(meta(f"{prefix}.ssm.inner_size", 0)) // value_heads,
-                linear_value_heads_tiled=True, **({} if shared is None else {"shared_expert_intermediate_size": shared}))  # fmt: skip
+                linear_value_heads_tiled=True,
+                **({} if shared is None else {"shared_expert_intermediate_size": shared}))  # fmt: skip
 
 
 def _gemma_config(gguf_arch: str, meta: Metadata) -> dict[str, Any]:
@@ -284,7 +287,8 @@ def hf_tensors(
     plain_norm = name.endswith(".linear_attn.norm.weight")  # (Qwen3.5's delta-nets' norm: stored as it is)
     if fam.norm_plus_one and name.endswith("norm.weight") and not plain_norm and isinstance(tensor, torch.Tensor):
         tensor = tensor - 1
-    if name.endswith((".conv.conv.weight", ".linear_attn.conv1d.weight", ".mamba.conv1d.weight")) and isinstance(tensor, torch.Tensor):
+    conv = name.endswith((".conv.conv.weight", ".linear_attn.conv1d.weight", ".mamba.conv1d.weight"))
+    if conv and isinstance(tensor, torch.Tensor):
         tensor = tensor.unsqueeze(1)  # (the converter squeezes Conv1d's [channels, 1, taps]: LFM2, Qwen3.5)
     if name.endswith((".linear_attn.A_log", ".mamba.A_log")) and isinstance(tensor, torch.Tensor):
         tensor = torch.log(-tensor)  # (Qwen3.5, Granite-4.0-H: the converter stores A = -exp(A_log))

@@ -264,6 +264,9 @@ def _check_shapes(
         if target in ATTENTION_TARGETS and spec.recurrent:
             raise LoRAAdapterError(f"adapter {path!r} targets {name}, but that layer of {arch.architecture} has no "
                                    "attention")  # fmt: skip
+        if target in ("q_proj", "qkv_proj") and spec.output_gate:
+            raise LoRAAdapterError(f"adapter {path!r} targets {name}: {arch.architecture}'s q_proj makes each head's "
+                                   "query and output gate, which take no adapter yet (k/v/o and the MLP do)")  # fmt: skip
         if target not in ATTENTION_TARGETS and spec.moe:
             raise LoRAAdapterError(f"adapter {path!r} targets {name}, but that layer is a mixture of experts "
                                    "(adapters on experts are not supported)")  # fmt: skip

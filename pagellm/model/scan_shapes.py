@@ -137,7 +137,8 @@ def granite_hybrid_config(config: dict[str, Any]) -> tuple[dict[str, Any], Mamba
     inner = int(config.get("mamba_expand") or 2) * hidden
     head_dim = inner // heads if head_dim == "auto" else int(head_dim)
     if heads * head_dim != inner:
-        raise ValueError(f"mamba_n_heads ({heads}) x mamba_d_head ({head_dim}) must be mamba_expand x hidden_size ({inner})")
+        raise ValueError(f"mamba_n_heads ({heads}) x mamba_d_head ({head_dim}) must be mamba_expand x hidden_size "
+                         f"({inner})")  # fmt: skip
     dt_min, dt_max = (_float(v) for v in config.get("time_step_limit") or (0.0, math.inf))
     shape = MambaShape(
         num_heads=heads, head_dim=head_dim, state_size=int(config.get("mamba_d_state") or 256),

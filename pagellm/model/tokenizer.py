@@ -144,7 +144,8 @@ def _tokenizer_type(path: str) -> dict[str, str]:
         return {}
     model = str(read_metadata(reader, "tokenizer.ggml.model", ""))
     if model not in _TOKENIZER_TYPES:
-        raise ValueError(f"the GGUF file's tokenizer model {model!r} is not supported here (only {sorted(_TOKENIZER_TYPES)})")
+        raise ValueError(f"the GGUF file's tokenizer model {model!r} is not supported here "
+                         f"(only {sorted(_TOKENIZER_TYPES)})")  # fmt: skip
     return {"tokenizer_type": _TOKENIZER_TYPES[model]}
 
 

@@ -196,7 +196,8 @@ def _split_output_gate(arch: ModelArchConfig, match: re.Match[str], tensor: Tens
     """Qwen3.5's ``q_proj``, each head's query rows then its output gate's, as ``q_proj`` and ``g_proj``."""
     rows = tensor.shape[0] if isinstance(tensor, torch.Tensor) else tensor.rows
     if rows != 2 * arch.q_size:
-        raise ValueError(f"weight {match.string!r} has {rows} rows, expected {2 * arch.q_size} (each head's query and gate)")
+        raise ValueError(f"weight {match.string!r} has {rows} rows, expected {2 * arch.q_size} "
+                         "(each head's query and gate)")  # fmt: skip
     heads = torch.arange(arch.num_attention_heads)[:, None] * 2 * arch.head_dim
     query = (heads + torch.arange(arch.head_dim)[None, :]).flatten()
     parts = []

@@ -137,3 +137,23 @@ def test_a_hybrid_draft_model_is_refused_by_name(tiny_llama_path: str, tiny_lfm2
     config = {"method": "draft_model", "model": tiny_lfm2_path, "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="draft model Lfm2ForCausalLM has recurrent"):
         LLM(tiny_llama_path, dtype="float32", speculative_config=config)
+
+
+def test_adapters_on_qwen3_5_take_the_mlp_and_refuse_its_gated_q_proj_by_name(tiny_qwen3_5_path: str, tmp_path) -> None:
+    """An MLP adapter on a hybrid equals PEFT's; one on Qwen3.5's q_proj (each head's query and
+    output gate in one projection) is refused by name, never applied to the query alone."""
+    from pagellm.lora_request import LoRARequest
+    from tests.helpers.lora_adapters import peft_model, write_lora_adapter
+
+    mlp = write_lora_adapter(str(tmp_path / "mlp"), tiny_qwen3_5_path, seed=3,
+                             targets=("gate_proj", "up_proj", "down_proj"))  # fmt: skip
+    prompts = [{"prompt_token_ids": BASE}]
+    expected = [hf_greedy(peft_model(tiny_qwen3_5_path, mlp), BASE, 8)]
+    assert expected != [hf_greedy(load_hf_model(tiny_qwen3_5_path), BASE, 8)]
+    llm = LLM(tiny_qwen3_5_path, dtype="float32", enable_lora=True, max_lora_rank=8, num_kv_blocks=64)
+    assert tokens(llm, prompts, GREEDY) != expected  # (without the adapter)
+    outputs = llm.generate(prompts, GREEDY, lora_request=LoRARequest("mlp", 1, mlp), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    q = write_lora_adapter(str(tmp_path / "q"), tiny_qwen3_5_path, seed=4, targets=("q_proj", "v_proj"))
+    with pytest.raises(ValueError, match="q_proj makes each head's query and output gate"):
+        llm.generate(prompts, GREEDY, lora_request=LoRARequest("q", 2, q), use_tqdm=False)

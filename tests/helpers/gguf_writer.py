@@ -152,7 +152,8 @@ def _tiled_value_heads(tensor: torch.Tensor, dim: int, config: dict, head_dim: i
 
 def _qwen35_tensor(module: str, kind: str, tensor: torch.Tensor, config: dict) -> tuple[str, torch.Tensor]:
     """A Qwen3.5 gated delta-net tensor (``linear_attn.*``) as the converter writes it."""
-    value_dim, key_size = config["linear_value_head_dim"], 2 * config["linear_num_key_heads"] * config["linear_key_head_dim"]
+    value_dim = config["linear_value_head_dim"]
+    key_size = 2 * config["linear_num_key_heads"] * config["linear_key_head_dim"]
     if kind == "A_log":
         return "ssm_a", _tiled_value_heads(-torch.exp(tensor), 0, config, 1)
     if kind == "dt_bias":
@@ -210,7 +211,8 @@ def _granite_hybrid_tensors(name: str, tensor: torch.Tensor, config: dict) -> li
         return [(prefix + "ffn_gate.weight", gate), (prefix + "ffn_up.weight", up)]
     if rest == "shared_mlp.output_linear.weight":
         return [(prefix + "ffn_down.weight", tensor)]
-    mamba = {"mamba.in_proj.weight": ("ssm_in.weight", lambda t: t), "mamba.out_proj.weight": ("ssm_out.weight", lambda t: t),
+    mamba = {"mamba.in_proj.weight": ("ssm_in.weight", lambda t: t),
+             "mamba.out_proj.weight": ("ssm_out.weight", lambda t: t),
              "mamba.conv1d.weight": ("ssm_conv1d.weight", lambda t: t.squeeze(1)),
              "mamba.conv1d.bias": ("ssm_conv1d.bias", lambda t: t), "mamba.dt_bias": ("ssm_dt.bias", lambda t: t),
              "mamba.A_log": ("ssm_a", lambda t: -torch.exp(t).unsqueeze(1)), "mamba.D": ("ssm_d", lambda t: t.unsqueeze(1)),

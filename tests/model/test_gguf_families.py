@@ -108,7 +108,9 @@ def test_quantized_experts_keep_their_blocks(gguf_families: dict[str, tuple[str,
         assert expert.gate_up_proj.format == "q8"
 
 
-def test_a_qwen3_5_file_keeps_llama_cpps_value_head_order(gguf_families: dict[str, tuple[str, str]], tmp_path: Path) -> None:
+def test_a_qwen3_5_file_keeps_llama_cpps_value_head_order(
+    gguf_families: dict[str, tuple[str, str]], tmp_path: Path
+) -> None:
     """The converter tiles the delta-nets' value heads (the model reads them so: no column order
     of a quantized out_proj could be undone) and appends no layer here; in a Q8_0 file each
     attention head's query and output gate are split out of ``q_proj``'s blocks, equal to the
@@ -127,7 +129,8 @@ def test_a_qwen3_5_file_keeps_llama_cpps_value_head_order(gguf_families: dict[st
     name = "model.layers.2.self_attn.q_proj.weight"
     kept = dict(iter_gguf_weights(open_gguf(q8), arch, keep_quantized=True))[name]
     dense = dict(iter_gguf_weights(open_gguf(q8), arch))[name]
-    for (part, rows), (dense_part, dense_rows) in zip(checkpoint_parts(arch, name, kept), checkpoint_parts(arch, name, dense)):
+    pairs = zip(checkpoint_parts(arch, name, kept), checkpoint_parts(arch, name, dense))
+    for (part, rows), (dense_part, dense_rows) in pairs:
         assert part == dense_part and torch.equal(rows.dequantize(), dense_rows)
     llm = LLM(q8, dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
