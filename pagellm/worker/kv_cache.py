@@ -143,12 +143,16 @@ def with_recurrent_states(
         return attention
     pairs = iter(attention)
 
+    def zeros(shape: tuple[int, ...], of: torch.dtype) -> torch.Tensor:
+        if device.type == "cpu":  # (pages of slots never used stay untouched: megabytes a slot at real sizes)
+            return _zeroed_cpu_buffer(math.prod(shape), of).view(shape)
+        return torch.zeros(shape, dtype=of, device=device)
+
     def states(layer: int) -> ConvState | ScanState:
         shape = arch.scan_shape(layer)
         if shape is not None:
             conv, ssm = shape.state_shapes()
-            return ScanState(torch.zeros((num_slots, *conv), dtype=dtype, device=device),
-                             torch.zeros((num_slots, *ssm), dtype=torch.float32, device=device))  # fmt: skip
+            return ScanState(zeros((num_slots, *conv), dtype), zeros((num_slots, *ssm), torch.float32))
         row = (arch.conv_kernel - 1, arch.convolution_channels)
         if device.type == "cpu":  # (pages of snapshots never written stay untouched)
             blocks = _zeroed_cpu_buffer(num_blocks * row[0] * row[1], dtype).view(num_blocks, *row)
