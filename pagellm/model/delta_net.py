@@ -134,6 +134,8 @@ class GatedDeltaNet(nn.Module):
     def _per_value_head(self, x: torch.Tensor) -> torch.Tensor:
         """Key heads [T, key heads, dim] as one a value head, in the order the value heads come."""
         per_key = self.shape.num_value_heads // self.shape.num_key_heads
+        if per_key == 1:
+            return x
         return x.repeat(1, per_key, 1) if self.shape.tiled_value_heads else x.repeat_interleave(per_key, dim=1)
 
     def _scan(
