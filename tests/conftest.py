@@ -524,18 +524,22 @@ def tiny_granite_hybrid_moe_path(tmp_path_factory: pytest.TempPathFactory, defau
     return write_tiny_model(tmp_path_factory.mktemp("tiny_granite_hybrid_moe"), config, default_tokenizer)
 
 
+# Tiny Qwen3.5 layers (dense and MoE): gated delta-nets of two key heads, two value heads each,
+# a rotary over half of each attention head.
+_TINY_QWEN3_5 = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                     linear_value_head_dim=16, linear_conv_kernel_dim=4, initializer_range=0.1,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+_DELTA, _FULL = "linear_attention", "full_attention"
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen3_5_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
     """Tiny Qwen3.5 (text): gated delta-net layers around one attention layer whose output is gated,
-    two value heads a key head, norms by (1 + weight), a rotary over half of each head."""
+    norms by (1 + weight)."""
     from transformers import Qwen3_5TextConfig
 
-    config = Qwen3_5TextConfig(**{**TINY_SHAPE, "num_hidden_layers": 4}, **token_ids(default_tokenizer), head_dim=16,
-                               layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-                               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                               linear_value_head_dim=16, linear_conv_kernel_dim=4, initializer_range=0.1,
-                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                "partial_rotary_factor": 0.5})  # fmt: skip
+    config = Qwen3_5TextConfig(**{**TINY_SHAPE, "num_hidden_layers": 4}, **token_ids(default_tokenizer),
+                               layer_types=[_DELTA, _DELTA, _FULL, _DELTA], **_TINY_QWEN3_5)  # fmt: skip
     return write_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_5"), config, default_tokenizer)
 
 
@@ -546,13 +550,9 @@ def tiny_qwen3_5_moe_path(tmp_path_factory: pytest.TempPathFactory, default_toke
     from transformers import Qwen3_5MoeTextConfig
 
     config = Qwen3_5MoeTextConfig(**{**TINY_SHAPE, "num_hidden_layers": 4}, **token_ids(default_tokenizer),
-                                  head_dim=16, layer_types=["linear_attention", "full_attention", "linear_attention",
-                                                            "linear_attention"],
-                                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                                  linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
-                                  moe_intermediate_size=32, shared_expert_intermediate_size=48, initializer_range=0.1,
-                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                   "partial_rotary_factor": 0.5})  # fmt: skip
+                                  layer_types=[_DELTA, _FULL, _DELTA, _DELTA], num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                  **_TINY_QWEN3_5)  # fmt: skip
     return write_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_5_moe"), config, default_tokenizer)
 
 
