@@ -32,11 +32,11 @@ from pagellm.model.fused_stack import FusedDecoderStack
 from pagellm.model.layer_spec import LayerSpec, layer_specs
 from pagellm.model.layers import RotaryEmbedding, apply_rotary_, make_rms_norm
 from pagellm.model.lora import LoRAStep
+from pagellm.model.mamba2 import Mamba2Mixer, mamba_weight_names
 from pagellm.model.mlp import LlamaMLP
 from pagellm.model.moe import SparseMoeBlock
 from pagellm.model.quant_embedding import QuantizedEmbedding, embedding_for_plan
 from pagellm.model.quant_linear import QuantizedLinear, linear_for_plan
-from pagellm.model.mamba2 import Mamba2Mixer, mamba_weight_names
 from pagellm.model.scan_state import ScanState
 from pagellm.model.short_conv import ConvState, ShortConv
 from pagellm.model.step_route import StepRoute, route_step
@@ -45,7 +45,7 @@ from pagellm.model.weight_names import checkpoint_parts, mlp_weight_names
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 # What each layer keeps between steps: an attention layer its K/V pair, a recurrent layer (a
-# hybrid's short convolution or Mamba-2 mixer) its states.
+# hybrid's short convolution, Mamba-2 mixer or gated delta-net) its states.
 LayerCache = KVCache | ConvState | ScanState
 
 logger = logging.getLogger(__name__)

@@ -101,11 +101,11 @@ def qwen3_5_fields(config: dict[str, Any]) -> dict[str, Any]:
     weight), its attention's output is gated (q_proj gives each head's query and gate), and its
     ``linear_attention`` layers are gated delta-nets of this shape."""
     shape = DeltaNetShape(
-        num_key_heads=int(config.get("linear_num_key_heads") or 16),
-        num_value_heads=int(config.get("linear_num_value_heads") or 32),
-        key_head_dim=int(config.get("linear_key_head_dim") or 128),
-        value_head_dim=int(config.get("linear_value_head_dim") or 128),
-        conv_kernel=int(config.get("linear_conv_kernel_dim") or 4),
+        num_key_heads=_positive(config, "linear_num_key_heads", 16),
+        num_value_heads=_positive(config, "linear_num_value_heads", 32),
+        key_head_dim=_positive(config, "linear_key_head_dim", 128),
+        value_head_dim=_positive(config, "linear_value_head_dim", 128),
+        conv_kernel=_positive(config, "linear_conv_kernel_dim", 4),
         tiled_value_heads=bool(config.get("linear_value_heads_tiled", False)),
     )  # fmt: skip
     if shape.num_value_heads % shape.num_key_heads:
@@ -131,19 +131,17 @@ def granite_hybrid_config(config: dict[str, Any]) -> tuple[dict[str, Any], Mamba
         raise NotImplementedError(f"GraniteMoeHybrid layer types {unknown} are not supported (only mamba and attention)")
     config["layer_types"] = [MAMBA if t in _MAMBA_NAMES else "full_attention" for t in types]
     config["intermediate_size"] = int(config.get("shared_intermediate_size") or 1024)
-    hidden = int(config["hidden_size"])
-    heads = int(config.get("mamba_n_heads") or 128)
-    head_dim = config.get("mamba_d_head") or "auto"
-    inner = int(config.get("mamba_expand") or 2) * hidden
-    head_dim = inner // heads if head_dim == "auto" else int(head_dim)
+    heads = _positive(config, "mamba_n_heads", 128)
+    inner = _positive(config, "mamba_expand", 2) * _positive(config, "hidden_size", 1)
+    head_dim = inner // heads if config.get("mamba_d_head", "auto") == "auto" else _positive(config, "mamba_d_head", 1)
     if heads * head_dim != inner:
         raise ValueError(f"mamba_n_heads ({heads}) x mamba_d_head ({head_dim}) must be mamba_expand x hidden_size "
                          f"({inner})")  # fmt: skip
-    dt_min, dt_max = (_float(v) for v in config.get("time_step_limit") or (0.0, math.inf))
+    dt_min, dt_max = _time_step_limit(config.get("time_step_limit"))
     shape = MambaShape(
-        num_heads=heads, head_dim=head_dim, state_size=int(config.get("mamba_d_state") or 256),
-        num_groups=int(config.get("mamba_n_groups") or 1), conv_kernel=int(config.get("mamba_d_conv") or 4),
-        chunk_size=int(config.get("mamba_chunk_size") or 256), conv_bias=bool(config.get("mamba_conv_bias", True)),
+        num_heads=heads, head_dim=head_dim, state_size=_positive(config, "mamba_d_state", 256),
+        num_groups=_positive(config, "mamba_n_groups", 1), conv_kernel=_positive(config, "mamba_d_conv", 4),
+        chunk_size=_positive(config, "mamba_chunk_size", 256), conv_bias=bool(config.get("mamba_conv_bias", True)),
         proj_bias=bool(config.get("mamba_proj_bias", False)), dt_min=dt_min, dt_max=dt_max,
     )  # fmt: skip
     if heads % shape.num_groups:
@@ -153,9 +151,24 @@ def granite_hybrid_config(config: dict[str, Any]) -> tuple[dict[str, Any], Mamba
     return config, shape
 
 
-def _float(value: Any) -> float:
-    """A number of ``config.json``: plain, a string ("Infinity"), or as transformers writes a
-    float JSON cannot hold (``{"__float__": "Infinity"}``)."""
-    if isinstance(value, dict) and "__float__" in value:
-        value = value["__float__"]
-    return float(value)
+def _positive(config: dict[str, Any], key: str, default: int) -> int:
+    """``config[key]`` (``default`` where absent) as a positive integer; ValueError naming it otherwise."""
+    value = config.get(key)
+    value = default if value is None else value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < 1:
+        raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _time_step_limit(value: Any) -> tuple[float, float]:
+    """``time_step_limit``: two numbers, low <= high (default 0 and infinity); each plain, a string
+    ("Infinity"), or as transformers writes a float JSON cannot hold (``{"__float__": "Infinity"}``)."""
+    if value is None:
+        return 0.0, math.inf
+    try:
+        low, high = (float(v["__float__"] if isinstance(v, dict) else v) for v in value)
+    except (TypeError, ValueError, KeyError):
+        raise ValueError(f"time_step_limit must be two numbers, got {value!r}") from None
+    if not low <= high:
+        raise ValueError(f"time_step_limit must be two numbers, low <= high, got {value!r}")
+    return low, high

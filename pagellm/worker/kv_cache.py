@@ -144,7 +144,7 @@ def with_recurrent_states(
     pairs = iter(attention)
 
     def zeros(shape: tuple[int, ...], of: torch.dtype) -> torch.Tensor:
-        if device.type == "cpu":  # (pages of slots never used stay untouched: megabytes a slot at real sizes)
+        if device.type == "cpu":  # (pages of rows never written stay untouched: a block's snapshot, a slot)
             return _zeroed_cpu_buffer(math.prod(shape), of).view(shape)
         return torch.zeros(shape, dtype=of, device=device)
 
@@ -154,11 +154,7 @@ def with_recurrent_states(
             conv, ssm = shape.state_shapes()
             return ScanState(zeros((num_slots, *conv), dtype), zeros((num_slots, *ssm), torch.float32))
         row = (arch.conv_kernel - 1, arch.convolution_channels)
-        if device.type == "cpu":  # (pages of snapshots never written stay untouched)
-            blocks = _zeroed_cpu_buffer(num_blocks * row[0] * row[1], dtype).view(num_blocks, *row)
-        else:
-            blocks = torch.zeros((num_blocks, *row), dtype=dtype, device=device)
-        return ConvState(torch.zeros((num_slots, *row), dtype=dtype, device=device), blocks)
+        return ConvState(zeros((num_slots, *row), dtype), zeros((num_blocks, *row), dtype))
 
     return [states(i) if i in recurrent else next(pairs) for i in range(arch.num_hidden_layers)]
 

@@ -138,7 +138,7 @@ def check_recurrent_support(arch: ModelArchConfig, config: EngineConfig, paralle
     run yet: its state is not split across pipeline stages, nor rolled back for rejected drafts."""
     if not arch.recurrent_layers:
         return
-    kind = "Mamba-2" if arch.mamba_layers else "short-convolution"
+    kind = "Mamba-2" if arch.mamba_layers else "gated delta-net" if arch.delta_net_layers else "short-convolution"
     if parallel is not None and parallel.pp_size > 1:
         raise ValueError(f"{arch.architecture} has recurrent ({kind}) layers: pipeline parallelism does not support "
                          "them yet")  # fmt: skip

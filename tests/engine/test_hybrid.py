@@ -81,9 +81,12 @@ def test_beam_search_is_refused_by_name(lfm2: LLM) -> None:
         lfm2.beam_search([{"prompt": "Hello"}], BeamSearchParams(beam_width=2, max_tokens=2))
 
 
-def test_speculation_is_refused_by_name(tiny_lfm2_path: str) -> None:
-    with pytest.raises(ValueError, match="speculative decoding does not support them"):
-        LLM(tiny_lfm2_path, dtype="float32", speculative_config={"method": "ngram"})
+@pytest.mark.parametrize(("family", "kind"), [("lfm2", "short-convolution"), ("qwen3_5", "gated delta-net"),
+                                              ("granite_hybrid", "Mamba-2")])  # fmt: skip
+def test_speculation_is_refused_by_name(request, family: str, kind: str) -> None:
+    path = request.getfixturevalue(f"tiny_{family}_path")
+    with pytest.raises(ValueError, match=rf"has recurrent \({kind}\) layers: speculative decoding does not support them"):
+        LLM(path, dtype="float32", speculative_config={"method": "ngram"})
 
 
 def test_a_tensor_parallel_rank_holds_its_share_of_the_channels(tiny_lfm2_path: str) -> None:

@@ -85,6 +85,12 @@ def test_the_time_step_limit_in_each_spelling(limit) -> None:
 
 @pytest.mark.parametrize(("overrides", "words"), [
     ({"layer_types": ["mamba", "moe", "mamba"]}, r"layer types \['moe'\]"),
+    ({"mamba_n_heads": -8, "mamba_d_head": -16}, "mamba_n_heads must be a positive integer, got -8"),
+    ({"mamba_d_state": "huge"}, "mamba_d_state must be a positive integer, got 'huge'"),
+    ({"mamba_d_conv": 2.5}, "mamba_d_conv must be a positive integer, got 2.5"),
+    ({"time_step_limit": [0.0]}, r"time_step_limit must be two numbers, got \[0.0\]"),
+    ({"time_step_limit": {"low": 1}}, "time_step_limit must be two numbers"),
+    ({"time_step_limit": [5.0, 1.0]}, r"low <= high, got \[5.0, 1.0\]"),
     ({"mamba_d_head": 12}, "mamba_n_heads .8. x mamba_d_head .12."),
     ({"mamba_n_groups": 3}, "mamba_n_groups .3. must divide"),
 ])  # fmt: skip
@@ -141,6 +147,17 @@ def qwen3_5_arch() -> ModelArchConfig:
                                 "mrope_section": [11, 11, 10], "mrope_interleaved": True}}  # fmt: skip
     return ModelArchConfig.from_hf_config({"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text,
                                            "tie_word_embeddings": True})  # fmt: skip
+
+
+@pytest.mark.parametrize(("key", "value"), [("linear_num_key_heads", 0), ("linear_value_head_dim", -128),
+                                            ("linear_conv_kernel_dim", [4]), ("linear_num_value_heads", 4.5)])
+def test_a_qwen3_5_delta_net_shape_out_of_range_is_named(key: str, value: object) -> None:
+    """(A text model's config.json, read as it is: a multimodal one's goes through transformers'
+    config class, which refuses wrong types itself.)"""
+    config = {"architectures": ["Qwen3_5ForCausalLM"], "hidden_size": 64, "num_hidden_layers": 4,
+              "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 1000, key: value}  # fmt: skip
+    with pytest.raises(ValueError, match=f"{key} must be a positive integer"):
+        ModelArchConfig.from_hf_config(config)
 
 
 def test_a_multimodal_qwen3_5_config_serves_its_text_model() -> None:
