@@ -96,6 +96,13 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"  # or "fp8" / "fp8_e4m3" / "int8": see resolve_kv_cache_dtype
     kv_offload_dir: str | None = None  # the disk tier's folder (None: no disk tier; core/disk_tier.py)
     kv_offload_size: int | str = "16GiB"  # the most the disk tier's entries take
+    # A model with scan layers (Mamba-2, gated delta-net): its prefix cache resumes only where a
+    # snapshot of every scan layer's state was kept (``core/state_snapshots.py``): at every
+    # ``state_snapshot_interval`` tokens of a prompt (None: the first multiple of ``block_size``
+    # from 512) and at its last full block, at most ``max_state_snapshots`` of them (None:
+    # ``max(4, max_num_seqs // 4)``; 0: no prefix cache).
+    state_snapshot_interval: int | None = None
+    max_state_snapshots: int | None = None
     kv_cache_bytes: int | None = field(init=False)  # None: auto
     kv_offload_bytes: int = field(init=False)
 
@@ -106,6 +113,7 @@ class CacheConfig:
         self.kv_cache_bytes = None if auto else parse_memory_size(self.kv_cache_memory)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        self._check_state_snapshots()
         resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)  # fail early on a bad name
         self.kv_offload_bytes = parse_memory_size(self.kv_offload_size)
         if self.kv_offload_dir is not None:
@@ -113,6 +121,21 @@ class CacheConfig:
                 raise ValueError(f"kv_offload_dir must be a folder's path, got {self.kv_offload_dir!r}")
             if not self.enable_prefix_caching:
                 raise ValueError("kv_offload_dir keeps prefix-cached blocks on disk: it needs prefix caching on")
+
+
+    def _check_state_snapshots(self) -> None:
+        if self.state_snapshot_interval is None:
+            self.state_snapshot_interval = -(-512 // self.block_size) * self.block_size
+        interval, most = self.state_snapshot_interval, self.max_state_snapshots
+        if not _is_int(interval) or interval < 1 or interval % self.block_size:
+            raise ValueError(f"state_snapshot_interval must be a positive multiple of block_size ({self.block_size}), "
+                             f"got {interval!r}")  # fmt: skip
+        if most is not None and (not _is_int(most) or most < 0):
+            raise ValueError(f"max_state_snapshots must be a non-negative integer, got {most!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -325,6 +348,15 @@ class EngineConfig:
                                  "processes only (not with --nnodes or the ray backend)")  # fmt: skip
             draft_model_config(self)  # its quantization checked here, once
 
+
+    @property
+    def state_snapshot_rows(self) -> int:
+        """The state snapshots a model with scan layers keeps for its prefix cache (0: none, the
+        cache off): what ``max_state_snapshots`` asks, by default a quarter of ``max_num_seqs``."""
+        if not self.cache.enable_prefix_caching:
+            return 0
+        most = self.cache.max_state_snapshots
+        return max(4, self.scheduler.max_num_seqs // 4) if most is None else most
 
     def _check_lora(self) -> None:
         """What LoRA adapters do not run with yet, refused by name."""

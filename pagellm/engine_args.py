@@ -81,6 +81,13 @@ class EngineArgs:
         "the pool no longer holds, kept across restarts (docs/disk-tier.md); default: none"))
     kv_offload_size: int | str = field(default="16GiB", metadata=_option(
         "--kv-offload-dir: the most its entries take, e.g. 64GiB (least recently used dropped)"))
+    state_snapshot_interval: int | None = field(default=None, metadata=_option(
+        "models with scan layers (Mamba-2, gated delta-net): the prefix cache keeps their states every this many "
+        "prompt tokens (a multiple of --block-size; default: the first from 512) and at each prompt's last full block",
+        kind=int))
+    max_state_snapshots: int | None = field(default=None, metadata=_option(
+        "models with scan layers: the most state snapshots kept for the prefix cache, least recently used dropped "
+        "(default: max(4, max_num_seqs / 4); 0: no prefix cache)", kind=int))
     speculative_config: str | dict[str, Any] | None = field(default=None, metadata=_option(
         'speculative decoding, a JSON object with vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
         '"prompt_lookup_max": 4}\' (docs/speculative-decoding.md); default: none'))
@@ -166,6 +173,7 @@ class EngineArgs:
                 block_size=self.block_size, kv_cache_memory=self.kv_cache_memory, num_kv_blocks=self.num_kv_blocks,
                 enable_prefix_caching=self.enable_prefix_caching, kv_cache_dtype=self.kv_cache_dtype,
                 kv_offload_dir=self.kv_offload_dir, kv_offload_size=self.kv_offload_size,
+                state_snapshot_interval=self.state_snapshot_interval, max_state_snapshots=self.max_state_snapshots,
             ),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                       scheduling_policy=self.scheduling_policy,

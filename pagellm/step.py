@@ -118,9 +118,13 @@ class SchedulerOutput:
     # (src, dst) recurrent-state slot copies to apply before the forward (a hybrid model's
     # samples born from their parent's prompt, ``core/state_slots.py``).
     state_copies: list[tuple[int, int]] = field(default_factory=list)
-    # (block, slot): state slots started from a KV block's snapshot before the forward (a hybrid
-    # model's request whose first blocks came from the prefix cache; applied after the copies).
+    # (source, slot): state slots started from a cached block's snapshot before the forward (a
+    # hybrid model's request whose first blocks came from the prefix cache; applied after the
+    # copies): a short convolution's kept in the block ``source``, a scan layer's in the snapshot
+    # row ``source`` (``core/state_snapshots.py``).
     state_loads: list[tuple[int, int]] = field(default_factory=list)
+    # (slot, snapshot row): states kept for the prefix cache, copied after the forward.
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
     # LoRA adapters of requests waiting for a slot: the worker reads them into host memory in the
     # background, so that the step that first runs one does not wait for its files (each
     # waiting request names its adapter once).
@@ -149,7 +153,7 @@ class SchedulerOutput:
     def changes_worker(self) -> bool:
         """Whether the worker must hear of this step even if it runs nothing."""
         return bool(self.scheduled or self.new_sequences or self.forked_sequences or self.finished_seq_ids
-                    or self.state_copies or self.state_loads or self.lora_prefetch or self.kv_stores
+                    or self.state_copies or self.state_loads or self.state_saves or self.lora_prefetch or self.kv_stores
                     or self.kv_cancels or self.kv_loads or self.kv_deletes)  # fmt: skip
 
 

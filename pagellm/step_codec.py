@@ -186,6 +186,7 @@ def encode_step(step: SchedulerOutput, grammar: GrammarBitmask | None) -> bytes:
         "block_copies": step.block_copies,
         "state_copies": step.state_copies,
         "state_loads": step.state_loads,
+        "state_saves": step.state_saves,
         "lora_prefetch": [_lora_fields(lora) for lora in step.lora_prefetch],
     }  # fmt: skip
     words = b""
@@ -218,7 +219,8 @@ def decode_step(data: bytes) -> tuple[SchedulerOutput, GrammarBitmask | None]:
             finished_seq_ids=[str(i) for i in message["finished"]],
             block_copies=[(_int(src), _int(dst)) for src, dst in message["block_copies"]],
             state_copies=[(_int(src), _int(dst)) for src, dst in message["state_copies"]],
-            state_loads=[(_int(block), _int(slot)) for block, slot in message["state_loads"]],
+            state_loads=[(_int(source), _int(slot)) for source, slot in message["state_loads"]],
+            state_saves=[(_int(slot), _int(row)) for slot, row in message["state_saves"]],
             lora_prefetch=[LoRARequest(**lora) for lora in message["lora_prefetch"]],
         )
         grammar = None

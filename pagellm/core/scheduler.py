@@ -26,7 +26,9 @@ from pagellm.core.encoder_budget import EncoderBudget
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.sequence import Sequence, SequenceStatus
 from pagellm.core.speculation import NO_DRAFTS, Drafts, Speculator
+from pagellm.core.recurrent_states import RecurrentStates
 from pagellm.core.state_slots import StateSlotPool
+from pagellm.core.state_snapshots import StateSnapshots
 from pagellm.lora_request import LoRARequest
 from pagellm.step import ForkedSequence, ModelRunnerOutput, NewSequence, SampleFork, ScheduledSequence, SchedulerOutput
 
@@ -72,11 +74,14 @@ class Scheduler:
         policy: SchedulingPolicy = SchedulingPolicy(),
         state_slots: StateSlotPool | None = None,
         max_loras: int = 0,
+        snapshots: StateSnapshots | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         # Most LoRA adapters the running sequences may use at once (the worker's slots; 0: no LoRA).
         self.max_loras = max_loras
-        self.state_slots = state_slots  # a hybrid model's recurrent-state slots (None: no recurrent layers)
+        # A hybrid model's recurrent states: its slots, its prefix cache's snapshots where scan
+        # layers keep them apart (None: no recurrent layers).
+        self.states = None if state_slots is None else RecurrentStates(state_slots, snapshots, kv_cache_manager)
         self.speculator = speculator  # None: no speculative decoding
         self.policy = policy
         self._step = 0  # schedule() calls so far: the clock of aging
@@ -92,10 +97,6 @@ class Scheduler:
         self._ended: list[str] = []  # every sequence ended since the engine last asked (``take_ended``)
         self._forked_since_last_step: list[ForkedSequence] = []
         self._new_sequences: list[NewSequence] = []
-        # Recurrent states the worker copies before the next step's forward (slot -> slot): a
-        # sample born from its parent's prompt starts from the parent's state after it.
-        self._state_copies: list[tuple[int, int]] = []
-        self._state_loads: list[tuple[int, int]] = []  # (block, slot): from a cached block's snapshot
         self._lora_prefetch: dict[int, LoRARequest] = {}  # adapters of requests waiting for a slot, by id
         self.disk_loads = DiskLoads(kv_cache_manager)  # sequences loading blocks from the disk tier
         self.stats = SchedulerStats()
@@ -118,6 +119,11 @@ class Scheduler:
             child.status = SequenceStatus.WAITING_FOR_FORK
             self.sequences[child.seq_id] = child
         seq.pending_forks = list(fork_children or ())
+
+    @property
+    def state_slots(self) -> StateSlotPool | None:
+        """A hybrid model's recurrent-state slots (None: no recurrent layers)."""
+        return None if self.states is None else self.states.slots
 
     def take_ended(self) -> list[str]:
         """The sequences ended since the last call, whatever ended them (the engine drops what it
@@ -208,6 +214,8 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if seq.mm_features and seq.seq_id not in in_flight:
                 num_new = images.cut(seq, seq.num_computed_tokens, num_new)
+            if self.states is not None:
+                num_new = self.states.cut(seq, seq.num_computed_tokens, num_new)
             if num_new <= 0 or seq.seq_id in in_flight:
                 i += 1
                 continue
@@ -232,19 +240,19 @@ class Scheduler:
         self.stats.peak_blocks_in_use = max(self.stats.peak_blocks_in_use, in_use)
         kv_stores, kv_deletes = self.kv_cache_manager.take_disk_ops()
         kv_loads, kv_cancels = self.disk_loads.take()
+        state_copies, state_loads, state_saves = self.states.take() if self.states is not None else ([], [], [])
         output = SchedulerOutput(
             scheduled=scheduled,
             new_sequences=self._new_sequences,
             forked_sequences=self._forked_since_last_step,
             finished_seq_ids=self._finished_since_last_step,
             block_copies=self.kv_cache_manager.take_block_copies(),
-            state_copies=self._state_copies,
-            state_loads=self._state_loads,
+            state_copies=state_copies, state_loads=state_loads, state_saves=state_saves,
             lora_prefetch=list(self._lora_prefetch.values()),
             kv_stores=kv_stores, kv_cancels=kv_cancels, kv_loads=kv_loads, kv_deletes=kv_deletes,
         )
         self._new_sequences, self._forked_since_last_step, self._finished_since_last_step = [], [], []
-        self._state_copies, self._state_loads, self._lora_prefetch = [], [], {}
+        self._lora_prefetch = {}
         return output
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSequence], seq_budget: int,
@@ -264,10 +272,14 @@ class Scheduler:
                     seq.lora_hinted = True
                     self._lora_prefetch[seq.lora_id] = seq.lora
                 continue
-            if self.state_slots is not None and self.state_slots.num_free < self._slots_needed(seq):
+            states = self.states
+            if states is not None and not states.has_room(seq):
                 break  # (its samples' slots are taken with its own: their states are copied from it)
             # (a hybrid's blocks filled this step hold their states only once its forward ran)
-            cached = manager.get_computed_blocks(seq, computed_before=self.state_slots is not None)
+            cached = manager.get_computed_blocks(seq, computed_before=states is not None)
+            source = None
+            if states is not None:  # (only as far as a state is kept)
+                cached, source = states.usable_hits(seq, cached, self._step)
             num_disk = manager.disk_hits(seq, len(cached))
             if num_disk:  # it loads those blocks first, running meanwhile (not scheduled)
                 if not self.disk_loads.start(seq, cached, num_disk, headroom=len(self.running) + 1):
@@ -280,6 +292,8 @@ class Scheduler:
             num_new = min(seq.num_tokens - num_cached, budget)
             if seq.mm_features:
                 num_new = images.cut(seq, num_cached, num_new)
+            if states is not None:
+                num_new = states.cut(seq, num_cached, num_new)
             if num_new <= 0 or not manager.allocate_slots(seq, num_new, cached):
                 break
             manager.record_prefix_lookup(seq.num_tokens, num_cached)
@@ -287,11 +301,8 @@ class Scheduler:
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = num_cached
             self.waiting.popleft()
-            if self.state_slots is not None:
-                for holder in (seq, *seq.pending_forks):
-                    holder.state_slot = self.state_slots.allocate()
-                if cached:  # it resumes from the state its last cached block ends with
-                    self._state_loads.append((cached[-1].block_id, seq.state_slot))
+            if states is not None:
+                states.admit(seq, source)
             seq.status = SequenceStatus.RUNNING
             self._insert(self.running, seq)
             scheduled.append(self._scheduled(seq, num_new))
@@ -350,10 +361,10 @@ class Scheduler:
         hybrid model) the state slots it and its samples need are short."""
         if not self.waiting:
             return
-        head, manager, slots = self.waiting[0], self.kv_cache_manager, self.state_slots
+        head, manager, states = self.waiting[0], self.kv_cache_manager, self.states
         needed = manager.num_blocks_needed(head, min(head.num_tokens, self.max_num_batched_tokens))
         while (len(self.running) >= self.max_num_seqs or manager.num_free_blocks < needed
-               or (slots is not None and slots.num_free < self._slots_needed(head))):  # fmt: skip
+               or (states is not None and not states.has_room(head))):  # fmt: skip
             victims = [r for r in self.running if r.seq_id not in in_flight]
             if not victims or self.order_key(victims[-1]) <= self.order_key(head):
                 return
@@ -414,20 +425,8 @@ class Scheduler:
         """What a sequence holds that others can use: its blocks, its state slot and those taken
         for its samples not yet born (taken again with its own when it is admitted again)."""
         self.kv_cache_manager.free(seq)
-        if self.state_slots is None:
-            return
-        for holder in (seq, *seq.pending_forks):
-            if holder.state_slot is not None:
-                slot = holder.state_slot
-                self.state_slots.free(slot)
-                holder.state_slot, holder.state_slot_sent = None, False
-                # (a copy into it not yet made would land on whoever takes the slot next)
-                self._state_copies = [c for c in self._state_copies if c[1] != slot]
-
-    @staticmethod
-    def _slots_needed(seq: Sequence) -> int:
-        """The state slots admitting ``seq`` takes: its own and one for each of its samples."""
-        return 1 + len(seq.pending_forks)
+        if self.states is not None:
+            self.states.release(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
@@ -463,6 +462,8 @@ class Scheduler:
                 forks.append(SampleFork(child.seq_id, child.sampling_params))
         slot = None if seq.state_slot_sent else seq.state_slot
         seq.state_slot_sent = seq.state_slot is not None
+        if self.states is not None:
+            self.states.scheduled(seq, start + num_new, self._step)
         return ScheduledSequence(seq.seq_id, start, num_new, sample, new_tokens, table_start, new_blocks, forks,
                                  list(drafts.tokens), drafts.in_worker, slot)  # fmt: skip
 
@@ -523,7 +524,7 @@ class Scheduler:
     def fork_sequence(self, parent_id: str, child: Sequence) -> None:
         """Start ``child`` as a running copy of ``parent_id``, sharing its KV blocks."""
         parent = self.sequences[parent_id]
-        if self.state_slots is not None:
+        if self.states is not None:
             raise ValueError("beams of a model with recurrent layers are not forked yet")
         if child.seq_id in self.sequences or child.seq_id in self._finished_since_last_step:
             # (a fork is copied before the step's finished rows go: its id must be a fresh one)
@@ -557,10 +558,8 @@ class Scheduler:
         children, parent.pending_forks = parent.pending_forks, []
         for child in children:
             self.kv_cache_manager.fork(parent, child)
-            if self.state_slots is not None:  # its state, as its blocks (slots taken with the parent's)
-                if parent.state_slot is None or child.state_slot is None:
-                    raise RuntimeError(f"sample {child.seq_id!r} is born without a state slot")
-                self._state_copies.append((parent.state_slot, child.state_slot))
+            if self.states is not None:  # its state, as its blocks
+                self.states.born(parent, child)
             child.status = SequenceStatus.RUNNING
             child.priority, child.effective_priority = parent.priority, parent.effective_priority
             self._insert(self.running, child)

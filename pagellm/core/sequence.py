@@ -88,6 +88,10 @@ class Sequence:
     # worker has been told it (sent with the step that first schedules it after each admission).
     state_slot: int | None = None
     state_slot_sent: bool = False
+    # A model with scan layers: where the cached blocks it shares with earlier requests end
+    # beyond the last state kept for them (0: nowhere), a point its state is kept at
+    # (``state_snapshots.py``: the next request with that prefix resumes there).
+    state_junction: int = 0
     # The LoRA adapter it runs with (None: the base model); its KV is its own (the prefix cache
     # keys its blocks by the adapter too). ``lora_hinted``: the worker has been told to read it
     # ahead while the sequence waits for a slot.

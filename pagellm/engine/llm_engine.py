@@ -24,6 +24,7 @@ from pagellm.core.sequence import Sequence, SequenceStatus
 from pagellm.core.scheduler import Scheduler, SchedulingPolicy
 from pagellm.core.speculation import Speculator
 from pagellm.core.state_slots import StateSlotPool
+from pagellm.core.state_snapshots import StateSnapshots
 from pagellm.engine.beam_controller import BeamSearchController
 from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.engine.image_processor import image_processor_for
@@ -33,6 +34,7 @@ from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.protocol import EngineRequest, EngineStats
 from pagellm.engine.sequence_ids import request_of, sequence_id
 from pagellm.lora_request import LoRARequest
+from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.loader import load_arch_config
 from pagellm.model.tokenizer import load_tokenizer
 from pagellm.model.pooler_defaults import resolve_pooler
@@ -42,6 +44,7 @@ from pagellm.sampling_params import SamplingParams
 from pagellm.structured_output.manager import StructuredOutputManager
 from pagellm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.executor import Executor, PipelinedExecutor, make_executor
+from pagellm.worker.kv_cache import scan_snapshot_rows
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +77,8 @@ class LLMEngine:
             self.executor.close()  # (its disk tier's threads and folder)
             raise
         caching = config.cache.enable_prefix_caching
-        if caching and not arch.snapshots_states_per_block:
-            logger.info("prefix caching is off: %s's scan layers (Mamba-2, gated delta-net) keep no state per KV block",
-                        arch.architecture)  # fmt: skip
-            caching = False
+        snapshots = self._state_snapshots(config, arch) if caching and not arch.snapshots_states_per_block else None
+        caching = caching and (arch.snapshots_states_per_block or snapshots is not None)
         self.kv_cache_manager = KVCacheManager(
             self.executor.num_blocks, block_size, enable_caching=caching,
             sliding_window=arch.window_of_every_layer, disk_tier=index,
@@ -91,6 +92,7 @@ class LLMEngine:
             SchedulingPolicy.of(config.scheduler),
             StateSlotPool(config.scheduler.max_num_seqs) if arch.recurrent_layers else None,
             config.lora.max_loras if config.lora is not None else 0,
+            snapshots,
         )
         self.loras = LoRARegistry(config.lora, arch)
         self.input_processor = InputProcessor(
@@ -129,6 +131,22 @@ class LLMEngine:
             str(self.executor.kv_cache_dtype).removeprefix("torch."),
             self.executor.max_model_len,
         )
+
+    @staticmethod
+    def _state_snapshots(config: EngineConfig, arch: ModelArchConfig) -> StateSnapshots | None:
+        """Where a model with scan layers keeps states for its prefix cache (None: nowhere, the
+        cache off, logged)."""
+        rows = scan_snapshot_rows(arch, config.state_snapshot_rows)
+        if not rows:
+            why = "max_state_snapshots is 0" if not config.state_snapshot_rows else "it has short convolutions too"
+            logger.info("prefix caching is off: %s's scan layers (Mamba-2, gated delta-net) keep no state snapshots (%s)",
+                        arch.architecture, why)  # fmt: skip
+            return None
+        cache = config.cache
+        assert cache.state_snapshot_interval is not None
+        logger.info("prefix caching of %s's scan layers: up to %d state snapshots, every %d prompt tokens and at each "
+                    "prompt's last full block", arch.architecture, rows, cache.state_snapshot_interval)  # fmt: skip
+        return StateSnapshots(rows, config.scheduler.max_num_seqs, cache.state_snapshot_interval, cache.block_size)
 
     @property
     def max_model_len(self) -> int:

@@ -101,9 +101,11 @@ class AutoPool:
     block_bytes: int
     useful_blocks: int
     # A hybrid model's recurrent states (``worker/kv_cache.py`` ``state_slot_bytes``), one rank's:
-    # ``state_slots`` rows (``max_num_seqs``), allocated beside the pool.
+    # ``state_slots`` rows (``max_num_seqs``) and ``state_snapshots`` rows (a model with scan
+    # layers: its prefix cache's), allocated beside the pool.
     state_bytes: int = 0
     state_slots: int = 0
+    state_snapshots: int = 0
 
 
 def auto_kv_budget(pool: AutoPool, share: HostShare) -> int:
@@ -120,8 +122,10 @@ def auto_kv_blocks(budget: int, pool: AutoPool, share: HostShare, model: str) ->
     if budget < pool.block_bytes:
         free = pool.available - pool.host_weight_bytes * share.replicas_after
         who = f" for {share.describe()}" if share.count > 1 else ""
-        states = (f", its recurrent states for {pool.state_slots} sequences (max_num_seqs) need {gib(pool.state_bytes)} "
-                  "(lower max_num_seqs)") if pool.state_bytes else ""  # fmt: skip
+        snapshots = f" and {pool.state_snapshots} prefix-cache snapshots (max_state_snapshots)" \
+            if pool.state_snapshots else ""  # fmt: skip
+        states = (f", its recurrent states for {pool.state_slots} sequences (max_num_seqs){snapshots} need "
+                  f"{gib(pool.state_bytes)} (lower them)") if pool.state_bytes else ""  # fmt: skip
         raise ValueError(
             f"{model} leaves no room for a KV cache: once the weights are in, {gib(free)} of memory is left{who}, "
             f"a step's activations need about {gib(pool.workspace)} a process{states}, and one KV block needs "

@@ -102,13 +102,30 @@ def copy_states(caches: KVCache, copies: list[tuple[int, int]]) -> None:
 
 
 def load_states(caches: KVCache, loads: list[tuple[int, int]]) -> None:
-    """Start state slots from KV blocks' snapshots, (block, slot) pairs, in every recurrent layer
-    (a request whose first blocks came from the prefix cache; never a Mamba-2 layer's, whose
-    states are not kept per block)."""
+    """Start state slots from the prefix cache's snapshots, (source, slot) pairs, in every
+    recurrent layer (a request whose first blocks came from the cache): a short convolution's
+    from the KV block ``source`` (a snapshot each block), a scan layer's from its snapshot row
+    ``source`` (rows after the slots: ``core/state_snapshots.py``)."""
     states = _states(caches, loads)
-    if loads and any(isinstance(state, ScanState) for state in states):
-        raise ValueError("scan layers (Mamba-2, gated delta-net) keep no state per KV block to load")
-    _copy_rows([(state.blocks, state.slots) for state in states if isinstance(state, ConvState)], loads)
+    if loads and len({type(state) for state in states}) > 1:
+        raise ValueError("a model with both short convolutions and scan layers keeps no state snapshots")
+    _copy_rows([pair for state in states for pair in _snapshot_pairs(state)], loads)
+
+
+def _snapshot_pairs(state: ConvState | ScanState) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(where a layer's snapshots are, its slots) for each of its state tensors."""
+    if isinstance(state, ConvState):
+        return [(state.blocks, state.slots)]
+    return [(tensor, tensor) for tensor in state.slot_tensors()]
+
+
+def scan_snapshot_rows(arch: ModelArchConfig, rows: int) -> int:
+    """The snapshot rows a model keeps after its state slots: ``rows`` (``EngineConfig.
+    state_snapshot_rows``) for a model with scan layers, none for one whose states a KV block
+    keeps (short convolutions only, or no recurrent layer); none, too, for a model with both
+    kinds (no family has them: its cache is off)."""
+    scans = sum(arch.scan_shape(layer) is not None for layer in arch.recurrent_layers)
+    return rows if scans == len(arch.recurrent_layers) and scans else 0
 
 
 def _states(caches: KVCache, pairs: list[tuple[int, int]]) -> list[ConvState | ScanState]:
@@ -131,13 +148,14 @@ def _copy_rows(tensors: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tup
 
 def with_recurrent_states(
     arch: ModelArchConfig, attention: KVCache, num_slots: int, num_blocks: int, dtype: torch.dtype,
-    device: torch.device,
+    device: torch.device, num_snapshots: int = 0,
 ) -> KVCache:
     """Every layer's cache in layer order: ``attention``'s K/V pairs (one an attention layer, in
     order) and, for each recurrent layer, its zeroed states: a short convolution's last
     ``conv_kernel - 1`` inputs for each state slot and each KV block (``model/short_conv.py``;
     ``arch``: this rank's share, whose channels they are), a scan layer's convolution inputs and
-    float32 matrix state for each state slot (``model/scan_state.py``)."""
+    float32 matrix state for each state slot and then each of its ``num_snapshots`` snapshot
+    rows (``model/scan_state.py``, ``core/state_snapshots.py``)."""
     recurrent = set(arch.recurrent_layers)
     if not recurrent:
         return attention
@@ -152,7 +170,8 @@ def with_recurrent_states(
         shape = arch.scan_shape(layer)
         if shape is not None:
             conv, ssm = shape.state_shapes()
-            return ScanState(zeros((num_slots, *conv), dtype), zeros((num_slots, *ssm), torch.float32))
+            rows = num_slots + num_snapshots
+            return ScanState(zeros((rows, *conv), dtype), zeros((rows, *ssm), torch.float32))
         row = (arch.conv_kernel - 1, arch.convolution_channels)
         return ConvState(zeros((num_slots, *row), dtype), zeros((num_blocks, *row), dtype))
 

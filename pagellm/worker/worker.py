@@ -43,6 +43,7 @@ from pagellm.worker.kv_cache import (
     allocate_kv_cache,
     bytes_per_block,
     num_blocks_for_budget,
+    scan_snapshot_rows,
     state_slot_bytes,
     state_snapshot_bytes,
     with_recurrent_states,
@@ -237,7 +238,7 @@ class Worker:
             shard.num_key_value_heads, shard.head_dim, self.kv_cache_dtype, self.device,
         )  # fmt: skip
         kv_cache = with_recurrent_states(shard, kv_cache, config.scheduler.max_num_seqs, self.num_blocks, self.dtype,
-                                         self.device)  # fmt: skip
+                                         self.device, scan_snapshot_rows(shard, config.state_snapshot_rows))  # fmt: skip
         # The disk tier's folder and entry size (the engine's index reads it; None: no tier).
         self.disk_tier: TierLayout | None = None
         disk_tier = None
@@ -310,10 +311,12 @@ class Worker:
                              "give kv_cache_memory a size")  # fmt: skip
         context = config.model.max_model_len or self.arch.context_length
         scheduler = config.scheduler
+        state_rows = scheduler.max_num_seqs + scan_snapshot_rows(shard, config.state_snapshot_rows)
         pool = AutoPool(
             available=available, host_weight_bytes=weight_bytes, block_bytes=block_bytes,
             workspace=step_workspace_bytes(self.arch, scheduler.max_num_batched_tokens, scheduler.max_num_seqs),
-            state_bytes=state_slot_bytes(shard, scheduler.max_num_seqs, self.dtype), state_slots=scheduler.max_num_seqs,
+            state_bytes=state_slot_bytes(shard, state_rows, self.dtype), state_slots=scheduler.max_num_seqs,
+            state_snapshots=state_rows - scheduler.max_num_seqs,
             useful_blocks=useful_kv_blocks(scheduler.max_num_seqs, context, cache.block_size),
         )  # fmt: skip
         # Every rank takes the smallest budget, so all size alike and any refusal is every rank's.

@@ -64,7 +64,7 @@ def test_the_step_codec_round_trips_and_refuses_other_bytes() -> None:
     adapted = NewSequence("l", [5], 1, SamplingParams(), lora=LoRARequest("ft", 7, "/adapters/ft"))
     step = SchedulerOutput([sequence, drafting, hybrid], [NewSequence("n", [9, 9, 9, 1], 3, params), embedding, adapted],
                            [ForkedSequence("f", "a"), ForkedSequence("g", "a", SamplingParams(seed=1))], ["gone"], [(1, 2)],
-                           [(3, 0)], [(5, 1)], [LoRARequest("waiting", 9, "/adapters/waiting")])  # fmt: skip
+                           [(3, 0)], [(5, 1)], [(0, 12)], [LoRARequest("waiting", 9, "/adapters/waiting")])  # fmt: skip
     grammar = GrammarBitmask({"a": 0}, torch.tensor([[1, -1, 7]], dtype=torch.int32))
     step2, grammar2 = decode_step(encode_step(step, grammar))
     assert step2 == step and grammar2 is not None and grammar2.rows == grammar.rows

@@ -71,16 +71,15 @@ def test_greedy_matches_hf(model_and_reference, engine_kwargs):
 
 def test_prefix_cache_hits_give_the_same_tokens(model_and_reference):
     """The prompts again, in reverse order: their leading blocks come from the prefix cache
-    (released ones too, behind a window, while nobody has taken them). A model whose Mamba-2
-    states are not kept per block runs without the cache: no hits, the same tokens."""
+    (released ones too, behind a window, while nobody has taken them; a hybrid's with the
+    states kept at their ends: every block's, or the scan layers' sparse snapshots)."""
     path, expected = model_and_reference
     llm = LLM(path, dtype="float32", block_size=4)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == expected
     again = llm.generate(PROMPTS[::-1], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == expected[::-1]
-    cached = load_arch_config(path).snapshots_states_per_block
-    assert (llm.llm_engine.stats.prefix_cache_hits > 0) == cached
+    assert llm.llm_engine.stats.prefix_cache_hits > 0
 
 
 def test_a_window_every_layer_keeps_holds_only_its_blocks(tiny_mistral_window_path: str):

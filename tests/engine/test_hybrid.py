@@ -54,9 +54,11 @@ def test_samples_start_from_their_parents_state(hybrid: tuple[LLM, str], default
     assert llm.llm_engine.scheduler.state_slots.num_free == 2
 
 
-def test_mamba_layers_run_without_the_prefix_cache(tiny_granite_hybrid_path: str) -> None:
-    """A Mamba-2 state is too big to keep at every block's end: the engine turns the prefix
-    cache off (a repeated prompt is computed again, equal) and sizes no snapshots per block."""
+def test_mamba_states_are_not_kept_per_block_but_in_snapshot_rows_after_the_slots(tiny_granite_hybrid_path: str) -> None:
+    """A Mamba-2 state is too big to keep at every block's end: the prefix cache keeps a few in
+    rows after the state slots (tests/engine/test_scan_prefix_cache.py); with none, it is off
+    (a repeated prompt is computed again, equal)."""
+    from pagellm.model.scan_state import ScanState
     from pagellm.worker.kv_cache import state_slot_bytes, state_snapshot_bytes
 
     arch = load_arch_config(tiny_granite_hybrid_path)
@@ -64,7 +66,10 @@ def test_mamba_layers_run_without_the_prefix_cache(tiny_granite_hybrid_path: str
     assert state_snapshot_bytes(arch, torch.float32) == 0
     # a slot: 3 layers x (3 convolution inputs of 192 channels + 8 x 16 x 16 float32 state)
     assert state_slot_bytes(arch, 2, torch.float32) == 2 * 3 * (3 * 192 + 8 * 16 * 16) * 4
-    llm = LLM(tiny_granite_hybrid_path, dtype="float32", block_size=4)
+    llm = LLM(tiny_granite_hybrid_path, dtype="float32", block_size=4, max_num_seqs=2)
+    states = [c for c in llm.llm_engine.executor.model_runner.kv_cache if isinstance(c, ScanState)]
+    assert [(s.conv.shape[0], s.ssm.shape[0]) for s in states] == [(2 + 4, 2 + 4)] * 3  # (max(4, 2 // 4) rows)
+    llm = LLM(tiny_granite_hybrid_path, dtype="float32", block_size=4, max_state_snapshots=0)
     first = tokens(llm, [{"prompt_token_ids": BASE}], GREEDY)
     assert tokens(llm, [{"prompt_token_ids": BASE}], GREEDY) == first
     assert llm.llm_engine.stats.prefix_cache_hits == 0

@@ -3,6 +3,8 @@ model does not fit (pagellm/worker/kv_budget.py, worker/device.py's memory probe
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -168,5 +170,9 @@ def test_a_hybrid_models_states_are_counted_and_named_where_they_leave_no_room()
     full = AutoPool(available=10 * GIB, host_weight_bytes=0, workspace=100 * mib, block_bytes=mib,
                     useful_blocks=1 << 40, state_bytes=12 * GIB, state_slots=128)  # fmt: skip
     with pytest.raises(ValueError, match=r"recurrent states for 128 sequences \(max_num_seqs\) need 12\.00 GiB "
-                                         r"\(lower max_num_seqs\)"):  # fmt: skip
+                                         r"\(lower them\)"):  # fmt: skip
+        _blocks(full, HostShare())
+    full = dataclasses.replace(full, state_snapshots=32)  # (a model with scan layers: its cache's snapshots)
+    with pytest.raises(ValueError, match=r"128 sequences \(max_num_seqs\) and 32 prefix-cache snapshots "
+                                         r"\(max_state_snapshots\) need 12\.00 GiB \(lower them\)"):  # fmt: skip
         _blocks(full, HostShare())

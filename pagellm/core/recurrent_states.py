@@ -1,0 +1,98 @@
+"""A hybrid model's recurrent states as the scheduler sees them: the slot each running sequence
+holds (``state_slots.py``), the prefix cache's snapshots where scan layers keep them apart
+(``state_snapshots.py``), and what the worker does with both around the next step's forward:
+slots copied (a sample born from its parent), started from a snapshot (a prefix hit), saved
+into a snapshot (a point reached). Tensor-free; the scheduler owns one for a hybrid model."""
+
+from __future__ import annotations
+
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.kv_cache_utils import KVCacheBlock
+from pagellm.core.sequence import Sequence
+from pagellm.core.state_slots import StateSlotPool
+from pagellm.core.state_snapshots import StateSnapshots
+
+
+class RecurrentStates:
+    def __init__(self, slots: StateSlotPool, snapshots: StateSnapshots | None, manager: KVCacheManager) -> None:
+        self.slots = slots
+        self.snapshots = snapshots  # None: a state a KV block (short convolutions), or no prefix cache
+        self._manager = manager
+        # What the next step's worker does: before the forward, copies (slot -> slot) and then
+        # loads ((source, slot): a cached block's snapshot, its block id or, with ``snapshots``, its
+        # row); after it, saves ((slot, snapshot row)).
+        self._copies: list[tuple[int, int]] = []
+        self._loads: list[tuple[int, int]] = []
+        self._saves: list[tuple[int, int]] = []
+
+    def take(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+        """(copies, loads, saves) for the step being sent; the lists start afresh."""
+        taken = self._copies, self._loads, self._saves
+        self._copies, self._loads, self._saves = [], [], []
+        return taken
+
+    @staticmethod
+    def slots_needed(seq: Sequence) -> int:
+        """The state slots admitting ``seq`` takes: its own and one for each of its samples."""
+        return 1 + len(seq.pending_forks)
+
+    def has_room(self, seq: Sequence) -> bool:
+        return self.slots.num_free >= self.slots_needed(seq)
+
+    def usable_hits(
+        self, seq: Sequence, cached: list[KVCacheBlock], step: int
+    ) -> tuple[list[KVCacheBlock], int | None]:
+        """The leading ``cached`` blocks ``seq`` may resume after (as far as a state is kept),
+        and where that state is (their last block's id, or a snapshot row; None: no hit). Where
+        more blocks are cached than a state is kept for, ``seq`` keeps the state at their end."""
+        if self.snapshots is None:
+            return cached, cached[-1].block_id if cached else None
+        num, row = self.snapshots.ready(seq.block_hashes, len(cached), step)
+        seq.state_junction = len(cached) * self._manager.block_size if len(cached) > num else 0
+        return cached[:num], row
+
+    def admit(self, seq: Sequence, source: int | None) -> None:
+        """Slots for ``seq`` and its samples; it starts from the state kept at ``source`` (None:
+        from zeros, the worker's fresh start at position 0)."""
+        for holder in (seq, *seq.pending_forks):
+            holder.state_slot = self.slots.allocate()
+        if source is not None:
+            assert seq.state_slot is not None
+            self._loads.append((source, seq.state_slot))
+
+    def release(self, seq: Sequence) -> None:
+        """Give back the slots of ``seq`` and of its samples not yet born (taken again with its own
+        when it is admitted again)."""
+        for holder in (seq, *seq.pending_forks):
+            if holder.state_slot is not None:
+                slot = holder.state_slot
+                self.slots.free(slot)
+                holder.state_slot, holder.state_slot_sent = None, False
+                # (a copy into it not yet made would land on whoever takes the slot next)
+                self._copies = [c for c in self._copies if c[1] != slot]
+
+    def born(self, parent: Sequence, child: Sequence) -> None:
+        """A sample born from its parent's prompt starts from the parent's state (slots taken with the parent's)."""
+        if parent.state_slot is None or child.state_slot is None:
+            raise RuntimeError(f"sample {child.seq_id!r} is born without a state slot")
+        self._copies.append((parent.state_slot, child.state_slot))
+
+    def cut(self, seq: Sequence, start: int, num_new: int) -> int:
+        """A chunk ends where its state is to be kept (a snapshot point), so that the step's forward
+        leaves that state in the slot."""
+        if self.snapshots is None or num_new <= 1:
+            return num_new
+        return self.snapshots.chunk_end(start, start + num_new, seq.num_prompt_tokens, seq.state_junction) - start
+
+    def scheduled(self, seq: Sequence, end: int, step: int) -> None:
+        """``seq`` computes up to ``end`` tokens this step: keep the state it then has where that is a point."""
+        snapshots = self.snapshots
+        if snapshots is None or seq.state_slot is None or \
+                not snapshots.is_point(end, seq.num_prompt_tokens, seq.state_junction):  # fmt: skip
+            return
+        self._manager.update_block_hashes(seq)
+        index = end // self._manager.block_size - 1
+        if index < len(seq.block_hashes):
+            row = snapshots.reserve(seq.block_hashes[index], step)
+            if row is not None:
+                self._saves.append((seq.state_slot, row))
