@@ -35,9 +35,9 @@ from pagellm.utils import owned_by_me, private_dir
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 26
+ABI_VERSION = 27
 _SOURCES = ("attention.cpp", "elementwise.cpp", "gemm_bf16.cpp", "gemm_avx2.cpp", "gemm_int8.cpp", "decoder_stack.cpp",
-            "shm_all_reduce.cpp", "memory_read.cpp", "gguf_rows.cpp", "pack_panels.cpp", "lora.cpp")
+            "shm_all_reduce.cpp", "memory_read.cpp", "gguf_rows.cpp", "pack_panels.cpp", "lora.cpp", "scan.cpp")
 _HEADERS = (
     "amx_bf16_tiles.h", "attention_avx2.h", "attention_avx512.h", "attention_common.h", "avx2_simd.h", "bf16_simd.h",
     "cpu_common.h", "exports.h", "gemm_int8_amx.h", "gemm_int8_bf16_tiles.h", "gemm_int8_layout.h", "gemm_int8_q4k.h",
@@ -147,9 +147,13 @@ _SIGNATURES: dict[str, tuple[type, list[type]]] = {
                _I32],
     ),
     "pagellm_write_kv": (_I32, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I32, _I32]),
-    "pagellm_add_rms_norm": (_I32, [_P, _P, _P, _P, _I64, _I64, _F32, _I32, _I32]),
-    "pagellm_head_rms_norm": (_I32, [_P, _I64, _I64, _I64, _I64, _P, _F32, _I32, _I32]),
+    "pagellm_add_rms_norm": (_I32, [_P, _P, _P, _P, _I64, _I64, _F32, _I32, _I32, _I32]),
+    "pagellm_head_rms_norm": (_I32, [_P, _I64, _I64, _I64, _I64, _P, _F32, _I32, _I32, _I32]),
     "pagellm_rotary": (_I32, [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I32, _I32]),
+    "pagellm_delta_net_decode": (
+        _I32, [_P, _I64, _I64, _P, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _P, _P, _P, _P, _F32, _I64, _I64, _I64, _I64,
+               _I32, _P, _I64, _I32, _I32],
+    ),
     "pagellm_argmax_rows": (_I32, [_P, _I64, _I64, _I64, _P, _I32, _I32]),
     "pagellm_apply_token_bitmask": (_I32, [_P, _I64, _I64, _I64, _P, _I64, _P, _I32, _I32]),
     "pagellm_gemm_bf16_available": (_I32, []),

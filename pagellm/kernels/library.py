@@ -148,7 +148,9 @@ class KernelLibrary:
     ) -> torch.Tensor:
         """RMSNorm of ``x + residual`` (``residual`` updated in place to that sum) or of ``x``.
 
-        x, residual: contiguous [N, hidden]; weight: [hidden]; all of one dtype. Returns a new tensor.
+        x, residual: contiguous [N, hidden]; weight: [hidden]; all of one dtype, or ``weight``
+        float32 for bf16 ``x``: a scale (Gemma's and Qwen3.5's ``1 + weight``, taken in float32)
+        the normed values are multiplied by before they are rounded. Returns a new tensor.
         """
         dtype = x.dtype
         if dtype not in DTYPE_CODES or x.dim() != 2 or not x.is_contiguous() or x.device.type != "cpu":
@@ -156,12 +158,11 @@ class KernelLibrary:
         rows, n = x.shape
         if residual is not None and (residual.shape != x.shape or residual.dtype != dtype or not residual.is_contiguous()):
             raise ValueError("residual must be contiguous, with x's shape and dtype")
-        if weight.shape != (n,) or weight.dtype != dtype or not weight.is_contiguous():
-            raise ValueError(f"weight must be a contiguous [{n}] {dtype} tensor")
+        _check_norm_weight(weight, n, dtype)
         out = torch.empty_like(x)
         rc = self._lib.pagellm_add_rms_norm(
             x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(), out.data_ptr(),
-            rows, n, float(eps), DTYPE_CODES[dtype], torch.get_num_threads(),
+            rows, n, float(eps), DTYPE_CODES[dtype], torch.get_num_threads(), weight.dtype != dtype,
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"pagellm_add_rms_norm failed with code {rc}")
@@ -169,21 +170,59 @@ class KernelLibrary:
 
     def head_rms_norm_(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
         """RMSNorm of each head of ``x`` ([T, heads, D], row-contiguous heads, any row stride) in
-        place, one ``weight`` [D] for all (Qwen3's q and k norms): per head what
-        :meth:`add_rms_norm` gives its rows, without copying the heads out and back."""
+        place, one ``weight`` [D] for all (Qwen3's q and k norms; a float32 scale as
+        :meth:`add_rms_norm`'s): per head what :meth:`add_rms_norm` gives its rows, without
+        copying the heads out and back."""
         dtype = x.dtype
         if dtype not in DTYPE_CODES or x.dim() != 3:
             raise ValueError("x must be a [T, heads, D] float32 or bfloat16 tensor")
         rows, heads, head_dim = x.shape
         check_rows("x", x, (heads, head_dim), dtype)
-        if weight.shape != (head_dim,) or weight.dtype != dtype or not weight.is_contiguous():
-            raise ValueError(f"weight must be a contiguous [{head_dim}] {dtype} tensor")
+        _check_norm_weight(weight, head_dim, dtype)
         rc = self._lib.pagellm_head_rms_norm(
             x.data_ptr(), x.stride(0), rows, heads, head_dim, weight.data_ptr(), float(eps), DTYPE_CODES[dtype],
-            torch.get_num_threads(),
+            torch.get_num_threads(), weight.dtype != dtype,
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"pagellm_head_rms_norm failed with code {rc}")
+
+    def delta_net_decode(
+        self, proj: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor | None,
+        conv: torch.Tensor, conv_weight: torch.Tensor, ssm: torch.Tensor, neg_a: torch.Tensor, dt_bias: torch.Tensor,
+        norm_weight: torch.Tensor, eps: float, key_heads: int, tiled: bool, out: torch.Tensor,
+    ) -> None:
+        """A gated delta-net layer's decode tokens (``csrc/scan.cpp``): ``proj`` [T, conv_dim +
+        2 value heads + value_size] the fused input projection's rows, ``rows`` / ``slots`` [n]
+        int64 each token's row and state slot (``fresh`` [n] bool: from zeros; or None); the
+        slots' rows of ``conv`` [slots, taps - 1, conv_dim] and ``ssm`` [slots, value heads,
+        key_dim, value_dim] (float32) advanced; ``out`` [T, value_size] written at ``rows``.
+        ``neg_a`` = -exp(A_log), ``dt_bias`` float32 [value heads]; ``conv_weight`` [conv_dim, 1,
+        taps], ``norm_weight`` [value_dim]."""
+        dtype, (num_slots, heads, key_dim, value_dim), (taps, conv_dim) = proj.dtype, ssm.shape, conv.shape[1:]
+        n = rows.numel()
+        if dtype not in DTYPE_CODES or ssm.dtype != torch.float32 or not ssm.is_contiguous():
+            raise ValueError("proj must be float32 / bfloat16 and ssm a contiguous float32 tensor")
+        check_rows("proj", proj, (conv_dim + value_dim * heads + 2 * heads,), dtype)
+        check_rows("out", out, (heads * value_dim,), dtype)
+        for name, t, shape, of in (("conv", conv, (num_slots, taps, conv_dim), dtype),
+                                   ("conv_weight", conv_weight, (conv_dim, 1, taps + 1), dtype),
+                                   ("norm_weight", norm_weight, (value_dim,), dtype), ("neg_a", neg_a, (heads,), torch.float32),
+                                   ("dt_bias", dt_bias, (heads,), torch.float32), ("rows", rows, (n,), torch.int64),
+                                   ("slots", slots, (n,), torch.int64)):  # fmt: skip
+            if tuple(t.shape) != shape or t.dtype != of or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous {of} tensor of shape {list(shape)}")
+        if fresh is not None and (fresh.dtype != torch.bool or fresh.shape != (n,) or not fresh.is_contiguous()):
+            raise ValueError(f"fresh must be a contiguous bool tensor of shape [{n}]")
+        rc = self._lib.pagellm_delta_net_decode(
+            proj.data_ptr(), proj.stride(0), min(len(proj), len(out)), rows.data_ptr(), slots.data_ptr(), num_slots,
+            None if fresh is None else fresh.data_ptr(), n, conv.data_ptr(), conv_weight.data_ptr(), conv_dim, taps + 1, ssm.data_ptr(), neg_a.data_ptr(),
+            dt_bias.data_ptr(), norm_weight.data_ptr(), float(eps), key_heads, heads, key_dim, value_dim, int(tiled),
+            out.data_ptr(), out.stride(0), DTYPE_CODES[dtype], torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"pagellm_delta_net_decode refused its arguments (code {rc}): rows and slots must index "
+                             f"proj / out and the {num_slots} state slots; {heads} value heads a multiple of {key_heads} "
+                             f"key heads, conv_dim {conv_dim}")  # fmt: skip
 
     def rotary_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotate ``x`` ([T, heads, D], row-contiguous heads, any row stride) in place by ``cos``/``sin``
@@ -539,3 +578,9 @@ def _raise_for(function: str, rc: int, timeout_s: float) -> None:
         raise RuntimeError("tensor-parallel all-reduce: a rank's process is gone")
     if rc != 0:
         raise RuntimeError(f"{function} failed with code {rc}")
+
+
+def _check_norm_weight(weight: torch.Tensor, n: int, dtype: torch.dtype) -> None:
+    """A norm's weight: ``n`` values of the activations' dtype, or float32 (a scale)."""
+    if weight.shape != (n,) or weight.dtype not in (dtype, torch.float32) or not weight.is_contiguous():
+        raise ValueError(f"weight must be a contiguous [{n}] {dtype} or float32 tensor")

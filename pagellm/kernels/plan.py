@@ -50,6 +50,7 @@ class KernelPlan:
     norm: str = "torch"  # ELEMENTWISE_PATHS, also for rotary and argmax
     rotary: str = "torch"
     argmax: str = "torch"
+    scan: str = "torch"  # ELEMENTWISE_PATHS: a gated delta-net layer's decode tokens (csrc/scan.cpp)
     weights: str = "dense"  # WEIGHT_FORMATS
     qgemm: str = "none"  # the integer GEMM's path (KernelLibrary.gemm_q_path) where weights are quantized
     # Batches of more rows than this run quantized linears on ``quant_large``: a dense bf16 copy
@@ -69,7 +70,7 @@ class KernelPlan:
     def __post_init__(self) -> None:
         if self.gemm not in GEMM_PATHS:
             raise ValueError(f"gemm must be one of {GEMM_PATHS}, got {self.gemm!r}")
-        for part in ("norm", "rotary", "argmax"):
+        for part in ("norm", "rotary", "argmax", "scan"):
             path = getattr(self, part)
             if path not in ELEMENTWISE_PATHS:
                 raise ValueError(f"{part} must be one of {ELEMENTWISE_PATHS}, got {path!r}")
@@ -108,7 +109,7 @@ class KernelPlan:
         return self.weights != "dense"
 
     def library(self, part: str) -> KernelLibrary | None:
-        """The kernel library if ``part`` (norm, rotary, argmax) runs on it, else None."""
+        """The kernel library if ``part`` (norm, rotary, argmax, scan) runs on it, else None."""
         return self.kernels if getattr(self, part) == "kernel" else None
 
     def as_dict(self) -> dict[str, str]:
@@ -123,6 +124,7 @@ class KernelPlan:
             "norm": self.norm,
             "rotary": self.rotary,
             "argmax": self.argmax,
+            "scan": self.scan,
             "weights": self.weights,
             "qgemm": self.qgemm,
             "quant_max_rows": "none" if self.quant_max_rows is None else str(self.quant_max_rows),

@@ -13,8 +13,10 @@ with ``g = -exp(A_log) softplus(a + dt_bias)`` and ``beta = sigmoid(b)`` from ``
 
 As Mamba-2's (``model/mamba2.py``): a step's decode tokens advance their states in one batched
 update; a prompt (or a chunk of one) runs the chunked form (:func:`delta_scan`), and the state
-lives a row a state slot in the layer's :class:`~pagellm.model.scan_state.ScanState`, float32,
-not kept per KV block (no prefix cache for these models yet).
+lives a row a state slot in the layer's :class:`~pagellm.model.scan_state.ScanState`, float32
+(the prefix cache keeps copies sparsely: ``core/state_snapshots.py``). With the plan's
+``scan="kernel"``, a step of decode tokens only runs from the input projection's rows to the
+output projection's in one C++ call (``csrc/scan.cpp``), rounding as these tensor ops do.
 """
 
 from __future__ import annotations
@@ -104,6 +106,8 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(shape.num_value_heads))
         self.A_log = nn.Parameter(torch.empty(shape.num_value_heads))
         self.norm = GatedHeadNorm(shape.value_head_dim, norm_eps)
+        self.kernels = plan.library("scan") if plan is not None else None
+        self._decay: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None  # (key, -exp(A_log), dt_bias)
 
     def _parts(self) -> tuple[int, int, int, int]:
         """Rows of ``in_proj``: q/k/v, the output gate z, b (beta) and a (the decay's step)."""
@@ -119,7 +123,11 @@ class GatedDeltaNet(nn.Module):
         """``hidden`` [T, hidden] -> [T, hidden]; each request's state slot is read and left
         holding its state after its last token this step."""
         shape, tokens = self.shape, hidden.shape[0]
-        qkv, z, b, a = self.in_proj(hidden).split(self._parts(), dim=-1)
+        proj = self.in_proj(hidden)
+        plan = scan_plan(metadata, hidden.device)
+        if self.kernels is not None and not plan.spans and proj.dtype == state.conv.dtype == self.conv_weight.dtype:
+            return self.out_proj(self._decode_on_kernel(proj, state, plan))
+        qkv, z, b, a = proj.split(self._parts(), dim=-1)
         conv = conv_plan(metadata, shape.conv_kernel, hidden.device)
         qkv, _ = convolve(qkv, state.conv, conv, self.conv_weight, None)
         q, k, v = F.silu(qkv).float().split([shape.key_size, shape.key_size, shape.value_size], dim=-1)
@@ -128,8 +136,23 @@ class GatedDeltaNet(nn.Module):
         v = v.view(tokens, shape.num_value_heads, -1)
         beta = torch.sigmoid(b.float())
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
-        out = self._scan(q, k, v, g, beta, state.ssm, scan_plan(metadata, hidden.device)).to(hidden.dtype)
+        out = self._scan(q, k, v, g, beta, state.ssm, plan).to(hidden.dtype)
         return self.out_proj(self.norm(out, z).view(tokens, shape.value_size))
+
+    def _decode_on_kernel(self, proj: torch.Tensor, state: ScanState, plan: ScanPlan) -> torch.Tensor:
+        """A step of decode tokens only, from the input projection's rows to the output
+        projection's input [T, value_size], on the kernel."""
+        key = (self.A_log.data_ptr(), self.A_log._version, self.dt_bias.data_ptr(), self.dt_bias._version)
+        if self._decay is None or self._decay[0] != key:  # (taken again where the weights are loaded again)
+            self._decay = key, -torch.exp(self.A_log.detach().float()), self.dt_bias.detach().float().contiguous()
+        out = proj.new_empty(proj.shape[0], self.shape.value_size)
+        assert self.kernels is not None
+        self.kernels.delta_net_decode(
+            proj, plan.decode_index, plan.decode_slots, plan.decode_fresh, state.conv, self.conv_weight, state.ssm,
+            self._decay[1], self._decay[2], self.norm.weight, self.norm.eps, self.shape.num_key_heads,
+            self.shape.tiled_value_heads, out,
+        )  # fmt: skip
+        return out
 
     def _per_value_head(self, x: torch.Tensor) -> torch.Tensor:
         """Key heads [T, key heads, dim] as one a value head, in the order the value heads come."""

@@ -39,7 +39,7 @@ from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.cpu_linear import KernelLinear, KernelSiluAndMulLinear
 from pagellm.model.layer_spec import LayerSpec, stack_refusal
 from pagellm.model.lora import LoRAStep
-from pagellm.model.layers import RMSNorm, SiluAndMul
+from pagellm.model.layers import RMSNorm, SiluAndMul, UnitOffsetRMSNorm
 from pagellm.model.quant_linear import QuantizedLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -112,8 +112,9 @@ class _LayerWeights:
 
 
 def _kernel_norm(norm: object, dtype: torch.dtype) -> torch.Tensor | None:
-    """A kernel RMSNorm's weight (contiguous, in ``dtype``), else None."""
-    if not isinstance(norm, RMSNorm) or norm.kernels is None:
+    """A kernel RMSNorm's weight (contiguous, in ``dtype``), else None (a scale by 1 + weight:
+    the stack multiplies by the weight, Llama's way)."""
+    if not isinstance(norm, RMSNorm) or isinstance(norm, UnitOffsetRMSNorm) or norm.kernels is None:
         return None
     weight = norm.weight
     return weight if weight.dtype == dtype and weight.is_contiguous() else None

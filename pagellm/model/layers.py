@@ -42,14 +42,9 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if (
-            self.kernels is not None
-            and x.dim() == 2
-            and x.is_contiguous()
-            and x.dtype == self.weight.dtype
-            and supports_dtype(x.dtype)
-        ):
-            out = self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        if self._on_kernel(x) and x.dim() == 2 and x.is_contiguous():
+            assert self.kernels is not None
+            out = self.kernels.add_rms_norm(x, residual, self._kernel_weight(), self.eps)
             return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
@@ -60,29 +55,46 @@ class RMSNorm(nn.Module):
         """Norm each head of ``x`` ([T, heads, D], a view into a wider row) in place: on the
         kernel without copying the heads out (the same rows :meth:`forward` gives), else
         through :meth:`forward` and back."""
-        if self.kernels is not None and x.dtype == self.weight.dtype and supports_dtype(x.dtype):
-            self.kernels.head_rms_norm_(x, self.weight, self.eps)
+        if self._on_kernel(x):
+            assert self.kernels is not None
+            self.kernels.head_rms_norm_(x, self._kernel_weight(), self.eps)
         else:
             x.copy_(self(x.reshape(-1, x.shape[-1])).view(x.shape))
 
+    def _on_kernel(self, x: torch.Tensor) -> bool:
+        return self.kernels is not None and x.dtype == self.weight.dtype and supports_dtype(x.dtype)
+
+    def _kernel_weight(self) -> torch.Tensor:
+        """What the kernel multiplies by: the weight itself (Llama's order)."""
+        return self.weight
+
 
 class UnitOffsetRMSNorm(RMSNorm):
-    """Gemma's RMSNorm: scales by ``1 + weight`` (weights stored around 0), the product taken
-    in float32 before the cast back, as HF's Gemma2RMSNorm does. PyTorch only (the kernel
-    computes Llama's order)."""
+    """Gemma's (and Qwen3.5's) RMSNorm: scales by ``1 + weight`` (weights stored around 0), the
+    product taken in float32 before the cast back, as HF's Gemma2RMSNorm does. On the kernel
+    where ``lib``, with ``1 + weight`` in float32 as its scale (the same order: normed values
+    are not rounded before the product)."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__(hidden_size, eps, None)
+    def __init__(self, hidden_size: int, eps: float, lib: KernelLibrary | None = None) -> None:
+        super().__init__(hidden_size, eps, lib)
+        self._scale: tuple[tuple[int, int], torch.Tensor] | None = None  # ((weight's storage, version), 1 + weight)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (1.0 + self.weight.float())).type_as(x)
 
+    def _kernel_weight(self) -> torch.Tensor:
+        """``1 + weight`` in float32, taken again whenever the weight is loaded or replaced."""
+        key = (self.weight.data_ptr(), self.weight._version)
+        if self._scale is None or self._scale[0] != key:
+            self._scale = key, (1.0 + self.weight.detach().float()).contiguous()
+        return self._scale[1]
+
 
 def make_rms_norm(hidden_size: int, eps: float, unit_offset: bool, lib: KernelLibrary | None) -> RMSNorm:
-    """The family's RMSNorm: Gemma's (``unit_offset``) or Llama's (on the kernel where ``lib``)."""
-    return UnitOffsetRMSNorm(hidden_size, eps) if unit_offset else RMSNorm(hidden_size, eps, lib)
+    """The family's RMSNorm, Gemma's (``unit_offset``) or Llama's, on the kernel where ``lib``."""
+    return UnitOffsetRMSNorm(hidden_size, eps, lib) if unit_offset else RMSNorm(hidden_size, eps, lib)
 
 
 class SiluAndMul(nn.Module):

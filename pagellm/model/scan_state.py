@@ -43,6 +43,7 @@ class ScanPlan:
 
     decode_slots: torch.Tensor  # [D] the state slots of the requests with one token this step
     decode_tokens: torch.Tensor | None  # [D] their tokens' rows; None where they are every token, in order
+    decode_index: torch.Tensor  # [D] their tokens' rows, always (a kernel's indices)
     decode_fresh: torch.Tensor | None  # [D] which of them start at position 0; None where none does
     single_slot: int | None  # the slot of the step's one decode request (its state updated in place)
     spans: tuple[Span, ...]
@@ -98,6 +99,7 @@ def _build_plan(metadata: AttentionMetadata, device: torch.device) -> ScanPlan:
     every = len(one) == len(query_lens)  # (then the decode tokens are rows 0 .. D - 1, in order)
     return ScanPlan(
         decode_slots=as_tensor(slots[one]), decode_tokens=None if every else as_tensor(starts[one]),
+        decode_index=as_tensor(starts[one]),
         decode_fresh=as_tensor(fresh[one]) if fresh[one].any() else None,
         single_slot=int(slots[one[0]]) if len(one) == 1 else None, spans=spans,
     )  # fmt: skip

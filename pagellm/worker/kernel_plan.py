@@ -137,6 +137,7 @@ def plan_kernels(
         norm=elementwise,
         rotary=elementwise,
         argmax=elementwise,
+        scan=elementwise,
         weights=held,
         qgemm=lib.gemm_q_path if held != "dense" and lib is not None else "none",
         quant_max_rows=QUANT_MAX_ROWS_AMX if copy else QUANT_MAX_ROWS_AMX_TILES if tiles else None,

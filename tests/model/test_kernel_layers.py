@@ -1,4 +1,5 @@
-"""RMSNorm (+ residual add) and rotary through the C++ kernels against their PyTorch definitions."""
+"""RMSNorm (+ residual add; Llama's, and Gemma's / Qwen3.5's by 1 + weight) and rotary through the
+C++ kernels against their PyTorch definitions."""
 
 from __future__ import annotations
 
@@ -6,28 +7,32 @@ import pytest
 import torch
 
 from pagellm import kernels
-from pagellm.model.layers import RMSNorm, apply_rotary, apply_rotary_
+from pagellm.model.layers import RMSNorm, UnitOffsetRMSNorm, apply_rotary, apply_rotary_
 
 KERNELS = kernels.default()  # this machine's kernel library (None: no compiler)
 
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="CPU kernels not built here")
 
 
-def _norm(hidden: int, dtype: torch.dtype, use_kernel: bool) -> RMSNorm:
-    norm = RMSNorm(hidden, 1e-5, KERNELS if use_kernel else None)
+NORMS = {"llama": RMSNorm, "unit_offset": UnitOffsetRMSNorm}
+
+
+def _norm(hidden: int, dtype: torch.dtype, use_kernel: bool, kind: str = "llama") -> RMSNorm:
+    norm = NORMS[kind](hidden, 1e-5, KERNELS if use_kernel else None)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(hidden, generator=torch.Generator().manual_seed(1)))
     return norm.to(dtype)
 
 
+@pytest.mark.parametrize("kind", list(NORMS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows", [1, 7, 300])
 @pytest.mark.parametrize("hidden", [576, 100])  # 100: 16-wide vector loops and a scalar tail
-def test_add_rms_norm_matches_torch(dtype, rows, hidden):
+def test_add_rms_norm_matches_torch(dtype, rows, hidden, kind):
     g = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
     residual = torch.randn(rows, hidden, generator=g).to(dtype)
-    ref_norm, fast_norm = _norm(hidden, dtype, False), _norm(hidden, dtype, True)
+    ref_norm, fast_norm = _norm(hidden, dtype, False, kind), _norm(hidden, dtype, True, kind)
 
     expected_out, expected_residual = ref_norm(x, residual.clone())
     res = residual.clone()
@@ -66,18 +71,19 @@ def test_rotary_in_place_equals_torch(dtype, rotary_dim):
     assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before)  # v untouched
 
 
+@pytest.mark.parametrize("kind", list(NORMS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tokens", [1, 40])
-def test_head_norm_in_place_equals_the_norm_of_each_head(dtype, tokens):
+def test_head_norm_in_place_equals_the_norm_of_each_head(dtype, tokens, kind):
     """Qwen3's per-head q/k norm on strided heads in place: each head exactly as the row norm
     gives it, close to torch's definition, and the rest of each row untouched."""
     g = torch.Generator().manual_seed(tokens)
     heads, kv_heads, d = 6, 2, 48  # 48: 16-wide vector loops and a 0-long tail; the v heads after k
     qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g) * 3).to(dtype)
     q = qkv[:, : heads * d].view(tokens, heads, d)
-    norm = _norm(d, dtype, True)
-    expected = KERNELS.add_rms_norm(q.reshape(-1, d), None, norm.weight, norm.eps).view(tokens, heads, d)
-    reference = _norm(d, dtype, False)(q.reshape(-1, d)).view(tokens, heads, d)
+    norm = _norm(d, dtype, True, kind)
+    expected = norm(q.reshape(-1, d)).view(tokens, heads, d)  # (the row norm on the kernel)
+    reference = _norm(d, dtype, False, kind)(q.reshape(-1, d)).view(tokens, heads, d)
     rest = qkv[:, heads * d :].clone()
     norm.norm_heads_(q)
     assert torch.equal(q, expected)

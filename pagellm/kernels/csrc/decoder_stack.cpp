@@ -234,14 +234,14 @@ int layer(const PagellmStack& s, const PagellmLayer& L, const PagellmLoRALinear*
     const int dt = s.dtype, th = s.num_threads;
     const int64_t elem = dt == 1 ? 2 : 4;
     auto* qkv = static_cast<char*>(s.qkv);
-    int rc = pagellm_add_rms_norm(s.x, first ? nullptr : s.residual, L.input_norm, s.h, T, H, s.eps, dt, th);
+    int rc = pagellm_add_rms_norm(s.x, first ? nullptr : s.residual, L.input_norm, s.h, T, H, s.eps, dt, th, 0);
     if (rc == 0) rc = linear(L.qkv, s.h, T, H, s.qkv, W, dt, th);
     if (rc != 0) return rc;
     if (L.qkv_bias != nullptr) add_bias(s.qkv, L.qkv_bias, T, W, dt == 1);
     if (lora != nullptr) rc = add_lora(s, lora, s.h, H, s.qkv, W);
-    if (rc == 0 && L.q_norm != nullptr) rc = pagellm_head_rms_norm(s.qkv, W, T, s.num_heads, dh, L.q_norm, s.eps, dt, th);
+    if (rc == 0 && L.q_norm != nullptr) rc = pagellm_head_rms_norm(s.qkv, W, T, s.num_heads, dh, L.q_norm, s.eps, dt, th, 0);
     if (rc == 0 && L.k_norm != nullptr)
-        rc = pagellm_head_rms_norm(qkv + q * elem, W, T, s.num_kv_heads, dh, L.k_norm, s.eps, dt, th);
+        rc = pagellm_head_rms_norm(qkv + q * elem, W, T, s.num_kv_heads, dh, L.k_norm, s.eps, dt, th, 0);
     if (rc == 0 && L.rotary_dim > 0)  // (0: a NoPE layer)
         rc = pagellm_rotary(s.qkv, W, T, s.num_heads + s.num_kv_heads, dh, L.rotary_dim, s.cos, s.sin, dt, th);
     if (rc == 0)
@@ -257,7 +257,7 @@ int layer(const PagellmStack& s, const PagellmLayer& L, const PagellmLoRALinear*
     if (rc == 0 && s.tp_size > 1) rc = all_reduce(s);
     const bool scaled = L.residual_multiplier != 1.0f;
     if (rc == 0 && scaled) scale(s.x, T * H, L.residual_multiplier, dt == 1);
-    if (rc == 0) rc = pagellm_add_rms_norm(s.x, s.residual, L.post_norm, s.h, T, H, s.eps, dt, th);
+    if (rc == 0) rc = pagellm_add_rms_norm(s.x, s.residual, L.post_norm, s.h, T, H, s.eps, dt, th, 0);
     if (rc == 0) rc = mlp(s, L, lora);
     if (rc == 0 && s.tp_size > 1) rc = all_reduce(s);
     if (rc == 0 && scaled) scale(s.x, T * H, L.residual_multiplier, dt == 1);

@@ -69,10 +69,12 @@ void write_kv(const T* key, int64_t key_row_stride, const T* value, int64_t valu
 }
 
 // One row: residual += x (rounded to T, as a separate add would be; no residual: none), then
-// out = weight * T(h / sqrt(mean(h^2) + eps)) with the statistics in float32 (HF's LlamaRMSNorm).
+// out = weight * T(h / sqrt(mean(h^2) + eps)) with the statistics in float32 (HF's LlamaRMSNorm);
+// with a float32 weight W (a scale: Gemma's and Qwen3.5's 1 + weight, taken once in float32),
+// out = T(h / sqrt(mean(h^2) + eps) * scale), the normed value not rounded before the product.
 // x is read whole into h before out is written, so out may be x (in place).
-template <typename T>
-inline void norm_row(const T* xr, T* rr, const T* weight, T* o, int64_t n, float eps, float* h) {
+template <typename T, typename W = T>
+inline void norm_row(const T* xr, T* rr, const W* weight, T* o, int64_t n, float eps, float* h) {
     float sumsq = 0.f;
     int64_t i0 = 0;  // elements done by the vector loops (elementwise: same results)
 #ifdef PAGELLM_AVX512_BF16
@@ -101,6 +103,15 @@ inline void norm_row(const T* xr, T* rr, const T* weight, T* o, int64_t n, float
     for (int64_t i = 0; i < n; ++i) sumsq += h[i] * h[i];
     const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(n) + eps);
     i0 = 0;
+    if constexpr (!std::is_same_v<T, W>) {  // (T bf16, W float32: the scale)
+#ifdef PAGELLM_AVX512_BF16
+        const __m512 vinv = _mm512_set1_ps(inv);
+        for (; i0 + 16 <= n; i0 += 16)
+            store_bf16x16(o + i0, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(h + i0), vinv), _mm512_loadu_ps(weight + i0)));
+#endif
+        for (int64_t i = i0; i < n; ++i) Elem<T>::store(o, i, h[i] * inv * weight[i]);
+        return;
+    } else {
 #ifdef PAGELLM_AVX512_BF16
     if constexpr (std::is_same_v<T, uint16_t>) {
         const __m512 vinv = _mm512_set1_ps(inv);
@@ -115,25 +126,27 @@ inline void norm_row(const T* xr, T* rr, const T* weight, T* o, int64_t n, float
         Elem<T>::store(&normed, 0, h[i] * inv);
         Elem<T>::store(o, i, Elem<T>::load(weight, i) * Elem<T>::load(&normed, 0));
     }
+    }
 }
 
 // Per row of n elements (rows n apart): norm_row.
-template <typename T>
-void add_rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t n, float eps,
+template <typename T, typename W = T>
+void add_rms_norm(const T* x, T* residual, const W* weight, T* out, int64_t rows, int64_t n, float eps,
                   int num_threads) {
 #pragma omp parallel num_threads(num_threads) if (rows >= kMinParallelRows)
     {
         std::vector<float> h(static_cast<size_t>(n));
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r)
-            norm_row(x + r * n, residual != nullptr ? residual + r * n : nullptr, weight, out + r * n, n, eps, h.data());
+            norm_row<T, W>(x + r * n, residual != nullptr ? residual + r * n : nullptr, weight, out + r * n, n, eps,
+                           h.data());
     }
 }
 
 // In place on each of `heads` heads (head_dim apart) of each of `tokens` rows (row_stride
 // apart): norm_row with one weight for every head (Qwen3's per-head q and k norms).
-template <typename T>
-void head_rms_norm(T* x, int64_t row_stride, int64_t tokens, int64_t heads, int64_t head_dim, const T* weight,
+template <typename T, typename W = T>
+void head_rms_norm(T* x, int64_t row_stride, int64_t tokens, int64_t heads, int64_t head_dim, const W* weight,
                    float eps, int num_threads) {
     const int64_t rows = tokens * heads;
 #pragma omp parallel num_threads(num_threads) if (rows >= kMinParallelRows)
@@ -142,7 +155,7 @@ void head_rms_norm(T* x, int64_t row_stride, int64_t tokens, int64_t heads, int6
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r) {
             T* row = x + (r / heads) * row_stride + (r % heads) * head_dim;
-            norm_row<T>(row, nullptr, weight, row, head_dim, eps, h.data());
+            norm_row<T, W>(row, nullptr, weight, row, head_dim, eps, h.data());
         }
     }
 }
@@ -277,7 +290,7 @@ void apply_token_bitmask(T* logits, int64_t row_stride, int64_t rows, int64_t n,
 
 extern "C" {
 
-int pagellm_abi_version() { return 26; }
+int pagellm_abi_version() { return 27; }
 
 // key_cache[slot_mapping[t]] = key[t] (num_kv_heads rows of head_dim values), same for V.
 // dtype: 0 float32, 1 bfloat16, 2 bfloat16 K/V stored into an fp8 (e4m3) cache, 3 bfloat16 and
@@ -297,11 +310,16 @@ int pagellm_write_kv(const void* key, int64_t key_row_stride, const void* value,
     return with_cache_types(dtype, run) ? 0 : -1;
 }
 
-// residual (if not null) += x; out = rms_norm(residual or x) * weight, per row of n elements.
+// residual (if not null) += x; out = rms_norm(residual or x) * weight, per row of n elements
+// (weight_f32: a bf16 row's weight is a float32 scale, norm_row's second form).
 int pagellm_add_rms_norm(const void* x, void* residual, const void* weight, void* out, int64_t rows, int64_t n,
-                         float eps, int dtype, int num_threads) {
+                         float eps, int dtype, int num_threads, int weight_f32) {
     if (num_threads < 1) num_threads = 1;
-    if (dtype == 0) {
+    if (dtype == 1 && weight_f32) {
+        add_rms_norm<uint16_t, float>(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(residual),
+                                      static_cast<const float*>(weight), static_cast<uint16_t*>(out), rows, n, eps,
+                                      num_threads);
+    } else if (dtype == 0) {
         add_rms_norm<float>(static_cast<const float*>(x), static_cast<float*>(residual),
                             static_cast<const float*>(weight), static_cast<float*>(out), rows, n, eps, num_threads);
     } else if (dtype == 1) {
@@ -315,12 +333,15 @@ int pagellm_add_rms_norm(const void* x, void* residual, const void* weight, void
 }
 
 // In place: RMSNorm over each of the first `heads` heads of each of `tokens` rows (row_stride
-// elements apart), one weight [head_dim] for all.
+// elements apart), one weight [head_dim] for all (weight_f32: as pagellm_add_rms_norm's).
 int pagellm_head_rms_norm(void* x, int64_t row_stride, int64_t tokens, int64_t heads, int64_t head_dim,
-                          const void* weight, float eps, int dtype, int num_threads) {
+                          const void* weight, float eps, int dtype, int num_threads, int weight_f32) {
     if (num_threads < 1) num_threads = 1;
     if (head_dim <= 0 || heads < 0 || tokens < 0 || row_stride < heads * head_dim) return -1;
-    if (dtype == 0) {
+    if (dtype == 1 && weight_f32) {
+        head_rms_norm<uint16_t, float>(static_cast<uint16_t*>(x), row_stride, tokens, heads, head_dim,
+                                       static_cast<const float*>(weight), eps, num_threads);
+    } else if (dtype == 0) {
         head_rms_norm<float>(static_cast<float*>(x), row_stride, tokens, heads, head_dim,
                              static_cast<const float*>(weight), eps, num_threads);
     } else if (dtype == 1) {

@@ -1,0 +1,79 @@
+"""A gated delta-net layer's decode step on the C++ kernel (csrc/scan.cpp) against the module's
+PyTorch path: the same output rows and the same states left in the slots, float32 and bf16,
+value heads grouped (HF) and tiled (llama.cpp's files), a request starting afresh among them."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from pagellm import kernels
+from pagellm.attention.backend import AttentionMetadata
+from pagellm.model.delta_net import GatedDeltaNet
+from pagellm.model.scan_shapes import DeltaNetShape
+from pagellm.model.scan_state import ScanState
+
+KERNELS = kernels.default()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="CPU kernels not built here")
+
+HIDDEN, SLOTS = 48, 5
+
+
+def decode_metadata(slots: list[int], seq_lens: list[int]) -> AttentionMetadata:
+    """One decode token each (a seq_len of 1: a request starting at position 0)."""
+    n = len(slots)
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(n, dtype=torch.long), block_tables=torch.zeros(n, 1, dtype=torch.long),
+        query_lens=[1] * n, seq_lens=seq_lens, query_start_loc=torch.arange(n + 1), seq_lens_tensor=torch.tensor(seq_lens),
+        block_size=16, state_slots=slots,
+    )  # fmt: skip
+
+
+def modules(shape: DeltaNetShape, dtype: torch.dtype) -> tuple[GatedDeltaNet, GatedDeltaNet]:
+    """(the PyTorch path, the kernel path) with the same random weights."""
+    torch.manual_seed(0)
+    reference = GatedDeltaNet(shape, HIDDEN, 1e-6, None)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.copy_(torch.randn_like(p) * 0.5)
+        reference.A_log.copy_(torch.rand(shape.num_value_heads) - 1.0)
+    reference = reference.to(dtype)
+    fast = copy.deepcopy(reference)
+    fast.kernels = KERNELS
+    return reference, fast
+
+
+def states(shape: DeltaNetShape, dtype: torch.dtype) -> ScanState:
+    conv, ssm = shape.state_shapes()
+    g = torch.Generator().manual_seed(1)
+    return ScanState((torch.randn(SLOTS, *conv, generator=g)).to(dtype), torch.randn(SLOTS, *ssm, generator=g) * 0.3)
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_kernels_decode_step_equals_the_modules(dtype: torch.dtype, tiled: bool) -> None:
+    shape = DeltaNetShape(num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=32, conv_kernel=4,
+                          tiled_value_heads=tiled)  # fmt: skip
+    reference, fast = modules(shape, dtype)
+    expected_state, state = states(shape, dtype), states(shape, dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    for step in range(3):  # (the states carried from step to step)
+        hidden = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(10 + step)).to(dtype)
+        seq_lens = [9 + step, 1 if step == 0 else 1 + step, 4 + step]  # the second request starts afresh
+        expected = reference(hidden, expected_state, decode_metadata([4, 0, 2], seq_lens))
+        out = fast(hidden, state, decode_metadata([4, 0, 2], seq_lens))
+        torch.testing.assert_close(out, expected, **tol)
+        if dtype == torch.bfloat16:  # (the kernel rounds where the tensor ops do: float32 sums aside, bit-equal)
+            assert (out != expected).float().mean() < 0.01
+        torch.testing.assert_close(state.ssm, expected_state.ssm, atol=1e-5, rtol=1e-4)
+        assert torch.equal(state.conv, expected_state.conv)  # (the window moved on by the same inputs)
+    assert torch.equal(state.ssm[[1, 3]], expected_state.ssm[[1, 3]])  # other slots untouched
+
+
+def test_the_kernel_refuses_rows_or_slots_out_of_range() -> None:
+    shape = DeltaNetShape(num_key_heads=1, num_value_heads=2, key_head_dim=8, value_head_dim=8, conv_kernel=3)
+    _, fast = modules(shape, torch.float32)
+    with pytest.raises(ValueError, match="rows and slots must index"):
+        fast(torch.randn(1, HIDDEN), states(shape, torch.float32), decode_metadata([SLOTS], [3]))
