@@ -85,14 +85,24 @@ class RecurrentStates:
         return self.snapshots.chunk_end(start, start + num_new, seq.num_prompt_tokens, seq.state_junction) - start
 
     def scheduled(self, seq: Sequence, end: int, step: int) -> None:
-        """``seq`` computes up to ``end`` tokens this step: keep the state it then has where that is a point."""
-        snapshots = self.snapshots
-        if snapshots is None or seq.state_slot is None or \
-                not snapshots.is_point(end, seq.num_prompt_tokens, seq.state_junction):  # fmt: skip
+        """``seq`` computes up to ``end`` tokens this step: keep the state it then has where that
+        is a point, or the end of a block its answer filled (replacing its last such state)."""
+        snapshots, block_size = self.snapshots, self._manager.block_size
+        if snapshots is None or seq.state_slot is None:
+            return
+        point = snapshots.is_point(end, seq.num_prompt_tokens, seq.state_junction)
+        answer = end > seq.num_prompt_tokens and end % block_size == 0
+        if not (point or answer):
             return
         self._manager.update_block_hashes(seq)
-        index = end // self._manager.block_size - 1
-        if index < len(seq.block_hashes):
-            row = snapshots.reserve(seq.block_hashes[index], step)
-            if row is not None:
-                self._saves.append((seq.state_slot, row))
+        index = end // block_size - 1
+        if index >= len(seq.block_hashes):
+            return
+        block_hash = seq.block_hashes[index]
+        row = snapshots.reserve(block_hash, step)
+        if row is not None:
+            self._saves.append((seq.state_slot, row))
+        if answer:  # (the last answer-block state goes; one at a point stays as a point's)
+            if seq.answer_snapshot is not None:
+                snapshots.drop(seq.answer_snapshot)
+            seq.answer_snapshot = None if point else block_hash

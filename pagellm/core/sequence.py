@@ -92,6 +92,8 @@ class Sequence:
     # beyond the last state kept for them (0: nowhere), a point its state is kept at
     # (``state_snapshots.py``: the next request with that prefix resumes there).
     state_junction: int = 0
+    # The state kept after the last block its answer filled (replaced by the next one's).
+    answer_snapshot: int | None = None
     # The LoRA adapter it runs with (None: the base model); its KV is its own (the prefix cache
     # keys its blocks by the adapter too). ``lora_hinted``: the worker has been told to read it
     # ahead while the sequence waits for a slot.

@@ -13,7 +13,9 @@ kept. They are kept sparsely:
   ones end, past the last state kept for them (a system prompt shared by different questions:
   the second request keeps the state at its end, the third resumes there). The scheduler ends
   a request's chunk there (:meth:`chunk_end`), and the worker copies the request's state slot
-  into a snapshot row after that step's forward;
+  into a snapshot row after that step's forward. While a request decodes, the state after each
+  block its answer fills is kept too, each replacing the last (the next turn of a conversation
+  resumes after the answer, not only after the prompt: at most one such row a request);
 - in ``num_rows`` rows after the state slots (the worker's state tensors' rows ``first_row``
   onwards), keyed by the prefix hash of the block they end: the hash names every token before
   it, so a snapshot stays right for as long as it is kept, whatever becomes of that block; the
@@ -72,6 +74,12 @@ class StateSnapshots:
                 self._kept.move_to_end(block_hashes[num - 1])
                 return num, kept[0]
         return 0, None
+
+    def drop(self, block_hash: BlockHash) -> None:
+        """Forget the state ending ``block_hash``'s block (its row free again), if kept."""
+        kept = self._kept.pop(block_hash, None)
+        if kept is not None:
+            heapq.heappush(self._free, kept[0])
 
     def reserve(self, block_hash: BlockHash, step: int) -> int | None:
         """The row the state ending ``block_hash``'s block is saved into by step ``step`` (a free

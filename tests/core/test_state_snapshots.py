@@ -113,3 +113,20 @@ def test_a_request_sharing_more_cached_blocks_than_states_kept_keeps_the_state_a
     s.add_sequence(_request("c", question[:13] + [9] * 6, max_tokens=1))
     step = schedule(s)
     assert step.out.state_loads == [(4, 0)] and s.sequences["c"].num_cached_tokens == 12
+
+
+def test_a_decoding_request_keeps_the_state_after_its_answers_last_block_only():
+    """Blocks of 4, grid 8: a 5-token prompt (its last block point: 4) decoding to 17 tokens
+    keeps the states after 4 and 8 (points), and after 12 then 16 (its answer's blocks: 16
+    replaces 12; 16 is a grid point too, so it stays)."""
+    s = _scheduler(rows=8)
+    s.add_sequence(_request("a", list(range(100, 105)), max_tokens=13))
+    saves = []
+    while s.has_unfinished_sequences():
+        step = schedule(s)
+        if step.out.state_saves:
+            saves += [(r.start_position + r.num_tokens, step.out.state_saves) for r in step.out.scheduled]
+        update(s, step)
+    assert saves == [(4, [(0, 2)]), (8, [(0, 3)]), (12, [(0, 4)]), (16, [(0, 5)])]
+    snaps = s.states.snapshots
+    assert len(snaps) == 3 and snaps.reserve(("next",), step=99) == 4  # (12's row given back when 16 was kept)

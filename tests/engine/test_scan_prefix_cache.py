@@ -47,10 +47,11 @@ def test_a_prompt_again_and_one_sharing_its_blocks_resume_from_its_last_full_blo
 
 
 def test_the_next_turn_of_a_conversation_resumes_after_the_last_answer(engines) -> None:
-    """The state after 16 tokens was kept while the first answer was decoded (a grid point)."""
+    """The 13-token prompt's 8-token answer: 20 tokens computed, the state after the last block
+    it filled (20) kept while it was decoded; the next turn resumes there."""
     first = list(range(2000, 2013))
     answer = check(engines, [first], [0])[0]
-    check(engines, [first + answer + [5003, 5004]], [16])
+    check(engines, [first + answer + [5003, 5004]], [20])
 
 
 def test_a_state_kept_by_a_step_is_read_from_the_next_one_on(engines) -> None:

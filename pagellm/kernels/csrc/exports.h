@@ -24,8 +24,9 @@ struct PagellmLoRALinear {
 int pagellm_add_rms_norm(const void* x, void* residual, const void* weight, void* out, int64_t rows, int64_t n,
                          float eps, int dtype, int num_threads, int weight_f32);
 int pagellm_delta_net_decode(const void* proj, int64_t proj_stride, int64_t num_rows, const int64_t* rows,
-                             const int64_t* slots, int64_t num_slots, const uint8_t* fresh, int64_t n, void* conv_state, const void* conv_weight,
-                             int64_t conv_dim, int64_t taps, float* ssm, const float* neg_a, const float* dt_bias,
+                             const int64_t* slots, int64_t num_slots, const uint8_t* fresh, int64_t n,
+                             void* conv_state, const void* conv_weight, int64_t conv_dim, int64_t taps, float* ssm,
+                             const float* neg_a, const float* dt_bias,
                              const void* norm_weight, float eps, int64_t key_heads, int64_t value_heads,
                              int64_t key_dim, int64_t value_dim, int tiled, void* out, int64_t out_stride, int dtype,
                              int num_threads);

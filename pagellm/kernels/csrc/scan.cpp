@@ -146,13 +146,15 @@ void delta_net_decode(const T* proj, int64_t proj_stride, const int64_t* rows, c
 
 // A gated delta-net layer's n decode tokens (delta_net.py's GatedDeltaNet, see above): rows[r] is
 // token r's row of proj (the fused input projection: q, k, v | z | b | a) and of out (value heads
-// x value_dim; num_rows of each), slots[r] its request's state slot (of num_slots) (its row of conv_state [slots, taps - 1,
-// conv_dim] and of ssm [slots, value_heads, key_dim, value_dim], float32), fresh[r] (or null) a
-// request starting at position 0 (from zeros). neg_a = -exp(A_log) and dt_bias are float32 [value
-// heads]; conv_weight [conv_dim, taps] and norm_weight [value_dim] of the dtype (0 float32, 1 bf16).
+// x value_dim; num_rows of each), slots[r] its request's state slot (of num_slots: its row of
+// conv_state [slots, taps - 1, conv_dim] and of ssm [slots, value_heads, key_dim, value_dim],
+// float32), fresh[r] (or null) a request starting at position 0 (from zeros). neg_a = -exp(A_log)
+// and dt_bias are float32 [value heads]; conv_weight [conv_dim, taps] and norm_weight [value_dim]
+// of the dtype (0 float32, 1 bf16).
 int pagellm_delta_net_decode(const void* proj, int64_t proj_stride, int64_t num_rows, const int64_t* rows,
-                             const int64_t* slots, int64_t num_slots, const uint8_t* fresh, int64_t n, void* conv_state, const void* conv_weight,
-                             int64_t conv_dim, int64_t taps, float* ssm, const float* neg_a, const float* dt_bias,
+                             const int64_t* slots, int64_t num_slots, const uint8_t* fresh, int64_t n,
+                             void* conv_state, const void* conv_weight, int64_t conv_dim, int64_t taps, float* ssm,
+                             const float* neg_a, const float* dt_bias,
                              const void* norm_weight, float eps, int64_t key_heads, int64_t value_heads,
                              int64_t key_dim, int64_t value_dim, int tiled, void* out, int64_t out_stride, int dtype,
                              int num_threads) {
