@@ -5,7 +5,7 @@ docs/engine.md). Issue 37's target: the repeat >= 5x faster.
 
     python benchmarks/hybrid_prefix_cache.py [--prompt-tokens 2048] [--repeats 3] [--hidden 512]
         [--layers 8] [--model PATH] [--second repeat|shared|turn] [--suffix-tokens 64]
-        [--output-json FILE]
+        [--answer-tokens 64] [--num-threads N] [--output-json FILE]
 
 Without ``--model`` it writes a random-weight LFM2 of the given width (layers alternate two
 convolutions and one attention layer, as LFM2's). Per round, a fresh prompt of ``--prompt-tokens``
@@ -14,8 +14,8 @@ twice: first under a fresh ``cache_salt`` (no hit: every token computed), then f
 The second (``--second``): ``repeat`` the same prompt; ``shared`` its first ``prompt-tokens -
 suffix-tokens`` ids and ``--suffix-tokens`` new ones (a system prompt shared by different
 questions; one more question comes before it, untimed: the first to share the prefix keeps the
-state where it ends, the later ones resume there); ``turn`` the whole prompt, its 16-token answer and ``--suffix-tokens`` new ids (a
-conversation's next turn). Prints a table and the medians as JSON.
+state where it ends, the later ones resume there); ``turn`` the whole prompt, its answer
+(``--answer-tokens``) and ``--suffix-tokens`` new ids (a conversation's next turn). Prints a table and the medians as JSON.
 """
 
 from __future__ import annotations
@@ -63,10 +63,11 @@ def main() -> None:
     parser.add_argument("--model", help="a model to serve instead of the random LFM2 (a folder or a GGUF file)")
     parser.add_argument("--second", choices=("repeat", "shared", "turn"), default="repeat")
     parser.add_argument("--suffix-tokens", type=int, default=64)
+    parser.add_argument("--answer-tokens", type=int, default=64, help="turn: the first answer's tokens")
     parser.add_argument("--num-threads", type=int)
     parser.add_argument("--output-json", type=Path)
     args = parser.parse_args()
-    context = 2 * args.prompt_tokens + args.suffix_tokens + 64
+    context = 2 * args.prompt_tokens + args.suffix_tokens + args.answer_tokens + 64
     with tempfile.TemporaryDirectory() as folder:
         path = args.model or write_model(Path(folder), args.hidden, args.layers, context)
         llm = LLM(path, dtype="bfloat16", max_model_len=context, max_num_batched_tokens=512,
@@ -97,7 +98,8 @@ def _rounds(llm: LLM, args: argparse.Namespace) -> tuple[list[list[float]], list
     for round_ in range(args.repeats + 1):  # (round 0 warms up)
         ids = torch.randint(100, 20000, (args.prompt_tokens,), generator=generator).tolist()
         suffix = torch.randint(100, 20000, (args.suffix_tokens,), generator=generator).tolist()
-        answer = SamplingParams(max_tokens=16 if args.second == "turn" else 1, temperature=0, ignore_eos=True)
+        answer = SamplingParams(max_tokens=args.answer_tokens if args.second == "turn" else 1, temperature=0,
+                                ignore_eos=True)  # fmt: skip
         out = llm.generate([{"prompt_token_ids": ids}], answer, use_tqdm=False)  # (what the cache then holds)
         if args.second == "shared":  # a question before: it keeps the state where the shared prefix ends
             other = torch.randint(100, 20000, (args.suffix_tokens,), generator=generator).tolist()

@@ -150,6 +150,10 @@ _SIGNATURES: dict[str, tuple[type, list[type]]] = {
     "pagellm_add_rms_norm": (_I32, [_P, _P, _P, _P, _I64, _I64, _F32, _I32, _I32, _I32]),
     "pagellm_head_rms_norm": (_I32, [_P, _I64, _I64, _I64, _I64, _P, _F32, _I32, _I32, _I32]),
     "pagellm_rotary": (_I32, [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I32, _I32]),
+    "pagellm_mamba2_decode": (
+        _I32, [_P, _I64, _I64, _P, _P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _P, _P, _P, _P, _F32, _F32, _P, _F32, _I64,
+               _I64, _I64, _I64, _P, _I64, _I32, _I32],
+    ),
     "pagellm_delta_net_decode": (
         _I32, [_P, _I64, _I64, _P, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _P, _P, _P, _P, _F32, _I64, _I64, _I64, _I64,
                _I32, _P, _I64, _I32, _I32],

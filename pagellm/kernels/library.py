@@ -31,6 +31,7 @@ from pagellm.kernels.packing import (
     avx2_packed_shape,
     gemm_epilogue,
 )
+from pagellm.kernels.scan_calls import ScanKernels
 from pagellm.kernels.quant_formats import (
     AMX_FORMATS, BLOCK, FORMAT_CODES, QUANT_TILES, SUPER_BLOCKS, SUPER_FORMATS, TILE_COLS, checked_gguf_rows, packed_shape,
 )
@@ -56,6 +57,7 @@ class KernelLibrary:
         self.gemm_q_built = GEMM_Q_PATHS[lib.pagellm_gemm_q_isa()]
         self.gemm_q_path = self.gemm_q_built if lib.pagellm_gemm_q_runs_here() else "none"
         self.gemm_q_amx_available = bool(lib.pagellm_gemm_q_amx_available())  # the same GEMM on AMX tiles
+        self.scan = ScanKernels(lib)  # the scan layers' decode calls
 
     def __repr__(self) -> str:
         return f"KernelLibrary({' '.join(self.march)})"
@@ -185,44 +187,6 @@ class KernelLibrary:
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"pagellm_head_rms_norm failed with code {rc}")
-
-    def delta_net_decode(
-        self, proj: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor | None,
-        conv: torch.Tensor, conv_weight: torch.Tensor, ssm: torch.Tensor, neg_a: torch.Tensor, dt_bias: torch.Tensor,
-        norm_weight: torch.Tensor, eps: float, key_heads: int, tiled: bool, out: torch.Tensor,
-    ) -> None:
-        """A gated delta-net layer's decode tokens (``csrc/scan.cpp``): ``proj`` [T, conv_dim +
-        2 value heads + value_size] the fused input projection's rows, ``rows`` / ``slots`` [n]
-        int64 each token's row and state slot (``fresh`` [n] bool: from zeros; or None); the
-        slots' rows of ``conv`` [slots, taps - 1, conv_dim] and ``ssm`` [slots, value heads,
-        key_dim, value_dim] (float32) advanced; ``out`` [T, value_size] written at ``rows``.
-        ``neg_a`` = -exp(A_log), ``dt_bias`` float32 [value heads]; ``conv_weight`` [conv_dim, 1,
-        taps], ``norm_weight`` [value_dim]."""
-        dtype, (num_slots, heads, key_dim, value_dim), (taps, conv_dim) = proj.dtype, ssm.shape, conv.shape[1:]
-        n = rows.numel()
-        if dtype not in DTYPE_CODES or ssm.dtype != torch.float32 or not ssm.is_contiguous():
-            raise ValueError("proj must be float32 / bfloat16 and ssm a contiguous float32 tensor")
-        check_rows("proj", proj, (conv_dim + value_dim * heads + 2 * heads,), dtype)
-        check_rows("out", out, (heads * value_dim,), dtype)
-        for name, t, shape, of in (("conv", conv, (num_slots, taps, conv_dim), dtype),
-                                   ("conv_weight", conv_weight, (conv_dim, 1, taps + 1), dtype),
-                                   ("norm_weight", norm_weight, (value_dim,), dtype), ("neg_a", neg_a, (heads,), torch.float32),
-                                   ("dt_bias", dt_bias, (heads,), torch.float32), ("rows", rows, (n,), torch.int64),
-                                   ("slots", slots, (n,), torch.int64)):  # fmt: skip
-            if tuple(t.shape) != shape or t.dtype != of or not t.is_contiguous():
-                raise ValueError(f"{name} must be a contiguous {of} tensor of shape {list(shape)}")
-        if fresh is not None and (fresh.dtype != torch.bool or fresh.shape != (n,) or not fresh.is_contiguous()):
-            raise ValueError(f"fresh must be a contiguous bool tensor of shape [{n}]")
-        rc = self._lib.pagellm_delta_net_decode(
-            proj.data_ptr(), proj.stride(0), min(len(proj), len(out)), rows.data_ptr(), slots.data_ptr(), num_slots,
-            None if fresh is None else fresh.data_ptr(), n, conv.data_ptr(), conv_weight.data_ptr(), conv_dim, taps + 1, ssm.data_ptr(), neg_a.data_ptr(),
-            dt_bias.data_ptr(), norm_weight.data_ptr(), float(eps), key_heads, heads, key_dim, value_dim, int(tiled),
-            out.data_ptr(), out.stride(0), DTYPE_CODES[dtype], torch.get_num_threads(),
-        )  # fmt: skip
-        if rc != 0:
-            raise ValueError(f"pagellm_delta_net_decode refused its arguments (code {rc}): rows and slots must index "
-                             f"proj / out and the {num_slots} state slots; {heads} value heads a multiple of {key_heads} "
-                             f"key heads, conv_dim {conv_dim}")  # fmt: skip
 
     def rotary_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotate ``x`` ([T, heads, D], row-contiguous heads, any row stride) in place by ``cos``/``sin``

@@ -29,6 +29,7 @@ from torch import nn
 
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.kernels.plan import KernelPlan
+from pagellm.model.derived_params import DerivedParams
 from pagellm.model.quant_linear import linear_for_plan
 from pagellm.model.scan_shapes import DeltaNetShape
 from pagellm.model.scan_state import ScanPlan, ScanState, scan_plan
@@ -107,7 +108,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(shape.num_value_heads))
         self.norm = GatedHeadNorm(shape.value_head_dim, norm_eps)
         self.kernels = plan.library("scan") if plan is not None else None
-        self._decay: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None  # (key, -exp(A_log), dt_bias)
+        self._decay = DerivedParams()  # -exp(A_log), dt_bias: float32
 
     def _parts(self) -> tuple[int, int, int, int]:
         """Rows of ``in_proj``: q/k/v, the output gate z, b (beta) and a (the decay's step)."""
@@ -142,15 +143,14 @@ class GatedDeltaNet(nn.Module):
     def _decode_on_kernel(self, proj: torch.Tensor, state: ScanState, plan: ScanPlan) -> torch.Tensor:
         """A step of decode tokens only, from the input projection's rows to the output
         projection's input [T, value_size], on the kernel."""
-        key = (self.A_log.data_ptr(), self.A_log._version, self.dt_bias.data_ptr(), self.dt_bias._version)
-        if self._decay is None or self._decay[0] != key:  # (taken again where the weights are loaded again)
-            self._decay = key, -torch.exp(self.A_log.detach().float()), self.dt_bias.detach().float().contiguous()
+        neg_a, dt_bias = self._decay.get(
+            (self.A_log, self.dt_bias), lambda: (-torch.exp(self.A_log.float()), self.dt_bias.float())
+        )
         out = proj.new_empty(proj.shape[0], self.shape.value_size)
         assert self.kernels is not None
-        self.kernels.delta_net_decode(
+        self.kernels.scan.delta_net_decode(
             proj, plan.decode_index, plan.decode_slots, plan.decode_fresh, state.conv, self.conv_weight, state.ssm,
-            self._decay[1], self._decay[2], self.norm.weight, self.norm.eps, self.shape.num_key_heads,
-            self.shape.tiled_value_heads, out,
+            neg_a, dt_bias, self.norm.weight, self.norm.eps, self.shape.num_key_heads, self.shape.tiled_value_heads, out,
         )  # fmt: skip
         return out
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.kernels import KernelLibrary, supports_dtype
+from pagellm.model.derived_params import DerivedParams
 
 SUPPORTED_ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "longrope", "yarn")
 
@@ -77,7 +78,7 @@ class UnitOffsetRMSNorm(RMSNorm):
 
     def __init__(self, hidden_size: int, eps: float, lib: KernelLibrary | None = None) -> None:
         super().__init__(hidden_size, eps, lib)
-        self._scale: tuple[tuple[int, int], torch.Tensor] | None = None  # ((weight's storage, version), 1 + weight)
+        self._scale = DerivedParams()  # 1 + weight, float32
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -86,10 +87,7 @@ class UnitOffsetRMSNorm(RMSNorm):
 
     def _kernel_weight(self) -> torch.Tensor:
         """``1 + weight`` in float32, taken again whenever the weight is loaded or replaced."""
-        key = (self.weight.data_ptr(), self.weight._version)
-        if self._scale is None or self._scale[0] != key:
-            self._scale = key, (1.0 + self.weight.detach().float()).contiguous()
-        return self._scale[1]
+        return self._scale.get((self.weight,), lambda: (1.0 + self.weight.float(),))[0]
 
 
 def make_rms_norm(hidden_size: int, eps: float, unit_offset: bool, lib: KernelLibrary | None) -> RMSNorm:

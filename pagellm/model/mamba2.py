@@ -18,8 +18,10 @@ a chunk, the outputs as a masked, decayed product of C and B, like attention's s
 chunks, the state), a chunk of up to ``chunk_size`` tokens at a time. The state is float32.
 
 Unlike a short convolution's few inputs, this state (heads x head_dim x state_size floats, a few
-megabytes a layer at real sizes) is not kept at every KV block's end, so a model with Mamba-2
-layers runs without the prefix cache (``ModelArchConfig.snapshots_states_per_block``).
+megabytes a layer at real sizes) is not kept at every KV block's end: the prefix cache keeps
+copies sparsely (``core/state_snapshots.py``). With the plan's ``scan="kernel"``, a step of
+decode tokens only runs from the input projection's rows to the output projection's in one C++
+call (``csrc/scan.cpp``), rounding as these tensor ops do.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch import nn
 
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.kernels.plan import KernelPlan
+from pagellm.model.derived_params import DerivedParams
 from pagellm.model.quant_linear import linear_for_plan
 from pagellm.model.scan_shapes import MambaShape
 from pagellm.model.scan_state import ScanPlan, ScanState, scan_plan
@@ -94,17 +97,39 @@ class Mamba2Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.empty(shape.num_heads))
         self.D = nn.Parameter(torch.empty(shape.num_heads))
         self.norm = GatedRMSNorm(shape.inner_size, shape.num_groups, norm_eps)
+        self.kernels = plan.library("scan") if plan is not None else None
+        self._floats = DerivedParams()  # -exp(A_log), dt_bias, D: float32
 
     def forward(self, hidden: torch.Tensor, state: ScanState, metadata: AttentionMetadata) -> torch.Tensor:
         """``hidden`` [T, hidden] -> [T, hidden]; each request's state slot is read and left
         holding its state after its last token this step."""
         shape = self.shape
-        gate, xbc, dt = self.in_proj(hidden).split([shape.inner_size, shape.conv_dim, shape.num_heads], dim=-1)
+        proj = self.in_proj(hidden)
+        plan = scan_plan(metadata, hidden.device)
+        if self.kernels is not None and not plan.spans and proj.dtype == state.conv.dtype == self.conv_weight.dtype:
+            return self.out_proj(self._decode_on_kernel(proj, state, plan))
+        gate, xbc, dt = proj.split([shape.inner_size, shape.conv_dim, shape.num_heads], dim=-1)
         conv = conv_plan(metadata, shape.conv_kernel, hidden.device)
         xbc, _ = convolve(xbc, state.conv, conv, self.conv_weight, self.conv_bias)
         x, b, c = F.silu(xbc).split([shape.inner_size, *(2 * [shape.num_groups * shape.state_size])], dim=-1)
-        y = self._scan(x, b, c, dt, state.ssm, scan_plan(metadata, hidden.device))
+        y = self._scan(x, b, c, dt, state.ssm, plan)
         return self.out_proj(self.norm(y, gate).to(hidden.dtype))
+
+    def _decode_on_kernel(self, proj: torch.Tensor, state: ScanState, plan: ScanPlan) -> torch.Tensor:
+        """A step of decode tokens only, from the input projection's rows to the output
+        projection's input [T, inner], on the kernel."""
+        shape = self.shape
+        neg_a, dt_bias, d = self._floats.get(
+            (self.A_log, self.dt_bias, self.D), lambda: (-torch.exp(self.A_log.float()), self.dt_bias.float(), self.D.float())
+        )
+        out = proj.new_empty(proj.shape[0], shape.inner_size)
+        assert self.kernels is not None
+        self.kernels.scan.mamba2_decode(
+            proj, plan.decode_index, plan.decode_slots, plan.decode_fresh, state.conv, self.conv_weight, self.conv_bias,
+            state.ssm, neg_a, dt_bias, d, (shape.dt_min, shape.dt_max), self.norm.weight, self.norm.eps,
+            shape.num_groups, out,
+        )  # fmt: skip
+        return out
 
     def _scan(
         self, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor, ssm: torch.Tensor, plan: ScanPlan

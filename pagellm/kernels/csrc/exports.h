@@ -30,6 +30,12 @@ int pagellm_delta_net_decode(const void* proj, int64_t proj_stride, int64_t num_
                              const void* norm_weight, float eps, int64_t key_heads, int64_t value_heads,
                              int64_t key_dim, int64_t value_dim, int tiled, void* out, int64_t out_stride, int dtype,
                              int num_threads);
+int pagellm_mamba2_decode(const void* proj, int64_t proj_stride, int64_t num_rows, const int64_t* rows,
+                          const int64_t* slots, int64_t num_slots, const uint8_t* fresh, int64_t n, void* conv_state,
+                          const void* conv_weight, const void* conv_bias, int64_t conv_dim, int64_t taps, float* ssm,
+                          const float* neg_a, const float* dt_bias, const float* d, float dt_min, float dt_max,
+                          const void* norm_weight, float eps, int64_t heads, int64_t head_dim, int64_t state_size,
+                          int64_t groups, void* out, int64_t out_stride, int dtype, int num_threads);
 int pagellm_head_rms_norm(void* x, int64_t row_stride, int64_t tokens, int64_t heads, int64_t head_dim,
                           const void* weight, float eps, int dtype, int num_threads, int weight_f32);
 int pagellm_gemm_q(const void* a, int64_t lda, int64_t m, int64_t k, const void* packed, int64_t n, void* c,

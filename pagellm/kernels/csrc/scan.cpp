@@ -1,9 +1,11 @@
-// A gated delta-net layer's decode tokens in one call (pagellm/model/delta_net.py): from the row
-// its fused input projection made to the row its output projection takes, each token's request
-// advancing its state slot. The convolution, SiLU, L2 norms, decay and delta-rule update, the
-// read by q and the gated per-head norm, rounded where the module's tensor ops round (to the
-// model's dtype T after the convolution, the SiLU, the scan and the norm's two products;
-// everything between in float32), so that it gives what the PyTorch path gives.
+// A scan layer's decode tokens in one call, from the row its input projection made to the row its
+// output projection takes, each token's request advancing its state slot: a gated delta-net's
+// (pagellm/model/delta_net.py: the convolution, SiLU, L2 norms, decay and delta-rule update, the
+// read by q and the gated per-head norm) and Mamba-2's (pagellm/model/mamba2.py: the convolution,
+// SiLU, time step, decay and update, the read by C, the skip by D and the gated group norm).
+// Each rounds where its module's tensor ops round (to the model's dtype T after the convolution
+// and the SiLU, and where the module casts; everything between in float32), so that it gives
+// what the PyTorch path gives.
 
 #include <cmath>
 #include <vector>
@@ -32,11 +34,12 @@ struct DeltaNetShape {
     }
 };
 
-// One token's convolution over its request's last inputs (zeros where `fresh`), then SiLU, into
-// act [conv_dim] (float32, values of T); the slot's window moves on by this token's inputs.
+// One token's convolution of C channels over its request's last K - 1 inputs (zeros where
+// `fresh`), plus a bias (or none), then SiLU, into act [C] (float32, values of T); the slot's
+// window moves on by this token's inputs.
 template <typename T>
-void convolve_token(const T* x, T* window, const T* weight, const DeltaNetShape& s, bool fresh, float* act) {
-    const int64_t C = s.conv_dim, K = s.taps;
+void convolve_token(const T* x, T* window, const T* weight, const T* bias, int64_t C, int64_t K, bool fresh,
+                    float* act) {
     if (fresh) {
         for (int64_t i = 0; i < (K - 1) * C; ++i) Elem<T>::store(window, i, 0.f);
     }
@@ -46,7 +49,9 @@ void convolve_token(const T* x, T* window, const T* weight, const DeltaNetShape&
             acc += rounded<T>(Elem<T>::load(window, j * C + c) * Elem<T>::load(weight, c * K + j));
         const float xc = Elem<T>::load(x, c);
         acc += rounded<T>(xc * Elem<T>::load(weight, c * K + K - 1));
-        act[c] = rounded<T>(silu(rounded<T>(acc)));
+        float y = rounded<T>(acc);
+        if (bias != nullptr) y = rounded<T>(y + Elem<T>::load(bias, c));
+        act[c] = rounded<T>(silu(y));
     }
     for (int64_t j = 0; j + 1 < K - 1; ++j)
         for (int64_t c = 0; c < C; ++c) window[j * C + c] = window[(j + 1) * C + c];
@@ -129,8 +134,8 @@ void delta_net_decode(const T* proj, int64_t proj_stride, const int64_t* rows, c
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < n; ++r)
-            convolve_token<T>(proj + rows[r] * proj_stride, conv_state + slots[r] * (s.taps - 1) * C, conv_weight, s,
-                              fresh != nullptr && fresh[r], act.data() + r * C);
+            convolve_token<T>(proj + rows[r] * proj_stride, conv_state + slots[r] * (s.taps - 1) * C, conv_weight,
+                              nullptr, C, s.taps, fresh != nullptr && fresh[r], act.data() + r * C);
         std::vector<float> scratch(static_cast<size_t>(2 * dk + 2 * dv));
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < n * H; ++w) {
@@ -138,6 +143,74 @@ void delta_net_decode(const T* proj, int64_t proj_stride, const int64_t* rows, c
             head_step<T>(act.data() + r * C, proj + rows[r] * proj_stride, ssm + (slots[r] * H + h) * dk * dv, s, h,
                          neg_a[h], dt_bias[h], norm_weight, eps, fresh != nullptr && fresh[r],
                          out + rows[r] * out_stride + h * dv, scratch.data());
+        }
+    }
+}
+
+struct MambaShape {
+    int64_t heads, head_dim, state_size, groups, conv_dim, taps;
+    float dt_min, dt_max;
+    int64_t inner() const { return heads * head_dim; }
+};
+
+// Head h of one Mamba-2 token: the state h [head_dim, state_size] decays by exp(dt a) and takes
+// dt x B^T; y = h C + D x into y [head_dim] (float32).
+inline void mamba_head_step(const float* act, float dt_raw, float* S, const MambaShape& s, int64_t h, float neg_a,
+                            float dt_bias, float d, bool fresh, float* y) {
+    const int64_t P = s.head_dim, N = s.state_size, g = h / (s.heads / s.groups);
+    const float* x = act + h * P;
+    const float* b = act + s.inner() + g * N;
+    const float* c = act + s.inner() + s.groups * N + g * N;
+    const float dt = std::min(std::max(softplus(dt_raw + dt_bias), s.dt_min), s.dt_max);
+    const float decay = std::exp(dt * neg_a);
+    if (fresh) std::fill(S, S + P * N, 0.f);
+    for (int64_t p = 0; p < P; ++p) {
+        float* row = S + p * N;
+        const float in = dt * x[p];
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t n = 0; n < N; ++n) {
+            row[n] = row[n] * decay + in * b[n];
+            acc += row[n] * c[n];
+        }
+        y[p] = acc + d * x[p];
+    }
+}
+
+template <typename T>
+void mamba2_decode(const T* proj, int64_t proj_stride, const int64_t* rows, const int64_t* slots, const uint8_t* fresh,
+                   int64_t n, T* conv_state, const T* conv_weight, const T* conv_bias, float* ssm, const float* neg_a,
+                   const float* dt_bias, const float* d, const T* norm_weight, float eps, const MambaShape& s, T* out,
+                   int64_t out_stride, int num_threads) {
+    const int64_t C = s.conv_dim, I = s.inner(), H = s.heads, G = s.groups, P = s.head_dim;
+    std::vector<float> act(static_cast<size_t>(n * C)), y(static_cast<size_t>(n * I));
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; ++r)
+            convolve_token<T>(proj + rows[r] * proj_stride + I, conv_state + slots[r] * (s.taps - 1) * C, conv_weight,
+                              conv_bias, C, s.taps, fresh != nullptr && fresh[r], act.data() + r * C);
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < n * H; ++w) {
+            const int64_t r = w / H, h = w % H;
+            const float dt_raw = Elem<T>::load(proj + rows[r] * proj_stride, I + C + h);
+            mamba_head_step(act.data() + r * C, dt_raw, ssm + (slots[r] * H + h) * P * s.state_size, s, h, neg_a[h],
+                            dt_bias[h], d[h], fresh != nullptr && fresh[r], y.data() + r * I + h * P);
+        }
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < n * G; ++w) {  // gated by SiLU(gate), RMS-normed by group, scaled
+            const int64_t r = w / G, width = I / G, first = (w % G) * width;
+            const T* gate = proj + rows[r] * proj_stride;
+            float* yr = y.data() + r * I;
+            float sumsq = 0.f;
+            for (int64_t i = first; i < first + width; ++i) {
+                yr[i] *= silu(Elem<T>::load(gate, i));
+                sumsq += yr[i] * yr[i];
+            }
+            const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(width) + eps);
+            T* o = out + rows[r] * out_stride;
+            for (int64_t i = first; i < first + width; ++i)
+                Elem<T>::store(o, i, Elem<T>::load(norm_weight, i) * (yr[i] * inv));
         }
     }
 }
@@ -175,6 +248,41 @@ int pagellm_delta_net_decode(const void* proj, int64_t proj_stride, int64_t num_
                                    static_cast<uint16_t*>(conv_state), static_cast<const uint16_t*>(conv_weight), ssm,
                                    neg_a, dt_bias, static_cast<const uint16_t*>(norm_weight), eps, s,
                                    static_cast<uint16_t*>(out), out_stride, num_threads);
+    } else {
+        return -1;
+    }
+    return 0;
+}
+
+// A Mamba-2 layer's n decode tokens (mamba2.py's Mamba2Mixer, see above): rows, slots, fresh and
+// the states as pagellm_delta_net_decode's; proj's rows hold the gate [heads x head_dim], x / B / C
+// [conv_dim] and one time step a head; conv_bias may be null; neg_a = -exp(A_log), dt_bias and d
+// float32 [heads]; norm_weight [heads x head_dim] of the dtype; out [heads x head_dim] a row.
+int pagellm_mamba2_decode(const void* proj, int64_t proj_stride, int64_t num_rows, const int64_t* rows,
+                          const int64_t* slots, int64_t num_slots, const uint8_t* fresh, int64_t n, void* conv_state,
+                          const void* conv_weight, const void* conv_bias, int64_t conv_dim, int64_t taps, float* ssm,
+                          const float* neg_a, const float* dt_bias, const float* d, float dt_min, float dt_max,
+                          const void* norm_weight, float eps, int64_t heads, int64_t head_dim, int64_t state_size,
+                          int64_t groups, void* out, int64_t out_stride, int dtype, int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+    if (n < 0 || taps < 2 || groups < 1 || heads % groups != 0 || head_dim < 1 || state_size < 1 ||
+        conv_dim != heads * head_dim + 2 * groups * state_size)
+        return -1;
+    for (int64_t r = 0; r < n; ++r)
+        if (rows[r] < 0 || rows[r] >= num_rows || slots[r] < 0 || slots[r] >= num_slots) return -2;
+    const MambaShape s{heads, head_dim, state_size, groups, conv_dim, taps, dt_min, dt_max};
+    if (dtype == 0) {
+        mamba2_decode<float>(static_cast<const float*>(proj), proj_stride, rows, slots, fresh, n,
+                             static_cast<float*>(conv_state), static_cast<const float*>(conv_weight),
+                             static_cast<const float*>(conv_bias), ssm, neg_a, dt_bias, d,
+                             static_cast<const float*>(norm_weight), eps, s, static_cast<float*>(out), out_stride,
+                             num_threads);
+    } else if (dtype == 1) {
+        mamba2_decode<uint16_t>(static_cast<const uint16_t*>(proj), proj_stride, rows, slots, fresh, n,
+                                static_cast<uint16_t*>(conv_state), static_cast<const uint16_t*>(conv_weight),
+                                static_cast<const uint16_t*>(conv_bias), ssm, neg_a, dt_bias, d,
+                                static_cast<const uint16_t*>(norm_weight), eps, s, static_cast<uint16_t*>(out),
+                                out_stride, num_threads);
     } else {
         return -1;
     }

@@ -1,6 +1,7 @@
-"""A gated delta-net layer's decode step on the C++ kernel (csrc/scan.cpp) against the module's
-PyTorch path: the same output rows and the same states left in the slots, float32 and bf16,
-value heads grouped (HF) and tiled (llama.cpp's files), a request starting afresh among them."""
+"""The scan layers' decode steps on the C++ kernel (csrc/scan.cpp) against their modules' PyTorch
+paths: the same output rows and the same states left in the slots, float32 and bf16, a request
+starting afresh among them; a gated delta-net's value heads grouped (HF) and tiled (llama.cpp's
+files), Mamba-2 with one group and several, with and without a convolution bias."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 from pagellm import kernels
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.model.delta_net import GatedDeltaNet
-from pagellm.model.scan_shapes import DeltaNetShape
+from pagellm.model.mamba2 import Mamba2Mixer
+from pagellm.model.scan_shapes import DeltaNetShape, MambaShape
 from pagellm.model.scan_state import ScanState
 
 KERNELS = kernels.default()
@@ -31,31 +33,42 @@ def decode_metadata(slots: list[int], seq_lens: list[int]) -> AttentionMetadata:
     )  # fmt: skip
 
 
-def modules(shape: DeltaNetShape, dtype: torch.dtype) -> tuple[GatedDeltaNet, GatedDeltaNet]:
+def modules(shape: DeltaNetShape | MambaShape, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(the PyTorch path, the kernel path) with the same random weights."""
     torch.manual_seed(0)
-    reference = GatedDeltaNet(shape, HIDDEN, 1e-6, None)
+    delta = isinstance(shape, DeltaNetShape)
+    reference = GatedDeltaNet(shape, HIDDEN, 1e-6, None) if delta else Mamba2Mixer(shape, HIDDEN, 1e-6, None)
     with torch.no_grad():
         for p in reference.parameters():
             p.copy_(torch.randn_like(p) * 0.5)
-        reference.A_log.copy_(torch.rand(shape.num_value_heads) - 1.0)
+        reference.A_log.copy_(torch.rand(reference.A_log.shape) - 1.0)
     reference = reference.to(dtype)
     fast = copy.deepcopy(reference)
     fast.kernels = KERNELS
     return reference, fast
 
 
-def states(shape: DeltaNetShape, dtype: torch.dtype) -> ScanState:
+def states(shape: DeltaNetShape | MambaShape, dtype: torch.dtype) -> ScanState:
     conv, ssm = shape.state_shapes()
     g = torch.Generator().manual_seed(1)
     return ScanState((torch.randn(SLOTS, *conv, generator=g)).to(dtype), torch.randn(SLOTS, *ssm, generator=g) * 0.3)
 
 
-@pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
+SHAPES = {
+    "delta-grouped": DeltaNetShape(num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=32, conv_kernel=4),
+    "delta-tiled": DeltaNetShape(num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=32, conv_kernel=4,
+                                 tiled_value_heads=True),
+    "mamba-1-group": MambaShape(num_heads=4, head_dim=8, state_size=16, num_groups=1, conv_kernel=4, chunk_size=8,
+                                conv_bias=True, proj_bias=False),
+    "mamba-2-groups": MambaShape(num_heads=4, head_dim=8, state_size=16, num_groups=2, conv_kernel=3, chunk_size=8,
+                                 conv_bias=False, proj_bias=True, dt_min=0.01, dt_max=0.5),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_kernels_decode_step_equals_the_modules(dtype: torch.dtype, tiled: bool) -> None:
-    shape = DeltaNetShape(num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=32, conv_kernel=4,
-                          tiled_value_heads=tiled)  # fmt: skip
+def test_the_kernels_decode_step_equals_the_modules(dtype: torch.dtype, name: str) -> None:
+    shape = SHAPES[name]
     reference, fast = modules(shape, dtype)
     expected_state, state = states(shape, dtype), states(shape, dtype)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
@@ -72,8 +85,9 @@ def test_the_kernels_decode_step_equals_the_modules(dtype: torch.dtype, tiled: b
     assert torch.equal(state.ssm[[1, 3]], expected_state.ssm[[1, 3]])  # other slots untouched
 
 
-def test_the_kernel_refuses_rows_or_slots_out_of_range() -> None:
-    shape = DeltaNetShape(num_key_heads=1, num_value_heads=2, key_head_dim=8, value_head_dim=8, conv_kernel=3)
+@pytest.mark.parametrize("name", ["delta-grouped", "mamba-1-group"])
+def test_the_kernel_refuses_rows_or_slots_out_of_range(name: str) -> None:
+    shape = SHAPES[name]
     _, fast = modules(shape, torch.float32)
     with pytest.raises(ValueError, match="rows and slots must index"):
         fast(torch.randn(1, HIDDEN), states(shape, torch.float32), decode_metadata([SLOTS], [3]))
