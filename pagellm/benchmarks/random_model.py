@@ -80,6 +80,16 @@ SHAPES: dict[str, dict[str, Any]] = {
         linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
     ),
+    # A Mamba-2 hybrid of about 1B parameters with Granite-4.0-H's layer kinds (a shape chosen here,
+    # not a released model's: 36 Mamba-2 layers of 48 heads x 64 and a 128-wide state in one group,
+    # 4 attention layers without rope, a dense MLP), the default model's vocabulary: NOTES 73.
+    "mamba2-hybrid-1b": dict(
+        architecture="granitemoehybrid", hidden_size=1536, intermediate_size=4096, shared_intermediate_size=4096,
+        num_hidden_layers=40, num_attention_heads=12, num_key_value_heads=4, vocab_size=49152,
+        max_position_embeddings=8192, rms_norm_eps=1e-5, num_local_experts=0, mamba_n_heads=48, mamba_d_head=64,
+        mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, tie_word_embeddings=True,
+        layer_types=["attention" if i % 10 == 5 else "mamba" for i in range(40)],
+    ),
     # The shapes people run (REAL_SHAPES): Llama 3.2 1B and 3B (tied), Llama 3 8B, Qwen2.5 7B.
     # Rotary scaling left at the default: it changes no cost.
     "llama-1b": dict(
@@ -187,14 +197,15 @@ REAL_SHAPES = ("llama-1b", "llama-3b", "llama-8b", "qwen-7b")
 
 def hf_config(shape: dict[str, Any]):
     from transformers import (
-        Gemma2Config, Gemma3TextConfig, LlamaConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig,
-        Qwen3_5TextConfig, SmolLM3Config,
+        Gemma2Config, Gemma3TextConfig, GraniteMoeHybridConfig, LlamaConfig, MixtralConfig, Phi3Config, Qwen2Config,
+        Qwen3Config, Qwen3MoeConfig, Qwen3_5TextConfig, SmolLM3Config,
     )
 
     options = dict(shape)
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "phi3": Phi3Config,
                "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig, "gemma2": Gemma2Config,
-               "gemma3_text": Gemma3TextConfig, "smollm3": SmolLM3Config, "qwen3_5": Qwen3_5TextConfig}  # fmt: skip
+               "gemma3_text": Gemma3TextConfig, "smollm3": SmolLM3Config, "qwen3_5": Qwen3_5TextConfig,
+               "granitemoehybrid": GraniteMoeHybridConfig}  # fmt: skip
     config_class = classes[options.pop("architecture")]
     return config_class(**options, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=0)
 
