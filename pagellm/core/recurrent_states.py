@@ -102,7 +102,7 @@ class RecurrentStates:
         row = snapshots.reserve(block_hash, step)
         if row is not None:
             self._saves.append((seq.state_slot, row))
-        if answer:  # (the last answer-block state goes; one at a point stays as a point's)
+        if answer:  # (its last answer-block state goes; one at a point, or kept before by another, stays)
             if seq.answer_snapshot is not None:
                 snapshots.drop(seq.answer_snapshot)
-            seq.answer_snapshot = None if point else block_hash
+            seq.answer_snapshot = block_hash if row is not None and not point else None

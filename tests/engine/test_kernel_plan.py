@@ -30,8 +30,8 @@ def _plan(dtype: torch.dtype, **options: object) -> KernelPlan:
 def test_an_avx2_plan_runs_pagellm_kernels_everywhere(dtype):
     plan = _plan(dtype, isa="avx2")
     assert plan.cpu.startswith("avx2+fma") and "avx512" not in plan.cpu
-    assert (plan.gemm, plan.attention, plan.norm, plan.rotary, plan.argmax) == (
-        "avx2", "cpu_paged", "kernel", "kernel", "kernel")
+    assert (plan.gemm, plan.attention, plan.norm, plan.rotary, plan.argmax, plan.scan) == (
+        "avx2", "cpu_paged", "kernel", "kernel", "kernel", "kernel")
     # x86-64-v3 below the host's level; -march=native where AVX2 is all the host has.
     target = kernel_target(KernelConfig(isa="avx2"))
     assert target in {("-march=x86-64-v3",), ("-march=native",)}
@@ -39,7 +39,8 @@ def test_an_avx2_plan_runs_pagellm_kernels_everywhere(dtype):
     assert plan.kernels is not None and plan.kernels.march == target
     assert plan.describe() == (
         f"cpu={plan.cpu} kernel_target={' '.join(target)} dtype={str(dtype).removeprefix('torch.')} gemm=avx2 "
-        "attention=cpu_paged norm=kernel rotary=kernel argmax=kernel weights=dense qgemm=none quant_max_rows=none "
+        "attention=cpu_paged norm=kernel rotary=kernel argmax=kernel scan=kernel weights=dense qgemm=none "
+        "quant_max_rows=none "
         "quant_large=none decoder=fused"
     )
 
