@@ -32,7 +32,7 @@ from pagellm.kernels.plan import KernelPlan
 from pagellm.model.derived_params import DerivedParams
 from pagellm.model.quant_linear import linear_for_plan
 from pagellm.model.scan_shapes import DeltaNetShape
-from pagellm.model.scan_state import ScanPlan, ScanState, scan_plan
+from pagellm.model.scan_state import ScanPlan, ScanState, scan_plan, span_part
 from pagellm.model.short_conv import conv_plan, convolve
 
 
@@ -123,13 +123,26 @@ class GatedDeltaNet(nn.Module):
     def forward(self, hidden: torch.Tensor, state: ScanState, metadata: AttentionMetadata) -> torch.Tensor:
         """``hidden`` [T, hidden] -> [T, hidden]; each request's state slot is read and left
         holding its state after its last token this step."""
-        shape, tokens = self.shape, hidden.shape[0]
         proj = self.in_proj(hidden)
         plan = scan_plan(metadata, hidden.device)
-        if self.kernels is not None and not plan.spans and proj.dtype == state.conv.dtype == self.conv_weight.dtype:
-            return self.out_proj(self._decode_on_kernel(proj, state, plan))
+        on_kernel = self.kernels is not None and proj.dtype == state.conv.dtype == self.conv_weight.dtype
+        if not on_kernel or not len(plan.decode_slots):
+            return self.out_proj(self._by_tensor_ops(proj, state, metadata, plan))
+        out = self._decode_on_kernel(proj, state, plan)  # (the decode tokens' rows)
+        if plan.spans:  # the prompts' chunks in the same step, apart
+            part = span_part(metadata, hidden.device)
+            out[part.rows] = self._by_tensor_ops(proj[part.rows], state, part.metadata,
+                                                 scan_plan(part.metadata, hidden.device))  # fmt: skip
+        return self.out_proj(out)
+
+    def _by_tensor_ops(
+        self, proj: torch.Tensor, state: ScanState, metadata: AttentionMetadata, plan: ScanPlan
+    ) -> torch.Tensor:
+        """The step's tokens by tensor ops, from the input projection's rows to the output
+        projection's input [T, value_size]."""
+        shape, tokens = self.shape, proj.shape[0]
         qkv, z, b, a = proj.split(self._parts(), dim=-1)
-        conv = conv_plan(metadata, shape.conv_kernel, hidden.device)
+        conv = conv_plan(metadata, shape.conv_kernel, proj.device)
         qkv, _ = convolve(qkv, state.conv, conv, self.conv_weight, None)
         q, k, v = F.silu(qkv).float().split([shape.key_size, shape.key_size, shape.value_size], dim=-1)
         q = self._per_value_head(_l2_normed(q.view(tokens, shape.num_key_heads, -1)) * shape.key_head_dim**-0.5)
@@ -137,12 +150,12 @@ class GatedDeltaNet(nn.Module):
         v = v.view(tokens, shape.num_value_heads, -1)
         beta = torch.sigmoid(b.float())
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
-        out = self._scan(q, k, v, g, beta, state.ssm, plan).to(hidden.dtype)
-        return self.out_proj(self.norm(out, z).view(tokens, shape.value_size))
+        out = self._scan(q, k, v, g, beta, state.ssm, plan).to(proj.dtype)
+        return self.norm(out, z).view(tokens, shape.value_size)
 
     def _decode_on_kernel(self, proj: torch.Tensor, state: ScanState, plan: ScanPlan) -> torch.Tensor:
-        """A step of decode tokens only, from the input projection's rows to the output
-        projection's input [T, value_size], on the kernel."""
+        """The step's decode tokens on the kernel, from the input projection's rows to the output
+        projection's input [T, value_size] (the other rows left for the spans)."""
         neg_a, dt_bias = self._decay.get(
             (self.A_log, self.dt_bias), lambda: (-torch.exp(self.A_log.float()), self.dt_bias.float())
         )

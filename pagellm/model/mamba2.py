@@ -35,7 +35,7 @@ from pagellm.kernels.plan import KernelPlan
 from pagellm.model.derived_params import DerivedParams
 from pagellm.model.quant_linear import linear_for_plan
 from pagellm.model.scan_shapes import MambaShape
-from pagellm.model.scan_state import ScanPlan, ScanState, scan_plan
+from pagellm.model.scan_state import ScanPlan, ScanState, scan_plan, span_part
 from pagellm.model.short_conv import conv_plan, convolve
 
 
@@ -103,21 +103,34 @@ class Mamba2Mixer(nn.Module):
     def forward(self, hidden: torch.Tensor, state: ScanState, metadata: AttentionMetadata) -> torch.Tensor:
         """``hidden`` [T, hidden] -> [T, hidden]; each request's state slot is read and left
         holding its state after its last token this step."""
-        shape = self.shape
         proj = self.in_proj(hidden)
         plan = scan_plan(metadata, hidden.device)
-        if self.kernels is not None and not plan.spans and proj.dtype == state.conv.dtype == self.conv_weight.dtype:
-            return self.out_proj(self._decode_on_kernel(proj, state, plan))
+        on_kernel = self.kernels is not None and proj.dtype == state.conv.dtype == self.conv_weight.dtype
+        if not on_kernel or not len(plan.decode_slots):
+            return self.out_proj(self._by_tensor_ops(proj, state, metadata, plan))
+        out = self._decode_on_kernel(proj, state, plan)  # (the decode tokens' rows)
+        if plan.spans:  # the prompts' chunks in the same step, apart
+            part = span_part(metadata, hidden.device)
+            out[part.rows] = self._by_tensor_ops(proj[part.rows], state, part.metadata,
+                                                 scan_plan(part.metadata, hidden.device))  # fmt: skip
+        return self.out_proj(out)
+
+    def _by_tensor_ops(
+        self, proj: torch.Tensor, state: ScanState, metadata: AttentionMetadata, plan: ScanPlan
+    ) -> torch.Tensor:
+        """The step's tokens by tensor ops, from the input projection's rows to the output
+        projection's input [T, inner]."""
+        shape = self.shape
         gate, xbc, dt = proj.split([shape.inner_size, shape.conv_dim, shape.num_heads], dim=-1)
-        conv = conv_plan(metadata, shape.conv_kernel, hidden.device)
+        conv = conv_plan(metadata, shape.conv_kernel, proj.device)
         xbc, _ = convolve(xbc, state.conv, conv, self.conv_weight, self.conv_bias)
         x, b, c = F.silu(xbc).split([shape.inner_size, *(2 * [shape.num_groups * shape.state_size])], dim=-1)
         y = self._scan(x, b, c, dt, state.ssm, plan)
-        return self.out_proj(self.norm(y, gate).to(hidden.dtype))
+        return self.norm(y, gate).to(proj.dtype)
 
     def _decode_on_kernel(self, proj: torch.Tensor, state: ScanState, plan: ScanPlan) -> torch.Tensor:
-        """A step of decode tokens only, from the input projection's rows to the output
-        projection's input [T, inner], on the kernel."""
+        """The step's decode tokens on the kernel, from the input projection's rows to the output
+        projection's input [T, inner] (the other rows left for the spans)."""
         shape = self.shape
         neg_a, dt_bias, d = self._floats.get(
             (self.A_log, self.dt_bias, self.D), lambda: (-torch.exp(self.A_log.float()), self.dt_bias.float(), self.D.float())

@@ -103,3 +103,34 @@ def _build_plan(metadata: AttentionMetadata, device: torch.device) -> ScanPlan:
         decode_fresh=as_tensor(fresh[one]) if fresh[one].any() else None,
         single_slot=int(slots[one[0]]) if len(one) == 1 else None, spans=spans,
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SpanPart:
+    """A step's requests with more than one token, apart from its decode tokens (which a kernel
+    runs): a metadata of their own (their tokens back to back, in order) and their rows in the step."""
+
+    metadata: AttentionMetadata
+    rows: torch.Tensor  # [S] int64
+
+
+def span_part(metadata: AttentionMetadata, device: torch.device) -> SpanPart:
+    """The step's :class:`SpanPart` (cached in ``metadata.derived``)."""
+    part = metadata.derived.get("scan_spans")
+    if part is None:
+        query_lens = np.asarray(metadata.query_lens, dtype=np.int64)
+        starts = np.concatenate(([0], np.cumsum(query_lens)))
+        keep = np.flatnonzero(query_lens > 1)
+        rows = np.concatenate([np.arange(starts[r], starts[r + 1]) for r in keep] or [np.zeros(0, np.int64)])
+        index, requests = torch.from_numpy(rows).to(device), torch.from_numpy(keep).to(device)
+        lens = query_lens[keep]
+        assert metadata.state_slots is not None
+        sub = AttentionMetadata(
+            slot_mapping=metadata.slot_mapping[index], block_tables=metadata.block_tables[requests],
+            query_lens=lens.tolist(), seq_lens=[metadata.seq_lens[r] for r in keep],
+            query_start_loc=torch.from_numpy(np.concatenate(([0], np.cumsum(lens)))).to(device),
+            seq_lens_tensor=metadata.seq_lens_tensor[requests], block_size=metadata.block_size,
+            state_slots=[metadata.state_slots[r] for r in keep],
+        )  # fmt: skip
+        part = metadata.derived["scan_spans"] = SpanPart(sub, index)
+    return part  # type: ignore[return-value]

@@ -23,12 +23,13 @@ pytestmark = pytest.mark.skipif(KERNELS is None, reason="CPU kernels not built h
 HIDDEN, SLOTS = 48, 5
 
 
-def decode_metadata(slots: list[int], seq_lens: list[int]) -> AttentionMetadata:
-    """One decode token each (a seq_len of 1: a request starting at position 0)."""
-    n = len(slots)
+def decode_metadata(slots: list[int], seq_lens: list[int], query_lens: list[int] | None = None) -> AttentionMetadata:
+    """One decode token each (a seq_len of 1: a request starting at position 0), or ``query_lens``."""
+    n, query_lens = len(slots), query_lens or [1] * len(slots)
+    starts = torch.tensor([0, *query_lens]).cumsum(0)
     return AttentionMetadata(
-        slot_mapping=torch.zeros(n, dtype=torch.long), block_tables=torch.zeros(n, 1, dtype=torch.long),
-        query_lens=[1] * n, seq_lens=seq_lens, query_start_loc=torch.arange(n + 1), seq_lens_tensor=torch.tensor(seq_lens),
+        slot_mapping=torch.zeros(int(starts[-1]), dtype=torch.long), block_tables=torch.zeros(n, 4, dtype=torch.long),
+        query_lens=query_lens, seq_lens=seq_lens, query_start_loc=starts, seq_lens_tensor=torch.tensor(seq_lens),
         block_size=16, state_slots=slots,
     )  # fmt: skip
 
@@ -91,3 +92,20 @@ def test_the_kernel_refuses_rows_or_slots_out_of_range(name: str) -> None:
     _, fast = modules(shape, torch.float32)
     with pytest.raises(ValueError, match="rows and slots must index"):
         fast(torch.randn(1, HIDDEN), states(shape, torch.float32), decode_metadata([SLOTS], [3]))
+
+
+@pytest.mark.parametrize("name", ["delta-grouped", "mamba-1-group"])
+def test_decode_tokens_on_the_kernel_beside_prompt_chunks_by_tensor_ops(name: str) -> None:
+    """A step of two decode tokens around a 5-token chunk of a prompt (a request starting afresh,
+    then one going on): the chunks run apart by tensor ops, the decode tokens on the kernel,
+    every row and slot as the PyTorch path leaves them."""
+    shape = SHAPES[name]
+    reference, fast = modules(shape, torch.float32)
+    expected_state, state = states(shape, torch.float32), states(shape, torch.float32)
+    for step, (query_lens, seq_lens) in enumerate((([1, 5, 1], [9, 5, 4]), ([1, 4, 1], [10, 9, 5]))):
+        hidden = torch.randn(sum(query_lens), HIDDEN, generator=torch.Generator().manual_seed(step))
+        expected = reference(hidden, expected_state, decode_metadata([4, 0, 2], seq_lens, query_lens))
+        out = fast(hidden, state, decode_metadata([4, 0, 2], seq_lens, query_lens))
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(state.ssm, expected_state.ssm, atol=1e-5, rtol=1e-4)
+        assert torch.equal(state.conv, expected_state.conv)
