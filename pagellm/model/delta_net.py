@@ -15,8 +15,9 @@ As Mamba-2's (``model/mamba2.py``): a step's decode tokens advance their states 
 update; a prompt (or a chunk of one) runs the chunked form (:func:`delta_scan`), and the state
 lives a row a state slot in the layer's :class:`~pagellm.model.scan_state.ScanState`, float32
 (the prefix cache keeps copies sparsely: ``core/state_snapshots.py``). With the plan's
-``scan="kernel"``, a step of decode tokens only runs from the input projection's rows to the
-output projection's in one C++ call (``csrc/scan.cpp``), rounding as these tensor ops do.
+``scan="kernel"``, a step's decode tokens run from the input projection's rows to the output
+projection's in one C++ call (``csrc/scan.cpp``), rounding as these tensor ops do; its prompt
+chunks run apart, by tensor ops (:func:`~pagellm.model.scan_state.span_part`).
 """
 
 from __future__ import annotations

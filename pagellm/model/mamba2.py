@@ -19,9 +19,9 @@ chunks, the state), a chunk of up to ``chunk_size`` tokens at a time. The state 
 
 Unlike a short convolution's few inputs, this state (heads x head_dim x state_size floats, a few
 megabytes a layer at real sizes) is not kept at every KV block's end: the prefix cache keeps
-copies sparsely (``core/state_snapshots.py``). With the plan's ``scan="kernel"``, a step of
-decode tokens only runs from the input projection's rows to the output projection's in one C++
-call (``csrc/scan.cpp``), rounding as these tensor ops do.
+copies sparsely (``core/state_snapshots.py``). With the plan's ``scan="kernel"``, a step's
+decode tokens run from the input projection's rows to the output projection's in one C++ call
+(``csrc/scan.cpp``), rounding as these tensor ops do; its prompt chunks run apart, by tensor ops.
 """
 
 from __future__ import annotations
