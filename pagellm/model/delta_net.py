@@ -17,7 +17,7 @@ lives a row a state slot in the layer's :class:`~pagellm.model.scan_state.ScanSt
 (the prefix cache keeps copies sparsely: ``core/state_snapshots.py``). With the plan's
 ``scan="kernel"``, a step's decode tokens run from the input projection's rows to the output
 projection's in one C++ call (``csrc/scan.cpp``), rounding as these tensor ops do; its prompt
-chunks run apart, by tensor ops (:func:`~pagellm.model.scan_state.span_part`).
+chunks run apart, by tensor ops (:func:`~pagellm.model.scan_state.scan_step`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pagellm.kernels.plan import KernelPlan
 from pagellm.model.derived_params import DerivedParams
 from pagellm.model.quant_linear import linear_for_plan
 from pagellm.model.scan_shapes import DeltaNetShape
-from pagellm.model.scan_state import ScanPlan, ScanState, scan_plan, span_part
+from pagellm.model.scan_state import ScanPlan, ScanState, scan_step
 from pagellm.model.short_conv import conv_plan, convolve
 
 
@@ -125,16 +125,8 @@ class GatedDeltaNet(nn.Module):
         """``hidden`` [T, hidden] -> [T, hidden]; each request's state slot is read and left
         holding its state after its last token this step."""
         proj = self.in_proj(hidden)
-        plan = scan_plan(metadata, hidden.device)
         on_kernel = self.kernels is not None and proj.dtype == state.conv.dtype == self.conv_weight.dtype
-        if not on_kernel or not len(plan.decode_slots):
-            return self.out_proj(self._by_tensor_ops(proj, state, metadata, plan))
-        out = self._decode_on_kernel(proj, state, plan)  # (the decode tokens' rows)
-        if plan.spans:  # the prompts' chunks in the same step, apart
-            part = span_part(metadata, hidden.device)
-            out[part.rows] = self._by_tensor_ops(proj[part.rows], state, part.metadata,
-                                                 scan_plan(part.metadata, hidden.device))  # fmt: skip
-        return self.out_proj(out)
+        return self.out_proj(scan_step(proj, state, metadata, on_kernel, self._decode_on_kernel, self._by_tensor_ops))
 
     def _by_tensor_ops(
         self, proj: torch.Tensor, state: ScanState, metadata: AttentionMetadata, plan: ScanPlan

@@ -5,6 +5,7 @@ chunk of one) runs its own chunked scan; a request starting at position 0 starts
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,3 +135,22 @@ def span_part(metadata: AttentionMetadata, device: torch.device) -> SpanPart:
         )  # fmt: skip
         part = metadata.derived["scan_spans"] = SpanPart(sub, index)
     return part  # type: ignore[return-value]
+
+
+def scan_step(
+    proj: torch.Tensor, state: ScanState, metadata: AttentionMetadata, on_kernel: bool,
+    kernel: Callable[[torch.Tensor, ScanState, ScanPlan], torch.Tensor],
+    by_tensor_ops: Callable[[torch.Tensor, ScanState, AttentionMetadata, ScanPlan], torch.Tensor],
+) -> torch.Tensor:
+    """A scan layer's step from its input projection's rows ``proj`` to its output projection's
+    input: the decode tokens on its kernel where it runs one (``kernel``: their rows, the others
+    left for the spans) and the prompt chunks apart, by tensor ops on a metadata of their own;
+    every token by ``by_tensor_ops`` where there is no kernel or no decode token."""
+    plan = scan_plan(metadata, proj.device)
+    if not on_kernel or not len(plan.decode_slots):
+        return by_tensor_ops(proj, state, metadata, plan)
+    out = kernel(proj, state, plan)
+    if plan.spans:
+        part = span_part(metadata, proj.device)
+        out[part.rows] = by_tensor_ops(proj[part.rows], state, part.metadata, scan_plan(part.metadata, proj.device))
+    return out
