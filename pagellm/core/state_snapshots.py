@@ -54,15 +54,18 @@ class StateSnapshots:
     def is_point(self, position: int, num_prompt_tokens: int, junction: int = 0) -> bool:
         """Whether the state after ``position`` tokens is kept: a grid point, the prompt's last
         full block before its last token, or the request's ``junction`` (0: none)."""
-        last_block = (num_prompt_tokens - 1) // self.block_size * self.block_size
+        last_block = self._last_block(num_prompt_tokens)
         return position > 0 and (position % self.interval == 0 or position in (last_block, junction))
 
     def chunk_end(self, start: int, end: int, num_prompt_tokens: int, junction: int = 0) -> int:
         """Where a chunk meant to compute positions ``start`` .. ``end - 1`` stops: at the first
         point after ``start`` it would pass, else ``end``."""
         grid = (start // self.interval + 1) * self.interval
-        last_block = (num_prompt_tokens - 1) // self.block_size * self.block_size
-        return min(end, grid, *(p for p in (last_block, junction) if p > start))
+        return min(end, grid, *(p for p in (self._last_block(num_prompt_tokens), junction) if p > start))
+
+    def _last_block(self, num_prompt_tokens: int) -> int:
+        """Where the last full block before a prompt's last token ends."""
+        return (num_prompt_tokens - 1) // self.block_size * self.block_size
 
     def ready(self, block_hashes: Sequence[BlockHash], num_hits: int, step: int) -> tuple[int, int | None]:
         """The longest of the first ``num_hits`` cached blocks a request may start from: (how

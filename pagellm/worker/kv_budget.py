@@ -122,10 +122,8 @@ def auto_kv_blocks(budget: int, pool: AutoPool, share: HostShare, model: str) ->
     if budget < pool.block_bytes:
         free = pool.available - pool.host_weight_bytes * share.replicas_after
         who = f" for {share.describe()}" if share.count > 1 else ""
-        snapshots = f" and {pool.state_snapshots} prefix-cache snapshots (max_state_snapshots)" \
-            if pool.state_snapshots else ""  # fmt: skip
-        states = (f", its recurrent states for {pool.state_slots} sequences (max_num_seqs){snapshots} need "
-                  f"{gib(pool.state_bytes)} (lower them)") if pool.state_bytes else ""  # fmt: skip
+        named = _states_named(pool.state_bytes, pool.state_slots, pool.state_snapshots)
+        states = f", {named} (lower them)" if pool.state_bytes else ""
         raise ValueError(
             f"{model} leaves no room for a KV cache: once the weights are in, {gib(free)} of memory is left{who}, "
             f"a step's activations need about {gib(pool.workspace)} a process{states}, and one KV block needs "
@@ -134,17 +132,28 @@ def auto_kv_blocks(budget: int, pool: AutoPool, share: HostShare, model: str) ->
     return min(budget // pool.block_bytes, pool.useful_blocks)
 
 
-def check_pool_fits(pool_bytes: int, available: int | None, share: HostShare) -> None:
+def check_pool_fits(
+    pool_bytes: int, available: int | None, share: HostShare, state_bytes: int = 0, state_slots: int = 0,
+    state_snapshots: int = 0,
+) -> None:
     """Refuse a pool asked for by size or block count (``kv_cache_memory``, ``num_kv_blocks``)
-    that the memory available once the weights are in cannot hold: every rank here and every
+    that the memory available once the weights are in cannot hold, with a hybrid model's
+    recurrent states beside it (as :class:`AutoPool` counts them): every rank here and every
     replica still to start takes one as large."""
-    need = pool_bytes * share.ranks * (1 + share.replicas_after)
-    if available is not None and need > available:
+    copies = share.ranks * (1 + share.replicas_after)
+    if available is not None and (pool_bytes + state_bytes) * copies > available:
         who = f" ({share.describe()})" if share.count > 1 else ""
+        beside = f" and {_states_named(state_bytes, state_slots, state_snapshots)}" if state_bytes else ""
         raise ValueError(
-            f"the KV cache asked for needs {gib(need)}{who}, but {gib(available)} of memory is available once the "
-            "weights are in; give kv_cache_memory a smaller size, or 'auto'"
+            f"the KV cache asked for needs {gib(pool_bytes * copies)}{who}{beside}, but {gib(available)} of memory is "
+            "available once the weights are in; give kv_cache_memory a smaller size, or 'auto'"
         )
+
+
+def _states_named(state_bytes: int, state_slots: int, state_snapshots: int) -> str:
+    """A hybrid model's recurrent states, what sets their number, and their memory."""
+    snapshots = f" and {state_snapshots} prefix-cache snapshots (max_state_snapshots)" if state_snapshots else ""
+    return f"its recurrent states for {state_slots} sequences (max_num_seqs){snapshots} need {gib(state_bytes)}"
 
 
 def useful_kv_blocks(max_num_seqs: int, context_length: int, block_size: int) -> int:

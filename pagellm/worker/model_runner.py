@@ -140,7 +140,8 @@ class ModelRunner:
             lora = self._lora_step(scheduled, output)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata, lora=lora,
                                 embeds=inputs.embeds)  # fmt: skip
-            copy_states(self.kv_cache, scheduler_output.state_saves)  # (the prefix cache's: after the forward)
+            if scheduler_output.state_saves:  # (the prefix cache's snapshots: after the forward)
+                copy_states(self.kv_cache, scheduler_output.state_saves)
             if self.encoder is not None:
                 output.images_encoded = self.encoder.take_encoded()
             if self.samples:

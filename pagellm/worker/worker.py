@@ -299,9 +299,14 @@ class Worker:
         block_bytes = draft_block_bytes + bytes_per_block(shard.num_attention_layers, shard.num_key_value_heads,
                                                           shard.head_dim, cache.block_size, self.kv_cache_dtype)  # fmt: skip
         block_bytes += state_snapshot_bytes(shard, self.dtype)  # (each block's state snapshots)
+        scheduler = config.scheduler
+        state_rows = scheduler.max_num_seqs + scan_snapshot_rows(shard, config.state_snapshot_rows)
+        # A hybrid model's recurrent states, beside the pool: a row a sequence and a snapshot row each.
+        states = dict(state_bytes=state_slot_bytes(shard, state_rows, self.dtype), state_slots=scheduler.max_num_seqs,
+                      state_snapshots=state_rows - scheduler.max_num_seqs)  # fmt: skip
         if cache.num_kv_blocks is not None or cache.kv_cache_bytes is not None:
             blocks = cache.num_kv_blocks or num_blocks_for_budget(cache.kv_cache_bytes, block_bytes)
-            check_pool_fits(blocks * block_bytes, available_memory_bytes(self.device), share)
+            check_pool_fits(blocks * block_bytes, available_memory_bytes(self.device), share, **states)
             return blocks
         if parallel is not None:
             dist.barrier()  # every rank's weights in before any measures
@@ -310,13 +315,10 @@ class Worker:
             raise ValueError("kv_cache_memory='auto' needs to know the memory available, which this host does not say; "
                              "give kv_cache_memory a size")  # fmt: skip
         context = config.model.max_model_len or self.arch.context_length
-        scheduler = config.scheduler
-        state_rows = scheduler.max_num_seqs + scan_snapshot_rows(shard, config.state_snapshot_rows)
         pool = AutoPool(
             available=available, host_weight_bytes=weight_bytes, block_bytes=block_bytes,
             workspace=step_workspace_bytes(self.arch, scheduler.max_num_batched_tokens, scheduler.max_num_seqs),
-            state_bytes=state_slot_bytes(shard, state_rows, self.dtype), state_slots=scheduler.max_num_seqs,
-            state_snapshots=state_rows - scheduler.max_num_seqs,
+            **states,
             useful_blocks=useful_kv_blocks(scheduler.max_num_seqs, context, cache.block_size),
         )  # fmt: skip
         # Every rank takes the smallest budget, so all size alike and any refusal is every rank's.

@@ -305,9 +305,11 @@ def test_portable_build_matches_dense_too(env_override):
     env.update(env_override)
     argmax_tests = os.path.join(os.path.dirname(__file__), "..", "sample", "test_argmax_kernel.py")
     read_tests = os.path.join(os.path.dirname(__file__), "..", "test_memory_read_kernel.py")
+    model_tests = [os.path.join(os.path.dirname(__file__), "..", "model", name)
+                   for name in ("test_scan_kernels.py", "test_kernel_layers.py")]  # (the scan layers, the norms)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, argmax_tests, read_tests,
-         "-k", "match_dense or write_kv or valid_call or argmax or read_sum"],
+         *model_tests, "-k", "match_dense or write_kv or valid_call or argmax or read_sum or scan or rms_norm or head_norm"],
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -96,3 +96,31 @@ def test_dropped_snapshots_leave_hits_only_where_a_state_is_kept(request) -> Non
     check(engines, [one[:12] + [9, 9]], [12], params=two_tokens)
     check(engines, [two], [0], params=two_tokens)  # its states replace one's
     check(engines, [one[:12] + [8, 8]], [0], params=two_tokens)
+
+
+@pytest.mark.parametrize(("options", "words"), [
+    ({"state_snapshot_interval": 0}, "state_snapshot_interval must be a positive multiple of block_size"),
+    ({"state_snapshot_interval": -16}, "state_snapshot_interval must be a positive multiple"),
+    ({"state_snapshot_interval": 24}, r"positive multiple of block_size \(16\), got 24"),
+    ({"state_snapshot_interval": "512"}, "state_snapshot_interval must be"),
+    ({"state_snapshot_interval": True}, "state_snapshot_interval must be"),
+    ({"max_state_snapshots": -1}, "max_state_snapshots must be a non-negative integer"),
+    ({"max_state_snapshots": 1.5}, "max_state_snapshots must be a non-negative integer"),
+    ({"max_state_snapshots": "4"}, "max_state_snapshots must be a non-negative integer"),
+])  # fmt: skip
+def test_the_snapshot_options_out_of_range_are_refused_by_name(options: dict, words: str) -> None:
+    from pagellm.config import CacheConfig
+
+    with pytest.raises(ValueError, match=words):
+        CacheConfig(**options)
+
+
+@pytest.mark.parametrize("memory", ["auto", "64MiB"])
+def test_more_snapshots_than_memory_holds_are_refused_naming_them(request, memory: str) -> None:
+    """A huge max_state_snapshots: refused at start with the numbers (the auto budget, and a
+    pool of a given size beside its states), never an allocation failure."""
+    path = request.getfixturevalue("tiny_qwen3_5_path")
+    words = r"1000000000 prefix-cache snapshots \(max_state_snapshots\) need [0-9.]+ GiB"
+    with pytest.raises(ValueError, match=words):
+        LLM(path, dtype="float32", max_state_snapshots=10**9, kv_cache_memory=memory)
+    assert run(LLM(path, dtype="float32", max_state_snapshots=2, kv_cache_memory=memory), [[5, 6, 7]])  # (it serves)
