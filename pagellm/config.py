@@ -76,8 +76,17 @@ class ModelConfig:
     seed: int = 0
     chat_template: str | None = None  # path of a Jinja file overriding the model's template
     quantization: str = "auto"  # QUANTIZATION_CHOICES
+    # The most the GGUF files' packed weights kept between starts take (model/packed_weights_cache.py; 0: none).
+    packed_weights_cache_size: int | str = "16GiB"
+    packed_weights_cache_bytes: int = field(init=False)
 
     def __post_init__(self) -> None:
+        size = self.packed_weights_cache_size
+        off = size in ("0", "off") or (type(size) is int and size == 0)
+        try:
+            self.packed_weights_cache_bytes = 0 if off else parse_memory_size(size)
+        except ValueError as exc:
+            raise ValueError(f"packed_weights_cache_size: {exc} (0 turns the cache off)") from None
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
         resolve_dtype(self.dtype)  # fail early on a bad name; "auto" is resolved when the model loads
@@ -378,7 +387,8 @@ def draft_model_config(config: EngineConfig) -> ModelConfig:
                          f"'quantization' than the target's ({target.quantization!r}), e.g. the target with "
                          "quantization 'none' and the draft with 'gguf'")  # fmt: skip
     try:
-        return ModelConfig(model=model, dtype="auto", seed=target.seed, quantization=spec.quantization)
+        return ModelConfig(model=model, dtype="auto", seed=target.seed, quantization=spec.quantization,
+                           packed_weights_cache_size=target.packed_weights_cache_size)  # fmt: skip
     except ValueError as exc:
         raise ValueError(f"speculative_config: {exc}") from None
 

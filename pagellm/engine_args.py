@@ -76,6 +76,10 @@ class EngineArgs:
         "K/V storage: auto (the model's dtype), fp8 (= fp8_e4m3: half the memory of bf16, rounded) or int8 "
         "(per-token-per-head scales: about half of bf16's memory, plus 4 bytes a head)",
         choices=KV_CACHE_DTYPE_CHOICES))
+    packed_weights_cache_size: int | str = field(default="16GiB", metadata=_option(
+        "GGUF models of 256 MiB and more: the most their packed weights, kept on disk so that later starts map them "
+        "instead of packing again, take in $PAGELLM_CACHE_DIR/packed-weights (least recently used dropped; "
+        "0: not kept)"))
     kv_offload_dir: str | None = field(default=None, metadata=_option(
         "a folder for a disk tier under the prefix cache: full KV blocks written once, read back on a prefix hit "
         "the pool no longer holds, kept across restarts (docs/disk-tier.md); default: none"))
@@ -168,6 +172,7 @@ class EngineArgs:
             model=ModelConfig(
                 model=self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
                 chat_template=self.chat_template, quantization=self.quantization,
+                packed_weights_cache_size=self.packed_weights_cache_size,
             ),
             cache=CacheConfig(
                 block_size=self.block_size, kv_cache_memory=self.kv_cache_memory, num_kv_blocks=self.num_kv_blocks,

@@ -42,6 +42,15 @@ def parse_memory_size(value: int | float | str) -> int:
     return size
 
 
+def cache_root() -> Path:
+    """The folder of pagellm's caches (tokenizers rebuilt from GGUF files, packed weights):
+    ``$PAGELLM_CACHE_DIR``, else ``$XDG_CACHE_HOME/pagellm``, else ``~/.cache/pagellm``."""
+    root = os.environ.get("PAGELLM_CACHE_DIR")
+    if not root:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagellm")
+    return Path(root)
+
+
 def private_dir(path: Path) -> bool:
     """Create ``path`` (mode 0700) if missing; True if it is this user's and no one else may write it.
 

@@ -55,9 +55,9 @@ def _add_workload_args(parser: argparse.ArgumentParser, default: str) -> None:
 _THROUGHPUT_ENGINE = ("model", "dtype", "quantization", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
                       "block_size", "kv_cache_dtype", "enable_prefix_caching", "num_threads", "attention_backend",
                       "tensor_parallel_size", "pipeline_parallel_size", "cpu_bind", "speculative_config",
-                      "kv_offload_dir", "kv_offload_size")
+                      "kv_offload_dir", "kv_offload_size", "packed_weights_cache_size")
 _LATENCY_ENGINE = ("model", "dtype", "quantization", "num_threads", "kv_cache_dtype", "attention_backend",
-                   "speculative_config")
+                   "speculative_config", "packed_weights_cache_size")
 
 
 def _add_engine_args(parser: argparse.ArgumentParser, names: tuple[str, ...] = _THROUGHPUT_ENGINE) -> None:
@@ -125,7 +125,8 @@ def _fill_bench_parser(bench: argparse.ArgumentParser) -> None:
     _add_common(lat)
 
     st = sub.add_parser("startup", help="launch to ready and peak memory of a fresh process (pagellm/benchmarks/startup.py)")
-    _add_engine_args(st, ("model", "dtype", "quantization", "num_threads", "kv_cache_memory"))
+    _add_engine_args(st, ("model", "dtype", "quantization", "num_threads", "kv_cache_memory",
+                          "packed_weights_cache_size"))  # fmt: skip
     st.add_argument("--repeats", type=int, default=3, help="fresh processes, one after another (median reported)")
     _add_common(st)
 
@@ -208,7 +209,8 @@ def bench_main(args: argparse.Namespace) -> int:
     if command == "startup":
         from pagellm.benchmarks.startup import StartupConfig, format_report, run_startup
 
-        options = cli_engine_options(args, ("dtype", "quantization", "num_threads", "kv_cache_memory"))
+        options = cli_engine_options(args, ("dtype", "quantization", "num_threads", "kv_cache_memory",
+                                            "packed_weights_cache_size"))  # fmt: skip
         report = run_startup(StartupConfig(model=args.model, engine=options, repeats=args.repeats))
         _emit(report, format_report(report), args.output_json)
         return 0

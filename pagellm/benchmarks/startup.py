@@ -3,9 +3,10 @@ most memory it holds on the way.
 
 Each round starts a new Python process that imports pagellm, builds ``LLM(MODEL, ...)`` and
 reports; the parent times launch to ready (imports included: what a user waits for; the child's
-exit apart), the child its own import and engine build times and its peak resident memory
-(``ru_maxrss``: packed weights, the KV pool as far as it was touched, the runtime, and any file
-pages still mapped).
+exit apart), the child its own import and engine build times, its first request (one prompt
+token in, one out: where weights mapped from a file, ``--packed-weights-cache-size``, are first
+read) and its peak resident memory after it (``ru_maxrss``: packed weights, the KV pool as far
+as it was touched, the runtime, and any file pages still mapped).
 The floor a peak is measured against is the weights (the model file's bytes) plus the KV pool;
 the pool's pages are touched only as blocks are first written, so with the default
 ``kv_cache_memory=auto`` (a pool of most of the free memory) the ratio to the weights alone is
@@ -35,10 +36,14 @@ from pagellm import LLM
 imported = time.monotonic()
 llm = LLM(**json.loads(sys.argv[1]))
 ready = time.monotonic()
+from pagellm import SamplingParams
+llm.generate(["Hello"], SamplingParams(max_tokens=1), use_tqdm=False)
+answered = time.monotonic()
 engine = llm.llm_engine
 token_bytes = engine.executor.arch.kv_cache_bytes_per_token(engine.executor.kv_cache_dtype)
 print("PAGELLM-STARTUP " + json.dumps({
-    "import_s": imported - start, "engine_s": ready - imported, "ready_monotonic": ready,
+    "import_s": imported - start, "engine_s": ready - imported, "first_request_s": answered - ready,
+    "ready_monotonic": ready, "answered_monotonic": answered,
     "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     "kv_pool_bytes": engine.executor.num_blocks * engine.config.cache.block_size * token_bytes,
 }), flush=True)
@@ -65,8 +70,8 @@ def _one_round(cfg: StartupConfig) -> dict[str, Any]:
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"the start-up round failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     report = json.loads(lines[-1].removeprefix("PAGELLM-STARTUP "))
-    ready = report.pop("ready_monotonic")
-    return {"launch_to_ready_s": ready - launched, "ready_to_exit_s": exited - ready, **report}
+    ready, answered = report.pop("ready_monotonic"), report.pop("answered_monotonic")
+    return {"launch_to_ready_s": ready - launched, "ready_to_exit_s": exited - answered, **report}
 
 
 def run_startup(cfg: StartupConfig) -> dict[str, Any]:
@@ -93,7 +98,8 @@ def format_report(report: dict[str, Any]) -> str:
         row["peak_rss_gb"] = row["peak_rss_bytes"] / gb
     table = format_table(rows, [
         ("round", "round", ""), ("launch_to_ready_s", "launch->ready s", ".2f"), ("import_s", "import s", ".2f"),
-        ("engine_s", "engine s", ".2f"), ("ready_to_exit_s", "exit s", ".2f"), ("peak_rss_gb", "peak RSS GB", ".2f"),
+        ("engine_s", "engine s", ".2f"), ("first_request_s", "first request s", ".2f"),
+        ("ready_to_exit_s", "exit s", ".2f"), ("peak_rss_gb", "peak RSS GB", ".2f"),
     ])  # fmt: skip
     return (f"start-up of {report['model']}: weights {report['weights_bytes'] / gb:.2f} GB, KV pool "
             f"{report['median']['kv_pool_bytes'] / gb:.2f} GB\n{table}\n"

@@ -62,6 +62,11 @@ class KernelLibrary:
     def __repr__(self) -> str:
         return f"KernelLibrary({' '.join(self.march)})"
 
+    @property
+    def build_id(self) -> str:
+        """Names this build (its sources, compiler, flags and CPU): what it packs is its own."""
+        return os.path.basename(str(self._lib._name))
+
     def paged_attention(
         self,
         query: torch.Tensor,
@@ -420,17 +425,24 @@ class KernelLibrary:
             raise RuntimeError(f"pagellm_gemm_q failed with code {rc}")
         return out
 
-    def pack_gguf(self, fmt: str, source: np.ndarray, row_offsets: torch.Tensor, k: int) -> torch.Tensor:
+    def pack_gguf(
+        self, fmt: str, source: np.ndarray, row_offsets: torch.Tensor, k: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """GGUF rows of ``k`` weights straight into ``fmt``'s packed layout (``csrc/gguf_rows.cpp``;
         what ``quant_formats.pack`` makes of the same rows): ``source`` a contiguous uint8 array
         (a memory-mapped file), ``row_offsets`` int64 [tiles * 16] each packed column's first
-        byte in it, -1 for a zero column. Load-time work: it runs on every CPU this process may
-        use (a busy one slows it little: tiles are handed out as threads finish them)."""
+        byte in it, -1 for a zero column; into ``out`` where given (a contiguous uint8 tensor of
+        the packed shape). Load-time work: it runs on every CPU this process may use (a busy one
+        slows it little: tiles are handed out as threads finish them)."""
         offsets = checked_gguf_rows(fmt, source, row_offsets, k, zero_rows=True)
         if offsets.numel() % TILE_COLS:
             raise ValueError("pack_gguf takes 16 row offsets a tile")
         tiles = offsets.numel() // TILE_COLS
-        out = empty_weight(packed_shape(fmt, tiles * TILE_COLS, k))  # huge pages: streamed faster
+        shape = packed_shape(fmt, tiles * TILE_COLS, k)
+        if out is None:
+            out = empty_weight(shape)  # huge pages: streamed faster
+        elif out.dtype != torch.uint8 or tuple(out.shape) != shape or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous uint8 tensor of shape {list(shape)}")
         threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else torch.get_num_threads()
         rc = self._lib.pagellm_pack_gguf(FORMAT_CODES[fmt], source.ctypes.data, offsets.data_ptr(), tiles, k,
                                          out.data_ptr(), threads)  # fmt: skip

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import mmap
 from dataclasses import dataclass
 
@@ -19,7 +20,10 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
 from pagellm.kernels.library import KernelLibrary
-from pagellm.kernels.quant_formats import BLOCK, GGUF_ROW_BYTES, TILE_COLS, QuantizedWeight, k_scales_and_mins
+from pagellm.kernels.quant_formats import (
+    BLOCK, GGUF_ROW_BYTES, TILE_COLS, QuantizedWeight, k_scales_and_mins, packed_shape,
+)
+from pagellm.model.packed_weights_cache import PackedWeightsCache, pack_key
 
 GGUF_FORMATS = {
     T.Q4_0: "q4s", T.Q4_1: "q4", T.Q8_0: "q8", T.Q4_K: "q4k", T.Q5_0: "q5f", T.Q5_1: "q5f", T.Q5_K: "q5f",
@@ -40,9 +44,13 @@ class GGUFRows:
     qtype: T
     k: int
     offsets: torch.Tensor  # int64 [rows]: each row's first wanted byte in ``source``
+    # Where this file's packed weights are kept between starts (None: packed at every load).
+    packs: PackedWeightsCache | None = dataclasses.field(default=None, compare=False)
 
     @classmethod
-    def of(cls, source: np.ndarray, data: np.ndarray, qtype: T, k: int) -> GGUFRows:
+    def of(
+        cls, source: np.ndarray, data: np.ndarray, qtype: T, k: int, packs: PackedWeightsCache | None = None
+    ) -> GGUFRows:
         """The rows of ``data`` ([rows, bytes a row], a view into ``source``)."""
         weights, block_bytes = GGML_QUANT_SIZES[qtype]
         if qtype not in GGUF_FORMATS or k % weights:
@@ -50,7 +58,7 @@ class GGUFRows:
         start = data.ctypes.data - source.ctypes.data
         if not 0 <= start <= source.nbytes - data.nbytes or data.shape[1] != k // weights * block_bytes:
             raise ValueError("GGUF tensor data is not a [rows, row bytes] view of its file")
-        return cls(source, qtype, k, start + torch.arange(data.shape[0], dtype=torch.int64) * data.shape[1])
+        return cls(source, qtype, k, start + torch.arange(data.shape[0], dtype=torch.int64) * data.shape[1], packs)
 
     @property
     def format(self) -> str:
@@ -69,7 +77,7 @@ class GGUFRows:
 
     def select_rows(self, rows: torch.Tensor | slice) -> GGUFRows:
         """These rows only (a permutation or a slice)."""
-        return GGUFRows(self.source, self.qtype, self.k, self.offsets[rows])
+        return dataclasses.replace(self, offsets=self.offsets[rows])
 
     def select_blocks(self, start: int, stop: int) -> GGUFRows | QuantizedWeight:
         """Blocks of 32 ``start:stop`` along k; cut inside a K-quant's super-block, as
@@ -81,7 +89,7 @@ class GGUFRows:
         if start % unit or stop % unit:
             return self.weight().select_blocks(start, stop)
         skip = start // unit * block_bytes
-        return GGUFRows(self.source, self.qtype, (stop - start) * BLOCK, self.offsets + skip)
+        return dataclasses.replace(self, k=(stop - start) * BLOCK, offsets=self.offsets + skip)
 
     def raw(self) -> np.ndarray:
         """The rows' bytes [rows, bytes a row]: a view of the file where they lie in order, one
@@ -130,7 +138,8 @@ def _drop_pages(source: np.ndarray, start: int, stop: int) -> None:
 def pack_gguf_rows(parts: list[GGUFRows], silu_mul: bool, lib: KernelLibrary) -> torch.Tensor | None:
     """The parts stacked by rows, packed straight from the file (``quant_formats.pack``, or with
     ``silu_mul`` ``pack_silu_mul``, of the same weights); None where the kernel does not take
-    them (q5f, or parts of several formats, widths or files)."""
+    them (q5f, or parts of several formats, widths or files). Taken from the file's packed
+    weights cache where it holds them (``first.packs``), and kept there where not."""
     first = parts[0]
     if first.format not in GGUF_ROW_BYTES or any(
         p.qtype != first.qtype or p.k != first.k or p.source is not first.source for p in parts
@@ -145,7 +154,16 @@ def pack_gguf_rows(parts: list[GGUFRows], silu_mul: bool, lib: KernelLibrary) ->
         offsets = torch.where(real, offsets[source.clamp(max=offsets.numel() - 1)], -1)
     padded = torch.full((-(-offsets.numel() // TILE_COLS) * TILE_COLS,), -1, dtype=torch.int64)
     padded[: offsets.numel()] = offsets
-    return lib.pack_gguf(first.format, first.source, padded, first.k)
+    if first.packs is None:
+        return lib.pack_gguf(first.format, first.source, padded, first.k)
+    key = pack_key(first.format, first.k, padded)
+    shape = packed_shape(first.format, padded.numel(), first.k)
+    packed = first.packs.lookup(key, shape)
+    if packed is None:
+        place = first.packs.reserve(key, shape)
+        packed = lib.pack_gguf(first.format, first.source, padded, first.k, out=place)
+        packed = packed if place is None else first.packs.served(packed)
+    return packed
 
 
 def from_gguf_blocks(raw: np.ndarray, qtype: T, k: int) -> QuantizedWeight:

@@ -27,6 +27,7 @@ from pagellm.model.gguf_blocks import GGUF_FORMATS, GGUFRows
 from pagellm.model.gguf_families import (
     ROPE_FACTOR_TENSORS, architecture, family, hf_config, hf_tensor_name, hf_tensors,
 )
+from pagellm.model.packed_weights_cache import PackedWeightsCache
 
 _MISSING = object()
 
@@ -356,17 +357,20 @@ def dequantized_tensor(reader: GGUFFile | _ReaderAdapter, tensor: Any) -> torch.
     return torch.from_numpy(data).reshape(shape)
 
 
-def _kept_blocks(reader: GGUFFile | _ReaderAdapter, tensor: Any) -> QuantizedRows | list[QuantizedRows] | None:
+def _kept_blocks(
+    reader: GGUFFile | _ReaderAdapter, tensor: Any, packs: PackedWeightsCache | None = None
+) -> QuantizedRows | list[QuantizedRows] | None:
     """A 2-D tensor of a type in ``GGUF_FORMATS`` as its rows in the file (a 3-D one, every
     expert's in one, as a list of each expert's); None for other tensors, and for rows that are
-    not whole blocks (they are then dequantized like other types)."""
+    not whole blocks (they are then dequantized like other types). ``packs``: where the rows'
+    packed weights are kept between starts."""
     if tensor.tensor_type not in GGUF_FORMATS or len(tensor.shape) not in (2, 3):
         return None
     data, k = np.asarray(tensor.data), int(tensor.shape[0])
     try:
         if len(tensor.shape) == 3:
-            return [GGUFRows.of(reader.data, data[expert], tensor.tensor_type, k) for expert in range(data.shape[0])]
-        return GGUFRows.of(reader.data, data, tensor.tensor_type, k)
+            return [GGUFRows.of(reader.data, data[expert], tensor.tensor_type, k, packs) for expert in range(data.shape[0])]
+        return GGUFRows.of(reader.data, data, tensor.tensor_type, k, packs)
     except ValueError:
         return None
 
@@ -378,11 +382,13 @@ def iter_gguf_weights(
     keep_float32: bool = False,
     keep_quantized: bool = False,
     keep: Callable[[str], bool] = lambda name: True,
+    packs: PackedWeightsCache | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
     """Yield ``(hf_name, tensor)`` for every tensor, dequantized into ``dtype`` (float32 with
     ``keep_float32``: for a caller that casts while copying), one at a time; with
     ``keep_quantized``, 2-D tensors of the types in ``GGUF_FORMATS`` come as their blocks (a
-    :class:`GGUFRows`, read when packed), not dequantized; only the tensors ``keep`` names."""
+    :class:`GGUFRows`, read when packed, through ``packs`` where given), not dequantized; only
+    the tensors ``keep`` names."""
     gguf_arch = _gguf_arch(reader)
     heads = {"q_proj": arch.num_attention_heads, "k_proj": arch.num_key_value_heads}
     for tensor in reader.tensors:
@@ -394,7 +400,7 @@ def iter_gguf_weights(
         name = hf_tensor_name(tensor.name, gguf_arch)
         if not keep(name):  # another pipeline stage's: never read
             continue
-        blocks = _kept_blocks(reader, tensor) if keep_quantized else None
+        blocks = _kept_blocks(reader, tensor, packs) if keep_quantized else None
         if blocks is not None:
             yield from hf_tensors(name, blocks, gguf_arch, heads)
             continue

@@ -30,6 +30,7 @@ from pagellm.model.gguf_loader import arch_config_from_gguf, has_quantized_linea
 from pagellm.model.idefics3_vision import Idefics3Vision
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.mxfp4 import join_mxfp4_pairs
+from pagellm.model.packed_weights_cache import PackedWeightsCache
 from pagellm.model.registry import validate_arch_config
 from pagellm.model.vision_config import VisionSpec
 
@@ -265,11 +266,12 @@ def load_model(
     device: torch.device = torch.device("cpu"),
     plan: KernelPlan | None = None,
     parallel: ParallelRank | None = None,
+    packs: PackedWeightsCache | None = None,
 ) -> tuple[LlamaForCausalLM, ModelArchConfig]:
     """Build the model with its weights in ``dtype`` on ``device``, in eval mode, no grads,
     with the kernels ``plan`` names (None: PyTorch everywhere); ``parallel``: only this rank's
     share of each layer and its pipeline stage's layers, read from the checkpoint alone (the
-    whole arch is returned)."""
+    whole arch is returned); ``packs``: a GGUF file's packed weights kept between starts."""
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}; use one of {', '.join(map(str, SUPPORTED_DTYPES))}")
     path = resolve_model_path(model)
@@ -282,11 +284,18 @@ def load_model(
         if reader is not None:
             keep_quantized = plan is not None and plan.weights == "gguf"
             weights = iter_gguf_weights(reader, arch, dtype, keep_float32=True, keep_quantized=keep_quantized,
-                                        keep=net.holds_weight)  # fmt: skip
+                                        keep=net.holds_weight, packs=packs)  # fmt: skip
         else:
             # gpt-oss's MXFP4 experts come as blocks and scales: dequantized as each pair arrives.
             weights = join_mxfp4_pairs(_iter_safetensors(safetensors_files(path), keep=net.holds_weight))
-        net.load_weights(weights)
+        try:
+            net.load_weights(weights)
+        except BaseException:
+            if packs is not None:
+                packs.abandon()
+            raise
+        if packs is not None:
+            packs.finish()
     net.requires_grad_(False)
     return net.eval(), arch
 

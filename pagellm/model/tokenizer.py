@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from pagellm.model.gguf_loader import gguf_chat_template
 from pagellm.model.loader import is_gguf, resolve_model_path
-from pagellm.utils import owned_by_me, private_dir
+from pagellm.utils import cache_root, owned_by_me, private_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -37,10 +37,7 @@ def tokenizer_cache_dir() -> Path | None:
     """
     if os.environ.get("PAGELLM_TOKENIZER_CACHE", "1").lower() in ("0", "false", "no", "off"):
         return None
-    root = os.environ.get("PAGELLM_CACHE_DIR")
-    if not root:
-        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagellm")
-    return Path(root) / "tokenizers"
+    return cache_root() / "tokenizers"
 
 
 def _cache_key(gguf: Path) -> str:

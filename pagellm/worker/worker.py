@@ -31,6 +31,7 @@ from pagellm.model.loader import (
     auto_dtype, is_gguf, load_arch_config, load_model, load_vision_encoder, requested_weights, resolve_model_path,
     single_threaded,
 )
+from pagellm.model.packed_weights_cache import PackedWeightsCache
 from pagellm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from pagellm.utils import cdiv
 from pagellm.worker.device import auto_dtype_downcasts_float32, available_memory_bytes, configure_threads, resolve_device
@@ -109,6 +110,17 @@ def host_weight_bytes(config: EngineConfig, plan: KernelPlan, parallel: Parallel
     if parallel is None:
         return whole
     return whole * share.ranks // parallel.world_size
+
+
+def packed_weights_cache(
+    config: EngineConfig, plan: KernelPlan, device: torch.device, role: str
+) -> PackedWeightsCache | None:
+    """Where the packed weights of ``config``'s GGUF model are kept between starts for ``role``
+    (the model or its draft, a rank's share), or None: not packed from the file here, or not kept."""
+    if device.type != "cpu" or plan.weights != "gguf" or plan.kernels is None:
+        return None
+    path = resolve_model_path(config.model.model)
+    return PackedWeightsCache.for_model(path, config.model.packed_weights_cache_bytes, plan.kernels.build_id, role)
 
 
 def _model_name(config: EngineConfig) -> str:
@@ -200,7 +212,12 @@ class Worker:
             weight_bytes += host_weight_bytes(draft_config, draft_plan, None, share) * share.ranks
         check_weights_fit(_model_name(config), weight_bytes, available_memory_bytes(self.device), share)
         check_recurrent_support(load_arch_config(config.model.model), config, parallel)  # (before any weight loads)
-        model, self.arch = load_model(config.model.model, self.dtype, attn_backend, self.device, self.kernel_plan, parallel)
+        role = "model" if parallel is None else f"model rank {parallel.rank} of {parallel.tp_size}x{parallel.pp_size}"
+        packs = packed_weights_cache(config, self.kernel_plan, self.device, role)
+        model, self.arch = load_model(config.model.model, self.dtype, attn_backend, self.device, self.kernel_plan,
+                                      parallel, packs)  # fmt: skip
+        # Weights served from a cache file's pages: the memory reported as available counts them.
+        self.mapped_weight_bytes = 0 if packs is None else packs.mapped_bytes
         # The weights repacked once for the plan's CPU kernels (fused MLPs, packed linears).
         self.cpu_optimizations = self._optimize(model, self.kernel_plan)
         # A vision-language model's encoder, where the rank embeds tokens (every tensor-parallel
@@ -264,6 +281,12 @@ class Worker:
             disk_tier=disk_tier,
         )
 
+    def _available_memory(self, share: HostShare) -> int | None:
+        """The memory available now that the weights are in: the host's, less the weights its
+        ranks map from packed-weights files (page cache, which the host counts as available)."""
+        available = available_memory_bytes(self.device)
+        return None if available is None else available - self.mapped_weight_bytes * share.ranks
+
     def _optimize(self, model: CausalLM, plan: KernelPlan) -> dict[str, int]:
         """Repack ``model``'s weights once for the plan's CPU kernels (fused MLPs, packed linears)."""
         if self.device.type != "cpu":
@@ -275,7 +298,9 @@ class Worker:
         """The draft model (speculative method "draft_model"), checked against the target: the
         same vocabulary (ids the target knows), and every block kept (no window releasing them)."""
         backend = get_attention_backend(plan.attention, self.device, plan.kernels)
-        model, arch = load_model(config.model.model, plan.dtype, backend, self.device, plan, None)
+        packs = packed_weights_cache(config, plan, self.device, "draft")
+        model, arch = load_model(config.model.model, plan.dtype, backend, self.device, plan, None, packs)
+        self.mapped_weight_bytes += 0 if packs is None else packs.mapped_bytes
         if arch.vocab_size > self.arch.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({arch.vocab_size} ids) is larger than the target's "
                              f"({self.arch.vocab_size}); a draft model needs the target's tokenizer")  # fmt: skip
@@ -306,11 +331,11 @@ class Worker:
                       state_snapshots=state_rows - scheduler.max_num_seqs)  # fmt: skip
         if cache.num_kv_blocks is not None or cache.kv_cache_bytes is not None:
             blocks = cache.num_kv_blocks or num_blocks_for_budget(cache.kv_cache_bytes, block_bytes)
-            check_pool_fits(blocks * block_bytes, available_memory_bytes(self.device), share, **states)
+            check_pool_fits(blocks * block_bytes, self._available_memory(share), share, **states)
             return blocks
         if parallel is not None:
             dist.barrier()  # every rank's weights in before any measures
-        available = available_memory_bytes(self.device)
+        available = self._available_memory(share)
         if available is None:
             raise ValueError("kv_cache_memory='auto' needs to know the memory available, which this host does not say; "
                              "give kv_cache_memory a size")  # fmt: skip

@@ -31,6 +31,7 @@ def test_serve_options_map_to_the_engine() -> None:
         "--max-cpu-loras", "5", "--lora-modules", "sql=/adapters/sql", "--allow-runtime-lora-updating",
         "--limit-mm-per-prompt", '{"image": 2}', "--max-image-pixels", "1000000",
         "--kv-offload-dir", "/var/tier", "--kv-offload-size", "64GiB", "--state-snapshot-interval", "256",
+        "--packed-weights-cache-size", "8GiB",
         "--max-state-snapshots", "6",
     ])
     assert args.port == 9001 and args.served_model_name == ["a", "b"] and args.api_key == "k"
@@ -43,6 +44,7 @@ def test_serve_options_map_to_the_engine() -> None:
         "model": "/models/x", "dtype": "bfloat16", "quantization": "int8", "block_size": 32, "kv_cache_memory": "2GiB",
         "num_kv_blocks": None, "enable_prefix_caching": False, "kv_cache_dtype": "fp8",
         "kv_offload_dir": "/var/tier", "kv_offload_size": "64GiB", "state_snapshot_interval": 256, "max_state_snapshots": 6,
+        "packed_weights_cache_size": "8GiB",
         "speculative_config": '{"method": "ngram"}', "pooler_config": '{"pooling_type": "MEAN"}', "enable_lora": True,
         "max_loras": 3, "max_lora_rank": 32, "max_cpu_loras": 5, "max_num_seqs": 8, "max_num_batched_tokens": 512,
         "scheduling_policy": "priority", "priority_aging_steps": 50, "max_model_len": 1024,
