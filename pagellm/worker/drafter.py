@@ -15,9 +15,13 @@ verifies it at; where the target rejects it, the next step computes that positio
 (``InputBatch.num_draft_computed`` never passes the position a step starts from).
 
 A greedy draft is a deterministic function of the sequence, so the verification that keeps the
-target's distribution for n-gram drafts keeps it here too (``sample/rejection.py``). A sequence
-that shares prefix-cached blocks computes their draft KV again on its first draft (the same
-values): which blocks' draft KV another sequence left complete is not tracked.
+target's distribution for n-gram drafts keeps it here too (``sample/rejection.py``).
+
+A sequence that shares prefix-cached blocks (the next turn of a chat, a shared system prompt)
+starts its catch-up past those whose draft KV is complete: ``complete`` marks a block once a
+catch-up has computed the draft KV of all its tokens, and forgets it when the block's contents
+may change (the target computes into it, it is copied over or loaded from the disk tier), so a
+block's draft KV is trusted exactly while its tokens are the ones it was computed for.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 
 from pagellm.model.interface import CausalLM
 from pagellm.sample.sampler import greedy_sample
-from pagellm.step import ModelRunnerOutput, ScheduledSequence
+from pagellm.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from pagellm.worker.flat_batch import FlatLayout, flat_inputs
 from pagellm.worker.input_batch import InputBatch
 from pagellm.worker.kv_cache import KVCache
@@ -42,15 +46,29 @@ class Drafter:
 
     def __init__(
         self, model: CausalLM, kv_cache: KVCache, block_size: int, device: torch.device, argmax_kernels: object,
-        max_tokens: int, vocab_size: int,
+        max_tokens: int, vocab_size: int, num_blocks: int,
     ) -> None:
         self.model = model
+        # Blocks whose draft KV holds every one of the block's tokens (see the module docstring).
+        self.complete = np.zeros(num_blocks, dtype=bool)
         self.vocab_size = vocab_size
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
         self.argmax_kernels = argmax_kernels
         self.max_tokens = max_tokens
+
+    def observe(self, step: SchedulerOutput, batch: InputBatch) -> None:
+        """Forget the blocks whose contents ``step`` changes (after the batch took it, before
+        :meth:`propose`): copies' targets take their source's mark, loaded blocks and every
+        scheduled row's blocks from the first position the target computes lose theirs."""
+        for source, target in step.block_copies:
+            self.complete[target] = self.complete[source]
+        for load in step.kv_loads:
+            self.complete[load.block_ids] = False
+        for item in step.scheduled:
+            row = batch.row_of[item.seq_id]
+            self.complete[batch.block_table[row, item.start_position // self.block_size : batch.num_blocks[row]]] = False
 
     def propose(
         self, batch: InputBatch, scheduled: list[ScheduledSequence], output: ModelRunnerOutput
@@ -65,10 +83,12 @@ class Drafter:
         rows = batch.rows([item.seq_id for item in items])
         counts = np.fromiter((item.num_model_drafts for item in items), np.int64, len(items))
         known = batch.num_tokens[rows].copy()
-        starts = batch.num_draft_computed[rows].copy()
+        starts = self._past_complete_blocks(batch, rows, batch.num_draft_computed[rows].copy(), known)
         output.draft_catch_up = max(output.draft_catch_up, int((known - starts).max()))
         batch.reserve_tokens(int((known + counts).max()))  # drafts go past the rows' tokens
         drafts = [[token] for token in self._catch_up(batch, rows, starts, known)]
+        for row, end in zip(rows, known):  # every known token's draft KV computed now
+            self.complete[batch.block_table[row, : end // self.block_size]] = True
         batch.token_ids[rows, known] = [d[0] for d in drafts]
         for j in range(1, int(counts.max())):
             live = np.flatnonzero(counts > j)
@@ -84,6 +104,18 @@ class Drafter:
             output.drafts[items[n].seq_id] = drafts[n]
             filled[i] = dataclasses.replace(items[n], draft_token_ids=drafts[n], num_model_drafts=0)
         return filled
+
+    def _past_complete_blocks(
+        self, batch: InputBatch, rows: np.ndarray, starts: np.ndarray, known: np.ndarray
+    ) -> np.ndarray:
+        """Each row's catch-up start moved past the complete blocks it reaches (not past its last
+        known position, whose draft forward gives the first draft)."""
+        for i, row in enumerate(rows):
+            block, held = int(starts[i]) // self.block_size, int(batch.num_blocks[row])
+            while block < held and block * self.block_size < known[i] and self.complete[batch.block_table[row, block]]:
+                block += 1
+            starts[i] = max(int(starts[i]), min(block * self.block_size, int(known[i]) - 1))
+        return starts
 
     def _catch_up(self, batch: InputBatch, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> list[int]:
         """Compute the draft KV of each row's positions ``starts .. ends - 1`` (at most

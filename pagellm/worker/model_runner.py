@@ -127,6 +127,7 @@ class ModelRunner:
         load_states(self.kv_cache, scheduler_output.state_loads)
         if self.drafter is not None:
             copy_blocks(self.drafter.kv_cache, scheduler_output.block_copies)
+            self.drafter.observe(scheduler_output, self.batch)
         if scheduler_output.is_empty:
             return output
         if self.link is None:

@@ -273,7 +273,7 @@ class Worker:
                                             draft.arch.num_key_value_heads, draft.arch.head_dim, draft_kv_dtype,
                                             self.device)  # fmt: skip
             drafter = Drafter(draft.model, draft_cache, self.block_size, self.device, draft.plan.library("argmax"),
-                              config.scheduler.max_num_batched_tokens, draft.arch.vocab_size)  # fmt: skip
+                              config.scheduler.max_num_batched_tokens, draft.arch.vocab_size, self.num_blocks)  # fmt: skip
         self.model_runner = ModelRunner(
             model, kv_cache, self.block_size, self.device, sorted(self.eos_token_ids), self.kernel_plan,
             samples=parallel is None or parallel.samples, link=link, micro_batches=micro_batches, drafter=drafter,

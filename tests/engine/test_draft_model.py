@@ -76,6 +76,37 @@ def test_a_prefix_cache_hit_and_preemption_keep_the_draft_exact(tiny_llama_path,
     assert all_blocks_free(small)
 
 
+def test_the_next_turn_starts_its_draft_past_the_blocks_it_shares(tiny_llama_path, plain):
+    """A request whose prompt is the last one's prompt and answer, then more (a chat's next turn):
+    the draft's first catch-up starts past the shared blocks whose draft KV the first request
+    computed, and every draft is still accepted (the target as its own draft: a draft KV not of
+    these tokens would be rejected)."""
+    llm = LLM(tiny_llama_path, block_size=4, num_kv_blocks=256, speculative_config=draft_spec(tiny_llama_path))
+    drafter = llm.llm_engine.executor.model_runner.drafter
+    spans: list[tuple[int, int]] = []  # (start, end) of each row's catch-up
+    catch_up = drafter._catch_up
+
+    def recorded(batch, rows, starts, ends):  # type: ignore[no-untyped-def]
+        spans.extend((int(start), int(end)) for start, end in zip(starts, ends))
+        return catch_up(batch, rows, starts, ends)
+
+    drafter._catch_up = recorded
+    first = list(range(1000, 1050))
+    answer = list(llm.generate([{"prompt_token_ids": first}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
+    assert spans[0] == (0, len(first) + 1)  # nothing shared yet: the prompt and the first token
+    # The blocks whose tokens all had their draft KV computed by the first request's last catch-up.
+    complete = spans[-1][1] // 4 * 4
+    spans.clear()
+    turn = first + answer + list(range(2000, 2007))
+    got = list(llm.generate([{"prompt_token_ids": turn}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
+    want = list(plain.generate([{"prompt_token_ids": turn}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
+    assert got == want
+    assert llm.llm_engine.kv_cache_manager.stats.hits > 0
+    assert complete > len(first) and spans[0] == (complete, len(turn) + 1)
+    assert stats(llm).num_accepted_tokens == stats(llm).num_draft_tokens > 0
+    assert all_blocks_free(llm)
+
+
 @pytest.fixture(scope="module")
 def other_draft(tiny_llama_path, tmp_path_factory, default_tokenizer):
     """A different random Llama with the target's tokenizer: its drafts mostly fail."""
