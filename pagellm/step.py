@@ -6,7 +6,9 @@ Plain data below both, so the worker never imports the scheduler and vice versa.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from pagellm.lora_request import LoRARequest
@@ -101,6 +103,20 @@ class GrammarBitmask:
 
     rows: dict[str, int]  # sequence id -> its row of ``bitmask`` (verifying drafts: its first of 1 + k)
     bitmask: torch.Tensor  # [rows, ceil(vocab / 32)] int32
+
+
+class DraftGrammar(Protocol):
+    """The constrained sequences' grammars as a draft model proposing in the engine's process
+    reads them (``worker/drafter.py``; the engine's structured-output manager plays it).
+    ``vocab_size``: the ids its masks cover (32 a word)."""
+
+    vocab_size: int
+
+    def mask_after(self, seq_id: str, drafts: list[int], words: np.ndarray, row: int) -> bool:
+        """Fill ``words[row]`` (``GrammarBitmask`` words) with the tokens the sequence's grammar
+        allows after ``drafts``, from its state now; False, the row untouched, where a draft is
+        not allowed or completes the document (the target samples that token itself)."""
+        ...
 
 
 @dataclass

@@ -495,8 +495,8 @@ class Scheduler:
                 if item.sample:  # its prompt is done: the worker pooled it
                     self._finish_pooled(seq, runner_output.pooled.get(item.seq_id), finished)
                 continue
-            if num_drafts and self.speculator is not None and token_id is not None:
-                self.speculator.record(seq.seq_id, num_drafts, accepted)
+            if drafts and self.speculator is not None and token_id is not None:  # (a grammar may cut model drafts)
+                self.speculator.record(seq.seq_id, len(drafts), accepted)
             if token_id is None or seq.tokens_chosen_outside:  # no sample this step, or its owner picks
                 continue
             children = self._fork_children(seq) if item.forks else []

@@ -8,8 +8,8 @@ A sequence speculates when its next step is a plain decode (one known token left
 and its tokens are the sampler's (not a beam's). A structured output speculates with n-gram
 drafts: ``draft_filter`` (the engine wires the grammar's) cuts them at the first token its
 grammar forbids, and the worker masks each verified position by the grammar's state there; a
-draft model's drafts are not checked against a grammar, so constrained sequences do not take
-them. Those run as before: correct, without drafts
+draft model masks each draft by the grammar where it runs in the engine's process (one rank:
+``model_drafts_constrained``), and elsewhere constrained sequences take no model drafts
 (docs/speculative-decoding.md). Each draft position is penalized and masked (``min_tokens``) as
 plain decoding would be there, and logprobs are reported for every accepted draft. Drafts never
 exceed what the request may still produce (``max_tokens``, the context limit) nor the step's
@@ -67,12 +67,13 @@ class SpeculationStats:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
-def speculates(seq: Sequence, model_drafts: bool = False) -> bool:
-    """Whether ``seq``'s sampling lets drafts be verified (see the module docstring)."""
+def speculates(seq: Sequence, unconstrained_only: bool = False) -> bool:
+    """Whether ``seq``'s sampling lets drafts be verified (see the module docstring);
+    ``unconstrained_only``: drafts that cannot be checked against a grammar."""
     constrained = seq.sampling_params.structured_outputs is not None
     # Samples waiting to fork from this step's token (n > 1) are born from its last position, and
     # would copy the drafts' computed positions: the first token of such a request is drawn plain.
-    return (not seq.tokens_chosen_outside and not seq.pending_forks and not (constrained and model_drafts)
+    return (not seq.tokens_chosen_outside and not seq.pending_forks and not (constrained and unconstrained_only)
             and seq.pooling is None)  # fmt: skip
 
 
@@ -137,6 +138,9 @@ class Speculator:
         # How many leading drafts a constrained sequence's grammar allows (seq id, drafts) -> count;
         # the engine sets it (None: no constrained sequence has drafts cut).
         self.draft_filter: Callable[[str, list[int]], int] | None = None
+        # Whether the draft model masks its drafts by their grammar (the engine sets it where the
+        # draft runs in its process); if not, constrained sequences take no model drafts.
+        self.model_drafts_constrained = False
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.stats = SpeculationStats()
         self._acceptance: dict[str, _Acceptance] = {}
@@ -166,7 +170,8 @@ class Speculator:
     def drafts(self, seq: Sequence, budget: int, max_model_len: int) -> Drafts:
         """The drafts ``seq`` verifies in its next step (``budget``: the step's tokens left,
         its own token included); none for a plain step."""
-        if seq.num_tokens - seq.num_computed_tokens != 1 or not speculates(seq, self.config.uses_draft_model):
+        unchecked = self.config.uses_draft_model and not self.model_drafts_constrained
+        if seq.num_tokens - seq.num_computed_tokens != 1 or not speculates(seq, unchecked):
             return NO_DRAFTS
         limit = min(
             self.config.num_speculative_tokens,

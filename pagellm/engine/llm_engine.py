@@ -114,6 +114,11 @@ class LLMEngine:
         )
         if self.scheduler.speculator is not None:  # constrained drafts are cut where their grammar forbids
             self.scheduler.speculator.draft_filter = self.structured_output.valid_drafts
+            runner = self.executor.model_runner
+            if config.device.world_size == 1 and runner is not None and runner.drafter is not None:
+                # The draft model runs in this process: it masks its drafts by their grammars.
+                runner.drafter.grammar = self.structured_output
+                self.scheduler.speculator.model_drafts_constrained = True
         self._step_lock = threading.Lock()  # (held by a step: ``close`` never runs the worker beside one)
         # With a disk tier, closing writes what the pool holds: also when the engine is dropped
         # unclosed, or Python exits (an offline ``LLM`` is never closed).

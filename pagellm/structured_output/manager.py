@@ -182,6 +182,25 @@ class StructuredOutputManager(Generic[Waiting]):
         matcher.rollback(consumed)
         return valid
 
+    def mask_after(self, seq_id: str, drafts: list[int], words: np.ndarray, row: int) -> bool:
+        """``DraftGrammar``: the sequence's mask after ``drafts`` into ``words[row]``, or False where a
+        draft is not allowed or completes the document; the state is restored."""
+        matcher = self._matchers.get(seq_id)
+        if matcher is None or (drafts and int(matcher.validate_tokens(drafts)) < len(drafts)):
+            return False
+        consumed = 0
+        try:
+            for token in drafts:
+                if not matcher.consume_token(token):
+                    return False
+                consumed += 1
+            if matcher.is_stopped():
+                return False
+            fill_next_token_bitmask(matcher, words, row)
+            return True
+        finally:
+            matcher.rollback(consumed)
+
     def accept(self, tokens: Iterable[tuple[str, list[int]]]) -> tuple[list[str], dict[str, str]]:
         """Advance each constrained sequence by the tokens appended to it (several where it
         accepted drafts). Returns the sequences whose document is now complete (nothing but EOS

@@ -27,13 +27,15 @@ block's draft KV is trusted exactly while its tokens are the ones it was compute
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 
 from pagellm.model.interface import CausalLM
+from pagellm.sample.grammar_mask import apply_token_bitmask
 from pagellm.sample.sampler import greedy_sample
-from pagellm.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from pagellm.step import DraftGrammar, ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from pagellm.worker.flat_batch import FlatLayout, flat_inputs
 from pagellm.worker.input_batch import InputBatch
 from pagellm.worker.kv_cache import KVCache
@@ -51,6 +53,8 @@ class Drafter:
         self.model = model
         # Blocks whose draft KV holds every one of the block's tokens (see the module docstring).
         self.complete = np.zeros(num_blocks, dtype=bool)
+        # The constrained sequences' grammars, where the engine runs this drafter in its process.
+        self.grammar: DraftGrammar | None = None
         self.vocab_size = vocab_size
         self.kv_cache = kv_cache
         self.block_size = block_size
@@ -72,38 +76,82 @@ class Drafter:
 
     def propose(
         self, batch: InputBatch, scheduled: list[ScheduledSequence], output: ModelRunnerOutput
-    ) -> list[ScheduledSequence]:
+    ) -> tuple[list[ScheduledSequence], dict[str, np.ndarray]]:
         """The step with every ``num_model_drafts`` filled in as ``draft_token_ids`` (written
         past each row's tokens, where the target's inputs read them); the drafts also go into
-        ``output.drafts``."""
+        ``output.drafts``. A constrained sequence's drafts are masked by its grammar and cut
+        before one it forbids or one that completes its document (its step then verifies fewer);
+        its mask rows (before each draft and after the last) are returned for the verification."""
         wanted = [i for i, item in enumerate(scheduled) if item.num_model_drafts]
         if not wanted:
-            return scheduled
+            return scheduled, {}
         items = [scheduled[i] for i in wanted]
         rows = batch.rows([item.seq_id for item in items])
-        counts = np.fromiter((item.num_model_drafts for item in items), np.int64, len(items))
+        requested = np.fromiter((item.num_model_drafts for item in items), np.int64, len(items))
+        counts = requested.copy()
         known = batch.num_tokens[rows].copy()
+        masks = self._first_masks(batch, items, rows, counts)
         starts = self._past_complete_blocks(batch, rows, batch.num_draft_computed[rows].copy(), known)
         output.draft_catch_up = max(output.draft_catch_up, int((known - starts).max()))
         batch.reserve_tokens(int((known + counts).max()))  # drafts go past the rows' tokens
-        drafts = [[token] for token in self._catch_up(batch, rows, starts, known)]
+        drafts = [[token] for token in self._catch_up(batch, rows, starts, known, {i: m[0] for i, m in masks.items()})]
         for row, end in zip(rows, known):  # every known token's draft KV computed now
             self.complete[batch.block_table[row, : end // self.block_size]] = True
         batch.token_ids[rows, known] = [d[0] for d in drafts]
-        for j in range(1, int(counts.max())):
+        self._check(items, drafts, counts, masks, range(len(items)), 0)
+        for j in range(1, int(counts.max(initial=0))):
             live = np.flatnonzero(counts > j)
+            if not len(live):  # (every row cut by its grammar)
+                break
             layout = FlatLayout.of(rows[live], known[live] + j - 1, np.ones(len(live), dtype=np.int64))
-            tokens = self._forward(batch, layout, layout.last_indices)
+            tokens = self._forward(batch, layout, layout.last_indices, [masks[i][j] if i in masks else None for i in live])
             batch.token_ids[rows[live], known[live] + j] = tokens
             for i, token in zip(live, tokens):
                 drafts[i].append(token)
-        # The last draft's K/V is never written: computed up to the one before it.
-        batch.num_draft_computed[rows] = known + counts - 1
+            self._check(items, drafts, counts, masks, live, j)
+        # The last draft's K/V is never written: computed up to the one before it (the catch-up's
+        # last known position where no draft is left).
+        batch.num_draft_computed[rows] = known + np.maximum(counts - 1, 0)
+        drafts = [tokens[:count] for tokens, count in zip(drafts, counts)]
         filled = list(scheduled)
         for n, i in enumerate(wanted):
             output.drafts[items[n].seq_id] = drafts[n]
-            filled[i] = dataclasses.replace(items[n], draft_token_ids=drafts[n], num_model_drafts=0)
-        return filled
+            fewer = int(requested[n] - counts[n])
+            filled[i] = dataclasses.replace(items[n], draft_token_ids=drafts[n], num_model_drafts=0,
+                                            num_tokens=items[n].num_tokens - fewer)  # fmt: skip
+        return filled, {items[i].seq_id: words[: counts[i] + 1] for i, words in masks.items() if counts[i]}
+
+    def _first_masks(
+        self, batch: InputBatch, items: list[ScheduledSequence], rows: np.ndarray, counts: np.ndarray
+    ) -> dict[int, np.ndarray]:
+        """Each constrained row's mask rows (one before each draft, one after the last), the
+        first filled (its grammar's state now); a row whose grammar allows nothing more drafts
+        nothing (``counts`` cut to 0)."""
+        masks: dict[int, np.ndarray] = {}
+        for i, row in enumerate(rows):
+            if batch.params[row].structured_outputs is None:
+                continue
+            if self.grammar is None:
+                raise RuntimeError("a constrained sequence was given model drafts without its grammar")
+            words = np.zeros((int(counts[i]) + 1, -(-self.grammar.vocab_size // 32)), dtype=np.int32)
+            if self.grammar.mask_after(items[i].seq_id, [], words, 0):
+                masks[i] = words
+            else:
+                counts[i] = 0
+        return masks
+
+    def _check(
+        self, items: list[ScheduledSequence], drafts: list[list[int]], counts: np.ndarray,
+        masks: dict[int, np.ndarray], live: Iterable[int], j: int,
+    ) -> None:
+        """Draft ``j`` of each live constrained row: its grammar's state after it into mask row
+        ``j + 1``, or the row's drafts cut before it (``counts``: not allowed, or completing the
+        document)."""
+        for i in live:
+            if i in masks and counts[i] > j and not self.grammar.mask_after(  # type: ignore[union-attr]
+                items[i].seq_id, drafts[i], masks[i], j + 1
+            ):
+                counts[i] = j
 
     def _past_complete_blocks(
         self, batch: InputBatch, rows: np.ndarray, starts: np.ndarray, known: np.ndarray
@@ -117,10 +165,12 @@ class Drafter:
             starts[i] = max(int(starts[i]), min(block * self.block_size, int(known[i]) - 1))
         return starts
 
-    def _catch_up(self, batch: InputBatch, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> list[int]:
+    def _catch_up(
+        self, batch: InputBatch, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, masks: dict[int, np.ndarray]
+    ) -> list[int]:
         """Compute the draft KV of each row's positions ``starts .. ends - 1`` (at most
         ``max_tokens`` a forward, long spans cut into chunks); the greedy token after each
-        row's last position."""
+        row's last position (under its mask row, ``masks[i]``, where it has one)."""
         first = [0] * len(rows)
         position = starts.copy()
         while True:
@@ -139,13 +189,16 @@ class Drafter:
             lengths_np = np.asarray(lengths, dtype=np.int64)
             layout = FlatLayout.of(rows[chosen_np], position[chosen_np], lengths_np)
             done = np.flatnonzero(position[chosen_np] + lengths_np == ends[chosen_np])
-            tokens = self._forward(batch, layout, layout.last_indices[done])
+            tokens = self._forward(batch, layout, layout.last_indices[done], [masks.get(chosen[d]) for d in done])
             for index, token in zip(done, tokens):
                 first[chosen[index]] = token
             position[chosen_np] += lengths_np
 
-    def _forward(self, batch: InputBatch, layout: FlatLayout, sample_indices: np.ndarray) -> list[int]:
-        """One draft forward over ``layout`` (its KV written); the argmax at ``sample_indices``."""
+    def _forward(
+        self, batch: InputBatch, layout: FlatLayout, sample_indices: np.ndarray, masks: list[np.ndarray | None]
+    ) -> list[int]:
+        """One draft forward over ``layout`` (its KV written); the argmax at ``sample_indices``,
+        each under its grammar's mask row where ``masks`` gives one."""
         flat = flat_inputs(batch, layout, self.block_size, self.device, [np.asarray(sample_indices, dtype=np.int64)])
         # A token the draft does not know reads as id 0: its drafts there are poor, never wrong.
         flat.input_ids.masked_fill_(flat.input_ids >= self.vocab_size, 0)
@@ -153,4 +206,11 @@ class Drafter:
         if not len(sample_indices):
             return []
         logits = self.model.compute_logits(hidden[flat.extra[0]], upcast=False)
+        present = [mask for mask in masks if mask is not None]
+        if present:
+            mask_rows, n = [], 0
+            for mask in masks:
+                mask_rows.append(None if mask is None else n)
+                n += mask is not None
+            apply_token_bitmask(logits, torch.from_numpy(np.stack(present)), mask_rows, self.argmax_kernels)  # type: ignore[arg-type]
         return greedy_sample(logits, self.argmax_kernels).tolist()

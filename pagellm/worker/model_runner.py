@@ -133,7 +133,8 @@ class ModelRunner:
         if self.link is None:
             scheduled = scheduler_output.scheduled
             if self.drafter is not None:
-                scheduled = self.drafter.propose(self.batch, scheduled, output)
+                scheduled, draft_masks = self.drafter.propose(self.batch, scheduled, output)
+                grammar = with_draft_masks(grammar, draft_masks)
             if self.lora is not None and self.batch.uses_lora:  # each adapter's rows side by side: a slice each
                 ids = self.batch.lora_id
                 scheduled = sorted(scheduled, key=lambda item: int(ids[self.batch.row_of[item.seq_id]]))
@@ -433,3 +434,19 @@ def _token_logprobs(ids: list[int], values: list[float], rank: int, num_top: int
     result = [(ids[0], values[0], rank)]
     result.extend((ids[j], values[j], j) for j in range(1, num_top + 1))
     return result
+
+
+def with_draft_masks(grammar: GrammarBitmask | None, draft_masks: dict[str, np.ndarray]) -> GrammarBitmask | None:
+    """The step's grammar masks with the draft model's constrained rows in place of their one
+    row: each such sequence's rows before each of its drafts and after the last."""
+    if not draft_masks:
+        return grammar
+    if grammar is None:
+        raise RuntimeError("model drafts were masked by a grammar the step has no masks for")
+    rows = dict(grammar.rows)
+    first = grammar.bitmask.shape[0]
+    for seq_id, words in draft_masks.items():
+        rows[seq_id] = first
+        first += len(words)
+    bitmask = torch.cat([grammar.bitmask, *(torch.from_numpy(words) for words in draft_masks.values())])
+    return GrammarBitmask(rows=rows, bitmask=bitmask)

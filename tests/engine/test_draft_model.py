@@ -86,9 +86,9 @@ def test_the_next_turn_starts_its_draft_past_the_blocks_it_shares(tiny_llama_pat
     spans: list[tuple[int, int]] = []  # (start, end) of each row's catch-up
     catch_up = drafter._catch_up
 
-    def recorded(batch, rows, starts, ends):  # type: ignore[no-untyped-def]
+    def recorded(batch, rows, starts, ends, masks):  # type: ignore[no-untyped-def]
         spans.extend((int(start), int(end)) for start, end in zip(starts, ends))
-        return catch_up(batch, rows, starts, ends)
+        return catch_up(batch, rows, starts, ends, masks)
 
     drafter._catch_up = recorded
     first = list(range(1000, 1050))
@@ -153,6 +153,40 @@ def test_sampled_and_forked_requests_repeat_themselves(self_draft, other_draft):
         again = [[list(c.token_ids) for c in o.outputs] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         assert first == again and all(len(c) == 24 for o in first for c in o)
         assert all_blocks_free(llm)
+
+
+def test_constrained_requests_take_model_drafts_within_their_grammar(plain, self_draft, other_draft):
+    """A draft model masks each draft by the request's grammar and stops before one that would
+    complete the document; the target verifies under the grammar's state at each position. The
+    target as its own draft has every draft accepted (a draft masked otherwise than its
+    verification would be rejected); a disagreeing draft keeps plain decoding's output."""
+    import json
+
+    import jsonschema
+
+    from pagellm.structured_outputs_params import StructuredOutputsParams
+
+    repeat = StructuredOutputsParams(regex="(one two three four ){3}one two")
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 6}},
+              "required": ["a"], "additionalProperties": False}  # fmt: skip
+    requests = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=repeat),
+                SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema))]
+    for llm in (self_draft, other_draft):
+        before = (stats(llm).num_draft_tokens, stats(llm).num_accepted_tokens)
+        for params in requests:
+            got = llm.generate(PROMPTS, params, use_tqdm=False)
+            assert [list(o.outputs[0].token_ids) for o in got] == tokens(plain, PROMPTS, params)
+        for out in got:
+            jsonschema.validate(json.loads(out.outputs[0].text), schema)
+        proposed, accepted = (stats(llm).num_draft_tokens - before[0], stats(llm).num_accepted_tokens - before[1])
+        assert proposed > 20
+        if llm is self_draft:
+            assert accepted == proposed
+        assert all_blocks_free(llm)
+    sampled = SamplingParams(temperature=0.9, seed=4, max_tokens=40, structured_outputs=repeat)
+    first = [o.outputs[0].text for o in self_draft.generate(PROMPTS[:2], sampled, use_tqdm=False)]
+    assert first == [o.outputs[0].text for o in self_draft.generate(PROMPTS[:2], sampled, use_tqdm=False)]
+    assert all(text.startswith("one two three four") for text in first)
 
 
 def test_every_block_holds_the_draft_layers_too(tiny_llama_path):
