@@ -22,9 +22,11 @@ from pagellm.kernels.library import KernelLibrary
 from pagellm.kernels.packing import lora_b_elems, pack_lora_b
 from pagellm.kernels.stack_args import STACK_LINEARS, LoRALinearArgs
 from pagellm.model.layer_spec import LayerSpec
-from pagellm.model.lora_adapter import ATTENTION_TARGETS, FUSED_TARGETS, AdapterInfo, LoRAAdapter, target_shape
+from pagellm.model.lora_adapter import (
+    ATTENTION_TARGETS, FUSED_TARGETS, AdapterInfo, LoRAAdapter, fused_parts, target_shape,
+)
 
-_FUSED_OF = {target: fused for fused, targets in FUSED_TARGETS.items() for target in targets}
+_FUSED_OF = {target: fused for fused, targets in FUSED_TARGETS.items() for target in targets} | {"g_proj": "qkv_proj"}
 
 
 @dataclass
@@ -39,6 +41,7 @@ class _Linear:
     features_out: int
     width: int  # parts * rank: A's rows, B's columns
     rows: list[slice]  # each part's output rows
+    parts: tuple[str, ...]  # the targets those rows are (``fused_parts``)
     a_of: list[torch.Tensor]
     b_of: list[torch.Tensor]
     active: torch.Tensor  # uint8 [max_loras]: 1 where the slot's adapter adds to this linear
@@ -73,18 +76,19 @@ class LoRASlots:
         self.kernels = kernels
         self.linears: dict[tuple[int, str], _Linear] = {}
         for spec in specs:
-            for fused, targets in FUSED_TARGETS.items():
+            for fused in FUSED_TARGETS:
+                targets = fused_parts(spec, fused)
                 # (attention's linears where the layer has attention, the MLP's where it is dense)
                 if spec.recurrent if targets[0] in ATTENTION_TARGETS else spec.moe:
                     continue
                 shapes = [target_shape(spec, t) for t in targets]
                 starts = [sum(out for _, out in shapes[:i]) for i in range(len(shapes) + 1)]
-                self.linears[(spec.index, fused)] = self._linear(shapes[0][0], starts, device)
+                self.linears[(spec.index, fused)] = self._linear(shapes[0][0], starts, targets, device)
         # Per slot, the fused linears its adapter adds to (the others' buffers stay zero).
         self.targets: list[frozenset[tuple[int, str]]] = [frozenset()] * max_loras
         self._stack_args: tuple[tuple[int, ...], ctypes.Array[LoRALinearArgs]] | None = None
 
-    def _linear(self, features_in: int, starts: list[int], device: torch.device) -> _Linear:
+    def _linear(self, features_in: int, starts: list[int], parts: tuple[str, ...], device: torch.device) -> _Linear:
         """Zero buffers of every slot for a linear whose parts' outputs start at ``starts``."""
         n, width, slots = starts[-1], (len(starts) - 1) * self.max_rank, range(self.max_loras)
         rows = [slice(s, e) for s, e in zip(starts, starts[1:])]
@@ -92,7 +96,7 @@ class LoRASlots:
         if self.kernels is None:
             a = [torch.zeros(width, features_in, dtype=self.dtype, device=device) for _ in slots]
             b = [torch.zeros(n, width, dtype=self.dtype, device=device) for _ in slots]
-            return _Linear(features_in, n, width, rows, a, b, active)
+            return _Linear(features_in, n, width, rows, parts, a, b, active)
         a = [torch.zeros(width, features_in, dtype=self.dtype) for _ in slots]
         b = [torch.zeros(lora_b_elems(starts, self.max_rank, self.dtype), dtype=self.dtype) for _ in slots]
         a_ptrs, b_ptrs = ((ctypes.c_void_p * self.max_loras)(*(t.data_ptr() for t in ts)) for ts in (a, b))
@@ -100,7 +104,7 @@ class LoRASlots:
             width, self.max_rank, len(rows), features_in, (ctypes.c_int64 * 5)(*starts), ctypes.addressof(a_ptrs),
             ctypes.addressof(b_ptrs), active.data_ptr(), DTYPE_CODES[self.dtype], self.max_loras,
         )  # fmt: skip
-        return _Linear(features_in, n, width, rows, a, b, active, args, (a_ptrs, b_ptrs))
+        return _Linear(features_in, n, width, rows, parts, a, b, active, args, (a_ptrs, b_ptrs))
 
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for lin in self.linears.values() for t in (*lin.a_of, *lin.b_of))
@@ -117,7 +121,7 @@ class LoRASlots:
                 whole[(layer, fused)] = (torch.zeros(linear.width, linear.features_in),
                                          torch.zeros(linear.features_out, linear.width))  # fmt: skip
             a_whole, b_whole = whole[(layer, fused)]
-            part = FUSED_TARGETS[fused].index(target)
+            part = linear.parts.index(target)
             r, first = a.shape[0], part * self.max_rank
             a_whole[first : first + r] = a
             b_whole[linear.rows[part], first : first + r] = b

@@ -38,8 +38,10 @@ MAX_CONFIG_BYTES = 1 << 20
 FLOAT_DTYPES = ("F32", "F16", "BF16")  # safetensors' names of the dtypes an adapter's weights may have
 # The projections an adapter may target, each the part of one of the model's fused linears.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ATTENTION_TARGETS = frozenset(("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"))
-# Each of a layer's linears as the model fuses them, and the targets that are its parts (in row order).
+ATTENTION_TARGETS = frozenset(("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "g_proj"))
+# Each of a layer's linears as the model fuses them, and the targets that are its parts (in row
+# order; ``fused_parts``: with Qwen3.5's output gate, whose rows its q_proj's adapter splits like
+# its weight, ``g_proj`` after v).
 FUSED_TARGETS: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "o_proj": ("o_proj",),
@@ -91,6 +93,12 @@ class LoRAAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
+def fused_parts(spec: LayerSpec, fused: str) -> tuple[str, ...]:
+    """The parts of ``spec``'s fused linear ``fused`` an adapter adds to, in row order."""
+    parts = FUSED_TARGETS[fused]
+    return (*parts, "g_proj") if fused == "qkv_proj" and spec.output_gate else parts
+
+
 def target_shape(spec: LayerSpec, target: str) -> tuple[int, int]:
     """``(in_features, out_features)`` of one layer's projection (a whole model's, not a rank's),
     or of projections fused in one tensor (``FUSED_ADAPTER_TARGETS``)."""
@@ -100,7 +108,7 @@ def target_shape(spec: LayerSpec, target: str) -> tuple[int, int]:
     return {
         "q_proj": (hidden, spec.q_size), "k_proj": (hidden, spec.kv_size), "v_proj": (hidden, spec.kv_size),
         "o_proj": (spec.q_size, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
-        "down_proj": (inter, hidden),
+        "down_proj": (inter, hidden), "g_proj": (hidden, spec.q_size),
     }[target]  # fmt: skip
 
 
@@ -264,13 +272,15 @@ def _check_shapes(
         if target in ATTENTION_TARGETS and spec.recurrent:
             raise LoRAAdapterError(f"adapter {path!r} targets {name}, but that layer of {arch.architecture} has no "
                                    "attention")  # fmt: skip
-        if target in ("q_proj", "qkv_proj") and spec.output_gate:
-            raise LoRAAdapterError(f"adapter {path!r} targets {name}: {arch.architecture}'s q_proj makes each head's "
-                                   "query and output gate, which take no adapter yet (k/v/o and the MLP do)")  # fmt: skip
+        if target == "qkv_proj" and spec.output_gate:
+            raise LoRAAdapterError(f"adapter {path!r} targets {name}: {arch.architecture} has separate q/k/v "
+                                   "projections (its q_proj makes each head's query and output gate)")  # fmt: skip
         if target not in ATTENTION_TARGETS and spec.moe:
             raise LoRAAdapterError(f"adapter {path!r} targets {name}, but that layer is a mixture of experts "
                                    "(adapters on experts are not supported)")  # fmt: skip
         features_in, features_out = target_shape(spec, target)
+        if target == "q_proj" and spec.output_gate:  # (each head's query rows, then its gate's: split on read)
+            features_out *= 2
         a, b = parts["A"], parts["B"]
         if len(a) != 2 or len(b) != 2 or a[1] != features_in or b[0] != features_out or a[0] != b[1]:
             raise LoRAAdapterError(

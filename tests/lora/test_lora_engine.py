@@ -313,3 +313,19 @@ def test_adapters_of_an_interleaved_rotary_family_equal_peft(tiny_glm4_path, tmp
     assert reference != [hf_greedy(load_hf_model(tiny_glm4_path), p, MAX_TOKENS) for p in PROMPTS]
     llm = LLM(tiny_glm4_path, dtype="float32", enable_lora=True, max_lora_rank=8, num_kv_blocks=128)
     assert _tokens(_run(llm, ["glm4"], {"glm4": LoRARequest("glm4", 1, path)})["glm4"]) == reference
+
+
+def test_adapters_of_an_output_gated_family_equal_peft(tiny_qwen3_5_path, tmp_path):
+    """Qwen3.5's q_proj makes each head's query and its output gate (its weight split at load into
+    q and a gate after v): an adapter on q_proj has its B split the same way, so its greedy output
+    is PEFT's; with delta-net layers beside (no attention: their projections are refused)."""
+    targets = r".*\.(self_attn\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(gate_proj|up_proj|down_proj))"
+    path = write_lora_adapter(str(tmp_path / "q35"), tiny_qwen3_5_path, seed=9, targets=targets)
+    reference = [hf_greedy(peft_model(tiny_qwen3_5_path, path), p, MAX_TOKENS) for p in PROMPTS]
+    assert reference != [hf_greedy(load_hf_model(tiny_qwen3_5_path), p, MAX_TOKENS) for p in PROMPTS]
+    query_only = write_lora_adapter(str(tmp_path / "q35q"), tiny_qwen3_5_path, seed=10, targets=r".*\.self_attn\.q_proj")
+    query_reference = [hf_greedy(peft_model(tiny_qwen3_5_path, query_only), p, MAX_TOKENS) for p in PROMPTS]
+    llm = LLM(tiny_qwen3_5_path, dtype="float32", enable_lora=True, max_lora_rank=8, num_kv_blocks=128)
+    requests = {"q35": LoRARequest("q35", 1, path), "q": LoRARequest("q", 2, query_only)}
+    got = _run(llm, ["q35", "q"], requests)
+    assert _tokens(got["q35"]) == reference and _tokens(got["q"]) == query_reference
