@@ -510,6 +510,18 @@ def tiny_granite_hybrid_path(tmp_path_factory: pytest.TempPathFactory, default_t
 
 
 @pytest.fixture(scope="session")
+def tiny_bamba_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny Bamba: Mamba-2 layers (two groups of B and C, chunks of 8 tokens) around one attention
+    layer with a rotary over half of each head, a dense MLP."""
+    from transformers import BambaConfig
+
+    config = BambaConfig(**{**TINY_SHAPE, "num_hidden_layers": 4}, **token_ids(default_tokenizer),
+                         attn_layer_indices=[2], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2,
+                         mamba_d_conv=4, mamba_chunk_size=8, initializer_range=0.1)  # fmt: skip
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_bamba"), config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
 def tiny_granite_hybrid_moe_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
     """Tiny Granite-4.0-H with routed experts (H Tiny's layout): top-2 of 4 experts (their float32
     logits softmaxed) beside the shared MLP in every layer, rope in the attention layer."""

@@ -13,7 +13,9 @@ from typing import Any
 import torch
 
 from pagellm.kv_layout import kv_bytes_per_token
-from pagellm.model.scan_shapes import DELTA_NET, MAMBA, DeltaNetShape, MambaShape, granite_hybrid_config, qwen3_5_fields
+from pagellm.model.scan_shapes import (
+    DELTA_NET, MAMBA, DeltaNetShape, MambaShape, bamba_config, granite_hybrid_config, qwen3_5_fields,
+)
 from pagellm.model.text_of_multimodal import text_model_config
 from pagellm.model.rope_config import FULL, ntk_alpha, partial_rotary_factor, rope_from_hf
 
@@ -42,13 +44,14 @@ _MODEL_TYPE_TO_ARCH = {
     "gpt_oss": "GptOssForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+    "bamba": "BambaForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 # Architectures whose q/k/v projections always carry a bias (no config flag for it).
 _ALWAYS_QKV_BIAS = {"Qwen2ForCausalLM"}
 # Architectures whose `attention_bias` flag also puts a bias on o_proj.
-_O_PROJ_FOLLOWS_ATTENTION_BIAS = {"LlamaForCausalLM", "GptOssForCausalLM"}
+_O_PROJ_FOLLOWS_ATTENTION_BIAS = {"LlamaForCausalLM", "GptOssForCausalLM", "BambaForCausalLM"}
 # Architectures with an RMSNorm over each head of q and of k before the rotary embedding.
 _QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Exaone4ForCausalLM",
             "HunYuanDenseV1ForCausalLM", "Lfm2ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"}  # fmt: skip
@@ -324,6 +327,8 @@ class ModelArchConfig:
         mamba = None
         if architecture == _GRANITE_HYBRID:
             config, mamba = granite_hybrid_config(config)
+        elif architecture == "BambaForCausalLM":
+            config, mamba = bamba_config(config)
         hidden_size = int(config["hidden_size"])
         num_heads = int(config["num_attention_heads"])
         rope_theta, rope_scaling = ntk_alpha(config, *rope_from_hf(config))

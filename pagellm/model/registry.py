@@ -31,6 +31,7 @@ _MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Olmo3ForCausalLM": LlamaForCausalLM,
     "GraniteForCausalLM": LlamaForCausalLM,
     "GraniteMoeHybridForCausalLM": LlamaForCausalLM,
+    "BambaForCausalLM": LlamaForCausalLM,
     "Qwen3_5ForCausalLM": LlamaForCausalLM,
     "Qwen3_5MoeForCausalLM": LlamaForCausalLM,
     "Glm4MoeForCausalLM": LlamaForCausalLM,

@@ -131,6 +131,25 @@ def granite_hybrid_config(config: dict[str, Any]) -> tuple[dict[str, Any], Mamba
         raise NotImplementedError(f"GraniteMoeHybrid layer types {unknown} are not supported (only mamba and attention)")
     config["layer_types"] = [MAMBA if t in _MAMBA_NAMES else "full_attention" for t in types]
     config["intermediate_size"] = int(config.get("shared_intermediate_size") or 1024)
+    return config, _mamba_shape(config)
+
+
+def bamba_config(config: dict[str, Any]) -> tuple[dict[str, Any], MambaShape]:
+    """A Bamba ``config.json`` (IBM's Mamba-2 hybrid, Granite-4.0-H's predecessor: its Mamba-2
+    layers, a dense MLP, no multipliers) with ``layer_types`` from ``attn_layer_indices``, and
+    its Mamba-2 layers' shape."""
+    config = dict(config)
+    layers = int(config["num_hidden_layers"])
+    attention = config.get("attn_layer_indices") or []
+    if not isinstance(attention, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers
+                                              for i in attention):  # fmt: skip
+        raise ValueError(f"attn_layer_indices must list layers below num_hidden_layers ({layers}), got {attention!r}")
+    config["layer_types"] = ["full_attention" if i in attention else MAMBA for i in range(layers)]
+    return config, _mamba_shape(config)
+
+
+def _mamba_shape(config: dict[str, Any]) -> MambaShape:
+    """The Mamba-2 layers' shape from IBM's ``mamba_*`` keys (Bamba, Granite-4.0-H)."""
     heads = _positive(config, "mamba_n_heads", 128)
     inner = _positive(config, "mamba_expand", 2) * _positive(config, "hidden_size", 1)
     head_dim = inner // heads if config.get("mamba_d_head", "auto") == "auto" else _positive(config, "mamba_d_head", 1)
@@ -148,7 +167,7 @@ def granite_hybrid_config(config: dict[str, Any]) -> tuple[dict[str, Any], Mamba
         raise ValueError(f"mamba_n_groups ({shape.num_groups}) must divide mamba_n_heads ({heads})")
     if shape.conv_kernel < 2:
         raise ValueError(f"mamba_d_conv must be at least 2, got {shape.conv_kernel}")
-    return config, shape
+    return shape
 
 
 def _positive(config: dict[str, Any], key: str, default: int) -> int:

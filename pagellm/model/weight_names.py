@@ -75,6 +75,13 @@ _RENAMES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
         (re.compile(r"\.mlp\.router\.(layer\.)?weight$"), ".mlp.gate.weight"),
         *_MAMBA_CONV,
     ),
+    # Bamba: its MLP as `feed_forward`, the norm before it `pre_ff_layernorm`, the last `final_layernorm`.
+    "BambaForCausalLM": (
+        (re.compile(r"\.feed_forward\."), ".mlp."),
+        (re.compile(r"\.pre_ff_layernorm\."), ".post_attention_layernorm."),
+        (re.compile(r"^model\.final_layernorm\."), "model.norm."),
+        *_MAMBA_CONV,
+    ),
     "Qwen3_5ForCausalLM": _QWEN3_5,
     # Qwen3.5's MoE models: the same, and Qwen2-MoE's one gated shared expert.
     "Qwen3_5MoeForCausalLM": (*_QWEN3_5, (re.compile(r"\.mlp\.shared_expert\."), ".mlp.shared_experts.")),

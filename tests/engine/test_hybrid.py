@@ -147,9 +147,9 @@ def test_a_hybrid_draft_model_is_refused_by_name(tiny_llama_path: str, tiny_lfm2
         LLM(tiny_llama_path, dtype="float32", speculative_config=config)
 
 
-def test_adapters_on_qwen3_5_take_the_mlp_and_refuse_its_gated_q_proj_by_name(tiny_qwen3_5_path: str, tmp_path) -> None:
-    """An MLP adapter on a hybrid equals PEFT's; one on Qwen3.5's q_proj (each head's query and
-    output gate in one projection) is refused by name, never applied to the query alone."""
+def test_adapters_on_qwen3_5_take_the_mlp_and_its_gated_q_proj(tiny_qwen3_5_path: str, tmp_path) -> None:
+    """An MLP adapter on a hybrid equals PEFT's; so does one on Qwen3.5's q_proj (each head's query
+    and output gate in one projection: its B split as the weight is) and v_proj."""
     from pagellm.lora_request import LoRARequest
     from tests.helpers.lora_adapters import peft_model, write_lora_adapter
 
@@ -163,5 +163,6 @@ def test_adapters_on_qwen3_5_take_the_mlp_and_refuse_its_gated_q_proj_by_name(ti
     outputs = llm.generate(prompts, GREEDY, lora_request=LoRARequest("mlp", 1, mlp), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     q = write_lora_adapter(str(tmp_path / "q"), tiny_qwen3_5_path, seed=4, targets=("q_proj", "v_proj"))
-    with pytest.raises(ValueError, match="q_proj makes each head's query and output gate"):
-        llm.generate(prompts, GREEDY, lora_request=LoRARequest("q", 2, q), use_tqdm=False)
+    expected = [hf_greedy(peft_model(tiny_qwen3_5_path, q), BASE, 8)]
+    outputs = llm.generate(prompts, GREEDY, lora_request=LoRARequest("q", 2, q), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 
@@ -12,13 +14,18 @@ def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int
     Runs where the model's weights are (CPU or GPU)."""
     device = next(model.parameters()).device
     out = model(torch.tensor([prompt_ids], device=device), use_cache=True)
+    # (transformers 5's newer models, as Bamba, name their cache ``cache``)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     tokens: list[int] = []
     for _ in range(max_new_tokens):
         next_token = int(out.logits[0, -1].argmax())
         tokens.append(next_token)
         if next_token in stop_ids:
             break
-        out = model(torch.tensor([[next_token]], device=device), past_key_values=out.past_key_values, use_cache=True)
+        # (its position too: transformers 5's newer models, as Bamba, count from 0 without it)
+        position = torch.tensor([[len(prompt_ids) + len(tokens) - 1]], device=device)
+        out = model(torch.tensor([[next_token]], device=device), position_ids=position, use_cache=True,
+                    **{name: out[name]})  # fmt: skip
     return tokens
 
 
