@@ -188,3 +188,16 @@ def test_a_multimodal_qwen3_5_checkpoints_tensors_by_the_text_models_names() -> 
     query, gate = parts["model.layers.3.self_attn.q_proj.weight"], parts["model.layers.3.self_attn.g_proj.weight"]
     assert query[:, 0].tolist() == [h * 32 + d for h in range(4) for d in range(16)]
     assert gate[:, 0].tolist() == [h * 32 + 16 + d for h in range(4) for d in range(16)]
+
+
+@pytest.mark.parametrize("indices", [[9], [-1], ["2"], [True], "2", [1.5]])
+def test_bamba_attention_layers_out_of_range_are_refused(indices: object) -> None:
+    config = {**hub_config(), "architectures": ["BambaForCausalLM"], "attn_layer_indices": indices}
+    with pytest.raises(ValueError, match="attn_layer_indices must list layers below num_hidden_layers"):
+        ModelArchConfig.from_hf_config(config)
+
+
+def test_bamba_layer_types_from_its_attention_indices() -> None:
+    config = {**hub_config(), "architectures": ["BambaForCausalLM"], "attn_layer_indices": [1], "mamba_d_head": 16}
+    arch = ModelArchConfig.from_hf_config(config)
+    assert arch.layer_types == (MAMBA, "full_attention", MAMBA) and arch.mamba is not None
