@@ -250,14 +250,15 @@ def hf_tensor_name(gguf_name: str, gguf_arch: str = "llama") -> str:
     return f"model.layers.{match['layer']}.{names[match['name']]}.{match['kind']}"
 
 
-def gguf_tensor_name(hf_name: str) -> str:
-    """HF parameter name -> GGUF tensor name, for the shared names of :data:`_BLOCK_NAMES` (the
-    inverse of :func:`hf_tensor_name` there; files written by ``benchmarks.random_gguf``)."""
+def gguf_tensor_name(hf_name: str, gguf_arch: str = "llama") -> str:
+    """HF parameter name -> GGUF tensor name, for the shared names of :data:`_BLOCK_NAMES` and
+    ``gguf_arch``'s own (the inverse of :func:`hf_tensor_name` there; files written by
+    ``benchmarks.random_gguf``, LoRA files written as llama.cpp's converter writes them)."""
     inverse_top = {hf: gguf for gguf, hf in _TOP_LEVEL_NAMES.items()}
     if hf_name in inverse_top:
         return inverse_top[hf_name]
     match = re.match(r"^model\.layers\.(?P<layer>\d+)\.(?P<name>.+)\.(?P<kind>weight|bias)$", hf_name)
-    inverse = {hf: gguf for gguf, hf in _BLOCK_NAMES.items()}
+    inverse = {hf: gguf for gguf, hf in (*_BLOCK_NAMES.items(), *family(gguf_arch).block_names)}
     if match is None or match["name"] not in inverse:
         raise ValueError(f"no GGUF name for {hf_name!r}")
     return f"blk.{match['layer']}.{inverse[match['name']]}.{match['kind']}"

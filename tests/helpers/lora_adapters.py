@@ -67,7 +67,7 @@ def write_gguf_lora(peft_folder: str, out: str, num_heads: dict[str, int], arch:
         target = module.rsplit(".", 1)[1]
         if part.startswith("B") and target in num_heads:
             tensor = permute_qk_rows(tensor, num_heads[target])
-        name = f"{gguf_tensor_name(module + '.weight')}.lora_{part[0].lower()}"
+        name = f"{gguf_tensor_name(module + '.weight', arch)}.lora_{part[0].lower()}"
         writer.add_tensor(name, tensor.float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

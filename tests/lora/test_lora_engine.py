@@ -329,3 +329,16 @@ def test_adapters_of_an_output_gated_family_equal_peft(tiny_qwen3_5_path, tmp_pa
     requests = {"q35": LoRARequest("q35", 1, path), "q": LoRARequest("q", 2, query_only)}
     got = _run(llm, ["q35", "q"], requests)
     assert _tokens(got["q35"]) == reference and _tokens(got["q"]) == query_reference
+
+
+def test_a_gguf_lora_file_of_fused_projections_equals_peft(tiny_phi3_path, tmp_path):
+    """Phi-3's adapter as llama.cpp's converter writes it (`attn_qkv`, `ffn_up` holding gate and
+    up: the checkpoint's fused names): PEFT's tokens."""
+    from tests.helpers.lora_adapters import write_gguf_lora
+
+    path = write_lora_adapter(str(tmp_path / "phi3"), tiny_phi3_path, seed=5,
+                              targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))  # fmt: skip
+    reference = [hf_greedy(peft_model(tiny_phi3_path, path), p, MAX_TOKENS) for p in PROMPTS]
+    gguf = write_gguf_lora(path, str(tmp_path / "phi3.gguf"), {}, arch="phi3")
+    llm = LLM(tiny_phi3_path, dtype="float32", enable_lora=True, max_lora_rank=8, num_kv_blocks=128)
+    assert _tokens(_run(llm, ["phi3"], {"phi3": LoRARequest("phi3", 1, gguf)})["phi3"]) == reference
