@@ -16,7 +16,9 @@ brings its decisions (``SchedulerOutput.kv_stores`` / ``kv_cancels`` / ``kv_load
   a bad entry costs time, never output.
 - Writes wait for pending loads (up to ``WRITE_YIELD_S`` each): a request waits for its loads,
   no one for a write. A write the disk refuses (full, read-only, gone) turns writing off with
-  one warning; the server goes on from the pool, and from the entries it can still read.
+  one warning; the server goes on from the pool, and from the entries it can still read. Writing
+  is tried again after ``RETRY_WRITES_S`` (doubling while the disk keeps refusing, up to
+  ``MAX_RETRY_WRITES_S``): a disk that was full writes again once room is made, without a restart.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ LOAD_CHUNK_BLOCKS = 32  # entries the reader hands over at a time
 MAX_READ_AHEAD_BYTES = 256 << 20  # read and not yet copied into the pool
 LOAD_WAIT_S = 0.05  # the longest a step with nothing else to run waits for a load
 WRITE_YIELD_S = 1.0  # the longest a write waits for pending loads to finish
+RETRY_WRITES_S = 30.0  # after a refused write, writing is tried again this much later (doubling)
+MAX_RETRY_WRITES_S = 600.0
+_clock = time.monotonic  # (when writing may be tried again: tests move it)
 
 
 class _Write(NamedTuple):
@@ -88,7 +93,8 @@ class DiskTierIO:
         self._staged: dict[int, np.ndarray] = {}  # hash -> bytes not yet on disk
         self._staged_bytes = 0
         self._report = DiskTierReport()
-        self._writing = True
+        self._writes_off_until: float | None = None  # after a refused write: when to try again
+        self._retry_s = RETRY_WRITES_S
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="pagellm-disk-tier-writer", daemon=True)
         self._writer.start()
@@ -155,6 +161,11 @@ class DiskTierIO:
         for row, (_, block_hash) in zip(rows, stores):
             self._jobs.put(_Write(block_hash, row))
 
+    @property
+    def _writing(self) -> bool:
+        """Whether blocks are written now (not within the pause after a refused write)."""
+        return self._writes_off_until is None or _clock() >= self._writes_off_until
+
     def _write(self, job: _Write) -> None:
         """Write one staged block (the writer thread)."""
         start = time.perf_counter()
@@ -164,14 +175,18 @@ class DiskTierIO:
                 with self._lock:
                     self._report.bytes_written += job.row.nbytes
                     self._report.write_seconds += time.perf_counter() - start
+                if self._writes_off_until is not None:
+                    logger.warning("the disk tier writes again (%s)", self.layout.folder)
+                    self._writes_off_until, self._retry_s = None, RETRY_WRITES_S
                 return
         except OSError as exc:
             if self._writing:
-                logger.warning("the disk tier stops writing (%s: %s); serving goes on from the KV pool",
-                               self.layout.folder, exc)  # fmt: skip
-            with self._room:
-                self._writing = False
-                self._room.notify_all()
+                logger.warning("the disk tier stops writing for %.0f s (%s: %s); serving goes on from the KV pool",
+                               self._retry_s, self.layout.folder, exc)  # fmt: skip
+                with self._room:
+                    self._writes_off_until = _clock() + self._retry_s
+                    self._retry_s = min(2 * self._retry_s, MAX_RETRY_WRITES_S)
+                    self._room.notify_all()
         with self._lock:
             self._report.failed_writes.append(job.block_hash)
 

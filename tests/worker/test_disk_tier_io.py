@@ -1,7 +1,7 @@
 """The disk tier's files and the worker's side of it: entries written atomically and refused
 whole when short, corrupt or foreign; a writer killed mid-write leaves no entry half there; the
 folder must be private; blocks round-trip byte for byte through memory and disk; a load dropped
-for a sequence that ended is never copied; a disk that refuses writes turns writing off."""
+for a sequence that ended is never copied; a disk that refuses writes turns writing off for a while."""
 
 from __future__ import annotations
 
@@ -228,9 +228,13 @@ def test_the_last_call_writes_every_block_beyond_the_staging_room(tmp_path: Path
     assert sorted(scan_entries(io.layout)) == [10, 13, 14, 15]
 
 
-def test_a_disk_that_refuses_writes_turns_writing_off(tmp_path: Path, monkeypatch, caplog) -> None:
+def test_a_disk_that_refuses_writes_turns_writing_off_for_a_while(tmp_path: Path, monkeypatch, caplog) -> None:
+    """Writing stops at a refused write and is tried again after a pause (doubling while the disk
+    keeps refusing): a disk made room on writes again without a restart."""
     kv = cache()
     io = DiskTierIO(kv, layout(tmp_path, block_bytes(kv)))
+    now = [1000.0]
+    monkeypatch.setattr(disk_tier_io, "_clock", lambda: now[0])
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -239,10 +243,24 @@ def test_a_disk_that_refuses_writes_turns_writing_off(tmp_path: Path, monkeypatc
     io.apply(step(kv_stores=[(0, 10), (1, 11)]))
     io.flush()
     assert sorted(io.take_report().failed_writes) == [10, 11]
-    assert sum("stops writing" in r.message for r in caplog.records) == 1
+    assert sum("stops writing for 30 s" in r.message for r in caplog.records) == 1
     io.apply(step(kv_stores=[(2, 12)]))  # (refused at once now: nothing is staged)
     assert io.take_report().failed_writes == [12]
     assert io.apply(step(kv_loads=[KVLoad("s", [3], [10])])) == {"s": 0}  # (never written: computed)
+    now[0] += disk_tier_io.RETRY_WRITES_S  # the pause is over: tried again, refused again, a longer pause
+    io.apply(step(kv_stores=[(2, 12)]))
+    io.flush()
+    assert io.take_report().failed_writes == [12]
+    assert sum("stops writing for 60 s" in r.message for r in caplog.records) == 1
+    now[0] += disk_tier_io.RETRY_WRITES_S
+    io.apply(step(kv_stores=[(2, 12)]))  # (still paused)
+    assert io.take_report().failed_writes == [12]
+    monkeypatch.setattr(disk_tier_io.disk_tier_files, "write_entry", write_entry)  # room made on the disk
+    now[0] += disk_tier_io.RETRY_WRITES_S
+    io.apply(step(kv_stores=[(2, 12), (4, 14)]))
+    io.flush()
+    assert io.take_report().failed_writes == [] and sorted(scan_entries(io.layout)) == [12, 14]
+    assert sum("writes again" in r.message for r in caplog.records) == 1
     io.close()
 
 
