@@ -100,7 +100,7 @@ class PackedWeightsCache:
             return None
         folder = cache_root() / "packed-weights"
         if not private_dir(folder):
-            logger.warning("packed weights cache: %s is not private to this user; not used", folder)
+            logger.warning("packed weights cache: %s cannot be made, or is not private to this user; not used", folder)
             return None
         ident: dict[str, str | int] = {"format": FORMAT, "weights": weights_fingerprint(path), "library": library_id,
                                        "role": role}  # fmt: skip
