@@ -23,10 +23,8 @@ from pagellm.kernels.packing import lora_b_elems, pack_lora_b
 from pagellm.kernels.stack_args import STACK_LINEARS, LoRALinearArgs
 from pagellm.model.layer_spec import LayerSpec
 from pagellm.model.lora_adapter import (
-    ATTENTION_TARGETS, FUSED_TARGETS, AdapterInfo, LoRAAdapter, fused_parts, target_shape,
+    ATTENTION_TARGETS, FUSED_OF, FUSED_TARGETS, AdapterInfo, LoRAAdapter, fused_parts, target_shape,
 )
-
-_FUSED_OF = {target: fused for fused, targets in FUSED_TARGETS.items() for target in targets} | {"g_proj": "qkv_proj"}
 
 
 @dataclass
@@ -115,7 +113,7 @@ class LoRASlots:
         slot takes one by copies alone."""
         whole: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         for (layer, target), (a, b) in adapter.weights.items():
-            fused = _FUSED_OF[target]
+            fused = FUSED_OF[target]
             linear = self.linears[(layer, fused)]
             if (layer, fused) not in whole:
                 whole[(layer, fused)] = (torch.zeros(linear.width, linear.features_in),

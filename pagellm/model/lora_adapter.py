@@ -93,10 +93,16 @@ class LoRAAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
+# Qwen3.5's output gate: its rows of q_proj (split like the weight) add to the fused q/k/v after v.
+OUTPUT_GATE_PART = "g_proj"
+# The fused linear each part belongs to.
+FUSED_OF = {part: fused for fused, parts in FUSED_TARGETS.items() for part in parts} | {OUTPUT_GATE_PART: "qkv_proj"}
+
+
 def fused_parts(spec: LayerSpec, fused: str) -> tuple[str, ...]:
     """The parts of ``spec``'s fused linear ``fused`` an adapter adds to, in row order."""
     parts = FUSED_TARGETS[fused]
-    return (*parts, "g_proj") if fused == "qkv_proj" and spec.output_gate else parts
+    return (*parts, OUTPUT_GATE_PART) if fused == FUSED_OF[OUTPUT_GATE_PART] and spec.output_gate else parts
 
 
 def target_shape(spec: LayerSpec, target: str) -> tuple[int, int]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import mmap
 import os
 import shutil
@@ -225,7 +226,7 @@ class _NewFile:
         self.started = time.perf_counter()
 
     def reserve(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
-        nbytes = _product(shape)
+        nbytes = math.prod(shape)
         align = _HUGE if nbytes >= _HUGE else _PAGE
         offset = -(-self.end // align) * align
         os.posix_fallocate(self.fd, offset, nbytes)
@@ -282,17 +283,10 @@ def _read_index(f, size: int, ident: dict[str, str | int]) -> dict[str, _Entry]:
         offset, nbytes, shape, digest = value
         shape = tuple(shape)
         if not (all(type(n) is int and n >= 0 for n in (offset, nbytes, *shape)) and isinstance(digest, str)
-                and _HEADER_BYTES <= offset and offset + nbytes <= index_offset and _product(shape) == nbytes):
+                and _HEADER_BYTES <= offset and offset + nbytes <= index_offset and math.prod(shape) == nbytes):
             raise ValueError(f"entry {key!r} out of bounds")  # fmt: skip
         entries[key] = _Entry(offset, nbytes, shape, digest)
     return entries
-
-
-def _product(shape: tuple[int, ...]) -> int:
-    out = 1
-    for n in shape:
-        out *= n
-    return out
 
 
 def _digest(flat: torch.Tensor) -> str:

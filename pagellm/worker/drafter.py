@@ -70,9 +70,10 @@ class Drafter:
             self.complete[target] = self.complete[source]
         for load in step.kv_loads:
             self.complete[load.block_ids] = False
-        for item in step.scheduled:
-            row = batch.row_of[item.seq_id]
-            self.complete[batch.block_table[row, item.start_position // self.block_size : batch.num_blocks[row]]] = False
+        if step.scheduled:
+            rows = batch.rows([item.seq_id for item in step.scheduled])
+            first = np.fromiter((item.start_position for item in step.scheduled), np.int64, len(rows)) // self.block_size
+            self.complete[_table_span(batch, rows, first, batch.num_blocks[rows])] = False
 
     def propose(
         self, batch: InputBatch, scheduled: list[ScheduledSequence], output: ModelRunnerOutput
@@ -95,8 +96,8 @@ class Drafter:
         output.draft_catch_up = max(output.draft_catch_up, int((known - starts).max()))
         batch.reserve_tokens(int((known + counts).max()))  # drafts go past the rows' tokens
         drafts = [[token] for token in self._catch_up(batch, rows, starts, known, {i: m[0] for i, m in masks.items()})]
-        for row, end in zip(rows, known):  # every known token's draft KV computed now
-            self.complete[batch.block_table[row, : end // self.block_size]] = True
+        # Every known token's draft KV is computed now.
+        self.complete[_table_span(batch, rows, np.zeros_like(known), known // self.block_size)] = True
         batch.token_ids[rows, known] = [d[0] for d in drafts]
         self._check(items, drafts, counts, masks, range(len(items)), 0)
         for j in range(1, int(counts.max(initial=0))):
@@ -214,3 +215,10 @@ class Drafter:
                 n += mask is not None
             apply_token_bitmask(logits, torch.from_numpy(np.stack(present)), mask_rows, self.argmax_kernels)  # type: ignore[arg-type]
         return greedy_sample(logits, self.argmax_kernels).tolist()
+
+
+def _table_span(batch: InputBatch, rows: np.ndarray, first: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """The block ids of each row's table entries ``first[i] .. end[i] - 1``, all rows at once."""
+    columns = np.arange(int(end.max(initial=0)))
+    within = (columns >= first[:, None]) & (columns < end[:, None])
+    return batch.block_table[rows[:, None], columns][within]

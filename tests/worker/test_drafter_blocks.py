@@ -16,8 +16,9 @@ def test_blocks_whose_contents_change_lose_their_mark() -> None:
     drafter.block_size = 4
     drafter.complete = np.ones(16, dtype=bool)
     drafter.complete[2] = False
-    batch = SimpleNamespace(row_of={"a": 0, "b": 1}, block_table=np.array([[3, 5, 7, 0], [3, 6, 0, 0]]),
-                            num_blocks=np.array([3, 2]))  # fmt: skip
+    row_of = {"a": 0, "b": 1}
+    batch = SimpleNamespace(rows=lambda ids: np.array([row_of[i] for i in ids]),
+                            block_table=np.array([[3, 5, 7, 0], [3, 6, 0, 0]]), num_blocks=np.array([3, 2]))  # fmt: skip
     step = SimpleNamespace(
         block_copies=[(2, 9), (3, 10)],  # a copy's target takes its source's mark
         kv_loads=[SimpleNamespace(block_ids=[11, 12])],  # blocks read in from the disk tier
