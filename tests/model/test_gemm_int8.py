@@ -143,27 +143,27 @@ def test_silu_mul_epilogue(path_lib: KernelLibrary, fmt: str, n: int) -> None:
     assert torch.equal(path_lib.gemm_q(x[:1], qf.pack_silu_mul(gate_up), fmt, n, "silu_mul"), got[:1])
 
 
-@pytest.mark.parametrize("fmt", ["q5f", "q6k"])
-def test_unpacked_codes_of_big_batches(path_lib: KernelLibrary, fmt: str) -> None:
-    """q5f and q6k batches whose chunks hold 8 or more rows unpack each work item's codes once
-    (AVX-512: gemm_int8_unpacked.h): over two chunks of rows (96 at k = 2048, then 5-7: row tails
-    of 1, 2 and 3 after the 4-row tiles), a ragged number of columns (a pair of tiles and a lone
-    one), plain and silu_mul, bf16 out, every row equals its reference and its own result alone
-    (the one-row path rebuilds the codes in registers)."""
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_big_batches_over_two_chunks(path_lib: KernelLibrary, fmt: str) -> None:
+    """Batches over two chunks of rows (128, the fewest a chunk holds, then 5-7: row tails of 1, 2
+    and 3 after the 4-row tiles), a ragged number of columns (a pair of tiles and a lone one),
+    plain and silu_mul, bf16 out: every row equals its reference and its own result alone. q5f and
+    q6k unpack each work item's codes once there (AVX-512: gemm_int8_unpacked.h), and the one-row
+    path rebuilds them in registers."""
     g = torch.Generator().manual_seed(11)
-    k = 2048
+    k = _width(fmt, 2048)
     weight = _random_weight(fmt, 40, k, g)
-    x = torch.randn(103, k, generator=g)
+    x = torch.randn(135, k, generator=g)
     both = qf.reference_gemm(x, weight)
     for packed, n, epilogue in ((qf.pack(weight), 40, "none"), (qf.pack_silu_mul(weight), 20, "silu_mul")):
         expected = both if epilogue == "none" else torch.nn.functional.silu(both[:, :n]) * both[:, n:]
-        for m in (101, 102, 103):
+        for m in (133, 134, 135):
             got = path_lib.gemm_q(x[:m], packed, fmt, n, epilogue)
             torch.testing.assert_close(got.double(), expected[:m], rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
-            for row in (0, 7, 95, *range(96, m)):
+            for row in (0, 7, 127, *range(128, m)):
                 assert torch.equal(path_lib.gemm_q(x[row : row + 1], packed, fmt, n, epilogue), got[row : row + 1])
         in_bf16 = path_lib.gemm_q(x.bfloat16(), packed, fmt, n, epilogue)
-        for row in (0, 100, 102):
+        for row in (0, 130, 134):
             assert torch.equal(path_lib.gemm_q(x[row : row + 1].bfloat16(), packed, fmt, n, epilogue), in_bf16[row : row + 1])
 
 
@@ -175,7 +175,7 @@ def test_extreme_codes_do_not_saturate(path_lib: KernelLibrary) -> None:
     k, n = 256, 32  # (q6k: one super-block)
     x = torch.where(torch.arange(k) % 3 == 0, -1.0, 1.0).repeat(5, 1) * torch.tensor([[1.0], [-1.0], [2.0], [0], [0]])
     x[3], x[4] = 1.0, -3.0
-    x = torch.cat([x, x])  # 10 rows: q5f and q6k unpack their codes first (test_unpacked_codes_of_big_batches)
+    x = torch.cat([x, x])  # 10 rows: q5f and q6k unpack their codes first (test_big_batches_over_two_chunks)
     blocks = k // qf.BLOCK
     scale = torch.full((n, blocks), 0.01).half()
     q4 = qf.QuantizedWeight("q4", k, torch.full((n, k), 15, dtype=torch.uint8), scale, torch.zeros(n, blocks).half())

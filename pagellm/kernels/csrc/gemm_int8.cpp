@@ -64,6 +64,11 @@ namespace {
 
 constexpr int kMaxRows = 4;                 // rows of A per register tile
 constexpr int64_t kChunkBytes = 192 << 10;  // quantized rows of A kept in L2 while tiles pass
+// A chunk holds at least 128 rows however long k is. At an MLP's down projection (k = 8,192-14,336)
+// the L2-sized chunk held 12-24 rows, so a 128-token prefill read each weight tile from memory 5-11
+// times; 128 rows of A (up to 1.8 MB) read from L3 instead ran q4k 1.05-1.13x and q6k 1.11-1.21x
+// at 128 rows on a Zen 4, 1.07x on its AVX2 build; 256 rows no better (NOTES 76).
+constexpr int64_t kMinChunkRows = 128;
 
 #include "gemm_int8_quantize.h"
 
@@ -374,15 +379,15 @@ void gemm(const QuantizedA& qa, int64_t m, const uint8_t* packed, int64_t n, voi
     const int64_t per_tile = silu_mul ? 8 : kTileCols;  // outputs a tile gives
     const int64_t tiles = (n + per_tile - 1) / per_tile;
     const int64_t tile_bytes = qa.blocks * kRecordBytes[kFmt];
+    const int64_t row_bytes = qa.blocks * kBlock;
+    const int64_t chunk = std::max<int64_t>(kMinChunkRows, kChunkBytes / row_bytes / kMaxRows * kMaxRows);
     // Where chunks hold at least kUnpackMinRows rows, every work item (two tiles over a chunk)
     // unpacks its codes first (unpacks); the fallback's 3-4-row tiles need group 1 for these formats.
-    const bool unpack = unpacks(kFmt) && std::min(m, kChunkBytes / (qa.blocks * kBlock)) >= kUnpackMinRows;
+    const bool unpack = unpacks(kFmt) && std::min(m, chunk) >= kUnpackMinRows;
     const int group = m == 1 && tiles >= decode_group<kFmt>()                         ? decode_group<kFmt>()
                       : (m <= 2 || pair_tiles<kFmt>() || unpack) && tiles >= 2 ? 2
                                                                                      : 1;
     const int64_t groups = (tiles + group - 1) / group;
-    const int64_t row_bytes = qa.blocks * kBlock;
-    const int64_t chunk = std::max<int64_t>(kMaxRows, kChunkBytes / row_bytes / kMaxRows * kMaxRows);
     WorkRanges work(groups, (m + chunk - 1) / chunk, threads);
 #pragma omp parallel num_threads(threads)
     {

@@ -13,7 +13,7 @@
 
 #if PAGELLM_QGEMM_ISA == 3
 
-// Rows of A's chunks (kChunkBytes of activations) from which a product unpacks its tiles' codes
+// Rows of A's chunks from which a product unpacks its tiles' codes
 // first; decided once per product, so a last, shorter chunk unpacks too.
 constexpr int64_t kUnpackMinRows = 8;
 
