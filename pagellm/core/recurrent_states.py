@@ -1,16 +1,32 @@
 """A hybrid model's recurrent states as the scheduler sees them: the slot each running sequence
 holds (``state_slots.py``), the prefix cache's snapshots where scan layers keep them apart
 (``state_snapshots.py``), and what the worker does with both around the next step's forward:
-slots copied (a sample born from its parent), started from a snapshot (a prefix hit), saved
-into a snapshot (a point reached). Tensor-free; the scheduler owns one for a hybrid model."""
+slots copied (a sample born from its parent, a beam forked), started from a snapshot (a prefix
+hit), saved into a snapshot (a point reached). Tensor-free; the scheduler owns one for a hybrid
+model.
+
+A beam search keeps as many slots as it has beams from the admission of its first beam until its
+last beam lets go of one: the slots its beams do not hold are kept free for it (``_SearchSlots``),
+so that a fork always finds one and a search never waits on another's slots halfway."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.kv_cache_utils import KVCacheBlock
 from pagellm.core.sequence import Sequence
 from pagellm.core.state_slots import StateSlotPool
 from pagellm.core.state_snapshots import StateSnapshots
+
+
+@dataclass
+class _SearchSlots:
+    """A beam search's slots: those its beams hold, and those kept free for its forks and its
+    beams admitted again after a preemption (together its width)."""
+
+    held: int = 0
+    kept: int = 0
 
 
 class RecurrentStates:
@@ -24,6 +40,8 @@ class RecurrentStates:
         self._copies: list[tuple[int, int]] = []
         self._loads: list[tuple[int, int]] = []
         self._saves: list[tuple[int, int]] = []
+        self._searches: dict[str, _SearchSlots] = {}
+        self._kept = 0  # free slots kept for beam searches, all of them together
 
     def take(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
         """(copies, loads, saves) for the step being sent; the lists start afresh."""
@@ -31,13 +49,17 @@ class RecurrentStates:
         self._copies, self._loads, self._saves = [], [], []
         return taken
 
-    @staticmethod
-    def slots_needed(seq: Sequence) -> int:
-        """The state slots admitting ``seq`` takes: its own and one for each of its samples."""
-        return 1 + len(seq.pending_forks)
+    def slots_needed(self, seq: Sequence) -> int:
+        """The free slots admitting ``seq`` takes: its own and one for each of its samples; the
+        first beam of a search, as many as the search has beams; a later beam, none (one its
+        search keeps)."""
+        group = seq.beam_group
+        if group is None:
+            return 1 + len(seq.pending_forks)
+        return 0 if group.key in self._searches else group.width
 
     def has_room(self, seq: Sequence) -> bool:
-        return self.slots.num_free >= self.slots_needed(seq)
+        return self.slots.num_free - self._kept >= self.slots_needed(seq)
 
     def usable_hits(
         self, seq: Sequence, cached: list[KVCacheBlock], step: int
@@ -54,6 +76,8 @@ class RecurrentStates:
     def admit(self, seq: Sequence, source: int | None) -> None:
         """Slots for ``seq`` and its samples; it starts from the state kept at ``source`` (None:
         from zeros, the worker's fresh start at position 0)."""
+        if seq.beam_group is not None:
+            self._hold_for(seq)
         for holder in (seq, *seq.pending_forks):
             holder.state_slot = self.slots.allocate()
         if source is not None:
@@ -70,6 +94,45 @@ class RecurrentStates:
                 holder.state_slot, holder.state_slot_sent = None, False
                 # (a copy into it not yet made would land on whoever takes the slot next)
                 self._copies = [c for c in self._copies if c[1] != slot]
+                if holder.beam_group is not None:
+                    self._let_go_for(holder)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """A beam forked from ``parent``: a slot its search keeps, starting from the parent's
+        state. A parent without a slot (preempted) gives none: the child waits and is computed
+        from its first token, as the parent will be."""
+        if parent.beam_group is None or parent.beam_group.key not in self._searches or parent.state_slot is None:
+            return
+        self._hold_for(child)
+        child.state_slot = self.slots.allocate()
+        assert child.state_slot is not None  # (kept free for the search)
+        self._copies.append((parent.state_slot, child.state_slot))
+
+    def _hold_for(self, beam: Sequence) -> None:
+        """``beam`` takes one of the slots its search keeps (the first beam: the search starts,
+        keeping as many as it has beams)."""
+        assert beam.beam_group is not None
+        search = self._searches.get(beam.beam_group.key)
+        if search is None:
+            search = self._searches[beam.beam_group.key] = _SearchSlots(kept=beam.beam_group.width)
+            self._kept += beam.beam_group.width
+        if search.kept < 1:
+            raise RuntimeError(f"beam {beam.seq_id!r} would hold more slots than its search has beams")
+        search.kept, search.held = search.kept - 1, search.held + 1
+        self._kept -= 1
+
+    def _let_go_for(self, beam: Sequence) -> None:
+        """``beam`` gave its slot back: its search keeps it, or, where none of its beams holds
+        one any more (ended, or all preempted), lets all of them go."""
+        assert beam.beam_group is not None
+        search = self._searches[beam.beam_group.key]
+        search.held -= 1
+        if search.held:
+            search.kept += 1
+            self._kept += 1
+        else:
+            del self._searches[beam.beam_group.key]
+            self._kept -= search.kept
 
     def born(self, parent: Sequence, child: Sequence) -> None:
         """A sample born from its parent's prompt starts from the parent's state (slots taken with the parent's)."""

@@ -524,8 +524,6 @@ class Scheduler:
     def fork_sequence(self, parent_id: str, child: Sequence) -> None:
         """Start ``child`` as a running copy of ``parent_id``, sharing its KV blocks."""
         parent = self.sequences[parent_id]
-        if self.states is not None:
-            raise ValueError("beams of a model with recurrent layers are not forked yet")
         if child.seq_id in self.sequences or child.seq_id in self._finished_since_last_step:
             # (a fork is copied before the step's finished rows go: its id must be a fresh one)
             raise ValueError(f"sequence id {child.seq_id!r} is already in use")
@@ -535,6 +533,8 @@ class Scheduler:
         child.output_token_ids = list(parent.output_token_ids)
         child.all_token_ids = list(parent.all_token_ids)
         self.kv_cache_manager.fork(parent, child)
+        if self.states is not None:  # a slot its search keeps, starting from the parent's state
+            self.states.fork(parent, child)
         child.status = SequenceStatus.RUNNING
         child.arrival_time = parent.arrival_time
         # The worker copies its row of the parent (a parent it has not met yet: the child is new to it too).
@@ -544,6 +544,9 @@ class Scheduler:
             self._forked_since_last_step.append(ForkedSequence(child.seq_id, parent_id, params))
         child.priority, child.effective_priority = parent.priority, parent.effective_priority
         self.sequences[child.seq_id] = child
+        if self.states is not None and child.state_slot is None:  # (a preempted parent: no state to copy)
+            self._preempt(child)  # computed from its first token, as its parent will be
+            return
         self._insert(self.running, child)
 
     def append_token(self, seq_id: str, token_id: int) -> None:

@@ -35,6 +35,16 @@ _FINISH_REASONS = {
 }
 
 
+@dataclass(frozen=True)
+class BeamGroup:
+    """The beam search a beam belongs to (``key``: its request) and its width. A model with
+    recurrent layers keeps ``width`` state slots for the search while any of its beams holds
+    one, so that every fork finds a slot (``recurrent_states.py``)."""
+
+    key: str
+    width: int
+
+
 @dataclass(eq=False)
 class Sequence:
     """One sequence being generated.
@@ -68,8 +78,10 @@ class Sequence:
     num_tokens_sent: int = 0
     num_blocks_sent: int = 0
     # Its tokens are chosen by its owner, not by the sampler and the stop rules (a beam: the
-    # beam search appends what it picks from the reported logprobs, ``Scheduler.append_token``).
+    # beam search appends what it picks from the reported logprobs, ``Scheduler.append_token``),
+    # and the search it belongs to.
     tokens_chosen_outside: bool = False
+    beam_group: BeamGroup | None = None
     # Samples 2..n of its request (status WAITING_FOR_FORK), born as copies of this sequence
     # once its prompt is computed: they share its prompt's blocks instead of computing them.
     pending_forks: list[Sequence] = field(default_factory=list)

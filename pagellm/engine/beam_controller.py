@@ -1,11 +1,13 @@
 """The engine's beam searches: one owner for their state, driving core through a narrow API.
 
-Each beam is a plain sequence in core (the scheduler knows nothing of beams) whose tokens are
+Each beam is a plain sequence in core (the scheduler knows of beams only which search each
+belongs to, ``Sequence.beam_group``, for the recurrent-state slots a search keeps) whose tokens are
 chosen outside the sampler (``Sequence.tokens_chosen_outside``: the scheduler appends none of its
 sampled tokens): the controller, not the scheduler's stop rules, decides what each beam appends,
 from the beams' reported logprobs, and then tells the scheduler to fork a beam chosen twice,
 append the chosen tokens and finish the beams not chosen (``fork_sequence``, ``append_token``,
-``finish_sequences``).
+``finish_sequences``). The beams not chosen finish first, so that a search never holds more
+sequences than it has beams.
 
 Under a constraint (``BeamSearchParams.structured_outputs``) each beam is also a sequence of the
 engine's :class:`StructuredOutputManager`: its logprobs are reported after its own mask, a fork
@@ -19,7 +21,7 @@ import logging
 
 from transformers import PreTrainedTokenizerBase
 
-from pagellm.core.sequence import Sequence, SequenceStatus
+from pagellm.core.sequence import BeamGroup, Sequence, SequenceStatus
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.beam_search import Beam, BeamSearchGroup, BeamSearchParams, Continuation
 from pagellm.engine.protocol import EngineRequest
@@ -101,11 +103,14 @@ class BeamSearchController:
         return Sequence(
             seq_id, group.prompt_token_ids, params, max_tokens=group.max_tokens, eos_token_ids=self.eos_token_ids,
             arrival_time=group.arrival_time, tokens_chosen_outside=True, priority=group.priority,
+            beam_group=BeamGroup(group.request_id, group.params.beam_width),
         )  # fmt: skip
 
     def _continue(self, group: BeamSearchGroup, continuations: list[Continuation]) -> str | None:
-        """Reuse each chosen beam once, fork it for further choices, free beams not chosen.
+        """Free the beams not chosen, reuse each chosen beam once and fork it for further choices.
         Returns why the group's constraint refused a chosen token, if it did."""
+        chosen = {cont.parent.seq_id for cont in continuations}
+        self._drop([beam.seq_id for beam in group.beams if beam.seq_id not in chosen])
         seq_ids: list[str] = []
         reused: set[str] = set()
         for cont in continuations:  # all forks first: a fork copies its parent's tokens
@@ -121,7 +126,6 @@ class BeamSearchController:
         for seq_id, cont in zip(seq_ids, continuations):
             self.scheduler.append_token(seq_id, cont.token_id)
         _, refused = self.structured_output.accept((seq_id, [cont.token_id]) for seq_id, cont in zip(seq_ids, continuations))
-        self._drop([beam.seq_id for beam in group.beams if beam.seq_id not in reused])
         group.beams = [
             Beam(seq_id, cont.cum_logprob, cont.parent.generated + [cont.token_id])
             for seq_id, cont in zip(seq_ids, continuations)

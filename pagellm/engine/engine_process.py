@@ -60,7 +60,6 @@ class _Ready:
     kernel_plan_info: dict[str, str]
     pooler: PoolerConfig  # the model's embedding pooler, resolved (the front end checks requests with it)
     hidden_size: int
-    beam_refusal: str | None  # why the model cannot run beam search, if so
 
 
 # How often a waiting call checks that the child is still alive.
@@ -124,7 +123,7 @@ def _engine_main(config: EngineConfig, conn: Connection, log_level: int) -> None
         watchdog.start()
     processor = engine.input_processor
     conn.send(("ok", _Ready(engine.max_model_len, processor.vocab_size, engine.stats, engine.kernel_plan_info,
-                            processor.pooler, processor.hidden_size, processor.beam_refusal)))  # fmt: skip
+                            processor.pooler, processor.hidden_size)))  # fmt: skip
     # Ctrl-C reaches the whole process group: the child leaves shutdown to the parent (which
     # closes the pipe), so a shutdown is never mistaken for a crash and restarted.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -201,7 +200,7 @@ class EngineProcess:
         self.stats = ready.stats
         self.input_processor = InputProcessor(
             self.tokenizer, ready.vocab_size, ready.max_model_len, config.limits, config.scheduler.max_num_seqs,
-            config.scheduler.scheduling_policy, ready.pooler, ready.hidden_size, ready.beam_refusal,
+            config.scheduler.scheduling_policy, ready.pooler, ready.hidden_size,
             image_processor_for(config.model.model, self.tokenizer, config.limits, ready.kernel_plan_info),
         )
 

@@ -88,14 +88,11 @@ class InputProcessor:
         scheduling_policy: str = "fcfs",
         pooler: PoolerConfig | None = None,
         hidden_size: int = 0,
-        beam_refusal: str | None = None,
         images: ImageProcessor | None = None,
     ) -> None:
-        """``beam_refusal``: why this model cannot run beam search, if so; ``images``: a
-        vision-language model's image preprocessing (None: the model takes no images)."""
+        """``images``: a vision-language model's image preprocessing (None: the model takes no images)."""
         self.tokenizer = tokenizer
         self.images = images
-        self.beam_refusal = beam_refusal
         self.pooler = pooler or PoolerConfig(pooling_type="LAST", normalize=True)  # every field resolved
         self.hidden_size = hidden_size  # an embedding's full size
         self.scheduling_policy = scheduling_policy
@@ -136,8 +133,6 @@ class InputProcessor:
             self.pooling(params)
             return
         if isinstance(params, BeamSearchParams):
-            if self.beam_refusal is not None:
-                raise ValueError(f"beam search is not available: {self.beam_refusal}")
             if params.beam_width > self.max_n:
                 raise ValueError(f"beam_width must be <= {self.max_n}, got {params.beam_width}.")
             if params.structured_outputs is not None:

@@ -98,8 +98,6 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             self.tokenizer, arch.vocab_size, self.executor.max_model_len, config.limits, config.scheduler.max_num_seqs,
             config.scheduler.scheduling_policy, resolve_pooler(config.model.model, config.pooler), arch.hidden_size,
-            f"{arch.architecture}'s recurrent layers keep one state a sequence, not forked for beams yet"
-            if arch.recurrent_layers else None,
             image_processor_for(config.model.model, self.tokenizer, config.limits, self.executor.kernel_plan_info),
         )
         self.output_processor = OutputProcessor(self.tokenizer)

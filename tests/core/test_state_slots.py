@@ -5,7 +5,7 @@ import pytest
 
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler, SchedulingPolicy
-from pagellm.core.sequence import SequenceStatus
+from pagellm.core.sequence import BeamGroup, Sequence, SequenceStatus
 from pagellm.core.state_slots import StateSlotPool
 from tests.core.test_scheduler import make_request
 from tests.helpers.worker_mirror import attach, schedule, update
@@ -109,12 +109,60 @@ def test_a_preempted_or_aborted_parent_gives_back_its_unborn_samples_slots():
     assert s.state_slots.num_free == 4 and not s.has_unfinished_sequences()
 
 
-def test_beams_of_sequences_with_states_are_not_forked():
-    s = make_scheduler()
-    s.add_sequence(make_request("a", 3))
+def beam(rid: str, width: int, key: str = "s") -> Sequence:
+    """A beam of search ``key`` (its tokens appended by its owner, as the engine's beam search does)."""
+    seq = make_request(rid, 3, max_tokens=8)
+    seq.tokens_chosen_outside, seq.beam_group = True, BeamGroup(key, width)
+    return seq
+
+
+def slots(step) -> dict[str, int]:
+    return {r.seq_id: r.state_slot for r in step.scheduled}
+
+
+def test_a_beam_search_keeps_a_slot_for_each_beam_and_its_forks_copy_their_parents_state():
+    s = make_scheduler(num_slots=4)
+    for seq in (beam("s-0", 3), make_request("x", 3), make_request("y", 3)):
+        s.add_sequence(seq)
+    step = schedule(s)  # the search's first beam takes slot 0 and keeps two for its forks; "x" takes 1
+    assert slots(step) == {"s-0": 0, "x": 1} and [r.seq_id for r in s.waiting] == ["y"]
+    update(s, step)
+    s.fork_sequence("s-0", beam("s-1", 3))  # a kept slot, the parent's state copied into it
+    s.append_token("s-0", 20)
+    s.append_token("s-1", 21)
+    step = schedule(s)
+    assert step.out.state_copies == [(0, 2)] and slots(step) == {"s-0": 0, "x": 1, "s-1": 2}
+    assert [r.seq_id for r in s.waiting] == ["y"]  # slot 3 is free, but kept for the search's third beam
+    update(s, step)
+    s.finish_sequences(["s-0"], SequenceStatus.FINISHED_ABORTED)  # a beam not chosen: its slot stays the search's
+    s.fork_sequence("s-1", beam("s-2", 3))
+    for rid in ("s-1", "s-2"):
+        s.append_token(rid, 22)
+    step = schedule(s)
+    assert step.out.state_copies == [(2, 0)] and slots(step) == {"x": 1, "s-1": 2, "s-2": 0}
+    assert [r.state_slot for r in step.out.scheduled if r.seq_id == "s-2"] == [0]  # told the worker once
+    update(s, step)
+    s.finish_sequences(["s-1", "s-2"], SequenceStatus.FINISHED_ABORTED)  # the search ends: its slots go
+    step = schedule(s)
+    assert slots(step) == {"x": 1, "y": 0} and s.state_slots.num_free == 2
+
+
+def test_a_fork_of_a_preempted_beam_waits_and_a_search_admitted_again_keeps_its_slots_again():
+    s = make_scheduler(num_slots=3)
+    s.add_sequence(beam("s-0", 2))
     update(s, schedule(s))
-    with pytest.raises(ValueError, match="beams of a model with recurrent layers are not forked yet"):
-        s.fork_sequence("a", make_request("b", 3))
+    s._preempt(s.running.pop())  # its only beam preempted: the search lets its slots go
+    s.add_sequence(make_request("z", 3))
+    s.fork_sequence("s-0", beam("s-1", 2))  # no state to copy: the fork waits, computed from its first token
+    s.append_token("s-0", 20)
+    s.append_token("s-1", 21)
+    assert s.sequences["s-1"].status == SequenceStatus.PREEMPTED and s.state_slots.num_free == 3
+    step = schedule(s)  # the search is admitted again (two slots), then "z"
+    assert slots(step) == {"s-0": 0, "s-1": 1, "z": 2} and step.out.state_copies == []
+    assert [r.num_tokens for r in step.scheduled] == [4, 4, 3]  # both beams from their first token
+    update(s, step)
+    s.finish_sequences(["s-0", "s-1", "z"], SequenceStatus.FINISHED_ABORTED)
+    assert s.state_slots.num_free == 3 and not s.has_unfinished_sequences()
 
 
 def test_a_better_waiting_request_preempts_for_the_slots_its_samples_need():

@@ -1,7 +1,7 @@
 """Hybrid models (LFM2's convolution layers, Granite-4.0-H's Mamba-2 layers, Qwen3.5's gated
 delta-nets, beside attention):
-their states in slots as few as the running sequences, and what they cannot do yet refused by
-name, never answered wrongly."""
+their states in slots as few as the running sequences, forked with samples and beams, and what
+they cannot do yet refused by name, never answered wrongly."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.model import load_arch_config
 from tests.engine.test_engine_vs_hf import MAX_TOKENS, PROMPTS
-from tests.helpers.hf_reference import hf_greedy, load_hf_model
+from tests.helpers.hf_reference import hf_beam_search, hf_greedy, load_hf_model
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +81,22 @@ def test_mamba_layers_refuse_tensor_parallelism_by_name(tiny_granite_hybrid_path
         load_arch_config(tiny_granite_hybrid_path).shard(2)
 
 
-def test_beam_search_is_refused_by_name(lfm2: LLM) -> None:
-    with pytest.raises(ValueError, match="beam search is not available: .*recurrent layers"):
-        lfm2.beam_search([{"prompt": "Hello"}], BeamSearchParams(beam_width=2, max_tokens=2))
+def test_beam_search_equals_hf(hybrid: tuple[LLM, str], default_tokenizer) -> None:
+    """A beam forks with its parent's state copied into a slot its search keeps: the best beam
+    equals Hugging Face's beam search (which reorders its recurrent caches by beam). Two slots, a
+    search of two beams each: the three searches run one after another."""
+    llm, path = hybrid
+    hf = load_hf_model(path)
+    prompts = PROMPTS[:3]
+    outputs = llm.beam_search([{"prompt": p} for p in prompts], BeamSearchParams(beam_width=2, max_tokens=8),
+                              use_tqdm=False)  # fmt: skip
+    eos = default_tokenizer.eos_token_id
+    for prompt, output in zip(prompts, outputs):
+        ids = default_tokenizer(prompt).input_ids
+        assert output.sequences[0].tokens[len(ids):] == hf_beam_search(hf, ids, 2, 8, 1.0, eos), prompt
+    engine = llm.llm_engine
+    assert engine.kv_cache_manager.stats.forks > 0 and not engine.beams.groups
+    assert engine.scheduler.state_slots.num_free == 2
 
 
 @pytest.mark.parametrize(("family", "kind"), [("lfm2", "short-convolution"), ("qwen3_5", "gated delta-net"),
