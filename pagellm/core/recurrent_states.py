@@ -97,6 +97,20 @@ class RecurrentStates:
                 if holder.beam_group is not None:
                     self._let_go_for(holder)
 
+    def _checkpoint(self, seq: Sequence) -> None:
+        """``seq`` verifies drafts this step: keep its state from before them (from where a copy
+        due before the same forward takes it, as a sample just born: copies read before any
+        writes)."""
+        assert seq.state_slot is not None
+        source = next((src for src, dst in self._copies if dst == seq.state_slot), seq.state_slot)
+        self._copies.append((source, self.slots.checkpoint_row(seq.state_slot)))
+
+    def roll_back(self, seq: Sequence) -> None:
+        """``seq``'s drafts were not all accepted: its state goes back to the checkpoint before
+        the next forward (which computes the accepted tokens again)."""
+        assert seq.state_slot is not None
+        self._copies.append((self.slots.checkpoint_row(seq.state_slot), seq.state_slot))
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """A beam forked from ``parent``: a slot its search keeps, starting from the parent's
         state. A parent without a slot (preempted) gives none: the child waits and is computed
@@ -147,9 +161,14 @@ class RecurrentStates:
             return num_new
         return self.snapshots.chunk_end(start, start + num_new, seq.num_prompt_tokens, seq.state_junction) - start
 
-    def scheduled(self, seq: Sequence, end: int, step: int) -> None:
+    def scheduled(self, seq: Sequence, end: int, step: int, num_drafts: int = 0) -> None:
         """``seq`` computes up to ``end`` tokens this step: keep the state it then has where that
-        is a point, or the end of a block its answer filled (replacing its last such state)."""
+        is a point, or the end of a block its answer filled (replacing its last such state); with
+        drafts among them, keep its state from before them instead (never a snapshot past its
+        known tokens)."""
+        if num_drafts:
+            self._checkpoint(seq)
+            return
         snapshots, block_size = self.snapshots, self._manager.block_size
         if snapshots is None or seq.state_slot is None:
             return

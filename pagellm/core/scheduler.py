@@ -463,7 +463,7 @@ class Scheduler:
         slot = None if seq.state_slot_sent else seq.state_slot
         seq.state_slot_sent = seq.state_slot is not None
         if self.states is not None:
-            self.states.scheduled(seq, start + num_new, self._step)
+            self.states.scheduled(seq, start + num_new, self._step, drafts.count)
         return ScheduledSequence(seq.seq_id, start, num_new, sample, new_tokens, table_start, new_blocks, forks,
                                  list(drafts.tokens), drafts.in_worker, slot)  # fmt: skip
 
@@ -488,9 +488,10 @@ class Scheduler:
             accepted = min(runner_output.num_accepted.get(item.seq_id, 0), len(drafts)) if token_id is not None else 0
             seq.num_computed_tokens += item.num_tokens - (num_drafts - accepted)
             prompt_len = seq.num_prompt_tokens
-            self.stats.num_prompt_tokens_computed += min(seq.num_computed_tokens, prompt_len) - min(
-                start, prompt_len
-            )
+            self.stats.num_prompt_tokens_computed += min(seq.num_computed_tokens, prompt_len) - min(start, prompt_len)
+            if num_drafts > accepted and self.states is not None:  # its state went past the accepted drafts:
+                seq.num_computed_tokens = start  # back to before them; its known tokens computed again
+                self.states.roll_back(seq)
             if seq.pooling is not None:
                 if item.sample:  # its prompt is done: the worker pooled it
                     self._finish_pooled(seq, runner_output.pooled.get(item.seq_id), finished)

@@ -6,7 +6,10 @@ sequence, whatever its length. The scheduler hands each sequence a slot when it 
 takes it back when it finishes or is preempted (a preempted sequence is recomputed from its
 first token, into whatever slot it gets next); the worker holds the state tensors, one row a
 slot (``worker/kv_cache.py``), and starts a row afresh when a sequence computes from position 0.
-Tensor-free, like the block pool.
+Under speculative decoding each slot has a checkpoint row too (after the slots and the snapshot
+rows), where its state before a step's drafts is kept: drafts rejected, the state goes back to it
+and the accepted tokens are computed again (``recurrent_states.py``). Tensor-free, like the block
+pool.
 """
 
 from __future__ import annotations
@@ -15,12 +18,16 @@ import heapq
 
 
 class StateSlotPool:
-    """``num_slots`` slot ids, 0 .. num_slots - 1, each held by at most one sequence."""
+    """``num_slots`` slot ids, 0 .. num_slots - 1, each held by at most one sequence; with
+    ``checkpoints_from``, slot s's checkpoint row is ``checkpoints_from + s``."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, checkpoints_from: int | None = None) -> None:
         if num_slots < 1:
             raise ValueError(f"a state slot pool needs at least one slot, got {num_slots}")
+        if checkpoints_from is not None and checkpoints_from < num_slots:
+            raise ValueError(f"checkpoint rows start after the slots, not at {checkpoints_from}")
         self.num_slots = num_slots
+        self.checkpoints_from = checkpoints_from
         self._free = list(range(num_slots))  # a heap: the lowest id first
         self._held: set[int] = set()
 
@@ -35,6 +42,12 @@ class StateSlotPool:
         slot = heapq.heappop(self._free)
         self._held.add(slot)
         return slot
+
+    def checkpoint_row(self, slot: int) -> int:
+        """The row keeping ``slot``'s state from before a step's drafts."""
+        if self.checkpoints_from is None:
+            raise ValueError("this pool keeps no checkpoints (no speculative decoding)")
+        return self.checkpoints_from + slot
 
     def free(self, slot: int) -> None:
         """Give ``slot`` back; freeing a slot that is not held is an error (a double free)."""

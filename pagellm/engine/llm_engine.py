@@ -44,7 +44,7 @@ from pagellm.sampling_params import SamplingParams
 from pagellm.structured_output.manager import StructuredOutputManager
 from pagellm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.executor import Executor, PipelinedExecutor, make_executor
-from pagellm.worker.kv_cache import scan_snapshot_rows
+from pagellm.worker.kv_cache import checkpoint_rows_from, scan_snapshot_rows
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,8 @@ class LLMEngine:
             self.executor.max_model_len,
             None if config.speculative is None else Speculator(config.speculative, draft_max_len(config)),
             SchedulingPolicy.of(config.scheduler),
-            StateSlotPool(config.scheduler.max_num_seqs) if arch.recurrent_layers else None,
+            StateSlotPool(config.scheduler.max_num_seqs, checkpoint_rows_from(arch, config)) if arch.recurrent_layers
+            else None,
             config.lora.max_loras if config.lora is not None else 0,
             snapshots,
         )

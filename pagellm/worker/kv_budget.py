@@ -101,11 +101,13 @@ class AutoPool:
     block_bytes: int
     useful_blocks: int
     # A hybrid model's recurrent states (``worker/kv_cache.py`` ``state_slot_bytes``), one rank's:
-    # ``state_slots`` rows (``max_num_seqs``) and ``state_snapshots`` rows (a model with scan
-    # layers: its prefix cache's), allocated beside the pool.
+    # ``state_slots`` rows (``max_num_seqs``), as many checkpoint rows under speculative decoding
+    # (``state_checkpoints``) and ``state_snapshots`` rows (a model with scan layers: its prefix
+    # cache's), allocated beside the pool.
     state_bytes: int = 0
     state_slots: int = 0
     state_snapshots: int = 0
+    state_checkpoints: bool = False
 
 
 def auto_kv_budget(pool: AutoPool, share: HostShare) -> int:
@@ -122,7 +124,7 @@ def auto_kv_blocks(budget: int, pool: AutoPool, share: HostShare, model: str) ->
     if budget < pool.block_bytes:
         free = pool.available - pool.host_weight_bytes * share.replicas_after
         who = f" for {share.describe()}" if share.count > 1 else ""
-        named = _states_named(pool.state_bytes, pool.state_slots, pool.state_snapshots)
+        named = _states_named(pool.state_bytes, pool.state_slots, pool.state_snapshots, pool.state_checkpoints)
         states = f", {named} (lower them)" if pool.state_bytes else ""
         raise ValueError(
             f"{model} leaves no room for a KV cache: once the weights are in, {gib(free)} of memory is left{who}, "
@@ -134,7 +136,7 @@ def auto_kv_blocks(budget: int, pool: AutoPool, share: HostShare, model: str) ->
 
 def check_pool_fits(
     pool_bytes: int, available: int | None, share: HostShare, state_bytes: int = 0, state_slots: int = 0,
-    state_snapshots: int = 0,
+    state_snapshots: int = 0, state_checkpoints: bool = False,
 ) -> None:
     """Refuse a pool asked for by size or block count (``kv_cache_memory``, ``num_kv_blocks``)
     that the memory available once the weights are in cannot hold, with a hybrid model's
@@ -143,17 +145,20 @@ def check_pool_fits(
     copies = share.ranks * (1 + share.replicas_after)
     if available is not None and (pool_bytes + state_bytes) * copies > available:
         who = f" ({share.describe()})" if share.count > 1 else ""
-        beside = f" and {_states_named(state_bytes, state_slots, state_snapshots)}" if state_bytes else ""
+        named = _states_named(state_bytes, state_slots, state_snapshots, state_checkpoints)
+        beside = f" and {named}" if state_bytes else ""
         raise ValueError(
             f"the KV cache asked for needs {gib(pool_bytes * copies)}{who}{beside}, but {gib(available)} of memory is "
             "available once the weights are in; give kv_cache_memory a smaller size, or 'auto'"
         )
 
 
-def _states_named(state_bytes: int, state_slots: int, state_snapshots: int) -> str:
+def _states_named(state_bytes: int, state_slots: int, state_snapshots: int, state_checkpoints: bool) -> str:
     """A hybrid model's recurrent states, what sets their number, and their memory."""
+    checkpoints = " twice over (speculative decoding keeps a checkpoint of each)" if state_checkpoints else ""
     snapshots = f" and {state_snapshots} prefix-cache snapshots (max_state_snapshots)" if state_snapshots else ""
-    return f"its recurrent states for {state_slots} sequences (max_num_seqs){snapshots} need {gib(state_bytes)}"
+    return (f"its recurrent states for {state_slots} sequences (max_num_seqs){checkpoints}{snapshots} need "
+            f"{gib(state_bytes)}")  # fmt: skip
 
 
 def useful_kv_blocks(max_num_seqs: int, context_length: int, block_size: int) -> int:

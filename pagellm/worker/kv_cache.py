@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from pagellm.attention.backend import indexable
+from pagellm.config import EngineConfig
 from pagellm.kv_layout import kv_bytes_per_token, kv_row_width
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.scan_state import ScanState
@@ -128,6 +129,14 @@ def scan_snapshot_rows(arch: ModelArchConfig, rows: int) -> int:
     return rows if scans == len(arch.recurrent_layers) and scans else 0
 
 
+def checkpoint_rows_from(arch: ModelArchConfig, config: EngineConfig) -> int | None:
+    """Where the state slots' checkpoint rows start, one a slot after the slots and the snapshot
+    rows (``core/state_slots.py``); None without speculative decoding (none kept)."""
+    if config.speculative is None or not arch.recurrent_layers:
+        return None
+    return config.scheduler.max_num_seqs + scan_snapshot_rows(arch, config.state_snapshot_rows)
+
+
 def _states(caches: KVCache, pairs: list[tuple[int, int]]) -> list[ConvState | ScanState]:
     """The recurrent layers' states (an error where pairs are asked of a model without any)."""
     states = [cache for cache in caches if isinstance(cache, (ConvState, ScanState))]
@@ -148,14 +157,16 @@ def _copy_rows(tensors: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tup
 
 def with_recurrent_states(
     arch: ModelArchConfig, attention: KVCache, num_slots: int, num_blocks: int, dtype: torch.dtype,
-    device: torch.device, num_snapshots: int = 0,
+    device: torch.device, num_snapshots: int = 0, num_checkpoints: int = 0,
 ) -> KVCache:
     """Every layer's cache in layer order: ``attention``'s K/V pairs (one an attention layer, in
     order) and, for each recurrent layer, its zeroed states: a short convolution's last
     ``conv_kernel - 1`` inputs for each state slot and each KV block (``model/short_conv.py``;
     ``arch``: this rank's share, whose channels they are), a scan layer's convolution inputs and
     float32 matrix state for each state slot and then each of its ``num_snapshots`` snapshot
-    rows (``model/scan_state.py``, ``core/state_snapshots.py``)."""
+    rows (``model/scan_state.py``, ``core/state_snapshots.py``); then ``num_checkpoints`` rows
+    (``checkpoint_rows_from``; a short convolution's slots have no snapshot rows before them:
+    a model with short convolutions keeps none)."""
     recurrent = set(arch.recurrent_layers)
     if not recurrent:
         return attention
@@ -170,10 +181,10 @@ def with_recurrent_states(
         shape = arch.scan_shape(layer)
         if shape is not None:
             conv, ssm = shape.state_shapes()
-            rows = num_slots + num_snapshots
+            rows = num_slots + num_snapshots + num_checkpoints
             return ScanState(zeros((rows, *conv), dtype), zeros((rows, *ssm), torch.float32))
         row = (arch.conv_kernel - 1, arch.convolution_channels)
-        return ConvState(zeros((num_slots, *row), dtype), zeros((num_blocks, *row), dtype))
+        return ConvState(zeros((num_slots + num_checkpoints, *row), dtype), zeros((num_blocks, *row), dtype))
 
     return [states(i) if i in recurrent else next(pairs) for i in range(arch.num_hidden_layers)]
 

@@ -43,6 +43,7 @@ from pagellm.worker.kv_budget import (
 from pagellm.worker.kv_cache import (
     allocate_kv_cache,
     bytes_per_block,
+    checkpoint_rows_from,
     num_blocks_for_budget,
     scan_snapshot_rows,
     state_slot_bytes,
@@ -148,16 +149,13 @@ def rank_shard(arch: ModelArchConfig, parallel: ParallelRank | None) -> ModelArc
 
 def check_recurrent_support(arch: ModelArchConfig, config: EngineConfig, parallel: ParallelRank | None) -> None:
     """Refuse, naming it, what a model with recurrent layers (LFM2's convolutions, Mamba-2) cannot
-    run yet: its state is not split across pipeline stages, nor rolled back for rejected drafts."""
+    run yet: its state is not split across pipeline stages."""
     if not arch.recurrent_layers:
         return
     kind = "Mamba-2" if arch.mamba_layers else "gated delta-net" if arch.delta_net_layers else "short-convolution"
     if parallel is not None and parallel.pp_size > 1:
         raise ValueError(f"{arch.architecture} has recurrent ({kind}) layers: pipeline parallelism does not support "
                          "them yet")  # fmt: skip
-    if config.speculative is not None:
-        raise ValueError(f"{arch.architecture} has recurrent ({kind}) layers: speculative decoding does not support "
-                         "them yet (a rejected draft would have to roll their state back)")  # fmt: skip
 
 
 def context_limit(
@@ -254,8 +252,10 @@ class Worker:
             stage.num_layers if stage is not None else shard.num_attention_layers, self.num_blocks, self.block_size,
             shard.num_key_value_heads, shard.head_dim, self.kv_cache_dtype, self.device,
         )  # fmt: skip
-        kv_cache = with_recurrent_states(shard, kv_cache, config.scheduler.max_num_seqs, self.num_blocks, self.dtype,
-                                         self.device, scan_snapshot_rows(shard, config.state_snapshot_rows))  # fmt: skip
+        slots = config.scheduler.max_num_seqs
+        kv_cache = with_recurrent_states(shard, kv_cache, slots, self.num_blocks, self.dtype, self.device,
+                                         scan_snapshot_rows(shard, config.state_snapshot_rows),
+                                         slots if checkpoint_rows_from(shard, config) is not None else 0)  # fmt: skip
         # The disk tier's folder and entry size (the engine's index reads it; None: no tier).
         self.disk_tier: TierLayout | None = None
         disk_tier = None
@@ -325,10 +325,14 @@ class Worker:
                                                           shard.head_dim, cache.block_size, self.kv_cache_dtype)  # fmt: skip
         block_bytes += state_snapshot_bytes(shard, self.dtype)  # (each block's state snapshots)
         scheduler = config.scheduler
-        state_rows = scheduler.max_num_seqs + scan_snapshot_rows(shard, config.state_snapshot_rows)
-        # A hybrid model's recurrent states, beside the pool: a row a sequence and a snapshot row each.
-        states = dict(state_bytes=state_slot_bytes(shard, state_rows, self.dtype), state_slots=scheduler.max_num_seqs,
-                      state_snapshots=state_rows - scheduler.max_num_seqs)  # fmt: skip
+        snapshot_rows = scan_snapshot_rows(shard, config.state_snapshot_rows)
+        # A hybrid model's recurrent states, beside the pool: a row a sequence (and a checkpoint
+        # row each under speculative decoding) and a snapshot row each.
+        checkpoints = checkpoint_rows_from(shard, config) is not None
+        slot_rows = scheduler.max_num_seqs * (2 if checkpoints else 1)
+        states = dict(state_bytes=state_slot_bytes(shard, slot_rows + snapshot_rows, self.dtype),
+                      state_slots=scheduler.max_num_seqs, state_snapshots=snapshot_rows,
+                      state_checkpoints=checkpoints)  # fmt: skip
         if cache.num_kv_blocks is not None or cache.kv_cache_bytes is not None:
             blocks = cache.num_kv_blocks or num_blocks_for_budget(cache.kv_cache_bytes, block_bytes)
             check_pool_fits(blocks * block_bytes, self._available_memory(share), share, **states)

@@ -6,7 +6,10 @@ import pytest
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler, SchedulingPolicy
 from pagellm.core.sequence import BeamGroup, Sequence, SequenceStatus
+from pagellm.core.speculation import Speculator
 from pagellm.core.state_slots import StateSlotPool
+from pagellm.sampling_params import SamplingParams
+from pagellm.speculative_config import SpeculativeConfig
 from tests.core.test_scheduler import make_request
 from tests.helpers.worker_mirror import attach, schedule, update
 
@@ -163,6 +166,33 @@ def test_a_fork_of_a_preempted_beam_waits_and_a_search_admitted_again_keeps_its_
     update(s, step)
     s.finish_sequences(["s-0", "s-1", "z"], SequenceStatus.FINISHED_ABORTED)
     assert s.state_slots.num_free == 3 and not s.has_unfinished_sequences()
+
+
+def test_drafts_are_verified_from_a_checkpoint_and_rejected_ones_roll_the_state_back():
+    """Under speculative decoding slot s keeps its state from before a step's drafts in row
+    ``checkpoints_from + s`` (here 4 + s: after 3 slots and a snapshot row). A sample born in the
+    step it first verifies drafts is kept from its parent's state (the copy into its slot is made
+    in the same pass); rejected drafts put the state back and compute the accepted tokens again."""
+    config = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=2, prompt_lookup_min=2,
+                               disable_by_batch_size=None, adaptive=False)  # fmt: skip
+    s = attach(Scheduler(KVCacheManager(16, 4, enable_caching=False), 8, 64, 64, Speculator(config),
+                         state_slots=StateSlotPool(3, checkpoints_from=4)))  # fmt: skip
+    prompt = [5, 6, 7, 5, 6]  # then 7: the 2-gram (6, 7) proposes 5, 6
+    s.add_sequence(Sequence("a", prompt, SamplingParams(max_tokens=8), max_tokens=8))
+    s.add_sequence(Sequence("b", prompt, SamplingParams(max_tokens=8, n=2), max_tokens=8),
+                   fork_children=[Sequence("b-1", prompt, SamplingParams(max_tokens=8), max_tokens=8)])
+    step = schedule(s)
+    assert slots(step) == {"a": 0, "b": 1} and s.sequences["b-1"].state_slot == 2
+    update(s, step)  # 7 sampled: "b-1" is born from "b"
+    step = schedule(s)
+    assert {r.seq_id: r.draft_token_ids for r in step.out.scheduled} == {"a": [5, 6], "b": [5, 6], "b-1": [5, 6]}
+    assert step.out.state_copies == [(1, 2), (0, 4), (1, 5), (1, 6)]
+    update(s, step, accepted={"a": 2, "b": 1, "b-1": 0})
+    assert [s.sequences[k].num_computed_tokens for k in ("a", "b", "b-1")] == [8, 5, 5]
+    step = schedule(s)  # "a" verifies again; "b" computes 7, 5 and its next token again, "b-1" 7 and its next
+    assert step.out.state_copies == [(5, 1), (6, 2), (0, 4)]
+    seen = {r.seq_id: (r.start_position, r.token_ids) for r in step.scheduled}
+    assert seen == {"a": (8, [7, 5, 6]), "b": (5, [7, 5, 7]), "b-1": (5, [7, 7])}
 
 
 def test_a_better_waiting_request_preempts_for_the_slots_its_samples_need():

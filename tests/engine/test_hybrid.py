@@ -12,6 +12,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.model import load_arch_config
 from tests.engine.test_engine_vs_hf import MAX_TOKENS, PROMPTS
+from tests.engine.test_speculative_decoding import SPEC
 from tests.helpers.hf_reference import hf_beam_search, hf_greedy, load_hf_model
 
 
@@ -99,12 +100,63 @@ def test_beam_search_equals_hf(hybrid: tuple[LLM, str], default_tokenizer) -> No
     assert engine.scheduler.state_slots.num_free == 2
 
 
-@pytest.mark.parametrize(("family", "kind"), [("lfm2", "short-convolution"), ("qwen3_5", "gated delta-net"),
-                                              ("granite_hybrid", "Mamba-2")])  # fmt: skip
-def test_speculation_is_refused_by_name(request, family: str, kind: str) -> None:
+class HalfRightDrafts:
+    """A proposer that knows each prompt's greedy answer and drafts its next two tokens, then two
+    wrong ones: every verifying step accepts some drafts and rejects others."""
+
+    def __init__(self, answers: dict[tuple[int, ...], list[int]]) -> None:
+        self.answers = answers
+
+    def propose(self, seq_id: str, tokens: list[int], limit: int) -> list[int]:
+        for prompt, answer in self.answers.items():
+            if tuple(tokens[: len(prompt)]) == prompt:
+                right = answer[len(tokens) - len(prompt) : len(tokens) - len(prompt) + 2]
+                return (right + [(t + 1) % 1000 for t in right])[:limit]
+        raise AssertionError(f"no answer for {seq_id}")
+
+    def remove(self, seq_ids) -> None:
+        pass
+
+
+@pytest.mark.parametrize("family", ["lfm2", "granite_hybrid", "qwen3_5"])
+def test_speculation_rolls_the_state_back_to_before_rejected_drafts(request, family: str, default_tokenizer) -> None:
+    """Each verifying step keeps the state from before its drafts in a checkpoint row; where some
+    are rejected the state goes back to it and the accepted tokens are computed again. Greedy
+    output equals Hugging Face's, with drafts accepted and rejected at every step, two state slots
+    for three prompts."""
     path = request.getfixturevalue(f"tiny_{family}_path")
-    with pytest.raises(ValueError, match=rf"has recurrent \({kind}\) layers: speculative decoding does not support them"):
-        LLM(path, dtype="float32", speculative_config={"method": "ngram"})
+    hf = load_hf_model(path)
+    prompts = [default_tokenizer(p).input_ids for p in PROMPTS[:3]]
+    expected = [hf_greedy(hf, ids, MAX_TOKENS) for ids in prompts]
+    llm = LLM(path, dtype="float32", block_size=4, max_num_seqs=2, speculative_config=SPEC)
+    speculator = llm.llm_engine.scheduler.speculator
+    speculator.proposer = HalfRightDrafts({tuple(ids): answer for ids, answer in zip(prompts, expected)})
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    stats = speculator.stats
+    # Each prompt: its first token, then 6 rounds of 4 (a step accepting 2 drafts of 4 and sampling
+    # 1, then a step computing those 3 again and sampling the 4th).
+    assert stats.num_drafts == 3 * 6 and stats.num_accepted_tokens == 2 * stats.num_drafts
+    assert llm.llm_engine.scheduler.state_slots.num_free == 2
+
+
+def test_a_draft_model_drafts_for_a_hybrid_target(tiny_qwen3_5_path: str, tiny_llama_path: str,
+                                                  default_tokenizer) -> None:  # fmt: skip
+    """An attention-only draft model for a hybrid target (a random pair: its drafts rejected, the
+    target's state rolled back at each verifying step): greedy output equals Hugging Face's. A
+    draft model with recurrent layers is refused by name."""
+    prompts = [default_tokenizer(p).input_ids for p in PROMPTS[:3]]
+    hf = load_hf_model(tiny_qwen3_5_path)
+    spec = {"method": "draft_model", "model": tiny_llama_path, "num_speculative_tokens": 3,
+            "disable_by_batch_size": None, "adaptive": False}  # fmt: skip
+    llm = LLM(tiny_qwen3_5_path, dtype="float32", block_size=4, max_num_seqs=2, speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, ids, 16) for ids in prompts]
+    assert llm.llm_engine.scheduler.speculator.stats.num_draft_tokens > 0
+    with pytest.raises(ValueError, match="the draft model Qwen3_5ForCausalLM has recurrent layers"):
+        LLM(tiny_llama_path, dtype="float32", speculative_config={**spec, "model": tiny_qwen3_5_path})
 
 
 def test_a_tensor_parallel_rank_holds_its_share_of_the_channels(tiny_lfm2_path: str) -> None:

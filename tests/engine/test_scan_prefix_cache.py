@@ -124,3 +124,6 @@ def test_more_snapshots_than_memory_holds_are_refused_naming_them(request, memor
     with pytest.raises(ValueError, match=words):
         LLM(path, dtype="float32", max_state_snapshots=10**9, kv_cache_memory=memory)
     assert run(LLM(path, dtype="float32", max_state_snapshots=2, kv_cache_memory=memory), [[5, 6, 7]])  # (it serves)
+    words = r"states for 10000000 sequences \(max_num_seqs\) twice over \(speculative decoding keeps a checkpoint"
+    with pytest.raises(ValueError, match=words):  # (each slot's checkpoint row counted too)
+        LLM(path, dtype="float32", max_num_seqs=10**7, kv_cache_memory=memory, speculative_config={"method": "ngram"})
