@@ -32,6 +32,7 @@ from pagellm.kernels.arg_checks import check_block_tables, check_slots
 from pagellm.kernels.library import KernelLibrary
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, attention_dtype, write_kv
 from pagellm.attention.torch_sdpa import TorchSDPAAttention
+from pagellm.speculative_config import MAX_SPECULATIVE_TOKENS
 
 
 # (compute dtype, cache dtype) pairs the kernel takes; an fp8 cache under bf16 is read and
@@ -47,6 +48,11 @@ _KERNEL_PAIRS = frozenset({
 # Gemma's 256 with a window of 512, one 512-token prefill 13.6 ms in SDPA against 24.8 in the
 # kernel (benchmarks/NOTES.md 49); the decode rows stay on the kernel (6.2 against 19.2 ms).
 _PREFILL_HEAD_DIMS = frozenset({64, 128})
+# Requests with this few new tokens stay on the kernel whatever the head dim: a speculative
+# verification's rows (and the tokens a rejection leaves to compute again) are then computed as
+# the decode rows they stand for, so that speculative decoding's output is plain decoding's bit
+# for bit; SDPA takes the longer prefills.
+KERNEL_QUERY_LEN = MAX_SPECULATIVE_TOKENS + 2
 
 
 def prefill_on_kernel(head_dim: int) -> bool:
@@ -64,24 +70,25 @@ class _KernelRows:
     row_ctx: torch.Tensor  # int32 [N]: context positions it attends to (causal limit), 1 .. max_context
     block_tables: torch.Tensor  # int64 [R, max_blocks], contiguous
     max_context: int  # the longest seq_len
-    has_prefill: bool  # some request has more than one new token
+    longest_query: int  # the most new tokens of one request
     # What the rows were built from (the metadata's own objects), so a changed metadata is noticed.
     source: tuple[torch.Tensor, torch.Tensor, list[int], list[int]]
     checked_for: tuple[int, int] | None = None  # (num_blocks, block_size) the indices were checked against
     starts: dict[int, torch.Tensor] = field(default_factory=dict)  # per sliding window: int32 [N] first positions
-    decode_subset: _KernelRows | None = None  # the rows of one-token requests (built on first use)
+    short_subset: _KernelRows | None = None  # the rows of requests of few new tokens (built on first use)
 
-    def decode_rows(self) -> _KernelRows:
-        """The rows of requests with one new token (decodes), built once a step; checked as the
-        whole step's rows were."""
-        if self.decode_subset is None:
+    def short_rows(self) -> _KernelRows:
+        """The rows of requests with at most ``KERNEL_QUERY_LEN`` new tokens (decodes,
+        verifications), built once a step; checked as the whole step's rows were."""
+        if self.short_subset is None:
             query_lens = np.diff(np.searchsorted(self.row_req.numpy(), np.arange(self.block_tables.shape[0] + 1)))
-            keep = query_lens[self.row_req.numpy()] == 1
-            self.decode_subset = _KernelRows(
+            keep = query_lens[self.row_req.numpy()] <= KERNEL_QUERY_LEN
+            self.short_subset = _KernelRows(
                 int(keep.sum()), self.row_token[keep], self.row_req[keep], self.row_ctx[keep], self.block_tables,
-                self.max_context, False, self.source, self.checked_for,
+                self.max_context, int(query_lens[query_lens <= KERNEL_QUERY_LEN].max(initial=0)), self.source,
+                self.checked_for,
             )  # fmt: skip
-        return self.decode_subset
+        return self.short_subset
 
     def start_for(self, window: int | None) -> torch.Tensor | None:
         """Each row's first position under a sliding ``window`` (its last ``window`` positions,
@@ -125,7 +132,7 @@ def build_kernel_rows(metadata: AttentionMetadata) -> _KernelRows:
     source = (metadata.slot_mapping, metadata.block_tables, list(metadata.query_lens), list(metadata.seq_lens))
     return _KernelRows(
         num_tokens, torch.from_numpy(row_token), torch.from_numpy(row_req), torch.from_numpy(row_ctx), block_tables,
-        int(seq_lens.max(initial=0)), bool((query_lens > 1).any()), source,
+        int(seq_lens.max(initial=0)), int(query_lens.max(initial=0)), source,
     )
 
 
@@ -171,7 +178,7 @@ class CPUPagedAttention(AttentionBackend):
         prefill rows of a head dim the kernel has no fast path for on SDPA)."""
         if (attention_dtype(dtype, cache_dtype), cache_dtype) not in _KERNEL_PAIRS:
             return self.sdpa.name
-        if not prefill_on_kernel(head_dim) and max(metadata.query_lens, default=0) > 1:
+        if not prefill_on_kernel(head_dim) and max(metadata.query_lens, default=0) > KERNEL_QUERY_LEN:
             return f"{self.name}+{self.sdpa.name}-prefill"
         return self.name
 
@@ -198,14 +205,15 @@ class CPUPagedAttention(AttentionBackend):
         if q.stride(-1) != 1 or q.stride(-2) != head_dim:
             q = q.contiguous()
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=cdtype)
-        split = plan.has_prefill and not prefill_on_kernel(head_dim)
-        rows = plan.decode_rows() if split else plan
+        split = plan.longest_query > KERNEL_QUERY_LEN and not prefill_on_kernel(head_dim)
+        rows = plan.short_rows() if split else plan
         if rows.num_tokens:
             self.kernels.paged_attention(
                 q, out, key_cache, value_cache, rows.block_tables, rows.row_token, rows.row_req, rows.row_ctx, scale,
                 row_start=rows.start_for(window), softcap=softcap, sinks=None if sinks is None else sinks.float().contiguous(),
                 rows_checked=True,
             )  # fmt: skip
-        if split:  # the prefill requests through SDPA (their K/V are in the cache already)
-            self.sdpa.prefill_rows(q, key, value, key_cache, value_cache, metadata, out, scale, window, softcap, sinks)
+        if split:  # the longer prefills through SDPA (their K/V are in the cache already)
+            self.sdpa.prefill_rows(q, key, value, key_cache, value_cache, metadata, out, scale, window, softcap, sinks,
+                                   min_query_len=KERNEL_QUERY_LEN + 1)  # fmt: skip
         return out if out.dtype == query.dtype else out.to(query.dtype)

@@ -448,11 +448,14 @@ class TorchSDPAAttention(AttentionBackend):
         return out
 
     def prefill_rows(self, q, key, value, key_cache, value_cache, metadata: AttentionMetadata, out, scale,
-                     window=None, softcap=None, sinks=None) -> None:  # fmt: skip
-        """Only the step's prefill requests, written into their rows of ``out`` (their K/V already
-        in the cache): what another backend hands over for the rows it does not compute."""
+                     window=None, softcap=None, sinks=None, min_query_len: int = 2) -> None:  # fmt: skip
+        """Only the step's prefill requests of at least ``min_query_len`` new tokens, written into
+        their rows of ``out`` (their K/V already in the cache): what another backend hands over for
+        the rows it does not compute."""
         num_kv_heads, head_dim = key_cache.shape[-2], q.shape[-1]
         group = q.shape[1] // num_kv_heads
         for p in self._get_plan(metadata, q.device, window).prefills:
+            if p.query_len < min_query_len:
+                continue
             self._prefill(q, key, value, key_cache, value_cache, p, out, num_kv_heads, group, head_dim, scale, softcap,
                           sinks)  # fmt: skip

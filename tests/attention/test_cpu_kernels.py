@@ -15,7 +15,7 @@ import torch
 from pagellm import kernels
 from pagellm.attention import CPUPagedAttention, write_kv
 from pagellm.attention.backend import dequantize_int8_rows
-from pagellm.attention.cpu_paged import build_kernel_rows
+from pagellm.attention.cpu_paged import KERNEL_QUERY_LEN, build_kernel_rows
 from pagellm.kernels.isa import usable_cpu_flags
 from tests.helpers.attention import (
     FP8,
@@ -139,9 +139,11 @@ def test_sinks_match_dense(num_heads, num_kv_heads, head_dim, dtype, window):
                                 rows.row_ctx, step.scale, sinks=sinks[:-1])  # fmt: skip
 
 
-@pytest.mark.parametrize("head_dim,kernel_rows", [(64, 4 + 9 + 40 + 16 + 20), (256, 4), (48, 4)])
+@pytest.mark.parametrize("head_dim,kernel_rows", [(64, 4 + 9 + 40 + 16 + 20), (256, 4 + 9 + 16), (48, 4 + 9 + 16)])
 def test_prefill_rows_of_head_dims_without_a_fast_path_go_to_sdpa(monkeypatch, head_dim, kernel_rows):
-    # Decode rows stay on the kernel whatever the head dim; prefill rows only for 64 and 128.
+    # Decode rows and requests of up to KERNEL_QUERY_LEN (18) new tokens (a speculative
+    # verification's) stay on the kernel whatever the head dim; longer prefills only for 64 and 128.
+    assert KERNEL_QUERY_LEN == 18
     calls = []
     real = KERNELS.paged_attention
     monkeypatch.setattr(KERNELS, "paged_attention", lambda q, o, k, v, t, tok, *a, **kw: calls.append(tok.numel())

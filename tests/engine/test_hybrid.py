@@ -101,17 +101,19 @@ def test_beam_search_equals_hf(hybrid: tuple[LLM, str], default_tokenizer) -> No
 
 
 class HalfRightDrafts:
-    """A proposer that knows each prompt's greedy answer and drafts its next two tokens, then two
-    wrong ones: every verifying step accepts some drafts and rejects others."""
+    """A proposer that knows each prompt's greedy answer and drafts its next ``num_right`` tokens
+    (2), then wrong ones: every verifying step accepts some drafts and rejects others."""
 
     def __init__(self, answers: dict[tuple[int, ...], list[int]]) -> None:
         self.answers = answers
+        self.num_right = 2
 
     def propose(self, seq_id: str, tokens: list[int], limit: int) -> list[int]:
         for prompt, answer in self.answers.items():
             if tuple(tokens[: len(prompt)]) == prompt:
-                right = answer[len(tokens) - len(prompt) : len(tokens) - len(prompt) + 2]
-                return (right + [(t + 1) % 1000 for t in right])[:limit]
+                done = len(tokens) - len(prompt)
+                right = answer[done : done + self.num_right]
+                return (right + [(t + 1) % 1000 for t in answer[done + len(right) : done + limit]])[:limit]
         raise AssertionError(f"no answer for {seq_id}")
 
     def remove(self, seq_ids) -> None:
@@ -139,6 +141,28 @@ def test_speculation_rolls_the_state_back_to_before_rejected_drafts(request, fam
     # 1, then a step computing those 3 again and sampling the 4th).
     assert stats.num_drafts == 3 * 6 and stats.num_accepted_tokens == 2 * stats.num_drafts
     assert llm.llm_engine.scheduler.state_slots.num_free == 2
+
+
+@pytest.mark.parametrize("family", ["granite_hybrid", "qwen3_5"])
+def test_speculating_in_bf16_is_plain_decoding_bit_for_bit(request, family: str, default_tokenizer) -> None:
+    """In bf16, where a chunked scan or SDPA's blocked sums would round otherwise than the decode
+    path, a verification's tokens run as the decode tokens they stand for (token by token through
+    the scan, on the attention kernel: head_dim 16 sends prefills to SDPA): with every draft right,
+    each step verifying 3, the output is plain decoding's over 64 tokens."""
+    path = request.getfixturevalue(f"tiny_{family}_path")
+    prompts = [default_tokenizer(p).input_ids for p in PROMPTS[:3]]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    plain = LLM(path, dtype="bfloat16", block_size=4, max_num_seqs=2)
+    expected = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": i} for i in prompts], params,
+                                                                use_tqdm=False)]  # fmt: skip
+    llm = LLM(path, dtype="bfloat16", block_size=4, max_num_seqs=2, speculative_config={**SPEC, "num_speculative_tokens": 3})
+    right = HalfRightDrafts({tuple(ids): answer for ids, answer in zip(prompts, expected)})
+    right.num_right = 3
+    llm.llm_engine.scheduler.speculator.proposer = right
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    stats = llm.llm_engine.scheduler.speculator.stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 3 * 40
 
 
 def test_a_draft_model_drafts_for_a_hybrid_target(tiny_qwen3_5_path: str, tiny_llama_path: str,

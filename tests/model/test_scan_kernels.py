@@ -97,15 +97,33 @@ def test_the_kernel_refuses_rows_or_slots_out_of_range(name: str) -> None:
 @pytest.mark.parametrize("name", ["delta-grouped", "mamba-1-group"])
 def test_decode_tokens_on_the_kernel_beside_prompt_chunks_by_tensor_ops(name: str) -> None:
     """A step of two decode tokens around a 5-token chunk of a prompt (a request starting afresh,
-    then one going on): the chunks run apart by tensor ops, the decode tokens on the kernel,
+    then a 20-token one going on: longer than a span run token by token): the chunks run apart by tensor ops, the decode tokens on the kernel,
     every row and slot as the PyTorch path leaves them."""
     shape = SHAPES[name]
     reference, fast = modules(shape, torch.float32)
     expected_state, state = states(shape, torch.float32), states(shape, torch.float32)
-    for step, (query_lens, seq_lens) in enumerate((([1, 5, 1], [9, 5, 4]), ([1, 4, 1], [10, 9, 5]))):
+    for step, (query_lens, seq_lens) in enumerate((([1, 5, 1], [9, 5, 4]), ([1, 20, 1], [10, 25, 5]))):
         hidden = torch.randn(sum(query_lens), HIDDEN, generator=torch.Generator().manual_seed(step))
         expected = reference(hidden, expected_state, decode_metadata([4, 0, 2], seq_lens, query_lens))
         out = fast(hidden, state, decode_metadata([4, 0, 2], seq_lens, query_lens))
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(state.ssm, expected_state.ssm, atol=1e-5, rtol=1e-4)
         assert torch.equal(state.conv, expected_state.conv)
+
+
+@pytest.mark.parametrize("name", ["delta-grouped", "mamba-2-groups"])
+@pytest.mark.parametrize("on_kernel", [True, False], ids=["kernel", "tensor-ops"])
+def test_a_short_span_going_on_is_its_decode_steps_bit_for_bit(name: str, on_kernel: bool) -> None:
+    """A request going on with 4 tokens (a speculative verification) beside a decode token, in
+    bf16: token by token through the decode update, every row and state bit-equal to the 4 decode
+    steps plain decoding runs (the chunked form would round otherwise: ``stepwise_split``)."""
+    shape = SHAPES[name]
+    reference, fast = modules(shape, torch.bfloat16)
+    layer = fast if on_kernel else reference
+    stepwise, plain = states(shape, torch.bfloat16), states(shape, torch.bfloat16)
+    hidden = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    out = layer(hidden, stepwise, decode_metadata([4, 0], [12, 7], [4, 1]))  # positions 8-11, and 6
+    first = layer(hidden[[0, 4]], plain, decode_metadata([4, 0], [9, 7]))
+    rest = [layer(hidden[j : j + 1], plain, decode_metadata([4], [9 + j])) for j in range(1, 4)]
+    assert torch.equal(out, torch.cat([first[:1], *rest, first[1:]]))
+    assert torch.equal(stepwise.ssm, plain.ssm) and torch.equal(stepwise.conv, plain.conv)
