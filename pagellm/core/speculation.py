@@ -116,15 +116,22 @@ class _Acceptance:
             self.rejected[i] += (_PRIOR_REJECTED - self.rejected[i]) * RELAX
 
 
-def best_num_drafts(rates: list[float], costs: list[float]) -> int:
+def best_num_drafts(rates: list[float], costs: list[float], rolls_back: bool = False) -> int:
     """The k (an index of ``costs``, the relative cost of a step verifying k drafts) with the most
-    expected tokens per cost, tokens ``1 + rates[0] + rates[0] rates[1] + ...``; the smallest on ties."""
-    best, best_value, tokens, term = 0, 1.0 / costs[0], 1.0, 1.0
+    expected tokens per cost, tokens ``1 + rates[0] + rates[0] rates[1] + ...``; the smallest on ties.
+    ``rolls_back`` (a model with recurrent layers): a step that rejects a draft after accepting j
+    is followed by one computing those j + 2 tokens again (costed as a step verifying j + 1) that
+    samples one more."""
+    best, best_value = 0, 1.0 / costs[0]
+    tokens, reach, catch_up = 1.0, 1.0, 0.0  # reach: the chance that the first k drafts are all accepted
     for k in range(1, len(costs)):
-        term *= rates[k - 1]
-        tokens += term
-        if tokens / costs[k] > best_value * (1 + 1e-9):
-            best, best_value = k, tokens / costs[k]
+        if rolls_back:
+            catch_up += reach * (1.0 - rates[k - 1]) * costs[k]
+        reach *= rates[k - 1]
+        tokens += reach
+        value = (tokens + (1.0 - reach if rolls_back else 0.0)) / (costs[k] + catch_up)
+        if value > best_value * (1 + 1e-9):
+            best, best_value = k, value
     return best
 
 
@@ -132,9 +139,10 @@ class Speculator:
     """Draft tokens for the scheduler, and the counters of what verification accepted.
     ``draft_max_len``: the draft model's positions (a sequence longer than that is not drafted)."""
 
-    def __init__(self, config: SpeculativeConfig, draft_max_len: int | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, draft_max_len: int | None = None, rolls_back: bool = False) -> None:
         self.config = config
         self.draft_max_len = draft_max_len
+        self.rolls_back = rolls_back  # a rejection costs a second step (recurrent states: best_num_drafts)
         # How many leading drafts a constrained sequence's grammar allows (seq id, drafts) -> count;
         # the engine sets it (None: no constrained sequence has drafts cut).
         self.draft_filter: Callable[[str, list[int]], int] | None = None
@@ -187,7 +195,7 @@ class Speculator:
         if self.config.adaptive:
             acceptance = self._acceptance.get(seq.seq_id)
             rates = [PRIOR_ACCEPTANCE] * limit if acceptance is None else acceptance.rates()
-            k = best_num_drafts(rates, self.costs(limit))
+            k = best_num_drafts(rates, self.costs(limit), self.rolls_back)
             if k == 0:
                 if acceptance is not None:
                     acceptance.relax()

@@ -88,7 +88,8 @@ class LLMEngine:
             config.scheduler.max_num_seqs,
             config.scheduler.max_num_batched_tokens,
             self.executor.max_model_len,
-            None if config.speculative is None else Speculator(config.speculative, draft_max_len(config)),
+            None if config.speculative is None
+            else Speculator(config.speculative, draft_max_len(config), rolls_back=bool(arch.recurrent_layers)),
             SchedulingPolicy.of(config.scheduler),
             StateSlotPool(config.scheduler.max_num_seqs, checkpoint_rows_from(arch, config)) if arch.recurrent_layers
             else None,

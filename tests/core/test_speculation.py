@@ -269,6 +269,11 @@ def test_the_number_of_drafts_is_the_one_with_most_tokens_per_cost():
     # A copied passage: the first draft is a coin toss, but once it is right the rest follow.
     assert best_num_drafts([0.5] + [0.97] * 7, costs) == 8
     assert best_num_drafts([0.2] + [0.97] * 7, costs) == 0
+    # A model with recurrent layers: a rejection costs a second step (which samples one more
+    # token), so fewer drafts pay where some are rejected, and as many where none is.
+    assert best_num_drafts([0.34] * 8, costs, rolls_back=True) == 0
+    assert best_num_drafts([0.9] * 8, costs, rolls_back=True) == 4
+    assert best_num_drafts([0.97] * 8, costs, rolls_back=True) == best_num_drafts([0.97] * 8, costs) == 8
 
 
 def test_costs_are_measured_from_one_sequence_steps():

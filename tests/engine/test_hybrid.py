@@ -132,6 +132,7 @@ def test_speculation_rolls_the_state_back_to_before_rejected_drafts(request, fam
     expected = [hf_greedy(hf, ids, MAX_TOKENS) for ids in prompts]
     llm = LLM(path, dtype="float32", block_size=4, max_num_seqs=2, speculative_config=SPEC)
     speculator = llm.llm_engine.scheduler.speculator
+    assert speculator.rolls_back  # (the adaptive choice counts the second step a rejection costs)
     speculator.proposer = HalfRightDrafts({tuple(ids): answer for ids, answer in zip(prompts, expected)})
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
