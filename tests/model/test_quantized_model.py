@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from pagellm import LLM, SamplingParams
+from pagellm.attention.cpu_paged import KERNEL_QUERY_LEN
 from pagellm.config import EngineConfig, KernelConfig, ModelConfig
 from pagellm.worker.worker import engine_kernel_plan
 from pagellm.kernels import quant_formats as qf
@@ -339,7 +340,10 @@ def test_fused_decoder_equals_the_layers(request: pytest.FixtureRequest, monkeyp
     assert sum(n for route, n in routes.items() if route.startswith("decoder=fused ")) == stack.steps
     if case.endswith("amx-tiles"):  # the prompts' step above quant_max_rows: its linears on AMX tiles
         assert any("linears=dequant-amx " in route for route in routes)
-    if case.startswith("qwen3"):  # head dim 32: prefill rows on SDPA, so those steps run the layers
+    if case.startswith("qwen3"):  # head dim 32: a prompt longer than KERNEL_QUERY_LEN on SDPA, its step on the layers
+        prompt = list(range(100, 100 + KERNEL_QUERY_LEN + 5))
+        fused_llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1), use_tqdm=False)
+        routes = fused_llm.llm_engine.stats.step_routes
         assert "decoder=layers" in next(r for r in routes if "attention=cpu_paged+torch_sdpa-prefill" in r)
     layers_llm = LLM(num_kv_blocks=128, **options)
     layers = _generate_fused_or_not(layers_llm, False)
