@@ -157,7 +157,7 @@ def _copy_rows(tensors: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tup
 
 def with_recurrent_states(
     arch: ModelArchConfig, attention: KVCache, num_slots: int, num_blocks: int, dtype: torch.dtype,
-    device: torch.device, num_snapshots: int = 0, num_checkpoints: int = 0,
+    device: torch.device, num_snapshots: int = 0, num_checkpoints: int = 0, layers: range | None = None,
 ) -> KVCache:
     """Every layer's cache in layer order: ``attention``'s K/V pairs (one an attention layer, in
     order) and, for each recurrent layer, its zeroed states: a short convolution's last
@@ -166,8 +166,9 @@ def with_recurrent_states(
     float32 matrix state for each state slot and then each of its ``num_snapshots`` snapshot
     rows (``model/scan_state.py``, ``core/state_snapshots.py``); then ``num_checkpoints`` rows
     (``checkpoint_rows_from``; a short convolution's slots have no snapshot rows before them:
-    a model with short convolutions keeps none)."""
-    recurrent = set(arch.recurrent_layers)
+    a model with short convolutions keeps none). ``layers``: a pipeline stage's (default: all)."""
+    layers = range(arch.num_hidden_layers) if layers is None else layers
+    recurrent = set(arch.recurrent_layers).intersection(layers)
     if not recurrent:
         return attention
     pairs = iter(attention)
@@ -186,22 +187,32 @@ def with_recurrent_states(
         row = (arch.conv_kernel - 1, arch.convolution_channels)
         return ConvState(zeros((num_slots + num_checkpoints, *row), dtype), zeros((num_blocks, *row), dtype))
 
-    return [states(i) if i in recurrent else next(pairs) for i in range(arch.num_hidden_layers)]
+    return [states(i) if i in recurrent else next(pairs) for i in layers]
 
 
-def state_slot_bytes(arch: ModelArchConfig, num_slots: int, dtype: torch.dtype) -> int:
-    """The memory of ``num_slots`` state slots of every recurrent layer (a scan's matrix state float32)."""
+def attention_layers_in(arch: ModelArchConfig, layers: range) -> int:
+    """How many of ``layers`` keep K/V in the pool (not a recurrent layer)."""
+    return len(set(layers).difference(arch.recurrent_layers))
+
+
+def state_slot_bytes(arch: ModelArchConfig, num_slots: int, dtype: torch.dtype, layers: range | None = None) -> int:
+    """The memory of ``num_slots`` state slots of every recurrent layer (of ``layers``: a
+    pipeline stage's; a scan's matrix state float32)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_slot = 0
-    for shape in filter(None, map(arch.scan_shape, arch.recurrent_layers)):
+    for shape in filter(None, map(arch.scan_shape, _recurrent_in(arch, layers))):
         conv, ssm = shape.state_shapes()
         per_slot += math.prod(conv) * itemsize + math.prod(ssm) * 4
-    return num_slots * (per_slot + state_snapshot_bytes(arch, dtype))  # (a convolution's slot: a snapshot's size)
+    return num_slots * (per_slot + state_snapshot_bytes(arch, dtype, layers))  # (a convolution's slot: a snapshot's)
 
 
-def state_snapshot_bytes(arch: ModelArchConfig, dtype: torch.dtype) -> int:
-    """The memory one KV block's snapshots of the recurrent layers' states take (a short
-    convolution's inputs; a scan layer keeps none)."""
+def state_snapshot_bytes(arch: ModelArchConfig, dtype: torch.dtype, layers: range | None = None) -> int:
+    """The memory one KV block's snapshots of the recurrent layers' states take (of ``layers``;
+    a short convolution's inputs; a scan layer keeps none)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    convolutions = sum(arch.scan_shape(layer) is None for layer in arch.recurrent_layers)
+    convolutions = sum(arch.scan_shape(layer) is None for layer in _recurrent_in(arch, layers))
     return convolutions * (arch.conv_kernel - 1) * arch.convolution_channels * itemsize
+
+
+def _recurrent_in(arch: ModelArchConfig, layers: range | None) -> list[int]:
+    return [i for i in arch.recurrent_layers if layers is None or i in layers]

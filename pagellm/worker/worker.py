@@ -42,6 +42,7 @@ from pagellm.worker.kv_budget import (
 )
 from pagellm.worker.kv_cache import (
     allocate_kv_cache,
+    attention_layers_in,
     bytes_per_block,
     checkpoint_rows_from,
     num_blocks_for_budget,
@@ -138,24 +139,18 @@ def _agreed_minimum(value: int, parallel: ParallelRank | None) -> int:
 
 
 def rank_shard(arch: ModelArchConfig, parallel: ParallelRank | None) -> ModelArchConfig:
-    """What a rank's KV blocks are sized for: its tensor-parallel share of the heads, and the
-    layers of the biggest pipeline stage (the first)."""
-    if parallel is None:
-        return arch
-    shard = arch.shard(parallel.tp_size)
-    start, end = stage_layers(arch.num_hidden_layers, parallel.pp_size)[0]
-    return dataclasses.replace(shard, num_hidden_layers=end - start)
+    """A rank's tensor-parallel share of each layer's heads and channels (every layer index kept)."""
+    return arch if parallel is None else arch.shard(parallel.tp_size)
 
 
-def check_recurrent_support(arch: ModelArchConfig, config: EngineConfig, parallel: ParallelRank | None) -> None:
-    """Refuse, naming it, what a model with recurrent layers (LFM2's convolutions, Mamba-2) cannot
-    run yet: its state is not split across pipeline stages."""
-    if not arch.recurrent_layers:
-        return
-    kind = "Mamba-2" if arch.mamba_layers else "gated delta-net" if arch.delta_net_layers else "short-convolution"
-    if parallel is not None and parallel.pp_size > 1:
-        raise ValueError(f"{arch.architecture} has recurrent ({kind}) layers: pipeline parallelism does not support "
-                         "them yet")  # fmt: skip
+def rank_layers(arch: ModelArchConfig, parallel: ParallelRank | None) -> tuple[range, tuple[range, ...]]:
+    """The layers this rank holds (its pipeline stage's, else all), and every stage's: each rank
+    sizes its pool's blocks alike, for the stage whose block holds the most (the block ids are
+    shared)."""
+    if parallel is None or parallel.pp_size == 1:
+        return range(arch.num_hidden_layers), (range(arch.num_hidden_layers),)
+    stages = tuple(range(start, end) for start, end in stage_layers(arch.num_hidden_layers, parallel.pp_size))
+    return stages[parallel.stage_index], stages
 
 
 def context_limit(
@@ -209,7 +204,6 @@ class Worker:
             # (every rank on this host loads the whole draft model)
             weight_bytes += host_weight_bytes(draft_config, draft_plan, None, share) * share.ranks
         check_weights_fit(_model_name(config), weight_bytes, available_memory_bytes(self.device), share)
-        check_recurrent_support(load_arch_config(config.model.model), config, parallel)  # (before any weight loads)
         role = "model" if parallel is None else f"model rank {parallel.rank} of {parallel.tp_size}x{parallel.pp_size}"
         packs = packed_weights_cache(config, self.kernel_plan, self.device, role)
         model, self.arch = load_model(config.model.model, self.dtype, attn_backend, self.device, self.kernel_plan,
@@ -240,30 +234,33 @@ class Worker:
         # Every rank sizes its pool alike (the block ids are shared): for its heads and the
         # biggest stage's layers.
         shard = rank_shard(self.arch, parallel)
+        own, stages = rank_layers(self.arch, parallel)
         draft_block_bytes = 0
         if draft is not None:
             draft_kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, draft.plan.dtype)
             draft_block_bytes = bytes_per_block(draft.arch.num_hidden_layers, draft.arch.num_key_value_heads,
                                                 draft.arch.head_dim, self.block_size, draft_kv_dtype)  # fmt: skip
-        self.num_blocks = self._pool_blocks(config, shard, parallel, share, weight_bytes, draft_block_bytes)
+        self.num_blocks = self._pool_blocks(config, shard, own, stages, parallel, share, weight_bytes,
+                                            draft_block_bytes)  # fmt: skip
         self.max_model_len = context_limit(config.model.max_model_len, self.arch, self.num_blocks, self.block_size,
                                            config.scheduler.max_num_batched_tokens)  # fmt: skip
         kv_cache = allocate_kv_cache(
-            stage.num_layers if stage is not None else shard.num_attention_layers, self.num_blocks, self.block_size,
+            attention_layers_in(shard, own), self.num_blocks, self.block_size,
             shard.num_key_value_heads, shard.head_dim, self.kv_cache_dtype, self.device,
         )  # fmt: skip
         slots = config.scheduler.max_num_seqs
         kv_cache = with_recurrent_states(shard, kv_cache, slots, self.num_blocks, self.dtype, self.device,
                                          scan_snapshot_rows(shard, config.state_snapshot_rows),
-                                         slots if checkpoint_rows_from(shard, config) is not None else 0)  # fmt: skip
+                                         slots if checkpoint_rows_from(shard, config) is not None else 0,
+                                         layers=own)  # fmt: skip
         # The disk tier's folder and entry size (the engine's index reads it; None: no tier).
         self.disk_tier: TierLayout | None = None
         disk_tier = None
         if config.cache.kv_offload_dir is not None:
             self.disk_tier, folder_lock = tier_layout(
                 config, self.arch, self.kernel_plan_info, self.kv_cache_dtype,
-                bytes_per_block(shard.num_attention_layers, shard.num_key_value_heads, shard.head_dim, self.block_size,
-                                self.kv_cache_dtype), self.device,
+                bytes_per_block(attention_layers_in(shard, own), shard.num_key_value_heads, shard.head_dim,
+                                self.block_size, self.kv_cache_dtype), self.device,
             )  # fmt: skip
             disk_tier = DiskTierIO(kv_cache, self.disk_tier, folder_lock)
         link = parallel.link(self.arch.hidden_size, self.dtype, self.arch.num_hidden_layers) if parallel else None
@@ -314,23 +311,29 @@ class Worker:
         return LoadedDraft(plan, model, arch)
 
     def _pool_blocks(
-        self, config: EngineConfig, shard: ModelArchConfig, parallel: ParallelRank | None, share: HostShare,
-        weight_bytes: int, draft_block_bytes: int = 0,
+        self, config: EngineConfig, shard: ModelArchConfig, own: range, stages: tuple[range, ...],
+        parallel: ParallelRank | None, share: HostShare, weight_bytes: int, draft_block_bytes: int = 0,
     ) -> int:
         """The pool's block count: the exact number asked for, else what the memory budget
         holds, else (``auto``) what the memory left once every rank's weights are in holds.
-        A draft model's layers take their share of every block (``draft_block_bytes``)."""
+        A draft model's layers take their share of every block (``draft_block_bytes``); a block
+        is sized for the stage whose block holds the most (its K/V and state snapshots), the
+        recurrent states for this rank's own layers (``own``)."""
         cache = config.cache
-        block_bytes = draft_block_bytes + bytes_per_block(shard.num_attention_layers, shard.num_key_value_heads,
-                                                          shard.head_dim, cache.block_size, self.kv_cache_dtype)  # fmt: skip
-        block_bytes += state_snapshot_bytes(shard, self.dtype)  # (each block's state snapshots)
+
+        def stage_block_bytes(layers: range) -> int:
+            attention = bytes_per_block(attention_layers_in(shard, layers), shard.num_key_value_heads, shard.head_dim,
+                                        cache.block_size, self.kv_cache_dtype)  # fmt: skip
+            return attention + state_snapshot_bytes(shard, self.dtype, layers)  # (each block's state snapshots)
+
+        block_bytes = draft_block_bytes + max(map(stage_block_bytes, stages))
         scheduler = config.scheduler
         snapshot_rows = scan_snapshot_rows(shard, config.state_snapshot_rows)
         # A hybrid model's recurrent states, beside the pool: a row a sequence (and a checkpoint
         # row each under speculative decoding) and a snapshot row each.
         checkpoints = checkpoint_rows_from(shard, config) is not None
         slot_rows = scheduler.max_num_seqs * (2 if checkpoints else 1)
-        states = dict(state_bytes=state_slot_bytes(shard, slot_rows + snapshot_rows, self.dtype),
+        states = dict(state_bytes=state_slot_bytes(shard, slot_rows + snapshot_rows, self.dtype, own),
                       state_slots=scheduler.max_num_seqs, state_snapshots=snapshot_rows,
                       state_checkpoints=checkpoints)  # fmt: skip
         if cache.num_kv_blocks is not None or cache.kv_cache_bytes is not None:

@@ -61,6 +61,10 @@ def test_micro_batches_keep_the_order_and_balance_tokens() -> None:
     ("tiny_qwen2_path", {}),  # tied: the last stage keeps the embedding matrix as its head
     ("tiny_qwen2_path", {"quantization": "int8"}),
     ("tiny_llama_path", {"tensor_parallel_size": 2}),  # 2 stages x 2 ranks
+    # Hybrids: each stage holds its own layers' K/V and recurrent states (slots, snapshots).
+    ("tiny_lfm2_path", {}),
+    ("tiny_granite_hybrid_path", {}),
+    ("tiny_qwen3_5_path", {}),
 ])  # fmt: skip
 def test_two_stages_give_what_one_process_gives(request: pytest.FixtureRequest, model: str, options: dict) -> None:
     """Greedy tokens equal and logprobs within float32 rounding: three requests (two micro-batches
@@ -85,6 +89,19 @@ def test_each_stage_holds_only_its_layers(tiny_llama_path: str) -> None:
         assert len(runner.kv_cache) == 1
         assert not any(name.startswith("model.layers.1.") for name, _ in model.named_parameters())
         assert not model.holds_weight("model.layers.1.mlp.up_proj.weight") and not model.holds_weight("lm_head.weight")
+    finally:
+        llm.llm_engine.close()
+
+
+def test_each_stage_of_a_hybrid_holds_its_layers_states(tiny_qwen3_5_path: str) -> None:
+    """Tiny Qwen3.5 (gated delta-nets at layers 0, 1 and 3, attention at 2): rank 0 (stage 0 of
+    2) holds the states of layers 0 and 1 and no K/V (no attention layer of its own)."""
+    from pagellm.model.scan_state import ScanState
+
+    llm = LLM(tiny_qwen3_5_path, **OPTIONS, pipeline_parallel_size=2)
+    try:
+        cache = llm.llm_engine.executor.model_runner.kv_cache
+        assert len(cache) == 2 and all(isinstance(layer, ScanState) for layer in cache)
     finally:
         llm.llm_engine.close()
 
