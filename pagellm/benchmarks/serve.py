@@ -9,7 +9,9 @@ arrival rate (``request_rate`` requests/s; ``inf`` sends them all at once) and/o
 * TPOT: (latency - TTFT) / (output tokens - 1), output tokens from the final usage chunk;
 * E2E latency: send -> ``[DONE]``;
 
-then mean / median / p99 of each, request and token throughput over the whole run.
+then mean / median / p99 of each, request and token throughput over the whole run. Against a
+pagellm server it also reads ``/metrics`` before and after the run: what its prefix cache and
+disk tier did meanwhile (``SERVER_COUNTERS``; a peer's server has none).
 
 Prompts are token ids (``prompt: [ids]``); the default ``fixed`` workload ignores EOS so that
 every request produces exactly ``max_tokens`` tokens and runs compare. The client is lean
@@ -28,6 +30,12 @@ from typing import Any
 
 from pagellm.benchmarks._common import bench_extra, format_table, machine_info, mean, percentile
 from pagellm.benchmarks.workloads import BenchRequest, Workload
+
+
+# pagellm's counters the report gives the run's share of (the disk tier's where it has one).
+SERVER_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "disk_tier_hits", "disk_tier_loaded_blocks",
+                   "disk_tier_stored_blocks", "disk_tier_write_failures", "disk_tier_read_bytes",
+                   "disk_tier_read_seconds", "disk_tier_written_bytes", "disk_tier_write_seconds")
 
 
 @dataclass
@@ -139,6 +147,7 @@ async def run_serve_async(
     if transport is not None:
         client_kwargs["transport"] = transport
     async with httpx.AsyncClient(**client_kwargs) as client:
+        counters_before = await server_counters(client)
         start = time.perf_counter()
 
         async def one(i: int) -> RequestResult:
@@ -154,9 +163,35 @@ async def run_serve_async(
 
         results = await asyncio.gather(*(one(i) for i in range(n)))
         duration = time.perf_counter() - start
+        counters_after = await server_counters(client)
     bar.close()
-    return summarize(results, duration, workload, dict(base_url=base_url, request_rate=request_rate,
-                                                       max_concurrency=max_concurrency, temperature=temperature))
+    report = summarize(results, duration, workload, dict(base_url=base_url, request_rate=request_rate,
+                                                         max_concurrency=max_concurrency, temperature=temperature))
+    if counters_after:
+        report["server_counters"] = {k: v - counters_before.get(k, 0.0) for k, v in counters_after.items()}
+    return report
+
+
+async def server_counters(client: Any) -> dict[str, float]:
+    """``SERVER_COUNTERS`` from the server's ``/metrics`` (summed over its engines); empty where
+    it has none of them (another engine's server, or no metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        response = await client.get("/metrics")
+    except Exception:  # noqa: BLE001 -- no metrics to read: the run is measured all the same
+        return {}
+    if response.status_code != 200:
+        return {}
+    found: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(response.text):
+            name = family.name.removeprefix("pagellm:")
+            if family.name.startswith("pagellm:") and name in SERVER_COUNTERS:
+                found[name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+    except ValueError:  # (not Prometheus text)
+        return {}
+    return found
 
 
 def summarize(results: list[RequestResult], duration: float, workload: Workload, config: dict[str, Any]) -> dict[str, Any]:
@@ -219,9 +254,26 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     lines.append(format_table(rows, [("metric", "ms", ""), ("mean", "mean", ".1f"), ("median", "median", ".1f"),
                                      ("p99", "p99", ".1f")]))
+    counters = report.get("server_counters")
+    if counters:
+        lines.append(format_server_counters(counters))
     for err in report.get("errors", []):
         lines.append(f"  error: {err}")
     return "\n".join(lines)
+
+
+def format_server_counters(c: dict[str, float]) -> str:
+    """The server's prefix cache and disk tier over the run, one line."""
+    queries = c.get("prefix_cache_queries", 0.0)
+    hit = f"{100 * c.get('prefix_cache_hits', 0.0) / queries:.1f}%" if queries else "-"
+    line = f"server: prefix cache {hit} of {queries:.0f} prompt tokens looked up"
+    if any(name.startswith("disk_tier_") for name in c):
+        d = {name.removeprefix("disk_tier_"): value for name, value in c.items() if name.startswith("disk_tier_")}
+        get = lambda name: d.get(name, 0.0)  # noqa: E731
+        line += (f"; disk tier {get('loaded_blocks'):.0f} blocks loaded ({get('read_bytes') / 2**20:.0f} MiB in "
+                 f"{get('read_seconds'):.2f} s), {get('stored_blocks'):.0f} written ({get('write_failures'):.0f} "
+                 f"refused; {get('written_bytes') / 2**20:.0f} MiB in {get('write_seconds'):.2f} s)")  # fmt: skip
+    return line
 
 
 # ---- the original serve_load interface ---------------------------------------------------

@@ -13,6 +13,7 @@ from pagellm.engine_args import ENGINE_OPTION_NAMES
 from pagellm.benchmarks.cli import main as bench_cli
 from pagellm.benchmarks.hf_baseline import load_hf_model, run_static_batches, subset_indices
 from pagellm.benchmarks.serve import RequestResult, arrival_delays, run_serve, summarize
+from pagellm.benchmarks.serve import format_report as format_serve_report
 from pagellm.benchmarks.workloads import BenchRequest, Workload, fixed_workload, mixed_workload
 
 
@@ -248,10 +249,16 @@ def test_summarize_statistics():
     assert s["output_throughput"] == pytest.approx(4.0) and s["total_token_throughput"] == pytest.approx(6.0)
 
 
-def _fake_openai_app(tokens_per_request: int = 3):
-    """A minimal streaming /v1/completions endpoint (ASGI), one chunk per token."""
+def _fake_openai_app(tokens_per_request: int = 3, metrics: list[bytes] | None = None):
+    """A minimal streaming /v1/completions endpoint (ASGI), one chunk per token; ``/metrics``
+    answers ``metrics`` one after another (None: 404, as another engine's server)."""
 
     async def app(scope, receive, send):
+        if scope["path"] == "/metrics":
+            found = metrics is not None
+            await send({"type": "http.response.start", "status": 200 if found else 404, "headers": []})
+            await send({"type": "http.response.body", "body": metrics.pop(0) if found else b"not found"})
+            return
         assert scope["type"] == "http" and scope["path"] == "/v1/completions"
         body = b""
         while True:
@@ -280,6 +287,43 @@ def test_run_serve_against_fake_server():
     assert (s["completed"], s["failed"], s["output_tokens"]) == (5, 0, 15)
     assert s["total_token_throughput"] > s["output_throughput"] > 0
     assert not math.isnan(s["itl_median_ms"]) and s["ttft_p99_ms"] >= s["ttft_median_ms"]
+    assert "server_counters" not in report  # (no pagellm /metrics: another engine's server)
+
+
+def _exposition(counts: dict[str, list[float]]) -> bytes:
+    """/metrics as a pagellm server of two engines writes it (its counters' families)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    class Stats:
+        def collect(self):
+            yield GaugeMetricFamily("pagellm:num_requests_running", "running", value=3.0)
+            for name, per_engine in counts.items():
+                family = CounterMetricFamily(f"pagellm:{name}", name, labels=["model_name", "engine"])
+                for engine, value in enumerate(per_engine):
+                    family.add_metric(["m", str(engine)], value)
+                yield family
+
+    registry = CollectorRegistry()
+    registry.register(Stats())
+    return generate_latest(registry)
+
+
+def test_run_serve_reports_what_a_pagellm_server_counted():
+    """Its prefix cache's and disk tier's counters, read before and after the run, summed over
+    the server's engines: the run's share."""
+    httpx = pytest.importorskip("httpx")
+    before = _exposition({"prefix_cache_queries": [60, 40], "prefix_cache_hits": [30, 10], "disk_tier_loaded_blocks":
+                          [0, 1], "disk_tier_read_bytes": [0, 2**20], "generation_tokens": [5, 5]})  # fmt: skip
+    after = _exposition({"prefix_cache_queries": [160, 140], "prefix_cache_hits": [105, 85], "disk_tier_loaded_blocks":
+                         [2, 5], "disk_tier_read_bytes": [2 * 2**20, 5 * 2**20], "generation_tokens": [9, 9]})  # fmt: skip
+    app = _fake_openai_app(metrics=[before, after])
+    report = run_serve(fixed_workload(1000, num_prompts=2, input_len=4, output_len=3), base_url="http://test",
+                       progress=False, transport=httpx.ASGITransport(app=app))  # fmt: skip
+    assert report["server_counters"] == {"prefix_cache_queries": 200, "prefix_cache_hits": 150,
+                                         "disk_tier_loaded_blocks": 6, "disk_tier_read_bytes": 6 * 2**20}  # fmt: skip
+    line = "server: prefix cache 75.0% of 200 prompt tokens looked up; disk tier 6 blocks loaded (6 MiB in 0.00 s)"
+    assert line in format_serve_report(report)
 
 
 def test_mixed_workload_through_engine(tiny_llama_path):
