@@ -193,3 +193,22 @@ def test_speculative_drafts_are_verified_across_ranks(tiny_llama_path: str, tiny
         assert llm.llm_engine.scheduler.speculator.stats.num_draft_tokens > 0
     finally:
         llm.llm_engine.close()
+
+
+def test_a_hybrids_states_roll_back_alike_on_every_rank(tiny_lfm2_path: str, tiny_llama_path: str) -> None:
+    """LFM2 under tensor parallelism (each rank its share of the convolutions' channels) with an
+    attention-only draft model, its drafts mostly rejected: every rank keeps its states from
+    before the drafts and puts them back alike; greedy output is one process's plain decoding."""
+    spec = {"method": "draft_model", "model": tiny_llama_path, "num_speculative_tokens": 3,
+            "disable_by_batch_size": None, "adaptive": False}  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(200, 230))}, {"prompt_token_ids": [7, 8, 9] * 8}]
+    plain = LLM(tiny_lfm2_path, **OPTIONS).generate(prompts, params, use_tqdm=False)
+    llm = LLM(tiny_lfm2_path, **OPTIONS, tensor_parallel_size=2, speculative_config=spec)
+    try:
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+        stats = llm.llm_engine.scheduler.speculator.stats
+        assert stats.num_draft_tokens > stats.num_accepted_tokens
+    finally:
+        llm.llm_engine.close()
