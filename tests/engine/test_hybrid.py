@@ -100,6 +100,23 @@ def test_beam_search_equals_hf(hybrid: tuple[LLM, str], default_tokenizer) -> No
     assert engine.scheduler.state_slots.num_free == 2
 
 
+def test_beam_search_survives_preemption(tiny_granite_hybrid_path: str, default_tokenizer) -> None:
+    """A pool too small for three searches of four beams: beams are preempted and computed again
+    from their first token into slots their search kept, and the best beams still equal Hugging
+    Face's (a fork of a preempted beam: tests/core/test_state_slots.py)."""
+    hf = load_hf_model(tiny_granite_hybrid_path)
+    small = LLM(tiny_granite_hybrid_path, dtype="float32", block_size=4, num_kv_blocks=16, max_model_len=64,
+                max_num_seqs=8)  # fmt: skip
+    outputs = small.beam_search([{"prompt": p} for p in PROMPTS[:3]], BeamSearchParams(beam_width=4, max_tokens=12),
+                                use_tqdm=False)  # fmt: skip
+    assert small.llm_engine.stats.num_preemptions > 0
+    eos = default_tokenizer.eos_token_id
+    for prompt, output in zip(PROMPTS[:3], outputs):
+        ids = default_tokenizer(prompt).input_ids
+        assert output.sequences[0].tokens[len(ids):] == hf_beam_search(hf, ids, 4, 12, 1.0, eos), prompt
+    assert small.llm_engine.scheduler.state_slots.num_free == 8 and not small.llm_engine.beams.groups
+
+
 class HalfRightDrafts:
     """A proposer that knows each prompt's greedy answer and drafts its next ``num_right`` tokens
     (2), then wrong ones: every verifying step accepts some drafts and rejects others."""
