@@ -145,9 +145,21 @@ def _states(caches: KVCache, pairs: list[tuple[int, int]]) -> list[ConvState | S
     return states
 
 
+# Up to this many pairs, none of whose rows is both read and written, are copied a row at a time:
+# one pass over the bytes instead of a gathered copy and a scatter (a speculating sequence's
+# checkpoint of a Qwen3.5-0.8B-shaped state, 18.6 MiB: 2.2 -> 1.0 ms on a 2-core Zen 4).
+_ROW_BY_ROW_PAIRS = 4
+
+
 def _copy_rows(tensors: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
-    """target[pair[1]] = source[pair[0]] for each pair, in each (source, target) of ``tensors``."""
+    """target[pair[1]] = source[pair[0]] for each pair, in each (source, target) of ``tensors``,
+    every source row read before any target row is written."""
     if not pairs or not tensors:
+        return
+    if len(pairs) <= _ROW_BY_ROW_PAIRS and not {d for _, d in pairs} & {s for s, _ in pairs}:
+        for source, target in tensors:
+            for s, d in pairs:
+                target[d].copy_(source[s])
         return
     src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=tensors[0][0].device)
     dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=tensors[0][0].device)
