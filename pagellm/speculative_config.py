@@ -15,6 +15,11 @@ from typing import Any
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16  # a verification step's rows per sequence stay small
+# The most tokens a speculating sequence computes in one step: a verification's 1 + k, or the k + 2
+# a rejection leaves to compute again. The kernels compute spans this short as the decode rows
+# they stand for (attention on the paged kernel, scan layers token by token), so that speculative
+# decoding's output is plain decoding's bit for bit.
+MAX_VERIFY_TOKENS = MAX_SPECULATIVE_TOKENS + 2
 MAX_NGRAM = 16
 
 

@@ -32,7 +32,7 @@ from pagellm.kernels.arg_checks import check_block_tables, check_slots
 from pagellm.kernels.library import KernelLibrary
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, attention_dtype, write_kv
 from pagellm.attention.torch_sdpa import TorchSDPAAttention
-from pagellm.speculative_config import MAX_SPECULATIVE_TOKENS
+from pagellm.speculative_config import MAX_VERIFY_TOKENS
 
 
 # (compute dtype, cache dtype) pairs the kernel takes; an fp8 cache under bf16 is read and
@@ -48,11 +48,9 @@ _KERNEL_PAIRS = frozenset({
 # Gemma's 256 with a window of 512, one 512-token prefill 13.6 ms in SDPA against 24.8 in the
 # kernel (benchmarks/NOTES.md 49); the decode rows stay on the kernel (6.2 against 19.2 ms).
 _PREFILL_HEAD_DIMS = frozenset({64, 128})
-# Requests with this few new tokens stay on the kernel whatever the head dim: a speculative
-# verification's rows (and the tokens a rejection leaves to compute again) are then computed as
-# the decode rows they stand for, so that speculative decoding's output is plain decoding's bit
-# for bit; SDPA takes the longer prefills.
-KERNEL_QUERY_LEN = MAX_SPECULATIVE_TOKENS + 2
+# Requests with this few new tokens stay on the kernel whatever the head dim (a speculating
+# sequence's: ``MAX_VERIFY_TOKENS``); SDPA takes the longer prefills.
+KERNEL_QUERY_LEN = MAX_VERIFY_TOKENS
 
 
 def prefill_on_kernel(head_dim: int) -> bool:

@@ -17,11 +17,10 @@ import numpy as np
 import torch
 
 from pagellm.attention.backend import AttentionMetadata
-from pagellm.speculative_config import MAX_SPECULATIVE_TOKENS
+from pagellm.speculative_config import MAX_VERIFY_TOKENS
 
-# The longest span run token by token: a verification's 1 + k tokens, or the k + 2 a rejection
-# leaves to compute again.
-STEPWISE_MAX_TOKENS = MAX_SPECULATIVE_TOKENS + 2
+# The longest span run token by token (a speculating sequence's).
+STEPWISE_MAX_TOKENS = MAX_VERIFY_TOKENS
 
 
 @dataclass
