@@ -27,7 +27,11 @@ def cache_head_dim(cache: torch.Tensor) -> int:
     return width - KV_SCALE_BYTES if cache.dtype == INT8_KV_DTYPE else width
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, cache_dtype: torch.dtype) -> int:
-    """K+V bytes one token takes across ``num_layers`` layers in a cache of ``cache_dtype``."""
+def kv_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, cache_dtype: torch.dtype, values: bool = True
+) -> int:
+    """K+V bytes one token takes across ``num_layers`` layers in a cache of ``cache_dtype``
+    (``values=False``: keys only, whose rows hold the values too: MLA's latent rows)."""
     element_size = torch.empty((), dtype=cache_dtype).element_size()
-    return 2 * num_layers * num_kv_heads * kv_row_width(head_dim, cache_dtype) * element_size
+    tensors = 2 if values else 1
+    return tensors * num_layers * num_kv_heads * kv_row_width(head_dim, cache_dtype) * element_size

@@ -90,6 +90,16 @@ SHAPES: dict[str, dict[str, Any]] = {
         mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, tie_word_embeddings=True,
         layer_types=["attention" if i % 10 == 5 else "mamba" for i in range(40)],
     ),
+    # Multi-head latent attention at a real width (NOTES 77): Moonlight-16B-A3B's (and DeepSeek-V2-Lite's)
+    # attention (hidden 2048, 16 heads, a 512-value latent and a 64-dim rotary part cached, no query
+    # bottleneck) with Llama 3.2 1B's dense MLP and depth in place of its experts, the default vocabulary.
+    "mla-1b": dict(
+        architecture="deepseek_v3", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=16, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=1, topk_group=1, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+    ),
     # The shapes people run (REAL_SHAPES): Llama 3.2 1B and 3B (tied), Llama 3 8B, Qwen2.5 7B.
     # Rotary scaling left at the default: it changes no cost.
     "llama-1b": dict(
@@ -197,7 +207,7 @@ REAL_SHAPES = ("llama-1b", "llama-3b", "llama-8b", "qwen-7b")
 
 def hf_config(shape: dict[str, Any]):
     from transformers import (
-        Gemma2Config, Gemma3TextConfig, GraniteMoeHybridConfig, LlamaConfig, MixtralConfig, Phi3Config, Qwen2Config,
+        DeepseekV3Config, Gemma2Config, Gemma3TextConfig, GraniteMoeHybridConfig, LlamaConfig, MixtralConfig, Phi3Config, Qwen2Config,
         Qwen3Config, Qwen3MoeConfig, Qwen3_5TextConfig, SmolLM3Config,
     )
 
@@ -205,7 +215,7 @@ def hf_config(shape: dict[str, Any]):
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "phi3": Phi3Config,
                "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig, "gemma2": Gemma2Config,
                "gemma3_text": Gemma3TextConfig, "smollm3": SmolLM3Config, "qwen3_5": Qwen3_5TextConfig,
-               "granitemoehybrid": GraniteMoeHybridConfig}  # fmt: skip
+               "granitemoehybrid": GraniteMoeHybridConfig, "deepseek_v3": DeepseekV3Config}  # fmt: skip
     config_class = classes[options.pop("architecture")]
     return config_class(**options, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=0)
 

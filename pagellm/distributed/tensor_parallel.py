@@ -26,7 +26,8 @@ from pagellm.kernels.quant_formats import BLOCK, QuantizedRows
 
 # HF weight names by how a rank takes its share: the rows of the output (column-parallel) or
 # the columns of the input (row-parallel).
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+# (MLA's q_b_proj and kv_b_proj: rows by head; its down projections and their norms whole)
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 
 

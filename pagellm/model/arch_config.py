@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from pagellm.kv_layout import kv_bytes_per_token
+from pagellm.model.config_values import merge_eos, optional_float, optional_int
+from pagellm.model.mla_shape import MlaShape, mla_config
 from pagellm.model.scan_shapes import (
     DELTA_NET, MAMBA, DeltaNetShape, MambaShape, bamba_config, granite_hybrid_config, qwen3_5_fields,
 )
@@ -47,11 +49,16 @@ _MODEL_TYPE_TO_ARCH = {
     "bamba": "BambaForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
 }
+# DeepSeek-V3 and the families built as it (GLM-4.7-Flash): multi-head latent attention (MLA_ARCHITECTURES),
+# DeepSeek's MoE routing (_SIGMOID_ROUTING) and biases on its attention's projections.
+_DEEPSEEK_V3 = {"DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM"}
 # Architectures whose q/k/v projections always carry a bias (no config flag for it).
 _ALWAYS_QKV_BIAS = {"Qwen2ForCausalLM"}
 # Architectures whose `attention_bias` flag also puts a bias on o_proj.
-_O_PROJ_FOLLOWS_ATTENTION_BIAS = {"LlamaForCausalLM", "GptOssForCausalLM", "BambaForCausalLM"}
+_O_PROJ_FOLLOWS_ATTENTION_BIAS = {"LlamaForCausalLM", "GptOssForCausalLM", "BambaForCausalLM", *_DEEPSEEK_V3}
 # Architectures with an RMSNorm over each head of q and of k before the rotary embedding.
 _QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Exaone4ForCausalLM",
             "HunYuanDenseV1ForCausalLM", "Lfm2ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"}  # fmt: skip
@@ -69,7 +76,7 @@ SLIDING, CONV = "sliding_attention", "conv"
 # Mixture-of-experts families; Mixtral scales each expert's output by its float32 routing
 # weight, Qwen3-MoE by the weight cast to the model dtype first (as the reference does).
 _MOE = {"Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM", "GptOssForCausalLM", "Qwen2MoeForCausalLM",
-        "GraniteMoeHybridForCausalLM", "Qwen3_5MoeForCausalLM"}  # fmt: skip
+        "GraniteMoeHybridForCausalLM", "Qwen3_5MoeForCausalLM", *_DEEPSEEK_V3}  # fmt: skip
 # OLMo 2: no norm before a block, one after each block's output (before its residual add), and q
 # and k RMS-normed over their whole projection (before the heads are split).
 _OLMO2 = {"Olmo2ForCausalLM", "Olmo3ForCausalLM"}  # (OLMo 3: with windowed layers, per-type rope bases)
@@ -80,11 +87,11 @@ _LOCAL_ROPE = {"Gemma3ForCausalLM", "Olmo3ForCausalLM"}
 _GLM4 = {"Glm4ForCausalLM"}
 # SmolLM3: layers without a rotary embedding (NoPE), listed per layer in ``no_rope_layers``.
 _NOPE = {"SmolLM3ForCausalLM"}
-_MOE_COMBINE_IN_FLOAT32 = {"MixtralForCausalLM", "Glm4MoeForCausalLM"}
-# DeepSeek-V3-style routing (GLM-4.5): sigmoid scores, a per-expert correction bias in the choice
+_MOE_COMBINE_IN_FLOAT32 = {"MixtralForCausalLM", "Glm4MoeForCausalLM", *_DEEPSEEK_V3}
+# DeepSeek-V3's routing (and GLM-4.5's): sigmoid scores, a per-expert correction bias in the choice
 # only, the best ``topk_group`` of ``n_group`` groups first, weights scaled; shared experts beside;
 # the first ``first_k_dense_replace`` layers dense.
-_SIGMOID_ROUTING = {"Glm4MoeForCausalLM"}
+_SIGMOID_ROUTING = {"Glm4MoeForCausalLM", *_DEEPSEEK_V3}
 # gpt-oss: attention sinks; a router with a bias whose chosen logits are softmaxed; experts with
 # biases and a clamped SwiGLU; every layer's MLP a mixture of experts.
 _GPT_OSS = {"GptOssForCausalLM"}
@@ -171,6 +178,9 @@ class ModelArchConfig:
     mamba: MambaShape | None = None  # Granite-4.0-H: the shape of its Mamba-2 layers (``layer_types`` "mamba")
     delta_net: DeltaNetShape | None = None  # Qwen3.5: its gated delta-net layers' (``layer_types`` "linear_attention")
     attn_output_gate: bool = False  # Qwen3.5: attention's output times sigmoid(a gate q_proj makes per head)
+    # DeepSeek-V3: multi-head latent attention (``model/mla.py``); its cache is one KV head of
+    # ``head_dim`` = the latent and the key's rotary part, the values read from the same row.
+    mla: MlaShape | None = None
 
     def __post_init__(self) -> None:
         if self.mamba_layers and self.mamba is None:
@@ -251,8 +261,14 @@ class ModelArchConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """The leading dims of each head the rotary embedding turns (the rest pass unturned)."""
-        return int(self.head_dim * self.partial_rotary_factor)
+        """The leading dims of each head the rotary embedding turns (the rest pass unturned; MLA:
+        the dims of its rotary part)."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def kv_values_stored(self) -> bool:
+        """Whether the cache keeps values apart from keys (MLA: its values are part of each key row)."""
+        return self.mla is None
 
     def layer_rotary_dim(self, layer: int) -> int:
         """``rotary_dim`` for layer ``layer``; 0 for a NoPE layer."""
@@ -268,8 +284,8 @@ class ModelArchConfig:
         attention heads, KV heads and MLP width (``pagellm.distributed.tensor_parallel``)."""
         if size == 1:
             return self
-        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
-                     "shared_expert_size"):
+        for name in ("num_attention_heads", "num_key_value_heads" if self.mla is None else "num_attention_heads",
+                     "intermediate_size", "moe_intermediate_size", "shared_expert_size"):
             if getattr(self, name) % size:
                 raise ValueError(f"tensor_parallel_size={size} must divide the model's {name} ({getattr(self, name)})")
         if self.recurrent_layers and self.hidden_size % size:
@@ -283,7 +299,7 @@ class ModelArchConfig:
                              "projection yet (each rank holds only some heads)")  # fmt: skip
         return dataclasses.replace(
             self, num_attention_heads=self.num_attention_heads // size,
-            num_key_value_heads=self.num_key_value_heads // size, intermediate_size=self.intermediate_size // size,
+            num_key_value_heads=self.num_key_value_heads // size if self.mla is None else 1, intermediate_size=self.intermediate_size // size,
             moe_intermediate_size=self.moe_intermediate_size // size, shared_expert_size=self.shared_expert_size // size,
             conv_channels=self.hidden_size // size if self.recurrent_layers else 0,
         )  # fmt: skip
@@ -297,6 +313,8 @@ class ModelArchConfig:
         """Weights of every linear layer (the decoder's and the LM head), biases aside."""
         hidden, inter = self.hidden_size, self.intermediate_size
         attention = hidden * (self.q_size + 2 * self.kv_size) + self.q_size * hidden
+        if self.mla is not None:
+            attention = self.mla.weight_count(hidden, self.num_attention_heads)
         routed = self.num_experts * 3 * hidden * self.moe_intermediate_size + self.num_experts * hidden
         moe = len(self.moe_layers) * (routed + 3 * hidden * self.shared_expert_size)
         dense = (self.num_hidden_layers - len(self.moe_layers)) * 3 * hidden * inter
@@ -312,7 +330,8 @@ class ModelArchConfig:
     def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
         """K+V bytes one token occupies across all layers in a cache of ``dtype`` (for sizing the
         paged cache and the bytes a decode token reads; an int8 row holds its scale too)."""
-        return kv_bytes_per_token(self.num_attention_layers, self.num_key_value_heads, self.head_dim, dtype)
+        return kv_bytes_per_token(self.num_attention_layers, self.num_key_value_heads, self.head_dim, dtype,
+                                  values=self.kv_values_stored)
 
     @classmethod
     def from_hf_config(
@@ -329,6 +348,7 @@ class ModelArchConfig:
             config, mamba = granite_hybrid_config(config)
         elif architecture == "BambaForCausalLM":
             config, mamba = bamba_config(config)
+        config, mla, mla_fields = mla_config(architecture, config)
         hidden_size = int(config["hidden_size"])
         num_heads = int(config["num_attention_heads"])
         rope_theta, rope_scaling = ntk_alpha(config, *rope_from_hf(config))
@@ -351,8 +371,8 @@ class ModelArchConfig:
             o_proj_bias=o_bias,
             mlp_bias=mlp_bias,
             hidden_act=str(config.get("hidden_activation") or config.get("hidden_act") or "silu"),
-            bos_token_id=_optional_int(config.get("bos_token_id")),
-            eos_token_ids=_merge_eos(config, generation_config),
+            bos_token_id=optional_int(config.get("bos_token_id")),
+            eos_token_ids=merge_eos(config, generation_config),
             sliding_window=_effective_sliding_window(config),
             qk_norm=architecture in _QK_NORM or architecture in _OLMO2
             or (architecture in _QK_NORM_BY_FLAG and bool(config.get("use_qk_norm"))),
@@ -369,6 +389,8 @@ class ModelArchConfig:
                if architecture in _LFM2 else {}),
             qk_norm_after_rotary=architecture in _QK_NORM_AFTER_ROTARY,
             mamba=mamba,
+            mla=mla,
+            **mla_fields,
             **(qwen3_5_fields(config) if architecture in _QWEN3_5 else {}),
             **({"local_rope_theta": _local_rope_theta(architecture, config)} if architecture in _LOCAL_ROPE - _GEMMA else {}),
             **_gemma_fields(architecture, config, hidden_size),
@@ -488,6 +510,9 @@ def _moe_fields(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
     step = 1 if mixtral else int(config.get("decoder_sparse_step") or 1)
     dense = set() if mixtral else set(config.get("mlp_only_layers") or [])
     dense |= set(range(int(config.get("first_k_dense_replace") or 0)))
+    if architecture == "Glm4MoeLiteForCausalLM":  # (its MoE layers by type; by default all but the first)
+        types = config.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
+        dense |= {i for i, kind in enumerate(types) if kind == "dense"}
     moe_layers = tuple(i for i in range(layers) if experts > 0 and i not in dense and (i + 1) % step == 0)
     width = config["intermediate_size"] if mixtral else config.get("moe_intermediate_size") or config["intermediate_size"]
     fields = dict(
@@ -523,8 +548,8 @@ def _gemma_fields(architecture: str, config: dict[str, Any], hidden_size: int) -
     return dict(
         layer_types=tuple(str(t) for t in layer_types), local_rope_theta=_local_rope_theta(architecture, config),
         attention_scale=None if scalar is None else float(scalar) ** -0.5,
-        attn_logit_softcapping=_optional_float(config.get("attn_logit_softcapping")),
-        final_logit_softcapping=_optional_float(config.get("final_logit_softcapping")),
+        attn_logit_softcapping=optional_float(config.get("attn_logit_softcapping")),
+        final_logit_softcapping=optional_float(config.get("final_logit_softcapping")),
         norm_unit_offset=True, sandwich_norms=True, embedding_scale=hidden_size**0.5,
     )  # fmt: skip
 
@@ -554,33 +579,6 @@ def _local_rope_theta(architecture: str, config: dict[str, Any]) -> float | None
     if local.get("rope_type", "default") != "default":
         raise NotImplementedError(f"rope scaling of the sliding-window layers ({local['rope_type']!r}) is not supported")
     return float(local.get("rope_theta") or config.get("rope_local_base_freq") or 10000.0)
-
-
-def _optional_float(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
-def _optional_int(value: Any) -> int | None:
-    """``int(value)``, with None (and a one-element list) handled."""
-    if isinstance(value, list):
-        value = value[0] if value else None
-    return None if value is None else int(value)
-
-
-def _as_id_list(value: Any) -> list[int]:
-    """Normalize an eos entry (int, list of ints or None) to a list."""
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        return [int(v) for v in value]
-    return [int(value)]
-
-
-def _merge_eos(config: dict[str, Any], generation_config: dict[str, Any] | None) -> list[int]:
-    """Union of config.json's and generation_config.json's eos ids, order kept, no duplicates."""
-    ids = _as_id_list(config.get("eos_token_id"))
-    ids += _as_id_list((generation_config or {}).get("eos_token_id"))
-    return list(dict.fromkeys(ids))
 
 
 def _effective_sliding_window(config: dict[str, Any]) -> int | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagellm.model.arch_config import ModelArchConfig
+from pagellm.model.mla_shape import MlaShape
 from pagellm.model.scan_shapes import DeltaNetShape, MambaShape
 
 
@@ -51,6 +52,7 @@ class LayerSpec:
     mamba: MambaShape | None = None  # Granite-4.0-H: a Mamba-2 mixer (``model/mamba2.py``) in place of attention
     delta_net: DeltaNetShape | None = None  # Qwen3.5: a gated delta-net (``model/delta_net.py``) in place of attention
     output_gate: bool = False  # Qwen3.5: attention's output times sigmoid(a per-head gate from q_proj)
+    mla: MlaShape | None = None  # DeepSeek-V3: multi-head latent attention (``model/mla.py``)
 
     @property
     def recurrent(self) -> bool:
@@ -100,6 +102,7 @@ def layer_spec(arch: ModelArchConfig, index: int) -> LayerSpec:
         mamba=arch.mamba if index in arch.mamba_layers else None,
         delta_net=arch.delta_net if index in arch.delta_net_layers else None,
         output_gate=arch.attn_output_gate,
+        mla=arch.mla,
     )
 
 
@@ -119,6 +122,8 @@ def stack_refusal(spec: LayerSpec) -> str | None:
         return "a gated delta-net layer"
     if spec.output_gate:
         return "a gated attention output"
+    if spec.mla is not None:
+        return "multi-head latent attention (MLA)"
     if spec.recurrent:
         return "a short-convolution layer"
     if spec.moe:

@@ -33,6 +33,7 @@ from pagellm.model.layer_spec import LayerSpec, layer_specs
 from pagellm.model.layers import RotaryEmbedding, apply_rotary_, make_rms_norm
 from pagellm.model.lora import LoRAStep
 from pagellm.model.mamba2 import Mamba2Mixer, mamba_weight_names
+from pagellm.model.mla import MlaAttention, mla_weight_names
 from pagellm.model.mlp import LlamaMLP
 from pagellm.model.moe import SparseMoeBlock
 from pagellm.model.quant_embedding import QuantizedEmbedding, embedding_for_plan
@@ -187,6 +188,8 @@ class LlamaDecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(spec.delta_net, spec.hidden_size, spec.norm_eps, plan)
         elif spec.recurrent:  # (LFM2's convolution layers)
             self.conv = ShortConv(spec, plan, tp)
+        elif spec.mla is not None:  # (DeepSeek-V3's multi-head latent attention)
+            self.self_attn = MlaAttention(spec, attn_backend, plan, tp)
         else:
             self.self_attn = LlamaAttention(spec, attn_backend, plan, tp)
         self.post_attention_layernorm = norm()
@@ -461,6 +464,9 @@ class LlamaForCausalLM(nn.Module):
                 names.add(prefix + "conv.conv_weight")
                 names |= {prefix + "conv.conv_bias"} if arch.conv_bias else set()
                 continue
+            if arch.mla is not None:
+                names |= mla_weight_names(prefix + "self_attn.", arch.mla, arch.attention_bias)
+                continue
             names |= {f"{prefix}self_attn.{p}_proj.weight" for p in ("qkvog" if arch.attn_output_gate else "qkvo")}
             if arch.attention_bias:
                 names |= {f"{prefix}self_attn.{p}_proj.bias" for p in "qkv"}
@@ -549,6 +555,8 @@ class LlamaForCausalLM(nn.Module):
             module = self.get_submodule(match["prefix"].rstrip("."))
         except AttributeError:
             module = None
+        if isinstance(module, MlaAttention):  # (its q_proj is its own, not part of a fused q/k/v)
+            return name, None
         if not isinstance(module, (LlamaAttention, LlamaMLP, GatedDeltaNet)):
             raise ValueError(f"unexpected weight {name!r} for {self.arch.architecture}")
         return f"{match['prefix']}{fused}.{match['kind']}", module.shard_slices()[shard]

@@ -275,9 +275,9 @@ def _check_shapes(
         twice = [part for part in FUSED_ADAPTER_TARGETS.get(target, ()) if (layer, part) in found]
         if twice:
             raise LoRAAdapterError(f"adapter {path!r} targets layer {layer}'s {target} and its part {twice[0]} both")
-        if target in ATTENTION_TARGETS and spec.recurrent:
-            raise LoRAAdapterError(f"adapter {path!r} targets {name}, but that layer of {arch.architecture} has no "
-                                   "attention")  # fmt: skip
+        if target in ATTENTION_TARGETS and (spec.recurrent or spec.mla is not None):
+            what = "has no attention" if spec.recurrent else "is multi-head latent attention (MLA), not supported yet"
+            raise LoRAAdapterError(f"adapter {path!r} targets {name}, but that layer of {arch.architecture} {what}")
         if target == "qkv_proj" and spec.output_gate:
             raise LoRAAdapterError(f"adapter {path!r} targets {name}: {arch.architecture} has separate q/k/v "
                                    "projections (its q_proj makes each head's query and output gate)")  # fmt: skip

@@ -42,6 +42,8 @@ _MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Ernie4_5ForCausalLM": LlamaForCausalLM,
     "GptOssForCausalLM": LlamaForCausalLM,
     "Lfm2ForCausalLM": LlamaForCausalLM,
+    "DeepseekV3ForCausalLM": LlamaForCausalLM,  # (multi-head latent attention: model/mla.py)
+    "Glm4MoeLiteForCausalLM": LlamaForCausalLM,  # (GLM-4.7-Flash: DeepSeek-V3's attention and MoE)
 }
 
 

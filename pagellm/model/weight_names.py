@@ -104,10 +104,12 @@ _DROPPED: dict[str, re.Pattern[str]] = {
 }
 # Architectures whose checkpoints carry layers past the model's (GLM-4.5's multi-token prediction
 # layer, ``num_nextn_predict_layers``): not part of the causal LM, not loaded.
-_LAYERS_PAST_THE_MODEL_DROPPED = {"Glm4MoeForCausalLM"}
+_LAYERS_PAST_THE_MODEL_DROPPED = {"Glm4MoeForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM"}
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 _Q_PROJ = re.compile(r"^(?P<prefix>.*\.self_attn\.)q_proj\.(?P<kind>weight|bias)$")
 _QK_ROWS = re.compile(r"^.*\.self_attn\.(?P<proj>q_proj|k_proj)\.(weight|bias)$")
+# MLA's projections holding rotary rows: each head's query (after its nope rows), the shared key's.
+_MLA_ROTARY_ROWS = re.compile(r"^.*\.self_attn\.(?P<proj>q_proj|q_b_proj|kv_a_proj_with_mqa)\.(weight|bias)$")
 # q/k/v or gate/up stored fused (Phi-3): split into the parts by rows.
 _PREFUSED = re.compile(r"^(?P<prefix>.*\.)(?P<fused>qkv_proj|gate_up_proj)\.(?P<kind>weight|bias)$")
 # gpt-oss's experts, all in one tensor each: gate_up [E, H, 2I] (x @ W; gate and up columns
@@ -143,7 +145,10 @@ def checkpoint_parts(arch: ModelArchConfig, name: str, tensor: Tensor) -> list[t
         if layer is not None and int(layer[1]) >= arch.num_hidden_layers:
             return []
     name = llama_name(arch, name)
-    if arch.rotary_interleaved and (match := _QK_ROWS.match(name)) is not None:
+    if arch.mla is not None:
+        if arch.rotary_interleaved and (match := _MLA_ROTARY_ROWS.match(name)) is not None:
+            tensor = _select_rows(tensor, _mla_rotate_half_order(arch, match["proj"]))
+    elif arch.rotary_interleaved and (match := _QK_ROWS.match(name)) is not None:
         tensor = _rotate_half_order(arch, match["proj"], tensor)
     if arch.attn_output_gate and (match := _Q_PROJ.match(name)) is not None:
         return _split_output_gate(arch, match, tensor)
@@ -225,6 +230,26 @@ def _rotate_half_order(arch: ModelArchConfig, proj: str, tensor: Tensor) -> Tens
     if not isinstance(tensor, torch.Tensor):
         return tensor.select_rows(order)
     return tensor[order]
+
+
+def _mla_rotate_half_order(arch: ModelArchConfig, proj: str) -> torch.Tensor:
+    """The row order of an MLA projection whose rotary rows turn interleaved pairs (DeepSeek's
+    ``rope_interleave``) that makes them rotate-half's: each rotary part's even rows, then its
+    odd ones; the query's other rows (each head's first ``qk_nope_head_dim``) and the latent's
+    stay. The same order for the query and the shared key keeps every score."""
+    shape = arch.mla
+    assert shape is not None
+    rope = shape.qk_rope_head_dim
+    rotary = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+    if proj == "kv_a_proj_with_mqa":
+        return torch.cat([torch.arange(shape.kv_lora_rank), shape.kv_lora_rank + rotary])
+    head = torch.cat([torch.arange(shape.qk_nope_head_dim), shape.qk_nope_head_dim + rotary])
+    return (torch.arange(arch.num_attention_heads)[:, None] * shape.qk_head_dim + head[None, :]).flatten()
+
+
+def _select_rows(tensor: Tensor, order: torch.Tensor) -> Tensor:
+    """``tensor``'s rows in ``order``, dense or quantized."""
+    return tensor[order] if isinstance(tensor, torch.Tensor) else tensor.select_rows(order)
 
 
 def _split_gpt_oss_experts(arch: ModelArchConfig, match: re.Match[str], tensor: Tensor) -> list[tuple[str, Tensor]]:

@@ -38,7 +38,7 @@ from pagellm import disk_tier_files
 from pagellm.attention.backend import indexable
 from pagellm.disk_tier_files import TierLayout
 from pagellm.step import DiskTierReport, KVLoad, SchedulerOutput
-from pagellm.worker.kv_cache import KVCache
+from pagellm.worker.kv_cache import KVCache, distinct_kv
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class DiskTierIO:
     folder ``lock`` holds for this engine until :meth:`close`)."""
 
     def __init__(self, kv_cache: KVCache, layout: TierLayout, lock: IO[bytes] | None = None) -> None:
-        self.caches = [indexable(c) for pair in kv_cache if isinstance(pair, tuple) for c in pair]
+        self.caches = [indexable(c) for pair in kv_cache if isinstance(pair, tuple) for c in distinct_kv(pair)]
         self.layout = layout
         self._lock_file = lock
         first = self.caches[0]

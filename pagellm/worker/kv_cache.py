@@ -20,10 +20,11 @@ KVCache = list[tuple[torch.Tensor, torch.Tensor] | ConvState | ScanState]
 
 
 def bytes_per_block(
-    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, values: bool = True
 ) -> int:
-    """Memory one block takes across all layers, keys and values (an int8 row holds its scale too)."""
-    return block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+    """Memory one block takes across all layers, keys and values (an int8 row holds its scale
+    too; ``values=False``: the key rows hold the values, MLA's)."""
+    return block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, values)
 
 
 def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
@@ -63,22 +64,32 @@ def allocate_kv_cache(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device,
+    values: bool = True,
 ) -> KVCache:
     """Zero-filled, so slots never written hold no NaNs that masked attention could touch
-    (an int8 row's zero scale reads back as zeros). Rows are ``kv_row_width`` wide.
+    (an int8 row's zero scale reads back as zeros). Rows are ``kv_row_width`` wide. With
+    ``values=False`` (MLA: the key rows hold the values) a layer's pair is one tensor twice.
 
     On CPU all layers' K and V live in one lazily zeroed buffer (see ``_zeroed_cpu_buffer``).
     """
     shape = (num_blocks, block_size, num_kv_heads, kv_row_width(head_dim, dtype))
+    tensors = 2 if values else 1
     if device.type != "cpu":
-        return [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)
-        ]
-    per_tensor = num_blocks * block_size * num_kv_heads * shape[-1]
-    flat = _zeroed_cpu_buffer(2 * num_layers * per_tensor, dtype)
-    views = flat.view(num_layers, 2, *shape)
-    return [(views[i, 0], views[i, 1]) for i in range(num_layers)]
+        views = torch.zeros((num_layers, tensors, *shape), dtype=dtype, device=device)
+    else:
+        per_tensor = num_blocks * block_size * num_kv_heads * shape[-1]
+        views = _zeroed_cpu_buffer(tensors * num_layers * per_tensor, dtype).view(num_layers, tensors, *shape)
+    pairs = []
+    for layer in views:
+        key_cache = layer[0]
+        pairs.append((key_cache, layer[1] if values else key_cache))
+    return pairs
+
+
+def distinct_kv(pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A layer's cache tensors, each once (MLA's pair is one tensor twice)."""
+    key_cache, value_cache = pair
+    return (key_cache,) if key_cache.data_ptr() == value_cache.data_ptr() else pair
 
 
 def copy_blocks(kv_cache: KVCache, copies: list[tuple[int, int]]) -> None:
@@ -91,8 +102,8 @@ def copy_blocks(kv_cache: KVCache, copies: list[tuple[int, int]]) -> None:
     device = pairs[0][0].device
     src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=device)
     dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=device)
-    for key_cache, value_cache in pairs:
-        for cache in (indexable(key_cache), indexable(value_cache)):
+    for pair in pairs:
+        for cache in map(indexable, distinct_kv(pair)):
             cache.index_copy_(0, dst, cache.index_select(0, src))
 
 

@@ -239,14 +239,15 @@ class Worker:
         if draft is not None:
             draft_kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, draft.plan.dtype)
             draft_block_bytes = bytes_per_block(draft.arch.num_hidden_layers, draft.arch.num_key_value_heads,
-                                                draft.arch.head_dim, self.block_size, draft_kv_dtype)  # fmt: skip
+                                                draft.arch.head_dim, self.block_size, draft_kv_dtype,
+                                                draft.arch.kv_values_stored)  # fmt: skip
         self.num_blocks = self._pool_blocks(config, shard, own, stages, parallel, share, weight_bytes,
                                             draft_block_bytes)  # fmt: skip
         self.max_model_len = context_limit(config.model.max_model_len, self.arch, self.num_blocks, self.block_size,
                                            config.scheduler.max_num_batched_tokens)  # fmt: skip
         kv_cache = allocate_kv_cache(
             attention_layers_in(shard, own), self.num_blocks, self.block_size,
-            shard.num_key_value_heads, shard.head_dim, self.kv_cache_dtype, self.device,
+            shard.num_key_value_heads, shard.head_dim, self.kv_cache_dtype, self.device, shard.kv_values_stored,
         )  # fmt: skip
         slots = config.scheduler.max_num_seqs
         kv_cache = with_recurrent_states(shard, kv_cache, slots, self.num_blocks, self.dtype, self.device,
@@ -260,7 +261,7 @@ class Worker:
             self.disk_tier, folder_lock = tier_layout(
                 config, self.arch, self.kernel_plan_info, self.kv_cache_dtype,
                 bytes_per_block(attention_layers_in(shard, own), shard.num_key_value_heads, shard.head_dim,
-                                self.block_size, self.kv_cache_dtype), self.device,
+                                self.block_size, self.kv_cache_dtype, shard.kv_values_stored), self.device,
             )  # fmt: skip
             disk_tier = DiskTierIO(kv_cache, self.disk_tier, folder_lock)
         link = parallel.link(self.arch.hidden_size, self.dtype, self.arch.num_hidden_layers) if parallel else None
@@ -268,7 +269,7 @@ class Worker:
         if draft is not None:
             draft_cache = allocate_kv_cache(draft.arch.num_hidden_layers, self.num_blocks, self.block_size,
                                             draft.arch.num_key_value_heads, draft.arch.head_dim, draft_kv_dtype,
-                                            self.device)  # fmt: skip
+                                            self.device, draft.arch.kv_values_stored)  # fmt: skip
             drafter = Drafter(draft.model, draft_cache, self.block_size, self.device, draft.plan.library("argmax"),
                               config.scheduler.max_num_batched_tokens, draft.arch.vocab_size, self.num_blocks)  # fmt: skip
         self.model_runner = ModelRunner(
@@ -323,7 +324,7 @@ class Worker:
 
         def stage_block_bytes(layers: range) -> int:
             attention = bytes_per_block(attention_layers_in(shard, layers), shard.num_key_value_heads, shard.head_dim,
-                                        cache.block_size, self.kv_cache_dtype)  # fmt: skip
+                                        cache.block_size, self.kv_cache_dtype, shard.kv_values_stored)  # fmt: skip
             return attention + state_snapshot_bytes(shard, self.dtype, layers)  # (each block's state snapshots)
 
         block_bytes = draft_block_bytes + max(map(stage_block_bytes, stages))

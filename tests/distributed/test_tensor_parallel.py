@@ -37,7 +37,7 @@ def _run(path: str, tp: int, params: SamplingParams, **options: object) -> list:
                                            ("tiny_smollm3_path", "shm"), ("tiny_glm4_moe_path", "shm"),
                                            ("tiny_qwen2_moe_path", "shm"), ("tiny_glm4_path", "shm"),
                                            ("tiny_gpt_oss_path", "shm"), ("tiny_seed_oss_path", "gloo"),
-                                           ("tiny_lfm2_path", "shm")])  # fmt: skip
+                                           ("tiny_lfm2_path", "shm"), ("tiny_deepseek_v3_path", "shm")])  # fmt: skip
 def test_two_ranks_give_what_one_gives(request: pytest.FixtureRequest, model: str, variant: str) -> None:
     """Dense weights with the shared-memory all-reduce, with gloo's (no kernel library), and
     int8 blocks on the integer GEMM (each rank's blocks are the whole model's: same integers)."""

@@ -25,11 +25,12 @@ BATCHING_FAMILIES = ["tiny_llama_path", "tiny_qwen2_path", "tiny_qwen3_path", "t
                      "tiny_phi3_longrope_path", "tiny_mistral_window_path", "tiny_qwen3_moe_path", "tiny_mixtral_path",
                      "tiny_gemma2_path", "tiny_gemma3_path", "tiny_qwen3_window_path", "tiny_gpt_oss_path",
                      "tiny_olmo3_path", "tiny_exaone4_path", "tiny_lfm2_path", "tiny_granite_hybrid_path",
-                     "tiny_qwen3_5_path"]  # fmt: skip
+                     "tiny_qwen3_5_path", "tiny_deepseek_v3_path"]  # fmt: skip
 MAPPING_FAMILIES = ["tiny_phi4_mini_path", "tiny_smollm3_path", "tiny_olmo2_path", "tiny_granite_path",
                     "tiny_glm4_moe_path", "tiny_qwen2_moe_path", "tiny_glm4_path", "tiny_seed_oss_path",
                     "tiny_ernie4_5_path", "tiny_hunyuan_path", "tiny_granite_hybrid_moe_path",
-                    "tiny_qwen3_5_moe_path", "tiny_bamba_path"]  # fmt: skip
+                    "tiny_qwen3_5_moe_path", "tiny_bamba_path", "tiny_deepseek_v3_yarn_path",
+                    "tiny_glm4_moe_lite_path"]  # fmt: skip
 CONFIGS = {
     "bs16": dict(block_size=16),
     "bs1": dict(block_size=1),

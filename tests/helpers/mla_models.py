@@ -1,0 +1,52 @@
+"""Tiny models of the DeepSeek-V3 family (DeepSeek-V3, GLM-4.7-Flash): multi-head latent attention
+(MLA) beside DeepSeek's MoE."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.helpers.tiny_models import TINY_SHAPE, token_ids, write_tiny_model
+
+# The latent (32) and the rotary part (8) a token caches; each head's query and key 16 + 8 dims,
+# its value 16 (narrower than the query, as in DeepSeek's); rotary pairs interleaved.
+_MLA = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True)
+# Sigmoid routing over 4 groups of 2 experts (the best 2 groups), a shared expert, the first layer dense.
+_MOE = dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, n_group=4,
+            topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)  # fmt: skip
+
+
+def write_tiny_deepseek_v3(folder: Path, tokenizer, **overrides) -> str:
+    """A tiny DeepSeek-V3 (3 layers, 4 heads, the first dense) with ``overrides`` on its config."""
+    from transformers import DeepseekV3Config
+
+    return _write(folder, tokenizer, DeepseekV3Config, first_k_dense_replace=1, **overrides)
+
+
+def write_tiny_glm4_moe_lite(folder: Path, tokenizer, **overrides) -> str:
+    """A tiny GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``: DeepSeek-V3's attention and MoE, its MoE
+    layers listed by type) with ``overrides`` on its config."""
+    from transformers import Glm4MoeLiteConfig
+
+    return _write(folder, tokenizer, Glm4MoeLiteConfig, mlp_layer_types=["dense", "sparse", "sparse"], **overrides)
+
+
+def _write(folder: Path, tokenizer, config_class, **overrides) -> str:
+    """The model, with a random correction bias (transformers starts it at zeros, which would test
+    nothing) and a stray layer past the model's (the checkpoint's multi-token-prediction layer,
+    which the causal LM does not load)."""
+    from safetensors.torch import load_file, save_file
+
+    shape = {**TINY_SHAPE, "num_hidden_layers": 3, "num_key_value_heads": 4}
+    config = config_class(**shape, **token_ids(tokenizer), **_MLA, **_MOE, tie_word_embeddings=False,
+                          initializer_range=0.1, **overrides)  # fmt: skip
+    write_tiny_model(folder, config, tokenizer)
+    (shard,) = folder.glob("*.safetensors")
+    tensors = load_file(str(shard))
+    generator = torch.Generator().manual_seed(7)
+    for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
+        tensors[name] = torch.rand(tensors[name].shape, generator=generator) * 0.5
+    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(4, 4)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    return str(folder)
