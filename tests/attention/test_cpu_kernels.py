@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import platform
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -55,6 +57,44 @@ def test_decode_and_context_prefill_match_dense(num_heads, num_kv_heads, head_di
     reqs = [(1030, 1), (5, 1), (0, 1), (77, 1), (40, 9), (0, 12), (16, 16), (300, 1)]
     step = make_step(reqs, 16, num_heads, num_kv_heads, head_dim=head_dim, dtype=dtype, seed=head_dim)
     check_step(step, cpu_paged_all_dtypes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8], ids=["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(16, 1, 40), (16, 1, 576), (7, 1, 64), (8, 1, 128),
+                                                             (6, 2, 256), (3, 1, 48)],
+                         ids=["mla-tiny", "mla", "mqa64", "mqa128", "kv2-256", "odd48"])  # fmt: skip
+def test_one_row_over_few_kv_heads_splits_its_heads_over_the_threads(num_heads, num_kv_heads, head_dim, dtype):
+    """A batch-1 decode row over fewer KV heads than threads (MLA's one latent head, MQA) deals its
+    query heads out in parts, each thread a part (sinks shifted with them): the rows are
+    bit-equal to one thread's and match dense attention, on every row path."""
+    base = torch.bfloat16 if dtype == FP8 else dtype
+    step = make_step([(300, 1)], 16, num_heads, num_kv_heads, head_dim=head_dim, dtype=base, seed=head_dim + 3)
+    step = to_fp8_step(step) if dtype == FP8 else step
+    sinks = torch.linspace(-4.0, 3.0, num_heads)
+    kc, vc = step.key_cache.clone(), step.value_cache.clone()
+    write_kv(step.key, step.value, kc, vc, step.metadata.slot_mapping)
+    rows = build_kernel_rows(step.metadata)
+    outs = []
+    for threads in (1, 2, 4):
+        out = torch.empty_like(step.query)
+        with torch_threads(threads):
+            KERNELS.paged_attention(step.query, out, kc, vc, rows.block_tables, rows.row_token, rows.row_req,
+                                    rows.row_ctx, step.scale, sinks=sinks)  # fmt: skip
+        outs.append(out)
+    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
+    tol = TOL[torch.float32 if dtype == torch.float32 else torch.bfloat16]
+    torch.testing.assert_close(outs[0].double(), dense_expected(step, None, None, sinks), **tol)
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's (and so the kernels') thread count set to ``count`` inside the block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _release_before_windows(step, window: int):

@@ -38,8 +38,13 @@ void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_r
             unit_start.push_back(r);
     unit_start.push_back(num_rows);
     const int64_t units = static_cast<int64_t>(unit_start.size()) - 1;
-    const int64_t items = units * num_kv_heads;
-    // Fewer units than threads (batch 1): deal out single heads, or one thread does all.
+    // Fewer (unit, KV head) pairs than threads (a batch-1 decode over one KV head: MLA's latent,
+    // MQA): each pair's query heads dealt out in parts, every part reading the pair's K/V rows
+    // itself. A head's arithmetic is the same in any part.
+    const int64_t pairs = units * num_kv_heads;
+    const int64_t parts = !amx && pairs > 0 && pairs < num_threads ? std::min<int64_t>(group, (num_threads + pairs - 1) / pairs) : 1;
+    const int64_t items = pairs * parts;
+    // Fewer units than threads (batch 1): deal out single heads (or parts), or one thread does all.
     const int64_t chunk = units >= num_threads ? num_kv_heads : 1;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -54,9 +59,14 @@ void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_r
         // against 28.4-35.2 with items dealt out one head at a time (alternating builds).
 #pragma omp for schedule(dynamic, chunk)
         for (int64_t it = 0; it < items; ++it) {
-            const int64_t u = it / num_kv_heads;
+            const int64_t u = it / parts / num_kv_heads;
             const int64_t r = unit_start[u];
-            const int64_t kvh = it % num_kv_heads;
+            const int64_t kvh = it / parts % num_kv_heads;
+            // This part's query heads g0 .. g0 + gn of the group: every path indexes head
+            // (kvh * G + g), so the rows and sinks are shifted to give head kvh * group + g0 + g.
+            const int64_t part = it % parts, g0 = group * part / parts, gn = group * (part + 1) / parts - g0;
+            const int64_t shift = kvh * (group - gn) + g0;
+            const float* part_sinks = sinks == nullptr ? nullptr : sinks + shift;
 #ifdef PAGELLM_AMX
             if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<KV, T>) {
                 const int64_t n = unit_start[u + 1] - r;
@@ -77,43 +87,43 @@ void paged_attention(const T* query, int64_t q_row_stride, T* out, int64_t out_r
             const int64_t tok = row_token[r];
             [[maybe_unused]] const bool lone =
                 (r == 0 || row_req[r - 1] != row_req[r]) && (r + 1 == num_rows || row_req[r + 1] != row_req[r]);
-            const T* q_row = query + tok * q_row_stride;
-            T* out_row = out + tok * out_row_stride;
+            const T* q_row = query + tok * q_row_stride + shift * head_dim;
+            T* out_row = out + tok * out_row_stride + shift * head_dim;
             const int64_t* table = block_tables + static_cast<int64_t>(row_req[r]) * block_table_stride;
             const int64_t start = row_start[r], ctx = row_ctx[r];
 #ifdef PAGELLM_AVX512_BF16
             if constexpr (std::is_same_v<T, uint16_t>) {
                 if (head_dim == 64) {
-                    attend_one_avx512<2, KV>(q_row, out_row, key_cache, value_cache, table, start, ctx, kvh, group,
-                                         num_kv_heads, block_size, scale, softcap, sinks, scores, work, amx, lone);
+                    attend_one_avx512<2, KV>(q_row, out_row, key_cache, value_cache, table, start, ctx, kvh, gn,
+                                         num_kv_heads, block_size, scale, softcap, part_sinks, scores, work, amx, lone);
                     continue;
                 }
                 if (head_dim == 128) {
-                    attend_one_avx512<4, KV>(q_row, out_row, key_cache, value_cache, table, start, ctx, kvh, group,
-                                         num_kv_heads, block_size, scale, softcap, sinks, scores, work, amx, lone);
+                    attend_one_avx512<4, KV>(q_row, out_row, key_cache, value_cache, table, start, ctx, kvh, gn,
+                                         num_kv_heads, block_size, scale, softcap, part_sinks, scores, work, amx, lone);
                     continue;
                 }
             }
 #endif
 #ifdef PAGELLM_ATTENTION_AVX2
             if (head_dim == 64) {
-                attend_one_avx2<64, T, KV>(q_row, out_row, key_cache, value_cache, table, start, ctx, kvh, group,
-                                           num_kv_heads, block_size, scale, softcap, sinks, scores, work, lone);
+                attend_one_avx2<64, T, KV>(q_row, out_row, key_cache, value_cache, table, start, ctx, kvh, gn,
+                                           num_kv_heads, block_size, scale, softcap, part_sinks, scores, work, lone);
                 continue;
             }
             if (head_dim == 128) {
-                attend_one_avx2<128, T, KV>(q_row, out_row, key_cache, value_cache, table, start, ctx, kvh, group,
-                                            num_kv_heads, block_size, scale, softcap, sinks, scores, work, lone);
+                attend_one_avx2<128, T, KV>(q_row, out_row, key_cache, value_cache, table, start, ctx, kvh, gn,
+                                            num_kv_heads, block_size, scale, softcap, part_sinks, scores, work, lone);
                 continue;
             }
             if (head_dim == 256) {  // Gemma 2 and 3
-                attend_one_avx2<256, T, KV>(q_row, out_row, key_cache, value_cache, table, start, ctx, kvh, group,
-                                            num_kv_heads, block_size, scale, softcap, sinks, scores, work, lone);
+                attend_one_avx2<256, T, KV>(q_row, out_row, key_cache, value_cache, table, start, ctx, kvh, gn,
+                                            num_kv_heads, block_size, scale, softcap, part_sinks, scores, work, lone);
                 continue;
             }
 #endif
-            attend_one<T, KV>(q_row, out_row, key_cache, value_cache, table, start, ctx, kvh, group, num_kv_heads,
-                          head_dim, block_size, scale, softcap, sinks, scores, work);
+            attend_one<T, KV>(q_row, out_row, key_cache, value_cache, table, start, ctx, kvh, gn, num_kv_heads,
+                          head_dim, block_size, scale, softcap, part_sinks, scores, work);
         }
 #ifdef PAGELLM_AMX
         if (amx) _tile_release();
