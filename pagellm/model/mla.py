@@ -23,12 +23,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata, write_kv
 from pagellm.distributed.tensor_parallel import TensorParallel
 from pagellm.kernels.plan import KernelPlan
 from pagellm.model.layer_spec import LayerSpec
 from pagellm.model.layers import apply_rotary_, make_rms_norm
 from pagellm.model.lora import LoRAStep
+from pagellm.model.mla_prefill import expanded_values, step_split
 from pagellm.model.mla_shape import MlaShape
 from pagellm.model.quant_linear import linear_for_plan
 
@@ -122,16 +123,40 @@ class MlaAttention(nn.Module):
         # The rotary parts of every head's query and of the shared key, turned together.
         pe = torch.cat((q[..., nope:], compressed[:, None, latent_width:]), dim=1)
         pe = apply_rotary_(pe, cos, sin, self.rotary_kernels)
-        query = hidden.new_empty(num_tokens, heads, shape.cache_width)
-        self.kv_b_proj.absorb_query(q[..., :nope], query[..., :latent_width])
-        query[..., latent_width:] = pe[:, :heads]
         key = hidden.new_empty(num_tokens, 1, shape.cache_width)
         key[:, 0, :latent_width] = self.kv_a_layernorm(compressed[:, :latent_width].contiguous())
         key[:, 0, latent_width:] = pe[:, heads]
-        key_cache, value_cache = kv_cache
-        attended = self.attn_backend.forward(query, key, key, key_cache, value_cache, attn_metadata, self.spec.scale)
-        out = self.o_proj(self.kv_b_proj.values(attended[..., :latent_width]))
+        split = step_split(attn_metadata, shape)
+        if split is None:  # (every request attends in the latent's space)
+            values = self._absorbed(q[..., :nope], pe[:, :heads], key, kv_cache, attn_metadata)
+        else:
+            values = hidden.new_empty(num_tokens, heads * shape.v_head_dim)
+            if split.absorbed is not None and split.absorbed_metadata is not None:
+                rows = split.absorbed
+                values[rows] = self._absorbed(q[rows, :, :nope], pe[rows, :heads], key[rows], kv_cache,
+                                              split.absorbed_metadata)  # fmt: skip
+            key_cache, value_cache = kv_cache
+            write_kv(key[split.long_rows], key[split.long_rows], key_cache, value_cache, split.long_slots)
+            for prefill in split.long:
+                rows = prefill.tokens
+                values[rows] = expanded_values(q[rows, :, :nope], pe[rows, :heads], key_cache, prefill,
+                                               self.kv_b_proj.weight, shape, self.spec.scale)  # fmt: skip
+        out = self.o_proj(values)
         return out if self.tp is None else self.tp.all_reduce_(out)
+
+    def _absorbed(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, key: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Attention in the latent's space through the backend (which writes these rows' latents):
+        each head's value, ``[T, heads * v_head_dim]``."""
+        latent_width = self.shape.kv_lora_rank
+        query = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.shape.cache_width)
+        self.kv_b_proj.absorb_query(q_nope, query[..., :latent_width])
+        query[..., latent_width:] = q_pe
+        key_cache, value_cache = kv_cache
+        attended = self.attn_backend.forward(query, key, key, key_cache, value_cache, metadata, self.spec.scale)
+        return self.kv_b_proj.values(attended[..., :latent_width])
 
 
 def mla_weight_names(prefix: str, shape: MlaShape, bias: bool) -> set[str]:

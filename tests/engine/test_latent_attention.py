@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from pagellm import LLM, BeamSearchParams, SamplingParams
 from pagellm.model import load_arch_config
 from pagellm.model.lora_adapter import LoRAAdapterError, inspect_adapter
+from pagellm.model.mla_prefill import expanded_values
 from pagellm.model.mla_shape import MlaShape, mla_config
 from pagellm.lora_request import LoRARequest
 from tests.helpers.hf_reference import hf_beam_search, hf_greedy, load_hf_model
@@ -35,6 +36,37 @@ def test_the_cache_holds_one_latent_row_a_token(tiny_deepseek_v3_path: str) -> N
     for key_cache, value_cache in executor.model_runner.kv_cache:
         assert key_cache is value_cache and tuple(key_cache.shape) == (64, 4, 1, 40)
     llm.llm_engine.close()
+
+
+def test_long_prompts_attend_through_the_expanded_keys_and_values(tiny_deepseek_v3_path: str, monkeypatch) -> None:
+    """Prompts of more new tokens than the expansion costs (32 at this shape) attend through the
+    expanded keys and values, beside short ones in the latent's space in the same step, fresh, in
+    chunks over their earlier chunks, and over prefix-cache hits: transformers' tokens throughout."""
+    import pagellm.model.mla as mla
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[3].mask is None)  # (a fresh prompt: causal; over context: masked)
+        return expanded_values(*args, **kwargs)
+
+    monkeypatch.setattr(mla, "expanded_values", counted)
+    prompts = [[300 + (7 * i) % 900 for i in range(90)], [5, 9, 200, 31, 8], [1200 + (11 * i) % 700 for i in range(60)]]
+    hf_model = load_hf_model(tiny_deepseek_v3_path)
+    expected = [hf_greedy(hf_model, p, 12) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for options in (dict(block_size=16), dict(block_size=4, max_num_batched_tokens=40)):
+        calls.clear()
+        llm = LLM(tiny_deepseek_v3_path, dtype="float32", **options)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert True in calls and (options.get("max_num_batched_tokens") is None or False in calls)
+    # The first prompt again with 40 more tokens: 88 positions from the prefix cache, 42 new ones.
+    longer = prompts[0] + [700 + i for i in range(40)]
+    calls.clear()
+    out = llm.generate([{"prompt_token_ids": longer}], params, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 88 and calls == [False] * 3  # (3 layers)
+    assert out.outputs[0].token_ids == hf_greedy(hf_model, longer, 12)
 
 
 def test_beam_search_forks_the_latent_rows(tiny_deepseek_v3_path: str, default_tokenizer) -> None:
