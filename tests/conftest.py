@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from tests.helpers import parallel
-from tests.helpers.mla_models import write_tiny_deepseek_v3, write_tiny_glm4_moe_lite
 from tests.helpers.tiny_models import TINY_LLAMA_ROPE, TINY_SHAPE, token_ids, write_tiny_model
+
+# The DeepSeek family's tiny models (MLA) and their fixtures.
+pytest_plugins = ("tests.helpers.mla_models",)
 
 @pytest.fixture(scope="session")
 def default_model_path_fixture() -> str:
@@ -355,28 +357,6 @@ def tiny_glm4_moe_path(tmp_path_factory: pytest.TempPathFactory, default_tokeniz
     write_tiny_model(folder, config, default_tokenizer)
     _add_correction_bias_and_mtp_layer(folder)
     return str(folder)
-
-
-@pytest.fixture(scope="session")
-def tiny_deepseek_v3_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
-    """Tiny DeepSeek-V3: MLA with a low-rank query (q_lora_rank 24), DeepSeek's MoE (GLM-4.5's)."""
-    return write_tiny_deepseek_v3(tmp_path_factory.mktemp("tiny_deepseek_v3"), default_tokenizer, q_lora_rank=24)
-
-
-@pytest.fixture(scope="session")
-def tiny_deepseek_v3_yarn_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
-    """Tiny DeepSeek-V3 with a plain q_proj (as DeepSeek-V2-Lite's) and YaRN whose mscale_all_dim
-    scales the scores, q/k biases on (attention_bias)."""
-    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-            "beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": 64}
-    return write_tiny_deepseek_v3(tmp_path_factory.mktemp("tiny_deepseek_v3_yarn"), default_tokenizer,
-                                  q_lora_rank=None, rope_parameters=rope, attention_bias=True)
-
-
-@pytest.fixture(scope="session")
-def tiny_glm4_moe_lite_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
-    """Tiny GLM-4.7-Flash: DeepSeek-V3's MLA and MoE, its MoE layers by ``mlp_layer_types``."""
-    return write_tiny_glm4_moe_lite(tmp_path_factory.mktemp("tiny_glm4_moe_lite"), default_tokenizer, q_lora_rank=24)
 
 
 def _add_correction_bias_and_mtp_layer(folder: Path) -> None:

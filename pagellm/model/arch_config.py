@@ -51,14 +51,16 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
 }
-# DeepSeek-V3 and the families built as it (GLM-4.7-Flash): multi-head latent attention (MLA_ARCHITECTURES),
-# DeepSeek's MoE routing (_SIGMOID_ROUTING) and biases on its attention's projections.
+# DeepSeek-V2, V3 and the families built as V3 (GLM-4.7-Flash): MLA (MLA_ARCHITECTURES), shared
+# experts, biases on the attention's projections; V3's routing (_SIGMOID_ROUTING) or V2's.
 _DEEPSEEK_V3 = {"DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM"}
+_DEEPSEEK = {*_DEEPSEEK_V3, "DeepseekV2ForCausalLM"}
 # Architectures whose q/k/v projections always carry a bias (no config flag for it).
 _ALWAYS_QKV_BIAS = {"Qwen2ForCausalLM"}
 # Architectures whose `attention_bias` flag also puts a bias on o_proj.
-_O_PROJ_FOLLOWS_ATTENTION_BIAS = {"LlamaForCausalLM", "GptOssForCausalLM", "BambaForCausalLM", *_DEEPSEEK_V3}
+_O_PROJ_FOLLOWS_ATTENTION_BIAS = {"LlamaForCausalLM", "GptOssForCausalLM", "BambaForCausalLM", *_DEEPSEEK}
 # Architectures with an RMSNorm over each head of q and of k before the rotary embedding.
 _QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Exaone4ForCausalLM",
             "HunYuanDenseV1ForCausalLM", "Lfm2ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"}  # fmt: skip
@@ -76,7 +78,7 @@ SLIDING, CONV = "sliding_attention", "conv"
 # Mixture-of-experts families; Mixtral scales each expert's output by its float32 routing
 # weight, Qwen3-MoE by the weight cast to the model dtype first (as the reference does).
 _MOE = {"Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM", "GptOssForCausalLM", "Qwen2MoeForCausalLM",
-        "GraniteMoeHybridForCausalLM", "Qwen3_5MoeForCausalLM", *_DEEPSEEK_V3}  # fmt: skip
+        "GraniteMoeHybridForCausalLM", "Qwen3_5MoeForCausalLM", *_DEEPSEEK}  # fmt: skip
 # OLMo 2: no norm before a block, one after each block's output (before its residual add), and q
 # and k RMS-normed over their whole projection (before the heads are split).
 _OLMO2 = {"Olmo2ForCausalLM", "Olmo3ForCausalLM"}  # (OLMo 3: with windowed layers, per-type rope bases)
@@ -87,7 +89,7 @@ _LOCAL_ROPE = {"Gemma3ForCausalLM", "Olmo3ForCausalLM"}
 _GLM4 = {"Glm4ForCausalLM"}
 # SmolLM3: layers without a rotary embedding (NoPE), listed per layer in ``no_rope_layers``.
 _NOPE = {"SmolLM3ForCausalLM"}
-_MOE_COMBINE_IN_FLOAT32 = {"MixtralForCausalLM", "Glm4MoeForCausalLM", *_DEEPSEEK_V3}
+_MOE_COMBINE_IN_FLOAT32 = {"MixtralForCausalLM", "Glm4MoeForCausalLM", *_DEEPSEEK}
 # DeepSeek-V3's routing (and GLM-4.5's): sigmoid scores, a per-expert correction bias in the choice
 # only, the best ``topk_group`` of ``n_group`` groups first, weights scaled; shared experts beside;
 # the first ``first_k_dense_replace`` layers dense.
@@ -178,9 +180,7 @@ class ModelArchConfig:
     mamba: MambaShape | None = None  # Granite-4.0-H: the shape of its Mamba-2 layers (``layer_types`` "mamba")
     delta_net: DeltaNetShape | None = None  # Qwen3.5: its gated delta-net layers' (``layer_types`` "linear_attention")
     attn_output_gate: bool = False  # Qwen3.5: attention's output times sigmoid(a gate q_proj makes per head)
-    # DeepSeek-V3: multi-head latent attention (``model/mla.py``); its cache is one KV head of
-    # ``head_dim`` = the latent and the key's rotary part, the values read from the same row.
-    mla: MlaShape | None = None
+    mla: MlaShape | None = None  # DeepSeek: multi-head latent attention (model/mla_shape.py says how it is cached)
 
     def __post_init__(self) -> None:
         if self.mamba_layers and self.mamba is None:
@@ -266,8 +266,7 @@ class ModelArchConfig:
         return self.mla.qk_rope_head_dim if self.mla is not None else int(self.head_dim * self.partial_rotary_factor)
 
     @property
-    def kv_values_stored(self) -> bool:
-        """Whether the cache keeps values apart from keys (MLA: its values are part of each key row)."""
+    def kv_values_stored(self) -> bool:  # (MLA: the values are part of each key row)
         return self.mla is None
 
     def layer_rotary_dim(self, layer: int) -> int:
@@ -526,12 +525,24 @@ def _moe_fields(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
         fields.update(moe_scoring="sigmoid", routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
                       moe_groups=(int(config.get("n_group") or 1), int(config.get("topk_group") or 1)),
                       shared_expert_size=int(config.get("n_shared_experts") or 0) * int(width))  # fmt: skip
+    if architecture == "DeepseekV2ForCausalLM":
+        fields.update(_deepseek_v2_routing(config), shared_expert_size=int(config.get("n_shared_experts") or 0) * int(width))
     if architecture in ("Qwen2MoeForCausalLM", "Qwen3_5MoeForCausalLM"):  # (Qwen3.5's always renormalises)
         fields.update(shared_expert_size=int(config.get("shared_expert_intermediate_size") or 0), shared_expert_gate=True,
                       norm_topk_prob=fields["norm_topk_prob"] or architecture == "Qwen3_5MoeForCausalLM")  # fmt: skip
     if architecture == _GRANITE_HYBRID and experts:  # (its chosen float32 logits softmaxed; its MLP beside)
         fields.update(moe_scoring="topk_softmax_float32", shared_expert_size=int(config["intermediate_size"]))
     return fields
+
+
+def _deepseek_v2_routing(config: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2's: softmax scores, the top k (of the best groups by their best score where
+    "group_limited_greedy"), not renormalised, scaled."""
+    method, groups = config.get("topk_method") or "greedy", (int(config.get("n_group") or 1), int(config.get("topk_group") or 1))
+    if method not in ("greedy", "group_limited_greedy"):
+        raise NotImplementedError(f"DeepSeek-V2's topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+    return dict(moe_scoring="softmax_groups", moe_groups=groups if method != "greedy" else (1, 1), norm_topk_prob=False,
+                routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0))  # fmt: skip
 
 
 def _gemma_fields(architecture: str, config: dict[str, Any], hidden_size: int) -> dict[str, Any]:

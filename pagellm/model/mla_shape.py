@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # Architectures whose attention is MLA.
-MLA_ARCHITECTURES = frozenset({"DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM"})  # (GLM-4.7-Flash)
+MLA_ARCHITECTURES = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM"})
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
-"""Mixture-of-experts feed-forward (Qwen3-MoE, Mixtral, GLM-4.5): a router picks each token's
-top-k experts, each expert is an ordinary SwiGLU MLP; GLM-4.5 adds shared experts (one MLP every
-token runs) and routes as DeepSeek-V3 does (sigmoid scores, a correction bias, expert groups);
+"""Mixture-of-experts feed-forward (Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V2/V3): a router picks
+each token's top-k experts, each expert is an ordinary SwiGLU MLP; GLM-4.5 adds shared experts (one
+MLP every token runs) and routes as DeepSeek-V3 does (sigmoid scores, a correction bias, expert
+groups), DeepSeek-V2 by softmax scores within groups;
 Qwen2-MoE gates its shared expert by a sigmoid per token.
 
 The experts run as one GEMM each over the rows routed to them: the (token, expert) pairs are
@@ -70,6 +71,8 @@ class SparseMoeBlock(nn.Module):
         """``(weights [T, k], expert ids [T, k])`` for each token, as the reference computes them."""
         if self.scoring == "sigmoid":
             weights, experts = self._sigmoid_route(x)
+        elif self.scoring == "softmax_groups":
+            weights, experts = self._grouped_softmax_route(x)
         elif self.scoring.startswith("topk_softmax"):  # gpt-oss: the chosen logits softmaxed (in their dtype)
             logits = self.gate(x)
             logits = logits.float() if self.scoring == "topk_softmax_float32" else logits  # (Granite-4.0-H)
@@ -99,6 +102,20 @@ class SparseMoeBlock(nn.Module):
         weights = scores.gather(1, experts)
         if self.normalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, experts
+
+    def _grouped_softmax_route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V2's choice: softmax scores of float32 logits, the top k among the experts of
+        the ``topk_group`` groups whose best score is highest (all, with one group), weighted by
+        their scores (not renormalised) times the routed scaling factor."""
+        scores = torch.softmax(F.linear(x.float(), self.gate.weight.float()), dim=-1)
+        groups, chosen = self.groups
+        if groups > 1:
+            grouped = scores.view(len(x), groups, -1)
+            best = torch.topk(grouped.amax(dim=-1), chosen, dim=-1, sorted=False)[1]
+            keep = torch.zeros(len(x), groups, dtype=torch.bool, device=x.device).scatter_(1, best, True)
+            scores = scores.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1), 0.0)
+        weights, experts = torch.topk(scores, self.top_k, dim=-1, sorted=False)
         return weights * self.scaling, experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

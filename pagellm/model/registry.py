@@ -44,6 +44,7 @@ _MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Lfm2ForCausalLM": LlamaForCausalLM,
     "DeepseekV3ForCausalLM": LlamaForCausalLM,  # (multi-head latent attention: model/mla.py)
     "Glm4MoeLiteForCausalLM": LlamaForCausalLM,  # (GLM-4.7-Flash: DeepSeek-V3's attention and MoE)
+    "DeepseekV2ForCausalLM": LlamaForCausalLM,  # (MLA; softmax routing by groups)
 }
 
 

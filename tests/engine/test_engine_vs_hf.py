@@ -30,7 +30,7 @@ MAPPING_FAMILIES = ["tiny_phi4_mini_path", "tiny_smollm3_path", "tiny_olmo2_path
                     "tiny_glm4_moe_path", "tiny_qwen2_moe_path", "tiny_glm4_path", "tiny_seed_oss_path",
                     "tiny_ernie4_5_path", "tiny_hunyuan_path", "tiny_granite_hybrid_moe_path",
                     "tiny_qwen3_5_moe_path", "tiny_bamba_path", "tiny_deepseek_v3_yarn_path",
-                    "tiny_glm4_moe_lite_path"]  # fmt: skip
+                    "tiny_glm4_moe_lite_path", "tiny_deepseek_v2_path"]  # fmt: skip
 CONFIGS = {
     "bs16": dict(block_size=16),
     "bs1": dict(block_size=1),

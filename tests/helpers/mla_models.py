@@ -1,10 +1,11 @@
-"""Tiny models of the DeepSeek-V3 family (DeepSeek-V3, GLM-4.7-Flash): multi-head latent attention
-(MLA) beside DeepSeek's MoE."""
+"""Tiny models of the DeepSeek family (DeepSeek-V2 and V3, GLM-4.7-Flash): multi-head latent
+attention (MLA) beside DeepSeek's MoE; session fixtures of each (a pytest plugin of tests/conftest.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.helpers.tiny_models import TINY_SHAPE, token_ids, write_tiny_model
@@ -32,21 +33,59 @@ def write_tiny_glm4_moe_lite(folder: Path, tokenizer, **overrides) -> str:
     return _write(folder, tokenizer, Glm4MoeLiteConfig, mlp_layer_types=["dense", "sparse", "sparse"], **overrides)
 
 
-def _write(folder: Path, tokenizer, config_class, **overrides) -> str:
+def write_tiny_deepseek_v2(folder: Path, tokenizer, **overrides) -> str:
+    """A tiny DeepSeek-V2: softmax routing within the best 2 of 4 groups by their best expert,
+    scaled by 2, a plain q_proj (V2-Lite's), the first layer dense."""
+    from transformers import DeepseekV2Config
+
+    return _write(folder, tokenizer, DeepseekV2Config, mtp=False, first_k_dense_replace=1, q_lora_rank=None,
+                  topk_method="group_limited_greedy", **{**_MOE, "routed_scaling_factor": 2.0}, **overrides)  # fmt: skip
+
+
+def _write(folder: Path, tokenizer, config_class, mtp: bool = True, **overrides) -> str:
     """The model, with a random correction bias (transformers starts it at zeros, which would test
-    nothing) and a stray layer past the model's (the checkpoint's multi-token-prediction layer,
-    which the causal LM does not load)."""
+    nothing) and, with ``mtp``, a stray layer past the model's (the checkpoint's multi-token-
+    prediction layer, which the causal LM does not load)."""
     from safetensors.torch import load_file, save_file
 
     shape = {**TINY_SHAPE, "num_hidden_layers": 3, "num_key_value_heads": 4}
-    config = config_class(**shape, **token_ids(tokenizer), **_MLA, **_MOE, tie_word_embeddings=False,
-                          initializer_range=0.1, **overrides)  # fmt: skip
+    options = {**_MLA, **_MOE, **overrides}
+    config = config_class(**shape, **token_ids(tokenizer), tie_word_embeddings=False, initializer_range=0.1, **options)
     write_tiny_model(folder, config, tokenizer)
     (shard,) = folder.glob("*.safetensors")
     tensors = load_file(str(shard))
     generator = torch.Generator().manual_seed(7)
     for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
         tensors[name] = torch.rand(tensors[name].shape, generator=generator) * 0.5
-    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(4, 4)
+    if mtp:
+        tensors["model.layers.3.eh_proj.weight"] = torch.zeros(4, 4)
     save_file(tensors, str(shard), metadata={"format": "pt"})
     return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny DeepSeek-V3: MLA with a low-rank query (q_lora_rank 24), DeepSeek's MoE (GLM-4.5's)."""
+    return write_tiny_deepseek_v3(tmp_path_factory.mktemp("tiny_deepseek_v3"), default_tokenizer, q_lora_rank=24)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3_yarn_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny DeepSeek-V3 with a plain q_proj (as DeepSeek-V2-Lite's) and YaRN whose mscale_all_dim
+    scales the scores, q/k biases on (attention_bias)."""
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": 64}
+    return write_tiny_deepseek_v3(tmp_path_factory.mktemp("tiny_deepseek_v3_yarn"), default_tokenizer,
+                                  q_lora_rank=None, rope_parameters=rope, attention_bias=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v2_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny DeepSeek-V2: MLA, softmax routing within the best groups by their best expert, scaled."""
+    return write_tiny_deepseek_v2(tmp_path_factory.mktemp("tiny_deepseek_v2"), default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4_moe_lite_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny GLM-4.7-Flash: DeepSeek-V3's MLA and MoE, its MoE layers by ``mlp_layer_types``."""
+    return write_tiny_glm4_moe_lite(tmp_path_factory.mktemp("tiny_glm4_moe_lite"), default_tokenizer, q_lora_rank=24)
