@@ -64,6 +64,9 @@ def mla_config(architecture: str, config: dict[str, Any]) -> tuple[dict[str, Any
     interleaving); the config unchanged, None and no fields for another architecture."""
     if architecture not in MLA_ARCHITECTURES:
         return config, None, {}
+    missing = [key for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if key not in config]
+    if missing:
+        raise ValueError(f"{architecture}'s config.json lacks {', '.join(missing)} (its attention's shape)")
     shape = MlaShape(
         q_lora_rank=int(config.get("q_lora_rank") or 0), kv_lora_rank=int(config["kv_lora_rank"]),
         qk_nope_head_dim=int(config["qk_nope_head_dim"]), qk_rope_head_dim=int(config["qk_rope_head_dim"]),

@@ -176,6 +176,11 @@ def test_a_bad_shape_is_refused_by_name(field: str, value: int) -> None:
         mla_config("DeepseekV3ForCausalLM", {**config, field: value})
 
 
+def test_a_config_without_the_shape_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="lacks qk_rope_head_dim, v_head_dim"):
+        mla_config("DeepseekV3ForCausalLM", dict(kv_lora_rank=32, qk_nope_head_dim=16))
+
+
 def test_the_scores_scale_takes_yarns_mscale_twice() -> None:
     """qk_head_dim ** -0.5, times (0.1 * mscale_all_dim * ln(factor) + 1) ** 2 under YaRN (DeepSeek-V3's
     factor 40: 0.0722 -> 0.1373); the plain rope's unchanged."""
