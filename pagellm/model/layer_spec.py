@@ -52,7 +52,7 @@ class LayerSpec:
     mamba: MambaShape | None = None  # Granite-4.0-H: a Mamba-2 mixer (``model/mamba2.py``) in place of attention
     delta_net: DeltaNetShape | None = None  # Qwen3.5: a gated delta-net (``model/delta_net.py``) in place of attention
     output_gate: bool = False  # Qwen3.5: attention's output times sigmoid(a per-head gate from q_proj)
-    mla: MlaShape | None = None  # DeepSeek-V3: multi-head latent attention (``model/mla.py``)
+    mla: MlaShape | None = None  # DeepSeek-V2/V3: multi-head latent attention (``model/mla.py``)
 
     @property
     def recurrent(self) -> bool:

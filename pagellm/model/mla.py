@@ -35,8 +35,9 @@ from pagellm.model.quant_linear import linear_for_plan
 
 
 class LatentExpansion(nn.Module):
-    """``kv_b_proj``, kept dense (it is never applied as a linear): its rows are each head's key
-    part ``W_UK`` (``qk_nope_head_dim`` rows) then its value part ``W_UV`` (``v_head_dim``)."""
+    """``kv_b_proj``, kept dense in the model's dtype (absorbed into the queries and outputs, or
+    expanding a long prompt's context: ``mla_prefill.py``): its rows are each head's key part
+    ``W_UK`` (``qk_nope_head_dim`` rows) then its value part ``W_UV`` (``v_head_dim``)."""
 
     def __init__(self, shape: MlaShape, num_heads: int) -> None:
         super().__init__()
@@ -126,7 +127,7 @@ class MlaAttention(nn.Module):
         key = hidden.new_empty(num_tokens, 1, shape.cache_width)
         key[:, 0, :latent_width] = self.kv_a_layernorm(compressed[:, :latent_width].contiguous())
         key[:, 0, latent_width:] = pe[:, heads]
-        split = step_split(attn_metadata, shape)
+        split = step_split(attn_metadata, shape, heads)
         if split is None:  # (every request attends in the latent's space)
             values = self._absorbed(q[..., :nope], pe[:, :heads], key, kv_cache, attn_metadata)
         else:

@@ -21,13 +21,20 @@ from pagellm.attention.backend import AttentionMetadata, from_cache_rows, indexa
 from pagellm.model.mla_shape import MlaShape
 
 
-def expands(shape: MlaShape, query_len: int) -> bool:
-    """Whether a request of ``query_len`` new tokens attends through the expanded keys and values:
-    where its pairs' savings, ``query_len * (2 * kv_lora_rank - qk_nope_head_dim - v_head_dim)``
-    a position, pass the expansion's ``kv_lora_rank * (qk_nope_head_dim + v_head_dim)`` (170
-    tokens at DeepSeek-V3's shape; 32 at the tests' tiny one)."""
+# The most one request's expanded context may take (keys and padded values, float32): a longer
+# context attends in the latent's space (its expansion would cost more memory than it saves time).
+MAX_EXPANDED_BYTES = 256 << 20
+
+
+def expands(shape: MlaShape, query_len: int, seq_len: int, heads: int) -> bool:
+    """Whether a request of ``query_len`` new tokens over ``seq_len`` positions attends through
+    the expanded keys and values (``heads``: this rank's): where its pairs' savings,
+    ``query_len * (2 * kv_lora_rank - qk_nope_head_dim - v_head_dim)`` a position, pass the
+    expansion's ``kv_lora_rank * (qk_nope_head_dim + v_head_dim)`` (170 tokens at DeepSeek-V3's
+    shape; 32 at the tests' tiny one), and the expanded context fits ``MAX_EXPANDED_BYTES``."""
     saved = 2 * shape.kv_lora_rank - shape.qk_nope_head_dim - shape.v_head_dim
-    return query_len * saved > shape.kv_lora_rank * (shape.qk_nope_head_dim + shape.v_head_dim)
+    fits = seq_len * heads * 2 * max(shape.qk_head_dim, shape.v_head_dim) * 4 <= MAX_EXPANDED_BYTES
+    return fits and query_len * saved > shape.kv_lora_rank * (shape.qk_nope_head_dim + shape.v_head_dim)
 
 
 @dataclass(frozen=True)
@@ -50,17 +57,17 @@ class MlaStepSplit:
     long_slots: torch.Tensor  # their new rows' cache slots
 
 
-def step_split(metadata: AttentionMetadata, shape: MlaShape) -> MlaStepSplit | None:
+def step_split(metadata: AttentionMetadata, shape: MlaShape, heads: int) -> MlaStepSplit | None:
     """The step's split (cached on its metadata), or None where no request expands."""
-    key = ("mla_split", shape)
+    key = ("mla_split", shape, heads)
     cached = metadata.derived.get(key)
     if cached is None:
-        cached = metadata.derived[key] = _build_split(metadata, shape) or False
+        cached = metadata.derived[key] = _build_split(metadata, shape, heads) or False
     return cached or None
 
 
-def _build_split(metadata: AttentionMetadata, shape: MlaShape) -> MlaStepSplit | None:
-    if not any(expands(shape, n) for n in metadata.query_lens):
+def _build_split(metadata: AttentionMetadata, shape: MlaShape, heads: int) -> MlaStepSplit | None:
+    if not any(expands(shape, n, s, heads) for n, s in zip(metadata.query_lens, metadata.seq_lens)):
         return None
     device, block_size = metadata.slot_mapping.device, metadata.block_size
     starts = [0]
@@ -68,7 +75,7 @@ def _build_split(metadata: AttentionMetadata, shape: MlaShape) -> MlaStepSplit |
         starts.append(starts[-1] + n)
     long, absorbed = [], []
     for r, (n, seq_len) in enumerate(zip(metadata.query_lens, metadata.seq_lens)):
-        if not expands(shape, n):
+        if not expands(shape, n, seq_len, heads):
             absorbed.append(r)
             continue
         positions = torch.arange(seq_len, device=device)

@@ -102,8 +102,8 @@ _DROPPED: dict[str, re.Pattern[str]] = {
     "Qwen3_5ForCausalLM": re.compile(r"^(model\.visual\.|mtp\.)"),  # (its vision tower; multi-token prediction)
     "Qwen3_5MoeForCausalLM": re.compile(r"^(model\.visual\.|mtp\.)"),
 }
-# Architectures whose checkpoints carry layers past the model's (GLM-4.5's multi-token prediction
-# layer, ``num_nextn_predict_layers``): not part of the causal LM, not loaded.
+# Architectures whose checkpoints carry layers past the model's (GLM-4.5's and DeepSeek-V3's
+# multi-token prediction layers, ``num_nextn_predict_layers``): not part of the causal LM, not loaded.
 _LAYERS_PAST_THE_MODEL_DROPPED = {"Glm4MoeForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM"}
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 _Q_PROJ = re.compile(r"^(?P<prefix>.*\.self_attn\.)q_proj\.(?P<kind>weight|bias)$")

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from pagellm import LLM, BeamSearchParams, SamplingParams
 from pagellm.model import load_arch_config
 from pagellm.model.lora_adapter import LoRAAdapterError, inspect_adapter
-from pagellm.model.mla_prefill import expanded_values
+from pagellm.model.mla_prefill import expanded_values, expands
 from pagellm.model.mla_shape import MlaShape, mla_config
 from pagellm.lora_request import LoRARequest
 from tests.helpers.hf_reference import hf_beam_search, hf_greedy, load_hf_model
@@ -174,6 +174,15 @@ def test_a_bad_shape_is_refused_by_name(field: str, value: int) -> None:
     config = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, q_lora_rank=24)
     with pytest.raises(ValueError, match=field):
         mla_config("DeepseekV3ForCausalLM", {**config, field: value})
+
+
+def test_which_requests_expand() -> None:
+    """Past 170 new tokens at DeepSeek-V3's shape (the expansion's cost a position over the pairs'
+    savings), while the expanded context fits 256 MiB (1,365 positions of 128 heads, twice that
+    for a rank of two)."""
+    v3 = MlaShape(1536, 512, 128, 64, 128)
+    assert not expands(v3, 170, 1000, 128) and expands(v3, 171, 1000, 128)
+    assert expands(v3, 500, 1365, 128) and not expands(v3, 500, 1366, 128) and expands(v3, 500, 2730, 64)
 
 
 def test_a_config_without_the_shape_is_refused_by_name() -> None:
