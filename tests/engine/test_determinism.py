@@ -40,9 +40,14 @@ def in_a_batch(llm: LLM, others: list[str] = OTHERS) -> Outputs:
 
 @pytest.fixture(scope="module")
 def reference(default_model_path_fixture: str) -> Outputs:
-    """What each probe gives alone on a default engine."""
+    """What each probe gives alone on a default engine; the module skips where this CPU's kernel
+    plan runs big batches in another arithmetic than small ones (AMX tiles above a few rows of
+    quantized weights: docs/engine.md says the promise does not hold there)."""
     llm = LLM(default_model_path_fixture)
     try:
+        switch = llm.llm_engine.executor.kernel_plan.quant_max_rows
+        if switch is not None:
+            pytest.skip(f"this CPU's plan runs batches of more than {switch} rows on AMX tiles (another arithmetic)")
         return alone(llm)
     finally:
         llm.llm_engine.close()
@@ -83,7 +88,7 @@ def test_speculation_keeps_greedy_output_and_its_own_seeded_output(default_model
     llm.llm_engine.close()
 
 
-def test_three_ranks_agree_with_themselves(default_model_path_fixture: str) -> None:
+def test_three_ranks_agree_with_themselves(default_model_path_fixture: str, reference: Outputs) -> None:
     llm = LLM(default_model_path_fixture, tensor_parallel_size=3)
     try:
         assert in_a_batch(llm, OTHERS[:16]) == alone(llm)
