@@ -63,7 +63,7 @@ def test_decode_and_context_prefill_match_dense(num_heads, num_kv_heads, head_di
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(16, 1, 40), (16, 1, 576), (7, 1, 64), (8, 1, 128),
                                                              (6, 2, 256), (3, 1, 48)],
                          ids=["mla-tiny", "mla", "mqa64", "mqa128", "kv2-256", "odd48"])  # fmt: skip
-def test_one_row_over_few_kv_heads_splits_its_heads_over_the_threads(num_heads, num_kv_heads, head_dim, dtype):
+def test_one_row_over_few_kv_heads_split_over_the_threads_and_match_dense(num_heads, num_kv_heads, head_dim, dtype):
     """A batch-1 decode row over fewer KV heads than threads (MLA's one latent head, MQA) deals its
     query heads out in parts, each thread a part (sinks shifted with them): the rows are
     bit-equal to one thread's and match dense attention, on every row path."""

@@ -14,7 +14,7 @@ from pagellm import LLM, SamplingParams
 PROBES = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):", "List three colors:",
           "Once upon a time", "Explain photosynthesis briefly.", "1, 2, 3, 4,", "The quick brown fox"]  # fmt: skip
 OTHERS = [f"Tell me fact number {i} about the number {i * 7} and why it matters." for i in range(56)]
-TOKENS = 16
+TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
 SEEDED = [SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=TOKENS, ignore_eos=True)
           for i in range(len(PROBES))]  # fmt: skip
