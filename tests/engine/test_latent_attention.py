@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from pagellm import LLM, BeamSearchParams, SamplingParams
 from pagellm.model import load_arch_config
+from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.lora_adapter import LoRAAdapterError, inspect_adapter
 from pagellm.model.mla_prefill import expanded_values, expands
 from pagellm.model.mla_shape import MlaShape, mla_config
@@ -183,6 +184,14 @@ def test_which_requests_expand() -> None:
     v3 = MlaShape(1536, 512, 128, 64, 128)
     assert not expands(v3, 170, 1000, 128) and expands(v3, 171, 1000, 128)
     assert expands(v3, 500, 1365, 128) and not expands(v3, 500, 1366, 128) and expands(v3, 500, 2730, 64)
+
+
+def test_a_routing_deepseek_v2_lacks_is_refused_by_name(tiny_deepseek_v2_path: str) -> None:
+    config = json.loads((Path(tiny_deepseek_v2_path) / "config.json").read_text())
+    assert ModelArchConfig.from_hf_config(config).moe_groups == (4, 2)  # (group_limited_greedy)
+    assert ModelArchConfig.from_hf_config({**config, "topk_method": "greedy"}).moe_groups == (1, 1)
+    with pytest.raises(NotImplementedError, match="topk_method 'noaux_tc' is not supported"):
+        ModelArchConfig.from_hf_config({**config, "topk_method": "noaux_tc"})
 
 
 def test_a_config_without_the_shape_is_refused_by_name() -> None:
