@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tests.helpers import parallel
-from tests.helpers.tiny_models import TINY_LLAMA_ROPE, TINY_SHAPE, token_ids, write_tiny_model
+from tests.helpers.mla_models import add_correction_bias_and_mtp_layer
+from tests.helpers.tiny_models import TINY_LLAMA_ROPE, TINY_SHAPE, edit_tensors, token_ids, write_tiny_model
 
 # The DeepSeek family's tiny models (MLA) and their fixtures.
 pytest_plugins = ("tests.helpers.mla_models",)
@@ -355,31 +356,8 @@ def tiny_glm4_moe_path(tmp_path_factory: pytest.TempPathFactory, default_tokeniz
     )  # fmt: skip
     folder = tmp_path_factory.mktemp("tiny_glm4_moe")
     write_tiny_model(folder, config, default_tokenizer)
-    _add_correction_bias_and_mtp_layer(folder)
+    add_correction_bias_and_mtp_layer(folder)
     return str(folder)
-
-
-def _add_correction_bias_and_mtp_layer(folder: Path) -> None:
-    """A random correction bias (transformers initializes it to zeros, which would test nothing)
-    and a stray layer past the model's, as GLM-4.5's checkpoints carry (the MTP layer)."""
-    generator = torch.Generator().manual_seed(7)
-
-    def edit(tensors: dict[str, torch.Tensor]) -> None:
-        for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
-            tensors[name] = torch.rand(tensors[name].shape, generator=generator) * 0.5
-        tensors["model.layers.3.eh_proj.weight"] = torch.zeros(4, 4)
-
-    _edit_tensors(folder, edit)
-
-
-def _edit_tensors(folder: Path, edit) -> None:
-    """Change a tiny model's one safetensors shard in place (``edit`` takes its name -> tensor dict)."""
-    from safetensors.torch import load_file, save_file
-
-    (shard,) = folder.glob("*.safetensors")
-    tensors = load_file(str(shard))
-    edit(tensors)
-    save_file(tensors, str(shard), metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="session")
@@ -410,7 +388,7 @@ def _randomize_expert_biases(folder: Path) -> None:
         for name in [n for n in tensors if n.endswith("_proj_bias")]:
             tensors[name] = torch.randn(tensors[name].shape, generator=generator) * 0.2
 
-    _edit_tensors(folder, edit)
+    edit_tensors(folder, edit)
 
 
 @pytest.fixture(scope="session")

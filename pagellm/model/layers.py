@@ -15,6 +15,7 @@ from torch import nn
 
 from pagellm.kernels import KernelLibrary, supports_dtype
 from pagellm.model.derived_params import DerivedParams
+from pagellm.model.rope_config import yarn_mscale
 
 SUPPORTED_ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "longrope", "yarn")
 
@@ -220,11 +221,9 @@ def rope_attention_factor(rope_scaling: dict[str, Any] | None, max_position: int
         return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     factor, mscale, mscale_all_dim = _scale_factor(rope_scaling, max_position), rope_scaling.get("mscale"), \
         rope_scaling.get("mscale_all_dim")
-
-    def scale(m: float = 1) -> float:
-        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-
-    return float(scale(mscale) / scale(mscale_all_dim)) if mscale and mscale_all_dim else scale()
+    if mscale and mscale_all_dim:
+        return float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
+    return yarn_mscale(factor)
 
 
 def dynamic_ntk_inv_freq(head_dim: int, theta: float, factor: float, max_position: int, seq_lens: torch.Tensor) -> torch.Tensor:

@@ -12,9 +12,10 @@ holds it as ``ModelArchConfig.mla``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
+
+from pagellm.model.rope_config import rope_from_hf, yarn_mscale
 
 # Architectures whose attention is MLA.
 MLA_ARCHITECTURES = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM"})
@@ -80,12 +81,8 @@ def mla_config(architecture: str, config: dict[str, Any]) -> tuple[dict[str, Any
 def mla_scale(shape: MlaShape, config: dict[str, Any]) -> float:
     """The scores' scale: ``qk_head_dim ** -0.5``, times YaRN's ``mscale_all_dim`` term squared
     where the rope is scaled (DeepSeek's reference; transformers' ``yarn_apply_mscale``)."""
-    scale = shape.qk_head_dim**-0.5
-    params = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    kind = params.get("rope_type", params.get("type", "default"))
-    mscale_all_dim = float(params.get("mscale_all_dim") or 0)
-    if kind != "default" and mscale_all_dim:
-        factor = float(params["factor"])
-        mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
-        scale *= mscale * mscale
-    return scale
+    _, scaling = rope_from_hf(config)
+    mscale_all_dim = float((scaling or {}).get("mscale_all_dim") or 0)
+    if scaling is None or not mscale_all_dim:
+        return shape.qk_head_dim**-0.5
+    return shape.qk_head_dim**-0.5 * yarn_mscale(float(scaling["factor"]), mscale_all_dim) ** 2

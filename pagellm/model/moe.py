@@ -92,12 +92,9 @@ class SparseMoeBlock(nn.Module):
         assert self.gate.e_score_correction_bias is not None
         scores = self.gate(x).sigmoid()
         choice = scores + self.gate.e_score_correction_bias.float()
-        groups, chosen = self.groups
-        if groups > 1:
-            grouped = choice.view(len(x), groups, -1)
-            best = torch.topk(grouped.topk(2, dim=-1)[0].sum(dim=-1), chosen, dim=-1, sorted=False)[1]
-            keep = torch.zeros(len(x), groups, dtype=torch.bool, device=x.device).scatter_(1, best, True)
-            choice = choice.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
+        if self.groups[0] > 1:  # (a group by the sum of its two best)
+            group_scores = choice.view(len(x), self.groups[0], -1).topk(2, dim=-1)[0].sum(dim=-1)
+            choice = self._best_groups_only(choice, group_scores, float("-inf"))
         experts = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, experts)
         if self.normalize:
@@ -109,14 +106,17 @@ class SparseMoeBlock(nn.Module):
         the ``topk_group`` groups whose best score is highest (all, with one group), weighted by
         their scores (not renormalised) times the routed scaling factor."""
         scores = torch.softmax(F.linear(x.float(), self.gate.weight.float()), dim=-1)
-        groups, chosen = self.groups
-        if groups > 1:
-            grouped = scores.view(len(x), groups, -1)
-            best = torch.topk(grouped.amax(dim=-1), chosen, dim=-1, sorted=False)[1]
-            keep = torch.zeros(len(x), groups, dtype=torch.bool, device=x.device).scatter_(1, best, True)
-            scores = scores.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1), 0.0)
+        if self.groups[0] > 1:  # (a group by its best)
+            scores = self._best_groups_only(scores, scores.view(len(x), self.groups[0], -1).amax(dim=-1), 0.0)
         weights, experts = torch.topk(scores, self.top_k, dim=-1, sorted=False)
         return weights * self.scaling, experts
+
+    def _best_groups_only(self, scores: torch.Tensor, group_scores: torch.Tensor, fill: float) -> torch.Tensor:
+        """``scores`` [T, experts] with every expert outside each token's ``topk_group`` groups of
+        highest ``group_scores`` [T, groups] set to ``fill``."""
+        best = torch.topk(group_scores, self.groups[1], dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return scores.masked_fill(~keep.repeat_interleave(scores.shape[-1] // group_scores.shape[-1], dim=1), fill)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)

@@ -4,9 +4,16 @@ model has two), a fixed NTK alpha folded into the base, and the share of each he
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 FULL = "full_attention"  # the layer type whose rope parameters a per-type config gives the model's
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's temperature term for a context stretched ``factor`` times: ``0.1 * mscale * ln(factor)
+    + 1``, 1 where not stretched (HF's ``get_mscale``)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def rope_from_hf(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.tiny_models import TINY_SHAPE, token_ids, write_tiny_model
+from tests.helpers.tiny_models import TINY_SHAPE, edit_tensors, token_ids, write_tiny_model
 
 # The latent (32) and the rotary part (8) a token caches; each head's query and key 16 + 8 dims,
 # its value 16 (narrower than the query, as in DeepSeek's); rotary pairs interleaved.
@@ -45,22 +45,28 @@ def write_tiny_deepseek_v2(folder: Path, tokenizer, **overrides) -> str:
 def _write(folder: Path, tokenizer, config_class, mtp: bool = True, **overrides) -> str:
     """The model, with a random correction bias (transformers starts it at zeros, which would test
     nothing) and, with ``mtp``, a stray layer past the model's (the checkpoint's multi-token-
-    prediction layer, which the causal LM does not load)."""
-    from safetensors.torch import load_file, save_file
-
+    prediction layer)."""
     shape = {**TINY_SHAPE, "num_hidden_layers": 3, "num_key_value_heads": 4}
     options = {**_MLA, **_MOE, **overrides}
     config = config_class(**shape, **token_ids(tokenizer), tie_word_embeddings=False, initializer_range=0.1, **options)
     write_tiny_model(folder, config, tokenizer)
-    (shard,) = folder.glob("*.safetensors")
-    tensors = load_file(str(shard))
-    generator = torch.Generator().manual_seed(7)
-    for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
-        tensors[name] = torch.rand(tensors[name].shape, generator=generator) * 0.5
-    if mtp:
-        tensors["model.layers.3.eh_proj.weight"] = torch.zeros(4, 4)
-    save_file(tensors, str(shard), metadata={"format": "pt"})
+    add_correction_bias_and_mtp_layer(folder, mtp)
     return str(folder)
+
+
+def add_correction_bias_and_mtp_layer(folder: Path, mtp: bool = True) -> None:
+    """A random correction bias (transformers initializes it to zeros, which would test nothing)
+    and, with ``mtp``, a stray layer past the model's, as DeepSeek-V3's and GLM-4.5's checkpoints
+    carry (the multi-token-prediction layer, which the causal LM does not load)."""
+    generator = torch.Generator().manual_seed(7)
+
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
+            tensors[name] = torch.rand(tensors[name].shape, generator=generator) * 0.5
+        if mtp:
+            tensors["model.layers.3.eh_proj.weight"] = torch.zeros(4, 4)
+
+    edit_tensors(folder, edit)
 
 
 @pytest.fixture(scope="session")

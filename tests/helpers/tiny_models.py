@@ -41,6 +41,16 @@ def write_tiny_model(folder: Path, config, tokenizer) -> str:
     return str(folder)
 
 
+def edit_tensors(folder: Path, edit) -> None:
+    """Change a tiny model's one safetensors shard in place (``edit`` takes its name -> tensor dict)."""
+    from safetensors.torch import load_file, save_file
+
+    (shard,) = folder.glob("*.safetensors")
+    tensors = load_file(str(shard))
+    edit(tensors)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+
+
 def token_ids(tokenizer) -> dict[str, int | None]:
     """Vocab size and special ids shared by every tiny model."""
     return dict(
