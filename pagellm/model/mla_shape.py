@@ -69,13 +69,23 @@ def mla_config(architecture: str, config: dict[str, Any]) -> tuple[dict[str, Any
     if missing:
         raise ValueError(f"{architecture}'s config.json lacks {', '.join(missing)} (its attention's shape)")
     shape = MlaShape(
-        q_lora_rank=int(config.get("q_lora_rank") or 0), kv_lora_rank=int(config["kv_lora_rank"]),
-        qk_nope_head_dim=int(config["qk_nope_head_dim"]), qk_rope_head_dim=int(config["qk_rope_head_dim"]),
-        v_head_dim=int(config["v_head_dim"]),
+        q_lora_rank=_whole(config, "q_lora_rank", 0), kv_lora_rank=_whole(config, "kv_lora_rank"),
+        qk_nope_head_dim=_whole(config, "qk_nope_head_dim"), qk_rope_head_dim=_whole(config, "qk_rope_head_dim"),
+        v_head_dim=_whole(config, "v_head_dim"),
     )  # fmt: skip
     config = {**config, "num_key_value_heads": 1, "head_dim": shape.cache_width, "partial_rotary_factor": 1.0}
     fields = {"attention_scale": mla_scale(shape, config), "rotary_interleaved": bool(config.get("rope_interleave", True))}
     return config, shape, fields
+
+
+def _whole(config: dict[str, Any], key: str, default: int | None = None) -> int:
+    """``config[key]`` as a whole number (``default`` where null), or a ValueError naming it."""
+    value = config.get(key)
+    if value is None and default is not None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"MLA's {key} must be a whole number, got {value!r}")
+    return value
 
 
 def mla_scale(shape: MlaShape, config: dict[str, Any]) -> float:

@@ -194,6 +194,13 @@ def test_a_routing_deepseek_v2_lacks_is_refused_by_name(tiny_deepseek_v2_path: s
         ModelArchConfig.from_hf_config({**config, "topk_method": "noaux_tc"})
 
 
+@pytest.mark.parametrize("value", ["512", 512.5, None, True, [512], 10**40 * 1.0])
+def test_a_shape_field_of_the_wrong_type_is_refused_by_name(value: object) -> None:
+    config = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    with pytest.raises(ValueError, match="kv_lora_rank must be a whole number"):
+        mla_config("DeepseekV3ForCausalLM", {**config, "kv_lora_rank": value})
+
+
 def test_a_config_without_the_shape_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="lacks qk_rope_head_dim, v_head_dim"):
         mla_config("DeepseekV3ForCausalLM", dict(kv_lora_rank=32, qk_nope_head_dim=16))
