@@ -132,12 +132,14 @@ class MlaAttention(nn.Module):
             values = self._absorbed(q[..., :nope], pe[:, :heads], key, kv_cache, attn_metadata)
         else:
             values = hidden.new_empty(num_tokens, heads * shape.v_head_dim)
+            # The long prompts' rows first: a request of the step may attend over them (its
+            # prefix-cache hit on blocks another request of the step computes).
+            key_cache, value_cache = kv_cache
+            write_kv(key[split.long_rows], key[split.long_rows], key_cache, value_cache, split.long_slots)
             if split.absorbed is not None and split.absorbed_metadata is not None:
                 rows = split.absorbed
                 values[rows] = self._absorbed(q[rows, :, :nope], pe[rows, :heads], key[rows], kv_cache,
                                               split.absorbed_metadata)  # fmt: skip
-            key_cache, value_cache = kv_cache
-            write_kv(key[split.long_rows], key[split.long_rows], key_cache, value_cache, split.long_slots)
             for prefill in split.long:
                 rows = prefill.tokens
                 values[rows] = expanded_values(q[rows, :, :nope], pe[rows, :heads], key_cache, prefill,
