@@ -70,6 +70,20 @@ def test_long_prompts_attend_through_the_expanded_keys_and_values(tiny_deepseek_
     assert out.outputs[0].token_ids == hf_greedy(hf_model, longer, 12)
 
 
+def test_a_short_prompt_over_blocks_a_long_one_computes_in_its_step(tiny_deepseek_v3_path: str) -> None:
+    """A long prompt (expanded) and the same prompt with 3 more tokens in one batch: the second
+    hits the blocks the first computes in that very step, and attends over them in the latent's
+    space (their rows written before it reads them): transformers' tokens for both."""
+    shared = [500 + i for i in range(40)]
+    prompts = [shared, shared + [7, 8, 9]]
+    hf_model = load_hf_model(tiny_deepseek_v3_path)
+    llm = LLM(tiny_deepseek_v3_path, dtype="float32", block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert outputs[1].num_cached_tokens == 40
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_model, p, 4) for p in prompts]
+
+
 def test_beam_search_forks_the_latent_rows(tiny_deepseek_v3_path: str, default_tokenizer) -> None:
     """Beams share blocks and fork them by copy-on-write (the one latent tensor copied once):
     the best beam equals Hugging Face's, in a pool small enough to preempt too."""
