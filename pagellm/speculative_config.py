@@ -13,7 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
+# vLLM's earlier names of "mtp", one a family, taken as it is.
+MTP_ALIASES = frozenset({"deepseek_mtp", "glm4_moe_mtp", "glm4_moe_lite_mtp"})
 MAX_SPECULATIVE_TOKENS = 16  # a verification step's rows per sequence stay small
 # The most tokens a speculating sequence computes in one step: a verification's 1 + k, or the k + 2
 # a rejection leaves to compute again. The kernels compute spans this short as the decode rows
@@ -27,7 +29,9 @@ MAX_NGRAM = 16
 class SpeculativeConfig:
     """``method`` "ngram": the tokens that followed the latest earlier occurrence of the
     sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``), in
-    its prompt or output, up to ``num_speculative_tokens``. "draft_model": a smaller model with
+    its prompt or output, up to ``num_speculative_tokens``. "mtp": the target's own multi-token
+    prediction layer (DeepSeek-V3's, GLM-4.5's), run on the target's hidden states in the worker,
+    its first layer again for each further draft (``worker/mtp_source.py``). "draft_model": a smaller model with
     the same vocabulary (``model``; None: the target's own checkpoint, then in the cheaper
     ``quantization``) continues each sequence greedily; it runs in the worker, in the same step
     as the target's verification, its KV cache in the same blocks (``worker/drafter.py``). A step with more running sequences
@@ -47,6 +51,8 @@ class SpeculativeConfig:
     quantization: str = "auto"  # draft_model: how the draft's weights are held (as --quantization)
 
     def __post_init__(self) -> None:
+        if self.method in MTP_ALIASES:
+            object.__setattr__(self, "method", "mtp")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"unknown speculative method {self.method!r}; supported: {', '.join(SPECULATIVE_METHODS)}")
         _integer("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
@@ -60,12 +66,19 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config model must be a path or name, got {self.model!r}")
         if not isinstance(self.quantization, str):
             raise ValueError(f"speculative_config quantization must be a string, got {self.quantization!r}")
-        if self.method == "ngram" and (self.model is not None or self.quantization != "auto"):
-            raise ValueError("speculative_config model and quantization belong to method 'draft_model', not 'ngram'")
+        if self.method != "draft_model" and (self.model is not None or self.quantization != "auto"):
+            raise ValueError(f"speculative_config model and quantization belong to method 'draft_model', not "
+                             f"{self.method!r}")  # fmt: skip
 
     @property
     def uses_draft_model(self) -> bool:
         return self.method == "draft_model"
+
+    @property
+    def drafts_in_worker(self) -> bool:
+        """Whether the worker proposes the drafts, in the step that verifies them (a draft model,
+        the MTP layer), rather than the scheduler from the tokens (n-gram)."""
+        return self.method in ("draft_model", "mtp")
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | str | None) -> SpeculativeConfig | None:

@@ -17,7 +17,7 @@ from tests.helpers.mla_models import add_correction_bias_and_mtp_layer
 from tests.helpers.tiny_models import TINY_LLAMA_ROPE, TINY_SHAPE, edit_tensors, token_ids, write_tiny_model
 
 # The DeepSeek family's tiny models (MLA) and their fixtures.
-pytest_plugins = ("tests.helpers.mla_models",)
+pytest_plugins = ("tests.helpers.mla_models", "tests.helpers.mtp_models")
 
 @pytest.fixture(scope="session")
 def default_model_path_fixture() -> str:

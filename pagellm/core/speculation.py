@@ -178,7 +178,7 @@ class Speculator:
     def drafts(self, seq: Sequence, budget: int, max_model_len: int) -> Drafts:
         """The drafts ``seq`` verifies in its next step (``budget``: the step's tokens left,
         its own token included); none for a plain step."""
-        unchecked = self.config.uses_draft_model and not self.model_drafts_constrained
+        unchecked = self.config.drafts_in_worker and not self.model_drafts_constrained
         if seq.num_tokens - seq.num_computed_tokens != 1 or not speculates(seq, unchecked):
             return NO_DRAFTS
         limit = min(
@@ -200,7 +200,7 @@ class Speculator:
                 if acceptance is not None:
                     acceptance.relax()
                 return NO_DRAFTS
-        if self.config.uses_draft_model:
+        if self.config.drafts_in_worker:
             return Drafts(in_worker=k)
         tokens = self.proposer.propose(seq.seq_id, seq.all_token_ids, k)
         if tokens and self.draft_filter is not None and seq.sampling_params.structured_outputs is not None:

@@ -42,3 +42,17 @@ class CausalLM(Protocol):
 
     def optimize_for_cpu_inference(self, plan: KernelPlan) -> dict[str, int]:
         """Repack the loaded weights once for the plan's CPU kernels; returns what was done (counts)."""
+
+
+class MultiTokenPredictor(Protocol):
+    """A causal LM loaded with its multi-token-prediction layer (``model/mtp.py``)."""
+
+    def mtp_hidden(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The layer's outputs for the tokens ``input_ids`` after the hidden states ``hidden`` at
+        ``positions`` (its K/V, ``kv_cache``, written there)."""
+
+    def mtp_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """Logits of the tokens the layer's outputs ``hidden`` predict."""

@@ -27,22 +27,24 @@ from pagellm.kernels.plan import KernelPlan
 from pagellm.kernels.quant_formats import QuantizedRows
 from pagellm.model.arch_config import ModelArchConfig
 from pagellm.model.cpu_linear import pack_linear_layers
-from pagellm.model.delta_net import GatedDeltaNet, delta_net_weight_names
+from pagellm.model.delta_net import GatedDeltaNet
 from pagellm.model.fused_stack import FusedDecoderStack
-from pagellm.model.layer_spec import LayerSpec, layer_specs
+from pagellm.model.layer_spec import LayerSpec, layer_spec, layer_specs
+from pagellm.model.layer_weight_names import layer_weight_names
 from pagellm.model.layers import RotaryEmbedding, apply_rotary_, make_rms_norm
 from pagellm.model.lora import LoRAStep
-from pagellm.model.mamba2 import Mamba2Mixer, mamba_weight_names
-from pagellm.model.mla import MlaAttention, mla_weight_names
+from pagellm.model.mamba2 import Mamba2Mixer
+from pagellm.model.mla import MlaAttention
 from pagellm.model.mlp import LlamaMLP
 from pagellm.model.moe import SparseMoeBlock
+from pagellm.model.mtp import MtpLayer, mtp_arch, mtp_weight_names, mtp_weights
 from pagellm.model.quant_embedding import QuantizedEmbedding, embedding_for_plan
 from pagellm.model.quant_linear import QuantizedLinear, linear_for_plan
 from pagellm.model.scan_state import ScanState
 from pagellm.model.short_conv import ConvState, ShortConv
 from pagellm.model.step_route import StepRoute, route_step
 from pagellm.multimodal_inputs import InputEmbeds
-from pagellm.model.weight_names import checkpoint_parts, mlp_weight_names
+from pagellm.model.weight_names import checkpoint_parts
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 # What each layer keeps between steps: an attention layer its K/V pair, a recurrent layer (a
@@ -307,8 +309,9 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(
         self, arch: ModelArchConfig, attn_backend: AttentionBackend, plan: KernelPlan | None = None,
-        tp: TensorParallel | None = None, pp: PipelineStage | None = None,
+        tp: TensorParallel | None = None, pp: PipelineStage | None = None, mtp: bool = False,
     ) -> None:
+        """``mtp``: also the checkpoint's first multi-token-prediction layer (``model/mtp.py``; one process)."""
         super().__init__()
         self.arch = arch
         self.tp = tp  # tensor parallelism: this rank's share of each layer, whole HF weights cut on load
@@ -316,6 +319,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(arch, attn_backend, plan, tp, pp)
         heads = pp is None or pp.is_last
         self.lm_head = linear_for_plan(arch.hidden_size, arch.vocab_size, False, plan) if heads else None
+        self.mtp = self._mtp_layer(attn_backend, plan) if mtp else None
         self.tie_weights()
         # plan.decoder == "fused": the layers run in one C++ call where a step fits it (built
         # from the loaded weights at the first forward); under tensor parallelism where the
@@ -328,6 +332,32 @@ class LlamaForCausalLM(nn.Module):
         self._fused_stack: FusedDecoderStack | None = None
         self._fused_stack_built = False
         self.last_route: StepRoute | None = None  # what the last forward ran
+
+    def _mtp_layer(self, attn_backend: AttentionBackend, plan: KernelPlan | None) -> MtpLayer:
+        if self.tp is not None or self.pp is not None:
+            raise ValueError("the multi-token prediction layer runs in a one-process engine only for now")
+        arch = mtp_arch(self.arch)
+        block = LlamaDecoderLayer(layer_spec(arch, self.arch.num_hidden_layers), arch, attn_backend, plan)
+        return MtpLayer(block, arch.hidden_size, arch.rms_norm_eps, plan)
+
+    def mtp_hidden(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The MTP layer's output at each row: ``hidden`` the target's final hidden states (or
+        the layer's own last output) at ``positions``, ``input_ids`` the tokens after them; its
+        K/V written at those positions."""
+        if self.mtp is None or self.model.embed_tokens is None:
+            raise RuntimeError("the model was loaded without its multi-token prediction layer")
+        seq_lens = _token_seq_lens(self.model.rotary_emb, attn_metadata, positions.device)
+        cos, sin = self.model.rotary_emb(positions, hidden.dtype, seq_lens)
+        return self.mtp(self.model.embed_tokens(input_ids), hidden, cos, sin, kv_cache, attn_metadata)
+
+    def mtp_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """Logits of the token the MTP layer's outputs ``hidden`` predict (through the model's head)."""
+        if self.mtp is None:
+            raise RuntimeError("the model was loaded without its multi-token prediction layer")
+        return self.compute_logits(self.mtp.shared_head_norm(hidden), upcast)
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with lm_head when the config says so (re-run after
@@ -415,7 +445,7 @@ class LlamaForCausalLM(nn.Module):
         Irreversible (loading weights afterwards is not supported); a no-op where the plan keeps
         torch's GEMM (float32 on AVX-512 CPUs: MKL/oneDNN).
         """
-        layers = list(self.model.own_layers)
+        layers = list(self.model.own_layers) + ([self.mtp.block] if self.mtp is not None else [])
         fused = 0
         if layers and layers[0].mlp.fuse_for_cpu(plan, verify=True):  # one self-check for the model
             fused = 1 + sum(layer.mlp.fuse_for_cpu(plan, verify=False) for layer in layers[1:])
@@ -443,39 +473,10 @@ class LlamaForCausalLM(nn.Module):
         if not arch.tie_word_embeddings and self.lm_head is not None:
             names.add("lm_head.weight")
         for i in range(self.model.start, self.model.end):
-            prefix = f"model.layers.{i}."
-            names.add(prefix + "post_attention_layernorm.weight")
-            if arch.pre_norms:
-                names.add(prefix + "input_layernorm.weight")
-            if arch.sandwich_norms:
-                names.add(prefix + "post_feedforward_layernorm.weight")
-                if arch.pre_norms:
-                    names.add(prefix + "pre_feedforward_layernorm.weight")
-            names |= mlp_weight_names(arch, i)
-            if i in arch.mamba_layers and arch.mamba is not None:
-                names |= mamba_weight_names(prefix + "mamba.", arch.mamba)
-                continue
-            if i in arch.delta_net_layers:
-                names |= delta_net_weight_names(prefix + "linear_attn.")
-                continue
-            if i in arch.recurrent_layers:
-                kinds = ("weight", "bias") if arch.conv_bias else ("weight",)
-                names |= {f"{prefix}conv.{part}.{kind}" for part in ("in_proj", "out_proj") for kind in kinds}
-                names.add(prefix + "conv.conv_weight")
-                names |= {prefix + "conv.conv_bias"} if arch.conv_bias else set()
-                continue
-            if arch.mla is not None:
-                names |= mla_weight_names(prefix + "self_attn.", arch.mla, arch.attention_bias)
-                continue
-            names |= {f"{prefix}self_attn.{p}_proj.weight" for p in ("qkvog" if arch.attn_output_gate else "qkvo")}
-            if arch.attention_bias:
-                names |= {f"{prefix}self_attn.{p}_proj.bias" for p in "qkv"}
-            if arch.o_proj_bias:
-                names.add(prefix + "self_attn.o_proj.bias")
-            if arch.qk_norm:
-                names |= {prefix + "self_attn.q_norm.weight", prefix + "self_attn.k_norm.weight"}
-            if arch.attention_sinks:
-                names.add(prefix + "self_attn.sinks")
+            names |= layer_weight_names(arch, i)
+        if self.mtp is not None:
+            index = arch.num_hidden_layers
+            names |= mtp_weight_names(layer_weight_names(mtp_arch(arch), index), index)
         return names
 
     @torch.no_grad()
@@ -488,6 +489,8 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         tied_quantized = self.arch.tie_word_embeddings and isinstance(self.lm_head, QuantizedLinear)
+        if self.mtp is not None:  # (its tensors under their names here, not dropped as past the model's layers)
+            weights = mtp_weights(weights, self.arch.num_hidden_layers)
         for name, tensor in (part for item in weights for part in checkpoint_parts(self.arch, *item)):
             if _IGNORED.search(name) or not self.holds_weight(name):
                 continue

@@ -29,6 +29,7 @@ from pagellm.model.default_model import default_model_path
 from pagellm.model.gguf_loader import arch_config_from_gguf, has_quantized_linears, iter_gguf_weights, open_gguf
 from pagellm.model.idefics3_vision import Idefics3Vision
 from pagellm.model.llama import LlamaForCausalLM
+from pagellm.model.mtp import mtp_layer_count
 from pagellm.model.mxfp4 import join_mxfp4_pairs
 from pagellm.model.packed_weights_cache import PackedWeightsCache
 from pagellm.model.registry import validate_arch_config
@@ -241,7 +242,7 @@ def _no_param_init(dtype: torch.dtype) -> Iterator[None]:
 
 def _empty_model(
     arch: ModelArchConfig, attn_backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
-    plan: KernelPlan | None, tp: TensorParallel | None = None, pp: PipelineStage | None = None,
+    plan: KernelPlan | None, tp: TensorParallel | None = None, pp: PipelineStage | None = None, mtp: bool = False,
 ) -> LlamaForCausalLM:
     """Allocate the model in ``dtype`` on ``device`` without paying for random init (under
     tensor parallelism: this rank's share of each layer; under pipeline parallelism: this
@@ -249,11 +250,11 @@ def _empty_model(
     model_class = validate_arch_config(arch)
     if device.type == "cpu":
         with _no_param_init(dtype):
-            model = model_class(arch, attn_backend, plan, tp, pp)
+            model = model_class(arch, attn_backend, plan, tp, pp, mtp)
         model.tie_weights()
         return model
     with torch.device("meta"):
-        model = model_class(arch, attn_backend, plan, tp, pp)
+        model = model_class(arch, attn_backend, plan, tp, pp, mtp)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()  # to_empty may replace the shared Parameter objects
     return model
@@ -267,11 +268,13 @@ def load_model(
     plan: KernelPlan | None = None,
     parallel: ParallelRank | None = None,
     packs: PackedWeightsCache | None = None,
+    mtp: bool = False,
 ) -> tuple[LlamaForCausalLM, ModelArchConfig]:
     """Build the model with its weights in ``dtype`` on ``device``, in eval mode, no grads,
     with the kernels ``plan`` names (None: PyTorch everywhere); ``parallel``: only this rank's
     share of each layer and its pipeline stage's layers, read from the checkpoint alone (the
-    whole arch is returned); ``packs``: a GGUF file's packed weights kept between starts."""
+    whole arch is returned); ``packs``: a GGUF file's packed weights kept between starts;
+    ``mtp``: with the checkpoint's multi-token-prediction layer (``model/mtp.py``)."""
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}; use one of {', '.join(map(str, SUPPORTED_DTYPES))}")
     path = resolve_model_path(model)
@@ -280,7 +283,12 @@ def load_model(
         arch = arch_config_from_gguf(reader) if reader is not None else _hf_arch_config(path)
         tp = parallel.tp if parallel is not None else None
         pp = parallel.stage(arch.num_hidden_layers) if parallel is not None else None
-        net = _empty_model(arch, attn_backend, dtype, device, plan, tp, pp)
+        if mtp:
+            if reader is not None:
+                raise ValueError("speculative method 'mtp' reads the multi-token prediction layer from a safetensors "
+                                 "checkpoint; GGUF files' (nextn) layers are not supported yet")  # fmt: skip
+            mtp_layer_count(arch.architecture, _read_json(Path(path) / "config.json"))
+        net = _empty_model(arch, attn_backend, dtype, device, plan, tp, pp, mtp)
         if reader is not None:
             keep_quantized = plan is not None and plan.weights == "gguf"
             weights = iter_gguf_weights(reader, arch, dtype, keep_float32=True, keep_quantized=keep_quantized,

@@ -43,7 +43,7 @@ def tier_layout(
         "format": FORMAT, "code": code_fingerprint(), "torch": torch.__version__, "device": device_name(device),
         "weights": weights_fingerprint(resolve_model_path(config.model.model)), "arch": repr(arch),
         "quantization": config.model.quantization, "plan": plan_info, "kv_cache_dtype": str(kv_cache_dtype),
-        "block_size": config.cache.block_size,
+        "block_size": config.cache.block_size, "payload_bytes": payload_bytes,  # (an MTP layer's K/V in it or not)
         "world": [config.device.tensor_parallel_size, config.device.pipeline_parallel_size],
     }  # fmt: skip
     key = disk_tier_files.tier_key(parts)

@@ -1,79 +1,102 @@
-"""Speculative drafts from a draft model, proposed at the start of the step that verifies them.
+"""Speculative drafts proposed in the worker, at the start of the step that verifies them.
 
 The scheduler asks for ``num_model_drafts`` drafts of a sequence and reserves their slots; here,
-before the target's forward, the draft model continues each such sequence greedily:
+before the target's forward, a draft source continues each such sequence greedily, a forward a
+draft for all of them:
 
-1. catch-up: one forward over the sequence's known tokens whose draft KV it does not hold yet
-   (the whole prompt the first time, then the one or two tokens the last step added), whose
-   last position gives the first draft;
-2. then one single-token forward per further draft, all sequences batched.
+- a draft model (``worker/draft_model_source.py``): a smaller model over its own K/V;
+- the target's own multi-token-prediction layer (``worker/mtp_source.py``): over the target's
+  hidden states, its own K/V.
 
-The draft's KV cache has the target's blocks (its own tensors, the same block ids and slots), so
-the block tables, the slots reserved for drafts, copy-on-write and the release of rejected
-drafts' blocks serve both models. Draft ``i``'s KV is written at the position the target
-verifies it at; where the target rejects it, the next step computes that position again
-(``InputBatch.num_draft_computed`` never passes the position a step starts from).
+Either source's K/V lives in the target's blocks (its own tensors, the same block ids and
+slots), so the block tables, the slots reserved for drafts, copy-on-write and the release of
+rejected drafts' blocks serve it too. Each draft is written past its row's tokens, where the
+target's inputs read it.
 
 A greedy draft is a deterministic function of the sequence, so the verification that keeps the
-target's distribution for n-gram drafts keeps it here too (``sample/rejection.py``).
-
-A sequence that shares prefix-cached blocks (the next turn of a chat, a shared system prompt)
-starts its catch-up past those whose draft KV is complete: ``complete`` marks a block once a
-catch-up has computed the draft KV of all its tokens, and forgets it when the block's contents
-may change (the target computes into it, it is copied over or loaded from the disk tier), so a
-block's draft KV is trusted exactly while its tokens are the ones it was computed for.
+target's distribution for n-gram drafts keeps it here too (``sample/rejection.py``). A
+constrained sequence's drafts are masked by its grammar, where the engine runs the drafter in
+its process, and cut before one it forbids or one that completes its document.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from pagellm.model.interface import CausalLM
 from pagellm.sample.grammar_mask import apply_token_bitmask
 from pagellm.sample.sampler import greedy_sample
 from pagellm.step import DraftGrammar, ModelRunnerOutput, ScheduledSequence, SchedulerOutput
-from pagellm.worker.flat_batch import FlatLayout, flat_inputs
 from pagellm.worker.input_batch import InputBatch
 from pagellm.worker.kv_cache import KVCache
 
 
-class Drafter:
-    """The draft model, its KV cache (the target's block ids) and its proposals.
-    ``max_tokens``: the most tokens one catch-up forward takes (the step's token budget);
-    ``vocab_size``: the draft's ids (the target's may go further: padded or added rows)."""
+class DraftSource(Protocol):
+    """What proposes the drafts: their first of a step, then each next one."""
 
-    def __init__(
-        self, model: CausalLM, kv_cache: KVCache, block_size: int, device: torch.device, argmax_kernels: object,
-        max_tokens: int, vocab_size: int, num_blocks: int,
-    ) -> None:
-        self.model = model
-        # Blocks whose draft KV holds every one of the block's tokens (see the module docstring).
-        self.complete = np.zeros(num_blocks, dtype=bool)
-        # The constrained sequences' grammars, where the engine runs this drafter in its process.
-        self.grammar: DraftGrammar | None = None
-        self.vocab_size = vocab_size
-        self.kv_cache = kv_cache
-        self.block_size = block_size
-        self.device = device
-        self.argmax_kernels = argmax_kernels
-        self.max_tokens = max_tokens
+    kv_cache: KVCache  # its K/V by the target's block ids (the step's block copies apply to it)
 
     def observe(self, step: SchedulerOutput, batch: InputBatch) -> None:
-        """Forget the blocks whose contents ``step`` changes (after the batch took it, before
-        :meth:`propose`): copies' targets take their source's mark, loaded blocks and every
-        scheduled row's blocks from the first position the target computes lose theirs."""
-        for source, target in step.block_copies:
-            self.complete[target] = self.complete[source]
-        for load in step.kv_loads:
-            self.complete[load.block_ids] = False
-        if step.scheduled:
-            rows = batch.rows([item.seq_id for item in step.scheduled])
-            first = np.fromiter((item.start_position for item in step.scheduled), np.int64, len(rows)) // self.block_size
-            self.complete[_table_span(batch, rows, first, batch.num_blocks[rows])] = False
+        """``step`` as the batch took it, before :meth:`first` (blocks whose contents change)."""
+
+    def first(
+        self, batch: InputBatch, rows: np.ndarray, known: np.ndarray, masks: dict[int, np.ndarray],
+        output: ModelRunnerOutput,
+    ) -> list[int | None]:
+        """Each row's first draft, the token at position ``known[i]`` (its tokens' count), under
+        its grammar's mask row ``masks[i]`` where it has one; None: the row drafts nothing now."""
+
+    def next(
+        self, batch: InputBatch, rows: np.ndarray, live: np.ndarray, last: np.ndarray, masks: list[np.ndarray | None]
+    ) -> list[int]:
+        """The draft after each live row's latest (``rows[live]``, their latest drafts at
+        positions ``last``, written in the batch), each under its mask row where given."""
+
+    def finish(self, batch: InputBatch, rows: np.ndarray, known: np.ndarray, counts: np.ndarray) -> None:
+        """The step's drafts are ``counts`` a row (after the grammars' cuts)."""
+
+    def after_target(
+        self, hidden: torch.Tensor, scheduled: list[ScheduledSequence], batch: InputBatch, output: ModelRunnerOutput
+    ) -> None:
+        """The target's step is done: its final hidden states ``hidden`` (the flat batch of
+        ``scheduled``, in that order) and what it sampled and accepted (``output``)."""
+
+
+def masked_argmax(logits: torch.Tensor, masks: list[np.ndarray | None], argmax_kernels: object) -> list[int]:
+    """The argmax of each row of ``logits``, under its grammar's mask row where ``masks`` gives one."""
+    present = [mask for mask in masks if mask is not None]
+    if present:
+        mask_rows, n = [], 0
+        for mask in masks:
+            mask_rows.append(None if mask is None else n)
+            n += mask is not None
+        apply_token_bitmask(logits, torch.from_numpy(np.stack(present)), mask_rows, argmax_kernels)  # type: ignore[arg-type]
+    return greedy_sample(logits, argmax_kernels).tolist()
+
+
+class Drafter:
+    """A draft source's proposals for the sequences the scheduler asked drafts of, masked by
+    their grammars (``grammar``: set by the engine where the drafter runs in its process)."""
+
+    def __init__(self, source: DraftSource) -> None:
+        self.source = source
+        self.grammar: DraftGrammar | None = None
+
+    @property
+    def kv_cache(self) -> KVCache:
+        return self.source.kv_cache
+
+    def observe(self, step: SchedulerOutput, batch: InputBatch) -> None:
+        self.source.observe(step, batch)
+
+    def after_target(
+        self, hidden: torch.Tensor, scheduled: list[ScheduledSequence], batch: InputBatch, output: ModelRunnerOutput
+    ) -> None:
+        self.source.after_target(hidden, scheduled, batch, output)
 
     def propose(
         self, batch: InputBatch, scheduled: list[ScheduledSequence], output: ModelRunnerOutput
@@ -92,27 +115,23 @@ class Drafter:
         counts = requested.copy()
         known = batch.num_tokens[rows].copy()
         masks = self._first_masks(batch, items, rows, counts)
-        starts = self._past_complete_blocks(batch, rows, batch.num_draft_computed[rows].copy(), known)
-        output.draft_catch_up = max(output.draft_catch_up, int((known - starts).max()))
         batch.reserve_tokens(int((known + counts).max()))  # drafts go past the rows' tokens
-        drafts = [[token] for token in self._catch_up(batch, rows, starts, known, {i: m[0] for i, m in masks.items()})]
-        # Every known token's draft KV is computed now.
-        self.complete[_table_span(batch, rows, np.zeros_like(known), known // self.block_size)] = True
+        first = self.source.first(batch, rows, known, {i: m[0] for i, m in masks.items()}, output)
+        counts[[i for i, token in enumerate(first) if token is None]] = 0
+        drafts = [[0 if token is None else token] for token in first]
         batch.token_ids[rows, known] = [d[0] for d in drafts]
         self._check(items, drafts, counts, masks, range(len(items)), 0)
         for j in range(1, int(counts.max(initial=0))):
             live = np.flatnonzero(counts > j)
             if not len(live):  # (every row cut by its grammar)
                 break
-            layout = FlatLayout.of(rows[live], known[live] + j - 1, np.ones(len(live), dtype=np.int64))
-            tokens = self._forward(batch, layout, layout.last_indices, [masks[i][j] if i in masks else None for i in live])
+            tokens = self.source.next(batch, rows, live, known[live] + j - 1,
+                                      [masks[i][j] if i in masks else None for i in live])  # fmt: skip
             batch.token_ids[rows[live], known[live] + j] = tokens
             for i, token in zip(live, tokens):
                 drafts[i].append(token)
             self._check(items, drafts, counts, masks, live, j)
-        # The last draft's K/V is never written: computed up to the one before it (the catch-up's
-        # last known position where no draft is left).
-        batch.num_draft_computed[rows] = known + np.maximum(counts - 1, 0)
+        self.source.finish(batch, rows, known, counts)
         drafts = [tokens[:count] for tokens, count in zip(drafts, counts)]
         filled = list(scheduled)
         for n, i in enumerate(wanted):
@@ -153,72 +172,3 @@ class Drafter:
                 items[i].seq_id, drafts[i], masks[i], j + 1
             ):
                 counts[i] = j
-
-    def _past_complete_blocks(
-        self, batch: InputBatch, rows: np.ndarray, starts: np.ndarray, known: np.ndarray
-    ) -> np.ndarray:
-        """Each row's catch-up start moved past the complete blocks it reaches (not past its last
-        known position, whose draft forward gives the first draft)."""
-        for i, row in enumerate(rows):
-            block, held = int(starts[i]) // self.block_size, int(batch.num_blocks[row])
-            while block < held and block * self.block_size < known[i] and self.complete[batch.block_table[row, block]]:
-                block += 1
-            starts[i] = max(int(starts[i]), min(block * self.block_size, int(known[i]) - 1))
-        return starts
-
-    def _catch_up(
-        self, batch: InputBatch, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, masks: dict[int, np.ndarray]
-    ) -> list[int]:
-        """Compute the draft KV of each row's positions ``starts .. ends - 1`` (at most
-        ``max_tokens`` a forward, long spans cut into chunks); the greedy token after each
-        row's last position (under its mask row, ``masks[i]``, where it has one)."""
-        first = [0] * len(rows)
-        position = starts.copy()
-        while True:
-            pending = np.flatnonzero(position < ends)
-            if not len(pending):
-                return first
-            chosen, lengths, budget = [], [], self.max_tokens
-            for i in pending:
-                length = min(int(ends[i] - position[i]), budget)
-                if length <= 0:
-                    break
-                chosen.append(i)
-                lengths.append(length)
-                budget -= length
-            chosen_np = np.asarray(chosen, dtype=np.int64)
-            lengths_np = np.asarray(lengths, dtype=np.int64)
-            layout = FlatLayout.of(rows[chosen_np], position[chosen_np], lengths_np)
-            done = np.flatnonzero(position[chosen_np] + lengths_np == ends[chosen_np])
-            tokens = self._forward(batch, layout, layout.last_indices[done], [masks.get(chosen[d]) for d in done])
-            for index, token in zip(done, tokens):
-                first[chosen[index]] = token
-            position[chosen_np] += lengths_np
-
-    def _forward(
-        self, batch: InputBatch, layout: FlatLayout, sample_indices: np.ndarray, masks: list[np.ndarray | None]
-    ) -> list[int]:
-        """One draft forward over ``layout`` (its KV written); the argmax at ``sample_indices``,
-        each under its grammar's mask row where ``masks`` gives one."""
-        flat = flat_inputs(batch, layout, self.block_size, self.device, [np.asarray(sample_indices, dtype=np.int64)])
-        # A token the draft does not know reads as id 0: its drafts there are poor, never wrong.
-        flat.input_ids.masked_fill_(flat.input_ids >= self.vocab_size, 0)
-        hidden = self.model(flat.input_ids, flat.positions, self.kv_cache, flat.attn_metadata)
-        if not len(sample_indices):
-            return []
-        logits = self.model.compute_logits(hidden[flat.extra[0]], upcast=False)
-        present = [mask for mask in masks if mask is not None]
-        if present:
-            mask_rows, n = [], 0
-            for mask in masks:
-                mask_rows.append(None if mask is None else n)
-                n += mask is not None
-            apply_token_bitmask(logits, torch.from_numpy(np.stack(present)), mask_rows, self.argmax_kernels)  # type: ignore[arg-type]
-        return greedy_sample(logits, self.argmax_kernels).tolist()
-
-
-def _table_span(batch: InputBatch, rows: np.ndarray, first: np.ndarray, end: np.ndarray) -> np.ndarray:
-    """The block ids of each row's table entries ``first[i] .. end[i] - 1``, all rows at once."""
-    columns = np.arange(int(end.max(initial=0)))
-    within = (columns >= first[:, None]) & (columns < end[:, None])
-    return batch.block_table[rows[:, None], columns][within]

@@ -2,7 +2,7 @@
 
 Each span is a row's positions ``start .. start + length - 1``; the token ids are read from the
 row (prompt, output, then any drafts written past its tokens), the KV slots from its block table.
-Both the target's step and the draft model's forwards (``worker/drafter.py``) build theirs here.
+The target's step and the draft sources' forwards (``worker/drafter.py``) build theirs here.
 Array work is numpy (a few microseconds an op, where torch's small ops cost ~10 on these CPUs).
 """
 
@@ -54,12 +54,14 @@ class FlatInputs:
 
 
 def flat_inputs(
-    batch: InputBatch, layout: FlatLayout, block_size: int, device: torch.device, extra: Sequence[np.ndarray] = ()
+    batch: InputBatch, layout: FlatLayout, block_size: int, device: torch.device, extra: Sequence[np.ndarray] = (),
+    token_offset: int = 0,
 ) -> FlatInputs:
     """The tensors of one forward over ``layout``'s spans (on CUDA one pinned buffer and one
-    asynchronous copy, on CPU the same tensors)."""
+    asynchronous copy, on CPU the same tensors); ``token_offset``: each position's input is the
+    token that many places on (the multi-token-prediction layer's: the next one)."""
     rows, positions = layout.rows, layout.positions
-    ids = batch.token_ids[rows[layout.req_index], positions].astype(np.int64)
+    ids = batch.token_ids[rows[layout.req_index], positions + token_offset].astype(np.int64)
     num_blocks = batch.num_blocks[rows]
     tables = batch.block_table[rows, : int(num_blocks.max())]  # a copy (fancy indexing)
     tables[np.arange(tables.shape[1]) >= num_blocks[:, None]] = 0  # past each table's end

@@ -8,7 +8,7 @@ filled by the last row (the batch stays dense, nothing is reallocated). A step r
 inputs from the rows with array indexing: no per-token Python work.
 
 A row also counts the positions whose KV the draft model holds (``num_draft_computed``, only
-where one drafts: ``worker/drafter.py``): never more than the target's computed positions a
+where one drafts: ``worker/draft_model_source.py``): never more than the target's computed positions a
 step starts from, since a step recomputes from there (a preemption, rejected drafts).
 
 A preempted sequence keeps its row (tokens and generator; its block table is sent again when

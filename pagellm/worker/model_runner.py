@@ -148,6 +148,8 @@ class ModelRunner:
                 output.images_encoded = self.encoder.take_encoded()
             if self.samples:
                 self._outputs(hidden, inputs, grammar, output)
+                if self.drafter is not None:  # (the MTP layer reads the target's hidden states)
+                    self.drafter.after_target(hidden, scheduled, self.batch, output)
             output.route = self._route()
             return output
         self._execute_stage(self.link, scheduler_output.scheduled, grammar, output)

@@ -53,7 +53,9 @@ from pagellm.worker.kv_cache import (
 )
 from pagellm.worker.disk_tier_io import DiskTierIO
 from pagellm.worker.disk_tier_key import tier_layout
+from pagellm.worker.draft_model_source import DraftModelSource
 from pagellm.worker.drafter import Drafter
+from pagellm.worker.mtp_source import MtpSource
 from pagellm.worker.encoder_runner import EncoderRunner
 from pagellm.worker.lora_manager import LoRAManager
 from pagellm.worker.model_runner import ModelRunner
@@ -206,8 +208,9 @@ class Worker:
         check_weights_fit(_model_name(config), weight_bytes, available_memory_bytes(self.device), share)
         role = "model" if parallel is None else f"model rank {parallel.rank} of {parallel.tp_size}x{parallel.pp_size}"
         packs = packed_weights_cache(config, self.kernel_plan, self.device, role)
+        mtp = config.speculative is not None and config.speculative.method == "mtp"  # (its layer loads with the model)
         model, self.arch = load_model(config.model.model, self.dtype, attn_backend, self.device, self.kernel_plan,
-                                      parallel, packs)  # fmt: skip
+                                      parallel, packs, mtp)  # fmt: skip
         # Weights served from a cache file's pages: the memory reported as available counts them.
         self.mapped_weight_bytes = 0 if packs is None else packs.mapped_bytes
         # The weights repacked once for the plan's CPU kernels (fused MLPs, packed linears).
@@ -235,7 +238,10 @@ class Worker:
         # biggest stage's layers.
         shard = rank_shard(self.arch, parallel)
         own, stages = rank_layers(self.arch, parallel)
-        draft_block_bytes = 0
+        # The MTP layer's K/V: one more attention layer of the target's shape in every block.
+        mtp_block_bytes = bytes_per_block(1, shard.num_key_value_heads, shard.head_dim, self.block_size,
+                                          self.kv_cache_dtype, shard.kv_values_stored) if mtp else 0  # fmt: skip
+        draft_block_bytes = mtp_block_bytes
         if draft is not None:
             draft_kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, draft.plan.dtype)
             draft_block_bytes = bytes_per_block(draft.arch.num_hidden_layers, draft.arch.num_key_value_heads,
@@ -254,6 +260,8 @@ class Worker:
                                          scan_snapshot_rows(shard, config.state_snapshot_rows),
                                          slots if checkpoint_rows_from(shard, config) is not None else 0,
                                          layers=own)  # fmt: skip
+        mtp_cache = allocate_kv_cache(1, self.num_blocks, self.block_size, shard.num_key_value_heads, shard.head_dim,
+                                      self.kv_cache_dtype, self.device, shard.kv_values_stored) if mtp else []  # fmt: skip
         # The disk tier's folder and entry size (the engine's index reads it; None: no tier).
         self.disk_tier: TierLayout | None = None
         disk_tier = None
@@ -261,17 +269,22 @@ class Worker:
             self.disk_tier, folder_lock = tier_layout(
                 config, self.arch, self.kernel_plan_info, self.kv_cache_dtype,
                 bytes_per_block(attention_layers_in(shard, own), shard.num_key_value_heads, shard.head_dim,
-                                self.block_size, self.kv_cache_dtype, shard.kv_values_stored), self.device,
+                                self.block_size, self.kv_cache_dtype, shard.kv_values_stored) + mtp_block_bytes,
+                self.device,
             )  # fmt: skip
-            disk_tier = DiskTierIO(kv_cache, self.disk_tier, folder_lock)
+            disk_tier = DiskTierIO(kv_cache + mtp_cache, self.disk_tier, folder_lock)
         link = parallel.link(self.arch.hidden_size, self.dtype, self.arch.num_hidden_layers) if parallel else None
         drafter = None
+        if mtp:
+            drafter = Drafter(MtpSource(model, mtp_cache, self.block_size, self.device,  # type: ignore[arg-type]
+                                        self.kernel_plan.library("argmax")))  # fmt: skip
         if draft is not None:
             draft_cache = allocate_kv_cache(draft.arch.num_hidden_layers, self.num_blocks, self.block_size,
                                             draft.arch.num_key_value_heads, draft.arch.head_dim, draft_kv_dtype,
                                             self.device, draft.arch.kv_values_stored)  # fmt: skip
-            drafter = Drafter(draft.model, draft_cache, self.block_size, self.device, draft.plan.library("argmax"),
-                              config.scheduler.max_num_batched_tokens, draft.arch.vocab_size, self.num_blocks)  # fmt: skip
+            drafter = Drafter(DraftModelSource(draft.model, draft_cache, self.block_size, self.device,
+                                               draft.plan.library("argmax"), config.scheduler.max_num_batched_tokens,
+                                               draft.arch.vocab_size, self.num_blocks))  # fmt: skip
         self.model_runner = ModelRunner(
             model, kv_cache, self.block_size, self.device, sorted(self.eos_token_ids), self.kernel_plan,
             samples=parallel is None or parallel.samples, link=link, micro_batches=micro_batches, drafter=drafter,

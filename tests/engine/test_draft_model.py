@@ -82,7 +82,7 @@ def test_the_next_turn_starts_its_draft_past_the_blocks_it_shares(tiny_llama_pat
     computed, and every draft is still accepted (the target as its own draft: a draft KV not of
     these tokens would be rejected)."""
     llm = LLM(tiny_llama_path, block_size=4, num_kv_blocks=256, speculative_config=draft_spec(tiny_llama_path))
-    drafter = llm.llm_engine.executor.model_runner.drafter
+    drafter = llm.llm_engine.executor.model_runner.drafter.source
     spans: list[tuple[int, int]] = []  # (start, end) of each row's catch-up
     catch_up = drafter._catch_up
 

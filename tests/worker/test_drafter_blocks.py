@@ -1,4 +1,4 @@
-"""Which blocks' draft KV the drafter trusts (``Drafter.complete``): a block keeps its mark only
+"""Which blocks' draft KV the drafter trusts (``DraftModelSource.complete``): a block keeps its mark only
 while its tokens stay the ones its draft KV was computed for (engine-level: the next turn's
 catch-up in tests/engine/test_draft_model.py)."""
 
@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from pagellm.worker.drafter import Drafter
+from pagellm.worker.draft_model_source import DraftModelSource
 
 
 def test_blocks_whose_contents_change_lose_their_mark() -> None:
-    drafter = Drafter.__new__(Drafter)  # (only its block marks: no model)
+    drafter = DraftModelSource.__new__(DraftModelSource)  # (only its block marks: no model)
     drafter.block_size = 4
     drafter.complete = np.ones(16, dtype=bool)
     drafter.complete[2] = False

@@ -1,0 +1,169 @@
+"""Speculative decoding from the model's own multi-token-prediction (MTP) layer (speculative
+method "mtp"; tiny DeepSeek-V3 and GLM-4.5 with a random MTP layer): every draft is the
+layer's as transformers computes it over the sequence's tokens (through accepted, partly
+accepted and rejected verifications), greedy output equals plain decoding through chunked
+prefill, prefix-cache hits, preemption and the disk tier, and configurations without the layer
+are refused by name."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+import pagellm.worker.model_runner as model_runner_module
+from pagellm import LLM, SamplingParams
+from pagellm.config import DeviceConfig, EngineConfig, ModelConfig
+from pagellm.speculative_config import SpeculativeConfig
+from tests.helpers.mtp_models import one_layer_config
+
+MTP = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False, "disable_by_batch_size": None}
+PROMPTS = [{"prompt_token_ids": list(range(300 + 7 * i, 300 + 7 * i + length))} for i, length in enumerate((9, 37, 70))]
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+def tokens(llm: LLM, prompts, params) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def all_blocks_free(llm: LLM) -> bool:
+    engine = llm.llm_engine
+    return engine.kv_cache_manager.num_free_blocks == engine.executor.num_blocks
+
+
+class MtpReference:
+    """The MTP layer as transformers computes it: the target's final hidden states from its HF
+    model, the layer's decoder block as a one-layer model of the same kind whose final norm is
+    ``shared_head.norm`` and whose head is the model's."""
+
+    def __init__(self, folder: str) -> None:
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        self.target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        (shard,) = Path(folder).glob("*.safetensors")
+        tensors = load_file(str(shard))
+        prefix = f"model.layers.{self.target.config.num_hidden_layers}."
+        self.own = {name: tensors[prefix + name + ".weight"] for name in ("enorm", "hnorm", "eh_proj")}
+        state = {"model.layers.0." + n.removeprefix(prefix): t for n, t in tensors.items() if n.startswith(prefix)}
+        for name in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head", "embed_tokens"):
+            del state[f"model.layers.0.{name}.weight"]
+        state["model.norm.weight"] = tensors[prefix + "shared_head.norm.weight"]
+        state["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
+        state["lm_head.weight"] = tensors["lm_head.weight"]
+        self.layer = AutoModelForCausalLM.from_config(one_layer_config(folder), dtype=torch.float32).eval()
+        self.layer.load_state_dict(state, strict=True)
+        self.eps = self.target.config.rms_norm_eps
+        self._out: list[torch.Tensor] = []
+        self.layer.model.layers[0].register_forward_hook(lambda _m, _i, out: self._out.append(out))
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
+
+    def _joined(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        both = torch.cat([self._rms(embeds, self.own["enorm"]), self._rms(hidden, self.own["hnorm"])], dim=-1)
+        return both @ self.own["eh_proj"].T
+
+    @torch.no_grad()
+    def drafts(self, known: list[int], k: int) -> list[int]:
+        """The k greedy drafts after ``known``: the layer at each position p from h_p and the
+        token at p + 1, then from its own last output and the draft before."""
+        ids = torch.tensor(known)
+        hidden = self.target.model(ids[None]).last_hidden_state[0]
+        embed = self.target.model.embed_tokens
+        inputs = self._joined(embed(ids[1:]), hidden[:-1])
+        drafts: list[int] = []
+        for _ in range(k):
+            self._out.clear()
+            logits = self.layer(inputs_embeds=inputs[None]).logits[0]
+            drafts.append(int(logits[-1].argmax()))
+            inputs = torch.cat([inputs, self._joined(embed(torch.tensor(drafts[-1:])), self._out[0][0, -1:])])
+        return drafts
+
+
+def record_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
+    """(the sequence's tokens, its drafts) of every proposal the engine's drafter makes."""
+    drafter = llm.llm_engine.executor.model_runner.drafter
+    records: list[tuple[list[int], list[int]]] = []
+    propose = drafter.propose
+
+    def recorded(batch, scheduled, output):  # type: ignore[no-untyped-def]
+        filled, masks = propose(batch, scheduled, output)
+        for item in filled:
+            if item.draft_token_ids:
+                row = batch.row_of[item.seq_id]
+                records.append((batch.token_ids[row, : batch.num_tokens[row]].tolist(), list(item.draft_token_ids)))
+        return filled, masks
+
+    drafter.propose = recorded
+    return records
+
+
+@pytest.mark.parametrize("family", ["tiny_deepseek_v3_mtp_path", "tiny_glm4_moe_mtp_path"])
+def test_every_draft_is_the_mtp_layers_over_the_sequence(family, request, monkeypatch):
+    """Verification forced to keep 0, 1, 2, 3 drafts in turn (the engine's bookkeeping of the
+    layer's K/V and last outputs through every outcome), prompts in chunks of a 16-token budget:
+    each proposal equals the reference's over the tokens the sequence held then."""
+    folder = request.getfixturevalue(family)
+    llm = LLM(folder, dtype="float32", block_size=4, max_num_batched_tokens=16, speculative_config=MTP)
+    records = record_drafts(llm)
+    counter = itertools.count()
+    monkeypatch.setattr(model_runner_module, "accepted_prefix", lambda _tokens, drafts: next(counter) % (len(drafts) + 1))
+    llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert len(records) > 15 and {len(drafts) for _, drafts in records} >= {3}
+    reference = MtpReference(folder)
+    for known, drafts in records:
+        assert drafts == reference.drafts(known, len(drafts)), len(known)
+    assert all_blocks_free(llm)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_deepseek_v3_mtp_path):
+    return LLM(tiny_deepseek_v3_mtp_path, dtype="float32", block_size=4)
+
+
+def test_greedy_output_is_plain_decodings(tiny_deepseek_v3_mtp_path, plain, tmp_path):
+    """Chunked prompts, a shared prefix (hits), a pool small enough to preempt, and a disk tier
+    the prefix comes back from: plain decoding's tokens, every block freed."""
+    shared = {"prompt_token_ids": list(range(500, 540))}
+    prompts = [*PROMPTS, shared, {"prompt_token_ids": shared["prompt_token_ids"] + [7, 8, 9]}]
+    want = tokens(plain, prompts, GREEDY)
+    small = LLM(tiny_deepseek_v3_mtp_path, dtype="float32", block_size=4, num_kv_blocks=24, max_num_batched_tokens=16,
+                speculative_config=MTP)  # fmt: skip
+    assert tokens(small, prompts, GREEDY) == want
+    engine = small.llm_engine
+    assert engine.stats.num_preemptions > 0 and engine.kv_cache_manager.stats.hits > 0
+    assert engine.scheduler.speculator.stats.num_draft_tokens > 40
+    assert all_blocks_free(small)
+    tier = LLM(tiny_deepseek_v3_mtp_path, dtype="float32", block_size=4, num_kv_blocks=26, speculative_config=MTP,
+               kv_offload_dir=str(tmp_path))  # fmt: skip
+    assert tokens(tier, [shared], GREEDY) == want[3:4]
+    assert tokens(tier, PROMPTS[1:], GREEDY) == want[1:3]  # (pushes the shared prefix out of the pool)
+    before = tier.llm_engine.stats.disk_tier_loaded_blocks
+    assert tokens(tier, [shared], GREEDY) == want[3:4]
+    assert tier.llm_engine.stats.disk_tier_loaded_blocks - before >= 9
+
+
+def test_sampled_requests_repeat_themselves(tiny_deepseek_v3_mtp_path):
+    spec = LLM(tiny_deepseek_v3_mtp_path, dtype="float32", speculative_config=MTP)
+    sampled = SamplingParams(temperature=0.9, seed=5, max_tokens=24, ignore_eos=True, logprobs=2)
+    first = spec.generate(PROMPTS, sampled, use_tqdm=False)
+    again = spec.generate(PROMPTS, sampled, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+    assert all(len(o.outputs[0].logprobs) == 24 for o in first)
+
+
+def test_mtp_configurations_refused_by_name(tiny_llama_path, tiny_deepseek_v3_path):
+    with pytest.raises(ValueError, match="multi-token prediction layers; LlamaForCausalLM has none"):
+        LLM(tiny_llama_path, speculative_config={"method": "mtp"})
+    # (its config declares one layer, its checkpoint holds a stray placeholder)
+    with pytest.raises(ValueError, match="weight|missing"):
+        LLM(tiny_deepseek_v3_path, speculative_config={"method": "mtp"})
+    with pytest.raises(ValueError, match="belong to method 'draft_model', not 'mtp'"):
+        SpeculativeConfig.parse({"method": "mtp", "model": "x"})
+    assert SpeculativeConfig.parse({"method": "deepseek_mtp"}).method == "mtp"
+    with pytest.raises(ValueError, match="'mtp' runs in a one-process engine"):
+        EngineConfig(model=ModelConfig(model=tiny_llama_path), device=DeviceConfig(tensor_parallel_size=2),
+                     speculative=SpeculativeConfig(method="mtp"))  # fmt: skip
