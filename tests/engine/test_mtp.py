@@ -1,5 +1,5 @@
 """Speculative decoding from the model's own multi-token-prediction (MTP) layer (speculative
-method "mtp"; tiny DeepSeek-V3 and GLM-4.5 with a random MTP layer): every draft is the
+method "mtp"; tiny DeepSeek-V3, GLM-4.5 and GLM-4.7-Flash with a random MTP layer): every draft is the
 layer's as transformers computes it over the sequence's tokens (through accepted, partly
 accepted and rejected verifications), greedy output equals plain decoding through chunked
 prefill, prefix-cache hits, preemption and the disk tier, and configurations without the layer
@@ -101,7 +101,7 @@ def record_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
     return records
 
 
-@pytest.mark.parametrize("family", ["tiny_deepseek_v3_mtp_path", "tiny_glm4_moe_mtp_path"])
+@pytest.mark.parametrize("family", ["tiny_deepseek_v3_mtp_path", "tiny_glm4_moe_mtp_path", "tiny_glm4_moe_lite_mtp_path"])
 def test_every_draft_is_the_mtp_layers_over_the_sequence(family, request, monkeypatch):
     """Verification forced to keep 0, 1, 2, 3 drafts in turn (the engine's bookkeeping of the
     layer's K/V and last outputs through every outcome), prompts in chunks of a 16-token budget:
@@ -144,6 +144,23 @@ def test_greedy_output_is_plain_decodings(tiny_deepseek_v3_mtp_path, plain, tmp_
     before = tier.llm_engine.stats.disk_tier_loaded_blocks
     assert tokens(tier, [shared], GREEDY) == want[3:4]
     assert tier.llm_engine.stats.disk_tier_loaded_blocks - before >= 9
+
+
+def test_constrained_requests_take_mtp_drafts_within_their_grammar(plain, tiny_deepseek_v3_mtp_path):
+    """Each draft masked by the request's grammar (a regex that leaves few choices: most drafts
+    are the grammar's and accepted), each verified under the grammar's state: plain decoding's
+    text."""
+    from pagellm.structured_outputs_params import StructuredOutputsParams
+
+    spec = LLM(tiny_deepseek_v3_mtp_path, dtype="float32", block_size=4, speculative_config=MTP)
+    params = SamplingParams(temperature=0, max_tokens=40,
+                            structured_outputs=StructuredOutputsParams(regex="(one two three four ){3}one two"))  # fmt: skip
+    prompts = ["Count:", "Say it again"]
+    got = [o.outputs[0].text for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert got == [o.outputs[0].text for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert all(text.startswith("one two three four one two") for text in got)
+    stats = spec.llm_engine.scheduler.speculator.stats
+    assert stats.num_draft_tokens > 10 and stats.num_accepted_tokens > 0
 
 
 def test_sampled_requests_repeat_themselves(tiny_deepseek_v3_mtp_path):

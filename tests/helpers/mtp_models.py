@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagellm.benchmarks.random_model import randomize_norms_and_biases
-from tests.helpers.mla_models import add_correction_bias_and_mtp_layer, write_tiny_deepseek_v3
+from tests.helpers.mla_models import add_correction_bias_and_mtp_layer, write_tiny_deepseek_v3, write_tiny_glm4_moe_lite
 from tests.helpers.tiny_models import TINY_SHAPE, edit_tensors, token_ids, write_tiny_model
 
 
@@ -67,6 +67,15 @@ def tiny_deepseek_v3_mtp_path(tmp_path_factory: pytest.TempPathFactory, default_
     """Tiny DeepSeek-V3 (MLA, DeepSeek's MoE) with its MTP layer."""
     folder = tmp_path_factory.mktemp("tiny_deepseek_v3_mtp")
     write_tiny_deepseek_v3(folder, default_tokenizer, q_lora_rank=24)
+    add_mtp_layer(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4_moe_lite_mtp_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
+    """Tiny GLM-4.7-Flash (MLA, its MoE layers by type) with its MTP layer."""
+    folder = tmp_path_factory.mktemp("tiny_glm4_moe_lite_mtp")
+    write_tiny_glm4_moe_lite(folder, default_tokenizer, q_lora_rank=24)
     add_mtp_layer(folder)
     return str(folder)
 
