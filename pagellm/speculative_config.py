@@ -15,7 +15,7 @@ from typing import Any
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
 # vLLM's earlier names of "mtp", one a family, taken as it is.
-MTP_ALIASES = frozenset({"deepseek_mtp", "glm4_moe_mtp", "glm4_moe_lite_mtp"})
+MTP_ALIASES = frozenset({"deepseek_mtp", "glm4_moe_mtp", "glm4_moe_lite_mtp", "qwen3_next_mtp", "qwen3_5_mtp"})
 MAX_SPECULATIVE_TOKENS = 16  # a verification step's rows per sequence stay small
 # The most tokens a speculating sequence computes in one step: a verification's 1 + k, or the k + 2
 # a rejection leaves to compute again. The kernels compute spans this short as the decode rows
@@ -30,12 +30,13 @@ class SpeculativeConfig:
     """``method`` "ngram": the tokens that followed the latest earlier occurrence of the
     sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``), in
     its prompt or output, up to ``num_speculative_tokens``. "mtp": the target's own multi-token
-    prediction layer (DeepSeek-V3's, GLM-4.5's), run on the target's hidden states in the worker,
-    its first layer again for each further draft (``worker/mtp_source.py``). "draft_model": a smaller model with
-    the same vocabulary (``model``; None: the target's own checkpoint, then in the cheaper
-    ``quantization``) continues each sequence greedily; it runs in the worker, in the same step
-    as the target's verification, its KV cache in the same blocks (``worker/drafter.py``). A step with more running sequences
-    than ``disable_by_batch_size`` proposes nothing: a big batch already uses each weight read
+    prediction layer (DeepSeek-V3's, GLM-4.5's, Qwen3.5's), run on the target's hidden states in
+    the worker, its first layer again for each further draft (``worker/mtp_source.py``).
+    "draft_model": a smaller model with the same vocabulary (``model``; None: the target's own
+    checkpoint, then in the cheaper ``quantization``) continues each sequence greedily; it runs
+    in the worker, in the same step as the target's verification, its KV cache in the same
+    blocks (``worker/drafter.py``). A step with more running sequences than
+    ``disable_by_batch_size`` proposes nothing: a big batch already uses each weight read
     for many tokens, and its extra rows would cost more than they save (None: never).
     ``adaptive`` (pagellm's): each sequence proposes only as many drafts as its acceptance so far
     and the measured cost of verification rows say pay (``core/speculation.py``); false: always

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from pagellm.benchmarks.random_gguf import FILE_TYPES, write_random_gguf, write_random_safetensors
+from pagellm.benchmarks.random_mtp import add_random_mtp_layer
 
 # Special tokens take the first ids, as in SmolLM2's vocabulary.
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -271,7 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gguf", choices=sorted(FILE_TYPES), default=None,
                         help=f"write one GGUF file in llama-quantize's mix of this type ({', '.join(REAL_SHAPES)})")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mtp", action="store_true",
+                        help="with a random multi-token-prediction layer (speculative method mtp; mla-1b, qwen3.5-0.8b)")
     args = parser.parse_args(argv)
+    if args.mtp and (args.gguf or SHAPES[args.shape]["architecture"] not in ("deepseek_v3", "qwen3_5")):
+        parser.error("--mtp gives a DeepSeek-V3 or Qwen3.5 shape's safetensors folder (mla-1b, qwen3.5-0.8b) its MTP layer")
     if args.gguf:
         if args.shape not in REAL_SHAPES:
             parser.error(f"--gguf writes the shapes {list(REAL_SHAPES)}")
@@ -279,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote a random {args.shape} {args.gguf} GGUF to {args.folder}: tensors per type {counts}")
         return 0
     path = write_random_model(args.folder, args.shape, getattr(torch, args.dtype), args.seed)
-    print(f"wrote a random {args.shape} model to {path}")
+    if args.mtp:
+        add_random_mtp_layer(path, args.seed)
+    print(f"wrote a random {args.shape} model{' with an MTP layer' if args.mtp else ''} to {path}")
     return 0
 
 

@@ -37,7 +37,7 @@ from pagellm.model.mamba2 import Mamba2Mixer
 from pagellm.model.mla import MlaAttention
 from pagellm.model.mlp import LlamaMLP
 from pagellm.model.moe import SparseMoeBlock
-from pagellm.model.mtp import MtpLayer, mtp_arch, mtp_weight_names, mtp_weights
+from pagellm.model.mtp import MtpLayer, mtp_arch, mtp_style, mtp_weight_names, mtp_weights
 from pagellm.model.quant_embedding import QuantizedEmbedding, embedding_for_plan
 from pagellm.model.quant_linear import QuantizedLinear, linear_for_plan
 from pagellm.model.scan_state import ScanState
@@ -319,7 +319,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(arch, attn_backend, plan, tp, pp)
         heads = pp is None or pp.is_last
         self.lm_head = linear_for_plan(arch.hidden_size, arch.vocab_size, False, plan) if heads else None
-        self.mtp = self._mtp_layer(attn_backend, plan) if mtp else None
+        self.mtp_layer = self._mtp_layer(attn_backend, plan) if mtp else None
         self.tie_weights()
         # plan.decoder == "fused": the layers run in one C++ call where a step fits it (built
         # from the loaded weights at the first forward); under tensor parallelism where the
@@ -338,7 +338,8 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("the multi-token prediction layer runs in a one-process engine only for now")
         arch = mtp_arch(self.arch)
         block = LlamaDecoderLayer(layer_spec(arch, self.arch.num_hidden_layers), arch, attn_backend, plan)
-        return MtpLayer(block, arch.hidden_size, arch.rms_norm_eps, plan)
+        normed = mtp_style(arch.architecture).normed_output
+        return MtpLayer(block, arch.hidden_size, arch.rms_norm_eps, arch.norm_unit_offset, normed, plan)
 
     def mtp_hidden(
         self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
@@ -347,17 +348,20 @@ class LlamaForCausalLM(nn.Module):
         """The MTP layer's output at each row: ``hidden`` the target's final hidden states (or
         the layer's own last output) at ``positions``, ``input_ids`` the tokens after them; its
         K/V written at those positions."""
-        if self.mtp is None or self.model.embed_tokens is None:
+        if self.mtp_layer is None or self.model.embed_tokens is None:
             raise RuntimeError("the model was loaded without its multi-token prediction layer")
         seq_lens = _token_seq_lens(self.model.rotary_emb, attn_metadata, positions.device)
         cos, sin = self.model.rotary_emb(positions, hidden.dtype, seq_lens)
-        return self.mtp(self.model.embed_tokens(input_ids), hidden, cos, sin, kv_cache, attn_metadata)
+        embeds = self.model.embed_tokens(input_ids)
+        if self.arch.embedding_scale is not None:
+            embeds = embeds * torch.tensor(self.arch.embedding_scale).to(embeds.dtype)
+        return self.mtp_layer(embeds, hidden, cos, sin, kv_cache, attn_metadata)
 
     def mtp_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """Logits of the token the MTP layer's outputs ``hidden`` predict (through the model's head)."""
-        if self.mtp is None:
+        if self.mtp_layer is None:
             raise RuntimeError("the model was loaded without its multi-token prediction layer")
-        return self.compute_logits(self.mtp.shared_head_norm(hidden), upcast)
+        return self.compute_logits(self.mtp_layer.head_input(hidden), upcast)
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with lm_head when the config says so (re-run after
@@ -445,7 +449,7 @@ class LlamaForCausalLM(nn.Module):
         Irreversible (loading weights afterwards is not supported); a no-op where the plan keeps
         torch's GEMM (float32 on AVX-512 CPUs: MKL/oneDNN).
         """
-        layers = list(self.model.own_layers) + ([self.mtp.block] if self.mtp is not None else [])
+        layers = list(self.model.own_layers) + ([self.mtp_layer.block] if self.mtp_layer is not None else [])
         fused = 0
         if layers and layers[0].mlp.fuse_for_cpu(plan, verify=True):  # one self-check for the model
             fused = 1 + sum(layer.mlp.fuse_for_cpu(plan, verify=False) for layer in layers[1:])
@@ -474,9 +478,8 @@ class LlamaForCausalLM(nn.Module):
             names.add("lm_head.weight")
         for i in range(self.model.start, self.model.end):
             names |= layer_weight_names(arch, i)
-        if self.mtp is not None:
-            index = arch.num_hidden_layers
-            names |= mtp_weight_names(layer_weight_names(mtp_arch(arch), index), index)
+        if self.mtp_layer is not None:
+            names |= mtp_weight_names(layer_weight_names(mtp_arch(arch), arch.num_hidden_layers), arch)
         return names
 
     @torch.no_grad()
@@ -489,8 +492,8 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         tied_quantized = self.arch.tie_word_embeddings and isinstance(self.lm_head, QuantizedLinear)
-        if self.mtp is not None:  # (its tensors under their names here, not dropped as past the model's layers)
-            weights = mtp_weights(weights, self.arch.num_hidden_layers)
+        if self.mtp_layer is not None:  # (its tensors under their names here: not dropped)
+            weights = mtp_weights(weights, self.arch)
         for name, tensor in (part for item in weights for part in checkpoint_parts(self.arch, *item)):
             if _IGNORED.search(name) or not self.holds_weight(name):
                 continue

@@ -33,6 +33,7 @@ from pagellm.model.mtp import mtp_layer_count
 from pagellm.model.mxfp4 import join_mxfp4_pairs
 from pagellm.model.packed_weights_cache import PackedWeightsCache
 from pagellm.model.registry import validate_arch_config
+from pagellm.model.text_of_multimodal import text_model_config
 from pagellm.model.vision_config import VisionSpec
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
@@ -287,7 +288,7 @@ def load_model(
             if reader is not None:
                 raise ValueError("speculative method 'mtp' reads the multi-token prediction layer from a safetensors "
                                  "checkpoint; GGUF files' (nextn) layers are not supported yet")  # fmt: skip
-            mtp_layer_count(arch.architecture, _read_json(Path(path) / "config.json"))
+            mtp_layer_count(arch.architecture, text_model_config(_read_json(Path(path) / "config.json")))
         net = _empty_model(arch, attn_backend, dtype, device, plan, tp, pp, mtp)
         if reader is not None:
             keep_quantized = plan is not None and plan.weights == "gguf"

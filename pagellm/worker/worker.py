@@ -330,9 +330,9 @@ class Worker:
     ) -> int:
         """The pool's block count: the exact number asked for, else what the memory budget
         holds, else (``auto``) what the memory left once every rank's weights are in holds.
-        A draft model's layers take their share of every block (``draft_block_bytes``); a block
-        is sized for the stage whose block holds the most (its K/V and state snapshots), the
-        recurrent states for this rank's own layers (``own``)."""
+        A draft model's layers or the MTP layer take their share of every block
+        (``draft_block_bytes``); a block is sized for the stage whose block holds the most (its
+        K/V and state snapshots), the recurrent states for this rank's own layers (``own``)."""
         cache = config.cache
 
         def stage_block_bytes(layers: range) -> int:

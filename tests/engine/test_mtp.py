@@ -15,9 +15,11 @@ import torch
 
 import pagellm.worker.model_runner as model_runner_module
 from pagellm import LLM, SamplingParams
+from pagellm.benchmarks.random_mtp import mtp_block_config
 from pagellm.config import DeviceConfig, EngineConfig, ModelConfig
+from pagellm.model import load_arch_config
+from pagellm.model.mtp import mtp_style
 from pagellm.speculative_config import SpeculativeConfig
-from tests.helpers.mtp_models import one_layer_config
 
 MTP = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False, "disable_by_batch_size": None}
 PROMPTS = [{"prompt_token_ids": list(range(300 + 7 * i, 300 + 7 * i + length))} for i, length in enumerate((9, 37, 70))]
@@ -36,40 +38,42 @@ def all_blocks_free(llm: LLM) -> bool:
 class MtpReference:
     """The MTP layer as transformers computes it: the target's final hidden states from its HF
     model, the layer's decoder block as a one-layer model of the same kind whose final norm is
-    ``shared_head.norm`` and whose head is the model's."""
+    the layer's last norm and whose head is the model's."""
 
     def __init__(self, folder: str) -> None:
         from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM
 
         self.target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        (shard,) = Path(folder).glob("*.safetensors")
-        tensors = load_file(str(shard))
-        prefix = f"model.layers.{self.target.config.num_hidden_layers}."
-        self.own = {name: tensors[prefix + name + ".weight"] for name in ("enorm", "hnorm", "eh_proj")}
-        state = {"model.layers.0." + n.removeprefix(prefix): t for n, t in tensors.items() if n.startswith(prefix)}
-        for name in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head", "embed_tokens"):
-            del state[f"model.layers.0.{name}.weight"]
-        state["model.norm.weight"] = tensors[prefix + "shared_head.norm.weight"]
+        tensors = {name: t for shard in Path(folder).glob("*.safetensors") for name, t in load_file(str(shard)).items()}
+        arch = load_arch_config(folder)
+        style = mtp_style(arch.architecture)
+        prefix, block = style.prefix(arch), style.block_prefix(arch)
+        self.own = {ours: tensors[f"{prefix}{part}.weight"] for part, ours in style.parts.items()}
+        state = {"model.layers.0." + name.removeprefix(block): t for name, t in tensors.items()
+                 if name.startswith(block) and name.removeprefix(prefix).rpartition(".")[0] not in
+                 (*style.parts, *style.skipped)}  # fmt: skip
+        state["model.norm.weight"] = self.own["out_norm"]
         state["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
-        state["lm_head.weight"] = tensors["lm_head.weight"]
-        self.layer = AutoModelForCausalLM.from_config(one_layer_config(folder), dtype=torch.float32).eval()
+        state["lm_head.weight"] = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+        self.layer = AutoModelForCausalLM.from_config(mtp_block_config(folder), dtype=torch.float32).eval()
         self.layer.load_state_dict(state, strict=True)
-        self.eps = self.target.config.rms_norm_eps
+        self.eps, self.unit_offset, self.normed = arch.rms_norm_eps, arch.norm_unit_offset, style.normed_output
         self._out: list[torch.Tensor] = []
         self.layer.model.layers[0].register_forward_hook(lambda _m, _i, out: self._out.append(out))
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + weight if self.unit_offset else weight)
 
     def _joined(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        both = torch.cat([self._rms(embeds, self.own["enorm"]), self._rms(hidden, self.own["hnorm"])], dim=-1)
-        return both @ self.own["eh_proj"].T
+        both = torch.cat([self._rms(embeds, self.own["embed_norm"]), self._rms(hidden, self.own["hidden_norm"])], dim=-1)
+        return both @ self.own["fc"].T
 
     @torch.no_grad()
     def drafts(self, known: list[int], k: int) -> list[int]:
         """The k greedy drafts after ``known``: the layer at each position p from h_p and the
-        token at p + 1, then from its own last output and the draft before."""
+        token at p + 1, then from its own last output (before or after its last norm, as the
+        family runs it) and the draft before."""
         ids = torch.tensor(known)
         hidden = self.target.model(ids[None]).last_hidden_state[0]
         embed = self.target.model.embed_tokens
@@ -77,9 +81,10 @@ class MtpReference:
         drafts: list[int] = []
         for _ in range(k):
             self._out.clear()
-            logits = self.layer(inputs_embeds=inputs[None]).logits[0]
-            drafts.append(int(logits[-1].argmax()))
-            inputs = torch.cat([inputs, self._joined(embed(torch.tensor(drafts[-1:])), self._out[0][0, -1:])])
+            normed = self.layer.model(inputs_embeds=inputs[None], use_cache=False).last_hidden_state[0]
+            drafts.append(int(self.layer.lm_head(normed[-1]).argmax()))
+            chain = normed[-1:] if self.normed else self._out[0][0, -1:]
+            inputs = torch.cat([inputs, self._joined(embed(torch.tensor(drafts[-1:])), chain)])
         return drafts
 
 
@@ -101,7 +106,8 @@ def record_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
     return records
 
 
-@pytest.mark.parametrize("family", ["tiny_deepseek_v3_mtp_path", "tiny_glm4_moe_mtp_path", "tiny_glm4_moe_lite_mtp_path"])
+@pytest.mark.parametrize("family", ["tiny_deepseek_v3_mtp_path", "tiny_glm4_moe_mtp_path", "tiny_glm4_moe_lite_mtp_path",
+                                    "tiny_qwen3_5_mtp_path", "tiny_qwen3_5_moe_mtp_path"])
 def test_every_draft_is_the_mtp_layers_over_the_sequence(family, request, monkeypatch):
     """Verification forced to keep 0, 1, 2, 3 drafts in turn (the engine's bookkeeping of the
     layer's K/V and last outputs through every outcome), prompts in chunks of a 16-token budget:
@@ -146,6 +152,15 @@ def test_greedy_output_is_plain_decodings(tiny_deepseek_v3_mtp_path, plain, tmp_
     assert tier.llm_engine.stats.disk_tier_loaded_blocks - before >= 9
 
 
+def test_a_hybrids_greedy_output_is_plain_decodings(tiny_qwen3_5_mtp_path):
+    """Qwen3.5 (gated delta-nets: each rejection rolls their states back): plain decoding's tokens."""
+    want = tokens(LLM(tiny_qwen3_5_mtp_path, dtype="float32", block_size=4), PROMPTS, GREEDY)
+    spec = LLM(tiny_qwen3_5_mtp_path, dtype="float32", block_size=4, max_num_batched_tokens=16, speculative_config=MTP)
+    assert tokens(spec, PROMPTS, GREEDY) == want
+    assert spec.llm_engine.scheduler.speculator.stats.num_draft_tokens > 20
+    assert all_blocks_free(spec)
+
+
 def test_constrained_requests_take_mtp_drafts_within_their_grammar(plain, tiny_deepseek_v3_mtp_path):
     """Each draft masked by the request's grammar (a regex that leaves few choices: most drafts
     are the grammar's and accepted), each verified under the grammar's state: plain decoding's
@@ -170,6 +185,18 @@ def test_sampled_requests_repeat_themselves(tiny_deepseek_v3_mtp_path):
     again = spec.generate(PROMPTS, sampled, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
     assert all(len(o.outputs[0].logprobs) == 24 for o in first)
+
+
+def test_every_block_holds_the_mtp_layer_too(tiny_deepseek_v3_mtp_path):
+    """The layer's latent rows are a fourth layer's in every block: a budget of 64 blocks of the
+    model's 3 layers and the MTP layer's buys 64 blocks (85 without it)."""
+    per_layer = 4 * 40 * 4  # (a block of 4 tokens, one latent row of 40 float32 values)
+    llm = LLM(tiny_deepseek_v3_mtp_path, dtype="float32", block_size=4, kv_cache_memory=64 * 4 * per_layer,
+              speculative_config=MTP)  # fmt: skip
+    executor = llm.llm_engine.executor
+    assert executor.num_blocks == 64
+    ((key_cache, value_cache),) = executor.model_runner.drafter.kv_cache
+    assert key_cache is value_cache and tuple(key_cache.shape) == (64, 4, 1, 40)
 
 
 def test_mtp_configurations_refused_by_name(tiny_llama_path, tiny_deepseek_v3_path):

@@ -1,73 +1,25 @@
-"""Tiny models with a real multi-token-prediction (MTP) layer, as DeepSeek-V3's and GLM-4.5's
-checkpoints carry past the model's layers, and the reference that layer is checked against
-(a pytest plugin of tests/conftest.py: session fixtures)."""
+"""Tiny models with a random multi-token-prediction (MTP) layer, as DeepSeek-V3's and GLM-4.5's
+checkpoints carry past the model's layers (``add_random_mtp_layer``, with the copies of the
+model's embedding and head released checkpoints store; a pytest plugin of tests/conftest.py:
+session fixtures)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import shutil
 
 import pytest
-import torch
 
-from pagellm.benchmarks.random_model import randomize_norms_and_biases
+from pagellm.benchmarks.random_mtp import add_random_mtp_layer
 from tests.helpers.mla_models import add_correction_bias_and_mtp_layer, write_tiny_deepseek_v3, write_tiny_glm4_moe_lite
-from tests.helpers.tiny_models import TINY_SHAPE, edit_tensors, token_ids, write_tiny_model
-
-
-def one_layer_config(folder: str | Path):
-    """The config of ``folder``'s model cut to one layer of experts (the MTP layer's kind)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(folder)
-    config.num_hidden_layers = 1
-    config.first_k_dense_replace = 0
-    if getattr(config, "mlp_layer_types", None) is not None:
-        config.mlp_layer_types = ["sparse"]
-    return config
-
-
-def add_mtp_layer(folder: Path) -> None:
-    """A random MTP layer past the model's (``model.layers.{N}``): its decoder layer from a
-    one-layer model of the same kind (random norms and correction bias), random ``enorm``,
-    ``hnorm``, ``eh_proj`` and ``shared_head.norm``, and the model's embedding and head copied
-    under it (as released checkpoints store them); ``num_nextn_predict_layers`` 1."""
-    from transformers import AutoModelForCausalLM
-
-    config = json.loads((folder / "config.json").read_text())
-    index, hidden = config["num_hidden_layers"], config["hidden_size"]
-    torch.manual_seed(11)
-    block = AutoModelForCausalLM.from_config(one_layer_config(folder), dtype=torch.float32)
-    randomize_norms_and_biases(block)
-    generator = torch.Generator().manual_seed(12)
-
-    def edit(tensors: dict[str, torch.Tensor]) -> None:
-        for name in [n for n in tensors if n.startswith(f"model.layers.{index}.")]:
-            del tensors[name]  # (a stray placeholder)
-        prefix = f"model.layers.{index}."
-        for name, tensor in block.state_dict().items():
-            if name.startswith("model.layers.0."):
-                value = tensor.clone()
-                if name.endswith("e_score_correction_bias"):
-                    value = torch.rand(value.shape, generator=generator) * 0.5
-                tensors[prefix + name.removeprefix("model.layers.0.")] = value
-        for part in ("enorm", "hnorm", "shared_head.norm"):
-            tensors[f"{prefix}{part}.weight"] = 1.0 + 0.3 * torch.randn(hidden, generator=generator)
-        tensors[prefix + "eh_proj.weight"] = 0.15 * torch.randn(hidden, 2 * hidden, generator=generator)
-        tensors[prefix + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-        tensors[prefix + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
-
-    edit_tensors(folder, edit)
-    config["num_nextn_predict_layers"] = 1
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
+from tests.helpers.tiny_models import TINY_SHAPE, token_ids, write_tiny_model
 
 
 @pytest.fixture(scope="session")
 def tiny_deepseek_v3_mtp_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
     """Tiny DeepSeek-V3 (MLA, DeepSeek's MoE) with its MTP layer."""
     folder = tmp_path_factory.mktemp("tiny_deepseek_v3_mtp")
-    write_tiny_deepseek_v3(folder, default_tokenizer, q_lora_rank=24)
-    add_mtp_layer(folder)
+    write_tiny_deepseek_v3(folder, default_tokenizer, q_lora_rank=24, mtp=False)
+    add_random_mtp_layer(folder, shared_copies=True)
     return str(folder)
 
 
@@ -75,8 +27,8 @@ def tiny_deepseek_v3_mtp_path(tmp_path_factory: pytest.TempPathFactory, default_
 def tiny_glm4_moe_lite_mtp_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
     """Tiny GLM-4.7-Flash (MLA, its MoE layers by type) with its MTP layer."""
     folder = tmp_path_factory.mktemp("tiny_glm4_moe_lite_mtp")
-    write_tiny_glm4_moe_lite(folder, default_tokenizer, q_lora_rank=24)
-    add_mtp_layer(folder)
+    write_tiny_glm4_moe_lite(folder, default_tokenizer, q_lora_rank=24, mtp=False)
+    add_random_mtp_layer(folder, shared_copies=True)
     return str(folder)
 
 
@@ -95,5 +47,23 @@ def tiny_glm4_moe_mtp_path(tmp_path_factory: pytest.TempPathFactory, default_tok
     folder = tmp_path_factory.mktemp("tiny_glm4_moe_mtp")
     write_tiny_model(folder, config, default_tokenizer)
     add_correction_bias_and_mtp_layer(folder, mtp=False)
-    add_mtp_layer(folder)
+    add_random_mtp_layer(folder, shared_copies=True)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_mtp_path(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_5_path: str) -> str:
+    """Tiny Qwen3.5 (gated delta-nets around a gated attention layer) with its MTP layer (``mtp.``)."""
+    folder = tmp_path_factory.mktemp("tiny_qwen3_5_mtp")
+    shutil.copytree(tiny_qwen3_5_path, folder, dirs_exist_ok=True)
+    add_random_mtp_layer(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_moe_mtp_path(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_5_moe_path: str) -> str:
+    """Tiny Qwen3.5 MoE with its MTP layer (its experts and gated shared expert)."""
+    folder = tmp_path_factory.mktemp("tiny_qwen3_5_moe_mtp")
+    shutil.copytree(tiny_qwen3_5_moe_path, folder, dirs_exist_ok=True)
+    add_random_mtp_layer(folder)
     return str(folder)
