@@ -16,6 +16,12 @@ blocks: computed from the same tokens, except that a block's last row saw the to
 followed it in the request that computed it (a draft's quality, never the output's exactness).
 A sequence with no output kept at its last computed position (a fork's first step) drafts
 nothing in that step.
+
+A step of more sequences than speculation's ``disable_by_batch_size`` drafts nothing, and skips
+the layer too (it would cost a layer's share of every big step: 1/17 at the 16-layer ``mla-1b``
+shape). A sequence that lived through such steps drafts again once the batch is small, from its
+next step on, its layer's K/V rows of those steps never written: worse drafts (the adaptive
+speculation then drafts less for it), never another output.
 """
 
 from __future__ import annotations
@@ -35,9 +41,13 @@ class MtpSource:
     """The MTP layer's drafts (see the module docstring); ``kv_cache``: its one K/V pair."""
 
     def __init__(
-        self, model: MultiTokenPredictor, kv_cache: KVCache, block_size: int, device: torch.device, argmax_kernels: object
+        self, model: MultiTokenPredictor, kv_cache: KVCache, block_size: int, device: torch.device, argmax_kernels: object,
+        busy_above: int | None = None,
     ) -> None:
         self.model = model
+        # A step of more sequences than this (speculation's ``disable_by_batch_size``: none drafts)
+        # skips the layer (None: every step runs it).
+        self.busy_above = busy_above
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
@@ -95,6 +105,8 @@ class MtpSource:
         """The layer over the positions each scheduled sequence computed and kept (see the
         module docstring), their next tokens read from the batch (the step's sampled token
         written there first)."""
+        if self.busy_above is not None and len(scheduled) > self.busy_above:
+            return
         rows, starts, kept, flat = [], [], [], []
         offset = 0
         for item in scheduled:

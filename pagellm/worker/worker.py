@@ -276,8 +276,9 @@ class Worker:
         link = parallel.link(self.arch.hidden_size, self.dtype, self.arch.num_hidden_layers) if parallel else None
         drafter = None
         if mtp:
+            busy_above = config.speculative.disable_by_batch_size if config.speculative is not None else None
             drafter = Drafter(MtpSource(model, mtp_cache, self.block_size, self.device,  # type: ignore[arg-type]
-                                        self.kernel_plan.library("argmax")))  # fmt: skip
+                                        self.kernel_plan.library("argmax"), busy_above))  # fmt: skip
         if draft is not None:
             draft_cache = allocate_kv_cache(draft.arch.num_hidden_layers, self.num_blocks, self.block_size,
                                             draft.arch.num_key_value_heads, draft.arch.head_dim, draft_kv_dtype,

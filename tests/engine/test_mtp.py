@@ -143,6 +143,15 @@ def test_greedy_output_is_plain_decodings(tiny_deepseek_v3_mtp_path, plain, tmp_
     assert engine.stats.num_preemptions > 0 and engine.kv_cache_manager.stats.hits > 0
     assert engine.scheduler.speculator.stats.num_draft_tokens > 40
     assert all_blocks_free(small)
+    # Steps of more than 2 sequences draft nothing and skip the layer: the last two then draft
+    # over the rows those steps left unwritten.
+    busy = LLM(tiny_deepseek_v3_mtp_path, dtype="float32", block_size=4, speculative_config={**MTP, "disable_by_batch_size": 2})
+    model, runs = busy.llm_engine.executor.model_runner.drafter.source.model, []
+    layer = model.mtp_hidden
+    model.mtp_hidden = lambda *args: runs.append(len(args[4].query_lens)) or layer(*args)  # (sequences a run)
+    short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)  # (three end early: the batch shrinks)
+    assert tokens(busy, prompts, [short, short, short, GREEDY, GREEDY]) == [w[:4] for w in want[:3]] + want[3:]
+    assert busy.llm_engine.scheduler.speculator.stats.num_draft_tokens > 0 and runs and max(runs) <= 2
     tier = LLM(tiny_deepseek_v3_mtp_path, dtype="float32", block_size=4, num_kv_blocks=26, speculative_config=MTP,
                kv_offload_dir=str(tmp_path))  # fmt: skip
     assert tokens(tier, [shared], GREEDY) == want[3:4]
