@@ -52,7 +52,7 @@ class SpeculativeConfig:
     quantization: str = "auto"  # draft_model: how the draft's weights are held (as --quantization)
 
     def __post_init__(self) -> None:
-        if self.method in MTP_ALIASES:
+        if isinstance(self.method, str) and self.method in MTP_ALIASES:
             object.__setattr__(self, "method", "mtp")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"unknown speculative method {self.method!r}; supported: {', '.join(SPECULATIVE_METHODS)}")

@@ -217,6 +217,8 @@ def test_speculative_config_is_validated_by_name():
         ('{"method": "ngram", "adaptive": 1}', "adaptive"),
         ('{"method": "ngram", "prompt_lookup_max": 4.0}', "prompt_lookup_max"),
         ('{"method": ["ngram"]}', "unknown speculative method"),
+        ('{"method": ["deepseek_mtp"]}', "unknown speculative method"),
+        ('{"method": "mtp", "quantization": "gguf"}', "belong to method 'draft_model', not 'mtp'"),
         ('{"method": "ngram", "disable_by_batch_size": "4"}', "disable_by_batch_size"),
         ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
     ]:
