@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pagellm.benchmarks._common import RESULTS_DIR, write_json
-from pagellm.benchmarks.workloads import WORKLOADS
+from pagellm.benchmarks.workloads import SERVE_WORKLOADS, WORKLOADS
 from pagellm.engine_args import add_engine_args, cli_engine_options
 
 
@@ -40,14 +40,15 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bars")
 
 
-def _add_workload_args(parser: argparse.ArgumentParser, default: str) -> None:
+def _add_workload_args(parser: argparse.ArgumentParser, default: str, choices: tuple[str, ...] = WORKLOADS) -> None:
     group = parser.add_argument_group("workload")
-    group.add_argument("--workload", choices=WORKLOADS, default=default)
+    group.add_argument("--workload", choices=choices, default=default)
     group.add_argument("--num-prompts", type=int, default=None, help="requests (default: the workload's)")
     group.add_argument("--input-len", type=int, default=None, help="fixed: prompt tokens (128)")
     group.add_argument("--output-len", type=int, default=None, help="fixed / shared-prefix: output tokens")
-    group.add_argument("--prefix-len", type=int, default=None, help="shared-prefix: shared tokens (512)")
-    group.add_argument("--suffix-len", type=int, default=None, help="shared-prefix: own tokens (32)")
+    group.add_argument("--prefix-len", type=int, default=None, help="shared-prefix / multi-turn: shared tokens (512 / 8000)")
+    group.add_argument("--suffix-len", type=int, default=None,
+                       help="shared-prefix: own tokens (32); multi-turn: each turn's new tokens (300)")
     group.add_argument("--seed", type=int, default=0)
 
 
@@ -156,7 +157,8 @@ def _fill_bench_parser(bench: argparse.ArgumentParser) -> None:
     _add_common(sw)
 
     sv = sub.add_parser("serve", help="online load against an OpenAI-compatible server")
-    _add_workload_args(sv, "fixed")
+    _add_workload_args(sv, "fixed", SERVE_WORKLOADS)
+    sv.add_argument("--turns", type=int, default=None, help="multi-turn: turns a conversation (4)")
     sv.add_argument("--base-url", default="http://127.0.0.1:8000")
     sv.add_argument("--request-rate", type=_rate, default=float("inf"), help="Poisson arrivals per second (inf)")
     sv.add_argument("--max-concurrency", type=int, default=None)
@@ -240,6 +242,7 @@ def bench_main(args: argparse.Namespace) -> int:
         workload = make_workload(
             args.workload, vocab_size, num_prompts=args.num_prompts, seed=args.seed, special_ids=special,
             input_len=args.input_len, output_len=args.output_len, prefix_len=args.prefix_len, suffix_len=args.suffix_len,
+            turns=args.turns,
         )
         report = run_serve(
             workload, base_url=args.base_url, request_rate=args.request_rate, max_concurrency=args.max_concurrency,

@@ -150,14 +150,23 @@ async def run_serve_async(
         counters_before = await server_counters(client)
         start = time.perf_counter()
 
+        done = [asyncio.Event() for _ in range(n)]
+
         async def one(i: int) -> RequestResult:
-            await asyncio.sleep(max(0.0, start + delays[i] - time.perf_counter()))
+            after = workload.requests[i].after
+            if after is None:
+                await asyncio.sleep(max(0.0, start + delays[i] - time.perf_counter()))
+            else:  # (a conversation's next turn: sent once the last one finished)
+                await done[after].wait()
             body = _body(workload.requests[i], model, temperature, seed + i)
-            if limit is None:
-                result = await _one_request(client, body)
-            else:
-                async with limit:
+            try:
+                if limit is None:
                     result = await _one_request(client, body)
+                else:
+                    async with limit:
+                        result = await _one_request(client, body)
+            finally:
+                done[i].set()
             bar.update(1)
             return result
 
@@ -223,6 +232,12 @@ def summarize(results: list[RequestResult], duration: float, workload: Workload,
     )
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2e)):
         summary.update(stats(name, values))
+    turns = sorted({req.turn for req in workload.requests if req.turn is not None})
+    if turns:  # (multi-turn: each turn's time to first token)
+        summary["ttft_by_turn"] = {
+            turn: stats("ttft", [r.ttft_s for req, r in zip(workload.requests, results) if r.ok and req.turn == turn])
+            for turn in turns
+        }  # fmt: skip
     errors = sorted({r.error for r in results if r.error})[:5]
     return dict(
         benchmark="serve",
@@ -254,6 +269,12 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     lines.append(format_table(rows, [("metric", "ms", ""), ("mean", "mean", ".1f"), ("median", "median", ".1f"),
                                      ("p99", "p99", ".1f")]))
+    by_turn = s.get("ttft_by_turn")
+    if by_turn:
+        turns = [dict(turn=turn, mean=t["ttft_mean_ms"], median=t["ttft_median_ms"], p99=t["ttft_p99_ms"])
+                 for turn, t in by_turn.items()]  # fmt: skip
+        lines.append(format_table(turns, [("turn", "TTFT by turn", ""), ("mean", "mean ms", ".1f"),
+                                          ("median", "median ms", ".1f"), ("p99", "p99 ms", ".1f")]))  # fmt: skip
     counters = report.get("server_counters")
     if counters:
         lines.append(format_server_counters(counters))

@@ -12,6 +12,13 @@ its tokenizer does with whitespace, and so that prompt lengths are exact. Ids ar
 * ``shared-prefix``: ``num_prompts`` (64) requests that share a ``prefix_len`` (512) token
   system prompt followed by ``suffix_len`` (32) tokens of their own, ``output_len`` (64) output
   tokens, EOS ignored. What prefix caching is for.
+* ``multi-turn`` (``bench serve`` only): ``num_prompts`` (8) conversations of ``turns`` (4)
+  turns over one ``prefix_len`` (8,000) token system-and-tools prefix, as agentic clients send
+  them: the first turn is the prefix and ``suffix_len`` (300) tokens of the user's, each next
+  turn resends the last one's prompt, an answer of ``output_len`` (64) tokens (a fixed draw:
+  the tokens the client sends back) and ``suffix_len`` new ones, and waits for the last turn
+  to finish (``BenchRequest.after``). Time to first token is reported turn by turn: a later
+  turn's prefix is the prefix cache's (or the disk tier's) to serve.
 
 All draws come from one ``numpy`` generator seeded with ``seed``, so a workload is the same
 list of requests on every machine and in every run.
@@ -25,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 WORKLOADS = ("fixed", "mixed", "shared-prefix")
+SERVE_WORKLOADS = (*WORKLOADS, "multi-turn")  # (multi-turn's turns wait for each other: online only)
 
 # The mixed workload's length distributions: log-normal(median, sigma) clipped to [lo, hi].
 # Medians and tails are loosely modelled on chat traces (ShareGPT-like: most prompts short,
@@ -43,6 +51,8 @@ class BenchRequest:
     prompt_token_ids: list[int]
     max_tokens: int
     ignore_eos: bool
+    after: int | None = None  # the request (index) that must finish before this one is sent
+    turn: int | None = None  # its turn in a conversation (1 = the first), where it has one
 
     @property
     def prompt_len(self) -> int:
@@ -178,6 +188,34 @@ def shared_prefix_workload(
     )
 
 
+def multi_turn_workload(
+    vocab_size: int,
+    num_prompts: int = 8,
+    turns: int = 4,
+    prefix_len: int = 8000,
+    suffix_len: int = 300,
+    output_len: int = 64,
+    seed: int = 0,
+    special_ids: frozenset[int] = frozenset(),
+) -> Workload:
+    """``num_prompts`` conversations of ``turns`` turns, turn by turn (see the module docstring)."""
+    if turns < 1:
+        raise ValueError(f"multi-turn needs at least one turn, got {turns}")
+    rng = np.random.default_rng(seed)
+    pool = token_pool(vocab_size, special_ids)
+    prefix = _token_ids(rng, prefix_len, pool)
+    prompts = [prefix + _token_ids(rng, suffix_len, pool) for _ in range(num_prompts)]
+    requests: list[BenchRequest] = []
+    for turn in range(1, turns + 1):
+        for c in range(num_prompts):
+            if turn > 1:  # the last turn's prompt, its answer as the client sends it back, the next message
+                prompts[c] = prompts[c] + _token_ids(rng, output_len, pool) + _token_ids(rng, suffix_len, pool)
+            after = (turn - 2) * num_prompts + c if turn > 1 else None
+            requests.append(BenchRequest(list(prompts[c]), output_len, ignore_eos=True, after=after, turn=turn))
+    return Workload("multi-turn", requests, dict(num_prompts=num_prompts, turns=turns, prefix_len=prefix_len,
+                                                 suffix_len=suffix_len, output_len=output_len, seed=seed))  # fmt: skip
+
+
 def make_workload(
     name: str,
     vocab_size: int,
@@ -189,8 +227,8 @@ def make_workload(
 ) -> Workload:
     """Build a workload by name; ``num_prompts=None`` keeps the workload's default count.
 
-    ``overrides`` set the fixed/shared-prefix lengths (``input_len``, ``output_len``,
-    ``prefix_len``, ``suffix_len``); ``None`` values are ignored.
+    ``overrides`` set the fixed/shared-prefix/multi-turn lengths (``input_len``, ``output_len``,
+    ``prefix_len``, ``suffix_len``, ``turns``); ``None`` values are ignored.
     """
     kwargs = {k: v for k, v in overrides.items() if v is not None}
     if num_prompts is not None:
@@ -201,7 +239,9 @@ def make_workload(
         return mixed_workload(vocab_size, seed=seed, special_ids=special_ids, max_seq_len=max_seq_len, **kwargs)
     if name == "shared-prefix":
         return shared_prefix_workload(vocab_size, seed=seed, special_ids=special_ids, **kwargs)
-    raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
+    if name == "multi-turn":
+        return multi_turn_workload(vocab_size, seed=seed, special_ids=special_ids, **kwargs)
+    raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(SERVE_WORKLOADS)}")
 
 
 def workload_to_json(workload: Workload) -> dict:

@@ -249,9 +249,10 @@ def test_summarize_statistics():
     assert s["output_throughput"] == pytest.approx(4.0) and s["total_token_throughput"] == pytest.approx(6.0)
 
 
-def _fake_openai_app(tokens_per_request: int = 3, metrics: list[bytes] | None = None):
+def _fake_openai_app(tokens_per_request: int = 3, metrics: list[bytes] | None = None, log: list | None = None):
     """A minimal streaming /v1/completions endpoint (ASGI), one chunk per token; ``/metrics``
-    answers ``metrics`` one after another (None: 404, as another engine's server)."""
+    answers ``metrics`` one after another (None: 404, as another engine's server); ``log``: each
+    request's ("start" / "end", prompt length) in order."""
 
     async def app(scope, receive, send):
         if scope["path"] == "/metrics":
@@ -267,6 +268,8 @@ def _fake_openai_app(tokens_per_request: int = 3, metrics: list[bytes] | None = 
             if not message.get("more_body"):
                 break
         request = json.loads(body)
+        if log is not None:
+            log.append(("start", len(request["prompt"])))
         n = min(tokens_per_request, request["max_tokens"])
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
         for i in range(n):
@@ -274,6 +277,8 @@ def _fake_openai_app(tokens_per_request: int = 3, metrics: list[bytes] | None = 
             await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(), "more_body": True})
         usage = {"choices": [], "usage": {"prompt_tokens": len(request["prompt"]), "completion_tokens": n}}
         await send({"type": "http.response.body", "body": f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode()})
+        if log is not None:
+            log.append(("end", len(request["prompt"])))
 
     return app
 
@@ -288,6 +293,23 @@ def test_run_serve_against_fake_server():
     assert s["total_token_throughput"] > s["output_throughput"] > 0
     assert not math.isnan(s["itl_median_ms"]) and s["ttft_p99_ms"] >= s["ttft_median_ms"]
     assert "server_counters" not in report  # (no pagellm /metrics: another engine's server)
+
+
+def test_multi_turn_turns_wait_for_their_last_turn_and_report_ttft_by_turn():
+    httpx = pytest.importorskip("httpx")
+    from pagellm.benchmarks.serve import format_report
+    from pagellm.benchmarks.workloads import make_workload
+
+    w = make_workload("multi-turn", 1000, num_prompts=2, turns=3, prefix_len=10, suffix_len=2, output_len=3)
+    log: list[tuple[str, int]] = []
+    report = run_serve(w, base_url="http://test", progress=False,
+                       transport=httpx.ASGITransport(app=_fake_openai_app(log=log)))  # fmt: skip
+    assert report["summary"]["completed"] == 6
+    for r in w.requests[2:]:  # each later turn starts after the last turn of its conversation ended
+        assert log.index(("start", r.prompt_len)) > log.index(("end", w.requests[r.after].prompt_len))
+    by_turn = report["summary"]["ttft_by_turn"]
+    assert sorted(by_turn) == [1, 2, 3] and all(t["ttft_median_ms"] > 0 for t in by_turn.values())
+    assert "TTFT by turn" in format_report(report)
 
 
 def _exposition(counts: dict[str, list[float]]) -> bytes:

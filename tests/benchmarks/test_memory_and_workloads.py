@@ -55,6 +55,23 @@ def test_shared_prefix_workload():
     assert len({tuple(r.prompt_token_ids[20:]) for r in w.requests}) == 4
 
 
+def test_multi_turn_workload():
+    """Turn by turn: each conversation's next turn resends its last prompt, an answer and a new
+    message, and waits for the last turn."""
+    w = make_workload("multi-turn", 5000, num_prompts=3, turns=3, prefix_len=20, suffix_len=4, output_len=2)
+    assert len(w) == 9 and [r.turn for r in w.requests] == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert [r.after for r in w.requests] == [None, None, None, 0, 1, 2, 3, 4, 5]
+    prefix = w.requests[0].prompt_token_ids[:20]
+    assert all(r.prompt_token_ids[:20] == prefix and r.max_tokens == 2 for r in w.requests)
+    for r in w.requests[3:]:
+        last = w.requests[r.after].prompt_token_ids
+        assert r.prompt_token_ids[: len(last)] == last and r.prompt_len == len(last) + 2 + 4
+    assert len({tuple(r.prompt_token_ids[20:24]) for r in w.requests[:3]}) == 3
+    assert workload_from_json(workload_to_json(w)).requests == w.requests
+    with pytest.raises(ValueError, match="at least one turn"):
+        make_workload("multi-turn", 5000, turns=0)
+
+
 def test_make_workload_and_json_round_trip():
     w = make_workload("fixed", 1000, num_prompts=2, input_len=4, output_len=None)
     assert len(w) == 2 and w.requests[0].prompt_len == 4 and w.requests[0].max_tokens == 128
