@@ -20,9 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
-from pagellm import LLM, SamplingParams
+from hybrid_speculation import decode_rate  # (this folder's: the same timing)
+
+from pagellm import LLM
 
 
 class OracleDrafts:
@@ -49,18 +50,6 @@ class OracleDrafts:
 
     def __getattr__(self, name: str):  # (observe, finish, after_target, kv_cache: the source's)
         return getattr(self.source, name)
-
-
-def decode_rate(llm: LLM, prompt: list[int], output_len: int) -> tuple[float, list[int]]:
-    """Decode tokens a second (a 1-token run's time subtracted) and the output."""
-    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": prompt}], one, use_tqdm=False)
-    prefill = time.perf_counter() - start
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    start = time.perf_counter()
-    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
-    return (output_len - 1) / (time.perf_counter() - start - prefill), list(out)
 
 
 def main() -> None:

@@ -46,7 +46,7 @@ def _add_workload_args(parser: argparse.ArgumentParser, default: str, choices: t
     group.add_argument("--num-prompts", type=int, default=None, help="requests (default: the workload's)")
     group.add_argument("--input-len", type=int, default=None, help="fixed: prompt tokens (128)")
     group.add_argument("--output-len", type=int, default=None, help="fixed / shared-prefix: output tokens")
-    group.add_argument("--prefix-len", type=int, default=None, help="shared-prefix / multi-turn: shared tokens (512 / 8000)")
+    group.add_argument("--prefix-len", type=int, default=None, help="shared-prefix / multi-turn: shared tokens (512 / 6000)")
     group.add_argument("--suffix-len", type=int, default=None,
                        help="shared-prefix: own tokens (32); multi-turn: each turn's new tokens (300)")
     group.add_argument("--seed", type=int, default=0)

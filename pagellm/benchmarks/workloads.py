@@ -13,7 +13,7 @@ its tokenizer does with whitespace, and so that prompt lengths are exact. Ids ar
   system prompt followed by ``suffix_len`` (32) tokens of their own, ``output_len`` (64) output
   tokens, EOS ignored. What prefix caching is for.
 * ``multi-turn`` (``bench serve`` only): ``num_prompts`` (8) conversations of ``turns`` (4)
-  turns over one ``prefix_len`` (8,000) token system-and-tools prefix, as agentic clients send
+  turns over one ``prefix_len`` (6,000) token system-and-tools prefix, as agentic clients send
   them: the first turn is the prefix and ``suffix_len`` (300) tokens of the user's, each next
   turn resends the last one's prompt, an answer of ``output_len`` (64) tokens (a fixed draw:
   the tokens the client sends back) and ``suffix_len`` new ones, and waits for the last turn
@@ -192,7 +192,7 @@ def multi_turn_workload(
     vocab_size: int,
     num_prompts: int = 8,
     turns: int = 4,
-    prefix_len: int = 8000,
+    prefix_len: int = 6000,  # (4 turns and their answers fit the default model's 8,192 positions)
     suffix_len: int = 300,
     output_len: int = 64,
     seed: int = 0,
