@@ -43,19 +43,22 @@ class MtpStyle:
     """How a family's checkpoints name and run their MTP layer."""
 
     count_key: str  # the config's count of MTP layers
+    layer_prefix: str  # the first layer's tensors' prefix ({N}: the model's layer count)
+    block: str  # its decoder layer's, after that prefix
     parts: dict[str, str]  # the layer's own tensors -> their module here
     skipped: tuple[str, ...]  # the copies of the model's tensors under the layer, not loaded
     normed_output: bool  # the output the next draft starts from is after the layer's last norm
 
     def prefix(self, arch: ModelArchConfig) -> str:
-        return f"model.layers.{arch.num_hidden_layers}." if self.count_key == "num_nextn_predict_layers" else "mtp."
+        return self.layer_prefix.format(N=arch.num_hidden_layers)
 
     def block_prefix(self, arch: ModelArchConfig) -> str:
-        return self.prefix(arch) + ("layers.0." if self.count_key == "mtp_num_hidden_layers" else "")
+        return self.prefix(arch) + self.block
 
 
-_DEEPSEEK = MtpStyle("num_nextn_predict_layers", _DEEPSEEK_PARTS, ("embed_tokens", "shared_head.head"), False)
-_QWEN3_5 = MtpStyle("mtp_num_hidden_layers", _QWEN_PARTS, ("embed_tokens",), True)
+_DEEPSEEK = MtpStyle("num_nextn_predict_layers", "model.layers.{N}.", "", _DEEPSEEK_PARTS,
+                     ("embed_tokens", "shared_head.head"), normed_output=False)  # fmt: skip
+_QWEN3_5 = MtpStyle("mtp_num_hidden_layers", "mtp.", "layers.0.", _QWEN_PARTS, ("embed_tokens",), normed_output=True)
 MTP_STYLES = {"DeepseekV3ForCausalLM": _DEEPSEEK, "Glm4MoeForCausalLM": _DEEPSEEK, "Glm4MoeLiteForCausalLM": _DEEPSEEK,
               "Qwen3_5ForCausalLM": _QWEN3_5, "Qwen3_5MoeForCausalLM": _QWEN3_5}  # fmt: skip
 
