@@ -346,7 +346,7 @@ class EngineConfig:
             raise ValueError("kv_offload_dir (the disk tier) runs in a one-process engine only for now: not with tensor "
                              "or pipeline parallelism")  # fmt: skip
         spec = self.speculative
-        if spec is not None and spec.method == "mtp" and self.device.world_size > 1:
+        if spec is not None and spec.uses_mtp and self.device.world_size > 1:
             raise ValueError("speculative method 'mtp' runs in a one-process engine only for now (not with tensor or "
                              "pipeline parallelism; use 'ngram')")  # fmt: skip
         if spec is not None and spec.uses_draft_model:

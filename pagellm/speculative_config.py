@@ -76,6 +76,10 @@ class SpeculativeConfig:
         return self.method == "draft_model"
 
     @property
+    def uses_mtp(self) -> bool:
+        return self.method == "mtp"
+
+    @property
     def drafts_in_worker(self) -> bool:
         """Whether the worker proposes the drafts, in the step that verifies them (a draft model,
         the MTP layer), rather than the scheduler from the tokens (n-gram)."""

@@ -208,7 +208,7 @@ class Worker:
         check_weights_fit(_model_name(config), weight_bytes, available_memory_bytes(self.device), share)
         role = "model" if parallel is None else f"model rank {parallel.rank} of {parallel.tp_size}x{parallel.pp_size}"
         packs = packed_weights_cache(config, self.kernel_plan, self.device, role)
-        mtp = config.speculative is not None and config.speculative.method == "mtp"  # (its layer loads with the model)
+        mtp = config.speculative is not None and config.speculative.uses_mtp  # (its layer loads with the model)
         model, self.arch = load_model(config.model.model, self.dtype, attn_backend, self.device, self.kernel_plan,
                                       parallel, packs, mtp)  # fmt: skip
         # Weights served from a cache file's pages: the memory reported as available counts them.
