@@ -26,6 +26,8 @@ speculation then drafts less for it), never another output.
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import torch
 
@@ -49,6 +51,7 @@ class MtpSource:
         # skips the layer (None: every step runs it).
         self.busy_above = busy_above
         self.kv_cache = kv_cache
+        self.pair = cast(tuple[torch.Tensor, torch.Tensor], kv_cache[0])  # (the layer's one K/V pair)
         self.block_size = block_size
         self.device = device
         self.argmax_kernels = argmax_kernels
@@ -91,8 +94,7 @@ class MtpSource:
         assert self._chain is not None
         layout = FlatLayout.of(rows[live], last - 1, np.ones(len(live), dtype=np.int64))
         flat = flat_inputs(batch, layout, self.block_size, self.device, token_offset=1)
-        hidden = self.model.mtp_hidden(flat.input_ids, flat.positions, self._chain[live], self.kv_cache[0],  # type: ignore[arg-type]
-                                       flat.attn_metadata)  # fmt: skip
+        hidden = self.model.mtp_hidden(flat.input_ids, flat.positions, self._chain[live], self.pair, flat.attn_metadata)
         self._chain[live] = hidden
         return masked_argmax(self.model.mtp_logits(hidden, upcast=False), masks, self.argmax_kernels)
 
@@ -123,7 +125,7 @@ class MtpSource:
         layout = FlatLayout.of(np.asarray(rows, dtype=np.int64), np.asarray(starts, dtype=np.int64),
                                np.asarray(kept, dtype=np.int64))  # fmt: skip
         inputs = flat_inputs(batch, layout, self.block_size, self.device, [np.concatenate(flat)], token_offset=1)
-        out = self.model.mtp_hidden(inputs.input_ids, inputs.positions, hidden[inputs.extra[0]], self.kv_cache[0],  # type: ignore[arg-type]
+        out = self.model.mtp_hidden(inputs.input_ids, inputs.positions, hidden[inputs.extra[0]], self.pair,
                                     inputs.attn_metadata)  # fmt: skip
         lasts = out[torch.from_numpy(layout.last_indices).to(out.device)]
         for j, row in enumerate(rows):
