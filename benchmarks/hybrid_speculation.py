@@ -52,18 +52,36 @@ def decode_rate(llm: LLM, prompt: list[int], output_len: int) -> tuple[float, li
     return (output_len - 1) / (time.perf_counter() - start - prefill), list(out)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a hybrid model (GGUF file or folder)")
-    parser.add_argument("--k", type=int, default=3, help="drafts a step")
-    parser.add_argument("--right", default="3,2,1,0", help="right drafts a step, comma-separated")
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a run both speculation benchmarks take."""
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-threads", type=int, default=2)
     parser.add_argument("--json", default=None)
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """One sequence at a time, no prefix cache: each round computes its prompt."""
+    return dict(num_threads=args.num_threads, kv_cache_memory="1GiB", max_num_seqs=4, enable_prefix_caching=False)
+
+
+def write_rows(args: argparse.Namespace, rows: list[dict]) -> None:
+    """The table's rows as JSON (``--json``)."""
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "input_len": args.input_len, "output_len": args.output_len, "rows": rows}, f,
+                      indent=1)  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a hybrid model (GGUF file or folder)")
+    parser.add_argument("--k", type=int, default=3, help="drafts a step")
+    parser.add_argument("--right", default="3,2,1,0", help="right drafts a step, comma-separated")
+    add_run_arguments(parser)
     args = parser.parse_args()
-    options = dict(num_threads=args.num_threads, kv_cache_memory="1GiB", max_num_seqs=4, enable_prefix_caching=False)
+    options = engine_options(args)
     plain = LLM(args.model, **options)
     spec = LLM(args.model, **options, speculative_config={
         "method": "ngram", "num_speculative_tokens": args.k, "disable_by_batch_size": None, "adaptive": False})  # fmt: skip
@@ -85,10 +103,7 @@ def main() -> None:
         rows.append(row)
         print(f"right {right}/{args.k}: decode tok/s plain {row['plain']:.1f}, speculating {row['spec']:.1f} "
               f"({row['ratio']:.2f}x), output equal: {equal}", flush=True)  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": args.model, "input_len": args.input_len, "output_len": args.output_len, "rows": rows}, f,
-                      indent=1)  # fmt: skip
+    write_rows(args, rows)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,9 @@ ratio, and whether the output equals plain decoding's (it must). Prints a table 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
-from hybrid_speculation import decode_rate  # (this folder's: the same timing)
+from hybrid_speculation import add_run_arguments, decode_rate, engine_options, write_rows  # (this folder's: the same runs)
 
 from pagellm import LLM
 
@@ -57,13 +56,9 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="a folder with an MTP layer (random_model --mtp)")
     parser.add_argument("--k", default="1,3", help="drafts a step, comma-separated")
     parser.add_argument("--right", default="none,0,1,3", help="right drafts a step (none: the layer's own)")
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--num-threads", type=int, default=2)
-    parser.add_argument("--json", default=None)
+    add_run_arguments(parser)
     args = parser.parse_args()
-    options = dict(num_threads=args.num_threads, kv_cache_memory="1GiB", max_num_seqs=4, enable_prefix_caching=False)
+    options = engine_options(args)
     plain = LLM(args.model, **options)
     prompt = [(7 * i) % 20000 + 100 for i in range(args.input_len)]
     _, answer = decode_rate(plain, prompt, args.output_len + 20)
@@ -95,10 +90,7 @@ def main() -> None:
             print(f"{name:9s} right {right:>4s}: decode tok/s plain {row['plain']:.1f}, with mtp {row['spec']:.1f} "
                   f"({row['ratio']:.2f}x), {drafted} drafts, output equal: {equal}", flush=True)  # fmt: skip
             drafter.source = source
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": args.model, "input_len": args.input_len, "output_len": args.output_len, "rows": rows}, f,
-                      indent=1)  # fmt: skip
+    write_rows(args, rows)
 
 
 if __name__ == "__main__":
