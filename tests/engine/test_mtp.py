@@ -220,3 +220,32 @@ def test_mtp_configurations_refused_by_name(tiny_llama_path, tiny_deepseek_v3_pa
     with pytest.raises(ValueError, match="'mtp' runs in a one-process engine"):
         EngineConfig(model=ModelConfig(model=tiny_llama_path), device=DeviceConfig(tensor_parallel_size=2),
                      speculative=SpeculativeConfig(method="mtp"))  # fmt: skip
+
+
+def test_the_layers_names_and_count_by_family():
+    """DeepSeek's layer past the model's and Qwen3.5's ``mtp.`` land under one module; the
+    copies of the model's tensors and further layers are not loaded; the count is the text
+    model's (Qwen3.5's vision-language wrapper's ``text_config``)."""
+    from types import SimpleNamespace
+
+    from pagellm.model.mtp import mtp_layer_count, mtp_name
+    from pagellm.model.text_of_multimodal import text_model_config
+
+    deepseek = SimpleNamespace(architecture="DeepseekV3ForCausalLM", num_hidden_layers=61)
+    assert mtp_name("model.layers.61.enorm.weight", deepseek) == "mtp_layer.embed_norm.weight"
+    assert mtp_name("model.layers.61.shared_head.norm.weight", deepseek) == "mtp_layer.out_norm.weight"
+    assert mtp_name("model.layers.61.mlp.experts.3.up_proj.weight", deepseek) == "mtp_layer.block.mlp.experts.3.up_proj.weight"
+    assert mtp_name("model.layers.61.shared_head.head.weight", deepseek) is None
+    assert mtp_name("model.layers.61.embed_tokens.weight", deepseek) is None
+    assert mtp_name("model.layers.60.mlp.gate.weight", deepseek) == "model.layers.60.mlp.gate.weight"
+    qwen = SimpleNamespace(architecture="Qwen3_5ForCausalLM", num_hidden_layers=24)
+    assert mtp_name("mtp.pre_fc_norm_hidden.weight", qwen) == "mtp_layer.hidden_norm.weight"
+    assert mtp_name("mtp.norm.weight", qwen) == "mtp_layer.out_norm.weight"
+    assert mtp_name("mtp.layers.0.self_attn.q_proj.weight", qwen) == "mtp_layer.block.self_attn.q_proj.weight"
+    assert mtp_name("mtp.layers.1.self_attn.q_proj.weight", qwen) is None
+    wrapper = {"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": {"mtp_num_hidden_layers": 1}}
+    assert mtp_layer_count("Qwen3_5ForCausalLM", text_model_config(wrapper)) == 1
+    assert mtp_layer_count("DeepseekV3ForCausalLM", {"num_nextn_predict_layers": 1}) == 1
+    for bad in ({}, {"num_nextn_predict_layers": 0}, {"num_nextn_predict_layers": True}, {"num_nextn_predict_layers": "1"}):
+        with pytest.raises(ValueError, match="num_nextn_predict_layers"):
+            mtp_layer_count("DeepseekV3ForCausalLM", bad)
