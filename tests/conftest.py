@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.helpers import parallel
-from tests.helpers.mla_models import add_correction_bias_and_mtp_layer
+from tests.helpers.mla_models import write_tiny_glm4_moe
 from tests.helpers.tiny_models import TINY_LLAMA_ROPE, TINY_SHAPE, edit_tensors, token_ids, write_tiny_model
 
 # The DeepSeek family's tiny models (MLA) and their fixtures.
@@ -342,22 +342,9 @@ def tiny_granite_path(tmp_path_factory: pytest.TempPathFactory, default_tokenize
 
 @pytest.fixture(scope="session")
 def tiny_glm4_moe_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
-    """Tiny GLM-4.5 (Air): sigmoid routing with a correction bias over 4 groups of 2 experts (the
-    best 2 groups), a shared expert, the first layer dense, partial rotary (half), q/k norms, q/k/v
-    bias, and a multi-token-prediction layer in the checkpoint that the causal LM does not load."""
-    from transformers import Glm4MoeConfig
-
-    config = Glm4MoeConfig(
-        **{**TINY_SHAPE, "num_hidden_layers": 3}, **token_ids(default_tokenizer), moe_intermediate_size=32,
-        n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
-        routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
-        num_nextn_predict_layers=1, tie_word_embeddings=False, initializer_range=0.1,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-    )  # fmt: skip
-    folder = tmp_path_factory.mktemp("tiny_glm4_moe")
-    write_tiny_model(folder, config, default_tokenizer)
-    add_correction_bias_and_mtp_layer(folder)
-    return str(folder)
+    """Tiny GLM-4.5 (Air) (``write_tiny_glm4_moe``) with a multi-token-prediction layer in the
+    checkpoint that the causal LM does not load."""
+    return write_tiny_glm4_moe(tmp_path_factory.mktemp("tiny_glm4_moe"), default_tokenizer)
 
 
 @pytest.fixture(scope="session")

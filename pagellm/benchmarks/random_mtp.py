@@ -32,10 +32,10 @@ def mtp_block_config(folder: str | Path):
 def add_random_mtp_layer(folder: str | Path, seed: int = 0, shared_copies: bool = False) -> None:
     """Give the model in ``folder`` (DeepSeek-V3, GLM-4.5, GLM-4.7-Flash, Qwen3.5) a random MTP
     layer named as its family's checkpoints name it, in ``mtp.safetensors``, and the config's
-    count of MTP layers 1: its decoder layer from a one-layer model of that kind (random norms
-    and correction bias), random norms and ``fc``; ``shared_copies``: DeepSeek's copies of the
-    model's embedding and head under the layer, as released checkpoints store them (pagellm
-    reads the model's own)."""
+    count of MTP layers 1: its decoder layer from a one-layer model of that kind (norms and
+    biases as ``randomize_norms_and_biases`` makes them, a random correction bias), random norms
+    and ``fc``; ``shared_copies``: DeepSeek's copies of the model's embedding and head under the
+    layer, as released checkpoints store them (pagellm reads the model's own)."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
@@ -43,17 +43,17 @@ def add_random_mtp_layer(folder: str | Path, seed: int = 0, shared_copies: bool 
     arch = load_arch_config(str(folder))
     style = mtp_style(arch.architecture)
     prefix, block_prefix = style.prefix(arch), style.block_prefix(arch)
+    from pagellm.benchmarks.random_model import randomize_norms_and_biases  # (it imports this module)
+
     torch.manual_seed(seed + 11)
     block = AutoModelForCausalLM.from_config(mtp_block_config(folder), dtype=torch.float32)
+    randomize_norms_and_biases(block)
     generator = torch.Generator().manual_seed(seed + 12)
     tensors = {}
     for name, tensor in block.state_dict().items():
         if name.startswith("model.layers.0."):
-            value = tensor
-            if name.endswith("norm.weight") or name.endswith("e_score_correction_bias"):
-                value = _random_norm(tensor.shape, arch.norm_unit_offset, generator)
-            elif name.endswith(".bias"):
-                value = 0.2 * torch.randn(tensor.shape, generator=generator)
+            bias = name.endswith("e_score_correction_bias")  # (a buffer HF starts at zeros)
+            value = _random_norm(tensor.shape, False, generator) if bias else tensor
             tensors[block_prefix + name.removeprefix("model.layers.0.")] = value
     hidden = arch.hidden_size
     for part, ours in style.parts.items():

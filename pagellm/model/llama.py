@@ -352,10 +352,16 @@ class LlamaForCausalLM(nn.Module):
             raise RuntimeError("the model was loaded without its multi-token prediction layer")
         seq_lens = _token_seq_lens(self.model.rotary_emb, attn_metadata, positions.device)
         cos, sin = self.model.rotary_emb(positions, hidden.dtype, seq_lens)
-        embeds = self.model.embed_tokens(input_ids)
+        return self.mtp_layer(self._embed(input_ids), hidden, cos, sin, kv_cache, attn_metadata)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings, scaled where the family scales them (the scale rounded to
+        float32, then the dtype, as HF)."""
+        assert self.model.embed_tokens is not None
+        hidden = self.model.embed_tokens(input_ids)
         if self.arch.embedding_scale is not None:
-            embeds = embeds * torch.tensor(self.arch.embedding_scale).to(embeds.dtype)
-        return self.mtp_layer(embeds, hidden, cos, sin, kv_cache, attn_metadata)
+            hidden = hidden * torch.tensor(self.arch.embedding_scale).to(hidden.dtype)
+        return hidden
 
     def mtp_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """Logits of the token the MTP layer's outputs ``hidden`` predict (through the model's head)."""
@@ -391,9 +397,7 @@ class LlamaForCausalLM(nn.Module):
         if stream is not None:
             hidden = stream
         elif self.model.embed_tokens is not None and (self.pp is None or self.pp.is_first):
-            hidden = self.model.embed_tokens(input_ids)
-            if self.arch.embedding_scale is not None:  # (the scale rounded to float32, then the dtype, as HF)
-                hidden = hidden * torch.tensor(self.arch.embedding_scale).to(hidden.dtype)
+            hidden = self._embed(input_ids)
             if embeds is not None:
                 hidden[embeds.indices] = embeds.rows.to(hidden.dtype)
         else:

@@ -47,8 +47,10 @@ class MtpSource:
         busy_above: int | None = None,
     ) -> None:
         self.model = model
-        # A step of more sequences than this (speculation's ``disable_by_batch_size``: none drafts)
-        # skips the layer (None: every step runs it).
+        # A step of more sequences than this (speculation's ``disable_by_batch_size``) skips the
+        # layer (None: every step runs it). The scheduler drafts only while its running sequences
+        # are that few, so a step it drafts in never skips: the test here runs the layer in a few
+        # steps more than needed (some running sequences unscheduled), never in fewer.
         self.busy_above = busy_above
         self.kv_cache = kv_cache
         self.pair = cast(tuple[torch.Tensor, torch.Tensor], kv_cache[0])  # (the layer's one K/V pair)

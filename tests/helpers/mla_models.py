@@ -42,6 +42,24 @@ def write_tiny_deepseek_v2(folder: Path, tokenizer, **overrides) -> str:
                   topk_method="group_limited_greedy", **{**_MOE, "routed_scaling_factor": 2.0}, **overrides)  # fmt: skip
 
 
+def write_tiny_glm4_moe(folder: Path, tokenizer, num_hidden_layers: int = 3, mtp: bool = True) -> str:
+    """A tiny GLM-4.5 (Air): sigmoid routing with a correction bias over 4 groups of 2 experts (the
+    best 2 groups), a shared expert, the first layer dense, partial rotary (half), q/k norms, q/k/v
+    bias; with ``mtp``, a stray layer past the model's (its checkpoint's MTP layer)."""
+    from transformers import Glm4MoeConfig
+
+    config = Glm4MoeConfig(
+        **{**TINY_SHAPE, "num_hidden_layers": num_hidden_layers}, **token_ids(tokenizer), moe_intermediate_size=32,
+        n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+        num_nextn_predict_layers=1, tie_word_embeddings=False, initializer_range=0.1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    )  # fmt: skip
+    write_tiny_model(folder, config, tokenizer)
+    add_correction_bias_and_mtp_layer(folder, mtp)
+    return str(folder)
+
+
 def _write(folder: Path, tokenizer, config_class, mtp: bool = True, **overrides) -> str:
     """The model, with a random correction bias (transformers starts it at zeros, which would test
     nothing) and, with ``mtp``, a stray layer past the model's (the checkpoint's multi-token-

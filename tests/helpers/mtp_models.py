@@ -10,60 +10,54 @@ import shutil
 import pytest
 
 from pagellm.benchmarks.random_mtp import add_random_mtp_layer
-from tests.helpers.mla_models import add_correction_bias_and_mtp_layer, write_tiny_deepseek_v3, write_tiny_glm4_moe_lite
-from tests.helpers.tiny_models import TINY_SHAPE, token_ids, write_tiny_model
+from tests.helpers.mla_models import write_tiny_deepseek_v3, write_tiny_glm4_moe, write_tiny_glm4_moe_lite
+
+
+def _with_mtp(tmp_path_factory: pytest.TempPathFactory, name: str, write) -> str:
+    """A tiny model written by ``write(folder)`` given a random MTP layer (DeepSeek's style with the
+    copies of the model's embedding and head, as released checkpoints store them)."""
+    folder = tmp_path_factory.mktemp(name)
+    write(folder)
+    add_random_mtp_layer(folder, shared_copies=True)
+    return str(folder)
 
 
 @pytest.fixture(scope="session")
 def tiny_deepseek_v3_mtp_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
     """Tiny DeepSeek-V3 (MLA, DeepSeek's MoE) with its MTP layer."""
-    folder = tmp_path_factory.mktemp("tiny_deepseek_v3_mtp")
-    write_tiny_deepseek_v3(folder, default_tokenizer, q_lora_rank=24, mtp=False)
-    add_random_mtp_layer(folder, shared_copies=True)
-    return str(folder)
+    return _with_mtp(tmp_path_factory, "tiny_deepseek_v3_mtp",
+                     lambda folder: write_tiny_deepseek_v3(folder, default_tokenizer, q_lora_rank=24, mtp=False))
 
 
 @pytest.fixture(scope="session")
 def tiny_glm4_moe_lite_mtp_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
     """Tiny GLM-4.7-Flash (MLA, its MoE layers by type) with its MTP layer."""
-    folder = tmp_path_factory.mktemp("tiny_glm4_moe_lite_mtp")
-    write_tiny_glm4_moe_lite(folder, default_tokenizer, q_lora_rank=24, mtp=False)
-    add_random_mtp_layer(folder, shared_copies=True)
-    return str(folder)
+    return _with_mtp(tmp_path_factory, "tiny_glm4_moe_lite_mtp",
+                     lambda folder: write_tiny_glm4_moe_lite(folder, default_tokenizer, q_lora_rank=24, mtp=False))
 
 
 @pytest.fixture(scope="session")
 def tiny_glm4_moe_mtp_path(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> str:
-    """Tiny GLM-4.5 (grouped-query attention with q/k norms and partial rotary, its MoE) with its MTP layer."""
-    from transformers import Glm4MoeConfig
+    """Tiny GLM-4.5 (grouped-query attention with q/k norms and partial rotary, its MoE; 2 layers) with its MTP layer."""
+    return _with_mtp(tmp_path_factory, "tiny_glm4_moe_mtp",
+                     lambda folder: write_tiny_glm4_moe(folder, default_tokenizer, num_hidden_layers=2, mtp=False))
 
-    config = Glm4MoeConfig(
-        **{**TINY_SHAPE, "num_hidden_layers": 2}, **token_ids(default_tokenizer), moe_intermediate_size=32,
-        n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
-        routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
-        tie_word_embeddings=False, initializer_range=0.1,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-    )  # fmt: skip
-    folder = tmp_path_factory.mktemp("tiny_glm4_moe_mtp")
-    write_tiny_model(folder, config, default_tokenizer)
-    add_correction_bias_and_mtp_layer(folder, mtp=False)
-    add_random_mtp_layer(folder, shared_copies=True)
+
+def _copy_with_mtp(tmp_path_factory: pytest.TempPathFactory, name: str, source: str) -> str:
+    """A copy of the tiny model in ``source`` given a random MTP layer (Qwen3.5's style)."""
+    folder = tmp_path_factory.mktemp(name)
+    shutil.copytree(source, folder, dirs_exist_ok=True)
+    add_random_mtp_layer(folder)
     return str(folder)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_5_mtp_path(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_5_path: str) -> str:
     """Tiny Qwen3.5 (gated delta-nets around a gated attention layer) with its MTP layer (``mtp.``)."""
-    folder = tmp_path_factory.mktemp("tiny_qwen3_5_mtp")
-    shutil.copytree(tiny_qwen3_5_path, folder, dirs_exist_ok=True)
-    add_random_mtp_layer(folder)
-    return str(folder)
+    return _copy_with_mtp(tmp_path_factory, "tiny_qwen3_5_mtp", tiny_qwen3_5_path)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_5_moe_mtp_path(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_5_moe_path: str) -> str:
     """Tiny Qwen3.5 MoE with its MTP layer (its experts and gated shared expert)."""
-    folder = tmp_path_factory.mktemp("tiny_qwen3_5_moe_mtp")
-    shutil.copytree(tiny_qwen3_5_moe_path, folder, dirs_exist_ok=True)
-    add_random_mtp_layer(folder)
-    return str(folder)
+    return _copy_with_mtp(tmp_path_factory, "tiny_qwen3_5_moe_mtp", tiny_qwen3_5_moe_path)
