@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from pagellm.benchmarks.random_norms import randomize_norms_and_biases
 from pagellm.model import load_arch_config
 from pagellm.model.mtp import mtp_style
 
@@ -43,8 +44,6 @@ def add_random_mtp_layer(folder: str | Path, seed: int = 0, shared_copies: bool 
     arch = load_arch_config(str(folder))
     style = mtp_style(arch.architecture)
     prefix, block_prefix = style.prefix(arch), style.block_prefix(arch)
-    from pagellm.benchmarks.random_model import randomize_norms_and_biases  # (it imports this module)
-
     torch.manual_seed(seed + 11)
     block = AutoModelForCausalLM.from_config(mtp_block_config(folder), dtype=torch.float32)
     randomize_norms_and_biases(block)

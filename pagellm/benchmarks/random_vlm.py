@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pagellm.benchmarks.random_model import randomize_norms_and_biases
+from pagellm.benchmarks.random_norms import randomize_norms_and_biases
 
 IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
     f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from pagellm.benchmarks.random_model import randomize_norms_and_biases
+from pagellm.benchmarks.random_norms import randomize_norms_and_biases
 
 TINY_SHAPE = dict(
     hidden_size=64,
